@@ -1,0 +1,254 @@
+"""What kvpilot adds to vLLM's ``kv_transfer_params``: a versioned, typed offer.
+
+P's ``request_finished`` returns ``kv_transfer_params``; kvpilot puts its own
+sub-dict under :data:`PARAMS_KEY` (``"kvpilot"``). It crosses vLLM's OpenAI
+server and an HTTP proxy as JSON, so the wire form holds only JSON types::
+
+    {"version": 1,
+     "contract": {"model": ..., "block_size": 16, "hash_algo": "sha256",
+                  "seed_id": "1f0c9a2e", "kv_dtype": "bfloat16",
+                  "kv_layout": "NHD", "salt_id": ""},
+     "num_blocks": 4096,
+     "block_digests": "<base64 of num_blocks * 8 bytes>"}
+
+``block_digests`` packs, for each full block P offers (block 0 first), the
+first :data:`DIGEST_BYTES` bytes of vLLM's block hash (the same hashes vLLM
+puts in its KV events; see :mod:`kvconnectors.hash_contract`).
+
+Why 8 bytes per block is enough
+-------------------------------
+D compares P's digest of block ``i`` with its own digest of block ``i`` and
+stops at the first difference; there is no set lookup, so no birthday bound.
+Hashes are chained, so once the prompts diverge at block ``j`` every later
+digest pair is an independent 64-bit coin: a wrong block is attached only if
+the pair at ``j`` collides, with probability 2**-64 (5.4e-20) **per request,
+whatever the prompt length**. A fleet serving a million requests a second for
+a hundred years (3.2e15 requests) would see one with probability 1.7e-4.
+Truncation does not weaken an adversarial setting either: whoever can write
+``kv_transfer_params`` can already send the right digests for D's tokens, so
+verification guards against misalignment, not against forgery.
+
+Size
+----
+The digests take ``4 * ceil(8 * num_blocks / 3)`` characters. For a 65,536-token
+prompt: 4,096 blocks at block size 16 give 43,692 characters; 512 blocks at
+block size 128 give 5,464. The rest of the sub-dict is about 200 bytes as JSON
+(``tests/unit/kvconnectors/test_transfer_params.py`` computes both).
+
+Decoding is strict: anything malformed (not an object, a missing, unknown or
+mistyped field, an unknown version, a digest string that is truncated,
+oversized or not base64) raises :class:`TransferParamsError`, whose ``field``
+names the dotted path of the bad field, so that the request can be refused
+with a 400 naming it or served by local prefill.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import re
+from collections.abc import Sequence
+from typing import Annotated, Any, Final, NamedTuple, NewType
+
+import msgspec
+
+from kvconnectors.hash_contract import (
+    NO_SALT_ID,
+    BlockHash,
+    HashAlgo,
+    SaltId,
+    SeedId,
+)
+
+SCHEMA_VERSION: Final = 1
+PARAMS_KEY: Final = "kvpilot"
+DIGEST_BYTES: Final = 8
+"""Bytes of each block hash carried in an offer (fixed by the schema version)."""
+
+MAX_OFFER_BLOCKS: Final = 1 << 20
+"""Default bound on ``num_blocks`` (16M tokens at block size 16): a decoder
+never allocates more than 8 MiB for an offer."""
+
+BlockDigest = NewType("BlockDigest", bytes)
+"""The first :data:`DIGEST_BYTES` bytes of a :class:`BlockHash`."""
+
+_Id = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{8}$")]
+_OptionalId = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{8})?$")]
+_Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+
+
+def block_digest(block_hash: BlockHash) -> BlockDigest:
+    """Truncate a block hash to the digest an offer carries."""
+    return BlockDigest(block_hash[:DIGEST_BYTES])
+
+
+class FieldDiff(NamedTuple):
+    """One field on which two contracts disagree: ``this`` side vs ``other``."""
+
+    field: str
+    this: object
+    other: object
+
+
+class ContractId(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything two engines must share before one may use the other's KV.
+
+    ``block_size`` is the size the offered hashes were computed at (vLLM's hash
+    block size); ``seed_id`` and ``salt_id`` come from
+    :func:`~kvconnectors.hash_contract.seed_identity` and
+    :func:`~kvconnectors.hash_contract.salt_identity` (``salt_id`` is ``""``
+    without a ``cache_salt``). ``kv_dtype`` and ``kv_layout`` are compared as
+    opaque strings (e.g. ``"bfloat16"``, ``"NHD"``). Constructing one does not
+    validate it; :func:`encode_offer` and :func:`decode_offer` do.
+    """
+
+    model: _Name
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    hash_algo: HashAlgo
+    seed_id: _Id
+    kv_dtype: _Name
+    kv_layout: _Name
+    salt_id: _OptionalId = NO_SALT_ID
+
+    def diff(self, other: ContractId) -> tuple[FieldDiff, ...]:
+        """Return the fields that differ, in declaration order; ``()`` if equal."""
+        return tuple(
+            FieldDiff(name, getattr(self, name), getattr(other, name))
+            for name in self.__struct_fields__
+            if getattr(self, name) != getattr(other, name)
+        )
+
+
+class BlockOffer(msgspec.Struct, frozen=True):
+    """A decoded offer: the digests of blocks ``0 .. len(block_digests) - 1``."""
+
+    version: int
+    contract: ContractId
+    block_digests: tuple[BlockDigest, ...]
+
+
+class _WireOffer(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
+    contract: ContractId
+    num_blocks: Annotated[int, msgspec.Meta(ge=0)]
+    block_digests: str
+
+
+class TransferParamsError(ValueError):
+    """kvpilot's part of ``kv_transfer_params`` is malformed.
+
+    ``field`` is the dotted path of the offending field from the top of
+    ``kv_transfer_params`` (``"kvpilot.contract.block_size"``), or
+    ``"kvpilot"`` when the sub-dict itself is wrong.
+    """
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(field, reason)
+        self.field = field
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"invalid kv_transfer_params field {self.field!r}: {self.reason}"
+
+
+def _digests_chars(num_blocks: int) -> int:
+    return 4 * math.ceil(num_blocks * DIGEST_BYTES / 3)
+
+
+def encode_offer(contract: ContractId, hashes: Sequence[BlockHash]) -> dict[str, Any]:
+    """Return the JSON-serialisable sub-dict to store under :data:`PARAMS_KEY`.
+
+    ``hashes`` are P's block hashes from block 0 on (``request.block_hashes``).
+    Raises :class:`TransferParamsError` if ``contract`` is invalid or a hash is
+    shorter than :data:`DIGEST_BYTES`, so that a bad offer fails on P, where
+    the bug is, rather than on D.
+    """
+    contract_dict = msgspec.to_builtins(contract)
+    _convert(contract_dict, ContractId, f"{PARAMS_KEY}.contract")
+    digests = [block_digest(h) for h in hashes]
+    for index, digest in enumerate(digests):
+        if len(digest) != DIGEST_BYTES:
+            raise TransferParamsError(
+                f"{PARAMS_KEY}.block_digests",
+                f"block {index}'s hash has {len(digest)} bytes, need {DIGEST_BYTES}",
+            )
+    return {
+        "version": SCHEMA_VERSION,
+        "contract": contract_dict,
+        "num_blocks": len(digests),
+        "block_digests": base64.b64encode(b"".join(digests)).decode("ascii"),
+    }
+
+
+def decode_offer(raw: object, max_blocks: int = MAX_OFFER_BLOCKS) -> BlockOffer:
+    """Parse and validate the sub-dict found under :data:`PARAMS_KEY`.
+
+    Pure; mutates nothing. Raises :class:`TransferParamsError` (never another
+    exception type) for: a non-dict; a missing, unknown or mistyped field; an
+    unknown ``version`` (checked first, so a newer schema is reported as
+    such); ``num_blocks`` above ``max_blocks``; a digest string that is not
+    exactly the base64 of ``num_blocks * DIGEST_BYTES`` bytes.
+    """
+    if not isinstance(raw, dict):
+        raise TransferParamsError(PARAMS_KEY, f"expected an object, got {type(raw).__name__}")
+    version = raw.get("version")
+    if type(version) is not int:
+        raise TransferParamsError(
+            f"{PARAMS_KEY}.version",
+            "missing" if version is None else f"expected int, got {type(version).__name__}",
+        )
+    if version != SCHEMA_VERSION:
+        raise TransferParamsError(
+            f"{PARAMS_KEY}.version",
+            f"unknown schema version {version}; this kvpilot reads {SCHEMA_VERSION}",
+        )
+    wire = _convert(raw, _WireOffer, PARAMS_KEY)
+    field = f"{PARAMS_KEY}.block_digests"
+    if wire.num_blocks > max_blocks:
+        raise TransferParamsError(
+            f"{PARAMS_KEY}.num_blocks",
+            f"{wire.num_blocks} blocks exceeds the limit of {max_blocks}",
+        )
+    expected_chars = _digests_chars(wire.num_blocks)
+    if len(wire.block_digests) != expected_chars:
+        kind = "truncated" if len(wire.block_digests) < expected_chars else "oversized"
+        raise TransferParamsError(
+            field,
+            f"{kind}: {len(wire.block_digests)} characters, expected {expected_chars} "
+            f"for {wire.num_blocks} blocks",
+        )
+    try:
+        packed = base64.b64decode(wire.block_digests, validate=True)
+    except ValueError as exc:  # binascii.Error, or a non-ASCII string
+        raise TransferParamsError(field, f"not base64: {exc}") from None
+    if len(packed) != wire.num_blocks * DIGEST_BYTES:
+        raise TransferParamsError(
+            field, f"decodes to {len(packed)} bytes, expected {wire.num_blocks * DIGEST_BYTES}"
+        )
+    digests = tuple(
+        BlockDigest(packed[i : i + DIGEST_BYTES]) for i in range(0, len(packed), DIGEST_BYTES)
+    )
+    return BlockOffer(version=wire.version, contract=wire.contract, block_digests=digests)
+
+
+_MSGSPEC_PATH = re.compile(r"^(?P<reason>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.S)
+_MSGSPEC_FIELD_NAME = re.compile(r"(?:missing required|unknown) field `(?P<name>.*)`$", re.S)
+
+
+def _convert(raw: object, target: type, root: str) -> Any:
+    """``msgspec.convert`` with its errors turned into :class:`TransferParamsError`."""
+    try:
+        return msgspec.convert(raw, target)
+    except msgspec.ValidationError as exc:
+        match = _MSGSPEC_PATH.match(str(exc))
+        assert match is not None  # the pattern matches every string
+        reason, path = match["reason"], match["path"] or ""
+        field = root + path
+        named = _MSGSPEC_FIELD_NAME.search(reason)
+        if named is not None:  # the name may be anything a client sent: keep it out of the reason
+            field = f"{field}.{named['name']}"
+            reason = "missing" if reason.startswith("Object missing") else "unknown field"
+        if match["key"]:
+            reason = f"an object key: {reason}"
+        raise TransferParamsError(field, reason) from None
