@@ -1,0 +1,119 @@
+"""Local or remote prefill: conditional disaggregation (article section 7).
+
+Dynamo's default serves a request on the decode worker D when its effective
+prompt (the prompt minus D's own cached prefix) is under 2,048 tokens and under
+70% of the raw prompt. kvpilot keeps those thresholds and adds a decode-busy
+guard (D's KV usage) and a cost-model comparison: local prefill must not stall
+D's running streams longer than a budget, and must beat the remote path (P's
+queue, P's prefill, the handoff of the KV D lacks).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from policies.roofline import kv_bytes, linear_flops, pass_seconds, prefill
+from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec
+
+
+class Where(enum.Enum):
+    LOCAL = "local"
+    REMOTE = "remote"
+
+
+@dataclass(frozen=True, slots=True)
+class PromptState:
+    """A prompt of ``prompt_tokens``; D already caches ``d_cached_tokens`` of it,
+    the chosen P ``p_cached_tokens``; P has ``p_queued_tokens`` of prefill queued."""
+
+    prompt_tokens: int
+    d_cached_tokens: int = 0
+    p_cached_tokens: int = 0
+    p_queued_tokens: int = 0
+
+    @property
+    def effective_tokens(self) -> int:
+        return self.prompt_tokens - self.d_cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeState:
+    """D's ``kv_usage`` (fraction of KV blocks in use) and its running decode streams."""
+
+    kv_usage: float = 0.0
+    running_streams: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPrefillConfig:
+    """Thresholds (None disables one), the decode-busy guard, and the cost check.
+
+    ``max_stall_s``: the longest pause an unchunked local prefill may impose on
+    D's running streams (only with ``compare_costs``)."""
+
+    max_local_tokens: int | None = 2048
+    max_local_fraction: float | None = 0.7
+    decode_busy_kv_usage: float | None = None
+    compare_costs: bool = False
+    max_stall_s: float = 0.05
+
+
+DYNAMO_DEFAULT = LocalPrefillConfig()
+KVPILOT_DEFAULT = LocalPrefillConfig(decode_busy_kv_usage=0.9, compare_costs=True)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalRemoteDecision:
+    where: Where
+    local_s: float
+    remote_s: float
+    stall_s: float
+    reasons: tuple[str, ...]
+
+    def explain(self) -> str:
+        return (f"{self.where.value} prefill: local {self.local_s * 1e3:.1f} ms (stalls D's streams "
+                f"{self.stall_s * 1e3:.1f} ms) vs remote {self.remote_s * 1e3:.1f} ms; " + "; ".join(self.reasons))
+
+
+def remote_prefill_seconds(model: ModelSpec, fmt: KVFormat, p_hw: HardwareSpec, link: LinkSpec,
+                           prompt: PromptState) -> float:
+    """TTFT contribution of the remote path: P drains its queue (linear FLOPs of
+    the queued tokens), prefills what it lacks, then hands D the KV D lacks."""
+    queue_s, _ = pass_seconds(p_hw, linear_flops(model, prompt.p_queued_tokens), 0.0)
+    own = prefill(model, fmt, p_hw, prompt.prompt_tokens - prompt.p_cached_tokens, prompt.p_cached_tokens)
+    handoff = link.transfer_seconds(kv_bytes(model, fmt, prompt.effective_tokens))
+    return queue_s + own.seconds + handoff
+
+
+class LocalVsRemotePolicy:
+    """Decides where one request's prefill runs. Pure and stateless."""
+
+    def __init__(self, model: ModelSpec, fmt: KVFormat, p_hardware: HardwareSpec, d_hardware: HardwareSpec,
+                 link: LinkSpec, config: LocalPrefillConfig = KVPILOT_DEFAULT) -> None:
+        self.model, self.fmt, self.p_hw, self.d_hw, self.link = model, fmt, p_hardware, d_hardware, link
+        self.config = config
+
+    def decide(self, prompt: PromptState, decode: DecodeState = DecodeState()) -> LocalRemoteDecision:
+        """Local only if every enabled check passes; reasons list each check's verdict."""
+        c = self.config
+        eff = prompt.effective_tokens
+        local_s = prefill(self.model, self.fmt, self.d_hw, eff, prompt.d_cached_tokens).seconds
+        remote_s = remote_prefill_seconds(self.model, self.fmt, self.p_hw, self.link, prompt)
+        stall_s = local_s if decode.running_streams else 0.0
+        checks: list[tuple[bool, str]] = []
+        if c.max_local_tokens is not None:
+            checks.append((eff < c.max_local_tokens, f"effective prompt {eff} vs limit {c.max_local_tokens}"))
+        if c.max_local_fraction is not None:
+            share = eff / prompt.prompt_tokens if prompt.prompt_tokens else 0.0
+            checks.append((share < c.max_local_fraction, f"effective share {share:.0%} vs {c.max_local_fraction:.0%}"))
+        if c.decode_busy_kv_usage is not None:
+            checks.append((decode.kv_usage <= c.decode_busy_kv_usage,
+                           f"D KV usage {decode.kv_usage:.0%} vs guard {c.decode_busy_kv_usage:.0%}"))
+        if c.compare_costs:
+            checks.append((stall_s <= c.max_stall_s, f"stall on {decode.running_streams} streams "
+                                                     f"{stall_s * 1e3:.1f} ms vs budget {c.max_stall_s * 1e3:.0f} ms"))
+            checks.append((local_s <= remote_s, "local cheaper" if local_s <= remote_s else "remote cheaper"))
+        where = Where.LOCAL if all(ok for ok, _ in checks) else Where.REMOTE
+        reasons = tuple(f"{'ok' if ok else 'NO'}: {text}" for ok, text in checks)
+        return LocalRemoteDecision(where, local_s, remote_s, stall_s, reasons)

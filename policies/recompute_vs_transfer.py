@@ -1,0 +1,162 @@
+"""Recompute a span on P, or transfer its KV from D (article section 9.3).
+
+A span is tokens P lacks KV for (typically D's generated tokens) at a context
+position. Recomputing it costs the *marginal* time it adds to P's pass: an idle
+P running a small pass is bound by weight streaming, so extra tokens up to the
+roofline crossover are nearly free; a P with queued or running prefill work
+pays full compute price. Transferring costs the link's fixed cost plus bytes
+over the bandwidth recent transfers achieved, and with the observed failure
+rate it costs the time to notice a failure plus the recompute anyway.
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+from dataclasses import dataclass
+
+from policies.roofline import PassCost, kv_bytes, linear_flops, pass_seconds, prefill
+from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec
+
+VLLM_RECOMPUTE_BELOW_TOKENS = 64
+"""vLLM's fixed rule for D -> P pulls: recompute spans shorter than this."""
+
+
+class Choice(enum.Enum):
+    RECOMPUTE = "recompute"
+    TRANSFER = "transfer"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferSample:
+    """One completed transfer: ``nbytes`` in ``seconds`` (including fixed cost)."""
+
+    nbytes: float
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class LinkTelemetry:
+    """Recent history of one link; empty means "trust the spec".
+
+    ``failures`` counts failed transfers in the same window as ``samples``;
+    ``mean_failure_s`` is how long a failure took to surface (None: use the
+    policy's ``failure_detect_s``)."""
+
+    samples: tuple[TransferSample, ...] = ()
+    failures: int = 0
+    mean_failure_s: float | None = None
+
+    @property
+    def failure_rate(self) -> float:
+        attempts = len(self.samples) + self.failures
+        return self.failures / attempts if attempts else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLoad:
+    """P's load: tokens waiting in its prefill queue and tokens in its running pass."""
+
+    queued_prefill_tokens: int = 0
+    running_batch_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """``tokens`` positions after ``context`` cached ones; ``new_tokens`` more of the
+    same request follow and are prefilled in the same pass whatever we decide."""
+
+    tokens: int
+    context: int
+    new_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RecomputeTransferConfig:
+    """``failure_detect_s``: time until a failed pull is noticed, when telemetry
+    has none. ``min_samples``: telemetry samples needed before their bandwidth
+    replaces the spec's."""
+
+    failure_detect_s: float = 0.1
+    min_samples: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class RecomputeTransferDecision:
+    """The decision and both expected costs, in seconds of added latency."""
+
+    choice: Choice
+    recompute_s: float
+    transfer_s: float
+    span: Span
+    span_bytes: float
+    bandwidth: float
+    bandwidth_source: str
+    failure_rate: float
+    pass_bound: str
+
+    def cost_of(self, choice: Choice) -> float:
+        return self.recompute_s if choice is Choice.RECOMPUTE else self.transfer_s
+
+    def explain(self) -> str:
+        other = Choice.TRANSFER if self.choice is Choice.RECOMPUTE else Choice.RECOMPUTE
+        return (
+            f"{self.choice.value}: {self.span.tokens} tokens at context {self.span.context}; "
+            f"recompute {self.recompute_s * 1e3:.2f} ms (marginal, P pass {self.pass_bound}-bound) vs "
+            f"transfer {self.transfer_s * 1e3:.2f} ms ({self.span_bytes / 1e6:.1f} MB at "
+            f"{self.bandwidth / 1e9:.1f} GB/s from {self.bandwidth_source}, failure rate "
+            f"{self.failure_rate:.0%}); {other.value} would cost "
+            f"{(self.cost_of(other) - self.cost_of(self.choice)) * 1e3:.2f} ms more"
+        )
+
+
+class RecomputeVsTransferPolicy:
+    """Chooses the cheaper way to give P the KV of a span. Pure and stateless."""
+
+    def __init__(self, model: ModelSpec, fmt: KVFormat, p_hardware: HardwareSpec, link: LinkSpec,
+                 config: RecomputeTransferConfig = RecomputeTransferConfig()) -> None:
+        self.model, self.fmt, self.hw, self.link, self.config = model, fmt, p_hardware, link, config
+
+    def recompute_seconds(self, span: Span, load: PrefillLoad) -> tuple[float, PassCost]:
+        """Marginal pass time the span adds on P, and the pass with the span.
+
+        P's other work (queued and running tokens) counts as linear-layer FLOPs
+        and the weights it streams; the request's own ``new_tokens`` add their
+        FLOPs over context + span."""
+        own = prefill(self.model, self.fmt, self.hw, span.new_tokens, span.context + span.tokens)
+        others = linear_flops(self.model, load.queued_prefill_tokens + load.running_batch_tokens)
+        base_flops = own.flops + others
+        base_bytes = own.bytes or (self.model.weight_bytes if others else 0.0)
+        base, _ = pass_seconds(self.hw, base_flops, base_bytes)
+        with_span = prefill(self.model, self.fmt, self.hw, span.tokens + span.new_tokens, span.context)
+        flops = with_span.flops + others
+        seconds, bound = pass_seconds(self.hw, flops, with_span.bytes)
+        return seconds - base, PassCost(flops, with_span.attention_flops, with_span.bytes, seconds, bound)
+
+    def bandwidth(self, telemetry: LinkTelemetry) -> tuple[float, str]:
+        """Median bandwidth of recent samples (net of the fixed cost), or the spec's."""
+        rates = [s.nbytes / (s.seconds - self.link.setup_s) for s in telemetry.samples
+                 if s.seconds > self.link.setup_s and s.nbytes > 0]
+        if len(rates) >= self.config.min_samples:
+            return statistics.median(rates), f"{len(rates)} recent transfers"
+        return self.link.effective_bytes_per_s, f"{self.link.name} spec"
+
+    def decide(self, span: Span, load: PrefillLoad = PrefillLoad(),
+               telemetry: LinkTelemetry = LinkTelemetry()) -> RecomputeTransferDecision:
+        """Expected added latency of both options; the cheaper wins (ties recompute,
+        which needs no remote state). An empty span costs nothing either way."""
+        recompute_s, with_span = self.recompute_seconds(span, load)
+        nbytes = kv_bytes(self.model, self.fmt, span.tokens)
+        bandwidth, source = self.bandwidth(telemetry)
+        clean = self.link.setup_s + nbytes / bandwidth if nbytes else 0.0
+        p_fail = telemetry.failure_rate
+        detect = telemetry.mean_failure_s if telemetry.mean_failure_s is not None else self.config.failure_detect_s
+        transfer_s = (1 - p_fail) * clean + p_fail * (detect + recompute_s) if nbytes else 0.0
+        choice = Choice.RECOMPUTE if recompute_s <= transfer_s else Choice.TRANSFER
+        return RecomputeTransferDecision(choice, recompute_s, transfer_s, span, nbytes, bandwidth, source,
+                                         p_fail, with_span.bound)
+
+
+def fixed_threshold_choice(span_tokens: int, threshold: int = VLLM_RECOMPUTE_BELOW_TOKENS) -> Choice:
+    """vLLM's rule: recompute spans shorter than ``threshold`` tokens, else transfer."""
+    return Choice.RECOMPUTE if span_tokens < threshold else Choice.TRANSFER
