@@ -223,6 +223,10 @@ def plan(model: ModelSpec, hw: HardwareSpec, restore_link: LinkSpec, workload: W
     return dataclasses.replace(draft, lessons=lessons)
 
 
+def _count(instances: int | None) -> str:
+    return "an unreachable number of" if instances is None else str(instances)
+
+
 def lessons_of(p: Plan) -> tuple[Lesson, ...]:
     """The article's four lessons, each checked against this plan's numbers."""
     none, prefix, session = p.row("none"), p.row("prefix"), p.row("session")
@@ -239,8 +243,8 @@ def lessons_of(p: Plan) -> tuple[Lesson, ...]:
                f"{none.p_instances / session.p_instances:.1f}x fewer than no cache); D stays {session.d_instances} "
                f"either way, so caching pushes the P:D ratio toward D"),
         Lesson("For agents, the D pool is sized by KV residency, not decode compute",
-               session.d_by_memory > (session.d_by_tpot or 0),
-               f"{p.decoding:.1f} sequences decode at any instant (TPOT needs {session.d_by_tpot} D), but "
+               session.d_by_memory > (session.d_by_tpot or math.inf),
+               f"{p.decoding:.1f} sequences decode at any instant (TPOT needs {_count(session.d_by_tpot)} D), but "
                f"{p.workload.sessions} sessions keep KV warm (memory needs {session.d_by_memory} D); FP8 -> "
                f"{fp8.d_instances}, idle offload -> {offload.d_instances}, prefix dedup -> {dedup.d_instances}"),
         Lesson("Offloading idle sessions can be nearly free under disaggregation",

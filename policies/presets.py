@@ -197,9 +197,10 @@ def parse_document(text: str, source: str) -> dict[str, Any]:
 
 def model_from_mapping(data: Mapping[str, Any], source: str) -> ModelSpec:
     """A model from a parsed document: an HF ``config.json`` (recognised by
-    ``num_hidden_layers``) or kvpilot's own schema (the :class:`ModelSpec` fields;
-    ``params_active`` defaults to ``params_total``)."""
-    if "num_hidden_layers" in data:
+    ``num_hidden_layers``, ``model_type`` or ``architectures``) or kvpilot's own
+    schema (the :class:`ModelSpec` fields; ``params_active`` defaults to
+    ``params_total``)."""
+    if {"num_hidden_layers", "model_type", "architectures"} & data.keys():
         name = str(data.get("_name_or_path") or data.get("model_type") or source)
         return model_from_hf_config(data, name, source)
     fields = dict(data)

@@ -1,0 +1,124 @@
+"""Local vs remote prefill (7), load-failure policy (8.6), session tier (5.3)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from policies.disaggregation import (
+    DYNAMO_DEFAULT,
+    KVPILOT_DEFAULT,
+    DecodeState,
+    LocalPrefillConfig,
+    LocalVsRemotePolicy,
+    PromptState,
+    Where,
+)
+from policies.failure import (
+    VLLM_DEFAULT,
+    VLLM_RECOMPUTE,
+    FailureAction,
+    FailurePolicyConfig,
+    LoadFailurePolicy,
+)
+from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from policies.roofline import kv_bytes, prefill
+from policies.session_tier import RECOMPUTE, Tier, choose_tier, default_tiers
+from policies.specs import LinkSpec
+
+M = model_preset("llama-70b")
+BF16 = kv_format_preset("bf16")
+HW = hardware_preset("b200x2")
+RDMA, PCIE, NVME = link_preset("rdma"), link_preset("pcie"), link_preset("nvme")
+
+# Section 9.2 option 5: step 20 lands on the D that holds the session; 1,500 new tokens of ~63,000.
+STEP20_ON_D = PromptState(prompt_tokens=63_450, d_cached_tokens=61_950, p_cached_tokens=32_000)
+
+
+@pytest.mark.parametrize(("config", "prompt", "decode", "where"), [
+    (DYNAMO_DEFAULT, STEP20_ON_D, DecodeState(0.5, 8), Where.LOCAL),  # Dynamo ignores D's load
+    (DYNAMO_DEFAULT, STEP20_ON_D, DecodeState(0.95, 0), Where.LOCAL),
+    (DYNAMO_DEFAULT, PromptState(5_000), DecodeState(), Where.REMOTE),  # >= 2,048 effective tokens
+    (DYNAMO_DEFAULT, PromptState(1_000), DecodeState(), Where.REMOTE),  # no D hit: 100% >= 70%
+    (DYNAMO_DEFAULT, PromptState(1_000, 400), DecodeState(), Where.LOCAL),
+    (KVPILOT_DEFAULT, STEP20_ON_D, DecodeState(0.5, 0), Where.LOCAL),  # a lightly loaded D: good option
+    (KVPILOT_DEFAULT, STEP20_ON_D, DecodeState(0.5, 8), Where.REMOTE),  # ~170 ms stall on 8 streams
+    (KVPILOT_DEFAULT, STEP20_ON_D, DecodeState(0.95, 0), Where.REMOTE),  # decode-busy guard
+    (KVPILOT_DEFAULT, PromptState(2_000, 1_800), DecodeState(0.3, 8), Where.LOCAL),  # short stall
+    # P already holds all but D's 150 tokens: remote is cheaper than a 1,500-token local prefill
+    (KVPILOT_DEFAULT, PromptState(63_450, 61_950, 63_300), DecodeState(0.3, 0), Where.REMOTE),
+])
+def test_local_vs_remote(config: LocalPrefillConfig, prompt: PromptState, decode: DecodeState, where: Where) -> None:
+    decision = LocalVsRemotePolicy(M, BF16, HW, HW, RDMA, config).decide(prompt, decode)
+    assert decision.where is where, decision.explain()
+
+
+def test_local_prefill_costs_match_section_9_2() -> None:
+    decision = LocalVsRemotePolicy(M, BF16, HW, HW, RDMA).decide(STEP20_ON_D, DecodeState(0.5, 8))
+    assert decision.local_s == pytest.approx(0.170, rel=0.05)  # "roughly 170 ms of compute"
+    assert decision.stall_s == decision.local_s
+    assert "NO: stall on 8 streams" in decision.explain()
+
+
+def test_remote_cost_counts_queue_prefill_and_handoff() -> None:
+    prompt = PromptState(10_000, d_cached_tokens=0, p_cached_tokens=4_000, p_queued_tokens=8_000)
+    decision = LocalVsRemotePolicy(M, BF16, HW, HW, RDMA).decide(prompt)
+    queue = 8_000 * 2 * M.params_active / HW.effective_flops
+    expected = queue + prefill(M, BF16, HW, 6_000, 4_000).seconds + RDMA.transfer_seconds(kv_bytes(M, BF16, 10_000))
+    assert decision.remote_s == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("config", "prompt", "streams", "spent", "action", "why"), [
+    (VLLM_DEFAULT, PromptState(2_000), 8, 0.0, FailureAction.FAIL, "mode is fail"),
+    (VLLM_RECOMPUTE, PromptState(32_100), 8, 0.0, FailureAction.RECOMPUTE, "mode is recompute"),
+    (FailurePolicyConfig(), PromptState(2_000), 8, 0.0, FailureAction.RECOMPUTE, "within budget"),
+    (FailurePolicyConfig(), PromptState(2_000), 8, 1.5, FailureAction.FAIL, "exceeds the budget"),
+    (FailurePolicyConfig(), PromptState(32_100), 8, 0.0, FailureAction.FAIL, "exceeds the budget"),
+    (FailurePolicyConfig(), PromptState(32_100), 0, 0.0, FailureAction.RECOMPUTE, "within budget"),  # idle D
+    (FailurePolicyConfig(chunk_tokens=0), PromptState(2_000), 1, 0.0, FailureAction.FAIL, "would stall"),
+    (FailurePolicyConfig(max_stall_s=1.0, chunk_tokens=0), PromptState(2_000), 1, 0.0, FailureAction.RECOMPUTE,
+     "within budget"),
+])
+def test_load_failure_policy(config: FailurePolicyConfig, prompt: PromptState, streams: int, spent: float,
+                             action: FailureAction, why: str) -> None:
+    decision = LoadFailurePolicy(M, BF16, HW, HW, RDMA, config).decide(prompt, streams, spent)
+    assert decision.action is action, decision.explain()
+    assert why in decision.reason
+
+
+def test_failure_costs_are_both_reported() -> None:
+    decision = LoadFailurePolicy(M, BF16, HW, HW, RDMA).decide(PromptState(2_000), 8)
+    assert decision.recompute_s == pytest.approx(prefill(M, BF16, HW, 2_000).seconds)
+    assert decision.jitter_s == pytest.approx(8 * decision.recompute_s)
+    assert decision.fail_s > decision.recompute_s
+    assert "fail and retry" in decision.explain()
+
+
+TIERS = default_tiers(PCIE, NVME, RDMA)
+SESSION = kv_bytes(M, BF16, 63_450)
+RECOMPUTE_S = prefill(M, BF16, HW, 63_450).seconds
+
+
+@pytest.mark.parametrize(("gap_s", "overlap_s", "tiers", "tier"), [
+    (2.0, 0.0, TIERS, "hbm"),  # an agent tool call, nothing to hide behind
+    (2.0, 0.25, TIERS, "shared"),  # restores hide behind P's prefill: take the cheapest that hides
+    (60.0, 0.16, TIERS, "host"),  # human chat
+    (3_600.0, 0.16, TIERS, "shared"),  # past host's horizon; the shared tier's RDMA beats local NVMe
+    (3_600.0, 0.16, TIERS[:3], "disk"),
+    (365 * 86_400.0, 0.0, TIERS, RECOMPUTE),  # nothing holds a year
+    (60.0, 0.0, (TIERS[0], Tier("host", PCIE, 600.0, free_bytes=1e9)), RECOMPUTE),  # host full
+    (60.0, 0.0, (Tier("tape", LinkSpec("tape", "tcp", 1, 0.1), 1e9),), RECOMPUTE),  # slower than recomputing
+])
+def test_session_tier(gap_s: float, overlap_s: float, tiers: tuple[Tier, ...], tier: str) -> None:
+    decision = choose_tier(SESSION, gap_s, RECOMPUTE_S, tiers, overlap_s)
+    assert decision.tier == tier, decision.explain()
+
+
+def test_restores_beat_recompute_as_the_article_says() -> None:
+    decision = choose_tier(SESSION, 60.0, RECOMPUTE_S, TIERS)
+    assert RECOMPUTE_S / decision.restore_s["host"] == pytest.approx(25, rel=0.05)  # "about 25x faster"
+    c2c = link_preset("c2c").transfer_seconds(SESSION)
+    assert RECOMPUTE_S / c2c > 100  # "the GB200 path about 125x"; 114x with 450 GB/s per direction
+    assert math.isinf(TIERS[0].free_bytes)
+    assert "skipped: hbm (holds 5 s)" in decision.explain()

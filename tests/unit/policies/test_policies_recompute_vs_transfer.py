@@ -1,0 +1,125 @@
+"""Recompute vs transfer (section 9.3): the scenario table against fixed thresholds."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from policies.recompute_vs_transfer import (
+    Choice,
+    LinkTelemetry,
+    PrefillLoad,
+    RecomputeVsTransferPolicy,
+    Span,
+    TransferSample,
+    fixed_threshold_choice,
+)
+from policies.scenarios import default_scenarios, evaluate, link_conditions, render_table
+
+M = model_preset("llama-70b")
+BF16 = kv_format_preset("bf16")
+HW = hardware_preset("b200x2")
+RDMA = link_preset("rdma")
+POLICY = RecomputeVsTransferPolicy(M, BF16, HW, RDMA)
+ROWS = evaluate(POLICY, default_scenarios(RDMA))
+
+
+def _mean(costs: list[float]) -> float:
+    return sum(costs) / len(costs)
+
+
+def test_scenario_grid_covers_context_load_and_link() -> None:
+    names = [r.scenario.name for r in ROWS]
+    assert len(names) == len(set(names)) == 24
+    for part in ("short ctx", "long ctx", "idle P", "busy P", "fast link", "slow link", "failing link"):
+        assert any(part in n for n in names), part
+
+
+def test_policy_beats_vllm_64_token_threshold_on_expected_latency() -> None:
+    policy = _mean([r.policy_s for r in ROWS])
+    baseline = _mean([r.baseline_s for r in ROWS])
+    assert policy < 0.9 * baseline
+    assert all(r.policy_s <= r.baseline_s for r in ROWS)
+
+
+@pytest.mark.parametrize("threshold", [1, 16, 32, 64, 128, 256, 10_000])
+def test_policy_beats_every_fixed_threshold(threshold: int) -> None:
+    fixed = _mean([r.decision.cost_of(fixed_threshold_choice(r.scenario.span.tokens, threshold)) for r in ROWS])
+    assert _mean([r.policy_s for r in ROWS]) < fixed
+
+
+@pytest.mark.parametrize(("scenario", "choice"), [
+    # short spans on an idle P ride along in a weight-bound pass: free to recompute
+    ("short ctx / idle P / fast link / 32 tok", Choice.RECOMPUTE),
+    # at long context even a short tail is worth transferring (beats "recompute below 64")
+    ("long ctx / idle P / fast link / 32 tok", Choice.TRANSFER),
+    # a busy P pays full compute price for every token
+    ("short ctx / busy P / fast link / 32 tok", Choice.TRANSFER),
+    # a congested or failing link tips 150 tokens at short context back to recompute
+    ("short ctx / idle P / slow link / 150 tok", Choice.RECOMPUTE),
+    ("short ctx / busy P / failing link / 150 tok", Choice.RECOMPUTE),
+    # a long context makes recompute dearer than an expected failure
+    ("long ctx / busy P / failing link / 150 tok", Choice.TRANSFER),
+])
+def test_scenario_choices(scenario: str, choice: Choice) -> None:
+    row = next(r for r in ROWS if r.scenario.name == scenario)
+    assert row.decision.choice is choice, row.decision.explain()
+
+
+def test_rendered_table_lists_every_scenario_and_totals() -> None:
+    table = render_table(ROWS)
+    assert all(r.scenario.name in table for r in ROWS)
+    assert "slower in 0" in table
+    assert table.count(" * |") == sum(r.decision.choice is not r.baseline for r in ROWS)
+
+
+def test_idle_pass_makes_short_spans_nearly_free_but_not_long_ones() -> None:
+    idle = PrefillLoad()
+    short = POLICY.decide(Span(20, 2_000, new_tokens=100), idle)
+    long = POLICY.decide(Span(400, 2_000, new_tokens=100), idle)
+    assert short.recompute_s == 0.0
+    assert long.recompute_s > 0.01
+
+
+def test_busy_p_pays_full_compute_price() -> None:
+    busy = POLICY.decide(Span(150, 2_000, new_tokens=100), PrefillLoad(queued_prefill_tokens=16_384))
+    full_price = 150 * (2 * M.params_active) / HW.effective_flops
+    assert busy.recompute_s == pytest.approx(full_price, rel=0.05)
+
+
+def test_telemetry_bandwidth_replaces_the_spec_after_enough_samples() -> None:
+    slow = link_conditions(RDMA)["slow"]
+    bandwidth, source = POLICY.bandwidth(slow)
+    assert bandwidth == pytest.approx(RDMA.effective_bytes_per_s / 10)
+    assert "recent transfers" in source
+    few = LinkTelemetry(slow.samples[:2])
+    assert POLICY.bandwidth(few) == (RDMA.effective_bytes_per_s, "rdma spec")
+
+
+def test_samples_faster_than_the_fixed_cost_are_ignored() -> None:
+    junk = LinkTelemetry(tuple(TransferSample(1e6, RDMA.setup_s / 2) for _ in range(5)))
+    assert POLICY.bandwidth(junk)[1] == "rdma spec"
+
+
+def test_failures_add_detection_time_and_a_recompute() -> None:
+    span = Span(150, 62_000)
+    clean = POLICY.decide(span, telemetry=link_conditions(RDMA)["fast"])
+    failing = POLICY.decide(span, telemetry=link_conditions(RDMA)["failing"])
+    assert failing.failure_rate == pytest.approx(0.2)
+    assert failing.transfer_s == pytest.approx(0.8 * clean.transfer_s + 0.2 * (0.05 + clean.recompute_s))
+
+
+def test_empty_span_costs_nothing() -> None:
+    decision = POLICY.decide(Span(0, 10_000, new_tokens=100))
+    assert (decision.recompute_s, decision.transfer_s, decision.choice) == (0.0, 0.0, Choice.RECOMPUTE)
+
+
+def test_explain_names_both_costs() -> None:
+    text = POLICY.decide(Span(150, 62_000)).explain()
+    assert text.startswith("transfer:")
+    assert "recompute 16.88 ms" in text and "transfer 1.25 ms" in text
+
+
+@pytest.mark.parametrize(("tokens", "choice"), [(0, Choice.RECOMPUTE), (63, Choice.RECOMPUTE), (64, Choice.TRANSFER)])
+def test_fixed_threshold(tokens: int, choice: Choice) -> None:
+    assert fixed_threshold_choice(tokens) is choice
