@@ -272,7 +272,7 @@ def render(p: Plan) -> str:
         tpot = "-" if r.d_by_tpot is None else str(r.d_by_tpot)
         restore = "" if r.restore_ms is None else f"{r.restore_ms:.0f}"
         lines.append(f"{r.regime.label:<28}{r.p_instances:>6.1f}{math.ceil(r.p_instances):>4}{r.d_by_memory:>7}"
-                     f"{tpot:>8}{r.d_instances:>4}{r.sessions_per_d:>8}{r.step_ms_at_memory:>9.1f}{restore:>12}")
+                     f"{tpot:>8}{r.d_instances:>4}{r.sessions_per_d:>8}{r.step_ms_at_memory:>9.1f}{restore:>12}".rstrip())
     t = p.task
     session = t["session"].step_seconds
     lines += ["", "step ms: decode step with D sized by memory; restore: host tier back to HBM.",

@@ -132,3 +132,10 @@ def test_module_is_pure_and_small(path: Path) -> None:
         assert not imports & {"pathlib", "os", "io", "matplotlib", "sys"}
         assert "open(" not in path.read_text()
     assert len(path.read_text().splitlines()) < 450
+
+
+def test_docs_show_the_current_scenario_table_and_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = (PACKAGE.parent / "docs" / "policies.md").read_text()
+    for argv in (["cost", "--scenarios"], ["plan"]):
+        _, out, _ = _run(capsys, *argv)
+        assert out.strip() in doc, argv
