@@ -1,0 +1,115 @@
+"""The ``kvpilot`` console script: one entry, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+DEFAULT_RUN_DIR = Path(".kvpilot") / "fleet"
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    from deploy.tiny_model import build_tiny_model, ensure_tiny_model, tree_digest
+
+    if args.path is None:
+        path = ensure_tiny_model()
+    else:
+        if args.path.exists():
+            if not args.force:
+                print(f"kvpilot tiny-model: {args.path} exists (use --force to rebuild)", file=sys.stderr)
+                return 2
+            shutil.rmtree(args.path)
+        path = build_tiny_model(args.path)
+    print(f"{path}  sha256-tree={tree_digest(path)[:16]}")
+    return 0
+
+
+def _fleet_spec(args: argparse.Namespace):
+    from deploy.fleet_spec import FleetSpec
+    from deploy.tiny_model import ensure_tiny_model
+
+    extra = json.loads(args.connector_extra_config) if args.connector_extra_config else {}
+    return FleetSpec(
+        model_dir=args.model or ensure_tiny_model(),
+        run_dir=args.run_dir,
+        prefill=args.prefill,
+        decode=args.decode,
+        colocated=args.colocated,
+        engine_port=args.engine_port,
+        router_port=args.router_port,
+        connector=args.connector,
+        connector_extra_config=extra,
+    )
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    from deploy import fleet
+
+    if args.action == "up":
+        spec = _fleet_spec(args)
+        print(f"kvpilot fleet up: {spec.prefill} prefill, {spec.decode} decode, {spec.colocated} co-located")
+        try:
+            started = fleet.up(spec, timeout=args.timeout)
+        except fleet.FleetStartError as exc:
+            print(f"kvpilot fleet up failed: {exc}", file=sys.stderr)
+            return 1
+        print(f"router: {started.router.url}   (state in {args.run_dir / fleet.STATE_FILE})")
+        return 0
+    if args.action == "status":
+        rows = fleet.status(args.run_dir)
+        if not rows:
+            print(f"no fleet recorded in {args.run_dir}")
+            return 1
+        for proc, alive, healthy in rows:
+            print(f"{proc.name:<14} pid {proc.pid:<8} {proc.url:<24} alive={alive} healthy={healthy}")
+        return 0 if all(alive and healthy for _, alive, healthy in rows) else 1
+    stopped = fleet.down(args.run_dir)
+    print(f"stopped {stopped} processes" if stopped else f"no fleet recorded in {args.run_dir}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from deploy.demo import run_demo
+
+    return run_demo(args.run_dir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpilot", description="KV, prefix and session caching for vLLM fleets")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("tiny-model", help="build the tiny offline Llama (deterministic, no hub)")
+    tiny.add_argument("path", type=Path, nargs="?", help="where to build it (default: the shared cache)")
+    tiny.add_argument("--force", action="store_true", help="replace PATH if it exists")
+    tiny.set_defaults(func=_tiny_model)
+
+    fl = sub.add_parser("fleet", help="a local CPU fleet of vLLM engines behind the router")
+    fl.add_argument("action", choices=["up", "status", "down"])
+    fl.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="logs, pids and fleet.json")
+    fl.add_argument("--model", type=Path, help="model directory (default: the tiny model)")
+    fl.add_argument("--prefill", type=int, default=1)
+    fl.add_argument("--decode", type=int, default=1)
+    fl.add_argument("--colocated", type=int, default=0)
+    fl.add_argument("--engine-port", type=int, default=8100, help="first engine's HTTP port")
+    fl.add_argument("--router-port", type=int, default=8000)
+    fl.add_argument("--connector", default="KVPilotConnector", help="kv_connector for every engine")
+    fl.add_argument("--connector-extra-config", help="JSON for kv_connector_extra_config")
+    fl.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
+    fl.set_defaults(func=_fleet)
+
+    demo = sub.add_parser("demo", help="1 P + 1 D tiny fleet, a few requests, a table, then down")
+    demo.add_argument("--run-dir", type=Path, default=Path(".kvpilot") / "demo")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""A small OpenAI-completions client for the demo, benchmarks and tests.
+
+Greedy decoding with logprobs, so that two runs can be compared token by token and
+logprob by logprob (random-weight models can keep the same greedy text on wrong KV;
+their logprobs do not).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    text: str
+    tokens: tuple[str, ...]
+    logprobs: tuple[float, ...]
+    ttft_seconds: float
+    total_seconds: float
+    kv_transfer_params: dict[str, Any] | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def same_output(self, other: Completion) -> bool:
+        """Same tokens and bit-identical logprobs."""
+        return self.tokens == other.tokens and self.logprobs == other.logprobs
+
+    def max_logprob_diff(self, other: Completion) -> float:
+        if len(self.logprobs) != len(other.logprobs):
+            return float("inf")
+        return max((abs(a - b) for a, b in zip(self.logprobs, other.logprobs)), default=0.0)
+
+
+class HTTPStatusError(RuntimeError):
+    def __init__(self, status: int, body: str) -> None:
+        self.status = status
+        self.body = body
+        super().__init__(f"HTTP {status}: {body[:500]}")
+
+
+def _post(url: str, body: dict[str, Any], timeout: float):
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        return urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        raise HTTPStatusError(exc.code, exc.read().decode(errors="replace")) from None
+
+
+def complete(
+    base_url: str,
+    prompt: str | list[int],
+    *,
+    max_tokens: int = 8,
+    stream: bool = False,
+    model: str = "tiny",
+    timeout: float = 300.0,
+    **extra: Any,
+) -> Completion:
+    """Greedy completion with top-1 logprobs. ``extra`` goes into the body as is."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "logprobs": 1, "stream": stream, **extra}  # fmt: skip
+    started = time.perf_counter()
+    tokens: list[str] = []
+    logprobs: list[float] = []
+    ttft = 0.0
+    with _post(f"{base_url}/v1/completions", body, timeout) as resp:
+        headers = dict(resp.headers.items())
+        if not stream:
+            payload = json.load(resp)
+            choice = payload["choices"][0]
+            ttft = time.perf_counter() - started
+            tokens, logprobs = choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
+            text, params = choice["text"], payload.get("kv_transfer_params")
+        else:
+            text, params = "", None
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                for choice in chunk.get("choices", []):
+                    if choice.get("logprobs"):
+                        if not tokens:
+                            ttft = time.perf_counter() - started
+                        tokens += choice["logprobs"]["tokens"]
+                        logprobs += choice["logprobs"]["token_logprobs"]
+                    text += choice.get("text", "")
+    return Completion(text, tuple(tokens), tuple(logprobs), ttft, time.perf_counter() - started, params, headers)

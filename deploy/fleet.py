@@ -1,0 +1,258 @@
+"""Start, inspect and stop a local fleet: the process side of :mod:`deploy.fleet_spec`.
+
+``up`` starts every engine in its own process group, with its log in
+``<run_dir>/logs/<name>.log``, waits until all answer ``/health``, then starts the
+router and writes ``<run_dir>/fleet.json``. If an engine dies while starting, or
+the wait times out, or the caller is interrupted (Ctrl-C, SIGTERM), ``up`` stops
+everything it started and raises :class:`FleetStartError` naming the engine, with
+the tail of its log. ``down`` stops every process group listed in ``fleet.json``,
+escalating from SIGTERM to SIGKILL, and waits until their ports are free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from deploy.env import child_env
+from deploy.fleet_spec import HOST, FleetSpec, ProcessPlan, plan_fleet
+
+STATE_FILE = "fleet.json"
+LOG_TAIL_LINES = 40
+
+
+class FleetStartError(RuntimeError):
+    """The fleet did not come up; everything that was started has been stopped."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunningProcess:
+    name: str
+    role: str | None
+    pid: int
+    port: int
+    side_ports: tuple[int, ...]
+    log: str
+
+    @property
+    def ports(self) -> list[int]:
+        return [self.port, *self.side_ports]
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """A started fleet, as recorded in ``fleet.json``."""
+
+    run_dir: Path
+    engines: tuple[RunningProcess, ...]
+    router: RunningProcess
+
+    def by_role(self, role: str) -> list[RunningProcess]:
+        return [e for e in self.engines if e.role == role]
+
+    def save(self) -> None:
+        state = {"engines": [vars_of(e) for e in self.engines], "router": vars_of(self.router)}
+        (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+    @classmethod
+    def load(cls, run_dir: Path) -> Fleet | None:
+        path = run_dir / STATE_FILE
+        if not path.exists():
+            return None
+        state = json.loads(path.read_text())
+        return cls(
+            run_dir,
+            tuple(_process_from(e) for e in state["engines"]),
+            _process_from(state["router"]),
+        )
+
+
+def vars_of(proc: RunningProcess) -> dict[str, object]:
+    return {
+        "name": proc.name, "role": proc.role, "pid": proc.pid,
+        "port": proc.port, "side_ports": list(proc.side_ports), "log": proc.log,
+    }  # fmt: skip
+
+
+def _process_from(state: dict[str, object]) -> RunningProcess:
+    return RunningProcess(**{**state, "side_ports": tuple(state["side_ports"])})  # type: ignore[arg-type]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+        return True
+
+
+def is_healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(pid: int, grace_seconds: float = 20.0) -> None:
+    """SIGTERM the process group led by ``pid``, SIGKILL it after ``grace_seconds``."""
+    for sig, wait in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:  # reap our own child, if it is one, so it does not linger as a zombie
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            if not _group_alive(pid):
+                return
+            time.sleep(0.2)
+
+
+def _wait_ports_free(ports: list[int], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(port_is_free(p) for p in ports):
+            return
+        time.sleep(0.3)
+    busy = [p for p in ports if not port_is_free(p)]
+    raise RuntimeError(f"ports still in use after stopping the fleet: {busy}")
+
+
+def _spawn(plan: ProcessPlan, logs: Path) -> tuple[subprocess.Popen[bytes], RunningProcess]:
+    log = logs / f"{plan.name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            plan.argv,
+            env=child_env(plan.env),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stopped as a whole
+        )
+    role = plan.role.value if plan.role else None
+    return proc, RunningProcess(plan.name, role, proc.pid, plan.port, plan.side_ports, str(log))
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _wait_healthy(started: list[tuple[subprocess.Popen[bytes], RunningProcess]], deadline: float) -> None:
+    pending = dict((r.name, (p, r)) for p, r in started)
+    while pending:
+        for name, (proc, info) in list(pending.items()):
+            if proc.poll() is not None:
+                raise FleetStartError(
+                    f"{name} exited with code {proc.returncode} while starting; last lines of {info.log}:\n"
+                    f"{log_tail(info.log)}"
+                )
+            if is_healthy(info.url):
+                del pending[name]
+        if pending and time.monotonic() > deadline:
+            name, (_, info) = next(iter(pending.items()))
+            raise FleetStartError(f"{name} not healthy in time; last lines of {info.log}:\n{log_tail(info.log)}")
+        time.sleep(1.0)
+
+
+def up(spec: FleetSpec, timeout: float = 600.0, progress=print) -> Fleet:
+    """Start the fleet and return it once every process is healthy.
+
+    Raises :class:`FleetStartError` (after stopping everything it started) if a port
+    is taken, an engine dies or is not healthy within ``timeout`` seconds, or the
+    caller is interrupted. A fleet already recorded in ``spec.run_dir`` is an error.
+    """
+    if Fleet.load(spec.run_dir) is not None:
+        raise FleetStartError(f"a fleet is already recorded in {spec.run_dir}; run `kvpilot fleet down` first")
+    engines, router = plan_fleet(spec)
+    busy = [port for p in [*engines, router] for port in (p.port, *p.side_ports) if not port_is_free(port)]
+    if busy:
+        raise FleetStartError(f"ports already in use on {HOST}: {busy}")
+    logs = spec.run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started: list[tuple[subprocess.Popen[bytes], RunningProcess]] = []
+    with _sigterm_as_interrupt():
+        try:
+            t0 = time.monotonic()
+            for plan in engines:
+                started.append(_spawn(plan, logs))
+                progress(f"  started {plan.name} (pid {started[-1][0].pid}) on {plan.url}")
+            _wait_healthy(started, t0 + timeout)
+            progress(f"  engines healthy after {time.monotonic() - t0:.0f} s")
+            started.append(_spawn(router, logs))
+            _wait_healthy(started[-1:], time.monotonic() + 60)
+            progress(f"  router on {router.url}")
+        except BaseException as exc:
+            for proc, _ in reversed(started):
+                stop_group(proc.pid)
+            if isinstance(exc, KeyboardInterrupt):
+                raise FleetStartError("interrupted while starting; every process started was stopped") from None
+            raise
+    fleet = Fleet(spec.run_dir, tuple(r for _, r in started[:-1]), started[-1][1])
+    fleet.save()
+    return fleet
+
+
+def status(run_dir: Path) -> list[tuple[RunningProcess, bool, bool]]:
+    """For each recorded process: (process, alive, healthy). Empty when no fleet."""
+    fleet = Fleet.load(run_dir)
+    if fleet is None:
+        return []
+    return [(p, _group_alive(p.pid), is_healthy(p.url)) for p in (*fleet.engines, fleet.router)]
+
+
+def down(run_dir: Path) -> int:
+    """Stop every recorded process group and wait for its ports. Returns how many."""
+    fleet = Fleet.load(run_dir)
+    if fleet is None:
+        return 0
+    procs = [fleet.router, *fleet.engines]
+    for proc in procs:
+        stop_group(proc.pid)
+    _wait_ports_free([port for p in procs for port in p.ports])
+    (run_dir / STATE_FILE).unlink()
+    return len(procs)

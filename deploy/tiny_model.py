@@ -1,0 +1,186 @@
+"""Build the tiny offline Llama model every CPU test and the demo run on.
+
+The model is made here, never downloaded: a byte-level BPE tokenizer trained on a
+corpus this module generates, and a 4-layer Llama (hidden 256, 4 query heads,
+2 KV heads, head_dim 64) with seeded random weights. The build is deterministic:
+the same :data:`TINY_MODEL_SPEC` gives byte-identical files on every rebuild, so
+the model directory is named by a digest of the spec and built once per cache.
+
+Random weights are enough for what the tests check (that a transferred KV gives
+the same logprobs as a local prefill); they make the greedy *text* meaningless,
+which is why the tests compare logprobs and not just text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class TinyModelSpec:
+    """Everything that determines the model's bytes. Change it and the name changes."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    max_position_embeddings: int = 16384
+    initializer_range: float = 0.05
+    seed: int = 20261130
+    corpus_lines: int = 4000
+    layout_version: int = 1  # bump when this module changes what it writes
+
+
+TINY_MODEL_SPEC = TinyModelSpec()
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_WORDS = (
+    "the a an of to in for on with by from at as is are was were be been this that these "
+    "def class return import yield async await if else elif while for try except finally "
+    "raise with lambda self none true false int str list dict set tuple bytes float "
+    "request response token block cache prefix session prefill decode transfer kernel "
+    "engine worker router index hash layer head query key value tensor batch step tool "
+    "agent repository file test commit branch merge error failure retry lease heartbeat "
+    "memory bandwidth latency throughput queue schedule allocate free evict offload restore "
+    "gpu cpu host disk network socket port address connect bind send receive publish event "
+    "config option flag default value parse validate schema version field name type path"
+).split()
+
+
+def _corpus(spec: TinyModelSpec) -> list[str]:
+    """A deterministic, code-and-prose-like corpus: the tokenizer's training text."""
+    rng = random.Random(spec.seed)
+    lines = []
+    for i in range(spec.corpus_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        if i % 3 == 0:
+            lines.append(f"def {words[0]}_{words[1]}({', '.join(words[2:4])}):")
+            lines.append(f"    return {' + '.join(words[4:7]) or 'None'}  # {i}")
+        else:
+            lines.append(" ".join(words).capitalize() + ".")
+    return lines
+
+
+def model_dir_name(spec: TinyModelSpec = TINY_MODEL_SPEC) -> str:
+    digest = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()
+    return f"tiny-llama-{digest[:12]}"
+
+
+def default_cache_dir() -> Path:
+    """``$KVPILOT_CACHE`` or ``~/.cache/kvpilot``."""
+    return Path(os.environ.get("KVPILOT_CACHE", Path.home() / ".cache" / "kvpilot"))
+
+
+def _write_tokenizer(spec: TinyModelSpec, out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(spec), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(out)
+
+
+def _write_weights(spec: TinyModelSpec, out: Path, vocab_size: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def build_tiny_model(path: Path, spec: TinyModelSpec = TINY_MODEL_SPEC) -> Path:
+    """Build the model into ``path`` (created; must not exist). Returns ``path``.
+
+    Deterministic: two builds of the same spec are byte-identical.
+    """
+    path.mkdir(parents=True)
+    _write_tokenizer(spec, path)
+    from transformers import AutoTokenizer
+
+    vocab_size = len(AutoTokenizer.from_pretrained(path))
+    _write_weights(spec, path, vocab_size)
+    return path
+
+
+def ensure_tiny_model(cache_dir: Path | None = None, spec: TinyModelSpec = TINY_MODEL_SPEC) -> Path:
+    """Return the cached model directory, building it on first use.
+
+    Safe against concurrent callers: the build goes to a temporary directory that
+    is renamed into place; a loser of the race discards its copy.
+    """
+    cache_dir = cache_dir or default_cache_dir()
+    target = cache_dir / "models" / model_dir_name(spec)
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        build_tiny_model(staging / "model", spec)
+        try:
+            os.rename(staging / "model", target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def tree_digest(path: Path) -> str:
+    """sha256 over every file's relative name and bytes: equal digests, equal trees."""
+    h = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(file.relative_to(path)).encode())
+        h.update(file.read_bytes())
+    return h.hexdigest()

@@ -1,0 +1,297 @@
+"""``KVPilotConnector``: a vLLM ``KVConnectorBase_V1`` built by composition.
+
+An inner connector (``NixlConnector`` by default, named in the extra config) owns the
+data plane: NIXL agents, handshakes, pull and push, leases, heartbeats, its metrics.
+This facade forwards every call to it, and adds kvpilot's layers at the
+scheduler-side seams through :class:`kvconnectors.scheduler.KVPilotScheduler`.
+The worker side is the inner connector's, unchanged.
+
+Loaded by name through the ``vllm.general_plugins`` entry point
+(:mod:`kvconnectors.plugin`); ``kv_connector_module_path`` is not needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvconnectors import CONNECTOR_NAME
+from kvconnectors.config import KVPilotConfig, KVPilotConfigError
+from kvconnectors.scheduler import KVPilotScheduler
+from kvconnectors.stats import KVPilotPromMetrics, KVPilotStats
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    CopyBlocksOp,
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+    supports_hma,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.attention.backend import AttentionMetadata
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.outputs import KVConnectorOutput
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+def parse_config(vllm_config: VllmConfig) -> KVPilotConfig:
+    """Parse our extra config and check the inner connector against vLLM's registry."""
+    ktc = vllm_config.kv_transfer_config
+    assert ktc is not None
+    config = KVPilotConfig.parse(ktc.kv_connector_extra_config)
+    try:
+        KVConnectorFactory.get_connector_class_by_name(config.inner_connector)
+    except ValueError:
+        raise KVPilotConfigError(
+            "inner_connector", f"{config.inner_connector!r} is not a connector registered with vLLM"
+        ) from None
+    return config
+
+
+def inner_vllm_config(vllm_config: VllmConfig, config: KVPilotConfig) -> VllmConfig:
+    """A shallow copy of ``vllm_config`` whose kv_transfer_config names the inner connector."""
+    ktc = vllm_config.kv_transfer_config
+    assert ktc is not None
+    inner = copy.copy(vllm_config)
+    inner.kv_transfer_config = dataclasses.replace(
+        ktc,
+        kv_connector=config.inner_connector,
+        kv_connector_module_path=None,
+        kv_connector_extra_config=dict(config.inner_extra_config),
+    )
+    return inner
+
+
+def _inner_class(vllm_config: VllmConfig) -> tuple[type[KVConnectorBase_V1], VllmConfig]:
+    config = parse_config(vllm_config)
+    cls = KVConnectorFactory.get_connector_class_by_name(config.inner_connector)
+    return cls, inner_vllm_config(vllm_config, config)  # type: ignore[return-value]
+
+
+class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
+    """Forwards to the inner connector; kvpilot's scheduler layer sits in between."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = parse_config(vllm_config)
+        inner_cls = KVConnectorFactory.get_connector_class_by_name(self.config.inner_connector)
+        self._inner: KVConnectorBase_V1 = inner_cls(  # type: ignore[call-arg]
+            inner_vllm_config(vllm_config, self.config), role, kv_cache_config
+        )
+        self._pilot = KVPilotScheduler(vllm_config) if role == KVConnectorRole.SCHEDULER else None
+
+    @property
+    def inner(self) -> KVConnectorBase_V1:
+        return self._inner
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return self._inner.supports_divergent_local_hybrid_hits
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return self._inner.requires_kv_delivery
+
+    # ---------------------------------------------------------------- class methods
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        inner_cls, inner_config = _inner_class(vllm_config)
+        return inner_cls.get_required_kvcache_layout(inner_config)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        config = KVPilotConfig.parse(extra_config)
+        inner_cls = KVConnectorFactory.get_connector_class_by_name(config.inner_connector)
+        return inner_cls.requires_piecewise_for_cudagraph(dict(config.inner_extra_config))
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVPilotStats() if data is None else KVPilotStats.from_dict(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        inner_cls, inner_config = _inner_class(vllm_config)
+        inner = inner_cls.build_prom_metrics(inner_config, metric_types, labelnames, per_engine_labelvalues)
+        return KVPilotPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, inner)
+
+    # ---------------------------------------------------------------- shared
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        self._inner.bind_connector_metadata(connector_metadata)
+        super().bind_connector_metadata(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        self._inner.clear_connector_metadata()
+        super().clear_connector_metadata()
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        inner = self._inner.get_kv_connector_stats()
+        if self._pilot is None:
+            return None if inner is None else KVPilotStats.wrap(self.config.inner_connector, inner)
+        stats = self._pilot.take_stats()
+        if inner is not None:
+            stats.aggregate(KVPilotStats.wrap(self.config.inner_connector, inner))
+        return None if stats.is_empty() else stats
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        return self._inner.get_kv_connector_kv_cache_events()
+
+    def reset_cache(self) -> bool | None:
+        return self._inner.reset_cache()
+
+    # ---------------------------------------------------------------- worker side
+    def get_mem_pool_context(self) -> AbstractContextManager | None:
+        return self._inner.get_mem_pool_context()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._inner.register_kv_caches(kv_caches)
+
+    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
+        self._inner.set_host_xfer_buffer_ops(copy_operation)
+
+    def finish_forward(self) -> None:
+        self._inner.finish_forward()
+
+    def reset_capture_state(self) -> None:
+        self._inner.reset_capture_state()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._inner.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._inner.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._inner.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        self._inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self._inner.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._inner.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._inner.get_transfer_results(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._inner.get_block_ids_with_load_errors()
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._inner.get_handshake_metadata()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._inner.build_connector_worker_meta()
+
+    def get_finished_count(self) -> int | None:
+        return self._inner.get_finished_count()
+
+    # ---------------------------------------------------------------- scheduler side
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        self._inner.bind_kv_cache_manager(kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self._inner.bind_gpu_block_pool(gpu_block_pool)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self._inner.set_xfer_handshake_metadata(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        self._inner.set_xfer_handshake_metadata_pp_aware(metadata)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self._inner.get_loaded_kv_cache_group_ids(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        return self._inner.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._inner.build_connector_meta(scheduler_output)
+
+    def on_new_request(self, request: Request) -> None:
+        self._inner.on_new_request(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._inner.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        delay_free, params = self._inner.request_finished(request, block_ids)
+        return delay_free, self._stamp(request, params)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if supports_hma(self._inner):
+            delay_free, params = self._inner.request_finished_all_groups(request, block_ids)  # type: ignore[attr-defined]
+        else:
+            if len(block_ids) != 1:
+                raise ValueError(f"{self.config.inner_connector} does not support several KV cache groups")
+            delay_free, params = self._inner.request_finished(request, block_ids[0])
+        return delay_free, self._stamp(request, params)
+
+    def register_finished_partial_tail(
+        self, request: Request, block_ids: tuple[list[int], ...], partial_tail_offloads: list[tuple[int, int, int]]
+    ) -> bool:
+        return self._inner.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._inner.take_events()
+
+    def has_pending_block_frees(self) -> bool:
+        return self._inner.has_pending_block_frees()
+
+    def has_pending_push_work(self) -> bool:
+        return self._inner.has_pending_push_work()
+
+    def _stamp(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        assert self._pilot is not None, "request_finished runs on the scheduler side"
+        return self._pilot.stamp_offer(request, params)
+
+
+__all__ = ["CONNECTOR_NAME", "KVPilotConnector"]

@@ -1,0 +1,162 @@
+"""kvpilot's connector stats and Prometheus metrics, layered over the inner connector's.
+
+vLLM collects ``KVConnectorStats`` from both sides of a connector (the worker's
+transfer telemetry, the scheduler's decisions), aggregates them in the engine core,
+ships ``to_dict()`` to the API server, and rebuilds them there with the connector
+class's ``build_kv_connector_stats``. ``KVPilotStats`` carries two parts:
+
+* ``inner``: the inner connector's own stats (NIXL's transfer histograms), passed
+  through untouched, so ``vllm:nixl_*`` families keep their names and meaning;
+* ``counters``: kvpilot's own counts, keyed ``"<counter>"`` or
+  ``"<counter>:<reason>"`` for a labelled counter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Counter
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CounterSpec:
+    """One kvpilot counter family. ``reasons`` non-empty means a ``reason`` label."""
+
+    key: str
+    metric: str
+    doc: str
+    reasons: tuple[str, ...] = ()
+
+
+COUNTERS: tuple[CounterSpec, ...] = (
+    CounterSpec(
+        "offers",
+        "vllm:kvpilot_offers",
+        "Prefills whose kv_transfer_params kvpilot stamped with its schema for a decode peer.",
+    ),
+)
+_SPECS = {spec.key: spec for spec in COUNTERS}
+
+
+def counter_key(counter: str, reason: str | None = None) -> str:
+    """The key under which ``counter`` (with ``reason``, if labelled) is counted."""
+    spec = _SPECS[counter]
+    if bool(spec.reasons) != (reason is not None) or (reason is not None and reason not in spec.reasons):
+        raise ValueError(f"counter {counter!r} takes reasons {spec.reasons}, got {reason!r}")
+    return counter if reason is None else f"{counter}:{reason}"
+
+
+@dataclass
+class KVPilotStats(KVConnectorStats):
+    """``data = {"counters": {key: int}, "inner_connector": str | None, "inner": stats}``.
+
+    ``inner`` is a ``KVConnectorStats`` in-process and its ``to_dict()`` on the wire.
+    """
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.data = {"counters": {}, "inner_connector": None, "inner": None}
+
+    @classmethod
+    def wrap(cls, inner_connector: str, inner: KVConnectorStats | None) -> KVPilotStats:
+        return cls({"counters": {}, "inner_connector": inner_connector, "inner": inner})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVPilotStats:
+        """Rebuild from ``to_dict()`` output (the API-server side of the wire)."""
+        name = data.get("inner_connector")
+        inner = data.get("inner")
+        if name is not None and isinstance(inner, dict):
+            inner_cls = KVConnectorFactory.get_connector_class_by_name(name)
+            inner = inner_cls.build_kv_connector_stats(data=inner)
+        return cls({"counters": dict(data.get("counters", {})), "inner_connector": name, "inner": inner})
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.data["counters"]
+
+    @property
+    def inner(self) -> KVConnectorStats | None:
+        return self.data["inner"]
+
+    def count(self, counter: str, n: int = 1, reason: str | None = None) -> None:
+        key = counter_key(counter, reason)
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def to_dict(self) -> dict[str, Any]:
+        inner = self.inner
+        return {
+            "counters": dict(self.counters),
+            "inner_connector": self.data["inner_connector"],
+            "inner": inner.to_dict() if isinstance(inner, KVConnectorStats) else inner,
+        }
+
+    def reset(self) -> None:
+        self.counters.clear()
+        if self.inner is not None:
+            self.inner.reset()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if not isinstance(other, KVPilotStats):
+            raise TypeError(f"cannot aggregate KVPilotStats with {type(other).__name__}")
+        for key, n in other.counters.items():
+            self.counters[key] = self.counters.get(key, 0) + n
+        if other.inner is not None:
+            if self.inner is None:
+                self.data["inner"] = other.inner
+                self.data["inner_connector"] = other.data["inner_connector"]
+            else:
+                self.data["inner"] = self.inner.aggregate(other.inner)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        reduced: dict[str, int | float] = {f"kvpilot {k}": v for k, v in sorted(self.counters.items())}
+        if self.inner is not None and not self.inner.is_empty():
+            reduced.update(self.inner.reduce())
+        return reduced
+
+    def is_empty(self) -> bool:
+        return not any(self.counters.values()) and (self.inner is None or self.inner.is_empty())
+
+
+class KVPilotPromMetrics(KVConnectorPromMetrics):
+    """Registers kvpilot's counter families; forwards the inner part to the inner
+    connector's own Prometheus metrics (e.g. ``NixlPromMetrics``)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+        inner: KVConnectorPromMetrics | None,
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._inner = inner
+        self._children: dict[str, dict[int, Counter]] = {}
+        for spec in COUNTERS:
+            names = labelnames + (["reason"] if spec.reasons else [])
+            family = self._counter_cls(name=spec.metric, documentation=spec.doc, labelnames=names)
+            for reason in spec.reasons or (None,):
+                extra = [] if reason is None else [reason]
+                self._children[counter_key(spec.key, reason)] = {
+                    idx: family.labels(*values, *extra) for idx, values in per_engine_labelvalues.items()
+                }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, n in transfer_stats_data.get("counters", {}).items():
+            if n and key in self._children:
+                self._children[key][engine_idx].inc(n)
+        inner = transfer_stats_data.get("inner")
+        if self._inner is not None and inner:
+            self._inner.observe(inner, engine_idx)

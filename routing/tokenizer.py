@@ -1,0 +1,29 @@
+"""Tokenize once, at the router, so prefill and decode engines see identical token ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class PromptError(ValueError):
+    """A prompt the router cannot turn into token ids; the message names the field."""
+
+
+class PromptTokenizer:
+    """Wraps the model's ``tokenizer.json`` (the ``tokenizers`` library, no vLLM)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+    def prompt_token_ids(self, prompt: object) -> list[int]:
+        """Token ids for an OpenAI completions ``prompt``: a string or a list of ints.
+
+        Raises :class:`PromptError` for anything else (batches of prompts included).
+        """
+        if isinstance(prompt, str):
+            return self._tokenizer.encode(prompt, add_special_tokens=False).ids
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise PromptError("'prompt' must be a non-empty string or a non-empty list of token ids")
