@@ -32,8 +32,10 @@ Size
 ----
 The digests take ``4 * ceil(8 * num_blocks / 3)`` characters. For a 65,536-token
 prompt: 4,096 blocks at block size 16 give 43,692 characters; 512 blocks at
-block size 128 give 5,464. The rest of the sub-dict is about 200 bytes as JSON
-(``tests/unit/kvconnectors/test_transfer_params.py`` computes both).
+block size 128 give 5,464. The rest of ``{"kvpilot": {...}}`` is about 220
+bytes of JSON plus the model name (``json.dumps`` with its default separators):
+43,928 and 5,700 bytes in all with an 18-character model name
+(``tests/unit/kvconnectors/test_transfer_params.py`` computes these).
 
 Decoding is strict: anything malformed (not an object, a missing, unknown or
 mistyped field, an unknown version, a digest string that is truncated,
@@ -70,17 +72,23 @@ MAX_OFFER_BLOCKS: Final = 1 << 20
 """Default bound on ``num_blocks`` (16M tokens at block size 16): a decoder
 never allocates more than 8 MiB for an offer."""
 
-BlockDigest = NewType("BlockDigest", bytes)
-"""The first :data:`DIGEST_BYTES` bytes of a :class:`BlockHash`."""
+PackedDigests = NewType("PackedDigests", bytes)
+"""For blocks 0, 1, ... in order, the first :data:`DIGEST_BYTES` bytes of each
+block's :class:`BlockHash`, concatenated (see :func:`pack_digests`)."""
 
-_Id = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{8}$")]
-_OptionalId = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{8})?$")]
+_SeedIdField = Annotated[SeedId, msgspec.Meta(pattern="^[0-9a-f]{8}$")]
+_SaltIdField = Annotated[SaltId, msgspec.Meta(pattern="^([0-9a-f]{8})?$")]
 _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 
 
-def block_digest(block_hash: BlockHash) -> BlockDigest:
-    """Truncate a block hash to the digest an offer carries."""
-    return BlockDigest(block_hash[:DIGEST_BYTES])
+def pack_digests(hashes: Sequence[BlockHash]) -> PackedDigests:
+    """Truncate each hash to :data:`DIGEST_BYTES` bytes and concatenate them.
+
+    A hash shorter than a digest is packed as it is (so the result is then
+    shorter than ``len(hashes) * DIGEST_BYTES``); vLLM's hashes are 16 or 32
+    bytes.
+    """
+    return PackedDigests(b"".join([h[:DIGEST_BYTES] for h in hashes]))
 
 
 class FieldDiff(NamedTuple):
@@ -106,10 +114,10 @@ class ContractId(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: _Name
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
     hash_algo: HashAlgo
-    seed_id: _Id
+    seed_id: _SeedIdField
     kv_dtype: _Name
     kv_layout: _Name
-    salt_id: _OptionalId = NO_SALT_ID
+    salt_id: _SaltIdField = NO_SALT_ID
 
     def diff(self, other: ContractId) -> tuple[FieldDiff, ...]:
         """Return the fields that differ, in declaration order; ``()`` if equal."""
@@ -121,11 +129,21 @@ class ContractId(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class BlockOffer(msgspec.Struct, frozen=True):
-    """A decoded offer: the digests of blocks ``0 .. len(block_digests) - 1``."""
+    """A decoded offer: P's digests of blocks ``0 .. num_blocks - 1``, packed.
+
+    Packed rather than a tuple of digests so that decoding costs no Python
+    object per block and verification compares whole runs of blocks with
+    ``memcmp`` (see :mod:`kvconnectors.verify`).
+    """
 
     version: int
     contract: ContractId
-    block_digests: tuple[BlockDigest, ...]
+    packed_digests: PackedDigests
+
+    @property
+    def num_blocks(self) -> int:
+        """How many blocks P offers."""
+        return len(self.packed_digests) // DIGEST_BYTES
 
 
 class _WireOffer(msgspec.Struct, forbid_unknown_fields=True):
@@ -166,18 +184,18 @@ def encode_offer(contract: ContractId, hashes: Sequence[BlockHash]) -> dict[str,
     """
     contract_dict = msgspec.to_builtins(contract)
     _convert(contract_dict, ContractId, f"{PARAMS_KEY}.contract")
-    digests = [block_digest(h) for h in hashes]
-    for index, digest in enumerate(digests):
-        if len(digest) != DIGEST_BYTES:
-            raise TransferParamsError(
-                f"{PARAMS_KEY}.block_digests",
-                f"block {index}'s hash has {len(digest)} bytes, need {DIGEST_BYTES}",
-            )
+    packed = pack_digests(hashes)
+    if len(packed) != len(hashes) * DIGEST_BYTES:
+        index, short = next((i, h) for i, h in enumerate(hashes) if len(h) < DIGEST_BYTES)
+        raise TransferParamsError(
+            f"{PARAMS_KEY}.block_digests",
+            f"block {index}'s hash has {len(short)} bytes, need {DIGEST_BYTES}",
+        )
     return {
         "version": SCHEMA_VERSION,
         "contract": contract_dict,
-        "num_blocks": len(digests),
-        "block_digests": base64.b64encode(b"".join(digests)).decode("ascii"),
+        "num_blocks": len(hashes),
+        "block_digests": base64.b64encode(packed).decode("ascii"),
     }
 
 
@@ -226,10 +244,9 @@ def decode_offer(raw: object, max_blocks: int = MAX_OFFER_BLOCKS) -> BlockOffer:
         raise TransferParamsError(
             field, f"decodes to {len(packed)} bytes, expected {wire.num_blocks * DIGEST_BYTES}"
         )
-    digests = tuple(
-        BlockDigest(packed[i : i + DIGEST_BYTES]) for i in range(0, len(packed), DIGEST_BYTES)
+    return BlockOffer(
+        version=wire.version, contract=wire.contract, packed_digests=PackedDigests(packed)
     )
-    return BlockOffer(version=wire.version, contract=wire.contract, block_digests=digests)
 
 
 _MSGSPEC_PATH = re.compile(r"^(?P<reason>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.S)

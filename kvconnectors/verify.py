@@ -28,6 +28,7 @@ from kvconnectors.transfer_params import (
     BlockOffer,
     ContractId,
     FieldDiff,
+    pack_digests,
 )
 
 
@@ -108,23 +109,24 @@ def verify_offer(
     many leading blocks D already has locally. Pure: mutates nothing. Empty
     offers or empty ``own_hashes`` verify nothing and attach nothing. Raises
     ``ValueError`` if ``num_local_hit_blocks`` is negative or more than
-    ``len(own_hashes)`` (a local hit is always within D's own hashed blocks).
+    ``len(own_hashes)`` (a local hit is always within D's own hashed blocks),
+    or if one of the compared ``own_hashes`` is shorter than a digest.
     """
     num_own = len(own_hashes)
     if not 0 <= num_local_hit_blocks <= num_own:
         raise ValueError(
             f"num_local_hit_blocks={num_local_hit_blocks} is outside [0, {num_own}]"
         )
-    offered = offer.block_digests
-    comparable = min(len(offered), num_own)
+    comparable = min(offer.num_blocks, num_own)
     diffs = offer.contract.diff(own_contract)
     first_mismatch: int | None = None
     if diffs:
         reason, verified = Reason.CONTRACT_MISMATCH, 0
     else:
-        verified = 0
-        while verified < comparable and own_hashes[verified][:DIGEST_BYTES] == offered[verified]:
-            verified += 1
+        own_packed = pack_digests(own_hashes[:comparable])
+        if len(own_packed) != comparable * DIGEST_BYTES:
+            raise ValueError(f"own_hashes must be at least {DIGEST_BYTES} bytes each")
+        verified = _matching_run(offer.packed_digests, own_packed, comparable)
         if verified < comparable:
             reason, first_mismatch = Reason.TOKEN_MISMATCH, verified
         else:
@@ -132,7 +134,7 @@ def verify_offer(
     attach_end = max(num_local_hit_blocks, verified)
     return Verdict(
         reason=reason,
-        num_offered_blocks=len(offered),
+        num_offered_blocks=offer.num_blocks,
         num_own_blocks=num_own,
         num_local_hit_blocks=num_local_hit_blocks,
         num_verified_blocks=verified,
@@ -141,3 +143,23 @@ def verify_offer(
         rejected_blocks=range(attach_end, max(attach_end, comparable)),
         contract_diffs=diffs,
     )
+
+
+def _matching_run(offered: bytes, own: bytes, num_blocks: int) -> int:
+    """The largest ``k <= num_blocks`` whose first ``k`` digests are equal.
+
+    "The first ``k`` digests are equal" is a prefix property, so it holds for
+    every ``k`` up to the answer and for none beyond: a binary search that
+    compares packed prefixes (one ``memcmp`` each) finds it exactly, without
+    relying on the hash chain.
+    """
+    if offered[: num_blocks * DIGEST_BYTES] == own[: num_blocks * DIGEST_BYTES]:
+        return num_blocks
+    matching, differing = 0, num_blocks  # invariant: prefix(matching) equal, prefix(differing) not
+    while differing - matching > 1:
+        middle = (matching + differing) // 2
+        if offered[: middle * DIGEST_BYTES] == own[: middle * DIGEST_BYTES]:
+            matching = middle
+        else:
+            differing = middle
+    return matching

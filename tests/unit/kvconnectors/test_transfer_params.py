@@ -29,7 +29,7 @@ from kvconnectors.transfer_params import (
     ContractId,
     FieldDiff,
     TransferParamsError,
-    block_digest,
+    pack_digests,
     decode_offer,
     encode_offer,
 )
@@ -84,7 +84,7 @@ def test_round_trip_through_json(contract: ContractId, hashes: list[BlockHash]) 
     assert decode_offer(wire) == BlockOffer(
         version=SCHEMA_VERSION,
         contract=contract,
-        block_digests=tuple(h[:DIGEST_BYTES] for h in hashes),
+        packed_digests=b"".join(h[:DIGEST_BYTES] for h in hashes),
     )
 
 
@@ -217,7 +217,7 @@ def test_more_blocks_than_the_limit_are_refused_before_decoding() -> None:
     raw = _valid(0)
     raw["num_blocks"] = MAX_OFFER_BLOCKS + 1
     assert _field_of(raw) == f"{PARAMS_KEY}.num_blocks"
-    assert decode_offer(_valid(4), max_blocks=4).block_digests
+    assert decode_offer(_valid(4), max_blocks=4).num_blocks == 4
     with pytest.raises(TransferParamsError, match="limit of 3"):
         decode_offer(_valid(4), max_blocks=3)
 
@@ -270,9 +270,9 @@ def test_encode_refuses_a_hash_shorter_than_a_digest() -> None:
         encode_offer(CONTRACT, [BlockHash(b"\0" * 32), BlockHash(b"\0" * 7)])
 
 
-def test_block_digest_is_the_hash_prefix() -> None:
-    h = BlockHash(bytes(range(32)))
-    assert block_digest(h) == bytes(range(DIGEST_BYTES))
+def test_packed_digests_are_the_hash_prefixes_in_order() -> None:
+    hashes = [BlockHash(bytes(range(i, i + 32))) for i in range(3)]
+    assert pack_digests(hashes) == bytes(range(8)) + bytes(range(1, 9)) + bytes(range(2, 10))
 
 
 @pytest.mark.parametrize(
@@ -296,8 +296,12 @@ def test_contract_diff_lists_each_differing_field(changes: dict, expected: tuple
 PROMPT_TOKENS = 65_536
 
 
-@pytest.mark.parametrize(("block_size", "digest_chars"), [(16, 43_692), (128, 5_464)])
-def test_encoded_size_of_a_64k_token_prompt(block_size: int, digest_chars: int) -> None:
+@pytest.mark.parametrize(
+    ("block_size", "digest_chars", "total_bytes"), [(16, 43_692, 43_928), (128, 5_464, 5_700)]
+)
+def test_encoded_size_of_a_64k_token_prompt(
+    block_size: int, digest_chars: int, total_bytes: int
+) -> None:
     """The figures the module docstring states, computed from a real chain."""
     seed_hash = none_hash("sha256", "0")
     hashes = block_hash_chain(range(PROMPT_TOKENS), block_size, "sha256", seed_hash)
@@ -307,8 +311,9 @@ def test_encoded_size_of_a_64k_token_prompt(block_size: int, digest_chars: int) 
     assert len(params["block_digests"]) == digest_chars
     assert digest_chars == 4 * math.ceil(PROMPT_TOKENS // block_size * DIGEST_BYTES / 3)
     assert f"{digest_chars:,}" in tp.__doc__
-    overhead = len(json.dumps({PARAMS_KEY: params})) - digest_chars
-    assert 150 <= overhead <= 250  # "about 200 bytes"
-    assert decode_offer(json.loads(json.dumps(params))).block_digests == tuple(
-        block_digest(h) for h in hashes
-    )
+    total = len(json.dumps({PARAMS_KEY: params}))
+    assert f"{total:,}" in tp.__doc__
+    assert total == total_bytes
+    assert len(CONTRACT.model) == 18
+    assert 200 <= total - digest_chars - len(CONTRACT.model) <= 240  # "about 220 bytes"
+    assert decode_offer(json.loads(json.dumps(params))).packed_digests == pack_digests(hashes)

@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvconnectors.hash_contract import (
     BlockHash,
@@ -20,7 +22,7 @@ from kvconnectors.transfer_params import (
     BlockOffer,
     ContractId,
     FieldDiff,
-    block_digest,
+    pack_digests,
     decode_offer,
     encode_offer,
 )
@@ -49,7 +51,7 @@ def _offer(labels: str, contract: ContractId = CONTRACT) -> BlockOffer:
     return BlockOffer(
         version=SCHEMA_VERSION,
         contract=contract,
-        block_digests=tuple(block_digest(h) for h in _hashes(labels)),
+        packed_digests=pack_digests(_hashes(labels)),
     )
 
 
@@ -196,3 +198,27 @@ def test_another_salt_is_a_contract_mismatch_and_a_token_mismatch_too() -> None:
     assert verify_offer(offer, d_contract, own, 0).reason is Reason.CONTRACT_MISMATCH
     # Even if both sides forgot the salt in the contract, block 0 would not verify.
     assert verify_offer(offer, p_contract, own, 0).first_mismatch_block == 0
+
+
+@given(
+    offered=st.text("abc", max_size=40),
+    own=st.text("abc", max_size=40),
+    data=st.data(),
+)
+def test_the_verified_run_is_the_longest_common_prefix(offered: str, own: str, data) -> None:
+    local_hit = data.draw(st.integers(0, len(own)))
+    verdict = verify_offer(_offer(offered), CONTRACT, _hashes(own), local_hit)
+    common = next(
+        (i for i, (a, b) in enumerate(zip(offered, own)) if a != b), min(len(offered), len(own))
+    )
+    assert verdict.num_verified_blocks == common
+    assert verdict.attach_blocks == range(local_hit, max(local_hit, common))
+    assert all(offered[i] == own[i] for i in verdict.attach_blocks)
+    assert verdict.rejected_blocks == range(
+        max(local_hit, common), max(local_hit, common, min(len(offered), len(own)))
+    )
+
+
+def test_an_own_hash_shorter_than_a_digest_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least 8 bytes"):
+        verify_offer(_offer("ab"), CONTRACT, [_hash("a"), BlockHash(b"short")], 0)
