@@ -8,6 +8,8 @@ vLLM's public functions, exactly as an engine core does at start-up.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from typing import get_args
 
 import numpy as np
@@ -262,3 +264,14 @@ def test_salt_identity(salt: str | None, is_none: bool) -> None:
     assert (salt_identity(salt) == NO_SALT_ID) is is_none
     assert salt_identity("s") != salt_identity("t")
     assert salt_identity("s") == salt_identity("s")
+
+
+def test_the_shared_modules_import_without_vllm() -> None:
+    """The router imports these without vLLM installed: none may pull it in."""
+    code = (
+        "import sys\n"
+        "import kvconnectors.hash_contract, kvconnectors.transfer_params, kvconnectors.verify\n"
+        "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
