@@ -1,4 +1,8 @@
-"""The kv_transfer_params schema: round trips, sizes, and fuzzed malformed input."""
+"""The kv_transfer_params schema: round trips, sizes, and fuzzed malformed input.
+
+Property tests run without a deadline: the box is shared, and a slow example
+is not a failure of the parser.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import math
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvconnectors.transfer_params as tp
@@ -78,6 +82,7 @@ def _field_of(raw: object, reason: str | None = None) -> str:
     return info.value.field
 
 
+@settings(deadline=None)
 @given(contract=contracts, hashes=block_hashes)
 def test_round_trip_through_json(contract: ContractId, hashes: list[BlockHash]) -> None:
     wire = json.loads(json.dumps(encode_offer(contract, hashes)))
@@ -88,11 +93,13 @@ def test_round_trip_through_json(contract: ContractId, hashes: list[BlockHash]) 
     )
 
 
+@settings(deadline=None)
 @given(raw=json_values.filter(lambda v: not isinstance(v, dict)) | st.binary())
 def test_a_non_object_names_the_sub_dict(raw: object) -> None:
     assert _field_of(raw) == PARAMS_KEY
 
 
+@settings(deadline=None)
 @given(key=st.sampled_from(TOP_FIELDS))
 def test_a_missing_top_level_field_is_named(key: str) -> None:
     raw = _valid()
@@ -100,6 +107,7 @@ def test_a_missing_top_level_field_is_named(key: str) -> None:
     assert _field_of(raw) == f"{PARAMS_KEY}.{key}"
 
 
+@settings(deadline=None)
 @given(key=st.sampled_from(CONTRACT_FIELDS))
 def test_a_missing_contract_field_is_named(key: str) -> None:
     raw = _valid()
@@ -129,6 +137,7 @@ WRONG_VALUES: dict[tuple[str, ...], st.SearchStrategy[Any]] = {
 }
 
 
+@settings(deadline=None)
 @given(data=st.data(), path=st.sampled_from(sorted(WRONG_VALUES)))
 def test_a_wrong_type_or_value_is_named(data: st.DataObject, path: tuple[str, ...]) -> None:
     raw = _valid()
@@ -139,6 +148,7 @@ def test_a_wrong_type_or_value_is_named(data: st.DataObject, path: tuple[str, ..
     assert _field_of(raw) == ".".join((PARAMS_KEY, *path))
 
 
+@settings(deadline=None)
 @given(version=st.integers().filter(lambda v: v != SCHEMA_VERSION))
 def test_an_unknown_version_is_refused_as_such(version: int) -> None:
     raw = _valid()
@@ -149,6 +159,7 @@ def test_an_unknown_version_is_refused_as_such(version: int) -> None:
     assert info.value.field == f"{PARAMS_KEY}.version"
 
 
+@settings(deadline=None)
 @given(key=st.text(min_size=1).filter(lambda k: k not in TOP_FIELDS), value=json_values)
 def test_an_unknown_top_level_field_is_named(key: str, value: object) -> None:
     raw = _valid()
@@ -156,6 +167,7 @@ def test_an_unknown_top_level_field_is_named(key: str, value: object) -> None:
     assert _field_of(raw) == f"{PARAMS_KEY}.{key}"
 
 
+@settings(deadline=None)
 @given(key=st.text(min_size=1).filter(lambda k: k not in (*CONTRACT_FIELDS, "salt_id")))
 def test_an_unknown_contract_field_is_named(key: str) -> None:
     raw = _valid()
@@ -163,6 +175,7 @@ def test_an_unknown_contract_field_is_named(key: str) -> None:
     assert _field_of(raw) == f"{PARAMS_KEY}.contract.{key}"
 
 
+@settings(deadline=None)
 @given(num_hashes=st.integers(1, 40), data=st.data())
 def test_truncated_digests_are_refused(num_hashes: int, data: st.DataObject) -> None:
     raw = _valid(num_hashes)
@@ -171,6 +184,7 @@ def test_truncated_digests_are_refused(num_hashes: int, data: st.DataObject) -> 
     assert _field_of(raw, "truncated") == f"{PARAMS_KEY}.block_digests"
 
 
+@settings(deadline=None)
 @given(num_hashes=st.integers(0, 40), extra=st.text(min_size=1))
 def test_oversized_digests_are_refused(num_hashes: int, extra: str) -> None:
     raw = _valid(num_hashes)
@@ -178,6 +192,7 @@ def test_oversized_digests_are_refused(num_hashes: int, extra: str) -> None:
     assert _field_of(raw, "oversized") == f"{PARAMS_KEY}.block_digests"
 
 
+@settings(deadline=None)
 @given(num_hashes=st.integers(0, 40), delta=st.integers(-40, 40).filter(bool))
 def test_a_count_that_disagrees_with_the_digests_is_refused(num_hashes: int, delta: int) -> None:
     raw = _valid(num_hashes)
@@ -186,6 +201,7 @@ def test_a_count_that_disagrees_with_the_digests_is_refused(num_hashes: int, del
     assert field == f"{PARAMS_KEY}.{'num_blocks' if num_hashes + delta < 0 else 'block_digests'}"
 
 
+@settings(deadline=None)
 @given(num_hashes=st.integers(1, 40), data=st.data())
 def test_garbage_digests_are_refused(num_hashes: int, data: st.DataObject) -> None:
     raw = _valid(num_hashes)
@@ -230,6 +246,7 @@ def _paths(value: object, prefix: tuple = ()) -> list[tuple]:
     return paths
 
 
+@settings(deadline=None)
 @given(data=st.data(), replacement=json_values | st.binary())
 def test_any_mutation_decodes_or_raises_transfer_params_error(
     data: st.DataObject, replacement: object

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvconnectors.hash_contract import (
@@ -200,6 +200,7 @@ def test_another_salt_is_a_contract_mismatch_and_a_token_mismatch_too() -> None:
     assert verify_offer(offer, p_contract, own, 0).first_mismatch_block == 0
 
 
+@settings(deadline=None)
 @given(
     offered=st.text("abc", max_size=40),
     own=st.text("abc", max_size=40),
