@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
     fl.set_defaults(func=_fleet)
 
+    from policies.cli import add_subcommands as add_policy_subcommands
+
+    add_policy_subcommands(sub)  # plan, cost
+
     demo = sub.add_parser("demo", help="1 P + 1 D tiny fleet, a few requests, a table, then down")
     demo.add_argument("--run-dir", type=Path, default=Path(".kvpilot") / "demo")
     demo.set_defaults(func=_demo)

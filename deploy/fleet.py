@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -117,6 +118,27 @@ def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
+# A traceback's last line, bare or after a vLLM log prefix ("... [core.py:1510] ").
+_EXCEPTION_LINE = re.compile(r"(?:^|\] )((?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception): .+)$", re.MULTILINE)
+
+
+def root_cause(path: str | Path) -> str | None:
+    """The first exception line in a log (``SomeError: message``): in vLLM's logs the
+    engine core's traceback comes before the API server's generic one."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+    match = _EXCEPTION_LINE.search(text)
+    return match.group(1) if match else None
+
+
+def _start_failure(what: str, info: RunningProcess) -> FleetStartError:
+    cause = root_cause(info.log)
+    headline = f"{what}: {cause}" if cause else what
+    return FleetStartError(f"{headline}\nlast lines of {info.log}:\n{log_tail(info.log)}")
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -187,15 +209,12 @@ def _wait_healthy(started: list[tuple[subprocess.Popen[bytes], RunningProcess]],
     while pending:
         for name, (proc, info) in list(pending.items()):
             if proc.poll() is not None:
-                raise FleetStartError(
-                    f"{name} exited with code {proc.returncode} while starting; last lines of {info.log}:\n"
-                    f"{log_tail(info.log)}"
-                )
+                raise _start_failure(f"{name} exited with code {proc.returncode} while starting", info)
             if is_healthy(info.url):
                 del pending[name]
         if pending and time.monotonic() > deadline:
             name, (_, info) = next(iter(pending.items()))
-            raise FleetStartError(f"{name} not healthy in time; last lines of {info.log}:\n{log_tail(info.log)}")
+            raise _start_failure(f"{name} not healthy in time", info)
         time.sleep(1.0)
 
 

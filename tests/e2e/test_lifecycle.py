@@ -1,0 +1,109 @@
+"""Registration through the entry point, bad configs failing fast, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deploy import fleet as fleet_io
+from deploy.env import child_env
+from deploy.fleet_spec import FleetSpec, plan_fleet
+
+pytestmark = pytest.mark.e2e
+
+PORTS = {"engine_port": 8410, "side_channel_port": 5810, "router_port": 8400}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if text in line and "ps -eo" not in line]
+
+
+def test_fresh_process_gets_connector_from_entry_point_alone() -> None:
+    code = (
+        "from vllm.plugins import load_general_plugins\n"
+        "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as F\n"
+        "load_general_plugins(); load_general_plugins()\n"  # vLLM may load plugins twice
+        "cls = F.get_connector_class_by_name('KVPilotConnector')\n"
+        "print(cls.__module__ + '.' + cls.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "kvconnectors.connector.KVPilotConnector"
+
+
+@pytest.mark.parametrize(
+    ("extra_config", "named_key"),
+    [({"inner_extra_confg": {}}, "kv_connector_extra_config.inner_extra_confg")],
+)
+def test_bad_config_stops_engine_at_start_naming_the_key(
+    model_dir: Path, tmp_path: Path, extra_config: dict, named_key: str
+) -> None:
+    spec = FleetSpec(
+        model_dir=model_dir, run_dir=tmp_path, prefill=0, decode=0, colocated=1,
+        connector_extra_config=extra_config, **PORTS,
+    )  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(fleet_io.FleetStartError) as failure:
+        fleet_io.up(spec, timeout=300)
+    assert time.monotonic() - started < 120, "a bad config must fail at start, not at the first request"
+    message = str(failure.value)
+    assert "colocated-0 exited" in message
+    assert named_key in message
+    # the failed launch left nothing behind
+    engines, router = plan_fleet(spec)
+    assert all(fleet_io.port_is_free(p) for e in [*engines, router] for p in (e.port, *e.side_ports))
+    assert not _processes_mentioning(f"--port {PORTS['engine_port']}")
+    assert fleet_io.Fleet.load(tmp_path) is None
+
+
+def test_fleet_down_leaves_no_process_and_frees_ports(model_dir: Path, tmp_path: Path) -> None:
+    cli = [sys.executable, "-m", "deploy.cli", "fleet"]
+    common = ["--run-dir", str(tmp_path), "--model", str(model_dir), "--prefill", "0", "--decode", "0",
+              "--colocated", "1", "--engine-port", str(PORTS["engine_port"]), "--router-port", str(PORTS["router_port"])]  # fmt: skip
+    up = subprocess.run([*cli, "up", *common], capture_output=True, text=True, timeout=600)
+    assert up.returncode == 0, up.stderr[-3000:]
+    state = json.loads((tmp_path / fleet_io.STATE_FILE).read_text())
+    pids = [e["pid"] for e in state["engines"]] + [state["router"]["pid"]]
+    assert all(_alive(pid) for pid in pids)
+    status = subprocess.run([*cli, "status", "--run-dir", str(tmp_path)], capture_output=True, text=True)
+    assert status.returncode == 0 and "healthy=True" in status.stdout
+
+    down = subprocess.run([*cli, "down", "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert not any(_alive(pid) for pid in pids)
+    assert fleet_io.port_is_free(PORTS["engine_port"]) and fleet_io.port_is_free(PORTS["router_port"])
+    assert not _processes_mentioning(f"--port {PORTS['engine_port']}")
+
+
+def test_ctrl_c_during_up_stops_everything(model_dir: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "deploy.cli", "fleet", "up", "--run-dir", str(tmp_path), "--model", str(model_dir),
+           "--engine-port", str(PORTS["engine_port"]), "--router-port", str(PORTS["router_port"])]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:  # wait until both engines have been spawned
+        if "started decode-0" in line:
+            break
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "interrupted" in err
+    assert not _processes_mentioning(f"--port {PORTS['engine_port']}")
+    assert not _processes_mentioning(f"--port {PORTS['engine_port'] + 1}")
+    assert fleet_io.port_is_free(PORTS["engine_port"]) and fleet_io.port_is_free(PORTS["side_channel_port"])
