@@ -1,0 +1,257 @@
+"""Dynamo's worker cost, the router's own load ledger, and explainable decisions. Pure.
+
+For a request of ``prompt_blocks`` full blocks and a candidate worker (all in blocks)::
+
+    gpu_credit      = overlap_score_credit / (1 + overlap_score_credit_decay * active_prefill_blocks)
+    credit_blocks   = gpu_credit * gpu_overlap
+                    + host_cache_hit_weight   * host_overlap     # beyond the GPU prefix
+                    + disk_cache_hit_weight   * disk_overlap     # beyond GPU and host
+                    + shared_cache_multiplier * shared_overlap   # beyond all of them
+    adjusted_prefill_blocks = max(0, active_prefill_blocks + prompt_blocks - credit_blocks)
+    potential_decode_blocks = active_decode_blocks + prompt_blocks
+    cost = prefill_load_scale * adjusted_prefill_blocks
+         + potential_decode_blocks
+         + decode_active_request_weight * active_requests
+         - session_affinity_credit * [worker served this session last]
+
+This is the formula of the article's section 4.4 (Dynamo's routing concepts).
+The decay form is ours (Dynamo does not publish one): hyperbolic in the
+worker's active prefill blocks, so ``decay = 0`` is Dynamo's default (no
+decay), and ``decay = 0.01`` halves the GPU credit of a worker already
+prefilling 100 blocks: the cache-rich but busy worker stops winning every hot
+prefix. Affinity is a soft credit, never a pin.
+
+``router_temperature = 0`` picks the lowest cost (ties broken by the seeded
+RNG); above 0 it samples ``softmax(-normalized_cost / T)``, where costs are
+min-max normalized to [0, 1], with the seeded RNG.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from routing.config import CostConfig
+from routing.index import Tier, WorkerId
+
+
+class TierOverlap(NamedTuple):
+    """Blocks creditable per tier class, each counted only beyond the better tiers."""
+
+    gpu: int = 0
+    host: int = 0
+    disk: int = 0
+    shared: int = 0
+
+
+def tier_overlap(
+    depths: Mapping[Tier, int], tier_classes: Mapping[str, str], shared_depth: int = 0
+) -> TierOverlap:
+    """Fold a worker's per-tier prefix depths into :class:`TierOverlap`.
+
+    ``depths`` is one worker's entry of :attr:`routing.index.Match.blocks`;
+    ``tier_classes`` maps a medium to ``gpu``/``host``/``disk``/``shared``
+    (unknown media earn nothing). ``shared_depth`` is the deepest prefix any
+    worker reported in a ``shared`` tier: a shared cache serves every worker.
+
+    >>> tier_overlap({"GPU": 10, "CPU": 25}, {"GPU": "gpu", "CPU": "host"})
+    TierOverlap(gpu=10, host=15, disk=0, shared=0)
+    """
+    best = dict.fromkeys(("gpu", "host", "disk", "shared"), 0)
+    for tier, depth in depths.items():
+        klass = tier_classes.get(tier)
+        if klass is not None:
+            best[klass] = max(best[klass], depth)
+    best["shared"] = max(best["shared"], shared_depth)
+    covered, out = 0, []
+    for klass in ("gpu", "host", "disk", "shared"):
+        out.append(max(0, best[klass] - covered))
+        covered = max(covered, best[klass])
+    return TierOverlap(*out)
+
+
+class WorkerLoad(NamedTuple):
+    active_prefill_blocks: int = 0
+    active_decode_blocks: int = 0
+    active_requests: int = 0
+
+
+@dataclass(slots=True)
+class _Active:
+    prefill_worker: WorkerId
+    decode_worker: WorkerId
+    prefill_blocks: int
+    decode_blocks: int
+    prefilling: bool = True
+
+
+class LoadLedger:
+    """Active prefill blocks per P and active decode blocks per D, from the router's own view.
+
+    ``dispatch`` adds the request's uncached blocks to P's prefill load and its
+    prompt blocks (and one request) to D's decode load; ``first_token`` ends the
+    prefill; ``complete`` and ``fail`` end everything still counted. In
+    co-located mode P and D are the same worker. The event methods return
+    False (and change nothing) for an unknown or already finished request.
+    """
+
+    def __init__(self) -> None:
+        self._active: dict[str, _Active] = {}
+        self._prefill: dict[WorkerId, int] = {}
+        self._decode: dict[WorkerId, int] = {}
+        self._requests: dict[WorkerId, int] = {}
+
+    def dispatch(
+        self,
+        request_id: str,
+        prefill_worker: WorkerId,
+        decode_worker: WorkerId,
+        prompt_blocks: int,
+        cached_blocks: int,
+    ) -> None:
+        """Count a dispatched request; raises ValueError if ``request_id`` is active."""
+        if request_id in self._active:
+            raise ValueError(f"request {request_id!r} is already active")
+        todo = max(0, prompt_blocks - cached_blocks)
+        self._active[request_id] = _Active(prefill_worker, decode_worker, todo, prompt_blocks)
+        self._add(self._prefill, prefill_worker, todo)
+        self._add(self._decode, decode_worker, prompt_blocks)
+        self._add(self._requests, decode_worker, 1)
+
+    def first_token(self, request_id: str) -> bool:
+        active = self._active.get(request_id)
+        if active is None or not active.prefilling:
+            return False
+        active.prefilling = False
+        self._add(self._prefill, active.prefill_worker, -active.prefill_blocks)
+        return True
+
+    def complete(self, request_id: str) -> bool:
+        active = self._active.pop(request_id, None)
+        if active is None:
+            return False
+        if active.prefilling:
+            self._add(self._prefill, active.prefill_worker, -active.prefill_blocks)
+        self._add(self._decode, active.decode_worker, -active.decode_blocks)
+        self._add(self._requests, active.decode_worker, -1)
+        return True
+
+    fail = complete  # a failed request frees what it held, like a finished one
+
+    def load(self, worker: WorkerId) -> WorkerLoad:
+        """``worker``'s current load (zeros if it has none)."""
+        return WorkerLoad(
+            self._prefill.get(worker, 0), self._decode.get(worker, 0), self._requests.get(worker, 0)
+        )
+
+    @staticmethod
+    def _add(table: dict[WorkerId, int], worker: WorkerId, delta: int) -> None:
+        value = table.get(worker, 0) + delta
+        if value:
+            table[worker] = value
+        else:
+            table.pop(worker, None)
+
+
+class Candidate(NamedTuple):
+    """One option: a worker (or a P->D pair named by the caller) and what it faces."""
+
+    name: str
+    overlap: TierOverlap
+    load: WorkerLoad
+    session_affinity: bool = False
+
+
+class Terms(NamedTuple):
+    name: str
+    gpu_credit: float
+    credit_blocks: float
+    adjusted_prefill_blocks: float
+    potential_decode_blocks: int
+    active_request_cost: float
+    affinity_credit: float
+    cost: float
+
+
+def worker_terms(cfg: CostConfig, prompt_blocks: int, cand: Candidate) -> Terms:
+    """The cost of sending a ``prompt_blocks`` request to ``cand``, term by term."""
+    load, ov = cand.load, cand.overlap
+    gpu_credit = cfg.overlap_score_credit / (
+        1.0 + cfg.overlap_score_credit_decay * load.active_prefill_blocks
+    )
+    credit = (
+        gpu_credit * ov.gpu
+        + cfg.host_cache_hit_weight * ov.host
+        + cfg.disk_cache_hit_weight * ov.disk
+        + cfg.shared_cache_multiplier * ov.shared
+    )
+    adjusted = max(0.0, load.active_prefill_blocks + prompt_blocks - credit)
+    decode = load.active_decode_blocks + prompt_blocks
+    requests = cfg.decode_active_request_weight * load.active_requests
+    affinity = cfg.session_affinity_credit if cand.session_affinity else 0.0
+    cost = cfg.prefill_load_scale * adjusted + decode + requests - affinity
+    return Terms(cand.name, gpu_credit, credit, adjusted, decode, requests, affinity, cost)
+
+
+@dataclass(frozen=True)
+class Decision:
+    request_id: str
+    prompt_blocks: int
+    chosen: str
+    terms: tuple[Terms, ...]
+    probabilities: tuple[float, ...] | None
+    config: CostConfig
+
+    def explain(self) -> str:
+        """One line per candidate, term by term, tagged with the request id."""
+        c = self.config
+        head = (
+            f"request={self.request_id} prompt_blocks={self.prompt_blocks} chosen={self.chosen} "
+            f"temperature={c.router_temperature}"
+        )
+        lines = [head]
+        for i, t in enumerate(self.terms):
+            p = f" p={self.probabilities[i]:.3f}" if self.probabilities else ""
+            lines.append(
+                f"request={self.request_id} worker={t.name} cost={t.cost:.2f} = "
+                f"prefill_load_scale({c.prefill_load_scale}) * adjusted_prefill_blocks"
+                f"({t.adjusted_prefill_blocks:.2f}; credit={t.credit_blocks:.2f} "
+                f"gpu_credit/block={t.gpu_credit:.3f}) + potential_decode_blocks"
+                f"({t.potential_decode_blocks}) + active_request_cost({t.active_request_cost:.2f})"
+                f" - session_affinity_credit({t.affinity_credit:.2f}){p}"
+                + (" <- chosen" if t.name == self.chosen else "")
+            )
+        return "\n".join(lines)
+
+
+class CostModel:
+    """Scores candidates with :func:`worker_terms` and picks one (seeded RNG)."""
+
+    def __init__(self, cfg: CostConfig, rng: random.Random | None = None) -> None:
+        self.cfg = cfg
+        self._rng = rng if rng is not None else random.Random(cfg.router_seed)
+
+    def decide(self, request_id: str, prompt_blocks: int, cands: Sequence[Candidate]) -> Decision:
+        """Pick a candidate; raises ValueError if ``cands`` is empty."""
+        if not cands:
+            raise ValueError(f"request {request_id}: no candidate workers")
+        terms = tuple(worker_terms(self.cfg, prompt_blocks, c) for c in cands)
+        costs = [t.cost for t in terms]
+        probabilities = None
+        if self.cfg.router_temperature > 0:
+            lo, hi = min(costs), max(costs)
+            span = hi - lo
+            weights = [
+                math.exp(-((x - lo) / span if span else 0.0) / self.cfg.router_temperature)
+                for x in costs
+            ]
+            total = sum(weights)
+            probabilities = tuple(w / total for w in weights)
+            index = self._rng.choices(range(len(terms)), weights=probabilities)[0]
+        else:
+            best = min(costs)
+            index = self._rng.choice([i for i, x in enumerate(costs) if x == best])
+        return Decision(request_id, prompt_blocks, terms[index].name, terms, probabilities, self.cfg)

@@ -1,0 +1,172 @@
+"""Sessions: the affinity key, and each session's incremental block chain. Pure.
+
+An agent's step ``k+1`` prompt is step ``k``'s prompt plus a little more, so a
+session keeps its :class:`~routing.index.PromptChain` (and the index's last
+match for it) and only names the new blocks. If the new prompt does not extend
+the old one (history edited, re-rendered, truncated), the chain is cut back to
+the last full block before the first differing token and renamed from there.
+
+Example (block size 2)::
+
+    >>> store = SessionStore(block_size=2, max_sessions=8)
+    >>> s = store.get(SessionId("a"))
+    >>> s.advance([1, 2, 3, 4, 5]).reused_tokens
+    0
+    >>> s.advance([1, 2, 3, 4, 5, 6, 7]).reused_tokens   # extends: nothing rehashed
+    5
+    >>> s.advance([1, 2, 9, 4]).reused_tokens            # diverges at token 2
+    2
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from itertools import compress, count
+from operator import ne
+from typing import Any, NamedTuple, NewType
+
+from routing.index import PromptChain, WorkerId
+
+SessionId = NewType("SessionId", str)
+
+BODY_KEYS = ("conversation_id", "prompt_cache_key")
+HEADER = "x-session-id"
+MAX_KEY_LENGTH = 256
+
+
+class InvalidSessionKey(ValueError):
+    """A session field is present but not a usable key (the front answers 400)."""
+
+
+def session_key(body: Mapping[str, Any], headers: Mapping[str, str]) -> SessionId | None:
+    """The request's affinity key, or None.
+
+    Precedence: body ``conversation_id``, then body ``prompt_cache_key``, then
+    the ``X-Session-ID`` header (any case). A present key must be a non-empty
+    string of at most 256 characters, else :class:`InvalidSessionKey` naming the
+    field. A ``None`` body value counts as absent.
+    """
+    for field in BODY_KEYS:
+        value = body.get(field)
+        if value is not None:
+            return _checked(value, field)
+    for name, value in headers.items():
+        if name.lower() == HEADER:
+            return _checked(value, "X-Session-ID")
+    return None
+
+
+def _checked(value: object, field: str) -> SessionId:
+    if not isinstance(value, str) or not value or len(value) > MAX_KEY_LENGTH:
+        raise InvalidSessionKey(
+            f"{field} must be a non-empty string of at most {MAX_KEY_LENGTH} characters"
+        )
+    return SessionId(value)
+
+
+class Advance(NamedTuple):
+    """What :meth:`SessionState.advance` kept: tokens reused from the last prompt."""
+
+    reused_tokens: int
+    new_tokens: int
+    diverged: bool
+
+
+def first_difference(old: Sequence[int], new: Sequence[int]) -> int:
+    """Index of the first position where ``old`` and ``new`` differ, or the shorter length."""
+    hit = next(compress(count(), map(ne, old, new)), None)
+    return min(len(old), len(new)) if hit is None else hit
+
+
+class SessionState:
+    """One session: its chain (with the index's cached match) and where it last ran."""
+
+    __slots__ = ("block_size", "chain", "last_worker", "_lora", "_salt")
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.chain: PromptChain | None = None
+        self.last_worker: WorkerId | None = None
+        self._lora: str | None = None
+        self._salt: str | None = None
+
+    def _reset(self, tokens: Sequence[int], lora: str | None, salt: str | None) -> Advance:
+        self.chain = PromptChain(
+            tokens, self.block_size, lora_name=lora, cache_salt=salt, incremental=True
+        )
+        self._lora, self._salt = lora, salt
+        return Advance(0, len(tokens), False)
+
+    def advance(
+        self, prompt: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> Advance:
+        """Make the chain name ``prompt``, reusing what the last prompt shares with it.
+
+        Compares the whole old prompt (C speed, stops at the first difference).
+        A different salt or LoRA starts a fresh chain (namespaces never mix).
+        """
+        chain = self.chain
+        if chain is None or (lora_name, cache_salt) != (self._lora, self._salt):
+            return self._reset(prompt, lora_name, cache_salt)
+        old = chain.tokens
+        same = first_difference(old, prompt)
+        diverged = same < len(old)
+        if diverged:
+            chain.truncate(same)
+        chain.extend(prompt[same:])
+        return Advance(same, len(prompt) - same, diverged)
+
+    def extend(self, appended: Sequence[int]) -> Advance:
+        """The caller vouches that the new prompt is the last one plus ``appended``.
+
+        O(len(appended)): for a front that renders each turn incrementally. A
+        wrong claim only misroutes (engines match KV by content), never corrupts.
+        """
+        if self.chain is None:
+            return self._reset(list(appended), None, None)
+        reused = len(self.chain.tokens)
+        self.chain.extend(appended)
+        return Advance(reused, len(appended), False)
+
+
+class SessionStore:
+    """Sessions by key, least recently used dropped beyond ``max_sessions``."""
+
+    def __init__(self, block_size: int, max_sessions: int) -> None:
+        if max_sessions <= 0:
+            raise ValueError(f"max_sessions must be positive, got {max_sessions}")
+        self.block_size = block_size
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[SessionId, SessionState] = OrderedDict()
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, key: SessionId) -> SessionState:
+        """The session for ``key`` (created empty if new); marks it most recent."""
+        state = self._sessions.get(key)
+        if state is None:
+            state = self._sessions[key] = SessionState(self.block_size)
+            if len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+                self.evicted += 1
+        else:
+            self._sessions.move_to_end(key)
+        return state
+
+    def forget(self, key: SessionId) -> None:
+        """Drop ``key`` (no-op if unknown)."""
+        self._sessions.pop(key, None)
+
+
+__all__ = [
+    "Advance",
+    "InvalidSessionKey",
+    "SessionId",
+    "SessionState",
+    "SessionStore",
+    "first_difference",
+    "session_key",
+]

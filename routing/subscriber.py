@@ -1,0 +1,174 @@
+"""The ZMQ edge: one engine's KV events into the index, with gap and restart handling.
+
+vLLM's ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``) sends each
+batch as three frames ``(topic, seq as 8-byte big-endian, msgpack payload)``
+from a PUB socket. It *binds* endpoints with ``*``/``::`` and ``ipc://`` /
+``inproc://`` ones, and *connects* to any other ``tcp://host:port``, in which
+case this subscriber must bind (:func:`subscriber_binds`). Its replay socket is
+a ROUTER that always binds: a client sends ``(b"", start_seq as 8 bytes)`` and
+receives ``(b"", topic, seq, payload)`` for each buffered batch with
+``seq >= start_seq``, then the end marker ``(b"", b"", seq=-1, b"")``.
+
+Sequencing, per engine:
+
+- the first batch, or one after a restart, is expected at seq 0 (a router that
+  starts after its engines catches up from the replay buffer);
+- a jump ahead is a *gap*: the missing batches are fetched from the replay
+  socket and applied in order before the batch that revealed the gap; if the
+  buffer no longer has them (or replay times out) the gap is *unrecoverable*
+  and the worker's entries are cleared (the index would otherwise keep blocks
+  the engine evicted), then whatever was recovered is applied;
+- a seq at or below the last one is an engine *restart*: the worker's entries
+  are cleared before the new batch is applied.
+
+Not thread-safe: call :meth:`EngineSubscriber.poll` from the thread that owns
+the index.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from routing.events import EventDecoder
+from routing.index import BlockIndex, WorkerId
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def subscriber_binds(engine_endpoint: str) -> bool:
+    """True when vLLM's publisher will connect to ``engine_endpoint`` (so we bind)."""
+    engine_binds = (
+        "*" in engine_endpoint
+        or "::" in engine_endpoint
+        or engine_endpoint.startswith(("ipc://", "inproc://"))
+    )
+    return not engine_binds
+
+
+@dataclass
+class SubscriberStats:
+    batches: int = 0
+    replayed: int = 0
+    gaps: int = 0
+    unrecoverable_gaps: int = 0
+    restarts: int = 0
+    bad_frames: int = 0
+
+
+class EngineSubscriber:
+    """Subscribes to one engine's KV events and applies them to ``index`` as ``worker``."""
+
+    def __init__(
+        self,
+        worker: WorkerId,
+        endpoint: str,
+        index: BlockIndex,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        bind: bool | None = None,
+        decoder: EventDecoder | None = None,
+        context: zmq.Context | None = None,
+        replay_timeout_s: float = 1.0,
+    ) -> None:
+        self.worker = worker
+        self.index = index
+        self.decoder = decoder if decoder is not None else EventDecoder()
+        self.stats = SubscriberStats()
+        self.replay_endpoint = replay_endpoint
+        self.replay_timeout_s = replay_timeout_s
+        self._ctx = context if context is not None else zmq.Context.instance()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sub.setsockopt(zmq.LINGER, 0)
+        if subscriber_binds(endpoint) if bind is None else bind:
+            self._sub.bind(endpoint)
+        else:
+            self._sub.connect(endpoint)
+        self.endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
+        self._last_seq: int | None = None
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The SUB socket, for a caller's ``zmq.Poller``."""
+        return self._sub
+
+    @property
+    def last_seq(self) -> int | None:
+        return self._last_seq
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Wait up to ``timeout_ms`` for events, then apply all that are queued; returns how many."""
+        if not self._sub.poll(timeout_ms):
+            return 0
+        handled = 0
+        while True:
+            try:
+                frames = self._sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return handled
+            handled += 1
+            self._on_frames(frames)
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.stats.bad_frames += 1
+            return
+        seq = int.from_bytes(frames[1], "big")
+        last = self._last_seq
+        if last is not None and seq <= last:
+            self.stats.restarts += 1
+            self.index.clear_worker(self.worker)
+            last = self._last_seq = None
+        expected = 0 if last is None else last + 1
+        if seq > expected:
+            self.stats.gaps += 1
+            recovered = self._replay(expected, seq)
+            if [s for s, _ in recovered] != list(range(expected, seq)):
+                self.stats.unrecoverable_gaps += 1
+                if last is not None:
+                    self.index.clear_worker(self.worker)
+            for rseq, payload in recovered:
+                self._apply(rseq, payload)
+                self.stats.replayed += 1
+        self._apply(seq, frames[2])
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        batch = self.decoder.decode(payload)
+        self.index.apply_all(self.worker, batch.events)
+        self.stats.batches += 1
+        self._last_seq = seq
+
+    def _replay(self, start: int, stop: int) -> list[tuple[int, bytes]]:
+        """Batches ``start <= seq < stop`` the engine still buffers, in order (maybe none)."""
+        if self.replay_endpoint is None:
+            return []
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        out: dict[int, bytes] = {}
+        try:
+            dealer.connect(self.replay_endpoint)
+            dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            deadline = time.monotonic() + self.replay_timeout_s
+            while True:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0 or not dealer.poll(left_ms):
+                    break
+                frames = dealer.recv_multipart()
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    self.stats.bad_frames += 1
+                    continue
+                if frames[2] == END_SEQ:
+                    break
+                seq = int.from_bytes(frames[2], "big")
+                if start <= seq < stop:
+                    out[seq] = frames[3]
+        finally:
+            dealer.close(linger=0)
+        return sorted(out.items())

@@ -1,0 +1,152 @@
+"""Component test: vLLM's real ZmqEventPublisher -> EngineSubscriber -> BlockIndex (127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import zmq
+
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+
+from routing.index import BlockIndex, PromptChain, WorkerId  # noqa: E402
+from routing.subscriber import EngineSubscriber, subscriber_binds  # noqa: E402
+
+BS = 4
+W = WorkerId("w1")
+
+
+def _free_port() -> int:
+    """A free port below the ephemeral range: a connecting PUB cannot self-connect to it."""
+    sock = zmq.Context.instance().socket(zmq.REP)
+    try:
+        return sock.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=30000)
+    finally:
+        sock.close(linger=0)
+
+
+def _stored(i: int, parent: int | None) -> object:
+    return kv_events.BlockStored(
+        block_hashes=[i.to_bytes(8, "big")],
+        parent_block_hash=None if parent is None else parent.to_bytes(8, "big"),
+        token_ids=[i * 10 + k for k in range(BS)],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+
+
+def _publish_chain(pub: object, first: int, last: int) -> None:
+    for i in range(first, last):
+        pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[_stored(i, i - 1 if i else None)]))
+
+
+def _prompt(n: int) -> list[int]:
+    return [i * 10 + k for i in range(n) for k in range(BS)]
+
+
+def _noop() -> object:
+    return kv_events.KVEventBatch(
+        ts=time.time(), events=[kv_events.BlockRemoved(block_hashes=[b"none"], medium="GPU")]
+    )
+
+
+def _publish_until_seen(pub: object, sub: EngineSubscriber, timeout_s: float = 20.0) -> None:
+    """Publish harmless batches until one arrives.
+
+    A PUB drops what it sends before the subscription reaches it, so the first
+    batches may be lost; the gap they leave is recovered through replay.
+    """
+    seen = sub.stats.batches
+    deadline = time.monotonic() + timeout_s
+    while sub.stats.batches == seen and time.monotonic() < deadline:
+        pub.publish(_noop())
+        sub.poll(200)
+    sub.poll(200)
+    assert sub.stats.batches > seen, "no batch ever arrived"
+
+
+@pytest.fixture()
+def endpoints():
+    return f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+
+
+def _publisher(endpoint: str, replay: str, hwm: int = 100_000):
+    return kv_events.ZmqEventPublisher(
+        data_parallel_rank=0, endpoint=endpoint, replay_endpoint=replay, topic="kv", hwm=hwm
+    )
+
+
+def test_connecting_engine_means_binding_subscriber():
+    assert subscriber_binds("tcp://127.0.0.1:5557")
+    assert not subscriber_binds("tcp://*:5557")
+    assert not subscriber_binds("ipc:///tmp/kv")
+
+
+def test_late_subscriber_catches_up_through_replay(endpoints):
+    endpoint, replay = endpoints
+    index = BlockIndex(BS)
+    pub = _publisher(endpoint, replay)
+    sub = None
+    try:
+        _publish_chain(pub, 0, 20)  # nobody bound yet: the router starts after the engine
+        time.sleep(0.3)
+        sub = EngineSubscriber(W, endpoint, index, replay_endpoint=replay, topic="kv")
+        _publish_until_seen(pub, sub)
+        assert sub.stats.gaps >= 1 and sub.stats.replayed >= 20
+        assert sub.stats.unrecoverable_gaps == 0
+        assert index.match(PromptChain(_prompt(30), BS)).blocks == {W: {"GPU": 20}}
+    finally:
+        pub.shutdown()
+        if sub is not None:
+            sub.close()
+
+
+def test_engine_restart_clears_the_worker(endpoints):
+    endpoint, replay = endpoints
+    index = BlockIndex(BS)
+    sub = EngineSubscriber(W, endpoint, index, replay_endpoint=replay, topic="kv")
+    pub = _publisher(endpoint, replay)
+    _publish_chain(pub, 0, 6)
+    _publish_until_seen(pub, sub)
+    assert index.match(PromptChain(_prompt(6), BS)).blocks == {W: {"GPU": 6}}
+    pub.shutdown()
+    time.sleep(0.3)
+    pub = _publisher(endpoint, replay)  # a restarted engine: seq starts at 0 again
+    try:
+        pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[_stored(0, None)]))
+        _publish_until_seen(pub, sub)
+        assert sub.stats.restarts == 1
+        assert index.match(PromptChain(_prompt(6), BS)).blocks == {W: {"GPU": 1}}
+    finally:
+        pub.shutdown()
+        sub.close()
+
+
+def test_malformed_payload_is_counted_and_stream_continues(endpoints):
+    endpoint, _ = endpoints
+    index = BlockIndex(BS)
+    sub = EngineSubscriber(W, endpoint, index, topic="kv")
+    raw = zmq.Context.instance().socket(zmq.PUB)
+    raw.connect(endpoint)
+    good = kv_events.KVEventBatch(ts=1.0, events=[_stored(0, None)])
+    payload = __import__("msgspec").msgpack.encode(good)
+    try:
+        deadline, seq = time.monotonic() + 20, 0
+        while index.block_count(W) == 0 and time.monotonic() < deadline:
+            raw.send_multipart((b"kv", b"short"))
+            raw.send_multipart((b"kv", seq.to_bytes(8, "big"), b"\xc1not msgpack"))
+            raw.send_multipart((b"kv", (seq + 1).to_bytes(8, "big"), payload))
+            seq += 2
+            sub.poll(200)
+        assert index.block_count(W) == 1
+        assert sub.stats.bad_frames >= 1
+        assert sum(sub.decoder.rejections.values()) >= 1
+    finally:
+        raw.close(linger=0)
+        sub.close()
