@@ -28,14 +28,16 @@ NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 
 
 def demo_prompts(seed: int = 7) -> list[tuple[str, str]]:
-    """(label, prompt): a shared prefix with two tasks, and an agent's next step."""
+    """(label, prompt): a warm-up (its TTFT includes the one-time NIXL handshake
+    between P and D), a shared prefix with two tasks, and an agent's next step."""
     rng = random.Random(seed)
     words = "cache block prefix session decode prefill router engine token transfer kernel tool".split()
     system = "System: you are a coding agent. " + " ".join(rng.choice(words) for _ in range(700))
     task_a = system + "\nTask: fix the failing test in the scheduler."
     task_b = system + "\nTask: add a metric for expired leases."
     step_2 = task_a + "\nTool output: " + " ".join(rng.choice(words) for _ in range(300))
-    return [("task A (cold)", task_a), ("task B (shares A's prefix)", task_b), ("A, step 2 (extends A)", step_2)]
+    warm_up = "Warm-up: " + " ".join(rng.choice(words) for _ in range(60))
+    return [("warm-up (NIXL handshake)", warm_up), ("task A (cold)", task_a), ("task B (shares A's prefix)", task_b), ("A, step 2 (extends A)", step_2)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +60,17 @@ def _settled_scrape(url: str) -> Samples:
 
 def run_requests(started: fleet_io.Fleet, tokenizer: PromptTokenizer) -> list[DemoRow]:
     prefill, decode = started.by_role("prefill")[0], started.by_role("decode")[0]
+    # Co-located reference: the same token ids, request after request, on D alone under
+    # one fresh cache salt, so nothing of the disaggregated runs is reused while prefix
+    # hits split each prefill at the same blocks as on the disaggregated path.
+    reference_salt = f"demo-ref-{uuid.uuid4().hex}"
     rows = []
     for label, prompt in demo_prompts():
         token_ids = tokenizer.prompt_token_ids(prompt)
         p0, d0 = scrape(prefill.url), scrape(decode.url)
         disagg = complete(started.router.url, token_ids, stream=True)
         p1, d1 = _settled_scrape(prefill.url), _settled_scrape(decode.url)
-        # Co-located reference: the same token ids on D alone, with a fresh cache salt
-        # so that nothing of the disaggregated run is reused.
-        reference = complete(decode.url, token_ids, cache_salt=f"demo-ref-{uuid.uuid4().hex}")
+        reference = complete(decode.url, token_ids, cache_salt=reference_salt)
         rows.append(
             DemoRow(
                 label=label,
