@@ -308,7 +308,7 @@ class BlockIndex:
         if bitno is None:
             return "unknown_slot"
         bit = 1 << bitno
-        names, metas = self._names[worker]
+        names, metas = self._names.get(worker) or ({}, {})
         others = self._worker_mask[worker] & ~bit
         gone: dict[Namespace, list[BlockKey]] = {}
         for ehash in ev.block_hashes:

@@ -1,0 +1,158 @@
+"""Table-driven tests of routing.cost, routing.config and routing.sessions."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+
+import pytest
+
+from routing.config import ConfigError, CostConfig, add_cli_flags, load_config
+from routing.cost import (Candidate, CostModel, LoadLedger, TierOverlap, WorkerLoad, tier_overlap,
+                          worker_terms)
+from routing.sessions import InvalidSessionKey, SessionStore, first_difference, session_key
+
+CFG = CostConfig()
+
+
+@pytest.mark.parametrize(
+    "cfg, overlap, load, affinity, cost",
+    [
+        (CFG, TierOverlap(), WorkerLoad(), False, 100 + 100),
+        (CFG, TierOverlap(gpu=60), WorkerLoad(), False, 40 + 100),
+        (CFG, TierOverlap(gpu=60, host=20, disk=20), WorkerLoad(), False, 100 - 60 - 15 - 5 + 100),
+        (CFG, TierOverlap(shared=10), WorkerLoad(), False, 95 + 100),
+        (CFG, TierOverlap(gpu=60), WorkerLoad(30, 50, 2), False, 70 + 150),
+        (CFG, TierOverlap(gpu=100), WorkerLoad(), True, 0 + 100 - 16),
+        (dataclasses.replace(CFG, overlap_score_credit_decay=0.01), TierOverlap(gpu=100),
+         WorkerLoad(100, 0, 0), False, 150 + 100),  # credit halved at 100 active prefill blocks
+        (dataclasses.replace(CFG, prefill_load_scale=2.0, decode_active_request_weight=5.0),
+         TierOverlap(gpu=50), WorkerLoad(0, 0, 3), False, 100 + 100 + 15),
+        (dataclasses.replace(CFG, overlap_score_credit=3.0), TierOverlap(gpu=50), WorkerLoad(), False, 0 + 100),
+    ],
+)
+def test_cost_table(cfg, overlap, load, affinity, cost):
+    assert worker_terms(cfg, 100, Candidate("w", overlap, load, affinity)).cost == pytest.approx(cost)
+
+
+def test_tier_overlap_counts_each_block_once():
+    classes = {"GPU": "gpu", "CPU": "host", "STORAGE": "disk"}
+    assert tier_overlap({"GPU": 30, "CPU": 10}, classes) == TierOverlap(30, 0, 0, 0)
+    assert tier_overlap({"GPU": 10, "STORAGE": 40, "X": 99}, classes, shared_depth=50) == TierOverlap(10, 0, 30, 10)
+
+
+def test_argmin_explain_and_seeded_sampling():
+    cands = [Candidate("hot", TierOverlap(gpu=90), WorkerLoad(80, 0, 0)),
+             Candidate("cold", TierOverlap(), WorkerLoad())]
+    d = CostModel(CFG).decide("r1", 100, cands)
+    assert d.chosen == "hot"
+    text = d.explain()
+    assert text.count("request=r1") == 3 and "worker=hot cost=190.00" in text and "<- chosen" in text
+    decayed = CostModel(dataclasses.replace(CFG, overlap_score_credit_decay=0.05)).decide("r2", 100, cands)
+    assert decayed.chosen == "cold"
+    warm = dataclasses.replace(CFG, router_temperature=1.0)
+    picks = [CostModel(warm, random.Random(7)).decide("r", 100, cands).chosen for _ in range(5)]
+    assert len(set(picks)) == 1  # same seed, same draw
+    many = CostModel(warm, random.Random(1))
+    assert {many.decide("r", 100, cands).chosen for _ in range(200)} == {"hot", "cold"}
+    with pytest.raises(ValueError):
+        CostModel(CFG).decide("r", 1, [])
+
+
+def test_load_ledger_lifecycle():
+    ledger = LoadLedger()
+    ledger.dispatch("r1", "p", "d", prompt_blocks=10, cached_blocks=4)
+    assert ledger.load("p") == WorkerLoad(6, 0, 0) and ledger.load("d") == WorkerLoad(0, 10, 1)
+    with pytest.raises(ValueError):
+        ledger.dispatch("r1", "p", "d", 1, 0)
+    assert ledger.first_token("r1") and not ledger.first_token("r1")
+    assert ledger.load("p") == WorkerLoad()
+    assert ledger.complete("r1") and not ledger.fail("r1")
+    assert ledger.load("d") == WorkerLoad()
+    ledger.dispatch("r2", "w", "w", 5, 0)
+    assert ledger.fail("r2") and ledger.load("w") == WorkerLoad()
+
+
+@pytest.mark.parametrize(
+    "yaml_text, flags, check",
+    [
+        ("", [], lambda c: c.cost.overlap_score_credit == 1.0 and c.cost.host_cache_hit_weight == 0.75),
+        ("cost: {overlap_score_credit: 2}", [], lambda c: c.cost.overlap_score_credit == 2.0),
+        ("cost: {overlap_score_credit: 2}", ["--overlap-score-credit", "0.5"],
+         lambda c: c.cost.overlap_score_credit == 0.5),
+        ("index: {block_size: 32, tiers: {GPU: gpu}}", ["--max-sessions", "5"],
+         lambda c: c.index.block_size == 32 and dict(c.index.tiers) == {"GPU": "gpu"} and c.sessions.max_sessions == 5),
+    ],
+)
+def test_config_layers(tmp_path, yaml_text, flags, check):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml_text)
+    parser = argparse.ArgumentParser()
+    add_cli_flags(parser)
+    assert check(load_config(path, parser.parse_args(flags)))
+
+
+@pytest.mark.parametrize(
+    "yaml_text, message",
+    [
+        ("cost: {overlap_score_credt: 1}", "cost.overlap_score_credt"),
+        ("routerr: {}", "routerr"),
+        ("cost: {router_temperature: -1}", "cost.router_temperature"),
+        ("cost: {router_seed: 1.5}", "cost.router_seed"),
+        ("index: {block_size: 0}", "index.block_size"),
+        ("index: {tiers: {GPU: vram}}", "index.tiers.GPU"),
+        ("cost: 3", "cost"),
+        ("- 1", "top level"),
+    ],
+)
+def test_config_errors_name_the_key(tmp_path, yaml_text, message):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "body, headers, key",
+    [
+        ({"conversation_id": "c", "prompt_cache_key": "p"}, {"X-Session-ID": "h"}, "c"),
+        ({"prompt_cache_key": "p"}, {"x-session-id": "h"}, "p"),
+        ({"conversation_id": None}, {"X-SESSION-ID": "h"}, "h"),
+        ({}, {}, None),
+    ],
+)
+def test_session_key_precedence(body, headers, key):
+    assert session_key(body, headers) == key
+
+
+@pytest.mark.parametrize("body", [{"conversation_id": 3}, {"prompt_cache_key": ""}, {"conversation_id": "x" * 300}])
+def test_bad_session_keys_name_the_field(body):
+    with pytest.raises(InvalidSessionKey, match=next(iter(body))):
+        session_key(body, {})
+
+
+@pytest.mark.parametrize(
+    "old, new, expected",
+    [([1, 2, 3], [1, 2, 3, 4], 3), ([1, 2, 3], [1, 9, 3], 1), ([1, 2, 3], [1, 2], 2), ([], [5], 0)],
+)
+def test_first_difference(old, new, expected):
+    assert first_difference(old, new) == expected
+
+
+def test_session_chain_names_only_new_blocks_and_rehashes_from_divergence():
+    store = SessionStore(block_size=2, max_sessions=2)
+    s = store.get("a")
+    s.advance(list(range(10)))
+    s.chain.keys(5)
+    assert s.chain.named_blocks == 5
+    adv = s.advance(list(range(14)))
+    assert adv == (10, 4, False) and s.chain.named_blocks == 5  # old names kept
+    fresh = list(range(14))
+    assert s.chain.keys(7) == __import__("routing.index", fromlist=["chain_keys"]).chain_keys(fresh, 2, 0, 0)
+    adv = s.advance([0, 1, 2, 99, 4, 5])
+    assert adv == (3, 3, True) and s.chain.named_blocks == 1  # cut back to the block before token 3
+    assert s.advance([0, 1], cache_salt="t").reused_tokens == 0  # another salt: fresh chain
+    assert s.extend([5, 6]).reused_tokens == 2 and list(s.chain.tokens) == [0, 1, 5, 6]
+    store.get("b"), store.get("c")
+    assert len(store) == 2 and store.evicted == 1
