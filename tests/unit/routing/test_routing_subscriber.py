@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 import time
 
 import pytest
@@ -20,13 +22,27 @@ BS = 4
 W = WorkerId("w1")
 
 
-def _free_port() -> int:
-    """A free port below the ephemeral range: a connecting PUB cannot self-connect to it."""
-    sock = zmq.Context.instance().socket(zmq.REP)
+def _free_ports(n: int) -> list[int]:
+    """Distinct free ports below the ephemeral range (a connecting PUB cannot self-connect).
+
+    Plain sockets, closed synchronously (a closed ZMQ socket frees its port later).
+    """
+    rng, socks, ports = random.Random(), [], []
     try:
-        return sock.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=30000)
+        while len(ports) < n:
+            sock = socket.socket()
+            try:
+                port = rng.randrange(20000, 30000)
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                continue
+            socks.append(sock)
+            ports.append(port)
+        return ports
     finally:
-        sock.close(linger=0)
+        for sock in socks:
+            sock.close()
 
 
 def _stored(i: int, parent: int | None) -> object:
@@ -73,7 +89,7 @@ def _publish_until_seen(pub: object, sub: EngineSubscriber, timeout_s: float = 2
 
 @pytest.fixture()
 def endpoints():
-    return f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    return tuple(f"tcp://127.0.0.1:{port}" for port in _free_ports(2))
 
 
 def _publisher(endpoint: str, replay: str, hwm: int = 100_000):
@@ -88,8 +104,9 @@ def test_connecting_engine_means_binding_subscriber():
     assert not subscriber_binds("ipc:///tmp/kv")
 
 
-def test_late_subscriber_catches_up_through_replay(endpoints):
-    endpoint, replay = endpoints
+def test_late_subscriber_catches_up_through_replay(endpoints, tmp_path):
+    _, replay = endpoints
+    endpoint = f"ipc://{tmp_path}/kv.sock"  # the engine binds ipc endpoints; the router connects
     index = BlockIndex(BS)
     pub = _publisher(endpoint, replay)
     sub = None
