@@ -1,4 +1,6 @@
-"""kvpilot's KV-aware router core (no vLLM import anywhere in this package).
+"""kvpilot's router: an OpenAI-compatible HTTP front that sends each request to a
+prefill engine, then a decode engine (or to one co-located engine), with token ids.
+Imports and runs without vLLM installed (no vLLM import anywhere in this package).
 
 Modules: ``events`` (vLLM KV-event wire format, tolerant decoding), ``index``
 (the global block index and block naming), ``subscriber`` (the ZMQ edge:
