@@ -101,7 +101,10 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner: KVConnectorBase_V1 = inner_cls(  # type: ignore[call-arg]
             inner_vllm_config(vllm_config, self.config), role, kv_cache_config
         )
-        self._pilot = KVPilotScheduler(vllm_config) if role == KVConnectorRole.SCHEDULER else None
+        self._pilot: KVPilotScheduler | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            layout = inner_cls.get_required_kvcache_layout(inner_vllm_config(vllm_config, self.config))
+            self._pilot = KVPilotScheduler(vllm_config, kv_cache_config, layout)
 
     @property
     def inner(self) -> KVConnectorBase_V1:
@@ -241,7 +244,13 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         return self._inner.get_loaded_kv_cache_group_ids(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
+        """The inner connector's answer when the peer's whole offer verified; else only
+        the verified blocks beyond the local hit (or nothing)."""
+        plan = self._scheduler_layer().plan_attach(request, num_computed_tokens)
+        if plan is None or plan.attach_blocks is None:
+            return self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
+        external = self._scheduler_layer().external_tokens(plan, num_computed_tokens)
+        return (external, True) if external > 0 else (0, False)
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -249,24 +258,31 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         return self._inner.get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        pilot = self._scheduler_layer()
+        plan = pilot.take_plan(request.request_id)
+        if plan is not None and request.kv_transfer_params is not None:
+            pilot.apply(plan, request.kv_transfer_params)
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._inner.build_connector_meta(scheduler_output)
 
     def on_new_request(self, request: Request) -> None:
+        self._scheduler_layer().screen_new_request(request)
         self._inner.on_new_request(request)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._inner.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler_layer().forget(request.request_id)
         delay_free, params = self._inner.request_finished(request, block_ids)
         return delay_free, self._stamp(request, params)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler_layer().forget(request.request_id)
         if supports_hma(self._inner):
             delay_free, params = self._inner.request_finished_all_groups(request, block_ids)  # type: ignore[attr-defined]
         else:
@@ -290,8 +306,11 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         return self._inner.has_pending_push_work()
 
     def _stamp(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:
-        assert self._pilot is not None, "request_finished runs on the scheduler side"
-        return self._pilot.stamp_offer(request, params)
+        return self._scheduler_layer().stamp_offer(request, params)
+
+    def _scheduler_layer(self) -> KVPilotScheduler:
+        assert self._pilot is not None, "called on the scheduler-side connector only"
+        return self._pilot
 
 
 __all__ = ["CONNECTOR_NAME", "KVPilotConnector"]

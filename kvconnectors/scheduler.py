@@ -1,41 +1,256 @@
 """kvpilot's scheduler-side layer: what ``KVPilotConnector`` adds between vLLM's
 scheduler and the inner connector.
 
-P side: ``request_finished`` stamps kvpilot's offer into the kv_transfer_params the
-inner connector returns for a decode peer.
+* **Offering side** (P, or D in bidirectional mode): ``request_finished`` stamps an
+  offer into the kv_transfer_params the inner connector returns whenever they hand
+  blocks to a peer: the hash contract, a digest of every full block whose KV was
+  computed, and the token ids of the partial tail block.
+* **Attaching side**: before the inner connector plans a pull, the request's own
+  block hashes (vLLM computed them over *this* engine's token ids) are checked
+  against the offer. Only the verified run of blocks beyond the local prefix hit is
+  attached; the rest is prefilled locally. vLLM's NIXL pull pairs the blocks it
+  allocated with the end of the peer's block list, so attaching the verified prefix
+  of ``k`` blocks means handing the inner connector the peer's first ``k`` block ids
+  and reporting ``k * block_size - num_computed_tokens`` external tokens.
+
+Every remote attach goes through :meth:`KVPilotScheduler.plan_attach`, whatever the
+direction (P->D prefill handoff or a bidirectional pull of the peer's session KV).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvconnectors.hash_contract import HashAlgo, SeedId, salt_identity, seed_identity
+from kvconnectors.pull_params import pull_fields_error, strip_pull_fields, wants_remote_pull
 from kvconnectors.stats import KVPilotStats
+from kvconnectors.transfer_params import (
+    PARAMS_KEY,
+    BlockOffer,
+    ContractId,
+    TransferParamsError,
+    decode_offer,
+    encode_offer,
+)
+from kvconnectors.verify import Reason, verify_offer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-PARAMS_KEY = "kvpilot"
-SCHEMA_VERSION = 1
+logger = logging.getLogger("kvpilot.connector")
+
+MALFORMED = "malformed_params"
+
+
+@dataclass(frozen=True, slots=True)
+class AttachPlan:
+    """What one request may load from its peer.
+
+    ``attach_blocks is None`` means everything the peer offered verified, tail
+    included: the inner connector's own plan stands. Otherwise the request loads
+    the peer's first ``attach_blocks`` blocks (those beyond its local hit) and
+    recomputes the rest.
+    """
+
+    attach_blocks: int | None
+    reason: str  # Reason value, or MALFORMED
+    rejected_blocks: int
+    recomputed_tokens: int
+    attached_blocks: int
+    explanation: str
+
+
+def model_identity(model: str) -> str:
+    """A model's name in the contract: a hub id as is, a local directory by its name
+    (the same weights live at different paths on different hosts)."""
+    path = Path(model)
+    return path.name if path.is_dir() else model
+
+
+def _dtype_name(cache_dtype: str, model_dtype: object) -> str:
+    if cache_dtype != "auto":
+        return cache_dtype
+    return str(model_dtype).removeprefix("torch.")
 
 
 class KVPilotScheduler:
     """Scheduler-side state of one ``KVPilotConnector``. Not thread-safe: vLLM's
     scheduler calls it from one thread."""
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_layout: str | None) -> None:
+        cache_config = vllm_config.cache_config
+        self._block_size: int = kv_cache_config.hash_block_size or cache_config.block_size
+        if self._block_size != cache_config.block_size:
+            raise ValueError(
+                f"KVPilotConnector verifies at the block size it attaches: hash block size "
+                f"{self._block_size} != block size {cache_config.block_size} (hybrid models) is not supported"
+            )
+        self._model = model_identity(vllm_config.model_config.model)
+        self._algo: HashAlgo = cache_config.prefix_caching_hash_algo
+        self._kv_dtype = _dtype_name(cache_config.cache_dtype, vllm_config.model_config.dtype)
+        self._kv_layout = kv_layout or "default"
+        self._seed_id: SeedId | None = None
+        self._plans: dict[str, AttachPlan] = {}
+        self._screened_out: dict[str, str] = {}  # request id -> what was malformed
+        self._logged: set[tuple[str, ...]] = set()
         self._stats = KVPilotStats()
 
-    def stamp_offer(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Add kvpilot's offer to ``params`` when they hand this prefill to a decode peer.
+    # ------------------------------------------------------------------ contract
+    def contract(self, request: Request) -> ContractId:
+        """This engine's contract for ``request`` (its salt is part of it)."""
+        if self._seed_id is None:
+            # vLLM seeds NONE_HASH after the connector is built: read it on first use.
+            from vllm.v1.core import kv_cache_utils
 
-        Returns ``params`` (mutated) or ``None`` when the inner connector returned none.
+            self._seed_id = seed_identity(kv_cache_utils.NONE_HASH)
+        return ContractId(
+            model=self._model,
+            block_size=self._block_size,
+            hash_algo=self._algo,
+            seed_id=self._seed_id,
+            kv_dtype=self._kv_dtype,
+            kv_layout=self._kv_layout,
+            salt_id=salt_identity(request.cache_salt),
+        )
+
+    # ------------------------------------------------------------------ offering side
+    def stamp_offer(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Add kvpilot's offer to ``params`` when they hand blocks to a peer.
+
+        The offer covers the tokens whose KV this engine computed
+        (``request.num_computed_tokens``): their full blocks' digests and the partial
+        tail's token ids. Returns ``params`` (mutated), or ``None`` if it was ``None``.
         """
-        if params is None or not params.get("do_remote_prefill"):
+        if params is None or not any(params.get("remote_block_ids") or ()):
             return params
-        params[PARAMS_KEY] = {"version": SCHEMA_VERSION}
+        num_tokens = request.num_computed_tokens
+        num_blocks = min(num_tokens // self._block_size, len(request.block_hashes))
+        tail = request.all_token_ids[num_blocks * self._block_size : num_tokens]
+        params[PARAMS_KEY] = encode_offer(self.contract(request), request.block_hashes[:num_blocks], tail)
         self._stats.count("offers")
         return params
+
+    # ------------------------------------------------------------------ attaching side
+    def screen_new_request(self, request: Request) -> None:
+        """Before the inner connector sees a new request: if it asks for a pull with
+        malformed fields, make it a local request (in place) and remember why."""
+        params = request.kv_transfer_params
+        if not wants_remote_pull(params):
+            return
+        assert params is not None
+        bad_field = pull_fields_error(params)
+        if bad_field is not None:
+            strip_pull_fields(params)
+            self._screened_out[request.request_id] = f"malformed {bad_field}: prefill locally"
+
+    def plan_attach(self, request: Request, num_computed_tokens: int) -> AttachPlan | None:
+        """Decide what ``request`` may load from its peer; ``None`` if it loads nothing
+        remote. Pure with respect to the request; remembers the plan for
+        :meth:`take_plan`."""
+        params = request.kv_transfer_params
+        screened_out = self._screened_out.get(request.request_id)
+        if screened_out is None and not wants_remote_pull(params):
+            self._plans.pop(request.request_id, None)
+            return None
+        assert params is not None
+        started = time.perf_counter()
+        plan = self._plan(request, params, num_computed_tokens, screened_out)
+        self._stats.count("verify_seconds", time.perf_counter() - started)
+        self._plans[request.request_id] = plan
+        return plan
+
+    def take_plan(self, request_id: str) -> AttachPlan | None:
+        """The plan made for ``request_id``, once; counts it in the stats."""
+        self._screened_out.pop(request_id, None)
+        plan = self._plans.pop(request_id, None)
+        if plan is not None:
+            self._record(request_id, plan)
+        return plan
+
+    def forget(self, request_id: str) -> None:
+        self._plans.pop(request_id, None)
+        self._screened_out.pop(request_id, None)
+
+    def external_tokens(self, plan: AttachPlan, num_computed_tokens: int) -> int:
+        """Tokens to load from the peer under a partial ``plan`` (may be <= 0: none)."""
+        assert plan.attach_blocks is not None
+        return plan.attach_blocks * self._block_size - num_computed_tokens
+
+    @staticmethod
+    def apply(plan: AttachPlan, params: dict[str, Any]) -> None:
+        """Rewrite ``params`` so that the inner connector pulls only what ``plan`` allows.
+
+        The peer's block list is cut to the verified prefix, which vLLM's pull pairs
+        with this engine's blocks beyond its local hit. The list stays even when
+        nothing is attached, so the peer is told to free its blocks. A screened-out
+        request has no list left: nothing to do.
+        """
+        if plan.attach_blocks is not None and "remote_block_ids" in params:
+            params["remote_block_ids"] = [group[: plan.attach_blocks] for group in params["remote_block_ids"]]
+
+    def _plan(
+        self, request: Request, params: dict[str, Any], num_computed_tokens: int, screened_out: str | None
+    ) -> AttachPlan:
+        prompt_len = request.num_prompt_tokens
+        own_hashes = request.block_hashes[: prompt_len // self._block_size]
+        local_hit = num_computed_tokens // self._block_size
+        recompute_all = prompt_len - num_computed_tokens
+        if screened_out is not None:
+            return AttachPlan(0, MALFORMED, len(own_hashes) - local_hit, recompute_all, 0, screened_out)
+        try:
+            offer = decode_offer(params.get(PARAMS_KEY))
+        except TransferParamsError as exc:
+            return AttachPlan(0, MALFORMED, len(own_hashes) - local_hit, recompute_all, 0,
+                              f"{exc}: prefill locally")  # fmt: skip
+        verdict = verify_offer(offer, self.contract(request), own_hashes, local_hit)
+        if self._tail_verified(request, offer, verdict.reason, verdict.num_verified_blocks, len(own_hashes)):
+            loaded = len(own_hashes) - local_hit
+            return AttachPlan(None, Reason.VERIFIED_ALL.value, 0, 0, loaded, verdict.explain() + ", tail verified")
+        attach_end = verdict.attach_blocks.stop
+        covered = min(offer.num_tokens, prompt_len)
+        recomputed = max(0, covered - max(attach_end * self._block_size, num_computed_tokens))
+        reason = verdict.reason.value if verdict.reason is not Reason.VERIFIED_ALL else Reason.TOKEN_MISMATCH.value
+        explanation = verdict.explain() if recomputed == 0 else f"{verdict.explain()}; recompute {recomputed} tokens"
+        return AttachPlan(attach_end, reason, len(verdict.rejected_blocks), recomputed, len(verdict.attach_blocks),
+                          explanation)  # fmt: skip
+
+    def _tail_verified(
+        self, request: Request, offer: BlockOffer, reason: Reason, num_verified: int, num_own_blocks: int
+    ) -> bool:
+        """Whether the peer's whole offer verified and covers exactly this prompt.
+
+        The partial tail has no block hash: given a verified chain up to it, equal
+        token ids mean equal KV, unless extra keys (LoRA, multimodal) apply."""
+        if reason is not Reason.VERIFIED_ALL or num_verified != offer.num_blocks or num_verified != num_own_blocks:
+            return False
+        if offer.num_tokens != request.num_prompt_tokens or request.lora_request or request.mm_features:
+            return False
+        start = num_verified * self._block_size
+        return tuple(request.prompt_token_ids[start:]) == offer.tail_token_ids
+
+    def _record(self, request_id: str, plan: AttachPlan) -> None:
+        if plan.attached_blocks:
+            self._stats.count("verified_blocks", plan.attached_blocks)
+        if plan.reason == Reason.VERIFIED_ALL.value and plan.recomputed_tokens == 0:
+            logger.debug("kvpilot %s: %s", request_id, plan.explanation)
+            return
+        if plan.rejected_blocks:
+            self._stats.count("rejected_blocks", plan.rejected_blocks, reason=plan.reason)
+        if plan.recomputed_tokens:
+            self._stats.count("recomputed_tokens", plan.recomputed_tokens, reason=plan.reason)
+        key = (plan.reason,) if plan.reason != Reason.CONTRACT_MISMATCH.value else (plan.reason, plan.explanation)
+        if key not in self._logged:  # once per reason (per distinct contract diff)
+            self._logged.add(key)
+            logger.warning("kvpilot %s: %s (further %s cases log at debug level)", request_id, plan.explanation,
+                           plan.reason)  # fmt: skip
+        else:
+            logger.debug("kvpilot %s: %s", request_id, plan.explanation)
 
     def take_stats(self) -> KVPilotStats:
         """The counts since the last call; resets them."""

@@ -38,11 +38,35 @@ class CounterSpec:
     reasons: tuple[str, ...] = ()
 
 
+REASONS = ("token_mismatch", "contract_mismatch", "malformed_params")
+
 COUNTERS: tuple[CounterSpec, ...] = (
     CounterSpec(
         "offers",
         "vllm:kvpilot_offers",
-        "Prefills whose kv_transfer_params kvpilot stamped with its schema for a decode peer.",
+        "Requests whose kv_transfer_params kvpilot stamped with a verifiable block offer for a peer.",
+    ),
+    CounterSpec(
+        "verified_blocks",
+        "vllm:kvpilot_verified_blocks",
+        "Remote blocks whose token hashes matched this engine's and that it loaded (beyond its local hit).",
+    ),
+    CounterSpec(
+        "rejected_blocks",
+        "vllm:kvpilot_rejected_blocks",
+        "Remote blocks offered and needed but not loaded, by reason.",
+        REASONS,
+    ),
+    CounterSpec(
+        "verify_seconds",
+        "vllm:kvpilot_verify_seconds",
+        "Scheduler time spent checking peers' offers against this engine's block hashes.",
+    ),
+    CounterSpec(
+        "recomputed_tokens",
+        "vllm:kvpilot_recomputed_tokens",
+        "Prompt tokens prefilled locally because the peer's offer for them was rejected, by reason.",
+        REASONS,
     ),
 )
 _SPECS = {spec.key: spec for spec in COUNTERS}
@@ -58,7 +82,7 @@ def counter_key(counter: str, reason: str | None = None) -> str:
 
 @dataclass
 class KVPilotStats(KVConnectorStats):
-    """``data = {"counters": {key: int}, "inner_connector": str | None, "inner": stats}``.
+    """``data = {"counters": {key: number}, "inner_connector": str | None, "inner": stats}``.
 
     ``inner`` is a ``KVConnectorStats`` in-process and its ``to_dict()`` on the wire.
     """
@@ -82,14 +106,14 @@ class KVPilotStats(KVConnectorStats):
         return cls({"counters": dict(data.get("counters", {})), "inner_connector": name, "inner": inner})
 
     @property
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, float]:
         return self.data["counters"]
 
     @property
     def inner(self) -> KVConnectorStats | None:
         return self.data["inner"]
 
-    def count(self, counter: str, n: int = 1, reason: str | None = None) -> None:
+    def count(self, counter: str, n: float = 1, reason: str | None = None) -> None:
         key = counter_key(counter, reason)
         self.counters[key] = self.counters.get(key, 0) + n
 

@@ -9,11 +9,16 @@ server and an HTTP proxy as JSON, so the wire form holds only JSON types::
                   "seed_id": "1f0c9a2e", "kv_dtype": "bfloat16",
                   "kv_layout": "NHD", "salt_id": ""},
      "num_blocks": 4096,
-     "block_digests": "<base64 of num_blocks * 8 bytes>"}
+     "block_digests": "<base64 of num_blocks * 8 bytes>",
+     "tail_token_ids": [17, 4, 99]}
 
 ``block_digests`` packs, for each full block P offers (block 0 first), the
 first :data:`DIGEST_BYTES` bytes of vLLM's block hash (the same hashes vLLM
 puts in its KV events; see :mod:`kvconnectors.hash_contract`).
+``tail_token_ids`` are the token ids of the partial block after them (fewer
+than ``block_size``; vLLM hashes only full blocks). Given a verified chain up
+to it, equal tail tokens mean equal KV for the tail, so D may load it too
+instead of recomputing it (which would split D's prefill at another point).
 
 Why 8 bytes per block is enough
 -------------------------------
@@ -32,10 +37,11 @@ Size
 ----
 The digests take ``4 * ceil(8 * num_blocks / 3)`` characters. For a 65,536-token
 prompt: 4,096 blocks at block size 16 give 43,692 characters; 512 blocks at
-block size 128 give 5,464. The rest of ``{"kvpilot": {...}}`` is about 220
+block size 128 give 5,464. The rest of ``{"kvpilot": {...}}`` is about 240
 bytes of JSON plus the model name (``json.dumps`` with its default separators):
-43,928 and 5,700 bytes in all with an 18-character model name
-(``tests/unit/kvconnectors/test_transfer_params.py`` computes these).
+43,950 and 5,722 bytes in all with an 18-character model name
+(``tests/unit/kvconnectors/test_transfer_params.py`` computes these); a
+partial tail block adds its token ids, at most ``block_size - 1`` of them.
 
 Decoding is strict: anything malformed (not an object, a missing, unknown or
 mistyped field, an unknown version, a digest string that is truncated,
@@ -139,11 +145,20 @@ class BlockOffer(msgspec.Struct, frozen=True):
     version: int
     contract: ContractId
     packed_digests: PackedDigests
+    tail_token_ids: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:
-        """How many blocks P offers."""
+        """How many full blocks P offers."""
         return len(self.packed_digests) // DIGEST_BYTES
+
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens' KV P offers: its full blocks and the partial tail."""
+        return self.num_blocks * self.contract.block_size + len(self.tail_token_ids)
+
+
+_TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 
 
 class _WireOffer(msgspec.Struct, forbid_unknown_fields=True):
@@ -151,6 +166,7 @@ class _WireOffer(msgspec.Struct, forbid_unknown_fields=True):
     contract: ContractId
     num_blocks: Annotated[int, msgspec.Meta(ge=0)]
     block_digests: str
+    tail_token_ids: list[_TokenId] = []
 
 
 class TransferParamsError(ValueError):
@@ -174,10 +190,14 @@ def _digests_chars(num_blocks: int) -> int:
     return 4 * math.ceil(num_blocks * DIGEST_BYTES / 3)
 
 
-def encode_offer(contract: ContractId, hashes: Sequence[BlockHash]) -> dict[str, Any]:
+def encode_offer(
+    contract: ContractId, hashes: Sequence[BlockHash], tail_token_ids: Sequence[int] = ()
+) -> dict[str, Any]:
     """Return the JSON-serialisable sub-dict to store under :data:`PARAMS_KEY`.
 
-    ``hashes`` are P's block hashes from block 0 on (``request.block_hashes``).
+    ``hashes`` are P's block hashes from block 0 on (``request.block_hashes``);
+    ``tail_token_ids`` the tokens after them whose KV P also offers (fewer than
+    ``contract.block_size``).
     Raises :class:`TransferParamsError` if ``contract`` is invalid or a hash is
     shorter than :data:`DIGEST_BYTES`, so that a bad offer fails on P, where
     the bug is, rather than on D.
@@ -191,12 +211,23 @@ def encode_offer(contract: ContractId, hashes: Sequence[BlockHash]) -> dict[str,
             f"{PARAMS_KEY}.block_digests",
             f"block {index}'s hash has {len(short)} bytes, need {DIGEST_BYTES}",
         )
-    return {
+    offer = {
         "version": SCHEMA_VERSION,
         "contract": contract_dict,
         "num_blocks": len(hashes),
         "block_digests": base64.b64encode(packed).decode("ascii"),
+        "tail_token_ids": [int(t) for t in tail_token_ids],
     }
+    _check_tail(_convert(offer, _WireOffer, PARAMS_KEY))
+    return offer
+
+
+def _check_tail(wire: _WireOffer) -> None:
+    if len(wire.tail_token_ids) >= wire.contract.block_size:
+        raise TransferParamsError(
+            f"{PARAMS_KEY}.tail_token_ids",
+            f"{len(wire.tail_token_ids)} tokens, must be fewer than block_size {wire.contract.block_size}",
+        )
 
 
 def decode_offer(raw: object, max_blocks: int = MAX_OFFER_BLOCKS) -> BlockOffer:
@@ -222,6 +253,7 @@ def decode_offer(raw: object, max_blocks: int = MAX_OFFER_BLOCKS) -> BlockOffer:
             f"unknown schema version {version}; this kvpilot reads {SCHEMA_VERSION}",
         )
     wire = _convert(raw, _WireOffer, PARAMS_KEY)
+    _check_tail(wire)
     field = f"{PARAMS_KEY}.block_digests"
     if wire.num_blocks > max_blocks:
         raise TransferParamsError(
@@ -245,7 +277,10 @@ def decode_offer(raw: object, max_blocks: int = MAX_OFFER_BLOCKS) -> BlockOffer:
             field, f"decodes to {len(packed)} bytes, expected {wire.num_blocks * DIGEST_BYTES}"
         )
     return BlockOffer(
-        version=wire.version, contract=wire.contract, packed_digests=PackedDigests(packed)
+        version=wire.version,
+        contract=wire.contract,
+        packed_digests=PackedDigests(packed),
+        tail_token_ids=tuple(wire.tail_token_ids),
     )
 
 

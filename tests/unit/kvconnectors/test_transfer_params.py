@@ -314,7 +314,7 @@ PROMPT_TOKENS = 65_536
 
 
 @pytest.mark.parametrize(
-    ("block_size", "digest_chars", "total_bytes"), [(16, 43_692, 43_928), (128, 5_464, 5_700)]
+    ("block_size", "digest_chars", "total_bytes"), [(16, 43_692, 43_950), (128, 5_464, 5_722)]
 )
 def test_encoded_size_of_a_64k_token_prompt(
     block_size: int, digest_chars: int, total_bytes: int
@@ -332,5 +332,31 @@ def test_encoded_size_of_a_64k_token_prompt(
     assert f"{total:,}" in tp.__doc__
     assert total == total_bytes
     assert len(CONTRACT.model) == 18
-    assert 200 <= total - digest_chars - len(CONTRACT.model) <= 240  # "about 220 bytes"
+    assert 220 <= total - digest_chars - len(CONTRACT.model) <= 260  # "about 240 bytes"
     assert decode_offer(json.loads(json.dumps(params))).packed_digests == pack_digests(hashes)
+
+
+def test_tail_tokens_round_trip_and_count() -> None:
+    hashes = [BlockHash(bytes([i]) * 32) for i in range(3)]
+    params = encode_offer(CONTRACT, hashes, tail_token_ids=[5, 6, 7])
+    offer = decode_offer(json.loads(json.dumps(params)))
+    assert offer.tail_token_ids == (5, 6, 7)
+    assert offer.num_tokens == 3 * CONTRACT.block_size + 3
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [[-1], ["a"], [1 << 40], "not a list"],
+)
+def test_bad_tail_tokens_are_named(tail: object) -> None:
+    params = encode_offer(CONTRACT, [BlockHash(b"\x01" * 32)])
+    with pytest.raises(TransferParamsError) as err:
+        decode_offer({**params, "tail_token_ids": tail})
+    assert err.value.field.startswith("kvpilot.tail_token_ids")
+
+
+def test_tail_must_be_shorter_than_a_block() -> None:
+    params = encode_offer(CONTRACT, [])
+    with pytest.raises(TransferParamsError) as err:
+        decode_offer({**params, "tail_token_ids": list(range(CONTRACT.block_size))})
+    assert err.value.field == "kvpilot.tail_token_ids"

@@ -1,0 +1,73 @@
+"""vLLM's NIXL pull fields in kv_transfer_params: when a request asks for a remote
+pull, and whether the fields the pull would use are well-formed.
+
+vLLM's NixlConnector trusts these fields: a string where a port belongs, or
+``do_remote_prefill`` without block ids, fails deep in its worker or trips an
+assertion that stops the engine. kvpilot checks them first and serves a malformed
+request by local prefill instead. Pure: no vLLM import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+_REQUIRED_STR = ("remote_engine_id", "remote_request_id", "remote_host")
+_PULL_FIELDS = ("remote_block_ids", *_REQUIRED_STR, "remote_port")
+_OPTIONAL_POSITIVE_INT = ("tp_size", "dcp_size", "pp_size", "remote_block_size")
+_OPTIONAL_NON_NEGATIVE_INT = ("remote_num_tokens",)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def wants_remote_pull(params: Mapping[str, Any] | None) -> bool:
+    """Whether the inner connector would try to load blocks from a peer for these
+    params: a P->D handoff (``do_remote_prefill``), or a pull of the peer's blocks
+    on the prefill side in bidirectional mode (``do_remote_decode`` with
+    ``remote_block_ids``, not yet processed)."""
+    if not isinstance(params, Mapping):
+        return False
+    if params.get("do_remote_prefill"):
+        return True
+    return bool(
+        params.get("do_remote_decode") and params.get("remote_block_ids") and not params.get("_remote_blocks_processed")
+    )
+
+
+def pull_fields_error(params: Mapping[str, Any]) -> str | None:
+    """The name of the first malformed pull field, with what is wrong; ``None`` if
+    every field the pull uses is well-formed."""
+    block_ids = params.get("remote_block_ids")
+    if not isinstance(block_ids, list) or not block_ids:
+        return "remote_block_ids (expected a non-empty list of per-group block id lists)"
+    for group in block_ids:
+        if not isinstance(group, list) or not all(_is_int(b) and b >= 0 for b in group):
+            return "remote_block_ids (each group must be a list of non-negative ints)"
+    if not any(block_ids):
+        return "remote_block_ids (every group is empty)"
+    for name in _REQUIRED_STR:
+        value = params.get(name)
+        if not isinstance(value, str) or not value:
+            return f"{name} (expected a non-empty string)"
+    port = params.get("remote_port")
+    if not _is_int(port) or not 0 < port < 65536:
+        return "remote_port (expected an int in 1..65535)"
+    for name in _OPTIONAL_POSITIVE_INT:
+        value = params.get(name)
+        if value is not None and (not _is_int(value) or value < 1):
+            return f"{name} (expected a positive int)"
+    for name in _OPTIONAL_NON_NEGATIVE_INT:
+        value = params.get(name)
+        if value is not None and (not _is_int(value) or value < 0):
+            return f"{name} (expected a non-negative int)"
+    return None
+
+
+def strip_pull_fields(params: dict[str, Any]) -> None:
+    """Turn a malformed pull request into a plain local one, in place: no remote
+    prefill, no peer to pull from. The peer's lease on its blocks expires on its own."""
+    params["do_remote_prefill"] = False
+    for name in _PULL_FIELDS:
+        params.pop(name, None)
