@@ -20,8 +20,34 @@ user can paste them::
       tiers: {GPU: gpu, CPU: host, STORAGE: disk}
     sessions:
       max_sessions: 10000
+    server:                              # the HTTP front (routing.server)
+      host: 127.0.0.1
+      port: 8000
+      model_name: tiny
+      model_dir: /path/to/model          # tokenizer.json + tokenizer_config.json
+      prefill_timeout_s: 30.0            # P slower than this: local prefill on D
+      request_timeout_s: 600.0
+    disaggregation:                      # policies.disaggregation (local vs remote prefill)
+      max_local_tokens: 2048             # null disables a check
+      max_local_fraction: 0.7
+      decode_busy_kv_usage: 0.9          # D's KV usage from the ledger / worker kv_blocks
+      compare_costs: false               # true: also the roofline comparison below
+      max_stall_s: 0.05
+      model_preset: llama-8b             # policies.presets names
+      p_hardware: h100
+      d_hardware: h100
+      link_preset: rdma
+      kv_format: bf16
+    workers:                             # routing.engines: the fleet
+      - name: prefill-0
+        role: prefill                    # prefill | decode | colocated
+        url: http://127.0.0.1:8100
+        kv_events_endpoint: tcp://127.0.0.1:5700   # the router binds it; the engine connects
+        replay_endpoint: tcp://127.0.0.1:5800      # the engine binds it
+        topic: kv
+        kv_blocks: 0                     # the engine's KV capacity in blocks (0 = unknown)
 
-Every leaf except mappings also has a flag (``--overlap-score-credit 0.5``);
+Every scalar leaf outside ``workers`` also has a flag (``--overlap-score-credit 0.5``);
 flags override YAML, YAML overrides defaults. An unknown key is an error naming
 its path (``cost.overlap_score_credt``); so is a value of the wrong type or
 out of range.
@@ -32,6 +58,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -111,10 +138,72 @@ class SessionConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP front: where it listens, the model it serves, upstream timeouts."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "tiny"
+    model_dir: str = ""
+    prefill_timeout_s: float = 30.0
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65536), got {self.port}")
+        for name in ("prefill_timeout_s", "request_timeout_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    """``policies.disaggregation.LocalPrefillConfig`` plus the preset names it costs with."""
+
+    max_local_tokens: int | None = 2048
+    max_local_fraction: float | None = 0.7
+    decode_busy_kv_usage: float | None = 0.9
+    compare_costs: bool = False
+    max_stall_s: float = 0.05
+    model_preset: str = "llama-8b"
+    p_hardware: str = "h100"
+    d_hardware: str = "h100"
+    link_preset: str = "rdma"
+    kv_format: str = "bf16"
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "max_stall_s")
+        for name in ("max_local_tokens", "max_local_fraction", "decode_busy_kv_usage"):
+            if getattr(self, name) is not None:
+                _non_negative(self, name)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One engine as written in YAML; :mod:`routing.engines` validates the fleet."""
+
+    name: str
+    role: str
+    url: str
+    kv_events_endpoint: str | None = None
+    replay_endpoint: str | None = None
+    topic: str = "kv"
+    kv_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv_blocks < 0:
+            raise ConfigError(f"kv_blocks must be >= 0, got {self.kv_blocks}")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     cost: CostConfig = field(default_factory=CostConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+    workers: tuple[WorkerConfig, ...] = ()
 
 
 def _coerce(value: Any, kind: Any, path: str) -> Any:
@@ -122,6 +211,25 @@ def _coerce(value: Any, kind: Any, path: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path or 'config'} must be a mapping, got {type(value).__name__}")
         return _build(kind, value, path + ".")
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(kind):
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(kind) if a is not type(None)]
+        return _coerce(value, inner, path)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path} must be a list, got {type(value).__name__}")
+        (item,) = [a for a in typing.get_args(kind) if a is not Ellipsis]
+        return tuple(_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value))
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path} must be a string, got {value!r}")
+        return value
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path} must be true or false, got {value!r}")
+        return value
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path} must be a number, got {value!r}")
@@ -141,10 +249,14 @@ def _coerce(value: Any, kind: Any, path: str) -> Any:
 
 def _build(cls: Any, data: Mapping[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
+    fields = dataclasses.fields(cls)
+    known = {f.name for f in fields}
     for key in data:
         if key not in known:
             raise ConfigError(f"unknown config key {prefix + str(key)!r}")
+    for f in fields:
+        if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"missing config key {prefix + f.name!r}")
     values = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
     try:
         return cls(**values)
@@ -152,18 +264,24 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str) -> Any:
         raise ConfigError(f"{prefix}{exc}" if prefix else str(exc)) from None
 
 
+_FLAG_KINDS = (int, float, str)
+
+
 def _leaves() -> list[tuple[str, str, Any]]:
+    """(section, field, type) of every int, float or str leaf of the mapping sections."""
     out = []
     for section, cls in typing.get_type_hints(RouterConfig).items():
+        if not dataclasses.is_dataclass(cls):
+            continue
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if hints[f.name] in (int, float):
+            if hints[f.name] in _FLAG_KINDS:
                 out.append((section, f.name, hints[f.name]))
     return out
 
 
 def add_cli_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--<field-name>`` for every numeric leaf (default None = not given)."""
+    """Add ``--<field-name>`` for every int/float/str leaf (default None = not given)."""
     group = parser.add_argument_group("router config (overrides the YAML file)")
     for section, name, kind in _leaves():
         group.add_argument(

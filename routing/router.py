@@ -1,0 +1,254 @@
+"""The routing decision: token ids in, a :class:`Route` out. No I/O, no clock.
+
+For one request the :class:`Router`:
+
+1. names the prompt's blocks: a fresh :class:`~routing.index.PromptChain`, or
+   the session's incremental one (:class:`~routing.sessions.SessionStore`), so a
+   session's next step names only its new blocks;
+2. matches it in the :class:`~routing.index.BlockIndex` (per worker, per tier);
+3. builds one :class:`~routing.cost.Candidate` per (P, D) pair and per
+   co-located worker. A pair is named ``"P->D"``; it is credited with P's
+   overlap (P prefills), loaded with P's active prefill blocks and D's decode
+   blocks and requests, and earns the session credit if D served the session
+   last (after a step the newest KV lives on D, article section 9.2);
+4. asks :class:`~routing.cost.CostModel` to pick one (seeded RNG);
+5. for a pair, asks ``policies.disaggregation`` whether to prefill locally on D
+   (D's cached prefix, P's cached prefix and queue, D's KV usage from the
+   ledger) or remotely on P (conditional disaggregation, article section 7).
+
+:meth:`Router.route` does not touch the :class:`~routing.cost.LoadLedger`; the
+caller dispatches (:meth:`Route.prefill_worker` and :attr:`Route.cached_blocks`
+say what to count) and records the session's decode worker with
+:meth:`Router.served` once the request succeeded. Not thread-safe: callers
+serialize calls with the lock that guards the index.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from policies.disaggregation import (
+    DecodeState,
+    LocalPrefillConfig,
+    LocalRemoteDecision,
+    LocalVsRemotePolicy,
+    PromptState,
+    Where,
+)
+from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from policies.specs import SpecError
+from routing.config import ConfigError, DisaggregationConfig, RouterConfig
+from routing.cost import Candidate, CostModel, Decision, LoadLedger, TierOverlap, tier_overlap
+from routing.engines import Fleet, Worker
+from routing.index import BlockIndex, Match, PromptChain, Tier, WorkerId
+from routing.sessions import SessionId, SessionStore
+
+PAIR_SEPARATOR = "->"
+
+
+class Kind(str, enum.Enum):
+    """How a request is served."""
+
+    REMOTE_PREFILL = "remote_prefill"  # P prefills, D decodes with P's KV
+    LOCAL_PREFILL = "local_prefill"  # a P/D fleet, but D prefills itself
+    COLOCATED = "colocated"  # one worker does both
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request goes, and why.
+
+    ``prefill`` is P for a remote prefill, else None (D or the co-located worker
+    prefills). ``cached_blocks`` is the GPU prefix the prefilling worker holds,
+    ``decode_cached_blocks`` D's (what a local fallback on D reuses).
+    """
+
+    request_id: str
+    kind: Kind
+    prefill: Worker | None
+    decode: Worker
+    prompt_tokens: int
+    prompt_blocks: int
+    cached_blocks: int
+    decode_cached_blocks: int
+    overlap: TierOverlap
+    match: Match
+    decision: Decision
+    local_remote: LocalRemoteDecision | None
+
+    @property
+    def prefill_worker(self) -> Worker:
+        """The worker that prefills (P, or D itself)."""
+        return self.prefill if self.prefill is not None else self.decode
+
+    def explain(self) -> str:
+        """The cost decision term by term, then the local-vs-remote verdict, tagged."""
+        head = (
+            f"request={self.request_id} kind={self.kind.value} "
+            f"prefill={self.prefill_worker.name} decode={self.decode.name} "
+            f"prompt_tokens={self.prompt_tokens} cached_blocks={self.cached_blocks}"
+        )
+        lines = [head, self.decision.explain()]
+        if self.local_remote is not None:
+            lines.append(f"request={self.request_id} {self.local_remote.explain()}")
+        return "\n".join(lines)
+
+
+def policy_from_config(cfg: DisaggregationConfig) -> LocalVsRemotePolicy:
+    """The local-vs-remote policy the ``disaggregation`` section describes.
+
+    Raises :class:`ConfigError` naming the field for an unknown preset.
+    """
+    try:
+        return LocalVsRemotePolicy(
+            model_preset(cfg.model_preset),
+            kv_format_preset(cfg.kv_format),
+            hardware_preset(cfg.p_hardware),
+            hardware_preset(cfg.d_hardware),
+            link_preset(cfg.link_preset),
+            LocalPrefillConfig(
+                cfg.max_local_tokens, cfg.max_local_fraction, cfg.decode_busy_kv_usage,
+                cfg.compare_costs, cfg.max_stall_s,
+            ),  # fmt: skip
+        )
+    except SpecError as exc:
+        raise ConfigError(f"disaggregation: {exc}") from None
+
+
+def pair_name(prefill: WorkerId, decode: WorkerId) -> str:
+    return f"{prefill}{PAIR_SEPARATOR}{decode}"
+
+
+class Router:
+    """Decides (P, D) or the co-located worker for each request; see the module doc."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        config: RouterConfig,
+        index: BlockIndex,
+        ledger: LoadLedger,
+        sessions: SessionStore,
+        policy: LocalVsRemotePolicy | None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if fleet.prefill and policy is None:
+            raise ValueError("a fleet with prefill workers needs a local-vs-remote policy")
+        self.fleet = fleet
+        self.config = config
+        self.index = index
+        self.ledger = ledger
+        self.sessions = sessions
+        self.policy = policy
+        self.cost = CostModel(config.cost, rng if rng is not None else random.Random(config.cost.router_seed))
+        self._tiers = config.index.tiers
+        self._options: dict[str, tuple[Worker | None, Worker]] = {
+            pair_name(p.name, d.name): (p, d) for p in fleet.prefill for d in fleet.decode
+        }
+        for worker in fleet.colocated:
+            self._options[worker.name] = (None, worker)
+        if not fleet.prefill:  # a decode-only fleet serves like a co-located one
+            for worker in fleet.decode:
+                self._options[worker.name] = (None, worker)
+
+    def route(
+        self,
+        token_ids: Sequence[int],
+        request_id: str,
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        session: SessionId | None = None,
+        dry_run: bool = False,
+    ) -> Route:
+        """Choose where ``token_ids`` goes. Does not modify the index or the ledger.
+
+        With ``session`` and not ``dry_run``, the session's chain advances to
+        ``token_ids`` (only new blocks are named). A ``dry_run`` names a fresh
+        chain and leaves the session's chain as it was (it may create an empty
+        session entry). Raises ValueError for an empty prompt.
+        """
+        if not token_ids:
+            raise ValueError("empty prompt")
+        last: WorkerId | None = None
+        state = self.sessions.get(session) if session is not None else None
+        if state is not None:
+            last = state.last_worker
+        if state is not None and not dry_run:
+            state.advance(token_ids, lora_name=lora_name, cache_salt=cache_salt)
+            chain = state.chain
+            assert chain is not None
+        else:
+            chain = PromptChain(token_ids, self.index.block_size, lora_name=lora_name, cache_salt=cache_salt)
+        match = self.index.match(chain)
+        overlaps = self._overlaps(match)
+        candidates = [self._candidate(name, p, d, overlaps, last) for name, (p, d) in self._options.items()]
+        decision = self.cost.decide(request_id, chain.num_blocks, candidates)
+        p, d = self._options[decision.chosen]
+        local_remote = None
+        kind = Kind.COLOCATED
+        if p is not None:
+            assert self.policy is not None
+            local_remote = self.policy.decide(*self._policy_inputs(len(token_ids), p, d, overlaps))
+            kind = Kind.REMOTE_PREFILL if local_remote.where is Where.REMOTE else Kind.LOCAL_PREFILL
+            if kind is Kind.LOCAL_PREFILL:
+                p = None
+        prefiller = p if p is not None else d
+        return Route(
+            request_id, kind, p, d, len(token_ids), chain.num_blocks,
+            overlaps[prefiller.name].gpu, overlaps[d.name].gpu, overlaps[prefiller.name], match,
+            decision, local_remote,
+        )  # fmt: skip
+
+    def served(self, session: SessionId | None, route: Route) -> None:
+        """Record that ``route``'s decode worker now holds the session's newest KV."""
+        if session is not None:
+            self.sessions.get(session).last_worker = route.decode.name
+
+    def _overlaps(self, match: Match) -> dict[WorkerId, TierOverlap]:
+        shared = max(
+            (
+                depth
+                for tiers in match.blocks.values()
+                for tier, depth in tiers.items()
+                if self._tiers.get(tier) == "shared"
+            ),
+            default=0,
+        )
+        empty: Mapping[Tier, int] = {}
+        return {
+            w.name: tier_overlap(match.blocks.get(w.name, empty), self._tiers, shared)
+            for w in self.fleet.workers
+        }
+
+    def _candidate(
+        self,
+        name: str,
+        p: Worker | None,
+        d: Worker,
+        overlaps: Mapping[WorkerId, TierOverlap],
+        last: WorkerId | None,
+    ) -> Candidate:
+        d_load = self.ledger.load(d.name)
+        if p is None:
+            return Candidate(name, overlaps[d.name], d_load, d.name == last)
+        p_load = self.ledger.load(p.name)
+        load = d_load._replace(active_prefill_blocks=p_load.active_prefill_blocks)
+        return Candidate(name, overlaps[p.name], load, d.name == last)
+
+    def _policy_inputs(
+        self, prompt_tokens: int, p: Worker, d: Worker, overlaps: Mapping[WorkerId, TierOverlap]
+    ) -> tuple[PromptState, DecodeState]:
+        bs = self.index.block_size
+        d_load = self.ledger.load(d.name)
+        prompt = PromptState(
+            prompt_tokens=prompt_tokens,
+            d_cached_tokens=min(prompt_tokens, overlaps[d.name].gpu * bs),
+            p_cached_tokens=min(prompt_tokens, overlaps[p.name].gpu * bs),
+            p_queued_tokens=self.ledger.load(p.name).active_prefill_blocks * bs,
+        )
+        usage = min(1.0, d_load.active_decode_blocks / d.kv_blocks) if d.kv_blocks else 0.0
+        return prompt, DecodeState(kv_usage=usage, running_streams=d_load.active_requests)

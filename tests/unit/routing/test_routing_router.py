@@ -1,0 +1,249 @@
+"""Table-driven tests of routing.router (the decision glue) and routing.engines (the fleet)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from routing.config import ConfigError, RouterConfig, load_config
+from routing.cost import LoadLedger
+from routing.engines import Role, fleet_from_config, kv_events_config
+from routing.events import BlockStored
+from routing.index import BlockIndex, WorkerId
+from routing.router import Kind, Router, pair_name, policy_from_config
+from routing.sessions import SessionId, SessionStore
+
+BS = 4
+
+
+def _config(workers: list[dict], **sections: dict) -> RouterConfig:
+    """The config a YAML file with these sections loads to (through load_config)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "router.yaml"
+        path.write_text(yaml.safe_dump({"index": {"block_size": BS}, "workers": workers, **sections}))
+        return load_config(path)
+
+
+def _w(name: str, role: str, **extra: object) -> dict:
+    return {"name": name, "role": role, "url": f"http://127.0.0.1:1/{name}", **extra}
+
+
+def _prompt(n_blocks: int, base: int = 0) -> list[int]:
+    return [base + i for i in range(n_blocks * BS)]
+
+
+def _store(index: BlockIndex, worker: str, tokens: list[int], salt: str | None = None) -> None:
+    n = len(tokens) // BS
+    hashes = [f"{worker}-{tokens[0]}-{salt}-{i}".encode() for i in range(n)]
+    extra = [[salt] if salt else None] + [None] * (n - 1)
+    index.apply(WorkerId(worker), BlockStored(hashes, None, tokens[: n * BS], BS, medium="GPU", extra_keys=extra))
+
+
+def _router(cfg: RouterConfig, seed: int = 0) -> Router:
+    fleet = fleet_from_config(cfg)
+    policy = policy_from_config(cfg.disaggregation) if fleet.prefill else None
+    return Router(
+        fleet, cfg, BlockIndex(BS), LoadLedger(), SessionStore(BS, 16), policy, random.Random(seed)
+    )
+
+
+COLOCATED = [_w("w1", "colocated"), _w("w2", "colocated")]
+
+
+@pytest.mark.parametrize(
+    "case, stored, request_salt, expected, expected_cached",
+    [
+        ("prefix on w2 wins", [("w2", None)], None, "w2", 8),
+        ("prefix on w1 wins", [("w1", None)], None, "w1", 8),
+        ("deeper prefix wins", [("w1", None, 3), ("w2", None)], None, "w2", 8),
+        ("another salt earns nothing", [("w2", "tenant-a")], "tenant-b", None, 0),
+        ("own salt earns credit", [("w2", "tenant-a")], "tenant-a", "w2", 8),
+        ("unsalted blocks do not serve a salted prompt", [("w1", None)], "tenant-a", None, 0),
+    ],
+)
+def test_prefix_overlap_and_salt_isolation(case, stored, request_salt, expected, expected_cached):
+    router = _router(_config(COLOCATED))
+    prompt = _prompt(10)
+    for entry in stored:
+        worker, salt = entry[0], entry[1]
+        blocks = entry[2] if len(entry) > 2 else 8
+        _store(router.index, worker, prompt[: blocks * BS], salt)
+    route = router.route(prompt, "r1", cache_salt=request_salt)
+    assert route.kind is Kind.COLOCATED and route.prefill is None
+    assert route.cached_blocks == expected_cached, case
+    if expected is not None:
+        assert route.decode.name == expected, case
+
+
+@pytest.mark.parametrize(
+    "case, credit, w2_prefix_blocks, expected",
+    [
+        ("affinity breaks the tie", 16.0, 0, "w1"),
+        ("no credit configured: the prefix decides", 0.0, 2, "w2"),
+        ("affinity outweighs a small prefix elsewhere", 16.0, 2, "w1"),
+        ("affinity is soft: a big prefix elsewhere wins", 4.0, 9, "w2"),
+    ],
+)
+def test_session_affinity_is_a_soft_credit(case, credit, w2_prefix_blocks, expected):
+    router = _router(_config(COLOCATED, cost={"session_affinity_credit": credit}))
+    session = SessionId("conv-1")
+    first = router.route(_prompt(10, base=1000), "r0", session=session)
+    router.sessions.get(session).last_worker = WorkerId("w1")  # the previous step ran on w1
+    assert first.prompt_blocks == 10
+    prompt = _prompt(10)
+    if w2_prefix_blocks:
+        _store(router.index, "w2", prompt[: w2_prefix_blocks * BS])
+    route = router.route(prompt, "r1", session=session)
+    assert route.decode.name == expected, case
+
+
+def test_served_records_the_decode_worker_and_sessions_name_only_new_blocks():
+    router = _router(_config(COLOCATED))
+    session = SessionId("agent")
+    prompt = _prompt(10)
+    _store(router.index, "w2", prompt)
+    route = router.route(prompt, "r1", session=session)
+    router.served(session, route)
+    state = router.sessions.get(session)
+    assert state.last_worker == "w2"
+    named = state.chain.named_blocks
+    route2 = router.route(prompt + _prompt(3, base=500), "r2", session=session)
+    assert state.chain.tokens[: len(prompt)] == prompt and route2.prompt_blocks == 13
+    assert state.chain.named_blocks >= named and route2.decode.name == "w2"
+    dry = router.route(_prompt(2, base=900), "r3", session=session, dry_run=True)
+    assert dry.prompt_blocks == 2 and len(state.chain.tokens) == 13 * BS  # dry run left the chain
+
+
+def test_load_moves_traffic_off_a_busy_worker():
+    router = _router(_config(COLOCATED))
+    prompt = _prompt(10)
+    for w in ("w1", "w2"):
+        _store(router.index, w, prompt[: 4 * BS])
+    router.ledger.dispatch("busy", WorkerId("w1"), WorkerId("w1"), 40, 0)
+    assert router.route(prompt, "r1").decode.name == "w2"
+
+
+PD = [_w("p1", "prefill"), _w("p2", "prefill"), _w("d1", "decode", kv_blocks=100)]
+
+
+@pytest.mark.parametrize(
+    "case, on_p2, on_d1, d_active_blocks, expected_kind, expected_p",
+    [
+        ("nothing cached: remote on either P", 0, 0, 0, Kind.REMOTE_PREFILL, None),
+        ("P2 holds the prefix: the pair through P2", 8, 0, 0, Kind.REMOTE_PREFILL, "p2"),
+        ("D holds most of it: local prefill on D", 0, 9, 0, Kind.LOCAL_PREFILL, None),
+        ("D holds it but is busy (KV 95%): decode-busy guard", 0, 9, 95, Kind.REMOTE_PREFILL, None),
+        ("D holds it, KV 80%: local", 0, 9, 70, Kind.LOCAL_PREFILL, None),
+    ],
+)
+def test_pairs_and_conditional_disaggregation(case, on_p2, on_d1, d_active_blocks, expected_kind, expected_p):
+    router = _router(_config(PD))
+    prompt = _prompt(10)
+    if on_p2:
+        _store(router.index, "p2", prompt[: on_p2 * BS])
+    if on_d1:
+        _store(router.index, "d1", prompt[: on_d1 * BS])
+    if d_active_blocks:
+        router.ledger.dispatch("other", WorkerId("d1"), WorkerId("d1"), d_active_blocks, d_active_blocks)
+    route = router.route(prompt, "r1")
+    assert route.kind is expected_kind, f"{case}\n{route.explain()}"
+    assert route.decode.name == "d1"
+    if expected_kind is Kind.LOCAL_PREFILL:
+        assert route.prefill is None and route.prefill_worker.name == "d1"
+        assert route.cached_blocks == on_d1
+    else:
+        assert route.prefill is not None
+        if expected_p:
+            assert route.prefill.name == expected_p and route.cached_blocks == on_p2
+    assert route.decision.chosen in {pair_name(WorkerId("p1"), WorkerId("d1")), pair_name(WorkerId("p2"), WorkerId("d1"))}
+
+
+def test_explain_names_the_request_every_term_and_the_policy_verdict():
+    router = _router(_config(PD))
+    text = router.route(_prompt(6), "req-42").explain()
+    lines = text.splitlines()
+    assert all("request=req-42" in line for line in lines)
+    assert "p1->d1" in text and "p2->d1" in text and "adjusted_prefill_blocks" in text
+    assert "remote prefill" in lines[-1] and "effective prompt" in lines[-1]
+
+
+def test_seeded_sampling_is_reproducible():
+    cfg = _config(COLOCATED, cost={"router_temperature": 1.0})
+    routers = [_router(cfg, seed=7), _router(cfg, seed=7)]
+    picks = [[r.route(_prompt(3), f"r{i}").decode.name for i in range(12)] for r in routers]
+    assert picks[0] == picks[1]
+    assert len(set(picks[0])) == 2  # at T=1 with equal costs, both get picked
+
+
+def test_empty_prompt_is_refused():
+    with pytest.raises(ValueError, match="empty"):
+        _router(_config(COLOCATED)).route([], "r")
+
+
+# ---- the fleet (routing.engines) and its config section --------------------------
+@pytest.mark.parametrize(
+    "workers, message",
+    [
+        ([{"name": "a", "role": "decode", "url": "http://h:1", "colour": 1}], "workers[0].colour"),
+        ([{"name": "a", "role": "decode"}], "missing config key 'workers[0].url'"),
+        ([_w("a", "mixer")], "workers[0].role"),
+        ([_w("a", "decode"), _w("a", "decode")], "workers[1].name 'a' is used twice"),
+        ([_w("a", "prefill")], "need at least one decode"),
+        ([], "at least one decode or colocated"),
+        ([{"name": "a", "role": "decode", "url": "ftp://h"}], "workers[0].url"),
+        ([_w("a", "decode", kv_events_endpoint="udp://x")], "workers[0].kv_events_endpoint"),
+        ([_w("a", "decode", replay_endpoint="tcp://127.0.0.1:2")], "workers[0].replay_endpoint needs"),
+        ([_w("a", "decode", kv_blocks="many")], "workers[0].kv_blocks"),
+        (
+            [_w("a", "decode", kv_events_endpoint="tcp://127.0.0.1:3"),
+             _w("b", "decode", kv_events_endpoint="tcp://127.0.0.1:3")],
+            "tcp://127.0.0.1:3 is used twice",
+        ),
+    ],
+)
+def test_bad_workers_are_errors_naming_the_field(workers, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        fleet_from_config(_config(workers))
+
+
+def test_workers_section_parses_and_renders_the_engine_flag(tmp_path):
+    path = tmp_path / "fleet.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """
+            server: {port: 8000, model_dir: /m, model_name: tiny}
+            index: {block_size: 32}
+            disaggregation: {max_local_tokens: null, compare_costs: true}
+            workers:
+              - {name: prefill-0, role: prefill, url: "http://127.0.0.1:8100/",
+                 kv_events_endpoint: "tcp://127.0.0.1:5700", replay_endpoint: "tcp://127.0.0.1:5800"}
+              - {name: decode-0, role: decode, url: "http://127.0.0.1:8101", kv_blocks: 2048}
+            """
+        )
+    )
+    cfg = load_config(path)
+    fleet = fleet_from_config(cfg)
+    assert [w.name for w in fleet.prefill] == ["prefill-0"] and fleet.decode[0].kv_blocks == 2048
+    assert fleet.prefill[0].role is Role.PREFILL and fleet.prefill[0].url == "http://127.0.0.1:8100"
+    assert cfg.disaggregation.max_local_tokens is None and cfg.disaggregation.compare_costs is True
+    assert json.loads(kv_events_config(fleet.prefill[0])) == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:5700",
+        "replay_endpoint": "tcp://127.0.0.1:5800",
+        "topic": "kv",
+    }
+    with pytest.raises(ValueError, match="decode-0"):
+        kv_events_config(fleet.decode[0])
+
+
+def test_unknown_policy_preset_names_the_section():
+    with pytest.raises(ConfigError, match="disaggregation"):
+        policy_from_config(_config(PD, disaggregation={"p_hardware": "tpu9"}).disaggregation)
