@@ -1,0 +1,58 @@
+"""``kvpilot router --config FILE``: load the config, bind the KV-event endpoints, serve HTTP.
+
+:func:`add_subcommands` registers ``router`` on a ``kvpilot`` subparsers object;
+``python -m routing.cli router --config FILE`` works standalone. Every scalar
+of the config's mapping sections has a flag that overrides the YAML (``--port``,
+``--host``, ``--model-dir``, ``--overlap-score-credit``...). Binds 127.0.0.1
+unless ``server.host`` says otherwise. Exit codes: 0 after a clean shutdown,
+2 for a bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from routing.config import ConfigError, add_cli_flags, load_config
+from routing.engines import fleet_from_config
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Serve until interrupted; returns the exit code."""
+    from aiohttp import web
+
+    from routing.server import build_server
+
+    try:
+        config = load_config(args.config, args)
+        fleet = fleet_from_config(config)
+        if not config.server.model_dir:
+            raise ConfigError("server.model_dir is required (the tokenizer lives there)")
+        server = build_server(config, fleet)
+    except (ConfigError, OSError, ValueError) as exc:
+        print(f"kvpilot router: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    web.run_app(server.app(), host=config.server.host, port=config.server.port, print=None)
+    return 0
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``router`` to a ``kvpilot`` subparsers object."""
+    parser = subparsers.add_parser("router", help="the KV-aware router (OpenAI-compatible HTTP)")
+    parser.add_argument("--config", metavar="FILE", help="router YAML (workers, cost, server, ...)")
+    add_cli_flags(parser)
+    parser.set_defaults(func=run_router)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m routing.cli")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

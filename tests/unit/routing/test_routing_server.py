@@ -1,0 +1,289 @@
+"""The router's HTTP front (routing.server) against fake engines, with aiohttp's test client.
+
+The fake engine is one small aiohttp app with knobs (fail with a status,
+hang, omit kv_transfer_params); it records every body it receives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from routing.config import load_config
+from routing.engines import fleet_from_config
+from routing.events import BlockStored
+from routing.index import WorkerId
+from routing.server import RouterServer, build_server
+
+BS = 4
+WORDS = ["[UNK]", "<|", "|>", "user", "assistant", "system", "end", "hello", "world", "the", "repo", "fix", "bug"]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A word-level tokenizer.json and a tokenizer_config.json with a chat template."""
+    path = tmp_path_factory.mktemp("model")
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "bos_token": "hello"}))
+    return path
+
+
+@dataclass
+class FakeEngine:
+    """An OpenAI completions server with knobs; ``bodies`` records what it got."""
+
+    name: str
+    status: int = 200
+    delay_s: float = 0.0
+    kv_params: bool = True
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        return app
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        await asyncio.sleep(self.delay_s)
+        if self.status != 200:
+            return web.json_response({"error": {"message": f"{self.name} is broken"}}, status=self.status)
+        text = f"{self.name}:{len(body['prompt'])}"
+        lp = {"tokens": [" a"], "token_logprobs": [-0.5], "top_logprobs": [{" a": -0.5, " b": -1.0}], "text_offset": [0]}
+        choice = {"index": 0, "text": text, "logprobs": lp if body.get("logprobs") is not None else None, "finish_reason": "length"}
+        payload: dict[str, Any] = {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "tiny",
+                                   "choices": [choice], "usage": {"prompt_tokens": len(body["prompt"])}}  # fmt: skip
+        if (body.get("kv_transfer_params") or {}).get("do_remote_decode") and self.kv_params:
+            payload["kv_transfer_params"] = {"remote_engine_id": self.name, "remote_block_ids": [1, 2]}
+        if not body.get("stream"):
+            return web.json_response(payload)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for piece in ("x", "y"):
+            chunk = {**payload, "choices": [{**choice, "text": piece, "finish_reason": None}]}
+            await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+Scenario = Callable[[TestClient, RouterServer, dict[str, FakeEngine]], Awaitable[None]]
+
+
+def run(model_dir: Path, roles: dict[str, str], scenario: Scenario, **sections: Any) -> None:
+    """Start the fake engines and the router (no KV events), then run ``scenario``."""
+
+    async def main() -> None:
+        engines = {name: FakeEngine(name) for name in roles}
+        servers = {name: TestServer(engine.app(), host="127.0.0.1") for name, engine in engines.items()}
+        for server in servers.values():
+            await server.start_server()
+        workers = [
+            {"name": name, "role": role, "url": str(servers[name].make_url("/")).rstrip("/")}
+            for name, role in roles.items()
+        ]
+        doc = {"index": {"block_size": BS}, "server": {"model_dir": str(model_dir), "prefill_timeout_s": 0.5},
+               "workers": workers, **sections}  # fmt: skip
+        path = model_dir / "router.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        cfg = load_config(path)
+        router = build_server(cfg, fleet_from_config(cfg), feed_index=False)
+        try:
+            async with TestClient(TestServer(router.app(), host="127.0.0.1")) as client:
+                await scenario(client, router, engines)
+        finally:
+            for server in servers.values():
+                await server.close()
+
+    asyncio.run(main())
+
+
+PD = {"prefill-0": "prefill", "decode-0": "decode"}
+PROMPT = list(range(100, 140))  # 10 blocks
+
+
+def _idle(router: RouterServer) -> bool:
+    return all(tuple(router.ledger.load(w.name)) == (0, 0, 0) for w in router.fleet.workers)
+
+
+def test_remote_prefill_then_decode_with_p_params(model_dir):
+    async def scenario(client, router, engines):
+        resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0})
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["choices"][0]["text"] == "decode-0:40"
+        assert resp.headers["X-KVPilot-Route"] == "remote_prefill"
+        assert resp.headers["X-KVPilot-Prefill-Worker"] == "prefill-0"
+        (p_body,), (d_body,) = engines["prefill-0"].bodies, engines["decode-0"].bodies
+        assert p_body["prompt"] == PROMPT == d_body["prompt"]
+        assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+        assert p_body["kv_transfer_params"] == {"do_remote_decode": True}
+        assert d_body["kv_transfer_params"] == {"remote_engine_id": "prefill-0", "remote_block_ids": [1, 2]}
+        assert d_body["max_tokens"] == 5 and d_body["temperature"] == 0
+        assert _idle(router)
+
+    run(model_dir, PD, scenario)
+
+
+@pytest.mark.parametrize(
+    "knob, value, reason",
+    [("status", 500, "status_500"), ("delay_s", 2.0, "timeout"), ("kv_params", False, "no_kv_transfer_params")],
+)
+def test_prefill_failure_falls_back_to_local_prefill_on_d(model_dir, knob, value, reason):
+    async def scenario(client, router, engines):
+        setattr(engines["prefill-0"], knob, value)
+        resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["X-KVPilot-Route"] == "fallback"
+        assert resp.headers["X-KVPilot-Prefill-Worker"] == "decode-0"
+        (d_body,) = engines["decode-0"].bodies
+        assert "kv_transfer_params" not in d_body and d_body["prompt"] == PROMPT
+        metrics = await (await client.get("/metrics")).text()
+        assert "kvpilot_router_prefill_fallbacks_total 1.0" in metrics
+        assert f'kvpilot_router_prefill_failures_total{{reason="{reason}",worker="prefill-0"}} 1.0' in metrics
+        assert _idle(router)
+
+    run(model_dir, PD, scenario)
+
+
+def test_decode_failure_is_a_json_error_naming_the_engine_and_the_router_keeps_serving(model_dir):
+    async def scenario(client, router, engines):
+        engines["decode-0"].status = 503
+        resp = await client.post("/v1/completions", json={"prompt": PROMPT})
+        assert resp.status == 502
+        error = (await resp.json())["error"]
+        assert "decode-0" in error["message"] and "503" in error["message"]
+        engines["decode-0"].status = 400  # a client mistake the engine saw keeps its status
+        resp = await client.post("/v1/completions", json={"prompt": PROMPT, "stream": True})
+        assert resp.status == 400 and "decode-0" in (await resp.json())["error"]["message"]
+        engines["decode-0"].status = 200
+        resp = await client.post("/v1/completions", json={"prompt": PROMPT})
+        assert resp.status == 200
+        assert 'kvpilot_router_upstream_errors_total{worker="decode-0"} 2.0' in await (await client.get("/metrics")).text()
+        assert _idle(router)
+
+    run(model_dir, PD, scenario)
+
+
+def test_streaming_completions_are_relayed(model_dir):
+    async def scenario(client, router, engines):
+        resp = await client.post("/v1/completions", json={"prompt": PROMPT, "stream": True})
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        events = [line for line in (await resp.text()).split("\n\n") if line]
+        assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == ["x", "y"]
+        assert events[-1] == "data: [DONE]"
+        metrics = await (await client.get("/metrics")).text()
+        for stage in ("route", "prefill", "decode_first_token"):
+            assert f'kvpilot_router_ttft_stage_seconds_count{{stage="{stage}"}} 1.0' in metrics
+        assert _idle(router)
+
+    run(model_dir, PD, scenario)
+
+
+def test_chat_renders_the_template_once_and_answers_in_chat_format(model_dir):
+    messages = [{"role": "user", "content": "fix the bug"}]
+
+    async def scenario(client, router, engines):
+        body = {"messages": messages, "max_completion_tokens": 4, "logprobs": True, "top_logprobs": 2}
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert resp.status == 200, await resp.text()
+        answer = await resp.json()
+        assert answer["object"] == "chat.completion"
+        (sent,) = engines["co-0"].bodies
+        assert answer["choices"][0]["message"] == {"role": "assistant", "content": f"co-0:{len(sent['prompt'])}"}
+        assert answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"][1]["token"] == " b"
+        rendered = "hello<|user|> fix the bug <|end|> <|assistant|> "
+        assert sent["prompt"] == router.tokenizer.prompt_token_ids(rendered)
+        assert sent["max_tokens"] == 4 and sent["logprobs"] == 2 and "messages" not in sent
+        resp = await client.post("/v1/chat/completions", json={"messages": messages, "stream": True})
+        chunks = [json.loads(e[6:]) for e in (await resp.text()).split("\n\n") if e and e != "data: [DONE]"]
+        assert chunks[0]["object"] == "chat.completion.chunk"
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "x"}
+        assert chunks[1]["choices"][0]["delta"] == {"content": "y"}
+
+    run(model_dir, {"co-0": "colocated"}, scenario)
+
+
+@pytest.mark.parametrize(
+    "path, body, status, names",
+    [
+        ("/v1/completions", b"{not json", 400, "not valid JSON"),
+        ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+        ("/v1/completions", {"prompt": 5}, 400, "'prompt'"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, 400, "'prompt'"),
+        ("/v1/completions", {"prompt": [1, 2], "stream": "yes"}, 400, "'stream'"),
+        ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, 400, "'max_tokens'"),
+        ("/v1/completions", {"prompt": [1, 2], "cache_salt": 7}, 400, "'cache_salt'"),
+        ("/v1/completions", {"prompt": [1, 2], "conversation_id": ""}, 400, "conversation_id"),
+        ("/v1/completions", {"prompt": [1, 2], "model": "gpt-9"}, 404, "'gpt-9'"),
+        ("/v1/chat/completions", {"messages": []}, 400, "'messages'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}, 400, "'messages[1].role'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "'messages[0].content'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{}]}, 400, "'tools'"),
+        ("/debug/route", {"prompt": {}}, 400, "'prompt'"),
+    ],
+)
+def test_malformed_requests_are_400s_naming_the_field(model_dir, path, body, status, names):
+    async def scenario(client, router, engines):
+        kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+        resp = await client.post(path, **kwargs)
+        assert resp.status == status
+        assert names in (await resp.json())["error"]["message"]
+        assert engines["co-0"].bodies == [] and _idle(router)
+
+    run(model_dir, {"co-0": "colocated"}, scenario)
+
+
+def test_debug_route_explains_without_sending_and_metrics_count_decisions(model_dir):
+    async def scenario(client, router, engines):
+        hashes = [f"h{i}".encode() for i in range(6)]
+        router.index.apply(WorkerId("co-1"), BlockStored(hashes, None, PROMPT[:24], BS, medium="GPU"))
+        resp = await client.post("/debug/route", json={"prompt": PROMPT}, headers={"X-Request-Id": "dbg-1"})
+        assert resp.status == 200
+        info = await resp.json()
+        assert info["decode_worker"] == "co-1" and info["cached_blocks"] == 6
+        assert info["overlap"] == {"co-1": {"GPU": 6}} and info["prompt_blocks"] == 10
+        assert info["explain"].startswith("request=dbg-1 kind=colocated")
+        assert all(e.bodies == [] for e in engines.values())
+        resp = await client.post("/v1/completions", json={"prompt": PROMPT})
+        assert resp.headers["X-KVPilot-Decode-Worker"] == "co-1"
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpilot_router_decisions_total{decode="co-1",kind="colocated",prefill="co-1"} 1.0' in metrics
+        assert "kvpilot_router_prompt_blocks_total 10.0" in metrics
+        assert 'kvpilot_router_cached_blocks_total{tier="gpu"} 6.0' in metrics
+        assert "kvpilot_router_cache_hit_ratio 0.6" in metrics
+        assert 'kvpilot_router_index_blocks{tier="GPU",worker="co-1"} 6.0' in metrics
+        models = await (await client.get("/v1/models")).json()
+        assert models["data"][0]["id"] == "tiny"
+        assert (await (await client.get("/health")).json())["status"] == "ok"
+
+    run(model_dir, {"co-0": "colocated", "co-1": "colocated"}, scenario)
+
+
+def test_session_header_gives_affinity_to_the_last_decode_worker(model_dir):
+    async def scenario(client, router, engines):
+        first = await client.post("/v1/completions", json={"prompt": PROMPT}, headers={"X-Session-ID": "s1"})
+        worker = first.headers["X-KVPilot-Decode-Worker"]
+        for step in range(3):
+            body = {"prompt": PROMPT + [7] * (4 * (step + 1)), "conversation_id": "s1"}
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.headers["X-KVPilot-Decode-Worker"] == worker
+            assert "conversation_id" not in engines[worker].bodies[-1]
+
+    run(model_dir, {"co-0": "colocated", "co-1": "colocated"}, scenario)
