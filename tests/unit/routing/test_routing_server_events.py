@@ -1,0 +1,124 @@
+"""Component test: vLLM's real ZmqEventPublisher -> the router's index feeder -> /debug/route.
+
+Two co-located workers; the router binds both KV-event endpoints (the
+publishers connect, as engines with a ``tcp://127.0.0.1:PORT`` endpoint do).
+Only worker ``w2`` publishes the prompt's blocks, so the router must pick it.
+Everything stays on 127.0.0.1; no engine is started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import time
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+
+from routing.config import RouterConfig  # noqa: E402
+from routing.engines import fleet_from_config  # noqa: E402
+from routing.server import RouterServer  # noqa: E402
+from routing.tokenizer import PromptTokenizer  # noqa: E402
+
+BS = 4
+PROMPT = list(range(1000, 1040))  # 10 blocks
+
+
+@pytest.fixture()
+def model_dir(tmp_path):
+    """A word-level tokenizer.json (prompts here are token ids; no chat template)."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    return tmp_path
+
+
+def _free_ports(n: int) -> list[int]:
+    """Distinct free ports below the ephemeral range, from plain sockets closed at once."""
+    rng, socks, ports = random.Random(), [], []
+    try:
+        while len(ports) < n:
+            sock = socket.socket()
+            port = rng.randrange(20000, 30000)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                continue
+            socks.append(sock)
+            ports.append(port)
+        return ports
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _config(model_dir, ports: list[int]) -> RouterConfig:
+    from routing.config import IndexConfig, ServerConfig, WorkerConfig
+
+    workers = tuple(
+        WorkerConfig(
+            name, "colocated", "http://127.0.0.1:9",  # never called: /debug/route sends nothing
+            kv_events_endpoint=f"tcp://127.0.0.1:{ports[2 * i]}",
+            replay_endpoint=f"tcp://127.0.0.1:{ports[2 * i + 1]}",
+        )
+        for i, name in enumerate(("w1", "w2"))
+    )
+    return RouterConfig(index=IndexConfig(block_size=BS), server=ServerConfig(model_dir=str(model_dir)), workers=workers)
+
+
+def _batch(blocks: int) -> object:
+    events = [
+        kv_events.BlockStored(
+            block_hashes=[f"w2-{i}".encode()],
+            parent_block_hash=f"w2-{i - 1}".encode() if i else None,
+            token_ids=PROMPT[i * BS : (i + 1) * BS],
+            block_size=BS,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+        for i in range(blocks)
+    ]
+    return kv_events.KVEventBatch(ts=time.time(), events=events)
+
+
+def test_debug_route_picks_the_worker_that_published_the_blocks(model_dir):
+    ports = _free_ports(4)
+    cfg = _config(model_dir, ports)
+    server = RouterServer(cfg, fleet_from_config(cfg), PromptTokenizer(model_dir), None)
+
+    async def main() -> None:
+        async with TestClient(TestServer(server.app(), host="127.0.0.1")) as client:
+            assert server.feeder is not None and len(server.feeder.subscribers) == 2
+            publisher = kv_events.ZmqEventPublisher(
+                data_parallel_rank=0, endpoint=cfg.workers[1].kv_events_endpoint,
+                replay_endpoint=cfg.workers[1].replay_endpoint, topic="kv",
+            )  # fmt: skip
+            try:
+                publisher.publish(_batch(7))  # may be lost before the connection is up: replay recovers it
+                info: dict = {}
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline:
+                    publisher.publish(kv_events.KVEventBatch(ts=time.time(), events=[]))
+                    await asyncio.sleep(0.2)
+                    info = await (await client.post("/debug/route", json={"prompt": PROMPT})).json()
+                    if info["cached_blocks"]:
+                        break
+                assert info["decode_worker"] == "w2", info
+                assert info["cached_blocks"] == 7 and info["overlap"] == {"w2": {"GPU": 7}}
+                metrics = await (await client.get("/metrics")).text()
+                assert 'kvpilot_router_index_blocks{tier="GPU",worker="w2"} 7.0' in metrics
+                assert 'kvpilot_router_kv_event_batches_total{worker="w2"}' in metrics
+            finally:
+                publisher.shutdown()
+        assert server.feeder.subscribers == []  # stopped and closed at cleanup
+
+    asyncio.run(main())
