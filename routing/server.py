@@ -47,7 +47,7 @@ from routing.cost import LoadLedger
 from routing.engines import Fleet, IndexFeeder, Worker
 from routing.index import BlockIndex
 from routing.router import Route, Router, policy_from_config
-from routing.sessions import InvalidSessionKey, SessionStore, session_key
+from routing.sessions import InvalidSessionKey, SessionId, SessionStore, session_key
 from routing.tokenizer import PromptError, PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -369,8 +369,7 @@ class RouterServer:
     async def _debug_route(self, request: web.Request) -> web.Response:
         try:
             body = await self._body(request)
-            chat = "messages" in body
-            route, _ = self._route(request, body, chat, dry_run=True)
+            route, _, _ = self._route(request, body, "messages" in body, dry_run=True)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
         return web.json_response(
@@ -407,13 +406,13 @@ class RouterServer:
 
     def _route(
         self, request: web.Request, body: dict[str, Any], chat: bool, *, dry_run: bool = False
-    ) -> tuple[Route, list[int]]:
+    ) -> tuple[Route, list[int], SessionId | None]:
+        """Tokenize and decide (under the index lock); raises :class:`BadRequest`."""
         try:
             if chat:
                 if self.chat_template is None:
                     raise BadRequest("this model has no chat template: use /v1/completions")
-                text = self.chat_template.render(body.get("messages"))
-                token_ids = self.tokenizer.prompt_token_ids(text)
+                token_ids = self.tokenizer.prompt_token_ids(self.chat_template.render(body.get("messages")))
             else:
                 token_ids = self.tokenizer.prompt_token_ids(body.get("prompt"))
             session = session_key(body, request.headers)
@@ -426,7 +425,7 @@ class RouterServer:
             route = self.router.route(
                 token_ids, request_id, cache_salt=body.get("cache_salt"), session=session, dry_run=dry_run
             )
-        return route, token_ids
+        return route, token_ids, session
 
     # ---- the proxy ---------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -439,29 +438,28 @@ class RouterServer:
         started = time.perf_counter()
         try:
             body = await self._body(request)
-            route, token_ids = self._route(request, body, chat)
             engine_body = chat_to_completion_body(body) if chat else dict(body)
+            route, engine_body["prompt"], session = self._route(request, body, chat)
         except (BadRequest, ChatError) as exc:
             return _error(getattr(exc, "status", 400), str(exc))
+        rid, p, d = route.request_id, route.prefill_worker.name, route.decode.name
+        try:
+            self.ledger.dispatch(rid, p, d, route.prompt_blocks, route.cached_blocks)
+        except ValueError:  # the ledger's "already active"
+            return _error(409, f"X-Request-Id {rid!r} is already in flight")
         for key in ROUTER_ONLY_KEYS:
             engine_body.pop(key, None)
-        engine_body["prompt"] = token_ids
-        session = session_key(body, request.headers)
-        rid = route.request_id
-        self.ledger.dispatch(rid, route.prefill_worker.name, route.decode.name, route.prompt_blocks, route.cached_blocks)
         self.metrics.decided(route, time.perf_counter() - started)
         try:
-            params = None
+            kind = route.kind.value
             if route.prefill is not None:
                 params = await self._prefill(route, engine_body)
-            if params is not None:
-                engine_body["kv_transfer_params"] = params
-            headers = {
-                "X-Request-Id": rid,
-                "X-KVPilot-Route": route.kind.value if route.prefill is None or params is not None else "fallback",
-                "X-KVPilot-Prefill-Worker": route.prefill_worker.name if params is not None or route.prefill is None else route.decode.name,
-                "X-KVPilot-Decode-Worker": route.decode.name,
-            }
+                if params is None:
+                    kind, p = "fallback", d
+                else:
+                    engine_body["kv_transfer_params"] = params
+            headers = {"X-Request-Id": rid, "X-KVPilot-Route": kind,
+                       "X-KVPilot-Prefill-Worker": p, "X-KVPilot-Decode-Worker": d}  # fmt: skip
             if engine_body.get("stream"):
                 response = await self._stream(request, route, engine_body, chat, headers, started)
             else:

@@ -287,3 +287,35 @@ def test_session_header_gives_affinity_to_the_last_decode_worker(model_dir):
             assert "conversation_id" not in engines[worker].bodies[-1]
 
     run(model_dir, {"co-0": "colocated", "co-1": "colocated"}, scenario)
+
+
+@pytest.mark.parametrize(
+    "yaml_text, message",
+    [
+        ("workers:\n  - {name: a, role: decode, url: 'http://x:1', bogus: 1}\n", "workers[0].bogus"),
+        ("workers:\n  - {name: a, role: decode, url: 'http://x:1'}\n", "server.model_dir is required"),
+        ("cost: {overlap_score_credt: 1}\n", "cost.overlap_score_credt"),
+    ],
+)
+def test_router_cli_refuses_a_bad_config_with_exit_code_2(tmp_path, capsys, yaml_text, message):
+    from routing.cli import main
+
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml_text)
+    assert main(["router", "--config", str(path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_router_cli_flags_override_the_yaml(tmp_path):
+    import argparse
+
+    from routing.cli import add_subcommands
+
+    parser = argparse.ArgumentParser()
+    add_subcommands(parser.add_subparsers(dest="command"))
+    path = tmp_path / "router.yaml"
+    path.write_text("server: {port: 8000, host: 127.0.0.1}\ncost: {overlap_score_credit: 1.0}\n")
+    args = parser.parse_args(["router", "--config", str(path), "--port", "9100", "--overlap-score-credit", "0.5", "--model-dir", "/m"])
+    cfg = load_config(args.config, args)
+    assert (cfg.server.port, cfg.server.host, cfg.server.model_dir) == (9100, "127.0.0.1", "/m")
+    assert cfg.cost.overlap_score_credit == 0.5 and callable(args.func)
