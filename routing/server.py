@@ -148,7 +148,8 @@ def _checked_messages(messages: object) -> list[dict[str, str]]:
         if not isinstance(role, str) or not role:
             raise ChatError(f"'messages[{i}].role' must be a non-empty string")
         if isinstance(content, list):  # text parts only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
                 raise ChatError(f"'messages[{i}].content' parts must all be {{'type': 'text', 'text': str}}")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
@@ -177,13 +178,15 @@ def _chat_logprobs(lp: Any) -> Any:
     if not lp:
         return None
     tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
     return {
         "content": [
-            {"token": t, "logprob": x, "bytes": list(t.encode()),
-             "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode())} for k, v in (top or {}).items()]}
+            {**entry(t, x), "top_logprobs": [entry(k, v) for k, v in (top or {}).items()]}
             for t, x, top in zip(lp["tokens"], lp["token_logprobs"], tops)
         ]
-    }  # fmt: skip
+    }
 
 
 def chat_response(completion: dict[str, Any], request_id: str) -> dict[str, Any]:
@@ -209,7 +212,8 @@ def chat_chunk(chunk: dict[str, Any], request_id: str, first: bool) -> dict[str,
 
 
 def _chat_head(completion: dict[str, Any], request_id: str, kind: str) -> dict[str, Any]:
-    head = {"id": request_id, "object": kind, "created": completion.get("created"), "model": completion.get("model")}
+    head = {"id": request_id, "object": kind}
+    head.update(created=completion.get("created"), model=completion.get("model"))
     if completion.get("usage") is not None:
         head["usage"] = completion["usage"]
     return head
@@ -241,16 +245,28 @@ class RouterMetrics:
     def __init__(self, server: RouterServer) -> None:
         self._server = server
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.decisions = Counter("kvpilot_router_decisions", "Routing decisions", ["kind", "prefill", "decode"], registry=r)
-        self.overlap = Histogram("kvpilot_router_overlap_blocks", "Creditable prefix blocks of the prefilling worker, per tier class", ["tier"], buckets=_BLOCK_BUCKETS, registry=r)
-        self.prompt_blocks = Counter("kvpilot_router_prompt_blocks", "Full prompt blocks routed", registry=r)
-        self.cached_blocks = Counter("kvpilot_router_cached_blocks", "Prompt blocks cached on the prefilling worker, per tier class", ["tier"], registry=r)
-        self.hit_ratio = Gauge("kvpilot_router_cache_hit_ratio", "Cached over prompt blocks since start (all tiers)", registry=r)
-        self.ttft_stage = Histogram("kvpilot_router_ttft_stage_seconds", "Time to first token by stage", ["stage"], buckets=_SECONDS_BUCKETS, registry=r)
-        self.ttft = Histogram("kvpilot_router_ttft_seconds", "Time to first token seen by the client (streams)", buckets=_SECONDS_BUCKETS, registry=r)
-        self.prefill_failures = Counter("kvpilot_router_prefill_failures", "Remote prefills that failed", ["worker", "reason"], registry=r)
-        self.fallbacks = Counter("kvpilot_router_prefill_fallbacks", "Requests prefilled locally on D after P failed", registry=r)
-        self.upstream_errors = Counter("kvpilot_router_upstream_errors", "Engine errors returned to clients", ["worker"], registry=r)
+        p = "kvpilot_router_"
+        self.decisions = Counter(p + "decisions", "Routing decisions", ["kind", "prefill", "decode"], registry=r)
+        self.overlap = Histogram(
+            p + "overlap_blocks", "Creditable prefix blocks of the prefilling worker, per tier class",
+            ["tier"], buckets=_BLOCK_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_blocks = Counter(p + "prompt_blocks", "Full prompt blocks routed", registry=r)
+        self.cached_blocks = Counter(
+            p + "cached_blocks", "Prompt blocks cached on the prefilling worker, per tier class", ["tier"], registry=r
+        )
+        self.hit_ratio = Gauge(p + "cache_hit_ratio", "Cached over prompt blocks since start (all tiers)", registry=r)
+        self.ttft_stage = Histogram(
+            p + "ttft_stage_seconds", "Time to first token by stage", ["stage"], buckets=_SECONDS_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            p + "ttft_seconds", "Time to first token seen by the client (streams)", buckets=_SECONDS_BUCKETS, registry=r
+        )
+        self.prefill_failures = Counter(
+            p + "prefill_failures", "Remote prefills that failed", ["worker", "reason"], registry=r
+        )
+        self.fallbacks = Counter(p + "prefill_fallbacks", "Requests prefilled locally on D after P failed", registry=r)
+        self.upstream_errors = Counter(p + "upstream_errors", "Engine errors returned to clients", ["worker"], registry=r)
         self._prompt, self._cached = 0, 0
         r.register(self)  # type: ignore[arg-type]  # the scrape-time collector below
 
@@ -275,9 +291,12 @@ class RouterMetrics:
     def collect(self) -> Any:
         server = self._server
         stats = ("batches", "replayed", "gaps", "unrecoverable_gaps", "restarts", "bad_frames")
-        families = {s: CounterMetricFamily(f"kvpilot_router_kv_event_{s}", f"KV-event {s} per worker", labels=["worker"]) for s in stats}
-        rejected = CounterMetricFamily("kvpilot_router_kv_events_rejected", "Malformed KV events skipped", labels=["worker", "reason"])
-        blocks = GaugeMetricFamily("kvpilot_router_index_blocks", "Blocks in the index", labels=["worker", "tier"])
+        p = "kvpilot_router_"
+        families = {
+            s: CounterMetricFamily(f"{p}kv_event_{s}", f"KV-event {s} per worker", labels=["worker"]) for s in stats
+        }
+        rejected = CounterMetricFamily(p + "kv_events_rejected", "Malformed KV events skipped", labels=["worker", "reason"])
+        blocks = GaugeMetricFamily(p + "index_blocks", "Blocks in the index", labels=["worker", "tier"])
         with server.lock:
             for sub in server.feeder.subscribers if server.feeder is not None else ():
                 for s in stats:
@@ -396,7 +415,8 @@ class RouterServer:
             raise BadRequest("request body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.config.server.model_name:
-            raise BadRequest(f"'model' {model!r} is not served here (serving {self.config.server.model_name!r})", 404)
+            served = self.config.server.model_name
+            raise BadRequest(f"'model' {model!r} is not served here (serving {served!r})", 404)
         _optional(body, "stream", bool, "true or false")
         _optional(body, "cache_salt", str, "a string")
         max_tokens = _optional(body, "max_tokens", int, "a positive integer")
@@ -420,7 +440,8 @@ class RouterServer:
             raise BadRequest(str(exc)) from None
         if not token_ids:
             raise BadRequest("the prompt renders to no tokens")
-        request_id = request.headers.get("X-Request-Id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        prefix = "chatcmpl" if chat else "cmpl"
+        request_id = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
         with self.lock:
             route = self.router.route(
                 token_ids, request_id, cache_salt=body.get("cache_salt"), session=session, dry_run=dry_run
@@ -474,8 +495,10 @@ class RouterServer:
             self.ledger.complete(rid)
 
     def _post(self, worker: Worker, body: dict[str, Any], timeout: aiohttp.ClientTimeout | None = None) -> Any:
+        """``POST {worker}/v1/completions`` (an async context manager)."""
         assert self._http is not None
-        return self._http.post(f"{worker.url}/v1/completions", json=body, timeout=timeout or self._http.timeout)
+        url = f"{worker.url}/v1/completions"
+        return self._http.post(url, json=body, timeout=timeout or self._http.timeout)
 
     async def _prefill(self, route: Route, body: dict[str, Any]) -> dict[str, Any] | None:
         """P's kv_transfer_params, or None after a failure (then D prefills; counted)."""
@@ -502,16 +525,22 @@ class RouterServer:
         except (ValueError, AttributeError):
             reason = "bad_response"
         if reason is not None:
-            log.warning("request %s: prefill on %s failed (%s); local prefill on %s", route.request_id, p.name, reason, route.decode.name)
+            log.warning(
+                "request %s: prefill on %s failed (%s); local prefill on %s",
+                route.request_id, p.name, reason, route.decode.name,
+            )  # fmt: skip
             self.metrics.prefill_failed(p.name, reason)
             self.ledger.fail(route.request_id)
-            self.ledger.dispatch(route.request_id, route.decode.name, route.decode.name, route.prompt_blocks, route.decode_cached_blocks)
+            d = route.decode.name
+            self.ledger.dispatch(route.request_id, d, d, route.prompt_blocks, route.decode_cached_blocks)
             return None
         self.ledger.first_token(route.request_id)
         self.metrics.ttft_stage.labels("prefill").observe(time.perf_counter() - started)
         return params
 
-    async def _unary(self, route: Route, body: dict[str, Any], chat: bool, headers: dict[str, str]) -> web.Response:
+    async def _unary(
+        self, route: Route, body: dict[str, Any], chat: bool, headers: dict[str, str]
+    ) -> web.Response:
         d = route.decode
         try:
             async with self._post(d, body) as resp:
@@ -531,7 +560,13 @@ class RouterServer:
         return web.json_response(payload, headers=headers)
 
     async def _stream(
-        self, request: web.Request, route: Route, body: dict[str, Any], chat: bool, headers: dict[str, str], started: float
+        self,
+        request: web.Request,
+        route: Route,
+        body: dict[str, Any],
+        chat: bool,
+        headers: dict[str, str],
+        started: float,
     ) -> web.StreamResponse:
         d = route.decode
         sent_at = time.perf_counter()
@@ -544,7 +579,8 @@ class RouterServer:
                 raise UpstreamError(d, 502, f"unreachable: {exc}") from None
             if upstream.status != 200:
                 raise _answered(d, upstream.status, await upstream.read())
-            out = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            sse = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            out = web.StreamResponse(headers={**headers, **sse})
             await out.prepare(request)
             first = True
             try:
@@ -590,4 +626,5 @@ async def _sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
 def build_server(config: RouterConfig, fleet: Fleet, *, feed_index: bool = True) -> RouterServer:
     """A server for ``config`` reading ``server.model_dir`` (tokenizer and chat template)."""
     model_dir = Path(config.server.model_dir)
-    return RouterServer(config, fleet, PromptTokenizer(model_dir), ChatTemplate.from_model_dir(model_dir), feed_index=feed_index)
+    template = ChatTemplate.from_model_dir(model_dir)
+    return RouterServer(config, fleet, PromptTokenizer(model_dir), template, feed_index=feed_index)
