@@ -47,7 +47,7 @@ user can paste them::
         topic: kv
         kv_blocks: 0                     # the engine's KV capacity in blocks (0 = unknown)
 
-Every scalar leaf outside ``workers`` also has a flag (``--overlap-score-credit 0.5``);
+Every int, float and str leaf outside ``workers`` also has a flag (``--overlap-score-credit 0.5``);
 flags override YAML, YAML overrides defaults. An unknown key is an error naming
 its path (``cost.overlap_score_credt``); so is a value of the wrong type or
 out of range.
