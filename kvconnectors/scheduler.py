@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvpilot.connector")
 
 MALFORMED = "malformed_params"
+# Contract fields whose mismatch means the peer's KV cannot be read here at all.
+_INCOMPATIBLE_FIELDS = frozenset({"model", "block_size", "kv_dtype", "kv_layout"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +99,9 @@ class KVPilotScheduler:
         self._kv_layout = kv_layout or "default"
         self._seed_id: SeedId | None = None
         self._plans: dict[str, AttachPlan] = {}
-        self._screened_out: dict[str, str] = {}  # request id -> what was malformed
+        # request id -> why its pull fields were dropped: a malformed field's description,
+        # or None for an incompatible peer (its offer is still verified, to count it)
+        self._screened_out: dict[str, str | None] = {}
         self._logged: set[tuple[str, ...]] = set()
         self._stats = KVPilotStats()
 
@@ -139,7 +143,8 @@ class KVPilotScheduler:
     # ------------------------------------------------------------------ attaching side
     def screen_new_request(self, request: Request) -> None:
         """Before the inner connector sees a new request: if it asks for a pull with
-        malformed fields, make it a local request (in place) and remember why."""
+        malformed fields or from an incompatible peer, make it a local request (in
+        place) and remember why."""
         params = request.kv_transfer_params
         if not wants_remote_pull(params):
             return
@@ -148,19 +153,28 @@ class KVPilotScheduler:
         if bad_field is not None:
             strip_pull_fields(params)
             self._screened_out[request.request_id] = f"malformed {bad_field}: prefill locally"
+            return
+        try:
+            offer = decode_offer(params.get(PARAMS_KEY))
+        except TransferParamsError:
+            return  # a compatible-looking peer with a bad offer: refused in plan_attach, peer notified
+        differing = {d.field for d in offer.contract.diff(self.contract(request))}
+        if differing & _INCOMPATIBLE_FIELDS:
+            strip_pull_fields(params)
+            self._screened_out[request.request_id] = None
 
     def plan_attach(self, request: Request, num_computed_tokens: int) -> AttachPlan | None:
         """Decide what ``request`` may load from its peer; ``None`` if it loads nothing
         remote. Pure with respect to the request; remembers the plan for
         :meth:`take_plan`."""
         params = request.kv_transfer_params
-        screened_out = self._screened_out.get(request.request_id)
-        if screened_out is None and not wants_remote_pull(params):
+        screened = request.request_id in self._screened_out
+        if not screened and not wants_remote_pull(params):
             self._plans.pop(request.request_id, None)
             return None
         assert params is not None
         started = time.perf_counter()
-        plan = self._plan(request, params, num_computed_tokens, screened_out)
+        plan = self._plan(request, params, num_computed_tokens, self._screened_out.get(request.request_id))
         self._stats.count("verify_seconds", time.perf_counter() - started)
         self._plans[request.request_id] = plan
         return plan
@@ -201,7 +215,7 @@ class KVPilotScheduler:
         own_hashes = request.block_hashes[: prompt_len // self._block_size]
         local_hit = num_computed_tokens // self._block_size
         recompute_all = prompt_len - num_computed_tokens
-        if screened_out is not None:
+        if screened_out is not None:  # malformed pull fields, dropped on arrival
             return AttachPlan(0, MALFORMED, len(own_hashes) - local_hit, recompute_all, 0, screened_out)
         try:
             offer = decode_offer(params.get(PARAMS_KEY))

@@ -1,0 +1,85 @@
+"""Scenarios for the verified-attach tests: D receives P's kv_transfer_params for
+prompt X while its own prompt is X' (history edits of section 5.2 of the article)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from deploy.client import Completion, complete
+from deploy.metrics import Samples, scrape
+
+BLOCK_SIZE = 32
+PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
+REJECTED = "vllm:kvpilot_rejected_blocks_total"
+RECOMPUTED = "vllm:kvpilot_recomputed_tokens_total"
+VERIFIED = "vllm:kvpilot_verified_blocks_total"
+
+
+def text(n: int, seed: int) -> str:
+    vocab = "def return cache block token prefix decode prefill router session tool test file".split()
+    return " ".join(vocab[(seed * 31 + i * 7 + (i * i) % 11) % len(vocab)] for i in range(n))
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    x: str  # what P prefilled
+    x_prime: str  # what D is asked
+    p_salt: str | None = None
+    d_salt: str | None = None
+    reason: str = "token_mismatch"
+
+
+def cases() -> list[Case]:
+    system, tail = text(300, 1), text(120, 2)
+    turn = lambda k: f"\nUser: step {k} " + text(40, 10 + k)  # noqa: E731
+    think = "\nAssistant: <think>" + text(200, 3) + "</think> run the test"
+    history = system + "".join(turn(k) for k in range(6))
+    return [
+        Case("reasoning trace stripped", system + think + tail, system + "\nAssistant: run the test" + tail),
+        Case("message re-rendered", history + "\nassistant: {\"tool\": \"pytest\"}" + tail,
+             history + "\n<|assistant|>\ntool=pytest" + tail),  # fmt: skip
+        Case("front truncated", history + tail, history[len(system):] + tail),
+        Case("another cache_salt", history, history, p_salt="tenant-a", d_salt="tenant-b", reason="contract_mismatch"),
+    ]
+
+
+def prefill_on(engine_url: str, token_ids: list[int], salt: str | None) -> dict:
+    """P's side of a handoff: prefill with max_tokens=1, return kv_transfer_params."""
+    extra = {"cache_salt": salt} if salt else {}
+    out = complete(engine_url, token_ids, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, **extra)
+    assert out.kv_transfer_params is not None and "kvpilot" in out.kv_transfer_params
+    return out.kv_transfer_params
+
+
+def settle(url: str) -> Samples:
+    time.sleep(0.5)
+    return scrape(url)
+
+
+def common_full_blocks(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n // BLOCK_SIZE
+
+
+def colocated_reference(engine_url: str, x: list[int], x_prime: list[int], verified_blocks: int) -> Completion:
+    """X' on one engine under a fresh salt, split exactly where D's verified prefix ends:
+    run X first when a verified prefix exists, so X' hits it in the prefix cache."""
+    salt = f"ref-{uuid.uuid4().hex}"
+    if verified_blocks:
+        complete(engine_url, x, max_tokens=1, cache_salt=salt)
+    return complete(engine_url, x_prime, max_tokens=10, cache_salt=salt)
+
+
+def run_case(p_url: str, d_url: str, x: list[int], x_prime: list[int], p_salt: str | None, d_salt: str | None):
+    params = prefill_on(p_url, x, p_salt)
+    before = scrape(d_url)
+    extra = {"cache_salt": d_salt} if d_salt else {}
+    out = complete(d_url, x_prime, max_tokens=10, kv_transfer_params=params, **extra)
+    return out, before, settle(d_url)
+
+
