@@ -39,9 +39,12 @@ def _fleet_spec(args: argparse.Namespace):
         decode=args.decode,
         colocated=args.colocated,
         engine_port=args.engine_port,
+        side_channel_port=args.side_channel_port,
+        events_port=args.events_port,
         router_port=args.router_port,
         connector=args.connector,
         connector_extra_config=extra,
+        disaggregation=args.disaggregation,
     )
 
 
@@ -74,7 +77,7 @@ def _fleet(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from deploy.demo import run_demo
 
-    return run_demo(args.run_dir)
+    return run_demo(args.run_dir, args.disaggregation)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,18 +97,26 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--decode", type=int, default=1)
     fl.add_argument("--colocated", type=int, default=0)
     fl.add_argument("--engine-port", type=int, default=8100, help="first engine's HTTP port")
+    fl.add_argument("--side-channel-port", type=int, default=5600, help="first engine's NIXL side-channel port")
+    fl.add_argument("--events-port", type=int, default=5700, help="first engine's KV-event port (router binds)")
     fl.add_argument("--router-port", type=int, default=8000)
     fl.add_argument("--connector", default="KVPilotConnector", help="kv_connector for every engine")
     fl.add_argument("--connector-extra-config", help="JSON for kv_connector_extra_config")
+    fl.add_argument("--disaggregation", choices=["conditional", "always"], default="conditional",
+                    help="conditional: the router picks local or remote prefill per request; always: prefill on P")
     fl.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
     fl.set_defaults(func=_fleet)
 
     from policies.cli import add_subcommands as add_policy_subcommands
+    from routing.cli import add_subcommands as add_router_subcommands
 
     add_policy_subcommands(sub)  # plan, cost
+    add_router_subcommands(sub)  # router
 
     demo = sub.add_parser("demo", help="1 P + 1 D tiny fleet, a few requests, a table, then down")
     demo.add_argument("--run-dir", type=Path, default=Path(".kvpilot") / "demo")
+    demo.add_argument("--disaggregation", choices=["conditional", "always"], default="always",
+                      help="always (default): every request is prefilled on P; conditional: the router decides")
     demo.set_defaults(func=_demo)
     return parser
 

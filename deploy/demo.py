@@ -43,6 +43,7 @@ def demo_prompts(seed: int = 7) -> list[tuple[str, str]]:
 @dataclass(frozen=True, slots=True)
 class DemoRow:
     label: str
+    route: str
     prompt_tokens: int
     ttft_ms: float
     prefilled_on_p: int
@@ -74,6 +75,7 @@ def run_requests(started: fleet_io.Fleet, tokenizer: PromptTokenizer) -> list[De
         rows.append(
             DemoRow(
                 label=label,
+                route=disagg.headers.get("X-KVPilot-Route", "?"),
                 prompt_tokens=len(token_ids),
                 ttft_ms=disagg.ttft_seconds * 1e3,
                 prefilled_on_p=int(delta(p1, p0, PROMPT_TOKENS, source="local_compute")),
@@ -88,28 +90,28 @@ def run_requests(started: fleet_io.Fleet, tokenizer: PromptTokenizer) -> list[De
 
 
 def render(rows: list[DemoRow]) -> str:
-    head = f"{'request':<28}{'prompt':>7}{'TTFT ms':>9}{'P prefill':>10}{'D prefill':>10}{'D via NIXL':>11}{'NIXL bytes':>12}  same as co-located"
+    head = f"{'request':<28}{'route':<16}{'prompt':>7}{'TTFT ms':>9}{'P prefill':>10}{'D prefill':>10}{'D via NIXL':>11}{'NIXL bytes':>12}  same as co-located"
     lines = [head, "-" * len(head)]
     for r in rows:
         verdict = "yes (logprobs identical)" if r.same_as_colocated else f"NO (max logprob diff {r.max_logprob_diff:.2e})"
         lines.append(
-            f"{r.label:<28}{r.prompt_tokens:>7}{r.ttft_ms:>9.0f}{r.prefilled_on_p:>10}{r.prefilled_on_d:>10}"
+            f"{r.label:<28}{r.route:<16}{r.prompt_tokens:>7}{r.ttft_ms:>9.0f}{r.prefilled_on_p:>10}{r.prefilled_on_d:>10}"
             f"{r.received_by_d:>11}{r.nixl_bytes:>12,}  {verdict}"
         )
     return "\n".join(lines)
 
 
-def run_demo(run_dir: Path) -> int:
+def run_demo(run_dir: Path, disaggregation: str = "always") -> int:
     print("[1/4] tiny model")
     model_dir = ensure_tiny_model()
     print(f"  {model_dir}")
-    print("[2/4] fleet up: 1 prefill + 1 decode engine (vLLM CPU, KVPilotConnector over NIXL), router")
-    spec = FleetSpec(model_dir=model_dir, run_dir=run_dir)
+    print(f"[2/4] fleet up: 1 prefill + 1 decode engine (vLLM CPU, KVPilotConnector over NIXL), router ({disaggregation})")
+    spec = FleetSpec(model_dir=model_dir, run_dir=run_dir, disaggregation=disaggregation)
     t0 = time.monotonic()
     started = fleet_io.up(spec)
     print(f"  ready in {time.monotonic() - t0:.0f} s")
     try:
-        print("[3/4] requests through the router (prefill on P, KV over NIXL, decode on D)")
+        print("[3/4] requests through the router (prefill on P or locally on D, KV over NIXL, decode on D)")
         rows = run_requests(started, PromptTokenizer(model_dir))
         print()
         print(render(rows))

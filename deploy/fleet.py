@@ -25,8 +25,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from deploy.env import child_env
-from deploy.fleet_spec import HOST, FleetSpec, ProcessPlan, plan_fleet
+from deploy.fleet_spec import HOST, ROUTER_CONFIG, FleetSpec, ProcessPlan, plan_fleet
 
 STATE_FILE = "fleet.json"
 LOG_TAIL_LINES = 40
@@ -227,12 +229,13 @@ def up(spec: FleetSpec, timeout: float = 600.0, progress=print) -> Fleet:
     """
     if Fleet.load(spec.run_dir) is not None:
         raise FleetStartError(f"a fleet is already recorded in {spec.run_dir}; run `kvpilot fleet down` first")
-    engines, router = plan_fleet(spec)
+    engines, router, router_config = plan_fleet(spec)
     busy = [port for p in [*engines, router] for port in (p.port, *p.side_ports) if not port_is_free(port)]
     if busy:
         raise FleetStartError(f"ports already in use on {HOST}: {busy}")
     logs = spec.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    (spec.run_dir / ROUTER_CONFIG).write_text(yaml.safe_dump(router_config, sort_keys=False))
     started: list[tuple[subprocess.Popen[bytes], RunningProcess]] = []
     with _sigterm_as_interrupt():
         try:

@@ -15,8 +15,11 @@ from enum import Enum
 from pathlib import Path
 
 from deploy.env import HASH_SEED_ENV, NIXL_CPU_ENV
+from routing.engines import Role as WorkerRole
+from routing.engines import Worker, kv_events_config
 
 HOST = "127.0.0.1"
+ROUTER_CONFIG = "router.yaml"
 
 
 class Role(str, Enum):
@@ -40,7 +43,13 @@ class FleetSpec:
     kv_cache_gib: int = 1
     engine_port: int = 8100
     side_channel_port: int = 5600
+    events_port: int = 5700
+    """Engine i publishes KV events to ``events_port + i`` (the router binds it) and
+    serves replays on ``events_port + 100 + i``."""
     router_port: int = 8000
+    disaggregation: str = "conditional"
+    """``conditional``: the router's policy picks local or remote prefill per request
+    (Dynamo's default thresholds); ``always``: every request is prefilled on P."""
     connector: str = "KVPilotConnector"
     connector_extra_config: dict[str, object] = field(default_factory=dict)
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
@@ -54,6 +63,8 @@ class FleetSpec:
             raise ValueError("a fleet needs at least one decode or co-located engine")
         if self.block_size % 32:
             raise ValueError(f"block_size must be a multiple of 32 on CPU, got {self.block_size}")
+        if self.disaggregation not in ("conditional", "always"):
+            raise ValueError(f"disaggregation must be 'conditional' or 'always', got {self.disaggregation!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +84,18 @@ class ProcessPlan:
         return f"http://{HOST}:{self.port}"
 
 
-def _engine_plan(spec: FleetSpec, role: Role, index: int, ordinal: int) -> ProcessPlan:
+def _worker(spec: FleetSpec, role: Role, index: int, ordinal: int) -> Worker:
+    """How the router sees engine ``ordinal``."""
+    return Worker(
+        name=f"{role.value}-{index}",  # type: ignore[arg-type]
+        role=WorkerRole(role.value),
+        url=f"http://{HOST}:{spec.engine_port + ordinal}",
+        kv_events_endpoint=f"tcp://{HOST}:{spec.events_port + ordinal}",
+        replay_endpoint=f"tcp://{HOST}:{spec.events_port + 100 + ordinal}",
+    )
+
+
+def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
     kv_transfer = {
         "kv_connector": spec.connector,
         "kv_role": "kv_both",
@@ -90,6 +112,7 @@ def _engine_plan(spec: FleetSpec, role: Role, index: int, ordinal: int) -> Proce
         "--block-size", str(spec.block_size),
         "--max-model-len", str(spec.max_model_len),
         "--kv-transfer-config", json.dumps(kv_transfer),
+        "--kv-events-config", kv_events_config(worker),
     )  # fmt: skip
     env = {
         **NIXL_CPU_ENV,
@@ -98,18 +121,37 @@ def _engine_plan(spec: FleetSpec, role: Role, index: int, ordinal: int) -> Proce
         "VLLM_CPU_OMP_THREADS_BIND": str(ordinal % spec.cores),
         "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
     }
-    side_port = spec.side_channel_port + ordinal
-    return ProcessPlan(f"{role.value}-{index}", role, argv, env, spec.engine_port + ordinal, (side_port,))
+    side_ports = (spec.side_channel_port + ordinal, spec.events_port + 100 + ordinal)
+    return ProcessPlan(worker.name, Role(worker.role.value), argv, env, spec.engine_port + ordinal, side_ports)
 
 
-def plan_fleet(spec: FleetSpec) -> tuple[list[ProcessPlan], ProcessPlan]:
-    """The engines (prefill, then decode, then co-located) and the router."""
-    engines: list[ProcessPlan] = []
+def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
+    """The router's YAML config for this fleet (see docs/router.md)."""
+    disaggregation: dict[str, object] = {}
+    if spec.disaggregation == "always":
+        disaggregation = {"max_local_tokens": 0}  # no prompt is short enough to stay on D
+    return {
+        "server": {"host": HOST, "port": spec.router_port, "model_name": spec.served_model_name,
+                   "model_dir": str(spec.model_dir)},
+        "index": {"block_size": spec.block_size},
+        "disaggregation": disaggregation,
+        "workers": [
+            {"name": w.name, "role": w.role.value, "url": w.url,
+             "kv_events_endpoint": w.kv_events_endpoint, "replay_endpoint": w.replay_endpoint}
+            for w in workers
+        ],
+    }  # fmt: skip
+
+
+def plan_fleet(spec: FleetSpec) -> tuple[list[ProcessPlan], ProcessPlan, dict[str, object]]:
+    """The engines (prefill, then decode, then co-located), the router, and the
+    router's config (to be written to ``<run_dir>/router.yaml``)."""
+    workers: list[Worker] = []
     for role, count in ((Role.PREFILL, spec.prefill), (Role.DECODE, spec.decode), (Role.COLOCATED, spec.colocated)):
-        engines += [_engine_plan(spec, role, i, len(engines) + i) for i in range(count)]
-    argv = [sys.executable, "-m", "routing.pd_proxy", "--model-dir", str(spec.model_dir),
-            "--model-name", spec.served_model_name, "--host", HOST, "--port", str(spec.router_port)]  # fmt: skip
-    for engine in engines:
-        argv += ["--prefill" if engine.role is Role.PREFILL else "--decode", engine.url]
-    router = ProcessPlan("router", None, tuple(argv), {}, spec.router_port)
-    return engines, router
+        workers += [_worker(spec, role, i, len(workers)) for i in range(count)]
+    engines = [_engine_plan(spec, worker, ordinal) for ordinal, worker in enumerate(workers)]
+    config_path = spec.run_dir / ROUTER_CONFIG
+    argv = (sys.executable, "-m", "routing.cli", "router", "--config", str(config_path))
+    events_ports = tuple(spec.events_port + i for i in range(len(workers)))
+    router = ProcessPlan("router", None, argv, {}, spec.router_port, events_ports)
+    return engines, router, router_config(spec, workers)

@@ -31,6 +31,7 @@ def tokenizer(model_dir: Path) -> PromptTokenizer:
 
 @pytest.fixture(scope="module")
 def pd_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[fleet_io.Fleet]:
-    """1 prefill + 1 decode engine with KVPilotConnector, behind the router."""
-    with running_fleet(FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("pd-fleet"), **E2E_PORTS)) as f:
+    """1 prefill + 1 decode engine with KVPilotConnector, behind the router (every request prefilled on P)."""
+    spec = FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("pd-fleet"), disaggregation="always", **E2E_PORTS)
+    with running_fleet(spec) as f:
         yield f

@@ -18,7 +18,11 @@ from deploy.fleet_spec import FleetSpec, plan_fleet
 
 pytestmark = pytest.mark.e2e
 
-PORTS = {"engine_port": 8410, "side_channel_port": 5810, "router_port": 8400}
+PORTS = {"engine_port": 8410, "side_channel_port": 5810, "events_port": 6410, "router_port": 8400}
+
+
+def _port_flags() -> list[str]:
+    return [f"--{name.replace('_', '-')}={port}" for name, port in PORTS.items()]
 
 
 def _alive(pid: int) -> bool:
@@ -66,7 +70,7 @@ def test_bad_config_stops_engine_at_start_naming_the_key(
     assert "colocated-0 exited" in message
     assert named_key in message
     # the failed launch left nothing behind
-    engines, router = plan_fleet(spec)
+    engines, router, _ = plan_fleet(spec)
     assert all(fleet_io.port_is_free(p) for e in [*engines, router] for p in (e.port, *e.side_ports))
     assert not _processes_mentioning(f"--port {PORTS['engine_port']}")
     assert fleet_io.Fleet.load(tmp_path) is None
@@ -75,7 +79,7 @@ def test_bad_config_stops_engine_at_start_naming_the_key(
 def test_fleet_down_leaves_no_process_and_frees_ports(model_dir: Path, tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "deploy.cli", "fleet"]
     common = ["--run-dir", str(tmp_path), "--model", str(model_dir), "--prefill", "0", "--decode", "0",
-              "--colocated", "1", "--engine-port", str(PORTS["engine_port"]), "--router-port", str(PORTS["router_port"])]  # fmt: skip
+              "--colocated", "1", *_port_flags()]  # fmt: skip
     up = subprocess.run([*cli, "up", *common], capture_output=True, text=True, timeout=600)
     assert up.returncode == 0, up.stderr[-3000:]
     state = json.loads((tmp_path / fleet_io.STATE_FILE).read_text())
@@ -93,7 +97,7 @@ def test_fleet_down_leaves_no_process_and_frees_ports(model_dir: Path, tmp_path:
 
 def test_ctrl_c_during_up_stops_everything(model_dir: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "deploy.cli", "fleet", "up", "--run-dir", str(tmp_path), "--model", str(model_dir),
-           "--engine-port", str(PORTS["engine_port"]), "--router-port", str(PORTS["router_port"])]  # fmt: skip
+           *_port_flags()]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:  # wait until both engines have been spawned

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def nixl_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     spec = FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("nixl-fleet"), connector="NixlConnector",
-                     engine_port=8610, side_channel_port=6010, router_port=8600)  # fmt: skip
+                     engine_port=8610, side_channel_port=6010, events_port=6610, router_port=8600)  # fmt: skip
     with running_fleet(spec) as started:
         yield started
 

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.e2e
 
 def _single_engine(model_dir: Path, run_dir: Path, offset: int) -> FleetSpec:
     return FleetSpec(model_dir=model_dir, run_dir=run_dir, prefill=0, decode=0, colocated=1,
-                     engine_port=8510 + offset, side_channel_port=5910 + offset, router_port=8500 + offset)  # fmt: skip
+                     engine_port=8510 + offset, side_channel_port=5910 + offset, events_port=6510 + offset,
+                     router_port=8500 + offset)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

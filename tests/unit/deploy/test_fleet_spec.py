@@ -13,7 +13,7 @@ def _spec(**kw) -> FleetSpec:
 
 
 def test_plan_gives_each_engine_its_ports_core_and_connector() -> None:
-    engines, router = plan_fleet(_spec(prefill=1, decode=2))
+    engines, router, config = plan_fleet(_spec(prefill=1, decode=2))
     assert [e.name for e in engines] == ["prefill-0", "decode-0", "decode-1"]
     assert [e.port for e in engines] == [8100, 8101, 8102]
     assert [e.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for e in engines] == ["5600", "5601", "5602"]
@@ -24,8 +24,24 @@ def test_plan_gives_each_engine_its_ports_core_and_connector() -> None:
         kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         assert kv["kv_connector"] == "KVPilotConnector" and "kv_connector_module_path" not in kv
         assert e.env["UCX_NET_DEVICES"] == "lo" and e.env["PYTHONHASHSEED"] == "0"
-    assert router.argv.count("--prefill") == 1 and router.argv.count("--decode") == 2
-    assert "127.0.0.1" in router.argv
+        events = json.loads(argv[argv.index("--kv-events-config") + 1])
+        assert events["endpoint"].startswith("tcp://127.0.0.1:") and events["enable_kv_cache_events"]
+    assert router.argv[-2:] == ("--config", "/r/router.yaml")
+    assert [w["role"] for w in config["workers"]] == ["prefill", "decode", "decode"]  # type: ignore[index]
+    assert config["server"] == {"host": "127.0.0.1", "port": 8000, "model_name": "tiny", "model_dir": "/m"}
+    assert router.side_ports == (5700, 5701, 5702)  # the router binds the event endpoints
+
+
+def test_router_config_parses_and_always_disaggregates_on_request(tmp_path: Path) -> None:
+    import yaml
+
+    from routing.config import load_config
+
+    _, _, config = plan_fleet(_spec(disaggregation="always"))
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    parsed = load_config(tmp_path / "router.yaml")
+    assert parsed.disaggregation.max_local_tokens == 0
+    assert [w.name for w in parsed.workers] == ["prefill-0", "decode-0"]
 
 
 @pytest.mark.parametrize(
@@ -35,6 +51,7 @@ def test_plan_gives_each_engine_its_ports_core_and_connector() -> None:
         ({"prefill": 0, "decode": 0}, "at least one decode or co-located"),
         ({"block_size": 16}, "multiple of 32"),
         ({"prefill": -1}, ">= 0"),
+        ({"disaggregation": "sometimes"}, "conditional"),
     ],
 )
 def test_invalid_fleets_are_refused(kw: dict, message: str) -> None:
@@ -43,5 +60,5 @@ def test_invalid_fleets_are_refused(kw: dict, message: str) -> None:
 
 
 def test_roles_are_named() -> None:
-    engines, _ = plan_fleet(_spec(prefill=0, decode=0, colocated=1))
+    engines, _, _ = plan_fleet(_spec(prefill=0, decode=0, colocated=1))
     assert engines[0].role is Role.COLOCATED
