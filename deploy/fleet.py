@@ -181,7 +181,7 @@ def _wait_ports_free(ports: list[int], timeout: float = 30.0) -> None:
 
 def _spawn(plan: ProcessPlan, logs: Path) -> tuple[subprocess.Popen[bytes], RunningProcess]:
     log = logs / f"{plan.name}.log"
-    with open(log, "wb") as out:
+    with open(log, "ab") as out:  # appended: a restarted engine keeps its history
         proc = subprocess.Popen(
             plan.argv,
             env=child_env(plan.env),
@@ -278,3 +278,32 @@ def down(run_dir: Path) -> int:
     _wait_ports_free([port for p in procs for port in p.ports])
     (run_dir / STATE_FILE).unlink()
     return len(procs)
+
+
+def restart_engine(spec: FleetSpec, name: str, timeout: float = 600.0) -> Fleet:
+    """Stop engine ``name`` of the fleet recorded in ``spec.run_dir`` and start it again
+    with the same command line (an engine restart, as after a crash or an upgrade).
+
+    Returns the updated fleet once the engine is healthy; raises
+    :class:`FleetStartError` if it does not come back (the rest of the fleet keeps
+    running) and ``KeyError`` for an unknown engine.
+    """
+    fleet = Fleet.load(spec.run_dir)
+    if fleet is None:
+        raise FleetStartError(f"no fleet recorded in {spec.run_dir}")
+    old = next((e for e in fleet.engines if e.name == name), None)
+    plan = next((p for p in plan_fleet(spec)[0] if p.name == name), None)
+    if old is None or plan is None:
+        raise KeyError(f"no engine named {name!r} in {spec.run_dir}")
+    stop_group(old.pid)
+    _wait_ports_free(old.ports)
+    proc, new = _spawn(plan, spec.run_dir / "logs")
+    try:
+        _wait_healthy([(proc, new)], time.monotonic() + timeout)
+    except BaseException:
+        stop_group(proc.pid)
+        raise
+    engines = tuple(new if e.name == name else e for e in fleet.engines)
+    restarted = Fleet(spec.run_dir, engines, fleet.router)
+    restarted.save()
+    return restarted

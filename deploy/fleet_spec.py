@@ -11,21 +11,13 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 from deploy.env import HASH_SEED_ENV, NIXL_CPU_ENV
-from routing.engines import Role as WorkerRole
-from routing.engines import Worker, kv_events_config
+from routing.engines import Role, Worker, kv_events_config
 
 HOST = "127.0.0.1"
 ROUTER_CONFIG = "router.yaml"
-
-
-class Role(str, Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +80,7 @@ def _worker(spec: FleetSpec, role: Role, index: int, ordinal: int) -> Worker:
     """How the router sees engine ``ordinal``."""
     return Worker(
         name=f"{role.value}-{index}",  # type: ignore[arg-type]
-        role=WorkerRole(role.value),
+        role=role,
         url=f"http://{HOST}:{spec.engine_port + ordinal}",
         kv_events_endpoint=f"tcp://{HOST}:{spec.events_port + ordinal}",
         replay_endpoint=f"tcp://{HOST}:{spec.events_port + 100 + ordinal}",
@@ -122,7 +114,7 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
         "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
     }
     side_ports = (spec.side_channel_port + ordinal, spec.events_port + 100 + ordinal)
-    return ProcessPlan(worker.name, Role(worker.role.value), argv, env, spec.engine_port + ordinal, side_ports)
+    return ProcessPlan(worker.name, worker.role, argv, env, spec.engine_port + ordinal, side_ports)
 
 
 def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:

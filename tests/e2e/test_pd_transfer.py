@@ -75,3 +75,18 @@ def test_decode_moves_only_blocks_beyond_its_local_hit(pd_fleet: Fleet, tokenize
     complete(decode.url, first, max_tokens=2, cache_salt=salt)
     reference = complete(decode.url, extended, max_tokens=8, cache_salt=salt)
     assert out.same_output(reference), f"max diff {out.max_logprob_diff(reference)}"
+
+
+def test_prefill_failure_falls_back_to_local_prefill_on_decode(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
+    """Last in this module: it stops the prefill engine."""
+    from deploy.fleet import stop_group
+
+    decode = pd_fleet.by_role("decode")[0]
+    stop_group(pd_fleet.by_role("prefill")[0].pid)
+    token_ids = tokenizer.prompt_token_ids(_words(300, seed=9))
+    before = scrape(pd_fleet.router.url)
+    out = complete(pd_fleet.router.url, token_ids, max_tokens=8)
+    assert out.headers.get("X-KVPilot-Route") == "fallback"
+    assert delta(scrape(pd_fleet.router.url), before, "kvpilot_router_prefill_fallbacks_total") == 1
+    reference = complete(decode.url, token_ids, max_tokens=8, cache_salt=f"ref-{uuid.uuid4().hex}")
+    assert out.same_output(reference)

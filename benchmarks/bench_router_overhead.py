@@ -1,0 +1,67 @@
+"""The router's added latency on the live CPU fleet.
+
+Starts one co-located tiny engine behind the router and sends the same short
+completions (``max_tokens=1``, a prompt already in the engine's prefix cache) both
+directly to the engine and through the router, interleaved, ``--requests`` times
+each. It reports medians and p90s of the two and their difference: the time the
+router adds (tokenizing, hashing the prompt's blocks, the index lookup, the cost
+function, one more HTTP hop).
+
+    python benchmarks/bench_router_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from deploy import fleet as fleet_io
+from deploy.client import complete
+from deploy.fleet_spec import FleetSpec
+from deploy.tiny_model import ensure_tiny_model
+
+
+def _timed(url: str, prompt: list[int]) -> float:
+    started = time.perf_counter()
+    complete(url, prompt, max_tokens=1)
+    return time.perf_counter() - started
+
+
+def _p90(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=10)[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=100)
+    parser.add_argument("--tokens", type=int, default=1024)
+    args = parser.parse_args()
+
+    run_dir = Path(tempfile.mkdtemp(prefix="kvpilot-bench-"))
+    spec = FleetSpec(model_dir=ensure_tiny_model(), run_dir=run_dir, prefill=0, decode=0, colocated=1,
+                     engine_port=8910, side_channel_port=6910, events_port=7010, router_port=8900)  # fmt: skip
+    started = fleet_io.up(spec, progress=lambda _: None)
+    try:
+        engine, router = started.engines[0].url, started.router.url
+        prompt = [(i * 7919) % 2000 + 7 for i in range(args.tokens)]
+        for url in (engine, router, engine, router):  # warm the cache and both paths
+            complete(url, prompt, max_tokens=1)
+        direct, routed = [], []
+        for _ in range(args.requests):
+            direct.append(_timed(engine, prompt))
+            routed.append(_timed(router, prompt))
+    finally:
+        fleet_io.down(run_dir)
+
+    d50, r50 = statistics.median(direct), statistics.median(routed)
+    print(f"{args.requests} requests each, {args.tokens}-token cached prompt, max_tokens=1")
+    print(f"  direct to engine   p50 {d50 * 1e3:8.2f} ms   p90 {_p90(direct) * 1e3:8.2f} ms")
+    print(f"  through router     p50 {r50 * 1e3:8.2f} ms   p90 {_p90(routed) * 1e3:8.2f} ms")
+    print(f"  router adds        p50 {(r50 - d50) * 1e3:8.2f} ms   ({r50 / d50:.2f}x the direct time)")
+
+
+if __name__ == "__main__":
+    main()

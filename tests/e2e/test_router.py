@@ -1,0 +1,145 @@
+"""The KV-aware router on real engines: routing by the engines' own KV events,
+tenant isolation, malformed events, engine restart. Two co-located engines."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from deploy import fleet as fleet_io
+from deploy.client import complete
+from deploy.fleet import Fleet
+from deploy.fleet_spec import FleetSpec
+from deploy.metrics import delta, scrape, total
+from fleets import running_fleet
+from routing.tokenizer import PromptTokenizer
+from scenarios import text
+
+pytestmark = pytest.mark.e2e
+
+PORTS = {"engine_port": 8810, "side_channel_port": 6210, "events_port": 6810, "router_port": 8800}
+CACHE_HIT = "vllm:prompt_tokens_by_source_total"
+
+
+@pytest.fixture(scope="module")
+def spec(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FleetSpec:
+    return FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("router-fleet"), prefill=0, decode=0,
+                     colocated=2, **PORTS)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fleet(spec: FleetSpec) -> Iterator[Fleet]:
+    with running_fleet(spec) as started:
+        yield started
+
+
+def debug_route(router_url: str, prompt: list[int], **extra: object) -> dict:
+    body = json.dumps({"prompt": prompt, **extra}).encode()
+    req = urllib.request.Request(f"{router_url}/debug/route", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.load(resp)
+
+
+def wait_for_overlap(router_url: str, prompt: list[int], worker: str, blocks: int, timeout: float = 30) -> dict:
+    """Poll /debug/route until the index shows ``worker`` holding ``blocks`` of ``prompt``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        route = debug_route(router_url, prompt)
+        if route["overlap"].get(worker, {}).get("GPU", 0) >= blocks or time.monotonic() > deadline:
+            return route
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def warmed(fleet: Fleet, tokenizer: PromptTokenizer) -> tuple[list[int], list[int]]:
+    """Prompt A cached on colocated-0, prompt B on colocated-1 (sent to them directly)."""
+    a, b = tokenizer.prompt_token_ids(text(600, 21)), tokenizer.prompt_token_ids(text(600, 22))
+    complete(fleet.engines[0].url, a, max_tokens=1)
+    complete(fleet.engines[1].url, b, max_tokens=1)
+    assert wait_for_overlap(fleet.router.url, a, "colocated-0", len(a) // 32)["overlap"]["colocated-0"]["GPU"] > 0
+    assert wait_for_overlap(fleet.router.url, b, "colocated-1", len(b) // 32)["overlap"]["colocated-1"]["GPU"] > 0
+    return a, b
+
+
+def _hits(before: list, after: list) -> float:
+    return sum(delta(x, y, CACHE_HIT, source="local_cache_hit") for x, y in zip(after, before))
+
+
+def test_prefix_routing_beats_round_robin(fleet: Fleet, warmed: tuple[list[int], list[int]],
+                                          tokenizer: PromptTokenizer) -> None:  # fmt: skip
+    a, b = warmed
+    extensions = [(base + tokenizer.prompt_token_ids(f" step {i} " + text(40, 30 + i)), want)
+                  for i in range(4) for base, want in ((a, "colocated-0"), (b, "colocated-1"))]  # fmt: skip
+    before = [scrape(e.url) for e in fleet.engines]
+    placed = [complete(fleet.router.url, prompt, max_tokens=2).headers.get("X-KVPilot-Decode-Worker")
+              for prompt, _ in extensions]  # fmt: skip
+    time.sleep(0.5)
+    routed_hits = _hits(before, [scrape(e.url) for e in fleet.engines])
+    assert placed == [want for _, want in extensions]
+
+    # Round robin on the same engines, with the same prompts under a fresh salt (warmed
+    # again, A on engine 0 and B on engine 1) sends some where their prefix is not cached:
+    # each such miss is a cold prefill of the whole prefix.
+    salt = uuid.uuid4().hex
+    complete(fleet.engines[0].url, a, max_tokens=1, cache_salt=salt)
+    complete(fleet.engines[1].url, b, max_tokens=1, cache_salt=salt)
+    before = [scrape(e.url) for e in fleet.engines]
+    for i, (prompt, _) in enumerate(extensions):
+        complete(fleet.engines[(i // 2) % 2].url, prompt, max_tokens=2, cache_salt=salt)
+    time.sleep(0.5)
+    round_robin_hits = _hits(before, [scrape(e.url) for e in fleet.engines])
+    full_prefix = len(a) // 32 * 32
+    assert routed_hits >= len(extensions) * full_prefix
+    assert round_robin_hits <= routed_hits - full_prefix
+    print(f"\nprefix routing: {routed_hits:.0f} cached prompt tokens; round robin: {round_robin_hits:.0f}")
+
+
+def test_another_salt_earns_no_credit(fleet: Fleet, warmed: tuple[list[int], list[int]]) -> None:
+    a, _ = warmed
+    assert debug_route(fleet.router.url, a)["cached_blocks"] == len(a) // 32
+    other = debug_route(fleet.router.url, a, cache_salt="another-tenant")
+    assert other["cached_blocks"] == 0 and not any(other["overlap"].values())
+
+
+def test_malformed_events_are_counted_and_skipped(fleet: Fleet, spec: FleetSpec, tokenizer: PromptTokenizer) -> None:
+    before = scrape(fleet.router.url)
+    socket = zmq.Context.instance().socket(zmq.PUB)
+    socket.connect(f"tcp://127.0.0.1:{spec.events_port}")  # the router binds; a rogue publisher connects
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            socket.send_multipart((b"kv", (2**62).to_bytes(8, "big"), b"\xc1 not msgpack"))
+            socket.send_multipart((b"kv", b"short"))
+            time.sleep(0.2)
+            after = scrape(fleet.router.url)
+            if delta(after, before, "kvpilot_router_kv_event_bad_frames_total") + delta(
+                after, before, "kvpilot_router_kv_events_rejected_total"
+            ) >= 2:
+                break
+    finally:
+        socket.close(linger=0)
+    assert total(after, "kvpilot_router_kv_event_bad_frames_total") + total(after, "kvpilot_router_kv_events_rejected_total") >= 2
+    out = complete(fleet.router.url, tokenizer.prompt_token_ids(text(50, 5)), max_tokens=2)
+    assert out.tokens  # still serving
+
+
+def test_engine_restart_clears_its_entries(fleet: Fleet, spec: FleetSpec, warmed: tuple[list[int], list[int]],
+                                           tokenizer: PromptTokenizer) -> None:  # fmt: skip
+    a, _ = warmed
+    assert debug_route(fleet.router.url, a)["overlap"].get("colocated-0", {}).get("GPU", 0) > 0
+    restarted = fleet_io.restart_engine(spec, "colocated-0")
+    # The new engine publishes from sequence 0 again once it stores blocks.
+    other = tokenizer.prompt_token_ids(text(100, 77))
+    complete(restarted.engines[0].url, other, max_tokens=1)
+    deadline = time.monotonic() + 30
+    while debug_route(fleet.router.url, a)["overlap"].get("colocated-0", {}).get("GPU", 0) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert debug_route(fleet.router.url, a)["overlap"].get("colocated-0", {}).get("GPU", 0) == 0
+    assert wait_for_overlap(fleet.router.url, other, "colocated-0", len(other) // 32)["overlap"]["colocated-0"]["GPU"] > 0
