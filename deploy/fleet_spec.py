@@ -45,6 +45,9 @@ class FleetSpec:
     connector: str = "KVPilotConnector"
     connector_extra_config: dict[str, object] = field(default_factory=dict)
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+    first_core: int = 0
+    """Engine i's compute threads bind core ``(first_core + i) % cores``; separate
+    fleets on one box give each other different first cores."""
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -110,7 +113,7 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
         **NIXL_CPU_ENV,
         **HASH_SEED_ENV,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port + ordinal),
-        "VLLM_CPU_OMP_THREADS_BIND": str(ordinal % spec.cores),
+        "VLLM_CPU_OMP_THREADS_BIND": str((spec.first_core + ordinal) % spec.cores),
         "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
     }
     side_ports = (spec.side_channel_port + ordinal, spec.events_port + 100 + ordinal)
@@ -140,7 +143,7 @@ def plan_fleet(spec: FleetSpec) -> tuple[list[ProcessPlan], ProcessPlan, dict[st
     router's config (to be written to ``<run_dir>/router.yaml``)."""
     workers: list[Worker] = []
     for role, count in ((Role.PREFILL, spec.prefill), (Role.DECODE, spec.decode), (Role.COLOCATED, spec.colocated)):
-        workers += [_worker(spec, role, i, len(workers)) for i in range(count)]
+        workers += [_worker(spec, role, i, len(workers) + i) for i in range(count)]
     engines = [_engine_plan(spec, worker, ordinal) for ordinal, worker in enumerate(workers)]
     config_path = spec.run_dir / ROUTER_CONFIG
     argv = (sys.executable, "-m", "routing.cli", "router", "--config", str(config_path))

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 
 
 def _single_engine(model_dir: Path, run_dir: Path, offset: int) -> FleetSpec:
-    return FleetSpec(model_dir=model_dir, run_dir=run_dir, prefill=0, decode=0, colocated=1,
+    return FleetSpec(model_dir=model_dir, run_dir=run_dir, prefill=0, decode=0, colocated=1, first_core=offset,
                      engine_port=8510 + offset, side_channel_port=5910 + offset, events_port=6510 + offset,
                      router_port=8500 + offset)  # fmt: skip
 

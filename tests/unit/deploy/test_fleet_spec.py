@@ -30,6 +30,9 @@ def test_plan_gives_each_engine_its_ports_core_and_connector() -> None:
     assert [w["role"] for w in config["workers"]] == ["prefill", "decode", "decode"]  # type: ignore[index]
     assert config["server"] == {"host": "127.0.0.1", "port": 8000, "model_name": "tiny", "model_dir": "/m"}
     assert router.side_ports == (5700, 5701, 5702)  # the router binds the event endpoints
+    workers = config["workers"]  # type: ignore[index]
+    assert [w["url"] for w in workers] == [e.url for e in engines]
+    assert [w["replay_endpoint"] for w in workers] == [f"tcp://127.0.0.1:{p}" for p in (5800, 5801, 5802)]
 
 
 def test_router_config_parses_and_always_disaggregates_on_request(tmp_path: Path) -> None:
