@@ -25,7 +25,7 @@ def parse(text: str) -> Samples:
     return samples
 
 
-def scrape(base_url: str, timeout: float = 10.0) -> Samples:
+def scrape(base_url: str, timeout: float = 60.0) -> Samples:
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout) as resp:
         return parse(resp.read().decode())
 

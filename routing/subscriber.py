@@ -58,6 +58,10 @@ class SubscriberStats:
     bad_frames: int = 0
 
 
+MAX_SEQ_JUMP = 1 << 20
+"""A sequence number further ahead than this is a bad frame, not a gap."""
+
+
 class EngineSubscriber:
     """Subscribes to one engine's KV events and applies them to ``index`` as ``worker``."""
 
@@ -121,6 +125,9 @@ class EngineSubscriber:
             self.stats.bad_frames += 1
             return
         seq = int.from_bytes(frames[1], "big")
+        if seq - (0 if self._last_seq is None else self._last_seq) > MAX_SEQ_JUMP:
+            self.stats.bad_frames += 1  # no engine skips a million batches: a corrupt or forged frame
+            return
         last = self._last_seq
         if last is not None and seq <= last:
             self.stats.restarts += 1
@@ -130,7 +137,7 @@ class EngineSubscriber:
         if seq > expected:
             self.stats.gaps += 1
             recovered = self._replay(expected, seq)
-            if [s for s, _ in recovered] != list(range(expected, seq)):
+            if [s for s, _ in recovered] != list(range(expected, seq)):  # bounded by MAX_SEQ_JUMP
                 self.stats.unrecoverable_gaps += 1
                 if last is not None:
                     self.index.clear_worker(self.worker)

@@ -167,3 +167,26 @@ def test_malformed_payload_is_counted_and_stream_continues(endpoints):
     finally:
         raw.close(linger=0)
         sub.close()
+
+
+def test_forged_sequence_number_is_a_bad_frame_not_a_gap(endpoints):
+    endpoint, replay = endpoints
+    index = BlockIndex(BS)
+    sub = EngineSubscriber(W, endpoint, index, replay_endpoint=replay, topic="kv")
+    pub = _publisher(endpoint, replay)
+    raw = zmq.Context.instance().socket(zmq.PUB)
+    raw.connect(endpoint)
+    try:
+        _publish_chain(pub, 0, 3)
+        _publish_until_seen(pub, sub)
+        deadline = time.monotonic() + 20
+        while sub.stats.bad_frames == 0 and time.monotonic() < deadline:
+            raw.send_multipart((b"kv", (2**62).to_bytes(8, "big"), b"\\xc1"))
+            sub.poll(200)
+        assert sub.stats.bad_frames >= 1
+        assert sub.stats.unrecoverable_gaps == 0 and sub.stats.restarts == 0
+        assert index.match(PromptChain(_prompt(3), BS)).blocks == {W: {"GPU": 3}}
+    finally:
+        raw.close(linger=0)
+        pub.shutdown()
+        sub.close()
