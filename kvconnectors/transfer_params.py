@@ -53,7 +53,6 @@ with a 400 naming it or served by local prefill.
 from __future__ import annotations
 
 import base64
-import binascii
 import math
 import re
 from collections.abc import Sequence

@@ -1,0 +1,106 @@
+"""The router's Prometheus metrics (see docs/router.md for the list)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from routing.router import Route
+    from routing.server import RouterServer
+
+_BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class RouterMetrics:
+    """The router's Prometheus families, in a registry of its own.
+
+    Counted per decision: ``kvpilot_router_decisions_total{kind,prefill,decode}``,
+    ``kvpilot_router_overlap_blocks{tier}`` (the prefilling worker's creditable
+    blocks per tier class), ``kvpilot_router_prompt_blocks_total`` and
+    ``kvpilot_router_cached_blocks_total{tier}`` (hit rate = cached / prompt,
+    also as the gauge ``kvpilot_router_cache_hit_ratio``). TTFT by stage
+    (article section 10.4): ``kvpilot_router_ttft_stage_seconds{stage}`` with
+    ``route`` (parse, tokenize, queue for the index lock, decide), ``prefill``
+    (P's answer), ``decode_first_token`` (D's first SSE event; streams only),
+    and the client's ``kvpilot_router_ttft_seconds``. Failures:
+    ``kvpilot_router_prefill_failures_total{worker,reason}``,
+    ``kvpilot_router_prefill_fallbacks_total``, ``kvpilot_router_upstream_errors_total{worker}``.
+    At scrape time: KV-event ingest per worker (batches, replays, gaps, restarts,
+    rejected events by reason) and the index's blocks per worker and tier.
+    """
+
+    def __init__(self, server: RouterServer) -> None:
+        self._server = server
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        p = "kvpilot_router_"
+        self.decisions = Counter(p + "decisions", "Routing decisions", ["kind", "prefill", "decode"], registry=r)
+        self.overlap = Histogram(
+            p + "overlap_blocks", "Creditable prefix blocks of the prefilling worker, per tier class",
+            ["tier"], buckets=_BLOCK_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_blocks = Counter(p + "prompt_blocks", "Full prompt blocks routed", registry=r)
+        self.cached_blocks = Counter(
+            p + "cached_blocks", "Prompt blocks cached on the prefilling worker, per tier class", ["tier"], registry=r
+        )
+        self.hit_ratio = Gauge(p + "cache_hit_ratio", "Cached over prompt blocks since start (all tiers)", registry=r)
+        self.ttft_stage = Histogram(
+            p + "ttft_stage_seconds", "Time to first token by stage", ["stage"], buckets=_SECONDS_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            p + "ttft_seconds", "Time to first token seen by the client (streams)", buckets=_SECONDS_BUCKETS, registry=r
+        )
+        self.prefill_failures = Counter(
+            p + "prefill_failures", "Remote prefills that failed", ["worker", "reason"], registry=r
+        )
+        self.fallbacks = Counter(p + "prefill_fallbacks", "Requests prefilled locally on D after P failed", registry=r)
+        self.upstream_errors = Counter(p + "upstream_errors", "Engine errors returned to clients", ["worker"], registry=r)
+        self._prompt, self._cached = 0, 0
+        r.register(self)  # type: ignore[arg-type]  # the scrape-time collector below
+
+    def decided(self, route: Route, route_seconds: float) -> None:
+        self.decisions.labels(route.kind.value, route.prefill_worker.name, route.decode.name).inc()
+        self.prompt_blocks.inc(route.prompt_blocks)
+        for tier, blocks in route.overlap._asdict().items():
+            self.overlap.labels(tier).observe(blocks)
+            self.cached_blocks.labels(tier).inc(blocks)
+        self._prompt += route.prompt_blocks
+        self._cached += sum(route.overlap)
+        self.hit_ratio.set(self._cached / self._prompt if self._prompt else 0.0)
+        self.ttft_stage.labels("route").observe(route_seconds)
+
+    def prefill_failed(self, worker: str, reason: str) -> None:
+        self.prefill_failures.labels(worker, reason).inc()
+        self.fallbacks.inc()
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        server = self._server
+        stats = ("batches", "replayed", "gaps", "unrecoverable_gaps", "restarts", "bad_frames")
+        p = "kvpilot_router_"
+        families = {
+            s: CounterMetricFamily(f"{p}kv_event_{s}", f"KV-event {s} per worker", labels=["worker"]) for s in stats
+        }
+        rejected = CounterMetricFamily(p + "kv_events_rejected", "Malformed KV events skipped", labels=["worker", "reason"])
+        blocks = GaugeMetricFamily(p + "index_blocks", "Blocks in the index", labels=["worker", "tier"])
+        with server.lock:
+            for sub in server.feeder.subscribers if server.feeder is not None else ():
+                for s in stats:
+                    families[s].add_metric([sub.worker], getattr(sub.stats, s))
+                for reason, n in sub.decoder.rejections.items():
+                    rejected.add_metric([sub.worker, reason.value], n)
+            for worker in server.fleet.workers:
+                for tier in server.config.index.tiers:
+                    blocks.add_metric([worker.name, tier], server.index.block_count(worker.name, tier))
+        yield from families.values()
+        yield rejected
+        yield blocks
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
