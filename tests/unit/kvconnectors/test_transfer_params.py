@@ -22,7 +22,6 @@ from kvconnectors.hash_contract import (
     block_hash_chain,
     none_hash,
     salt_identity,
-    seed_identity,
 )
 from kvconnectors.transfer_params import (
     DIGEST_BYTES,
@@ -38,14 +37,7 @@ from kvconnectors.transfer_params import (
     encode_offer,
 )
 
-CONTRACT = ContractId(
-    model="kvpilot/tiny-llama",
-    block_size=16,
-    hash_algo="sha256",
-    seed_id=seed_identity(none_hash("sha256", "0")),
-    kv_dtype="bfloat16",
-    kv_layout="NHD",
-)
+from offer_contract import CONTRACT  # noqa: E402
 TOP_FIELDS = ("version", "contract", "num_blocks", "block_digests")
 CONTRACT_FIELDS = ("model", "block_size", "hash_algo", "seed_id", "kv_dtype", "kv_layout")
 

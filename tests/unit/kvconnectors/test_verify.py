@@ -28,14 +28,7 @@ from kvconnectors.transfer_params import (
 )
 from kvconnectors.verify import Reason, Verdict, verify_offer
 
-CONTRACT = ContractId(
-    model="kvpilot/tiny-llama",
-    block_size=16,
-    hash_algo="sha256",
-    seed_id=seed_identity(none_hash("sha256", "0")),
-    kv_dtype="bfloat16",
-    kv_layout="NHD",
-)
+from offer_contract import CONTRACT  # noqa: E402
 
 
 def _hash(label: str) -> BlockHash:

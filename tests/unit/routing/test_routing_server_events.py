@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
-import socket
 import time
 
 import pytest
@@ -26,6 +24,7 @@ from routing.config import RouterConfig  # noqa: E402
 from routing.engines import fleet_from_config  # noqa: E402
 from routing.server import RouterServer  # noqa: E402
 from routing.tokenizer import PromptTokenizer  # noqa: E402
+from zmq_ports import free_ports  # noqa: E402
 
 BS = 4
 PROMPT = list(range(1000, 1040))  # 10 blocks
@@ -38,26 +37,6 @@ def model_dir(tmp_path):
 
     Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
     return tmp_path
-
-
-def _free_ports(n: int) -> list[int]:
-    """Distinct free ports below the ephemeral range, from plain sockets closed at once."""
-    rng, socks, ports = random.Random(), [], []
-    try:
-        while len(ports) < n:
-            sock = socket.socket()
-            port = rng.randrange(20000, 30000)
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                sock.close()
-                continue
-            socks.append(sock)
-            ports.append(port)
-        return ports
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def _config(model_dir, ports: list[int]) -> RouterConfig:
@@ -91,7 +70,7 @@ def _batch(blocks: int) -> object:
 
 
 def test_debug_route_picks_the_worker_that_published_the_blocks(model_dir):
-    ports = _free_ports(4)
+    ports = free_ports(4)
     cfg = _config(model_dir, ports)
     server = RouterServer(cfg, fleet_from_config(cfg), PromptTokenizer(model_dir), None)
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
-import socket
 import time
 
 import pytest
@@ -17,32 +15,10 @@ kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
 from routing.index import BlockIndex, PromptChain, WorkerId  # noqa: E402
 from routing.subscriber import EngineSubscriber, subscriber_binds  # noqa: E402
+from zmq_ports import free_ports  # noqa: E402
 
 BS = 4
 W = WorkerId("w1")
-
-
-def _free_ports(n: int) -> list[int]:
-    """Distinct free ports below the ephemeral range (a connecting PUB cannot self-connect).
-
-    Plain sockets, closed synchronously (a closed ZMQ socket frees its port later).
-    """
-    rng, socks, ports = random.Random(), [], []
-    try:
-        while len(ports) < n:
-            sock = socket.socket()
-            try:
-                port = rng.randrange(20000, 30000)
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                sock.close()
-                continue
-            socks.append(sock)
-            ports.append(port)
-        return ports
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def _stored(i: int, parent: int | None) -> object:
@@ -89,7 +65,7 @@ def _publish_until_seen(pub: object, sub: EngineSubscriber, timeout_s: float = 2
 
 @pytest.fixture()
 def endpoints():
-    return tuple(f"tcp://127.0.0.1:{port}" for port in _free_ports(2))
+    return tuple(f"tcp://127.0.0.1:{port}" for port in free_ports(2))
 
 
 def _publisher(endpoint: str, replay: str, hwm: int = 100_000):
