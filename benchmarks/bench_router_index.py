@@ -43,9 +43,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dynamo.llm import RadixTree, compute_block_hash_for_seq  # noqa: E402
 
 from routing.config import CostConfig  # noqa: E402
-from routing.cost import Candidate, CostModel, WorkerLoad, tier_overlap  # noqa: E402
+from routing.cost import Candidate, CostModel, tier_overlap  # noqa: E402
+from routing.ledger import WorkerLoad  # noqa: E402
 from routing.events import BlockRemoved, BlockStored, EventDecoder  # noqa: E402
-from routing.index import BlockIndex, PromptChain  # noqa: E402
+from routing.chain import PromptChain  # noqa: E402
+from routing.index import BlockIndex  # noqa: E402
 from routing.sessions import SessionState  # noqa: E402
 
 BS, WORKERS, PER_WORKER, EVENT_BLOCKS, CHAIN = 16, 16, 50_000, 32, 1024

@@ -1,4 +1,4 @@
-"""Dynamo's worker cost, the router's own load ledger, and explainable decisions. Pure.
+"""Dynamo's worker cost and explainable decisions. Pure.
 
 For a request of ``prompt_blocks`` full blocks and a candidate worker (all in blocks)::
 
@@ -8,13 +8,16 @@ For a request of ``prompt_blocks`` full blocks and a candidate worker (all in bl
                     + disk_cache_hit_weight   * disk_overlap     # beyond GPU and host
                     + shared_cache_multiplier * shared_overlap   # beyond all of them
     adjusted_prefill_blocks = max(0, active_prefill_blocks + prompt_blocks - credit_blocks)
-    potential_decode_blocks = active_decode_blocks + prompt_blocks
+    potential_decode_blocks = active_decode_blocks + prompt_blocks - shared_decode_blocks
     cost = prefill_load_scale * adjusted_prefill_blocks
          + potential_decode_blocks
          + decode_active_request_weight * active_requests
          - session_affinity_credit * [worker served this session last]
 
 This is the formula of the article's section 4.4 (Dynamo's routing concepts).
+The load comes from :class:`routing.ledger.LoadLedger`; as in Dynamo, decode
+blocks are unique blocks, so the prompt's leading blocks that the worker's
+active requests already hold (``shared_decode_blocks``) add nothing.
 The decay form is ours (Dynamo does not publish one): hyperbolic in the
 worker's active prefill blocks, so ``decay = 0`` is Dynamo's default (no
 decay), and ``decay = 0.01`` halves the GPU credit of a worker already
@@ -35,7 +38,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from routing.config import CostConfig
-from routing.index import Tier, WorkerId
+from routing.index import Tier
+from routing.ledger import WorkerLoad
 
 
 class TierOverlap(NamedTuple):
@@ -73,89 +77,6 @@ def tier_overlap(
     return TierOverlap(*out)
 
 
-class WorkerLoad(NamedTuple):
-    active_prefill_blocks: int = 0
-    active_decode_blocks: int = 0
-    active_requests: int = 0
-
-
-@dataclass(slots=True)
-class _Active:
-    prefill_worker: WorkerId
-    decode_worker: WorkerId
-    prefill_blocks: int
-    decode_blocks: int
-    prefilling: bool = True
-
-
-class LoadLedger:
-    """Active prefill blocks per P and active decode blocks per D, from the router's own view.
-
-    ``dispatch`` adds the request's uncached blocks to P's prefill load and its
-    prompt blocks (and one request) to D's decode load; ``first_token`` ends the
-    prefill; ``complete`` and ``fail`` end everything still counted. In
-    co-located mode P and D are the same worker. The event methods return
-    False (and change nothing) for an unknown or already finished request.
-    """
-
-    def __init__(self) -> None:
-        self._active: dict[str, _Active] = {}
-        self._prefill: dict[WorkerId, int] = {}
-        self._decode: dict[WorkerId, int] = {}
-        self._requests: dict[WorkerId, int] = {}
-
-    def dispatch(
-        self,
-        request_id: str,
-        prefill_worker: WorkerId,
-        decode_worker: WorkerId,
-        prompt_blocks: int,
-        cached_blocks: int,
-    ) -> None:
-        """Count a dispatched request; raises ValueError if ``request_id`` is active."""
-        if request_id in self._active:
-            raise ValueError(f"request {request_id!r} is already active")
-        todo = max(0, prompt_blocks - cached_blocks)
-        self._active[request_id] = _Active(prefill_worker, decode_worker, todo, prompt_blocks)
-        self._add(self._prefill, prefill_worker, todo)
-        self._add(self._decode, decode_worker, prompt_blocks)
-        self._add(self._requests, decode_worker, 1)
-
-    def first_token(self, request_id: str) -> bool:
-        active = self._active.get(request_id)
-        if active is None or not active.prefilling:
-            return False
-        active.prefilling = False
-        self._add(self._prefill, active.prefill_worker, -active.prefill_blocks)
-        return True
-
-    def complete(self, request_id: str) -> bool:
-        active = self._active.pop(request_id, None)
-        if active is None:
-            return False
-        if active.prefilling:
-            self._add(self._prefill, active.prefill_worker, -active.prefill_blocks)
-        self._add(self._decode, active.decode_worker, -active.decode_blocks)
-        self._add(self._requests, active.decode_worker, -1)
-        return True
-
-    fail = complete  # a failed request frees what it held, like a finished one
-
-    def load(self, worker: WorkerId) -> WorkerLoad:
-        """``worker``'s current load (zeros if it has none)."""
-        return WorkerLoad(
-            self._prefill.get(worker, 0), self._decode.get(worker, 0), self._requests.get(worker, 0)
-        )
-
-    @staticmethod
-    def _add(table: dict[WorkerId, int], worker: WorkerId, delta: int) -> None:
-        value = table.get(worker, 0) + delta
-        if value:
-            table[worker] = value
-        else:
-            table.pop(worker, None)
-
-
 class Candidate(NamedTuple):
     """One option: a worker (or a P->D pair named by the caller) and what it faces."""
 
@@ -189,7 +110,7 @@ def worker_terms(cfg: CostConfig, prompt_blocks: int, cand: Candidate) -> Terms:
         + cfg.shared_cache_multiplier * ov.shared
     )
     adjusted = max(0.0, load.active_prefill_blocks + prompt_blocks - credit)
-    decode = load.active_decode_blocks + prompt_blocks
+    decode = load.active_decode_blocks + prompt_blocks - load.shared_decode_blocks
     requests = cfg.decode_active_request_weight * load.active_requests
     affinity = cfg.session_affinity_credit if cand.session_affinity else 0.0
     cost = cfg.prefill_load_scale * adjusted + decode + requests - affinity

@@ -1,11 +1,11 @@
 """The global block index: which worker holds which prefix, per tier. Pure.
 
-Block naming (see the package docstring for why): the router names block ``i``
-of a chain ``key_i = key_{i-1} XOR hash((i, *tokens_of_block_i))`` with
-``key_{-1} = 0``, computed in one pass of C-level iterators, inside *one
-namespace* ``(lora_name?, cache_salt?)``. Engine hashes are mapped to these
-keys per worker (llm-d style), so the engines' hash algorithm and seed do not
-matter. Keys live only in this process's memory; they are never sent anywhere.
+Block naming (:mod:`routing.chain`; the package docstring says why): the
+router names block ``i`` of a chain ``key_i = key_{i-1} XOR mix(i, tokens_i)``
+inside *one namespace* ``(lora_name?, cache_salt?)``. Engine hashes are mapped
+to these keys per worker (llm-d style), so the engines' hash algorithm and seed
+do not matter. Keys live only in this process's memory; they are never sent
+anywhere.
 
 Namespaces are separate dictionaries, so a prompt is never credited with
 another salt's (or LoRA's) blocks, whatever the hashes do.
@@ -32,152 +32,39 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import Counter, deque
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable
 from itertools import accumulate, count, islice, repeat
-from operator import and_, neg, or_, xor
-from typing import NamedTuple, NewType, Optional
+from operator import and_, neg, or_
+from typing import NamedTuple, NewType
 
+import numpy as np
+
+from routing.chain import (
+    KEY_BITS,
+    ROOT_KEY,
+    BlockKey,
+    MatchState,
+    Namespace,
+    PromptChain,
+    block_hashes,
+    chain_from_hashes,
+    chain_keys,
+)
 from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 WorkerId = NewType("WorkerId", str)
 Tier = NewType("Tier", str)
 """A KV event's ``medium`` (``"GPU"``, ``"CPU"``, ``"STORAGE"``...); ``None`` reads as ``"GPU"``."""
-BlockKey = NewType("BlockKey", int)
-Namespace = Optional[tuple[Hashable, ...]]
-"""Block 0's untagged extra keys, as vLLM publishes them: ``(lora_name?, cache_salt?)`` or None."""
 
 DEFAULT_TIER = Tier("GPU")
 _NS_BITS = 20
 _NS_MASK = (1 << _NS_BITS) - 1
-ROOT_KEY = BlockKey(0)
-
-
-def namespace_for(lora_name: str | None = None, cache_salt: str | None = None) -> Namespace:
-    """The namespace vLLM's block 0 of such a request carries (empty parts dropped)."""
-    parts = tuple(p for p in (lora_name, cache_salt) if p)
-    return parts or None
-
-
-def chain_keys(
-    tokens: Sequence[int], block_size: int, first_pos: int, parent: BlockKey
-) -> list[BlockKey]:
-    """Keys of the full blocks of ``tokens``, the first one at chain position ``first_pos``.
-
-    ``tokens`` starts at a block boundary; a trailing partial block is ignored.
-    ``chain_keys(t, bs, 0, ROOT_KEY)[k]`` names the prefix ``t[: (k + 1) * bs]``;
-    ``chain_keys(t[j*bs:], bs, j, keys[j-1])`` continues the same chain.
-    """
-    blocks = zip(count(first_pos), *[iter(tokens)] * block_size)
-    out = list(accumulate(map(hash, blocks), xor, initial=parent))
-    del out[0]
-    return out  # type: ignore[return-value]
 
 
 def _frozen(value: object) -> Hashable:
     if isinstance(value, (list, tuple)):
         return tuple(_frozen(v) for v in value)
     return value  # type: ignore[return-value]
-
-
-class PromptChain:
-    """A prompt's block keys, named lazily and extendable (the request side).
-
-    ``tokens`` is not copied until the chain is first extended; the caller must
-    not mutate it meanwhile. :class:`BlockIndex.match` names only as many blocks
-    as it needs (it stops at the first block no worker holds); an incremental
-    chain (``incremental=True``) also keeps the last match so the next
-    :meth:`BlockIndex.match` only looks at what changed.
-    """
-
-    __slots__ = ("block_size", "namespace", "_tokens", "_owned", "_keys", "_pos", "_state")
-
-    def __init__(
-        self,
-        tokens: Sequence[int],
-        block_size: int,
-        *,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-        incremental: bool = False,
-    ) -> None:
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        self.block_size = block_size
-        self.namespace = namespace_for(lora_name, cache_salt)
-        self._tokens = tokens
-        self._owned = False
-        self._keys: list[BlockKey] = []
-        self._pos: dict[BlockKey, int] | None = None
-        self._state: _MatchState | None = _MatchState() if incremental else None
-
-    @property
-    def tokens(self) -> Sequence[int]:
-        return self._tokens
-
-    @property
-    def num_blocks(self) -> int:
-        """Full blocks in the prompt (the partial tail is never named)."""
-        return len(self._tokens) // self.block_size
-
-    @property
-    def named_blocks(self) -> int:
-        """Blocks named so far (hashing work done)."""
-        return len(self._keys)
-
-    def keys(self, upto: int) -> list[BlockKey]:
-        """The first ``min(upto, num_blocks)`` keys (the internal list: do not mutate)."""
-        have = len(self._keys)
-        upto = min(upto, self.num_blocks)
-        if upto > have:
-            bs = self.block_size
-            parent = self._keys[-1] if have else ROOT_KEY
-            new = chain_keys(self._tokens[have * bs : upto * bs], bs, have, parent)
-            self._keys.extend(new)
-            if self._pos is not None:
-                self._pos.update(zip(new, count(have)))
-        return self._keys
-
-    def positions(self) -> Mapping[BlockKey, int]:
-        """Key -> block position, for named blocks (built on first use, then kept)."""
-        if self._pos is None:
-            self._pos = dict(zip(self._keys, count()))
-        return self._pos
-
-    def extend(self, appended: Iterable[int]) -> None:
-        """The prompt grows by ``appended``; named blocks stay named."""
-        if not self._owned:
-            self._tokens = list(self._tokens)
-            self._owned = True
-        self._tokens.extend(appended)  # type: ignore[attr-defined]
-
-    def truncate(self, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens; forget names (and matches) past them."""
-        if not self._owned:
-            self._tokens = list(self._tokens[:num_tokens])
-            self._owned = True
-        else:
-            del self._tokens[num_tokens:]  # type: ignore[attr-defined]
-        blocks = num_tokens // self.block_size
-        if blocks < len(self._keys):
-            if self._pos is not None:
-                for key in self._keys[blocks:]:
-                    self._pos.pop(key, None)
-            del self._keys[blocks:]
-        if self._state is not None:
-            self._state.clamp(blocks)
-
-
-class _MatchState:
-    """Last match of an incremental chain: depth per slot bit, log cursor."""
-
-    __slots__ = ("depths", "cursor")
-
-    def __init__(self) -> None:
-        self.depths: dict[int, int] = {}
-        self.cursor = -1  # no match yet
-
-    def clamp(self, blocks: int) -> None:
-        self.depths = {b: min(d, blocks) for b, d in self.depths.items() if blocks}
 
 
 class Match(NamedTuple):
@@ -234,6 +121,7 @@ class BlockIndex:
 
         Skips (counted in :attr:`counters`, never raised): ``other_group`` (a KV
         cache group other than ``kv_group``), ``block_size`` (not this index's),
+        ``bad_token_ids`` (a token id outside ``[0, 2**32)``),
         ``unknown_parent`` (a store whose parent this worker never announced),
         ``unknown_slot`` (a removal from a tier that stored nothing).
         ``AllBlocksCleared`` clears every tier of the worker.
@@ -272,12 +160,15 @@ class BlockIndex:
             nsid, pos0 = meta & _NS_MASK, (meta >> _NS_BITS) + 1
             ns = self._ns_list[nsid]
         plain = (ev.lora_name,) if ev.lora_name else None
-        if extras and any(
-            e is not None and _frozen(e) != plain for e in extras[1 if pos0 == 0 else 0 :]
-        ):
-            keys = self._keys_with_extras(ev, pos0, parent, plain)
-        else:
-            keys = chain_keys(ev.token_ids, self.block_size, pos0, parent)
+        try:
+            if extras and any(
+                e is not None and _frozen(e) != plain for e in extras[1 if pos0 == 0 else 0 :]
+            ):
+                keys = self._keys_with_extras(ev, pos0, parent, plain)
+            else:
+                keys = chain_keys(ev.token_ids, self.block_size, pos0, parent)
+        except ValueError:
+            return "bad_token_ids"
         bit = 1 << self._bit_for(worker, Tier(ev.medium or DEFAULT_TIER))
         masks = self._masks.setdefault(ns, {})
         masks.update(zip(keys, map(or_, map(masks.get, keys, repeat(0)), repeat(bit))))
@@ -291,16 +182,12 @@ class BlockIndex:
         self, ev: BlockStored, pos0: int, parent: BlockKey, plain: Namespace
     ) -> list[BlockKey]:
         """Blocks with extra keys beyond LoRA (multimodal, embeds) get them hashed in."""
-        bs, keys, key = self.block_size, [], parent
-        for j, extra in enumerate(ev.extra_keys or ()):
-            toks = ev.token_ids[j * bs : (j + 1) * bs]
+        hashes = block_hashes(ev.token_ids, self.block_size, pos0)
+        for j, extra in enumerate((ev.extra_keys or ())[: len(hashes)]):
             frozen = _frozen(extra) if extra is not None else None
-            if pos0 + j == 0 or frozen == plain:
-                key = BlockKey(key ^ hash((pos0 + j, *toks)))
-            else:
-                key = BlockKey(key ^ hash((pos0 + j, *toks, frozen)))
-            keys.append(key)
-        return keys
+            if pos0 + j and frozen is not None and frozen != plain:
+                hashes[j] ^= np.uint64(hash(frozen) & ((1 << KEY_BITS) - 1))
+        return chain_from_hashes(hashes, parent)
 
     def _removed(self, worker: WorkerId, ev: BlockRemoved) -> str:
         slot = (worker, Tier(ev.medium or DEFAULT_TIER))
@@ -406,7 +293,7 @@ class BlockIndex:
         only at removals logged since (or recomputes if the log overflowed).
         An empty prompt, or a namespace no worker has, matches nothing.
         """
-        state = chain._state
+        state = chain.match_state
         masks = self._masks.get(chain.namespace)
         if not masks or chain.num_blocks == 0:
             depths: dict[int, int] = {}
@@ -445,7 +332,7 @@ class BlockIndex:
         return depths
 
     def _catch_up(
-        self, chain: PromptChain, state: _MatchState, masks: dict[BlockKey, int]
+        self, chain: PromptChain, state: MatchState, masks: dict[BlockKey, int]
     ) -> dict[int, int]:
         depths = dict(state.depths)
         start = state.cursor - (self._log_end - len(self._log))

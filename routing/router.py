@@ -2,7 +2,7 @@
 
 For one request the :class:`Router`:
 
-1. names the prompt's blocks: a fresh :class:`~routing.index.PromptChain`, or
+1. names the prompt's blocks: a fresh :class:`~routing.chain.PromptChain`, or
    the session's incremental one (:class:`~routing.sessions.SessionStore`), so a
    session's next step names only its new blocks;
 2. matches it in the :class:`~routing.index.BlockIndex` (per worker, per tier);
@@ -41,9 +41,11 @@ from policies.disaggregation import (
 from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from policies.specs import SpecError
 from routing.config import ConfigError, DisaggregationConfig, RouterConfig
-from routing.cost import Candidate, CostModel, Decision, LoadLedger, TierOverlap, tier_overlap
+from routing.cost import Candidate, CostModel, Decision, TierOverlap, tier_overlap
 from routing.engines import Fleet, Worker
-from routing.index import BlockIndex, Match, PromptChain, Tier, WorkerId
+from routing.chain import PromptChain
+from routing.index import BlockIndex, Match, Tier, WorkerId
+from routing.ledger import LoadLedger
 from routing.sessions import SessionId, SessionStore
 
 PAIR_SEPARATOR = "->"
@@ -62,7 +64,8 @@ class Route:
     """Where one request goes, and why.
 
     ``prefill`` is P for a remote prefill, else None (D or the co-located worker
-    prefills). ``cached_blocks`` is the GPU prefix the prefilling worker holds,
+    prefills). ``chain`` names the prompt's blocks (the ledger counts them).
+    ``cached_blocks`` is the GPU prefix the prefilling worker holds,
     ``decode_cached_blocks`` D's (what a local fallback on D reuses).
     """
 
@@ -72,6 +75,7 @@ class Route:
     decode: Worker
     prompt_tokens: int
     prompt_blocks: int
+    chain: PromptChain
     cached_blocks: int
     decode_cached_blocks: int
     overlap: TierOverlap
@@ -185,7 +189,9 @@ class Router:
             chain = PromptChain(token_ids, self.index.block_size, lora_name=lora_name, cache_salt=cache_salt)
         match = self.index.match(chain)
         overlaps = self._overlaps(match)
-        candidates = [self._candidate(name, p, d, overlaps, last) for name, (p, d) in self._options.items()]
+        candidates = [
+            self._candidate(name, p, d, overlaps, last, chain) for name, (p, d) in self._options.items()
+        ]
         decision = self.cost.decide(request_id, chain.num_blocks, candidates)
         p, d = self._options[decision.chosen]
         local_remote = None
@@ -198,7 +204,7 @@ class Router:
                 p = None
         prefiller = p if p is not None else d
         return Route(
-            request_id, kind, p, d, len(token_ids), chain.num_blocks,
+            request_id, kind, p, d, len(token_ids), chain.num_blocks, chain,
             overlaps[prefiller.name].gpu, overlaps[d.name].gpu, overlaps[prefiller.name], match,
             decision, local_remote,
         )  # fmt: skip
@@ -231,8 +237,9 @@ class Router:
         d: Worker,
         overlaps: Mapping[WorkerId, TierOverlap],
         last: WorkerId | None,
+        chain: PromptChain,
     ) -> Candidate:
-        d_load = self.ledger.load(d.name)
+        d_load = self.ledger.load(d.name, chain)
         if p is None:
             return Candidate(name, overlaps[d.name], d_load, d.name == last)
         p_load = self.ledger.load(p.name)

@@ -38,7 +38,7 @@ from aiohttp import web
 
 from routing.chat import ChatError, ChatTemplate, chat_chunk, chat_response, chat_to_completion_body
 from routing.config import RouterConfig
-from routing.cost import LoadLedger
+from routing.ledger import LoadLedger
 from routing.engines import Fleet, IndexFeeder, Worker
 from routing.index import BlockIndex
 from routing.router import Route, Router, policy_from_config
@@ -228,7 +228,7 @@ class RouterServer:
             return _error(getattr(exc, "status", 400), str(exc))
         rid, p, d = route.request_id, route.prefill_worker.name, route.decode.name
         try:
-            self.ledger.dispatch(rid, p, d, route.prompt_blocks, route.cached_blocks)
+            self.ledger.dispatch(rid, p, d, route.chain, route.cached_blocks)
         except ValueError:  # the ledger's "already active"
             return _error(409, f"X-Request-Id {rid!r} is already in flight")
         for key in ROUTER_ONLY_KEYS:
@@ -293,9 +293,7 @@ class RouterServer:
                 route.request_id, p.name, reason, route.decode.name,
             )  # fmt: skip
             self.metrics.prefill_failed(p.name, reason)
-            self.ledger.fail(route.request_id)
-            d = route.decode.name
-            self.ledger.dispatch(route.request_id, d, d, route.prompt_blocks, route.decode_cached_blocks)
+            self.ledger.move_prefill(route.request_id, route.decode.name, route.decode_cached_blocks)
             return None
         self.ledger.first_token(route.request_id)
         self.metrics.ttft_stage.labels("prefill").observe(time.perf_counter() - started)

@@ -1,7 +1,7 @@
 """Sessions: the affinity key, and each session's incremental block chain. Pure.
 
 An agent's step ``k+1`` prompt is step ``k``'s prompt plus a little more, so a
-session keeps its :class:`~routing.index.PromptChain` (and the index's last
+session keeps its :class:`~routing.chain.PromptChain` (and the index's last
 match for it) and only names the new blocks. If the new prompt does not extend
 the old one (history edited, re-rendered, truncated), the chain is cut back to
 the last full block before the first differing token and renamed from there.
@@ -26,7 +26,8 @@ from itertools import compress, count
 from operator import ne
 from typing import Any, NamedTuple, NewType
 
-from routing.index import PromptChain, WorkerId
+from routing.chain import PromptChain
+from routing.index import WorkerId
 
 SessionId = NewType("SessionId", str)
 

@@ -9,8 +9,9 @@ import random
 import pytest
 
 from routing.config import ConfigError, CostConfig, add_cli_flags, load_config
-from routing.cost import (Candidate, CostModel, LoadLedger, TierOverlap, WorkerLoad, tier_overlap,
-                          worker_terms)
+from routing.chain import PromptChain
+from routing.cost import Candidate, CostModel, TierOverlap, tier_overlap, worker_terms
+from routing.ledger import LoadLedger, WorkerLoad
 from routing.sessions import InvalidSessionKey, SessionStore, first_difference, session_key
 
 CFG = CostConfig()
@@ -60,18 +61,47 @@ def test_argmin_explain_and_seeded_sampling():
         CostModel(CFG).decide("r", 1, [])
 
 
+def _chain(blocks: int, base: int = 0, salt: str | None = None) -> PromptChain:
+    return PromptChain(list(range(base, base + 2 * blocks)), 2, cache_salt=salt)
+
+
 def test_load_ledger_lifecycle():
     ledger = LoadLedger()
-    ledger.dispatch("r1", "p", "d", prompt_blocks=10, cached_blocks=4)
+    ledger.dispatch("r1", "p", "d", _chain(10), cached_blocks=4)
     assert ledger.load("p") == WorkerLoad(6, 0, 0) and ledger.load("d") == WorkerLoad(0, 10, 1)
     with pytest.raises(ValueError):
-        ledger.dispatch("r1", "p", "d", 1, 0)
+        ledger.dispatch("r1", "p", "d", _chain(1), 0)
     assert ledger.first_token("r1") and not ledger.first_token("r1")
     assert ledger.load("p") == WorkerLoad()
     assert ledger.complete("r1") and not ledger.fail("r1")
     assert ledger.load("d") == WorkerLoad()
-    ledger.dispatch("r2", "w", "w", 5, 0)
+    ledger.dispatch("r2", "w", "w", _chain(5), 0)
     assert ledger.fail("r2") and ledger.load("w") == WorkerLoad()
+
+
+def test_load_ledger_counts_shared_prefix_blocks_once_per_worker():
+    ledger = LoadLedger()
+    ledger.dispatch("a", "w", "w", _chain(10), 0)
+    ledger.dispatch("b", "w", "w", _chain(12), 0)  # shares a's 10 blocks
+    assert ledger.load("w").active_decode_blocks == 12
+    assert ledger.load("w", _chain(20)).shared_decode_blocks == 12
+    assert ledger.load("w", _chain(20, base=1)).shared_decode_blocks == 0
+    assert ledger.load("w", _chain(20, salt="t")).shared_decode_blocks == 0  # another salt shares nothing
+    assert ledger.load("other", _chain(20)).shared_decode_blocks == 0
+    ledger.complete("b")
+    assert ledger.load("w").active_decode_blocks == 10
+    assert ledger.load("w", _chain(20)).shared_decode_blocks == 10
+    ledger.complete("a")
+    assert ledger.load("w", _chain(20)) == WorkerLoad()
+
+
+def test_load_ledger_moves_a_failed_prefill_to_decode():
+    ledger = LoadLedger()
+    ledger.dispatch("r", "p", "d", _chain(10), cached_blocks=2)
+    assert ledger.move_prefill("r", "d", cached_blocks=6)
+    assert ledger.load("p") == WorkerLoad() and ledger.load("d") == WorkerLoad(4, 10, 1)
+    assert ledger.first_token("r") and ledger.load("d") == WorkerLoad(0, 10, 1)
+    assert ledger.complete("r") and not ledger.move_prefill("r", "d", 0)
 
 
 @pytest.mark.parametrize(
@@ -149,7 +179,7 @@ def test_session_chain_names_only_new_blocks_and_rehashes_from_divergence():
     adv = s.advance(list(range(14)))
     assert adv == (10, 4, False) and s.chain.named_blocks == 5  # old names kept
     fresh = list(range(14))
-    assert s.chain.keys(7) == __import__("routing.index", fromlist=["chain_keys"]).chain_keys(fresh, 2, 0, 0)
+    assert s.chain.keys(7) == __import__("routing.chain", fromlist=["chain_keys"]).chain_keys(fresh, 2, 0, 0)
     adv = s.advance([0, 1, 2, 99, 4, 5])
     assert adv == (3, 3, True) and s.chain.named_blocks == 1  # cut back to the block before token 3
     assert s.advance([0, 1], cache_salt="t").reused_tokens == 0  # another salt: fresh chain

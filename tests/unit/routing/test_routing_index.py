@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from routing.events import AllBlocksCleared, BlockRemoved, BlockStored
-from routing.index import BlockIndex, PromptChain, chain_keys
+from routing.chain import PromptChain, chain_keys
+from routing.index import BlockIndex
 
 BS = 2
 BASE = [list(range(1, 13)), list(range(1, 7)) + [50, 51, 52, 53], [9, 9, 9, 9, 9, 9, 9, 9]]

@@ -13,10 +13,11 @@ import pytest
 import yaml
 
 from routing.config import ConfigError, RouterConfig, load_config
-from routing.cost import LoadLedger
+from routing.chain import PromptChain
 from routing.engines import Role, fleet_from_config, kv_events_config
 from routing.events import BlockStored
 from routing.index import BlockIndex, WorkerId
+from routing.ledger import LoadLedger
 from routing.router import Kind, Router, pair_name, policy_from_config
 from routing.sessions import SessionId, SessionStore
 
@@ -126,7 +127,7 @@ def test_load_moves_traffic_off_a_busy_worker():
     prompt = _prompt(10)
     for w in ("w1", "w2"):
         _store(router.index, w, prompt[: 4 * BS])
-    router.ledger.dispatch("busy", WorkerId("w1"), WorkerId("w1"), 40, 0)
+    router.ledger.dispatch("busy", WorkerId("w1"), WorkerId("w1"), PromptChain(_prompt(40, base=5000), BS), 0)
     assert router.route(prompt, "r1").decode.name == "w2"
 
 
@@ -151,7 +152,8 @@ def test_pairs_and_conditional_disaggregation(case, on_p2, on_d1, d_active_block
     if on_d1:
         _store(router.index, "d1", prompt[: on_d1 * BS])
     if d_active_blocks:
-        router.ledger.dispatch("other", WorkerId("d1"), WorkerId("d1"), d_active_blocks, d_active_blocks)
+        other = PromptChain(_prompt(d_active_blocks, base=5000), BS)
+        router.ledger.dispatch("other", WorkerId("d1"), WorkerId("d1"), other, d_active_blocks)
     route = router.route(prompt, "r1")
     assert route.kind is expected_kind, f"{case}\n{route.explain()}"
     assert route.decode.name == "d1"

@@ -23,6 +23,7 @@ from routing.config import load_config
 from routing.engines import fleet_from_config
 from routing.events import BlockStored
 from routing.index import WorkerId
+from routing.ledger import WorkerLoad
 from routing.server import RouterServer, build_server
 
 BS = 4
@@ -120,7 +121,7 @@ PROMPT = list(range(100, 140))  # 10 blocks
 
 
 def _idle(router: RouterServer) -> bool:
-    return all(tuple(router.ledger.load(w.name)) == (0, 0, 0) for w in router.fleet.workers)
+    return all(router.ledger.load(w.name) == WorkerLoad() for w in router.fleet.workers)
 
 
 def test_remote_prefill_then_decode_with_p_params(model_dir):

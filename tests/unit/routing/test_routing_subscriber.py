@@ -13,7 +13,8 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
-from routing.index import BlockIndex, PromptChain, WorkerId  # noqa: E402
+from routing.chain import PromptChain  # noqa: E402
+from routing.index import BlockIndex, WorkerId  # noqa: E402
 from routing.subscriber import EngineSubscriber, subscriber_binds  # noqa: E402
 from zmq_ports import free_ports  # noqa: E402
 
