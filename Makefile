@@ -14,7 +14,6 @@ test: setup
 # The benchmarks: ratios against baselines measured in the same run (see README).
 .PHONY: bench
 bench: setup
-	.venv/bin/python -m pip install --progress-bar off -q -e '.[dynamo]'
 	taskset -c 1 .venv/bin/python benchmarks/bench_verify.py
 	.venv/bin/python benchmarks/bench_verify_e2e.py
 	taskset -c 1 .venv/bin/python benchmarks/bench_router_index.py

@@ -47,6 +47,13 @@ def namespace_for(lora_name: str | None = None, cache_salt: str | None = None) -
     return parts or None
 
 
+def freeze(value: object) -> Hashable:
+    """An event's extra key made hashable (msgpack gives lists where vLLM had tuples)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    return value  # type: ignore[return-value]
+
+
 def _lanes(block_size: int) -> np.ndarray:
     lanes = _LANES.get(block_size)
     if lanes is None:

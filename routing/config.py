@@ -16,6 +16,7 @@ user can paste them::
       session_affinity_credit: 16.0      # kvpilot's own: blocks of credit for the session's last worker
       router_seed: 0
     index:
+      backend: kvpilot                   # kvpilot | dynamo (Dynamo's RadixTree; needs kvpilot[dynamo])
       block_size: 16
       tiers: {GPU: gpu, CPU: host, STORAGE: disk}
     sessions:
@@ -69,6 +70,7 @@ from typing import Any
 import yaml
 
 TIER_CLASSES = ("gpu", "host", "disk", "shared")
+INDEX_BACKENDS = ("kvpilot", "dynamo")
 
 
 class ConfigError(ValueError):
@@ -106,8 +108,9 @@ class CostConfig:
 
 @dataclass(frozen=True)
 class IndexConfig:
-    """How the block index reads KV events."""
+    """Which block index, and how it reads KV events."""
 
+    backend: str = "kvpilot"
     block_size: int = 16
     kv_group: int = 0
     removal_log_capacity: int = 65536
@@ -116,6 +119,8 @@ class IndexConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.backend not in INDEX_BACKENDS:
+            raise ConfigError(f"backend must be one of {INDEX_BACKENDS}, got {self.backend!r}")
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
         if self.kv_group < 0:

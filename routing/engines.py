@@ -6,7 +6,7 @@ into a validated :class:`Fleet` (errors name the worker and the field).
 that it publishes to the endpoint the router binds. :class:`IndexFeeder` owns
 one :class:`~routing.subscriber.EngineSubscriber` per worker with an events
 endpoint and polls them in one background thread, applying events to the
-shared :class:`~routing.index.BlockIndex` under a lock the request path shares.
+shared :class:`~routing.index.KVIndex` under a lock the request path shares.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from routing.config import ConfigError, RouterConfig, WorkerConfig
-from routing.index import BlockIndex, WorkerId
+from routing.index import KVIndex, WorkerId
 from routing.subscriber import EngineSubscriber
 
 
@@ -147,7 +147,7 @@ class IndexFeeder:
     def __init__(
         self,
         fleet: Fleet,
-        index: BlockIndex,
+        index: KVIndex,
         lock: threading.Lock,
         *,
         context: zmq.Context | None = None,

@@ -200,4 +200,5 @@ class EventDecoder:
             tag = self._tag.decode(item).type
         except Exception:  # noqa: BLE001 - not even a map with a tag
             return RejectReason.UNKNOWN_TAG
-        return RejectReason.WRONG_TYPE if tag in KNOWN_TAGS else RejectReason.UNKNOWN_TAG
+        known = isinstance(tag, str) and tag in KNOWN_TAGS  # a fuzzed tag may be a list
+        return RejectReason.WRONG_TYPE if known else RejectReason.UNKNOWN_TAG

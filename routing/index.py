@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import Counter, deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from itertools import accumulate, count, islice, repeat
 from operator import and_, neg, or_
-from typing import NamedTuple, NewType
+from typing import NamedTuple, NewType, Protocol
 
 import numpy as np
 
@@ -49,6 +49,7 @@ from routing.chain import (
     block_hashes,
     chain_from_hashes,
     chain_keys,
+    freeze,
 )
 from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -61,18 +62,29 @@ _NS_BITS = 20
 _NS_MASK = (1 << _NS_BITS) - 1
 
 
-def _frozen(value: object) -> Hashable:
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
-    return value  # type: ignore[return-value]
-
-
 class Match(NamedTuple):
     """Longest cached prefix from block 0, in blocks, per worker and tier (zeros omitted)."""
 
     blocks: dict[WorkerId, dict[Tier, int]]
     prompt_blocks: int
     named_blocks: int
+
+
+class KVIndex(Protocol):
+    """What the router needs of a block index: :class:`BlockIndex` (kvpilot's) or
+    :class:`routing.dynamo_index.DynamoIndex` (Dynamo's ``RadixTree``), chosen
+    with ``index.backend``. ``apply`` never raises; skips are counted."""
+
+    block_size: int
+    counters: Counter[str]
+
+    def apply(self, worker: WorkerId, event: KVEvent) -> str: ...
+    def apply_all(self, worker: WorkerId, events: Iterable[KVEvent]) -> None: ...
+    def clear_worker(self, worker: WorkerId) -> None: ...
+    def remove_worker(self, worker: WorkerId) -> None: ...
+    def workers(self) -> list[WorkerId]: ...
+    def block_count(self, worker: WorkerId, tier: Tier = DEFAULT_TIER) -> int: ...
+    def match(self, chain: PromptChain) -> Match: ...
 
 
 class _Removal(NamedTuple):
@@ -149,7 +161,7 @@ class BlockIndex:
         names, metas = self._names.get(worker) or self._names.setdefault(worker, ({}, {}))
         extras = ev.extra_keys
         if ev.parent_block_hash is None:
-            ns: Namespace = _frozen(extras[0]) if extras and extras[0] else None  # type: ignore[assignment]
+            ns: Namespace = freeze(extras[0]) if extras and extras[0] else None  # type: ignore[assignment]
             parent, pos0 = ROOT_KEY, 0
             nsid = self._ns_id(ns)
         else:
@@ -162,7 +174,7 @@ class BlockIndex:
         plain = (ev.lora_name,) if ev.lora_name else None
         try:
             if extras and any(
-                e is not None and _frozen(e) != plain for e in extras[1 if pos0 == 0 else 0 :]
+                e is not None and freeze(e) != plain for e in extras[1 if pos0 == 0 else 0 :]
             ):
                 keys = self._keys_with_extras(ev, pos0, parent, plain)
             else:
@@ -184,7 +196,7 @@ class BlockIndex:
         """Blocks with extra keys beyond LoRA (multimodal, embeds) get them hashed in."""
         hashes = block_hashes(ev.token_ids, self.block_size, pos0)
         for j, extra in enumerate((ev.extra_keys or ())[: len(hashes)]):
-            frozen = _frozen(extra) if extra is not None else None
+            frozen = freeze(extra) if extra is not None else None
             if pos0 + j and frozen is not None and frozen != plain:
                 hashes[j] ^= np.uint64(hash(frozen) & ((1 << KEY_BITS) - 1))
         return chain_from_hashes(hashes, parent)

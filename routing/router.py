@@ -5,7 +5,7 @@ For one request the :class:`Router`:
 1. names the prompt's blocks: a fresh :class:`~routing.chain.PromptChain`, or
    the session's incremental one (:class:`~routing.sessions.SessionStore`), so a
    session's next step names only its new blocks;
-2. matches it in the :class:`~routing.index.BlockIndex` (per worker, per tier);
+2. matches it in the index (:class:`~routing.index.KVIndex`: per worker, per tier);
 3. builds one :class:`~routing.cost.Candidate` per (P, D) pair and per
    co-located worker. A pair is named ``"P->D"``; it is credited with P's
    overlap (P prefills), loaded with P's active prefill blocks and D's decode
@@ -44,7 +44,7 @@ from routing.config import ConfigError, DisaggregationConfig, RouterConfig
 from routing.cost import Candidate, CostModel, Decision, TierOverlap, tier_overlap
 from routing.engines import Fleet, Worker
 from routing.chain import PromptChain
-from routing.index import BlockIndex, Match, Tier, WorkerId
+from routing.index import KVIndex, Match, Tier, WorkerId
 from routing.ledger import LoadLedger
 from routing.sessions import SessionId, SessionStore
 
@@ -133,7 +133,7 @@ class Router:
         self,
         fleet: Fleet,
         config: RouterConfig,
-        index: BlockIndex,
+        index: KVIndex,
         ledger: LoadLedger,
         sessions: SessionStore,
         policy: LocalVsRemotePolicy | None,

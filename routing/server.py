@@ -37,10 +37,10 @@ import aiohttp
 from aiohttp import web
 
 from routing.chat import ChatError, ChatTemplate, chat_chunk, chat_response, chat_to_completion_body
-from routing.config import RouterConfig
+from routing.config import ConfigError, IndexConfig, RouterConfig
 from routing.ledger import LoadLedger
 from routing.engines import Fleet, IndexFeeder, Worker
-from routing.index import BlockIndex
+from routing.index import BlockIndex, KVIndex
 from routing.router import Route, Router, policy_from_config
 from routing.server_metrics import RouterMetrics
 from routing.sessions import InvalidSessionKey, SessionId, SessionStore, session_key
@@ -76,7 +76,20 @@ def _optional(body: dict[str, Any], name: str, kind: type | tuple[type, ...], wh
     return value
 
 
-# ---- chat: template in, completions out, chat back ----------------------------
+def make_index(cfg: IndexConfig) -> KVIndex:
+    """The index ``cfg.backend`` names: kvpilot's :class:`BlockIndex` or Dynamo's
+    ``RadixTree`` (:mod:`routing.dynamo_index`, needs ``ai-dynamo-runtime``)."""
+    if cfg.backend == "dynamo":
+        try:
+            from routing.dynamo_index import DynamoIndex
+        except ImportError as exc:
+            raise ConfigError(
+                f"index.backend 'dynamo' needs ai-dynamo-runtime (pip install 'kvpilot[dynamo]'): {exc}"
+            ) from None
+        return DynamoIndex(cfg.block_size, kv_group=cfg.kv_group)
+    return BlockIndex(cfg.block_size, kv_group=cfg.kv_group, log_capacity=cfg.removal_log_capacity)
+
+
 class RouterServer:
     """Builds the aiohttp app around a :class:`~routing.router.Router`.
 
@@ -98,10 +111,7 @@ class RouterServer:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.lock = threading.Lock()
-        self.index = BlockIndex(
-            config.index.block_size, kv_group=config.index.kv_group,
-            log_capacity=config.index.removal_log_capacity,
-        )  # fmt: skip
+        self.index = make_index(config.index)
         self.ledger = LoadLedger()
         policy = policy_from_config(config.disaggregation) if fleet.prefill else None
         sessions = SessionStore(config.index.block_size, config.sessions.max_sessions)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import zmq
 
 from routing.events import EventDecoder
-from routing.index import BlockIndex, WorkerId
+from routing.index import KVIndex, WorkerId
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -69,7 +69,7 @@ class EngineSubscriber:
         self,
         worker: WorkerId,
         endpoint: str,
-        index: BlockIndex,
+        index: KVIndex,
         *,
         replay_endpoint: str | None = None,
         topic: str = "",

@@ -16,14 +16,18 @@ class PromptTokenizer:
         from tokenizers import Tokenizer
 
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def prompt_token_ids(self, prompt: object) -> list[int]:
         """Token ids for an OpenAI completions ``prompt``: a string or a list of ints.
 
-        Raises :class:`PromptError` for anything else (batches of prompts included).
+        Raises :class:`PromptError` for anything else (batches of prompts
+        included) and for a token id outside the vocabulary.
         """
         if isinstance(prompt, str):
             return self._tokenizer.encode(prompt, add_special_tokens=False).ids
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not 0 <= min(prompt) <= max(prompt) < self.vocab_size:
+                raise PromptError(f"'prompt' token ids must be in [0, {self.vocab_size}) (the vocabulary)")
             return list(prompt)
         raise PromptError("'prompt' must be a non-empty string or a non-empty list of token ids")

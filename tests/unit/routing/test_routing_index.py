@@ -66,6 +66,9 @@ def test_skips_are_counted_not_raised():
     assert index.apply("w", removed(BASE[0], [0])) == "unknown_slot"
     assert index.apply("w", BlockStored([b"x"], None, [1, 2, 3], 3)) == "block_size"
     assert index.counters["unknown_parent"] == 1
+    assert index.apply("w", BlockStored([b"y"], None, [1, -2], 2)) == "bad_token_ids"
+    assert index.apply("w", BlockStored([b"z"], None, [1, 2**40], 2)) == "bad_token_ids"
+    assert index.workers() == [] or index.block_count("w") == 0
 
 
 def test_chain_keys_continue_incrementally_and_depend_on_position():

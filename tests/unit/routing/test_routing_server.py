@@ -117,7 +117,7 @@ def run(model_dir: Path, roles: dict[str, str], scenario: Scenario, **sections: 
 
 
 PD = {"prefill-0": "prefill", "decode-0": "decode"}
-PROMPT = list(range(100, 140))  # 10 blocks
+PROMPT = [i % len(WORDS) for i in range(40)]  # 10 blocks, ids inside the vocabulary
 
 
 def _idle(router: RouterServer) -> bool:
@@ -228,6 +228,8 @@ def test_chat_renders_the_template_once_and_answers_in_chat_format(model_dir):
         ("/v1/completions", b"[1, 2]", 400, "JSON object"),
         ("/v1/completions", {"prompt": 5}, 400, "'prompt'"),
         ("/v1/completions", {"prompt": ["a", "b"]}, 400, "'prompt'"),
+        ("/v1/completions", {"prompt": [1, -2]}, 400, "vocabulary"),
+        ("/v1/completions", {"prompt": [1, 2**40]}, 400, "vocabulary"),
         ("/v1/completions", {"prompt": [1, 2], "stream": "yes"}, 400, "'stream'"),
         ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, 400, "'max_tokens'"),
         ("/v1/completions", {"prompt": [1, 2], "cache_salt": 7}, 400, "'cache_salt'"),
@@ -251,8 +253,10 @@ def test_malformed_requests_are_400s_naming_the_field(model_dir, path, body, sta
     run(model_dir, {"co-0": "colocated"}, scenario)
 
 
-def test_debug_route_explains_without_sending_and_metrics_count_decisions(model_dir):
+@pytest.mark.parametrize("backend", ["kvpilot", "dynamo"])
+def test_debug_route_explains_without_sending_and_metrics_count_decisions(model_dir, backend):
     async def scenario(client, router, engines):
+        assert type(router.index).__name__ == {"kvpilot": "BlockIndex", "dynamo": "DynamoIndex"}[backend]
         hashes = [f"h{i}".encode() for i in range(6)]
         router.index.apply(WorkerId("co-1"), BlockStored(hashes, None, PROMPT[:24], BS, medium="GPU"))
         resp = await client.post("/debug/route", json={"prompt": PROMPT}, headers={"X-Request-Id": "dbg-1"})
@@ -274,7 +278,7 @@ def test_debug_route_explains_without_sending_and_metrics_count_decisions(model_
         assert models["data"][0]["id"] == "tiny"
         assert (await (await client.get("/health")).json())["status"] == "ok"
 
-    run(model_dir, {"co-0": "colocated", "co-1": "colocated"}, scenario)
+    run(model_dir, {"co-0": "colocated", "co-1": "colocated"}, scenario, index={"block_size": BS, "backend": backend})
 
 
 def test_session_header_gives_affinity_to_the_last_decode_worker(model_dir):

@@ -35,7 +35,8 @@ def model_dir(tmp_path):
     """A word-level tokenizer.json (prompts here are token ids; no chat template)."""
     from tokenizers import Tokenizer, models
 
-    Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 2048)}}  # ids up to 2047 are in the vocabulary
+    Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
     return tmp_path
 
 
