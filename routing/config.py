@@ -28,10 +28,11 @@ user can paste them::
       model_dir: /path/to/model          # tokenizer.json + tokenizer_config.json
       prefill_timeout_s: 30.0            # P slower than this: local prefill on D
       request_timeout_s: 600.0
+      engine_metrics_interval_s: 5.0     # poll each engine's /metrics (load, KV usage); 0 = off
     disaggregation:                      # policies.disaggregation (local vs remote prefill)
       max_local_tokens: 2048             # null disables a check
       max_local_fraction: 0.7
-      decode_busy_kv_usage: 0.9          # D's KV usage from the ledger / worker kv_blocks
+      decode_busy_kv_usage: 0.9          # D's KV usage: the larger of ledger / kv_blocks and D's own gauge
       compare_costs: false               # true: also the roofline comparison below
       max_stall_s: 0.05
       model_preset: llama-8b             # policies.presets names
@@ -152,10 +153,12 @@ class ServerConfig:
     model_dir: str = ""
     prefill_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
+    engine_metrics_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65536), got {self.port}")
+        _non_negative(self, "engine_metrics_interval_s")
         for name in ("prefill_timeout_s", "request_timeout_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:

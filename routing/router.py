@@ -14,9 +14,10 @@ For one request the :class:`Router`:
 4. asks :class:`~routing.cost.CostModel` to pick one (seeded RNG);
 5. for a pair, asks ``policies.disaggregation`` whether to prefill locally on D
    (D's cached prefix, P's cached prefix and queue, D's KV usage from the
-   ledger) or remotely on P (conditional disaggregation, article section 7).
+   ledger or D's own ``/metrics``, the larger) or remotely on P (conditional
+   disaggregation, article section 7).
 
-:meth:`Router.route` does not touch the :class:`~routing.cost.LoadLedger`; the
+:meth:`Router.route` does not touch the :class:`~routing.ledger.LoadLedger`; the
 caller dispatches (:meth:`Route.prefill_worker` and :attr:`Route.cached_blocks`
 say what to count) and records the session's decode worker with
 :meth:`Router.served` once the request succeeded. Not thread-safe: callers
@@ -27,8 +28,9 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from policies.disaggregation import (
     DecodeState,
@@ -40,13 +42,16 @@ from policies.disaggregation import (
 )
 from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from policies.specs import SpecError
+from routing.chain import PromptChain
 from routing.config import ConfigError, DisaggregationConfig, RouterConfig
 from routing.cost import Candidate, CostModel, Decision, TierOverlap, tier_overlap
 from routing.engines import Fleet, Worker
-from routing.chain import PromptChain
 from routing.index import KVIndex, Match, Tier, WorkerId
 from routing.ledger import LoadLedger
 from routing.sessions import SessionId, SessionStore
+
+if TYPE_CHECKING:
+    from routing.engine_metrics import EngineLoad
 
 PAIR_SEPARATOR = "->"
 
@@ -138,6 +143,8 @@ class Router:
         sessions: SessionStore,
         policy: LocalVsRemotePolicy | None,
         rng: random.Random | None = None,
+        *,
+        engine_load: Callable[[WorkerId], EngineLoad | None] | None = None,
     ) -> None:
         if fleet.prefill and policy is None:
             raise ValueError("a fleet with prefill workers needs a local-vs-remote policy")
@@ -147,6 +154,7 @@ class Router:
         self.ledger = ledger
         self.sessions = sessions
         self.policy = policy
+        self.engine_load = engine_load
         self.cost = CostModel(config.cost, rng if rng is not None else random.Random(config.cost.router_seed))
         self._tiers = config.index.tiers
         self._options: dict[str, tuple[Worker | None, Worker]] = {
@@ -258,4 +266,8 @@ class Router:
             p_queued_tokens=self.ledger.load(p.name).active_prefill_blocks * bs,
         )
         usage = min(1.0, d_load.active_decode_blocks / d.kv_blocks) if d.kv_blocks else 0.0
-        return prompt, DecodeState(kv_usage=usage, running_streams=d_load.active_requests)
+        running = d_load.active_requests
+        reported = self.engine_load(d.name) if self.engine_load is not None else None
+        if reported is not None:  # D's own gauges also count traffic that bypassed this router
+            usage, running = max(usage, reported.kv_usage), max(running, int(reported.running))
+        return prompt, DecodeState(kv_usage=usage, running_streams=running)

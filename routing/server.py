@@ -39,6 +39,7 @@ from aiohttp import web
 from routing.chat import ChatError, ChatTemplate, chat_chunk, chat_response, chat_to_completion_body
 from routing.config import ConfigError, IndexConfig, RouterConfig
 from routing.ledger import LoadLedger
+from routing.engine_metrics import EngineLoadPoller
 from routing.engines import Fleet, IndexFeeder, Worker
 from routing.index import BlockIndex, KVIndex
 from routing.router import Route, Router, policy_from_config
@@ -115,7 +116,13 @@ class RouterServer:
         self.ledger = LoadLedger()
         policy = policy_from_config(config.disaggregation) if fleet.prefill else None
         sessions = SessionStore(config.index.block_size, config.sessions.max_sessions)
-        self.router = Router(fleet, config, self.index, self.ledger, sessions, policy)
+        interval = config.server.engine_metrics_interval_s
+        self.engine_load = EngineLoadPoller(fleet.workers, interval) if interval > 0 else None
+        self.router = Router(
+            fleet, config, self.index, self.ledger, sessions, policy,
+            engine_load=self.engine_load.latest if self.engine_load is not None else None,
+        )  # fmt: skip
+        self._background: list[asyncio.Task[None]] = []
         self.feeder: IndexFeeder | None = None
         self._feed_index = feed_index
         self.metrics = RouterMetrics(self)
@@ -139,8 +146,13 @@ class RouterServer:
         if self._feed_index and any(w.kv_events_endpoint for w in self.fleet.workers):
             self.feeder = IndexFeeder(self.fleet, self.index, self.lock)
             self.feeder.start()
+        if self.engine_load is not None:
+            self._background.append(asyncio.create_task(self.engine_load.run(self._http)))
 
     async def _stop(self, _: web.Application) -> None:
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
         if self.feeder is not None:

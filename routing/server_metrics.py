@@ -31,7 +31,12 @@ class RouterMetrics:
     ``kvpilot_router_prefill_failures_total{worker,reason}``,
     ``kvpilot_router_prefill_fallbacks_total``, ``kvpilot_router_upstream_errors_total{worker}``.
     At scrape time: KV-event ingest per worker (batches, replays, gaps, restarts,
-    rejected events by reason) and the index's blocks per worker and tier.
+    rejected events by reason), the index's blocks per worker and tier, the
+    ledger's load per worker (``kvpilot_router_active_prefill_blocks``,
+    ``_active_decode_blocks``, ``_active_requests``), and the engines' own
+    gauges as last polled (``kvpilot_router_engine_running``, ``_waiting``,
+    ``_kv_usage``; absent while stale) with unreadable polls
+    (``kvpilot_router_engine_metrics_failures_total{worker,reason}``).
     """
 
     def __init__(self, server: RouterServer) -> None:
@@ -89,6 +94,28 @@ class RouterMetrics:
         }
         rejected = CounterMetricFamily(p + "kv_events_rejected", "Malformed KV events skipped", labels=["worker", "reason"])
         blocks = GaugeMetricFamily(p + "index_blocks", "Blocks in the index", labels=["worker", "tier"])
+        ledger = {
+            field: GaugeMetricFamily(f"{p}{field}", f"The router's own count of {field.replace('_', ' ')}", labels=["worker"])
+            for field in ("active_prefill_blocks", "active_decode_blocks", "active_requests")
+        }
+        engine = {
+            field: GaugeMetricFamily(f"{p}engine_{field}", f"The engine's own {field} (its /metrics)", labels=["worker"])
+            for field in ("running", "waiting", "kv_usage")
+        }
+        failures = CounterMetricFamily(
+            p + "engine_metrics_failures", "Unreadable engine /metrics polls", labels=["worker", "reason"]
+        )
+        for worker in server.fleet.workers:
+            load = server.ledger.load(worker.name)
+            for field, family in ledger.items():
+                family.add_metric([worker.name], getattr(load, field))
+            reported = server.engine_load.latest(worker.name) if server.engine_load is not None else None
+            for field, family in engine.items():
+                if reported is not None:
+                    family.add_metric([worker.name], getattr(reported, field))
+        if server.engine_load is not None:
+            for (worker_name, reason), n in server.engine_load.failures.items():
+                failures.add_metric([worker_name, reason], n)
         with server.lock:
             for sub in server.feeder.subscribers if server.feeder is not None else ():
                 for s in stats:
@@ -101,6 +128,9 @@ class RouterMetrics:
         yield from families.values()
         yield rejected
         yield blocks
+        yield from ledger.values()
+        yield from engine.values()
+        yield failures
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -53,12 +53,19 @@ class FakeEngine:
     status: int = 200
     delay_s: float = 0.0
     kv_params: bool = True
+    metrics_text: str | None = None  # None: /metrics answers 404
     bodies: list[dict[str, Any]] = field(default_factory=list)
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/metrics", self._metrics)
         return app
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        if self.metrics_text is None:
+            return web.Response(status=404)
+        return web.Response(text=self.metrics_text)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -329,3 +336,30 @@ def test_router_cli_flags_override_the_yaml(tmp_path):
     cfg = load_config(args.config, args)
     assert (cfg.server.port, cfg.server.host, cfg.server.model_dir) == (9100, "127.0.0.1", "/m")
     assert cfg.cost.overlap_score_credit == 0.5 and callable(args.func)
+
+
+def test_engines_own_metrics_feed_the_decode_busy_guard_and_the_router_metrics(model_dir):
+    async def scenario(client, router, engines):
+        router.index.apply(WorkerId("decode-0"), BlockStored([b"a", b"b", b"c", b"d"], None, PROMPT[:16], BS))
+        short = PROMPT[:18]  # D holds 4 of 4 blocks: a local prefill on D
+        assert (await (await client.post("/debug/route", json={"prompt": short})).json())["kind"] == "local_prefill"
+        engines["decode-0"].metrics_text = (
+            '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.95\n'
+            'vllm:num_requests_running{engine="0",model_name="tiny"} 3.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="tiny"} 1.0\n'
+        )
+        for _ in range(100):  # the poller runs every 0.05 s
+            route = await (await client.post("/debug/route", json={"prompt": short})).json()
+            if route["kind"] == "remote_prefill":
+                break
+            await asyncio.sleep(0.05)
+        assert route["kind"] == "remote_prefill", route["explain"]  # D says it is busy: the guard
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpilot_router_engine_kv_usage{worker="decode-0"} 0.95' in metrics
+        assert 'kvpilot_router_engine_running{worker="decode-0"} 3.0' in metrics
+        assert 'kvpilot_router_engine_metrics_failures_total{reason="http_404",worker="prefill-0"}' in metrics
+        resp = await client.post("/v1/completions", json={"prompt": PROMPT})  # still serving
+        assert resp.status == 200
+
+    server = {"model_dir": str(model_dir), "engine_metrics_interval_s": 0.05}
+    run(model_dir, PD, scenario, server=server)

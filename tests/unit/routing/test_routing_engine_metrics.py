@@ -1,0 +1,43 @@
+"""Reading the engines' own load gauges from a Prometheus exposition (pure)."""
+
+from __future__ import annotations
+
+import math
+
+from routing.engine_metrics import EngineLoadPoller, parse_engine_load
+
+EXPOSITION = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 2.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 4.0
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.5
+vllm:num_requests_running_total_bogus 99
+vllm:prompt_tokens_total{model_name="tiny"} 1234.0
+"""
+
+
+def test_gauges_are_summed_and_kv_usage_is_the_maximum():
+    load = parse_engine_load(EXPOSITION, at=7.0)
+    assert load is not None
+    assert (load.running, load.waiting, load.kv_usage, load.at) == (3.0, 4.0, 0.5, 7.0)
+
+
+def test_unlabelled_lines_and_junk_are_handled():
+    text = "vllm:kv_cache_usage_perc 0.125\nvllm:num_requests_running nan\nvllm:num_requests_waiting{x=\"}\"} oops\n"
+    load = parse_engine_load(text, at=0.0)
+    assert load is not None and (load.kv_usage, load.running, load.waiting) == (0.125, 0.0, 0.0)
+    assert parse_engine_load("vllm:num_requests_running 1\n", at=0.0) is None  # no KV usage: not an engine we know
+    assert parse_engine_load("", at=0.0) is None
+
+
+def test_a_stale_sample_is_not_reported():
+    now = [100.0]
+    poller = EngineLoadPoller([], interval_s=1.0, clock=lambda: now[0])
+    poller._samples["w"] = parse_engine_load(EXPOSITION, at=100.0)  # what a poll stores
+    assert poller.latest("w") is not None
+    now[0] = 103.5
+    assert poller.latest("w") is None and poller.latest("unknown") is None
+    assert math.isclose(poller.max_age_s, 3.0)
