@@ -45,6 +45,7 @@ def _fleet_spec(args: argparse.Namespace):
         connector=args.connector,
         connector_extra_config=extra,
         disaggregation=args.disaggregation,
+        index_backend=args.index_backend,
     )
 
 
@@ -104,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--connector-extra-config", help="JSON for kv_connector_extra_config")
     fl.add_argument("--disaggregation", choices=["conditional", "always"], default="conditional",
                     help="conditional: the router picks local or remote prefill per request; always: prefill on P")
+    fl.add_argument("--index-backend", choices=["kvpilot", "dynamo"], default="kvpilot",
+                    help="the router's block index: kvpilot's, or Dynamo's RadixTree (kvpilot[dynamo])")
     fl.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
     fl.set_defaults(func=_fleet)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.env import HASH_SEED_ENV, NIXL_CPU_ENV
+from routing.config import INDEX_BACKENDS
 from routing.engines import Role, Worker, kv_events_config
 
 HOST = "127.0.0.1"
@@ -42,6 +43,8 @@ class FleetSpec:
     disaggregation: str = "conditional"
     """``conditional``: the router's policy picks local or remote prefill per request
     (Dynamo's default thresholds); ``always``: every request is prefilled on P."""
+    index_backend: str = "kvpilot"
+    """The router's block index: ``kvpilot`` or ``dynamo`` (Dynamo's RadixTree)."""
     connector: str = "KVPilotConnector"
     connector_extra_config: dict[str, object] = field(default_factory=dict)
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
@@ -60,6 +63,8 @@ class FleetSpec:
             raise ValueError(f"block_size must be a multiple of 32 on CPU, got {self.block_size}")
         if self.disaggregation not in ("conditional", "always"):
             raise ValueError(f"disaggregation must be 'conditional' or 'always', got {self.disaggregation!r}")
+        if self.index_backend not in INDEX_BACKENDS:
+            raise ValueError(f"index_backend must be one of {INDEX_BACKENDS}, got {self.index_backend!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +133,7 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
     return {
         "server": {"host": HOST, "port": spec.router_port, "model_name": spec.served_model_name,
                    "model_dir": str(spec.model_dir)},
-        "index": {"block_size": spec.block_size},
+        "index": {"block_size": spec.block_size, "backend": spec.index_backend},
         "disaggregation": disaggregation,
         "workers": [
             {"name": w.name, "role": w.role.value, "url": w.url,

@@ -28,10 +28,11 @@ PORTS = {"engine_port": 8810, "side_channel_port": 6210, "events_port": 6810, "r
 CACHE_HIT = "vllm:prompt_tokens_by_source_total"
 
 
-@pytest.fixture(scope="module")
-def spec(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FleetSpec:
+@pytest.fixture(scope="module", params=["kvpilot", "dynamo"])
+def spec(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FleetSpec:
+    """The same fleet and tests with each index backend (kvpilot's, Dynamo's RadixTree)."""
     return FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("router-fleet"), prefill=0, decode=0,
-                     colocated=2, **PORTS)  # fmt: skip
+                     colocated=2, index_backend=request.param, **PORTS)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +144,19 @@ def test_engine_restart_clears_its_entries(fleet: Fleet, spec: FleetSpec, warmed
         time.sleep(0.3)
     assert debug_route(fleet.router.url, a)["overlap"].get("colocated-0", {}).get("GPU", 0) == 0
     assert wait_for_overlap(fleet.router.url, other, "colocated-0", len(other) // 32)["overlap"]["colocated-0"]["GPU"] > 0
+
+
+def test_router_reads_the_engines_own_load(fleet: Fleet) -> None:
+    """The router polls each engine's /metrics (every 5 s) and exports what it read."""
+    names = [e.name for e in fleet.engines]
+    deadline = time.monotonic() + 60
+    while True:
+        samples = scrape(fleet.router.url)
+        seen = {labels for (name, labels) in samples if name == "kvpilot_router_engine_kv_usage"}
+        if len(seen) == len(names) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    for worker in names:
+        usage = total(samples, "kvpilot_router_engine_kv_usage", worker=worker)
+        assert 0.0 <= usage <= 1.0
+        assert any(name == "kvpilot_router_engine_running" and ("worker", worker) in labels for name, labels in samples)

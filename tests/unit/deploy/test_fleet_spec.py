@@ -40,10 +40,11 @@ def test_router_config_parses_and_always_disaggregates_on_request(tmp_path: Path
 
     from routing.config import load_config
 
-    _, _, config = plan_fleet(_spec(disaggregation="always"))
+    _, _, config = plan_fleet(_spec(disaggregation="always", index_backend="dynamo"))
     (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
     parsed = load_config(tmp_path / "router.yaml")
     assert parsed.disaggregation.max_local_tokens == 0
+    assert parsed.index.backend == "dynamo"
     assert [w.name for w in parsed.workers] == ["prefill-0", "decode-0"]
 
 
@@ -55,6 +56,7 @@ def test_router_config_parses_and_always_disaggregates_on_request(tmp_path: Path
         ({"block_size": 16}, "multiple of 32"),
         ({"prefill": -1}, ">= 0"),
         ({"disaggregation": "sometimes"}, "conditional"),
+        ({"index_backend": "redis"}, "index_backend"),
     ],
 )
 def test_invalid_fleets_are_refused(kw: dict, message: str) -> None:
