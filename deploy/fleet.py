@@ -11,6 +11,7 @@ escalating from SIGTERM to SIGKILL, and waits until their ports are free.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -295,15 +296,39 @@ def restart_engine(spec: FleetSpec, name: str, timeout: float = 600.0) -> Fleet:
     plan = next((p for p in plan_fleet(spec)[0] if p.name == name), None)
     if old is None or plan is None:
         raise KeyError(f"no engine named {name!r} in {spec.run_dir}")
+    new = _replace(old, plan, spec.run_dir / "logs", timeout)
+    engines = tuple(new if e.name == name else e for e in fleet.engines)
+    restarted = Fleet(spec.run_dir, engines, fleet.router)
+    restarted.save()
+    return restarted
+
+
+def restart_router(spec: FleetSpec, flags: Sequence[str] = (), timeout: float = 120.0) -> Fleet:
+    """Stop the router of the fleet recorded in ``spec.run_dir`` and start it again with
+    extra command-line ``flags`` (``["--overlap-score-credit-decay", "0.3"]``: every
+    scalar of the router config has one). The engines keep running and reconnect.
+
+    Returns the updated fleet once the router is healthy; raises
+    :class:`FleetStartError` if it does not come back.
+    """
+    fleet = Fleet.load(spec.run_dir)
+    if fleet is None:
+        raise FleetStartError(f"no fleet recorded in {spec.run_dir}")
+    plan = plan_fleet(spec)[1]
+    plan = dataclasses.replace(plan, argv=(*plan.argv, *flags))
+    restarted = Fleet(spec.run_dir, fleet.engines, _replace(fleet.router, plan, spec.run_dir / "logs", timeout))
+    restarted.save()
+    return restarted
+
+
+def _replace(old: RunningProcess, plan: ProcessPlan, logs: Path, timeout: float) -> RunningProcess:
+    """Stop ``old``, start ``plan`` in its place and wait for its health."""
     stop_group(old.pid)
     _wait_ports_free(old.ports)
-    proc, new = _spawn(plan, spec.run_dir / "logs")
+    proc, new = _spawn(plan, logs)
     try:
         _wait_healthy([(proc, new)], time.monotonic() + timeout)
     except BaseException:
         stop_group(proc.pid)
         raise
-    engines = tuple(new if e.name == name else e for e in fleet.engines)
-    restarted = Fleet(spec.run_dir, engines, fleet.router)
-    restarted.save()
-    return restarted
+    return new

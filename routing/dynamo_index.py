@@ -47,9 +47,9 @@ from typing import Any
 
 from dynamo.llm import RadixTree, compute_block_hash_for_seq
 
-from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, ExternalBlockHash, KVEvent
 from routing.chain import Namespace, PromptChain, freeze
-from routing.index import DEFAULT_TIER, Match, Tier, WorkerId
+from routing.events import BlockRemoved, BlockStored, ExternalBlockHash
+from routing.index import DEFAULT_TIER, EventApplier, Match, Tier, WorkerId
 
 _U64 = (1 << 64) - 1
 _BAD_TOKENS = (OverflowError, TypeError, ValueError)  # what compute_block_hash_for_seq raises
@@ -77,12 +77,19 @@ def _local_hashes(tokens: Sequence[int], block_size: int, ns: Namespace) -> list
     )
 
 
-class DynamoIndex:
+class DynamoIndex(EventApplier):
     """Per worker, per tier: which blocks are cached, held in Dynamo's RadixTrees. Not thread-safe.
 
     Keeps beside the trees, per worker: engine hash -> namespace (any tier,
     to name later blocks) and, per tier, the engine hashes held (for
     ``block_count`` and to send Dynamo only removals it can apply).
+
+    :meth:`apply` skips (counted): BlockIndex's ``other_group``,
+    ``block_size``, ``bad_token_ids``, ``unknown_parent``, ``unknown_slot``;
+    and ``bad_block_hash`` (a hash neither int nor bytes),
+    ``unsupported_extra_keys``, ``refused`` (Dynamo rejected a store: nothing
+    applied), ``already_dropped`` (a removal naming blocks Dynamo had dropped:
+    the others were removed); see the module docstring.
     """
 
     def __init__(self, block_size: int, *, kv_group: int = 0) -> None:
@@ -99,34 +106,6 @@ class DynamoIndex:
         self._event_id = 0
 
     # ---- ingest ---------------------------------------------------------
-    def apply(self, worker: WorkerId, event: KVEvent) -> str:
-        """Apply one event from ``worker``; returns ``"applied"`` or why it was skipped.
-
-        Counted in :attr:`counters`, never raised: BlockIndex's ``other_group``,
-        ``block_size``, ``bad_token_ids``, ``unknown_parent``, ``unknown_slot``;
-        and ``bad_block_hash`` (a hash neither int nor bytes),
-        ``unsupported_extra_keys``, ``refused`` (Dynamo rejected a store:
-        nothing applied), ``already_dropped`` (a removal naming blocks Dynamo
-        had dropped: the others were removed); see the module docstring.
-        ``AllBlocksCleared`` clears every tier of the worker.
-        """
-        if isinstance(event, AllBlocksCleared):
-            self.clear_worker(worker)
-            outcome = "applied"
-        elif event.group_idx not in (None, self.kv_group):
-            outcome = "other_group"
-        elif isinstance(event, BlockStored):
-            outcome = self._stored(worker, event)
-        else:
-            outcome = self._removed(worker, event)
-        self.counters[outcome] += 1
-        return outcome
-
-    def apply_all(self, worker: WorkerId, events: Iterable[KVEvent]) -> None:
-        """Apply events in order (see :meth:`apply`)."""
-        for event in events:
-            self.apply(worker, event)
-
     def _stored(self, worker: WorkerId, ev: BlockStored) -> str:
         if ev.block_size != self.block_size:
             return "block_size"

@@ -100,12 +100,61 @@ def _bits(mask: int) -> Iterable[int]:
         mask ^= low
 
 
-class BlockIndex:
+class EventApplier:
+    """Applies KV events to an index: the dispatch and counting both backends share.
+
+    A subclass sets ``kv_group`` and ``counters`` and implements ``clear_worker``,
+    ``_stored`` and ``_removed`` (each returns ``"applied"`` or a skip reason).
+    """
+
+    kv_group: int
+    counters: Counter[str]
+
+    def apply(self, worker: WorkerId, event: KVEvent) -> str:
+        """Apply one event from ``worker``; returns ``"applied"`` or why it was skipped.
+
+        Skips are counted in :attr:`counters`, never raised: ``other_group`` (a
+        KV cache group other than ``kv_group``) here, the rest per backend.
+        ``AllBlocksCleared`` clears every tier of the worker.
+        """
+        if isinstance(event, AllBlocksCleared):
+            self.clear_worker(worker)
+            outcome = "applied"
+        elif event.group_idx not in (None, self.kv_group):
+            outcome = "other_group"
+        elif isinstance(event, BlockStored):
+            outcome = self._stored(worker, event)
+        else:
+            outcome = self._removed(worker, event)
+        self.counters[outcome] += 1
+        return outcome
+
+    def apply_all(self, worker: WorkerId, events: Iterable[KVEvent]) -> None:
+        """Apply events in order (see :meth:`apply`)."""
+        for event in events:
+            self.apply(worker, event)
+
+    def clear_worker(self, worker: WorkerId) -> None:
+        raise NotImplementedError
+
+    def _stored(self, worker: WorkerId, ev: BlockStored) -> str:
+        raise NotImplementedError
+
+    def _removed(self, worker: WorkerId, ev: BlockRemoved) -> str:
+        raise NotImplementedError
+
+
+class BlockIndex(EventApplier):
     """Per worker, per tier: which named blocks are cached. Pure; not thread-safe.
 
     Each (worker, tier) is a *slot* with one bit; per namespace, each key maps
     to the OR of the bits of the slots holding it. Removals are logged (up to
     ``log_capacity`` events) so incremental chains can catch up cheaply.
+
+    :meth:`apply` skips (counted): ``other_group``, ``block_size`` (not this
+    index's), ``bad_token_ids`` (a token id outside ``[0, 2**32)``),
+    ``unknown_parent`` (a store whose parent this worker never announced),
+    ``unknown_slot`` (a removal from a tier that stored nothing).
     """
 
     def __init__(self, block_size: int, *, kv_group: int = 0, log_capacity: int = 65536) -> None:
@@ -128,33 +177,6 @@ class BlockIndex:
         self.counters: Counter[str] = Counter()
 
     # ---- ingest ---------------------------------------------------------
-    def apply(self, worker: WorkerId, event: KVEvent) -> str:
-        """Apply one event from ``worker``; returns ``"applied"`` or why it was skipped.
-
-        Skips (counted in :attr:`counters`, never raised): ``other_group`` (a KV
-        cache group other than ``kv_group``), ``block_size`` (not this index's),
-        ``bad_token_ids`` (a token id outside ``[0, 2**32)``),
-        ``unknown_parent`` (a store whose parent this worker never announced),
-        ``unknown_slot`` (a removal from a tier that stored nothing).
-        ``AllBlocksCleared`` clears every tier of the worker.
-        """
-        if isinstance(event, AllBlocksCleared):
-            self.clear_worker(worker)
-            outcome = "applied"
-        elif event.group_idx not in (None, self.kv_group):
-            outcome = "other_group"
-        elif isinstance(event, BlockStored):
-            outcome = self._stored(worker, event)
-        else:
-            outcome = self._removed(worker, event)
-        self.counters[outcome] += 1
-        return outcome
-
-    def apply_all(self, worker: WorkerId, events: Iterable[KVEvent]) -> None:
-        """Apply events in order (see :meth:`apply`)."""
-        for event in events:
-            self.apply(worker, event)
-
     def _stored(self, worker: WorkerId, ev: BlockStored) -> str:
         if ev.block_size != self.block_size:
             return "block_size"
