@@ -169,7 +169,9 @@ class BlockIndex(EventApplier):
         self._ns_list: list[Namespace] = []
         self._slot_bit: dict[tuple[WorkerId, Tier], int] = {}
         self._bit_slot: dict[int, tuple[WorkerId, Tier]] = {}
-        self._slot_keys: dict[int, dict[Namespace, set[BlockKey]]] = {}
+        # per slot and namespace, the keys held: dicts to None, not sets, because the
+        # cyclic GC untracks dicts of ints (a set of 50K ints is re-scanned every full collection)
+        self._slot_keys: dict[int, dict[Namespace, dict[BlockKey, None]]] = {}
         self._worker_mask: dict[WorkerId, int] = {}
         self._free_bits: list[int] = []
         self._log: deque[_Removal] = deque(maxlen=log_capacity)
@@ -206,7 +208,7 @@ class BlockIndex(EventApplier):
         bit = 1 << self._bit_for(worker, Tier(ev.medium or DEFAULT_TIER))
         masks = self._masks.setdefault(ns, {})
         masks.update(zip(keys, map(or_, map(masks.get, keys, repeat(0)), repeat(bit))))
-        self._slot_keys[bit.bit_length() - 1].setdefault(ns, set()).update(keys)
+        self._slot_keys[bit.bit_length() - 1].setdefault(ns, {}).update(zip(keys, repeat(None)))
         names.update(zip(ev.block_hashes, keys))
         metas.update(zip(ev.block_hashes, count(pos0 << _NS_BITS | nsid, 1 << _NS_BITS)))
         self.counters["blocks_stored"] += len(keys)
@@ -247,7 +249,7 @@ class BlockIndex(EventApplier):
                 masks[key] = mask
             else:
                 del masks[key]
-            self._slot_keys[bitno][ns].discard(key)
+            self._slot_keys[bitno][ns].pop(key, None)
             if not mask & others:
                 del names[ehash], metas[ehash]
             gone.setdefault(ns, []).append(key)
