@@ -21,7 +21,8 @@ kvpilot: PromptChain + BlockIndex.match; Dynamo: hash + find_matches. The
 
 Agent session, step 20: prompt 63,000 tokens, 1,650 new since step 19; between
 steps the serving worker stores the last prompt's blocks and other workers
-churn (stores and removals). kvpilot: SessionState.advance (compares the whole
+churn (stores and removals). Step 20's prompt is freshly parsed from JSON for
+every trial, as the router receives it. kvpilot: SessionState.advance (compares the whole
 prompt) or .extend (the front passes the new tokens) + match; Dynamo: hash the
 whole prompt + find_matches (it has no incremental path).
 """
@@ -218,9 +219,13 @@ def session(index: BlockIndex, tree: RadixTree, stream: Stream) -> list[tuple[st
             index.match(s.chain)
         done = store_prompt(n, done)
         churn()
-    prompt20, new = seq[: lengths[-1]], seq[lengths[-2] : lengths[-1]]
+    # Each step's prompt arrives as freshly parsed ints (JSON body or tokenizer), not
+    # as the very int objects of the last prompt: list compares cannot take the
+    # identity shortcut, so give every trial its own copy.
+    raw20, raw_new = msgspec.json.encode(seq[: lengths[-1]]), msgspec.json.encode(seq[lengths[-2] : lengths[-1]])
     adv, ext, dyn = [], [], []
     for s, e in zip(sessions, extenders):
+        prompt20, new = msgspec.json.decode(raw20), msgspec.json.decode(raw_new)
         t = time.perf_counter()
         s.advance(prompt20)
         index.match(s.chain)

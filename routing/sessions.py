@@ -22,11 +22,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from itertools import compress, count
-from operator import ne
 from typing import Any, NamedTuple, NewType
 
-from routing.chain import PromptChain
+from routing.chain import PromptChain, first_difference, pack_tokens
 from routing.index import WorkerId
 
 SessionId = NewType("SessionId", str)
@@ -74,15 +72,6 @@ class Advance(NamedTuple):
     diverged: bool
 
 
-def first_difference(old: Sequence[int], new: Sequence[int]) -> int:
-    """Index of the first position where ``old`` and ``new`` differ, or the shorter length."""
-    n = min(len(old), len(new))
-    if old[:n] == new[:n]:  # the common case, at list-compare speed
-        return n
-    hit = next(compress(count(), map(ne, old, new)), None)
-    return min(len(old), len(new)) if hit is None else hit
-
-
 class SessionState:
     """One session: its chain (with the index's cached match) and where it last ran."""
 
@@ -107,18 +96,20 @@ class SessionState:
     ) -> Advance:
         """Make the chain name ``prompt``, reusing what the last prompt shares with it.
 
-        Compares the whole old prompt (C speed, stops at the first difference).
-        A different salt or LoRA starts a fresh chain (namespaces never mix).
+        Packs ``prompt`` once and compares it with the old one with numpy. A
+        different salt or LoRA starts a fresh chain (namespaces never mix).
+        Raises ValueError for a token id outside ``[0, 2**32)``.
         """
         chain = self.chain
         if chain is None or (lora_name, cache_salt) != (self._lora, self._salt):
             return self._reset(prompt, lora_name, cache_salt)
+        packed = pack_tokens(prompt)
         old = chain.tokens
-        same = first_difference(old, prompt)
+        same = first_difference(old, packed)
         diverged = same < len(old)
         if diverged:
             chain.truncate(same)
-        chain.extend(prompt[same:])
+        chain.extend(packed[same:])
         return Advance(same, len(prompt) - same, diverged)
 
     def extend(self, appended: Sequence[int]) -> Advance:
@@ -128,7 +119,7 @@ class SessionState:
         wrong claim only misroutes (engines match KV by content), never corrupts.
         """
         if self.chain is None:
-            return self._reset(list(appended), None, None)
+            return self._reset(appended, None, None)
         reused = len(self.chain.tokens)
         self.chain.extend(appended)
         return Advance(reused, len(appended), False)
@@ -171,6 +162,5 @@ __all__ = [
     "SessionId",
     "SessionState",
     "SessionStore",
-    "first_difference",
     "session_key",
 ]

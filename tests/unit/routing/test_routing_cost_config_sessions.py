@@ -9,10 +9,10 @@ import random
 import pytest
 
 from routing.config import ConfigError, CostConfig, add_cli_flags, load_config
-from routing.chain import PromptChain
+from routing.chain import PromptChain, first_difference
 from routing.cost import Candidate, CostModel, TierOverlap, tier_overlap, worker_terms
 from routing.ledger import LoadLedger, WorkerLoad
-from routing.sessions import InvalidSessionKey, SessionStore, first_difference, session_key
+from routing.sessions import InvalidSessionKey, SessionStore, session_key
 
 CFG = CostConfig()
 
@@ -186,3 +186,16 @@ def test_session_chain_names_only_new_blocks_and_rehashes_from_divergence():
     assert s.extend([5, 6]).reused_tokens == 2 and list(s.chain.tokens) == [0, 1, 5, 6]
     store.get("b"), store.get("c")
     assert len(store) == 2 and store.evicted == 1
+
+
+def test_session_chains_hold_packed_tokens():
+    from array import array
+
+    s = SessionStore(block_size=2, max_sessions=2).get("a")
+    s.advance(list(range(10)))
+    s.advance(list(range(12)))
+    assert isinstance(s.chain.tokens, array) and s.chain.tokens.typecode == "I"
+    assert list(s.chain.tokens) == list(range(12))
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        s.advance(list(range(12)) + [-1])
+    assert list(s.chain.tokens) == list(range(12))  # a refused prompt changes nothing

@@ -116,7 +116,7 @@ def test_served_records_the_decode_worker_and_sessions_name_only_new_blocks():
     assert state.last_worker == "w2"
     named = state.chain.named_blocks
     route2 = router.route(prompt + _prompt(3, base=500), "r2", session=session)
-    assert state.chain.tokens[: len(prompt)] == prompt and route2.prompt_blocks == 13
+    assert list(state.chain.tokens[: len(prompt)]) == prompt and route2.prompt_blocks == 13
     assert state.chain.named_blocks >= named and route2.decode.name == "w2"
     dry = router.route(_prompt(2, base=900), "r3", session=session, dry_run=True)
     assert dry.prompt_blocks == 2 and len(state.chain.tokens) == 13 * BS  # dry run left the chain
