@@ -18,3 +18,4 @@ bench: setup
 	.venv/bin/python benchmarks/bench_verify_e2e.py
 	taskset -c 1 .venv/bin/python benchmarks/bench_router_index.py
 	.venv/bin/python benchmarks/bench_router_overhead.py
+	.venv/bin/python benchmarks/bench_hot_prefix.py
