@@ -98,7 +98,10 @@ def test_fleet_down_leaves_no_process_and_frees_ports(model_dir: Path, tmp_path:
 def test_ctrl_c_during_up_stops_everything(model_dir: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "deploy.cli", "fleet", "up", "--run-dir", str(tmp_path), "--model", str(model_dir),
            *_port_flags()]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell without job control starts background jobs with SIGINT ignored (POSIX), and
+    # Python then keeps ignoring it: give the CLI the default, as a terminal would.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     assert proc.stdout is not None
     for line in proc.stdout:  # wait until both engines have been spawned
         if "started decode-0" in line:
