@@ -39,6 +39,8 @@ _SHIFT_A, _SHIFT_B = np.uint64(32), np.uint64(29)
 KEY_BITS = 60
 _KEY_MASK = np.uint64((1 << KEY_BITS) - 1)
 _LANES: dict[int, np.ndarray] = {}
+_PACK_WHOLE_TOKENS = 4096
+"""Naming more tokens than this at once packs the whole prompt (in place from then on)."""
 
 
 def namespace_for(lora_name: str | None = None, cache_salt: str | None = None) -> Namespace:
@@ -142,9 +144,10 @@ def chain_keys(tokens: Sequence[int], block_size: int, first_pos: int, parent: B
 class PromptChain:
     """A prompt's block keys, named lazily and extendable (the request side).
 
-    ``tokens`` is not copied until the chain is first extended or truncated
-    (then it is packed, ``array('I')``); the caller must not mutate it
-    meanwhile. An incremental chain packs its own copy at once. :meth:`routing.index.BlockIndex.match` names only
+    ``tokens`` is not copied until the chain is first extended, truncated or
+    asked to name more than 4,096 tokens at once (then it is packed,
+    ``array('I')``); the caller must not mutate it meanwhile. An incremental
+    chain packs its own copy at once. :meth:`routing.index.BlockIndex.match` names only
     as many blocks as it needs (it stops at the first block no worker holds);
     an incremental chain (``incremental=True``) also keeps the index's last
     match (``match_state``, owned by the index) so the next match only looks at
@@ -198,6 +201,8 @@ class PromptChain:
         if upto > have:
             bs = self.block_size
             parent = self._keys[-1] if have else ROOT_KEY
+            if not self._owned and (upto - have) * bs > _PACK_WHOLE_TOKENS:
+                self._own()  # one conversion of the whole prompt beats one per slice
             new = chain_from_hashes(block_hashes(self._tokens, bs, have, have * bs, upto * bs), parent)
             self._keys.extend(new)
             if self._pos is not None:
