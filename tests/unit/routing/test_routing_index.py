@@ -163,3 +163,11 @@ def test_full_and_incremental_match_equal_the_model(ops, which, salt, log_capaci
         want = reference(held, prompt, salt)
         assert index.match(chain).blocks == want
         assert index.match(PromptChain(prompt, BS, cache_salt=salt)).blocks == want
+
+
+def test_a_long_prompt_is_named_the_same_when_packed_whole():
+    tokens = [(i * 7919) % 50_000 for i in range(10_000)]
+    chain = PromptChain(tokens, 16)
+    assert chain.keys(10) == chain_keys(tokens[:160], 16, 0, 0)
+    assert chain.keys(625) == chain_keys(tokens, 16, 0, 0)  # past 4,096 tokens: packed once
+    assert tokens == [(i * 7919) % 50_000 for i in range(10_000)]  # the caller's list untouched
