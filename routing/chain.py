@@ -92,12 +92,14 @@ def block_hashes(
     first at chain position ``first_pos``.
 
     ``start`` is a block boundary; a trailing partial block is ignored. Packed
-    tokens (``array('I')``) are read in place. Raises ValueError for a token id
-    outside ``[0, 2**32)`` or not an integer.
+    tokens (``array('I')`` or a uint32 numpy array) are read in place. Raises
+    ValueError for a token id outside ``[0, 2**32)`` or not an integer.
     """
     stop = len(tokens) if stop is None else min(stop, len(tokens))
     n = max(0, stop - start) // block_size
-    if isinstance(tokens, array) and tokens.typecode == "I":
+    if isinstance(tokens, np.ndarray):
+        flat = tokens[start : start + n * block_size]
+    elif isinstance(tokens, array) and tokens.typecode == "I":
         flat = np.frombuffer(tokens, dtype=np.uint32, count=n * block_size, offset=4 * start)
     else:
         flat = np.frombuffer(pack_tokens(tokens[start : start + n * block_size]), dtype=np.uint32)
@@ -118,10 +120,15 @@ def first_difference(old: Sequence[int], new: Sequence[int]) -> int:
     token id outside ``[0, 2**32)``.
     """
     n = min(len(old), len(new))
-    a = np.frombuffer(pack_tokens(old), dtype=np.uint32, count=n)
-    b = np.frombuffer(pack_tokens(new), dtype=np.uint32, count=n)
-    differ = np.flatnonzero(a != b)
+    differ = np.flatnonzero(_uint32(old)[:n] != _uint32(new)[:n])
     return int(differ[0]) if differ.size else n
+
+
+def _uint32(tokens: Sequence[int]) -> np.ndarray:
+    """``tokens`` as a uint32 numpy array, in place where already packed."""
+    if isinstance(tokens, np.ndarray):
+        return tokens
+    return np.frombuffer(pack_tokens(tokens), dtype=np.uint32)
 
 
 def chain_from_hashes(hashes: np.ndarray, parent: BlockKey) -> list[BlockKey]:
@@ -145,16 +152,17 @@ class PromptChain:
     """A prompt's block keys, named lazily and extendable (the request side).
 
     ``tokens`` is not copied until the chain is first extended, truncated or
-    asked to name more than 4,096 tokens at once (then it is packed,
-    ``array('I')``); the caller must not mutate it meanwhile. An incremental
-    chain packs its own copy at once. :meth:`routing.index.BlockIndex.match` names only
+    asked to name more than 4,096 tokens at once (then it is packed into the
+    chain's own uint32 storage, and :attr:`tokens` is a numpy view of it); the
+    caller must not mutate it meanwhile. An incremental chain packs its own
+    copy at once. :meth:`routing.index.BlockIndex.match` names only
     as many blocks as it needs (it stops at the first block no worker holds);
     an incremental chain (``incremental=True``) also keeps the index's last
     match (``match_state``, owned by the index) so the next match only looks at
     what changed.
     """
 
-    __slots__ = ("block_size", "namespace", "match_state", "_tokens", "_owned", "_keys", "_pos")
+    __slots__ = ("block_size", "namespace", "match_state", "_tokens", "_buffer", "_keys", "_pos")
 
     def __init__(
         self,
@@ -170,8 +178,8 @@ class PromptChain:
         self.block_size = block_size
         self.namespace = namespace_for(lora_name, cache_salt)
         self.match_state: MatchState | None = MatchState() if incremental else None
-        self._tokens: Sequence[int] = tokens
-        self._owned = False
+        self._tokens: Sequence[int] = tokens  # the caller's, or a view of _buffer once owned
+        self._buffer: np.ndarray | None = None  # owned uint32 storage, grown by doubling
         if incremental:  # long-lived: packed, owned
             self._own()
         self._keys: list[BlockKey] = []
@@ -201,7 +209,7 @@ class PromptChain:
         if upto > have:
             bs = self.block_size
             parent = self._keys[-1] if have else ROOT_KEY
-            if not self._owned and (upto - have) * bs > _PACK_WHOLE_TOKENS:
+            if self._buffer is None and (upto - have) * bs > _PACK_WHOLE_TOKENS:
                 self._own()  # one conversion of the whole prompt beats one per slice
             new = chain_from_hashes(block_hashes(self._tokens, bs, have, have * bs, upto * bs), parent)
             self._keys.extend(new)
@@ -215,31 +223,36 @@ class PromptChain:
             self._pos = dict(zip(self._keys, count()))
         return self._pos
 
-    def _own(self) -> array[int]:
-        """The tokens as this chain's own ``array('I')`` (copied once)."""
-        if not self._owned:
-            self._tokens = array("I", pack_tokens(self._tokens))
-            self._owned = True
-        return self._tokens  # type: ignore[return-value]
+    def _own(self) -> np.ndarray:
+        """This chain's own packed storage (the tokens copied in once)."""
+        if self._buffer is None:
+            packed = _uint32(self._tokens)
+            self._buffer = np.empty(max(1024, 2 * len(packed)), dtype=np.uint32)
+            self._buffer[: len(packed)] = packed
+            self._tokens = self._buffer[: len(packed)]
+        return self._buffer
 
     def extend(self, appended: Sequence[int]) -> None:
         """The prompt grows by ``appended``; named blocks stay named.
 
-        Raises ValueError (and leaves the chain as it was) for a token id
-        outside ``[0, 2**32)``.
+        Amortized O(len(appended)): the storage doubles when full. Raises
+        ValueError (and leaves the chain as it was) for a token id outside
+        ``[0, 2**32)``.
         """
-        tokens = self._own()
-        if not isinstance(appended, list):
-            tokens.extend(pack_tokens(appended))
-            return
-        try:
-            tokens.fromlist(appended)  # all or nothing
-        except (OverflowError, TypeError):
-            raise ValueError("token ids must be integers in [0, 2**32)") from None
+        extra = _uint32(appended)
+        buffer, have = self._own(), len(self._tokens)
+        need = have + len(extra)
+        if need > len(buffer):
+            grown = np.empty(max(need, 2 * len(buffer)), dtype=np.uint32)
+            grown[:have] = buffer[:have]
+            self._buffer = buffer = grown
+        buffer[have:need] = extra
+        self._tokens = buffer[:need]
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens; forget names (and matches) past them."""
-        del self._own()[num_tokens:]
+        buffer = self._own()
+        self._tokens = buffer[: min(num_tokens, len(self._tokens))]
         blocks = num_tokens // self.block_size
         if blocks < len(self._keys):
             if self._pos is not None:

@@ -45,6 +45,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 from dynamo.llm import RadixTree, compute_block_hash_for_seq
 
 from routing.chain import Namespace, PromptChain, freeze
@@ -223,7 +224,10 @@ class DynamoIndex(EventApplier):
         if n == 0 or not self._trees:
             return Match({}, n, 0)
         try:
-            hashes = _local_hashes(chain.tokens, chain.block_size, chain.namespace)
+            tokens = chain.tokens
+            if isinstance(tokens, np.ndarray):  # a session chain's packed tokens
+                tokens = tokens.tolist()
+            hashes = _local_hashes(tokens, chain.block_size, chain.namespace)
         except _BAD_TOKENS as exc:
             raise ValueError(f"token ids must be in [0, 2**32): {exc}") from exc
         blocks: dict[WorkerId, dict[Tier, int]] = {}

@@ -64,6 +64,16 @@ def _publish_until_seen(pub: object, sub: EngineSubscriber, timeout_s: float = 2
     assert sub.stats.batches > seen, "no batch ever arrived"
 
 
+def _depth_reaches(sub: EngineSubscriber, index: BlockIndex, blocks: int, timeout_s: float = 20.0) -> int:
+    """Poll until the index holds ``blocks`` of the test chain (batches may still be queued)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        depth = index.match(PromptChain(_prompt(blocks), BS)).blocks.get(W, {}).get("GPU", 0)
+        if depth >= blocks or time.monotonic() > deadline:
+            return depth
+        sub.poll(100)
+
+
 @pytest.fixture()
 def endpoints():
     return tuple(f"tcp://127.0.0.1:{port}" for port in free_ports(2))
@@ -108,7 +118,7 @@ def test_engine_restart_clears_the_worker(endpoints):
     pub = _publisher(endpoint, replay)
     _publish_chain(pub, 0, 6)
     _publish_until_seen(pub, sub)
-    assert index.match(PromptChain(_prompt(6), BS)).blocks == {W: {"GPU": 6}}
+    assert _depth_reaches(sub, index, 6) == 6
     pub.shutdown()
     time.sleep(0.3)
     pub = _publisher(endpoint, replay)  # a restarted engine: seq starts at 0 again
