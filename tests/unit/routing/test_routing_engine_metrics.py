@@ -41,3 +41,4 @@ def test_a_stale_sample_is_not_reported():
     now[0] = 103.5
     assert poller.latest("w") is None and poller.latest("unknown") is None
     assert math.isclose(poller.max_age_s, 3.0)
+

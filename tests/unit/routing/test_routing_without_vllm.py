@@ -1,0 +1,31 @@
+"""The router runs beside Dynamo on boxes without vLLM: nothing in it may import vLLM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tokenizers import Tokenizer, models
+
+
+def test_the_router_imports_and_builds_without_vllm(tmp_path):
+    """Every router module, both index backends and a built server, with vLLM made unimportable."""
+    Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    code = f"""
+import sys
+class NoVllm:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("vllm", "torch"):
+            raise ImportError(name + " is not installed here")
+sys.meta_path.insert(0, NoVllm())
+import routing.chain, routing.cli, routing.dynamo_index, routing.engine_metrics, routing.ledger, routing.server
+from routing.config import IndexConfig, RouterConfig, ServerConfig, WorkerConfig
+from routing.engines import fleet_from_config
+for backend in ("kvpilot", "dynamo"):
+    cfg = RouterConfig(index=IndexConfig(backend=backend), server=ServerConfig(model_dir={str(tmp_path)!r}),
+                       workers=(WorkerConfig("w", "colocated", "http://127.0.0.1:9"),))
+    routing.server.build_server(cfg, fleet_from_config(cfg), feed_index=False)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
