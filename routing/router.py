@@ -47,7 +47,7 @@ from routing.config import ConfigError, DisaggregationConfig, RouterConfig
 from routing.cost import Candidate, CostModel, Decision, TierOverlap, tier_overlap
 from routing.engines import Fleet, Worker
 from routing.index import KVIndex, Match, Tier, WorkerId
-from routing.ledger import LoadLedger
+from routing.ledger import LoadLedger, WorkerLoad
 from routing.sessions import SessionId, SessionStore
 
 if TYPE_CHECKING:
@@ -197,8 +197,9 @@ class Router:
             chain = PromptChain(token_ids, self.index.block_size, lora_name=lora_name, cache_salt=cache_salt)
         match = self.index.match(chain)
         overlaps = self._overlaps(match)
+        loads = {w.name: self.ledger.load(w.name, chain) for w in self.fleet.workers}  # once per worker
         candidates = [
-            self._candidate(name, p, d, overlaps, last, chain) for name, (p, d) in self._options.items()
+            self._candidate(name, p, d, overlaps, loads, last) for name, (p, d) in self._options.items()
         ]
         decision = self.cost.decide(request_id, chain.num_blocks, candidates)
         p, d = self._options[decision.chosen]
@@ -206,7 +207,7 @@ class Router:
         kind = Kind.COLOCATED
         if p is not None:
             assert self.policy is not None
-            local_remote = self.policy.decide(*self._policy_inputs(len(token_ids), p, d, overlaps))
+            local_remote = self.policy.decide(*self._policy_inputs(len(token_ids), p, d, overlaps, loads))
             kind = Kind.REMOTE_PREFILL if local_remote.where is Where.REMOTE else Kind.LOCAL_PREFILL
             if kind is Kind.LOCAL_PREFILL:
                 p = None
@@ -244,26 +245,30 @@ class Router:
         p: Worker | None,
         d: Worker,
         overlaps: Mapping[WorkerId, TierOverlap],
+        loads: Mapping[WorkerId, WorkerLoad],
         last: WorkerId | None,
-        chain: PromptChain,
     ) -> Candidate:
-        d_load = self.ledger.load(d.name, chain)
+        d_load = loads[d.name]
         if p is None:
             return Candidate(name, overlaps[d.name], d_load, d.name == last)
-        p_load = self.ledger.load(p.name)
-        load = d_load._replace(active_prefill_blocks=p_load.active_prefill_blocks)
+        load = d_load._replace(active_prefill_blocks=loads[p.name].active_prefill_blocks)
         return Candidate(name, overlaps[p.name], load, d.name == last)
 
     def _policy_inputs(
-        self, prompt_tokens: int, p: Worker, d: Worker, overlaps: Mapping[WorkerId, TierOverlap]
+        self,
+        prompt_tokens: int,
+        p: Worker,
+        d: Worker,
+        overlaps: Mapping[WorkerId, TierOverlap],
+        loads: Mapping[WorkerId, WorkerLoad],
     ) -> tuple[PromptState, DecodeState]:
         bs = self.index.block_size
-        d_load = self.ledger.load(d.name)
+        d_load = loads[d.name]
         prompt = PromptState(
             prompt_tokens=prompt_tokens,
             d_cached_tokens=min(prompt_tokens, overlaps[d.name].gpu * bs),
             p_cached_tokens=min(prompt_tokens, overlaps[p.name].gpu * bs),
-            p_queued_tokens=self.ledger.load(p.name).active_prefill_blocks * bs,
+            p_queued_tokens=loads[p.name].active_prefill_blocks * bs,
         )
         usage = min(1.0, d_load.active_decode_blocks / d.kv_blocks) if d.kv_blocks else 0.0
         running = d_load.active_requests
