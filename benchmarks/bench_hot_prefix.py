@@ -63,9 +63,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy import fleet as fleet_io
-from deploy.client import complete
+from deploy.client import complete, debug_route, gpu_overlap, wait_for_overlap
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape
+from deploy.prompts import filler_text
 from deploy.tiny_model import ensure_tiny_model
 from routing.tokenizer import PromptTokenizer
 
@@ -77,17 +78,11 @@ ROUTER_START_TIMEOUT_S = 120.0
 INDEX_WAIT_S = 120.0
 
 
-def text(n: int, seed: int) -> str:
-    """Deterministic filler text (as in tests/e2e/scenarios.py)."""
-    vocab = "def return cache block token prefix decode prefill router session tool test file".split()
-    return " ".join(vocab[(seed * 31 + i * 7 + (i * i) % 11) % len(vocab)] for i in range(n))
-
-
 def tokens(tokenizer: PromptTokenizer, n: int, seed: int, lead: str = "") -> list[int]:
     """Exactly ``n`` token ids of ``lead`` followed by filler text."""
     words = n
     for _ in range(8):  # bounded: each round doubles the text
-        ids = tokenizer.prompt_token_ids(lead + text(words, seed))
+        ids = tokenizer.prompt_token_ids(lead + filler_text(words, seed))
         if len(ids) >= n:
             return ids[:n]
         words *= 2
@@ -95,38 +90,20 @@ def tokens(tokenizer: PromptTokenizer, n: int, seed: int, lead: str = "") -> lis
 
 
 # ---- HTTP helpers ------------------------------------------------------------
-def post_json(url: str, body: dict, timeout: float = 60.0) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
-        return json.load(resp)
-
-
 def get_json(url: str, timeout: float = 10.0) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.load(resp)
 
 
-def debug_route(router_url: str, prompt: list[int], salt: str) -> dict:
-    return post_json(f"{router_url}/debug/route", {"prompt": prompt, "cache_salt": salt})
-
-
-def gpu_overlap(route: dict, worker: str) -> int:
-    return int(route.get("overlap", {}).get(worker, {}).get("GPU", 0))
-
-
 def wait_for_prefix(router_url: str, prefix: list[int], salt: str, blocks: int) -> dict:
-    """Poll /debug/route until the router's index shows HOT holding ``blocks`` of ``prefix``."""
-    deadline = time.monotonic() + INDEX_WAIT_S
-    route: dict = {}
-    while time.monotonic() < deadline:
-        route = debug_route(router_url, prefix, salt)
-        if gpu_overlap(route, HOT) >= blocks:
-            return route
-        time.sleep(0.3)
-    raise RuntimeError(
-        f"the router never saw {HOT} holding the hot prefix ({blocks} blocks) within {INDEX_WAIT_S:.0f} s; "
-        f"last overlap: {route.get('overlap')} (are the engines' KV events reaching the router?)"
-    )
+    """Wait until the router's index shows HOT holding ``blocks`` of ``prefix``; raise if it never does."""
+    route = wait_for_overlap(router_url, prefix, HOT, blocks, INDEX_WAIT_S, cache_salt=salt)
+    if gpu_overlap(route, HOT) < blocks:
+        raise RuntimeError(
+            f"the router never saw {HOT} holding the hot prefix ({blocks} blocks) within {INDEX_WAIT_S:.0f} s; "
+            f"last overlap: {route.get('overlap')} (are the engines' KV events reaching the router?)"
+        )
+    return route
 
 
 # ---- one burst -------------------------------------------------------------------
@@ -160,7 +137,7 @@ def burst(router_url: str, prompts: list[list[int]], probe: list[int], salt: str
     def sampler() -> None:
         while not done.wait(0.1):
             try:
-                text_ = debug_route(router_url, probe, salt)["explain"]
+                text_ = debug_route(router_url, probe, cache_salt=salt)["explain"]
             except (OSError, ValueError, KeyError):
                 continue
             explain.append((sum(float(c) for c in _COST.findall(text_)), text_))
@@ -305,7 +282,7 @@ def main() -> int:
                     n = args.requests_per_slot * c
                     prompts = [prefix + s for s in suffixes[:n]]
                     probe = prefix + suffixes[most]  # shaped like the burst's requests, never sent
-                    idle = debug_route(fleet.router.url, probe, salt)
+                    idle = debug_route(fleet.router.url, probe, cache_salt=salt)
                     if rep == 0 and c == args.concurrency[0]:
                         print(f"\nthe router's explanation of one burst request, nothing in flight:\n{idle['explain']}\n")
                     elif idle["decode_worker"] != HOT:  # nothing is in flight: only leftover load explains it

@@ -92,3 +92,27 @@ def complete(
                         logprobs += choice["logprobs"]["token_logprobs"]
                     text += choice.get("text", "")
     return Completion(text, tuple(tokens), tuple(logprobs), ttft, time.perf_counter() - started, params, headers)
+
+
+def debug_route(router_url: str, prompt: list[int], *, timeout: float = 60.0, **extra: object) -> dict[str, Any]:
+    """The router's ``POST /debug/route`` answer for ``prompt`` (nothing is sent to an engine)."""
+    with _post(f"{router_url}/debug/route", {"prompt": prompt, **extra}, timeout) as resp:
+        return json.load(resp)  # type: ignore[no-any-return]
+
+
+def gpu_overlap(route: dict[str, Any], worker: str) -> int:
+    """Blocks of the prompt ``worker`` holds in GPU memory, per a :func:`debug_route` answer."""
+    return int(route["overlap"].get(worker, {}).get("GPU", 0))
+
+
+def wait_for_overlap(
+    router_url: str, prompt: list[int], worker: str, blocks: int, timeout: float = 30.0, **extra: object
+) -> dict[str, Any]:
+    """Poll :func:`debug_route` until the router's index shows ``worker`` holding ``blocks``
+    of ``prompt``, or ``timeout`` passes; returns the last answer either way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        route = debug_route(router_url, prompt, **extra)
+        if gpu_overlap(route, worker) >= blocks or time.monotonic() > deadline:
+            return route
+        time.sleep(0.3)

@@ -9,17 +9,13 @@ from dataclasses import dataclass
 
 from deploy.client import Completion, complete
 from deploy.metrics import Samples, scrape
+from deploy.prompts import filler_text
 
 BLOCK_SIZE = 32
 PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
 REJECTED = "vllm:kvpilot_rejected_blocks_total"
 RECOMPUTED = "vllm:kvpilot_recomputed_tokens_total"
 VERIFIED = "vllm:kvpilot_verified_blocks_total"
-
-
-def text(n: int, seed: int) -> str:
-    vocab = "def return cache block token prefix decode prefill router session tool test file".split()
-    return " ".join(vocab[(seed * 31 + i * 7 + (i * i) % 11) % len(vocab)] for i in range(n))
 
 
 @dataclass(frozen=True)
@@ -33,9 +29,9 @@ class Case:
 
 
 def cases() -> list[Case]:
-    system, tail = text(300, 1), text(120, 2)
-    turn = lambda k: f"\nUser: step {k} " + text(40, 10 + k)  # noqa: E731
-    think = "\nAssistant: <think>" + text(200, 3) + "</think> run the test"
+    system, tail = filler_text(300, 1), filler_text(120, 2)
+    turn = lambda k: f"\nUser: step {k} " + filler_text(40, 10 + k)  # noqa: E731
+    think = "\nAssistant: <think>" + filler_text(200, 3) + "</think> run the test"
     history = system + "".join(turn(k) for k in range(6))
     return [
         Case("reasoning trace stripped", system + think + tail, system + "\nAssistant: run the test" + tail),

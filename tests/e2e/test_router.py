@@ -3,9 +3,7 @@ tenant isolation, malformed events, engine restart. Two co-located engines."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,13 +12,13 @@ import pytest
 import zmq
 
 from deploy import fleet as fleet_io
-from deploy.client import complete
+from deploy.client import complete, debug_route, wait_for_overlap
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape, total
+from deploy.prompts import filler_text
 from fleets import running_fleet
 from routing.tokenizer import PromptTokenizer
-from scenarios import text
 
 pytestmark = pytest.mark.e2e
 
@@ -41,27 +39,10 @@ def fleet(spec: FleetSpec) -> Iterator[Fleet]:
         yield started
 
 
-def debug_route(router_url: str, prompt: list[int], **extra: object) -> dict:
-    body = json.dumps({"prompt": prompt, **extra}).encode()
-    req = urllib.request.Request(f"{router_url}/debug/route", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.load(resp)
-
-
-def wait_for_overlap(router_url: str, prompt: list[int], worker: str, blocks: int, timeout: float = 30) -> dict:
-    """Poll /debug/route until the index shows ``worker`` holding ``blocks`` of ``prompt``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        route = debug_route(router_url, prompt)
-        if route["overlap"].get(worker, {}).get("GPU", 0) >= blocks or time.monotonic() > deadline:
-            return route
-        time.sleep(0.3)
-
-
 @pytest.fixture(scope="module")
 def warmed(fleet: Fleet, tokenizer: PromptTokenizer) -> tuple[list[int], list[int]]:
     """Prompt A cached on colocated-0, prompt B on colocated-1 (sent to them directly)."""
-    a, b = tokenizer.prompt_token_ids(text(600, 21)), tokenizer.prompt_token_ids(text(600, 22))
+    a, b = tokenizer.prompt_token_ids(filler_text(600, 21)), tokenizer.prompt_token_ids(filler_text(600, 22))
     complete(fleet.engines[0].url, a, max_tokens=1)
     complete(fleet.engines[1].url, b, max_tokens=1)
     assert wait_for_overlap(fleet.router.url, a, "colocated-0", len(a) // 32)["overlap"]["colocated-0"]["GPU"] > 0
@@ -76,7 +57,7 @@ def _hits(before: list, after: list) -> float:
 def test_prefix_routing_beats_round_robin(fleet: Fleet, warmed: tuple[list[int], list[int]],
                                           tokenizer: PromptTokenizer) -> None:  # fmt: skip
     a, b = warmed
-    extensions = [(base + tokenizer.prompt_token_ids(f" step {i} " + text(40, 30 + i)), want)
+    extensions = [(base + tokenizer.prompt_token_ids(f" step {i} " + filler_text(40, 30 + i)), want)
                   for i in range(4) for base, want in ((a, "colocated-0"), (b, "colocated-1"))]  # fmt: skip
     before = [scrape(e.url) for e in fleet.engines]
     placed = [complete(fleet.router.url, prompt, max_tokens=2).headers.get("X-KVPilot-Decode-Worker")
@@ -127,7 +108,7 @@ def test_malformed_events_are_counted_and_skipped(fleet: Fleet, spec: FleetSpec,
     finally:
         socket.close(linger=0)
     assert total(after, "kvpilot_router_kv_event_bad_frames_total") + total(after, "kvpilot_router_kv_events_rejected_total") >= 2
-    out = complete(fleet.router.url, tokenizer.prompt_token_ids(text(50, 5)), max_tokens=2)
+    out = complete(fleet.router.url, tokenizer.prompt_token_ids(filler_text(50, 5)), max_tokens=2)
     assert out.tokens  # still serving
 
 
@@ -137,7 +118,7 @@ def test_engine_restart_clears_its_entries(fleet: Fleet, spec: FleetSpec, warmed
     assert debug_route(fleet.router.url, a)["overlap"].get("colocated-0", {}).get("GPU", 0) > 0
     restarted = fleet_io.restart_engine(spec, "colocated-0")
     # The new engine publishes from sequence 0 again once it stores blocks.
-    other = tokenizer.prompt_token_ids(text(100, 77))
+    other = tokenizer.prompt_token_ids(filler_text(100, 77))
     complete(restarted.engines[0].url, other, max_tokens=1)
     deadline = time.monotonic() + 30
     while debug_route(fleet.router.url, a)["overlap"].get("colocated-0", {}).get("GPU", 0) and time.monotonic() < deadline:

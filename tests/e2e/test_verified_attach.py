@@ -12,9 +12,10 @@ from deploy import fleet as fleet_io
 from deploy.client import HTTPStatusError, complete
 from deploy.fleet import Fleet
 from deploy.metrics import delta, scrape
+from deploy.prompts import filler_text
 from routing.tokenizer import PromptTokenizer
 from scenarios import (
-    BLOCK_SIZE, PROMPT_TOKENS, RECOMPUTED, REJECTED, VERIFIED, Case, cases, common_full_blocks, settle, text,
+    BLOCK_SIZE, PROMPT_TOKENS, RECOMPUTED, REJECTED, VERIFIED, Case, cases, common_full_blocks, settle,
     colocated_reference, prefill_on, run_case,
 )  # fmt: skip
 
@@ -65,7 +66,7 @@ def test_malformed_params_are_served_by_local_prefill(
     pd_fleet: Fleet, tokenizer: PromptTokenizer, mutation: str
 ) -> None:
     prefill, decode = pd_fleet.by_role("prefill")[0].url, pd_fleet.by_role("decode")[0].url
-    x = tokenizer.prompt_token_ids(text(300, 9))
+    x = tokenizer.prompt_token_ids(filler_text(300, 9))
     params = MALFORMED[mutation](prefill_on(prefill, x, salt=None))
     salt = f"fuzz-{uuid.uuid4().hex}"  # no local hit: D must prefill everything itself
     before = scrape(decode)
