@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from routing.chain import pack_tokens
+
 
 class PromptError(ValueError):
     """A prompt the router cannot turn into token ids; the message names the field."""
@@ -21,13 +25,18 @@ class PromptTokenizer:
     def prompt_token_ids(self, prompt: object) -> list[int]:
         """Token ids for an OpenAI completions ``prompt``: a string or a list of ints.
 
-        Raises :class:`PromptError` for anything else (batches of prompts
-        included) and for a token id outside the vocabulary.
+        A list is returned as given (not copied). Raises :class:`PromptError` for
+        anything else (batches of prompts included) and for a token id outside
+        the vocabulary (JSON ``true``/``false`` read as 1/0, as in Python).
         """
         if isinstance(prompt, str):
             return self._tokenizer.encode(prompt, add_special_tokens=False).ids
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not 0 <= min(prompt) <= max(prompt) < self.vocab_size:
-                raise PromptError(f"'prompt' token ids must be in [0, {self.vocab_size}) (the vocabulary)")
-            return list(prompt)
+        if isinstance(prompt, list) and prompt:
+            try:  # packed once and checked with numpy: a per-item Python check of 64K ids took ~4 ms
+                packed = np.frombuffer(pack_tokens(prompt), dtype=np.uint32)
+            except ValueError:
+                packed = None
+            if packed is None or packed.max() >= self.vocab_size:
+                raise PromptError(f"'prompt' token ids must be integers in [0, {self.vocab_size}) (the vocabulary)")
+            return prompt
         raise PromptError("'prompt' must be a non-empty string or a non-empty list of token ids")
