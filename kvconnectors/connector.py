@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvconnectors import CONNECTOR_NAME
-from kvconnectors.config import KVPilotConfig, KVPilotConfigError
+from kvconnectors.background_threads import start_with_niceness
+from kvconnectors.config import CPU_DATA_PLANE_NICENESS, KVPilotConfig, KVPilotConfigError
+from kvconnectors.policy_setup import build_pull_policy
 from kvconnectors.scheduler import KVPilotScheduler
 from kvconnectors.stats import KVPilotPromMetrics, KVPilotStats
 from vllm.config import VllmConfig
@@ -80,7 +82,7 @@ def inner_vllm_config(vllm_config: VllmConfig, config: KVPilotConfig) -> VllmCon
         ktc,
         kv_connector=config.inner_connector,
         kv_connector_module_path=None,
-        kv_connector_extra_config=dict(config.inner_extra_config),
+        kv_connector_extra_config=config.inner_config_for_vllm(),
     )
     return inner
 
@@ -98,13 +100,20 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = parse_config(vllm_config)
         inner_cls = KVConnectorFactory.get_connector_class_by_name(self.config.inner_connector)
-        self._inner: KVConnectorBase_V1 = inner_cls(  # type: ignore[call-arg]
-            inner_vllm_config(vllm_config, self.config), role, kv_cache_config
+        inner_config = inner_vllm_config(vllm_config, self.config)
+        niceness = self.config.data_plane_niceness
+        if niceness is None:
+            from vllm.platforms import current_platform
+
+            niceness = CPU_DATA_PLANE_NICENESS if current_platform.device_type == "cpu" else 0
+        self._inner: KVConnectorBase_V1 = start_with_niceness(
+            lambda: inner_cls(inner_config, role, kv_cache_config), niceness  # type: ignore[call-arg]
         )
         self._pilot: KVPilotScheduler | None = None
         if role == KVConnectorRole.SCHEDULER:
             layout = inner_cls.get_required_kvcache_layout(inner_vllm_config(vllm_config, self.config))
-            self._pilot = KVPilotScheduler(vllm_config, kv_cache_config, layout)
+            policy = build_pull_policy(vllm_config, self.config)
+            self._pilot = KVPilotScheduler(vllm_config, kv_cache_config, layout, policy)
 
     @property
     def inner(self) -> KVConnectorBase_V1:
@@ -129,7 +138,7 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         config = KVPilotConfig.parse(extra_config)
         inner_cls = KVConnectorFactory.get_connector_class_by_name(config.inner_connector)
-        return inner_cls.requires_piecewise_for_cudagraph(dict(config.inner_extra_config))
+        return inner_cls.requires_piecewise_for_cudagraph(config.inner_config_for_vllm())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -265,6 +274,7 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._scheduler_layer().observe_step(scheduler_output)
         return self._inner.build_connector_meta(scheduler_output)
 
     def on_new_request(self, request: Request) -> None:
@@ -272,6 +282,7 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.on_new_request(request)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler_layer().observe_transfers(connector_output)
         self._inner.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -20,10 +20,47 @@ def test_inner_extra_config_is_passed_through_read_only() -> None:
         config.inner_extra_config["a"] = 2  # type: ignore[index]
 
 
+def test_nixl_keys_at_the_top_level_are_a_drop_in() -> None:
+    raw = {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 60, "num_threads": 2}
+    config = KVPilotConfig.parse(raw)
+    assert dict(config.inner_extra_config) == raw
+    assert config.bidirectional
+    assert config.recompute_policy == "roofline"
+    # kvpilot decides session pulls: the inner connector's fixed threshold is off.
+    assert config.inner_config_for_vllm() == {**raw, "kv_recompute_threshold": 0}
+
+
+def test_a_fixed_threshold_pins_vllms_rule() -> None:
+    for raw in ({"kv_recompute_threshold": 16}, {"inner_extra_config": {"kv_recompute_threshold": 16}}):
+        config = KVPilotConfig.parse(raw)
+        assert config.recompute_policy == "threshold"
+        assert config.inner_config_for_vllm() == {"kv_recompute_threshold": 16}
+    config = KVPilotConfig.parse({"kv_recompute_threshold": 16, "recompute_policy": "roofline"})
+    assert config.inner_config_for_vllm() == {"kv_recompute_threshold": 0}
+
+
+def test_policy_presets_are_checked_when_parsed() -> None:
+    config = KVPilotConfig.parse({"policy_hardware": "h100x2", "policy_model": "llama-8b", "policy_link": "rdma"})
+    assert (config.policy_hardware, config.policy_model, config.policy_link) == ("h100x2", "llama-8b", "rdma")
+
+
+def test_another_inner_connector_takes_its_keys_explicitly() -> None:
+    with pytest.raises(KVPilotConfigError) as err:
+        KVPilotConfig.parse({"inner_connector": "OffloadingConnector", "bidirectional_kv_xfer": True})
+    assert err.value.key == "bidirectional_kv_xfer"
+    config = KVPilotConfig.parse({"inner_connector": "OffloadingConnector", "inner_extra_config": {"x": 1}})
+    assert config.inner_config_for_vllm() == {"x": 1}
+
+
 @pytest.mark.parametrize(
     ("raw", "key"),
     [
         ({"bogus": 1}, "bogus"),
+        ({"kv_recompute_threshold": 1, "inner_extra_config": {"kv_recompute_threshold": 2}}, "kv_recompute_threshold"),
+        ({"recompute_policy": "always"}, "recompute_policy"),
+        ({"policy_hardware": "tpu9"}, "policy_hardware"),
+        ({"policy_model": ""}, "policy_model"),
+        ({"policy_link": "carrier-pigeon"}, "policy_link"),
         ({"inner_connector": 3}, "inner_connector"),
         ({"inner_connector": ""}, "inner_connector"),
         ({"inner_connector": "KVPilotConnector"}, "inner_connector"),
