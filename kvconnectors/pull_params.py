@@ -71,3 +71,30 @@ def strip_pull_fields(params: dict[str, Any]) -> None:
     params["do_remote_prefill"] = False
     for name in _PULL_FIELDS:
         params.pop(name, None)
+
+
+EXPIRES_AT_KEY = "kvpilot_expires_at"
+"""Unix time (seconds) until which the peer holds the offered blocks. vLLM's own
+``remote_blocks_expiry_time`` is the holder's ``time.perf_counter()``, which means
+nothing to another process; a router or another host reads this one."""
+
+LEASE_MARGIN_S = 5.0
+"""A lease with less than this left is treated as expired: the pull would race the
+holder freeing its blocks (vLLM's worker uses the same 5 s margin)."""
+
+
+def stamp_wall_clock_expiry(params: dict[str, Any], perf_now: float, wall_now: float) -> None:
+    """Add :data:`EXPIRES_AT_KEY` when ``params`` carry a ``remote_blocks_expiry_time``
+    stamped against ``perf_now`` (the holder's clock); in place."""
+    expiry = params.get("remote_blocks_expiry_time")
+    if isinstance(expiry, (int, float)) and not isinstance(expiry, bool):
+        params[EXPIRES_AT_KEY] = round(wall_now + (expiry - perf_now), 3)
+
+
+def lease_seconds_left(params: Mapping[str, Any], wall_now: float) -> float | None:
+    """Seconds left on the peer's hold of its blocks; ``None`` if the params state
+    no wall-clock expiry (a P->D handoff, held by heartbeats instead)."""
+    expires_at = params.get(EXPIRES_AT_KEY)
+    if not isinstance(expires_at, (int, float)) or isinstance(expires_at, bool):
+        return None
+    return float(expires_at) - wall_now

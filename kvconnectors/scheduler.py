@@ -15,18 +15,31 @@ scheduler and the inner connector.
 
 Every remote attach goes through :meth:`KVPilotScheduler.plan_attach`, whatever the
 direction (P->D prefill handoff or a bidirectional pull of the peer's session KV).
+A session pull (P pulling D's KV of earlier turns) is optional: the verified span
+is pulled or recomputed as the pull policy decides (:mod:`kvconnectors.pull_policy`),
+on this engine's own prefill backlog and measured NIXL transfers. A P->D handoff is
+always loaded: P computed it for this request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvconnectors.hash_contract import HashAlgo, SeedId, salt_identity, seed_identity
-from kvconnectors.pull_params import pull_fields_error, strip_pull_fields, wants_remote_pull
+from kvconnectors.hash_contract import BlockHash, HashAlgo, SeedId, salt_identity, seed_identity
+from kvconnectors.pull_params import (
+    LEASE_MARGIN_S,
+    lease_seconds_left,
+    pull_fields_error,
+    stamp_wall_clock_expiry,
+    strip_pull_fields,
+    wants_remote_pull,
+)
+from kvconnectors.pull_policy import LinkMeter, PrefillBacklog, PullDecision, PullPolicy
 from kvconnectors.stats import KVPilotStats
 from kvconnectors.transfer_params import (
     PARAMS_KEY,
@@ -37,15 +50,25 @@ from kvconnectors.transfer_params import (
     encode_offer,
 )
 from kvconnectors.verify import Reason, verify_offer
+from policies.recompute_vs_transfer import Span
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvpilot.connector")
 
 MALFORMED = "malformed_params"
+PARTIAL_TAIL = "partial_tail"
+"""The offer verified up to its partial last block, which cannot be attached
+because this prompt goes on past it (a session's next turn): recomputed."""
+LEASE_EXPIRED = "lease_expired"
+"""The peer's hold on its blocks ends (nearly) before the pull could read them."""
+PULL_POLICY = "pull_policy"
+"""The pull policy chose to recompute a verified span rather than pull it."""
 # Contract fields whose mismatch means the peer's KV cannot be read here at all.
 _INCOMPATIBLE_FIELDS = frozenset({"model", "block_size", "kv_dtype", "kv_layout"})
 
@@ -61,11 +84,19 @@ class AttachPlan:
     """
 
     attach_blocks: int | None
-    reason: str  # Reason value, or MALFORMED
+    reason: str  # Reason value, MALFORMED or PARTIAL_TAIL
     rejected_blocks: int
     recomputed_tokens: int
     attached_blocks: int
     explanation: str
+    pull_decision: PullDecision | None = None
+    """For a session pull: the policy's decision on the verified span."""
+
+    @property
+    def policy_recomputed_tokens(self) -> int:
+        """Verified tokens recomputed because the pull policy chose to."""
+        d = self.pull_decision
+        return d.span.tokens if d is not None and not d.pull else 0
 
 
 def model_identity(model: str) -> str:
@@ -85,7 +116,9 @@ class KVPilotScheduler:
     """Scheduler-side state of one ``KVPilotConnector``. Not thread-safe: vLLM's
     scheduler calls it from one thread."""
 
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_layout: str | None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_layout: str | None, pull_policy: PullPolicy
+    ) -> None:
         cache_config = vllm_config.cache_config
         self._block_size: int = kv_cache_config.hash_block_size or cache_config.block_size
         if self._block_size != cache_config.block_size:
@@ -104,6 +137,9 @@ class KVPilotScheduler:
         self._screened_out: dict[str, str | None] = {}
         self._logged: set[tuple[str, ...]] = set()
         self._stats = KVPilotStats()
+        self._pull_policy = pull_policy
+        self._backlog = PrefillBacklog()
+        self._link = LinkMeter()
 
     # ------------------------------------------------------------------ contract
     def contract(self, request: Request) -> ContractId:
@@ -137,6 +173,7 @@ class KVPilotScheduler:
         num_blocks = min(num_tokens // self._block_size, len(request.block_hashes))
         tail = request.all_token_ids[num_blocks * self._block_size : num_tokens]
         params[PARAMS_KEY] = encode_offer(self.contract(request), request.block_hashes[:num_blocks], tail)
+        stamp_wall_clock_expiry(params, time.perf_counter(), time.time())
         self._stats.count("offers")
         return params
 
@@ -144,7 +181,8 @@ class KVPilotScheduler:
     def screen_new_request(self, request: Request) -> None:
         """Before the inner connector sees a new request: if it asks for a pull with
         malformed fields or from an incompatible peer, make it a local request (in
-        place) and remember why."""
+        place) and remember why. Counts its prompt in this engine's prefill backlog."""
+        self._backlog.add(request.request_id, request.num_prompt_tokens)
         params = request.kv_transfer_params
         if not wants_remote_pull(params):
             return
@@ -190,6 +228,24 @@ class KVPilotScheduler:
     def forget(self, request_id: str) -> None:
         self._plans.pop(request_id, None)
         self._screened_out.pop(request_id, None)
+        self._backlog.finished(request_id)
+
+    # ------------------------------------------------------------------ live inputs of the pull policy
+    def observe_step(self, scheduler_output: SchedulerOutput) -> None:
+        """One scheduler step: what it scheduled shrinks the prefill backlog."""
+        first = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+        self._backlog.scheduled(scheduler_output.num_scheduled_tokens, first,
+                                scheduler_output.total_num_scheduled_tokens)  # fmt: skip
+
+    def observe_transfers(self, connector_output: KVConnectorOutput) -> None:
+        """The worker's NIXL telemetry for the last step (durations, bytes, failures)."""
+        stats = connector_output.kv_connector_stats
+        inner = stats.inner if isinstance(stats, KVPilotStats) else stats
+        data = getattr(inner, "data", None)
+        if not isinstance(data, dict):
+            return
+        failures = len(data.get("num_failed_transfers", ())) + len(data.get("num_kv_expired_reqs", ()))
+        self._link.observe(data.get("transfer_duration", ()), data.get("bytes_transferred", ()), failures)
 
     def external_tokens(self, plan: AttachPlan, num_computed_tokens: int) -> int:
         """Tokens to load from the peer under a partial ``plan`` (may be <= 0: none)."""
@@ -222,6 +278,21 @@ class KVPilotScheduler:
         except TransferParamsError as exc:
             return AttachPlan(0, MALFORMED, len(own_hashes) - local_hit, recompute_all, 0,
                               f"{exc}: prefill locally")  # fmt: skip
+        left = lease_seconds_left(params, time.time())
+        if left is not None and left < LEASE_MARGIN_S:
+            expired = min(offer.num_tokens, prompt_len) - num_computed_tokens
+            return AttachPlan(0, LEASE_EXPIRED, max(0, min(offer.num_blocks, len(own_hashes)) - local_hit),
+                              max(0, expired), 0, f"the peer's lease ends in {left:.1f} s: prefill locally")  # fmt: skip
+        plan = self._verified_plan(request, offer, own_hashes, num_computed_tokens)
+        if plan.attached_blocks and not params.get("do_remote_prefill"):  # a session pull: optional
+            plan = self._decide_pull(request, plan, offer.num_tokens, num_computed_tokens)
+        return plan
+
+    def _verified_plan(
+        self, request: Request, offer: BlockOffer, own_hashes: list[BlockHash], num_computed_tokens: int
+    ) -> AttachPlan:
+        prompt_len = request.num_prompt_tokens
+        local_hit = num_computed_tokens // self._block_size
         verdict = verify_offer(offer, self.contract(request), own_hashes, local_hit)
         if self._tail_verified(request, offer, verdict.reason, verdict.num_verified_blocks, len(own_hashes)):
             loaded = len(own_hashes) - local_hit
@@ -229,10 +300,37 @@ class KVPilotScheduler:
         attach_end = verdict.attach_blocks.stop
         covered = min(offer.num_tokens, prompt_len)
         recomputed = max(0, covered - max(attach_end * self._block_size, num_computed_tokens))
-        reason = verdict.reason.value if verdict.reason is not Reason.VERIFIED_ALL else Reason.TOKEN_MISMATCH.value
+        reason = verdict.reason.value
+        if verdict.reason is Reason.VERIFIED_ALL:
+            start = offer.num_blocks * self._block_size
+            prompt_tail = tuple(request.prompt_token_ids[start : start + len(offer.tail_token_ids)])
+            reason = PARTIAL_TAIL if prompt_tail == offer.tail_token_ids else Reason.TOKEN_MISMATCH.value
         explanation = verdict.explain() if recomputed == 0 else f"{verdict.explain()}; recompute {recomputed} tokens"
         return AttachPlan(attach_end, reason, len(verdict.rejected_blocks), recomputed, len(verdict.attach_blocks),
                           explanation)  # fmt: skip
+
+    def _decide_pull(
+        self, request: Request, plan: AttachPlan, offer_tokens: int, num_computed_tokens: int
+    ) -> AttachPlan:
+        """For a session pull: pull the verified span beyond the local hit, or
+        recompute it, as the pull policy decides on live load and link telemetry."""
+        if plan.attach_blocks is None:  # everything verified: the inner connector would load up to the offer's end
+            span_end = min(offer_tokens, request.num_prompt_tokens)
+        else:
+            span_end = plan.attach_blocks * self._block_size
+        span_tokens = span_end - num_computed_tokens
+        if span_tokens <= 0:
+            return plan
+        span = Span(tokens=span_tokens, context=num_computed_tokens, new_tokens=request.num_prompt_tokens - span_end)
+        decision = self._pull_policy.decide(span, self._backlog.load(request.request_id), self._link.telemetry())
+        if decision.pull:
+            return dataclasses.replace(plan, pull_decision=decision,
+                                       explanation=f"{plan.explanation}; pull: {decision.explanation}")  # fmt: skip
+        local_hit = num_computed_tokens // self._block_size
+        return dataclasses.replace(
+            plan, attach_blocks=local_hit, attached_blocks=0, pull_decision=decision,
+            explanation=f"{plan.explanation}; recompute the verified span: {decision.explanation}",
+        )  # fmt: skip
 
     def _tail_verified(
         self, request: Request, offer: BlockOffer, reason: Reason, num_verified: int, num_own_blocks: int
@@ -251,6 +349,11 @@ class KVPilotScheduler:
     def _record(self, request_id: str, plan: AttachPlan) -> None:
         if plan.attached_blocks:
             self._stats.count("verified_blocks", plan.attached_blocks)
+        if plan.pull_decision is not None:
+            self._stats.count("pull_decisions", reason=plan.pull_decision.label)
+            if plan.policy_recomputed_tokens:
+                self._stats.count("recomputed_tokens", plan.policy_recomputed_tokens, reason=PULL_POLICY)
+            logger.debug("kvpilot %s: %s", request_id, plan.explanation)
         if plan.reason == Reason.VERIFIED_ALL.value and plan.recomputed_tokens == 0:
             logger.debug("kvpilot %s: %s", request_id, plan.explanation)
             return

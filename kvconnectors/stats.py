@@ -36,9 +36,13 @@ class CounterSpec:
     metric: str
     doc: str
     reasons: tuple[str, ...] = ()
+    label_names: tuple[str, ...] = ("reason",)
+    """The labels a reason fills; a reason is their values joined by ``/``."""
 
 
-REASONS = ("token_mismatch", "contract_mismatch", "malformed_params")
+REASONS = ("token_mismatch", "contract_mismatch", "malformed_params", "partial_tail", "lease_expired")
+RECOMPUTE_REASONS = (*REASONS, "pull_policy")
+PULL_DECISIONS = tuple(f"{choice}/{by}" for choice in ("pull", "recompute") for by in ("roofline", "threshold"))
 
 COUNTERS: tuple[CounterSpec, ...] = (
     CounterSpec(
@@ -65,8 +69,17 @@ COUNTERS: tuple[CounterSpec, ...] = (
     CounterSpec(
         "recomputed_tokens",
         "vllm:kvpilot_recomputed_tokens",
-        "Prompt tokens prefilled locally because the peer's offer for them was rejected, by reason.",
-        REASONS,
+        "Prompt tokens prefilled locally although a peer offered their KV, by reason (rejected, a partial "
+        "last block, or the pull policy chose to recompute).",
+        RECOMPUTE_REASONS,
+    ),
+    CounterSpec(
+        "pull_decisions",
+        "vllm:kvpilot_pull_decisions",
+        "Session pulls (a peer's verified KV beyond the local hit) decided, by decision and by what decided "
+        "(the roofline policy on live load and link, or a fixed kv_recompute_threshold).",
+        PULL_DECISIONS,
+        ("decision", "reason"),
     ),
 )
 _SPECS = {spec.key: spec for spec in COUNTERS}
@@ -169,10 +182,10 @@ class KVPilotPromMetrics(KVConnectorPromMetrics):
         self._inner = inner
         self._children: dict[str, dict[int, Counter]] = {}
         for spec in COUNTERS:
-            names = labelnames + (["reason"] if spec.reasons else [])
+            names = labelnames + (list(spec.label_names) if spec.reasons else [])
             family = self._counter_cls(name=spec.metric, documentation=spec.doc, labelnames=names)
             for reason in spec.reasons or (None,):
-                extra = [] if reason is None else [reason]
+                extra = [] if reason is None else reason.split("/")
                 self._children[counter_key(spec.key, reason)] = {
                     idx: family.labels(*values, *extra) for idx, values in per_engine_labelvalues.items()
                 }

@@ -53,11 +53,14 @@ KV_FORMATS: dict[str, KVFormat] = {
     "nvfp4": KVFormat("nvfp4", 4, scale_bits=8, scale_block=16),
 }
 
-# Per-GPU datasheet figures: dense BF16 FLOP/s, HBM bytes/s, HBM bytes.
+# Per-device figures: dense BF16 FLOP/s, memory bytes/s, memory bytes. GPUs from
+# their datasheets; "cpu" is one x86 core (nominal: AVX-512 FMA at ~2.5 GHz, a
+# share of a server's DRAM bandwidth), for the CPU test bed: "cpux2" is two cores.
 GPUS: dict[str, tuple[float, float, float]] = {
     "b200": (2.25e15, 8.0e12, 192e9),
     "h100": (989e12, 3.35e12, 80e9),
     "h200": (989e12, 4.8e12, 141e9),
+    "cpu": (1.0e11, 1.0e10, 12e9),
 }
 
 # Links for the article's two-GPU instance (lanes = NICs or GPUs). NIXL paths
@@ -71,6 +74,9 @@ LINKS: dict[str, LinkSpec] = {
     "pcie": LinkSpec("pcie", "pcie", lanes=2, lane_gbps=512, efficiency=0.8),
     "c2c": LinkSpec("c2c", "c2c", lanes=1, lane_gbps=3600),
     "nvme": LinkSpec("nvme", "nvme", lanes=2, lane_gbps=112, efficiency=0.8),
+    # NIXL over UCX between two processes of one CPU box (TCP / shared memory on lo):
+    # 4-17 GB/s measured for DRAM descriptors; a prior until an engine measures its own.
+    "loopback": LinkSpec("loopback", "tcp", lanes=1, lane_gbps=32, setup_s=NIXL_POST_S),
 }
 
 _DTYPE_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0, "float8_e4m3fn": 1.0}
@@ -251,7 +257,8 @@ _HW_NAME = re.compile(r"^(?P<gpu>[a-z0-9]+?)(?:x(?P<count>\d+))?$")
 
 
 def hardware_preset(name: str) -> HardwareSpec:
-    """``<gpu>`` or ``<gpu>x<count>``, e.g. ``b200x2`` (the article's instance)."""
+    """``<gpu>`` or ``<gpu>x<count>``, e.g. ``b200x2`` (the article's instance);
+    ``cpux<cores>`` for a CPU engine."""
     match = _HW_NAME.match(name)
     if not match or match["gpu"] not in GPUS:
         raise SpecError("hardware", f"unknown preset {name!r} (known GPUs: {', '.join(sorted(GPUS))}; "

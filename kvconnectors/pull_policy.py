@@ -1,0 +1,145 @@
+"""Pull a peer's span or recompute it: the live replacement for vLLM's fixed
+``kv_recompute_threshold`` (article section 9.3). Pure: no vLLM, no clock.
+
+When P is offered the KV of a session's earlier turns by D (a D->P pull in
+vLLM's bidirectional mode), the verified blocks beyond P's local hit form a
+*span*. Pulling it costs the link's fixed cost plus its bytes over the bandwidth
+this engine's own NIXL transfers achieved; recomputing it costs the time it adds
+to P's pass given the prefill work P already has. :class:`RooflinePullPolicy`
+asks :class:`policies.RecomputeVsTransferPolicy`; :class:`ThresholdPullPolicy` is
+vLLM's rule, kept for users who pin ``kv_recompute_threshold``.
+
+The live inputs are kept here as plain counters fed by the connector:
+:class:`PrefillBacklog` (from the scheduler's own outputs) and :class:`LinkMeter`
+(from the NIXL worker's transfer telemetry).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from policies.recompute_vs_transfer import (
+    Choice,
+    LinkTelemetry,
+    PrefillLoad,
+    RecomputeVsTransferPolicy,
+    Span,
+    TransferSample,
+)
+
+PullChoice = Literal["pull", "recompute"]
+DecidedBy = Literal["roofline", "threshold"]
+
+
+@dataclass(frozen=True, slots=True)
+class PullDecision:
+    """Whether to pull ``span.tokens`` from the peer, who decided, and why."""
+
+    choice: PullChoice
+    decided_by: DecidedBy
+    span: Span
+    explanation: str
+
+    @property
+    def pull(self) -> bool:
+        return self.choice == "pull"
+
+    @property
+    def label(self) -> str:
+        """The ``decision/reason`` key of ``vllm:kvpilot_pull_decisions_total``."""
+        return f"{self.choice}/{self.decided_by}"
+
+
+class PullPolicy(Protocol):
+    def decide(self, span: Span, load: PrefillLoad, telemetry: LinkTelemetry) -> PullDecision:
+        """Decide one span; mutates nothing."""
+        ...
+
+
+class ThresholdPullPolicy:
+    """vLLM's rule: recompute spans shorter than ``threshold`` tokens (0: always pull)."""
+
+    def __init__(self, threshold: int) -> None:
+        self.threshold = threshold
+
+    def decide(self, span: Span, load: PrefillLoad, telemetry: LinkTelemetry) -> PullDecision:
+        pull = span.tokens >= self.threshold
+        relation = ">=" if pull else "<"
+        return PullDecision("pull" if pull else "recompute", "threshold", span,
+                            f"{span.tokens} tokens {relation} kv_recompute_threshold {self.threshold}")  # fmt: skip
+
+
+class RooflinePullPolicy:
+    """:class:`policies.RecomputeVsTransferPolicy` on live load and link telemetry."""
+
+    def __init__(self, policy: RecomputeVsTransferPolicy) -> None:
+        self.policy = policy
+
+    def decide(self, span: Span, load: PrefillLoad, telemetry: LinkTelemetry) -> PullDecision:
+        decision = self.policy.decide(span, load, telemetry)
+        choice: PullChoice = "pull" if decision.choice is Choice.TRANSFER else "recompute"
+        queued = f"; P load {load.queued_prefill_tokens} queued + {load.running_batch_tokens} running tokens"
+        return PullDecision(choice, "roofline", span, decision.explain() + queued)
+
+
+class PrefillBacklog:
+    """Prompt tokens this engine still has to prefill, per request, from its own
+    scheduler's outputs. Not thread-safe (the scheduler's thread only)."""
+
+    def __init__(self) -> None:
+        self._remaining: dict[str, int] = {}
+        self._running_tokens = 0
+
+    def add(self, request_id: str, prompt_tokens: int) -> None:
+        """A request arrived with ``prompt_tokens`` to prefill (before any cache hit)."""
+        self._remaining[request_id] = prompt_tokens
+
+    def scheduled(self, num_scheduled_tokens: Mapping[str, int], first_computed: Mapping[str, int],
+                  total_scheduled: int) -> None:  # fmt: skip
+        """One scheduler step: ``num_scheduled_tokens`` per request, and for requests
+        scheduled for the first time the tokens their cache hits already covered."""
+        self._running_tokens = total_scheduled
+        for request_id, n in num_scheduled_tokens.items():
+            left = self._remaining.get(request_id)
+            if left is None:
+                continue
+            left -= n + first_computed.get(request_id, 0)
+            if left > 0:
+                self._remaining[request_id] = left
+            else:
+                del self._remaining[request_id]
+
+    def finished(self, request_id: str) -> None:
+        self._remaining.pop(request_id, None)
+
+    def load(self, excluding: str) -> PrefillLoad:
+        """The backlog without ``excluding`` (the request being decided)."""
+        queued = sum(self._remaining.values()) - self._remaining.get(excluding, 0)
+        return PrefillLoad(queued_prefill_tokens=queued, running_batch_tokens=self._running_tokens)
+
+    def __len__(self) -> int:
+        return len(self._remaining)
+
+
+class LinkMeter:
+    """The last ``window`` transfers this engine's NIXL worker made (bytes and
+    seconds each) and the failures among the last ``window`` outcomes."""
+
+    def __init__(self, window: int = 32) -> None:
+        self._samples: deque[TransferSample] = deque(maxlen=window)
+        self._outcomes: deque[bool] = deque(maxlen=window)  # True = failed
+
+    def observe(self, durations_s: Iterable[float], nbytes: Iterable[float], failures: int = 0) -> None:
+        """Record completed transfers (paired ``durations_s`` and ``nbytes``) and failures."""
+        for seconds, size in zip(durations_s, nbytes, strict=True):
+            if seconds > 0 and size > 0:
+                self._samples.append(TransferSample(float(size), float(seconds)))
+                self._outcomes.append(False)
+        self._outcomes.extend([True] * failures)
+
+    def telemetry(self) -> LinkTelemetry:
+        failures = sum(self._outcomes)
+        return LinkTelemetry(samples=tuple(self._samples), failures=failures)
