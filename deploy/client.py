@@ -24,6 +24,8 @@ class Completion:
     total_seconds: float
     kv_transfer_params: dict[str, Any] | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    token_ids: tuple[int, ...] = ()
+    """The generated token ids, when the request asked ``return_token_ids`` (not streamed)."""
 
     def same_output(self, other: Completion) -> bool:
         """Same tokens and bit-identical logprobs."""
@@ -77,8 +79,9 @@ def complete(
             ttft = time.perf_counter() - started
             tokens, logprobs = choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
             text, params = choice["text"], payload.get("kv_transfer_params")
+            token_ids = tuple(choice.get("token_ids") or ())
         else:
-            text, params = "", None
+            text, params, token_ids = "", None, ()
             for raw in resp:
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
@@ -91,7 +94,8 @@ def complete(
                         tokens += choice["logprobs"]["tokens"]
                         logprobs += choice["logprobs"]["token_logprobs"]
                     text += choice.get("text", "")
-    return Completion(text, tuple(tokens), tuple(logprobs), ttft, time.perf_counter() - started, params, headers)
+    return Completion(text, tuple(tokens), tuple(logprobs), ttft, time.perf_counter() - started, params, headers,
+                      token_ids)  # fmt: skip
 
 
 def debug_route(router_url: str, prompt: list[int], *, timeout: float = 60.0, **extra: object) -> dict[str, Any]:
