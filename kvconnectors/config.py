@@ -22,10 +22,6 @@ kvpilot's own keys:
   (:mod:`policies.presets`) overriding what the policy derives from the engine's
   own config; ``policy_link`` is the prior used until this engine has measured
   its own NIXL transfers.
-* ``data_plane_niceness``: the scheduling niceness (0-19) of the threads the inner
-  connector starts (NIXL's busy-polling progress thread); default 19 on a CPU
-  engine, where they share cores with the model, 0 elsewhere
-  (:mod:`kvconnectors.background_threads`).
 
 Pure: no vLLM import. Whether ``inner_connector`` names a connector vLLM knows is
 checked where the registry is at hand (:mod:`kvconnectors.connector`).
@@ -61,7 +57,6 @@ takes its keys through ``inner_extra_config`` only."""
 RECOMPUTE_THRESHOLD_KEY = "kv_recompute_threshold"
 BIDIRECTIONAL_KEY = "bidirectional_kv_xfer"
 RecomputePolicyName = Literal["roofline", "threshold"]
-CPU_DATA_PLANE_NICENESS = 19
 _OWN_STR_KEYS = ("policy_hardware", "policy_model", "policy_link")
 
 
@@ -88,7 +83,6 @@ class KVPilotConfig:
     policy_hardware: str | None = None
     policy_model: str | None = None
     policy_link: str | None = None
-    data_plane_niceness: int | None = None
 
     @property
     def bidirectional(self) -> bool:
@@ -118,7 +112,7 @@ class KVPilotConfig:
         if inner in _FORBIDDEN_INNER:
             raise KVPilotConfigError("inner_connector", f"{inner} cannot be wrapped by KVPilotConnector")
         inner_keys = INNER_KEYS.get(inner, frozenset())
-        own = {"inner_connector", "inner_extra_config", "recompute_policy", "data_plane_niceness", *_OWN_STR_KEYS}
+        own = {"inner_connector", "inner_extra_config", "recompute_policy", *_OWN_STR_KEYS}
         for key in raw:
             if key not in own and key not in inner_keys:
                 known = ", ".join(sorted(own | inner_keys))
@@ -141,11 +135,8 @@ class KVPilotConfig:
                 raise KVPilotConfigError(key, f"expected a preset name, got {value!r}")
             names[key] = value
         _check_presets(names)
-        niceness = raw.get("data_plane_niceness")
-        if niceness is not None and (type(niceness) is not int or not 0 <= niceness <= 19):
-            raise KVPilotConfigError("data_plane_niceness", f"expected an int in 0..19, got {niceness!r}")
         return cls(inner_connector=inner, inner_extra_config=MappingProxyType(merged), recompute_policy=policy,
-                   data_plane_niceness=niceness, **names)  # fmt: skip
+                   **names)  # fmt: skip
 
 
 def _check_presets(names: Mapping[str, str | None]) -> None:

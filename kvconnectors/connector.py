@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvconnectors import CONNECTOR_NAME
-from kvconnectors.background_threads import start_with_niceness
-from kvconnectors.config import CPU_DATA_PLANE_NICENESS, KVPilotConfig, KVPilotConfigError
+from kvconnectors.config import KVPilotConfig, KVPilotConfigError
 from kvconnectors.policy_setup import build_pull_policy
 from kvconnectors.scheduler import KVPilotScheduler
 from kvconnectors.stats import KVPilotPromMetrics, KVPilotStats
@@ -100,14 +99,8 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = parse_config(vllm_config)
         inner_cls = KVConnectorFactory.get_connector_class_by_name(self.config.inner_connector)
-        inner_config = inner_vllm_config(vllm_config, self.config)
-        niceness = self.config.data_plane_niceness
-        if niceness is None:
-            from vllm.platforms import current_platform
-
-            niceness = CPU_DATA_PLANE_NICENESS if current_platform.device_type == "cpu" else 0
-        self._inner: KVConnectorBase_V1 = start_with_niceness(
-            lambda: inner_cls(inner_config, role, kv_cache_config), niceness  # type: ignore[call-arg]
+        self._inner: KVConnectorBase_V1 = inner_cls(  # type: ignore[call-arg]
+            inner_vllm_config(vllm_config, self.config), role, kv_cache_config
         )
         self._pilot: KVPilotScheduler | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -45,7 +45,9 @@ class Reason(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """The outcome of :func:`verify_offer`; block indices are D's (= P's) positions.
+    """The outcome of :func:`verify_offer`; block indices are positions in the
+    prompt, the same on both sides. "P" is the offering peer and "D" the engine
+    about to attach (in a bidirectional session pull D offers and P attaches).
 
     - ``num_verified_blocks``: length of the verified run (0 on a contract
       mismatch); never more than ``min(num_offered_blocks, num_own_blocks)``.
@@ -73,11 +75,11 @@ class Verdict:
     def explain(self) -> str:
         """One log line stating the decision and the numbers behind it."""
         sizes = (
-            f"P offered {self.num_offered_blocks} blocks, D has {self.num_own_blocks}, "
+            f"peer offered {self.num_offered_blocks} blocks, this engine has {self.num_own_blocks}, "
             f"local hit {self.num_local_hit_blocks}"
         )
         if self.reason is Reason.CONTRACT_MISMATCH:
-            diffs = "; ".join(f"{d.field} P={d.this!r} D={d.other!r}" for d in self.contract_diffs)
+            diffs = "; ".join(f"{d.field} peer={d.this!r} here={d.other!r}" for d in self.contract_diffs)
             return (
                 f"contract mismatch ({diffs}): attach nothing, "
                 f"recompute {_span(self.rejected_blocks)} ({sizes})"

@@ -47,4 +47,4 @@ def test_prefill_from_another_model_is_refused(engines: tuple[Fleet, Fleet], tok
     assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") == 0
     assert delta(after, before, REJECTED, reason="contract_mismatch") == len(x) // BLOCK_SIZE
     assert delta(after, before, RECOMPUTED, reason="contract_mismatch") == len(x)
-    assert "contract mismatch (model P=" in Path(d_engine.log).read_text()  # logged with both sides' values
+    assert "contract mismatch (model peer=" in Path(d_engine.log).read_text()  # logged with both sides' values

@@ -127,7 +127,7 @@ def test_a_contract_mismatch_attaches_nothing(changes: dict, local_hit: int) -> 
     )
     line = verdict.explain()
     for name, value in changes.items():
-        assert f"{name} P={value!r} D={getattr(CONTRACT, name)!r}" in line
+        assert f"{name} peer={value!r} here={getattr(CONTRACT, name)!r}" in line
 
 
 @pytest.mark.parametrize("local_hit", [-1, 4])
@@ -146,11 +146,11 @@ def test_digests_compare_the_offer_s_truncation() -> None:
 @pytest.mark.parametrize(
     ("offered", "own", "local_hit", "expected"),
     [
-        ("abcd", "abcd", 1, "verified 4 blocks: attach blocks [1, 4) (P offered 4 blocks, D has 4, local hit 1)"),
+        ("abcd", "abcd", 1, "verified 4 blocks: attach blocks [1, 4) (peer offered 4 blocks, this engine has 4, local hit 1)"),
         ("abcd", "abXY", 0, "token mismatch at block 2: verified 2 blocks, attach blocks [0, 2), "
-         "recompute blocks [2, 4) (P offered 4 blocks, D has 4, local hit 0)"),
+         "recompute blocks [2, 4) (peer offered 4 blocks, this engine has 4, local hit 0)"),
         ("abcd", "XYZW", 0, "token mismatch at block 0: verified 0 blocks, attach no blocks, "
-         "recompute blocks [0, 4) (P offered 4 blocks, D has 4, local hit 0)"),
+         "recompute blocks [0, 4) (peer offered 4 blocks, this engine has 4, local hit 0)"),
     ],
 )
 def test_explain(offered: str, own: str, local_hit: int, expected: str) -> None:
