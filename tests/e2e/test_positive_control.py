@@ -1,6 +1,7 @@
-"""Positive control: the same scenario through vLLM's plain NixlConnector, which
-attaches P's blocks by position, gives wrong output with HTTP 200. If this test
-fails, the verified-attach tests prove nothing."""
+"""Positive control: the same scenarios through vLLM's plain NixlConnector, which
+attaches a peer's blocks by position, give wrong output with HTTP 200, on a P->D
+handoff and on a bidirectional D->P session pull (vllm#43094). If these tests fail,
+the verified-attach and session tests prove nothing."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from routing.tokenizer import PromptTokenizer
 from scenarios import cases, common_full_blocks, colocated_reference
+from sessions import EDITS, GENERATED, block_count, colocated, common_prefix, run_session
 
 pytestmark = pytest.mark.e2e
 
@@ -22,6 +24,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def nixl_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     spec = FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("nixl-fleet"), connector="NixlConnector",
+                     connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
                      engine_port=8610, side_channel_port=6010, events_port=6610, router_port=8600)  # fmt: skip
     with running_fleet(spec) as started:
         yield started
@@ -35,3 +38,16 @@ def test_plain_nixl_attaches_by_position_and_answers_wrong(nixl_fleet: Fleet, to
     out = complete(decode, x_prime, max_tokens=10, kv_transfer_params=params)
     reference = colocated_reference(decode, x, x_prime, common_full_blocks(x, x_prime))
     assert out.logprobs != reference.logprobs
+
+
+def test_plain_nixl_pulls_an_edited_session_by_position_and_answers_wrong(
+    nixl_fleet: Fleet, tokenizer: PromptTokenizer
+) -> None:
+    """D's reasoning trace stripped before the next turn: vLLM's P pulls D's blocks
+    for the positions they had, attends to KV of other tokens, and answers with HTTP 200."""
+    prefill, decode = nixl_fleet.by_role("prefill")[0].url, nixl_fleet.by_role("decode")[0].url
+    turn = run_session(prefill, decode, tokenizer, seed=500, edit=EDITS["reasoning trace stripped"])
+    offered = turn.x + turn.gen[: GENERATED - 1]
+    verified = block_count(common_prefix(offered, turn.x2))
+    reference = colocated(decode, turn.x, turn.x2, verified)
+    assert turn.p_out.logprobs[0] != reference.logprobs[0] or turn.d_out.logprobs != reference.logprobs

@@ -1,0 +1,108 @@
+"""An agent session across pools on real engines (article sections 5 and 9.2-9.4).
+
+Turn 1: P prefills the history ``x`` and hands it to D, which generates the tool
+call. Turn 2 arrives at P with the whole history edited the way clients edit it
+(section 5) plus a new tool output, and D's end-of-turn kv_transfer_params (vLLM's
+bidirectional protocol, as its ``disagg_proxy_multiturn.py`` proxy drives it): P
+may pull D's KV of the session instead of recomputing it, then hands the step to D.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from deploy.client import Completion, complete
+from deploy.metrics import Samples, scrape
+from deploy.prompts import filler_text
+from routing.tokenizer import PromptTokenizer
+from scenarios import BLOCK_SIZE, settle
+
+GENERATED = 80  # D's tool call: spans blocks, so the session's newest KV is D's
+NEW_TOOL_OUTPUT = 60
+PULL_DECISIONS = "vllm:kvpilot_pull_decisions_total"
+
+Edit = Callable[[list[int], list[int]], list[int]]
+"""(turn-1 history x, D's generated ids) -> the history as the client resends it."""
+
+
+def _strip_trace(x: list[int], gen: list[int]) -> list[int]:
+    return x + gen[:40] + gen[56:]  # a reasoning span inside D's output dropped
+
+
+def _re_render(x: list[int], gen: list[int]) -> list[int]:
+    return x + gen[:36] + [t + 1 for t in gen[36:44]] + gen[44:]  # the tool call rendered other bytes
+
+
+def _truncate(x: list[int], gen: list[int]) -> list[int]:
+    return x[96:] + gen  # the oldest history dropped to fit the window
+
+
+def _change_tool_output(x: list[int], gen: list[int]) -> list[int]:
+    return x[:150] + [t + 1 for t in x[150:170]] + x[170:] + gen  # an earlier tool output re-run
+
+
+EDITS: dict[str, Edit] = {
+    "unedited": lambda x, gen: x + gen,
+    "reasoning trace stripped": _strip_trace,
+    "message re-rendered": _re_render,
+    "history truncated": _truncate,
+    "tool output changed": _change_tool_output,
+}
+
+
+@dataclass(frozen=True)
+class Turn2:
+    x: list[int]
+    gen: list[int]
+    d_params: dict
+    x2: list[int]
+    p_out: Completion
+    d_out: Completion
+    p_before: Samples
+    p_after: Samples
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def history(tokenizer: PromptTokenizer, seed: int) -> list[int]:
+    return tokenizer.prompt_token_ids(f"session {seed}: " + filler_text(300, seed))
+
+
+def run_session(p_url: str, d_url: str, tokenizer: PromptTokenizer, seed: int, edit: Edit,
+                turn2_salt: str | None = None, mutate_params: Callable[[dict], dict] = lambda p: p) -> Turn2:  # fmt: skip
+    """Turn 1 P->D, then turn 2 on P with D's params (``mutate_params`` of them: P
+    pulls from D), then on D."""
+    x = history(tokenizer, seed)
+    p1 = complete(p_url, x, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    d1 = complete(d_url, x, max_tokens=GENERATED, ignore_eos=True, return_token_ids=True,
+                  kv_transfer_params=p1.kv_transfer_params)  # fmt: skip
+    assert d1.kv_transfer_params is not None and d1.kv_transfer_params.get("do_remote_decode")
+    gen = list(d1.token_ids)
+    assert len(gen) == GENERATED
+    x2 = edit(x, gen) + tokenizer.prompt_token_ids(" tool: " + filler_text(NEW_TOOL_OUTPUT, seed + 1))
+    extra = {"cache_salt": turn2_salt} if turn2_salt else {}
+    before = scrape(p_url)
+    p2 = complete(p_url, x2, max_tokens=1, kv_transfer_params=mutate_params(d1.kv_transfer_params), **extra)
+    after = settle(p_url)
+    d2 = complete(d_url, x2, max_tokens=8, kv_transfer_params=p2.kv_transfer_params, **extra)
+    return Turn2(x, gen, d1.kv_transfer_params, x2, p2, d2, before, after)
+
+
+def colocated(engine_url: str, x: list[int], x2: list[int], reused_blocks: int) -> Completion:
+    """The session on one engine under a fresh salt, split where the disaggregated
+    run's reuse ends: turn 1 first (when anything is reused), then the edited turn."""
+    salt = f"ref-{uuid.uuid4().hex}"
+    if reused_blocks:
+        complete(engine_url, x, max_tokens=GENERATED, ignore_eos=True, cache_salt=salt)
+    return complete(engine_url, x2, max_tokens=8, cache_salt=salt)
+
+
+def block_count(tokens: int) -> int:
+    return tokens // BLOCK_SIZE

@@ -1,0 +1,116 @@
+"""Sessions across pools, engine side: P pulls the session's newest KV back from D
+(vLLM's bidirectional protocol) through KVPilotConnector, configured as a drop-in
+for NixlConnector, and attaches only what verifies against its own tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deploy import fleet as fleet_io
+from deploy.fleet import Fleet
+from deploy.fleet_spec import FleetSpec
+from deploy.metrics import delta
+from fleets import running_fleet
+from routing.tokenizer import PromptTokenizer
+from scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED
+from sessions import EDITS, GENERATED, PULL_DECISIONS, block_count, colocated, common_prefix, run_session
+
+pytestmark = pytest.mark.e2e
+
+PORTS = {"engine_port": 8710, "side_channel_port": 6110, "events_port": 6710, "router_port": 8700}
+# NixlConnector's own keys at the top level; the threshold pinned at 0 (always pull
+# what verifies) so that the co-located reference can split its prefill where P does.
+DROP_IN = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0}
+
+
+@pytest.fixture(scope="module")
+def spec(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FleetSpec:
+    return FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("session-fleet"), disaggregation="always",
+                     connector_extra_config=DROP_IN, **PORTS)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fleet(spec: FleetSpec) -> Iterator[Fleet]:
+    with running_fleet(spec) as started:
+        yield started
+
+
+def _urls(fleet: Fleet) -> tuple[str, str]:
+    return fleet.by_role("prefill")[0].url, fleet.by_role("decode")[0].url
+
+
+@pytest.mark.parametrize("edit", list(EDITS), ids=str)
+def test_p_pulls_only_what_verifies_and_answers_like_colocated(
+    fleet: Fleet, tokenizer: PromptTokenizer, edit: str
+) -> None:
+    prefill, decode = _urls(fleet)
+    turn = run_session(prefill, decode, tokenizer, seed=100 + list(EDITS).index(edit), edit=EDITS[edit])
+    # P holds x's full blocks from turn 1; D offers x + its generated tokens (the
+    # last one has no KV yet); both offers and prompts are compared block by block.
+    offered = turn.x + turn.gen[: GENERATED - 1]
+    local_hit = block_count(common_prefix(turn.x, turn.x2))
+    verified = min(block_count(common_prefix(offered, turn.x2)), block_count(len(offered)))
+    pulled = max(0, verified - local_hit)
+    recomputed = min(len(offered), len(turn.x2)) - max(verified, local_hit) * 32
+    reason = "partial_tail" if verified == block_count(len(offered)) else "token_mismatch"
+
+    reference = colocated(decode, turn.x, turn.x2, max(verified, local_hit))
+    assert turn.p_out.logprobs[0] == reference.logprobs[0], "P's first token differs from the co-located run"
+    assert turn.d_out.same_output(reference), f"max logprob diff {turn.d_out.max_logprob_diff(reference)}"
+
+    assert turn.d_params["kvpilot_expires_at"] > time.time() + 400  # decoder_kv_blocks_ttl 480 s, in Unix time
+    after, before = turn.p_after, turn.p_before
+    assert delta(after, before, VERIFIED) == pulled
+    assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") == pulled * 32
+    assert delta(after, before, RECOMPUTED, reason=reason) == recomputed
+    expected_decisions = 1 if pulled else 0
+    assert delta(after, before, PULL_DECISIONS, decision="pull", reason="threshold") == expected_decisions
+
+
+def test_another_salt_pulls_nothing(fleet: Fleet, tokenizer: PromptTokenizer) -> None:
+    prefill, decode = _urls(fleet)
+    turn = run_session(prefill, decode, tokenizer, seed=200, edit=EDITS["unedited"], turn2_salt="tenant-b")
+    reference = colocated(decode, turn.x, turn.x2, reused_blocks=0)
+    assert turn.p_out.logprobs[0] == reference.logprobs[0]
+    assert turn.d_out.same_output(reference)
+    assert delta(turn.p_after, turn.p_before, VERIFIED) == 0
+    assert delta(turn.p_after, turn.p_before, PROMPT_TOKENS, source="external_kv_transfer") == 0
+    offered = len(turn.x) + GENERATED - 1
+    assert delta(turn.p_after, turn.p_before, RECOMPUTED, reason="contract_mismatch") == offered
+
+
+def test_an_expired_lease_is_recomputed_not_pulled(fleet: Fleet, tokenizer: PromptTokenizer) -> None:
+    """D's params say when its hold ends in wall-clock time; P does not race it."""
+    prefill, decode = _urls(fleet)
+
+    turn = run_session(prefill, decode, tokenizer, seed=300, edit=EDITS["unedited"], mutate_params=lambda p: {**p, "kvpilot_expires_at": p["kvpilot_expires_at"] - 10_000})
+    assert delta(turn.p_after, turn.p_before, VERIFIED) == 0
+    assert delta(turn.p_after, turn.p_before, RECOMPUTED, reason="lease_expired") > 0
+    reference = colocated(decode, turn.x, turn.x2, block_count(len(turn.x)))
+    assert turn.p_out.logprobs[0] == reference.logprobs[0]
+
+
+def test_the_roofline_policy_decides_live(fleet: Fleet, spec: FleetSpec, tokenizer: PromptTokenizer) -> None:
+    """Last in this module: P restarts without a threshold, so the roofline policy
+    decides its pulls from its own load and measured link; every decision is counted
+    with the span's verified blocks loaded or recomputed accordingly."""
+    roofline = dataclasses.replace(spec, connector_extra_config={"bidirectional_kv_xfer": True})
+    restarted = fleet_io.restart_engine(roofline, "prefill-0")
+    prefill, decode = _urls(restarted)
+    for seed in (400, 401, 402, 403):
+        turn = run_session(prefill, decode, tokenizer, seed=seed, edit=EDITS["unedited"])
+        after, before = turn.p_after, turn.p_before
+        pulls = delta(after, before, PULL_DECISIONS, decision="pull", reason="roofline")
+        recomputes = delta(after, before, PULL_DECISIONS, decision="recompute", reason="roofline")
+        assert pulls + recomputes == 1
+        span = (block_count(len(turn.x) + GENERATED - 1) - block_count(len(turn.x))) * 32
+        if pulls:
+            assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") == span
+        else:
+            assert delta(after, before, RECOMPUTED, reason="pull_policy") == span
+            assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") == 0
