@@ -91,6 +91,7 @@ class RecomputeTransferDecision:
     span: Span
     span_bytes: float
     bandwidth: float
+    fixed_s: float
     bandwidth_source: str
     failure_rate: float
     pass_bound: str
@@ -104,7 +105,7 @@ class RecomputeTransferDecision:
             f"{self.choice.value}: {self.span.tokens} tokens at context {self.span.context}; "
             f"recompute {self.recompute_s * 1e3:.2f} ms (marginal, P pass {self.pass_bound}-bound) vs "
             f"transfer {self.transfer_s * 1e3:.2f} ms ({self.span_bytes / 1e6:.1f} MB at "
-            f"{self.bandwidth / 1e9:.1f} GB/s from {self.bandwidth_source}, failure rate "
+            f"{self.bandwidth / 1e9:.2f} GB/s + {self.fixed_s * 1e3:.2f} ms from {self.bandwidth_source}, failure rate "
             f"{self.failure_rate:.0%}); {other.value} would cost "
             f"{(self.cost_of(other) - self.cost_of(self.choice)) * 1e3:.2f} ms more"
         )
@@ -133,13 +134,28 @@ class RecomputeVsTransferPolicy:
         seconds, bound = pass_seconds(self.hw, flops, with_span.bytes)
         return seconds - base, PassCost(flops, with_span.attention_flops, with_span.bytes, seconds, bound)
 
-    def bandwidth(self, telemetry: LinkTelemetry) -> tuple[float, str]:
-        """Median bandwidth of recent samples (net of the fixed cost), or the spec's."""
-        rates = [s.nbytes / (s.seconds - self.link.setup_s) for s in telemetry.samples
-                 if s.seconds > self.link.setup_s and s.nbytes > 0]
-        if len(rates) >= self.config.min_samples:
-            return statistics.median(rates), f"{len(rates)} recent transfers"
-        return self.link.effective_bytes_per_s, f"{self.link.name} spec"
+    def link_estimate(self, telemetry: LinkTelemetry) -> tuple[float, float, str]:
+        """``(fixed cost s, bytes/s, source)`` of a transfer on this link.
+
+        With at least ``min_samples`` usable samples whose sizes differ by 2x or
+        more, both come from a least-squares fit of ``seconds = fixed + bytes / rate``
+        (a fit with no positive rate is not used). Samples of one size cannot tell
+        the two apart: the spec's fixed cost stands and the median rate of the
+        samples net of it is the bandwidth. Fewer samples: the spec's figures.
+        Samples no slower than the spec's fixed cost carry no rate and are ignored."""
+        usable = [s for s in telemetry.samples if s.seconds > self.link.setup_s and s.nbytes > 0]
+        if len(usable) < self.config.min_samples:
+            return self.link.setup_s, self.link.effective_bytes_per_s, f"{self.link.name} spec"
+        sizes = [s.nbytes for s in usable]
+        if max(sizes) >= 2 * min(sizes):
+            mean_x, mean_y = statistics.fmean(sizes), statistics.fmean(s.seconds for s in usable)
+            var = sum((x - mean_x) ** 2 for x in sizes)
+            slope = sum((s.nbytes - mean_x) * (s.seconds - mean_y) for s in usable) / var
+            if slope > 0:
+                fixed = max(0.0, mean_y - slope * mean_x)
+                return fixed, 1.0 / slope, f"a fit of {len(usable)} recent transfers"
+        rates = [s.nbytes / (s.seconds - self.link.setup_s) for s in usable]
+        return self.link.setup_s, statistics.median(rates), f"{len(usable)} recent transfers"
 
     def decide(self, span: Span, load: PrefillLoad = PrefillLoad(),
                telemetry: LinkTelemetry = LinkTelemetry()) -> RecomputeTransferDecision:
@@ -147,13 +163,13 @@ class RecomputeVsTransferPolicy:
         which needs no remote state). An empty span costs nothing either way."""
         recompute_s, with_span = self.recompute_seconds(span, load)
         nbytes = kv_bytes(self.model, self.fmt, span.tokens)
-        bandwidth, source = self.bandwidth(telemetry)
-        clean = self.link.setup_s + nbytes / bandwidth if nbytes else 0.0
+        fixed_s, bandwidth, source = self.link_estimate(telemetry)
+        clean = fixed_s + nbytes / bandwidth if nbytes else 0.0
         p_fail = telemetry.failure_rate
         detect = telemetry.mean_failure_s if telemetry.mean_failure_s is not None else self.config.failure_detect_s
         transfer_s = (1 - p_fail) * clean + p_fail * (detect + recompute_s) if nbytes else 0.0
         choice = Choice.RECOMPUTE if recompute_s <= transfer_s else Choice.TRANSFER
-        return RecomputeTransferDecision(choice, recompute_s, transfer_s, span, nbytes, bandwidth, source,
+        return RecomputeTransferDecision(choice, recompute_s, transfer_s, span, nbytes, bandwidth, fixed_s, source,
                                          p_fail, with_span.bound)
 
 

@@ -89,16 +89,28 @@ def test_busy_p_pays_full_compute_price() -> None:
 
 def test_telemetry_bandwidth_replaces_the_spec_after_enough_samples() -> None:
     slow = link_conditions(RDMA)["slow"]
-    bandwidth, source = POLICY.bandwidth(slow)
+    fixed, bandwidth, source = POLICY.link_estimate(slow)
     assert bandwidth == pytest.approx(RDMA.effective_bytes_per_s / 10)
+    assert fixed == pytest.approx(RDMA.setup_s)
     assert "recent transfers" in source
     few = LinkTelemetry(slow.samples[:2])
-    assert POLICY.bandwidth(few) == (RDMA.effective_bytes_per_s, "rdma spec")
+    assert POLICY.link_estimate(few) == (RDMA.setup_s, RDMA.effective_bytes_per_s, "rdma spec")
+
+
+def test_a_fit_separates_a_large_fixed_cost_from_the_rate() -> None:
+    """A CPU box's NIXL: ~12 ms per transfer whatever its size, then 4 GB/s. One rate per
+    sample would read 128 KB in 12 ms as 10 MB/s and price 4 MB at 0.4 s; the fit does not."""
+    samples = tuple(TransferSample(n, 0.012 + n / 4e9) for n in (65_536, 131_072, 262_144, 524_288))
+    fixed, bandwidth, source = POLICY.link_estimate(LinkTelemetry(samples))
+    assert fixed == pytest.approx(0.012) and bandwidth == pytest.approx(4e9)
+    assert source == "a fit of 4 recent transfers"
+    one_size = LinkTelemetry(tuple(TransferSample(131_072, 0.012) for _ in range(4)))
+    assert POLICY.link_estimate(one_size)[0] == RDMA.setup_s
 
 
 def test_samples_faster_than_the_fixed_cost_are_ignored() -> None:
     junk = LinkTelemetry(tuple(TransferSample(1e6, RDMA.setup_s / 2) for _ in range(5)))
-    assert POLICY.bandwidth(junk)[1] == "rdma spec"
+    assert POLICY.link_estimate(junk)[2] == "rdma spec"
 
 
 def test_failures_add_detection_time_and_a_recompute() -> None:
