@@ -241,7 +241,7 @@ class KVPilotScheduler:
         """The worker's NIXL telemetry for the last step (durations, bytes, failures)."""
         stats = connector_output.kv_connector_stats
         inner = stats.inner if isinstance(stats, KVPilotStats) else stats
-        data = getattr(inner, "data", None)
+        data = inner if isinstance(inner, dict) else getattr(inner, "data", None)  # in-process, or to_dict()'s
         if not isinstance(data, dict):
             return
         failures = len(data.get("num_failed_transfers", ())) + len(data.get("num_kv_expired_reqs", ()))
