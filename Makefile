@@ -19,3 +19,4 @@ bench: setup
 	taskset -c 1 .venv/bin/python benchmarks/bench_router_index.py
 	.venv/bin/python benchmarks/bench_router_overhead.py
 	.venv/bin/python benchmarks/bench_hot_prefix.py
+	.venv/bin/python benchmarks/bench_transfer.py

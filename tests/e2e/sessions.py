@@ -9,6 +9,7 @@ may pull D's KV of the session instead of recomputing it, then hands the step to
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +58,8 @@ class Turn2:
     x: list[int]
     gen: list[int]
     d_params: dict
+    d_params_at: float
+    """Unix time at which D returned ``d_params``."""
     x2: list[int]
     p_out: Completion
     d_out: Completion
@@ -83,6 +86,7 @@ def run_session(p_url: str, d_url: str, tokenizer: PromptTokenizer, seed: int, e
     p1 = complete(p_url, x, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     d1 = complete(d_url, x, max_tokens=GENERATED, ignore_eos=True, return_token_ids=True,
                   kv_transfer_params=p1.kv_transfer_params)  # fmt: skip
+    d_params_at = time.time()
     assert d1.kv_transfer_params is not None and d1.kv_transfer_params.get("do_remote_decode")
     gen = list(d1.token_ids)
     assert len(gen) == GENERATED
@@ -92,7 +96,7 @@ def run_session(p_url: str, d_url: str, tokenizer: PromptTokenizer, seed: int, e
     p2 = complete(p_url, x2, max_tokens=1, kv_transfer_params=mutate_params(d1.kv_transfer_params), **extra)
     after = settle(p_url)
     d2 = complete(d_url, x2, max_tokens=8, kv_transfer_params=p2.kv_transfer_params, **extra)
-    return Turn2(x, gen, d1.kv_transfer_params, x2, p2, d2, before, after)
+    return Turn2(x, gen, d1.kv_transfer_params, d_params_at, x2, p2, d2, before, after)
 
 
 def colocated(engine_url: str, x: list[int], x2: list[int], reused_blocks: int) -> Completion:

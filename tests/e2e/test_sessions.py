@@ -5,7 +5,6 @@ for NixlConnector, and attaches only what verifies against its own tokens."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,7 +62,8 @@ def test_p_pulls_only_what_verifies_and_answers_like_colocated(
     assert turn.p_out.logprobs[0] == reference.logprobs[0], "P's first token differs from the co-located run"
     assert turn.d_out.same_output(reference), f"max logprob diff {turn.d_out.max_logprob_diff(reference)}"
 
-    assert turn.d_params["kvpilot_expires_at"] > time.time() + 400  # decoder_kv_blocks_ttl 480 s, in Unix time
+    # D's hold on its blocks, in Unix time: decoder_kv_blocks_ttl (480 s) after it answered.
+    assert turn.d_params["kvpilot_expires_at"] == pytest.approx(turn.d_params_at + 480, abs=30)
     after, before = turn.p_after, turn.p_before
     assert delta(after, before, VERIFIED) == pulled
     assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") == pulled * 32
@@ -102,7 +102,7 @@ def test_the_roofline_policy_decides_live(fleet: Fleet, spec: FleetSpec, tokeniz
     roofline = dataclasses.replace(spec, connector_extra_config={"bidirectional_kv_xfer": True})
     restarted = fleet_io.restart_engine(roofline, "prefill-0")
     prefill, decode = _urls(restarted)
-    for seed in (400, 401, 402, 403):
+    for seed in (400, 401):
         turn = run_session(prefill, decode, tokenizer, seed=seed, edit=EDITS["unedited"])
         after, before = turn.p_after, turn.p_before
         pulls = delta(after, before, PULL_DECISIONS, decision="pull", reason="roofline")
