@@ -78,14 +78,20 @@ def history(tokenizer: PromptTokenizer, seed: int) -> list[int]:
     return tokenizer.prompt_token_ids(f"session {seed}: " + filler_text(300, seed))
 
 
+FIRST_PULL_TIMEOUT_S = 900.0
+"""P's first pull from D makes P's worker handshake with D; on a 2-core box whose
+cores NIXL's progress threads spin on, that has taken from 9 s to over 5 minutes."""
+
+
 def run_session(p_url: str, d_url: str, tokenizer: PromptTokenizer, seed: int, edit: Edit,
-                turn2_salt: str | None = None, mutate_params: Callable[[dict], dict] = lambda p: p) -> Turn2:  # fmt: skip
+                turn2_salt: str | None = None, mutate_params: Callable[[dict], dict] = lambda p: p,
+                timeout: float = 300.0) -> Turn2:  # fmt: skip
     """Turn 1 P->D, then turn 2 on P with D's params (``mutate_params`` of them: P
-    pulls from D), then on D."""
+    pulls from D), then on D; each request may take ``timeout`` seconds."""
     x = history(tokenizer, seed)
-    p1 = complete(p_url, x, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p1 = complete(p_url, x, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout)
     d1 = complete(d_url, x, max_tokens=GENERATED, ignore_eos=True, return_token_ids=True,
-                  kv_transfer_params=p1.kv_transfer_params)  # fmt: skip
+                  kv_transfer_params=p1.kv_transfer_params, timeout=timeout)  # fmt: skip
     d_params_at = time.time()
     assert d1.kv_transfer_params is not None and d1.kv_transfer_params.get("do_remote_decode")
     gen = list(d1.token_ids)
@@ -93,9 +99,10 @@ def run_session(p_url: str, d_url: str, tokenizer: PromptTokenizer, seed: int, e
     x2 = edit(x, gen) + tokenizer.prompt_token_ids(" tool: " + filler_text(NEW_TOOL_OUTPUT, seed + 1))
     extra = {"cache_salt": turn2_salt} if turn2_salt else {}
     before = scrape(p_url)
-    p2 = complete(p_url, x2, max_tokens=1, kv_transfer_params=mutate_params(d1.kv_transfer_params), **extra)
+    p2 = complete(p_url, x2, max_tokens=1, kv_transfer_params=mutate_params(d1.kv_transfer_params),
+                  timeout=timeout, **extra)  # fmt: skip
     after = settle(p_url)
-    d2 = complete(d_url, x2, max_tokens=8, kv_transfer_params=p2.kv_transfer_params, **extra)
+    d2 = complete(d_url, x2, max_tokens=8, kv_transfer_params=p2.kv_transfer_params, timeout=timeout, **extra)
     return Turn2(x, gen, d1.kv_transfer_params, d_params_at, x2, p2, d2, before, after)
 
 
@@ -110,3 +117,9 @@ def colocated(engine_url: str, x: list[int], x2: list[int], reused_blocks: int) 
 
 def block_count(tokens: int) -> int:
     return tokens // BLOCK_SIZE
+
+
+def handshake_both_ways(p_url: str, d_url: str, tokenizer: PromptTokenizer) -> None:
+    """One session off the tests' clock: D's first pull from P and P's first pull
+    from D pay the one-time NIXL handshakes here."""
+    run_session(p_url, d_url, tokenizer, seed=1, edit=EDITS["unedited"], timeout=FIRST_PULL_TIMEOUT_S)

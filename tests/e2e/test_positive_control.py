@@ -16,17 +16,18 @@ from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from routing.tokenizer import PromptTokenizer
 from scenarios import cases, common_full_blocks, colocated_reference
-from sessions import EDITS, GENERATED, block_count, colocated, common_prefix, run_session
+from sessions import EDITS, GENERATED, block_count, colocated, common_prefix, handshake_both_ways, run_session
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def nixl_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def nixl_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tokenizer: PromptTokenizer) -> Iterator[Fleet]:
     spec = FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("nixl-fleet"), connector="NixlConnector",
                      connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
                      engine_port=8610, side_channel_port=6010, events_port=6610, router_port=8600)  # fmt: skip
     with running_fleet(spec) as started:
+        handshake_both_ways(started.by_role("prefill")[0].url, started.by_role("decode")[0].url, tokenizer)
         yield started
 
 

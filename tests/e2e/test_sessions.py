@@ -17,7 +17,9 @@ from deploy.metrics import delta
 from fleets import running_fleet
 from routing.tokenizer import PromptTokenizer
 from scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED
-from sessions import EDITS, GENERATED, PULL_DECISIONS, block_count, colocated, common_prefix, run_session
+from sessions import (
+    EDITS, GENERATED, PULL_DECISIONS, block_count, colocated, common_prefix, handshake_both_ways, run_session,
+)  # fmt: skip
 
 pytestmark = pytest.mark.e2e
 
@@ -34,8 +36,9 @@ def spec(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FleetSpec
 
 
 @pytest.fixture(scope="module")
-def fleet(spec: FleetSpec) -> Iterator[Fleet]:
+def fleet(spec: FleetSpec, tokenizer: PromptTokenizer) -> Iterator[Fleet]:
     with running_fleet(spec) as started:
+        handshake_both_ways(*_urls(started), tokenizer)
         yield started
 
 
@@ -102,6 +105,7 @@ def test_the_roofline_policy_decides_live(fleet: Fleet, spec: FleetSpec, tokeniz
     roofline = dataclasses.replace(spec, connector_extra_config={"bidirectional_kv_xfer": True})
     restarted = fleet_io.restart_engine(roofline, "prefill-0")
     prefill, decode = _urls(restarted)
+    handshake_both_ways(prefill, decode, tokenizer)  # a new P: new handshakes
     for seed in (400, 401):
         turn = run_session(prefill, decode, tokenizer, seed=seed, edit=EDITS["unedited"])
         after, before = turn.p_after, turn.p_before
