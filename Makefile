@@ -11,6 +11,12 @@ demo: setup
 test: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider
 
+# P pulling a session's KV back from D (docs/sessions.md): not in `make test` while
+# P's first pull from D can stall its worker past vLLM's 300 s step timeout on 2 cores.
+.PHONY: test-sessions
+test-sessions: setup
+	.venv/bin/python -m pytest -q -p no:cacheprovider -m d_to_p
+
 # The benchmarks: ratios against baselines measured in the same run (see README).
 .PHONY: bench
 bench: setup

@@ -22,12 +22,11 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def nixl_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tokenizer: PromptTokenizer) -> Iterator[Fleet]:
+def nixl_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     spec = FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("nixl-fleet"), connector="NixlConnector",
                      connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
                      engine_port=8610, side_channel_port=6010, events_port=6610, router_port=8600)  # fmt: skip
     with running_fleet(spec) as started:
-        handshake_both_ways(started.by_role("prefill")[0].url, started.by_role("decode")[0].url, tokenizer)
         yield started
 
 
@@ -41,12 +40,14 @@ def test_plain_nixl_attaches_by_position_and_answers_wrong(nixl_fleet: Fleet, to
     assert out.logprobs != reference.logprobs
 
 
+@pytest.mark.d_to_p
 def test_plain_nixl_pulls_an_edited_session_by_position_and_answers_wrong(
     nixl_fleet: Fleet, tokenizer: PromptTokenizer
 ) -> None:
     """D's reasoning trace stripped before the next turn: vLLM's P pulls D's blocks
     for the positions they had, attends to KV of other tokens, and answers with HTTP 200."""
     prefill, decode = nixl_fleet.by_role("prefill")[0].url, nixl_fleet.by_role("decode")[0].url
+    handshake_both_ways(prefill, decode, tokenizer)
     turn = run_session(prefill, decode, tokenizer, seed=500, edit=EDITS["reasoning trace stripped"])
     offered = turn.x + turn.gen[: GENERATED - 1]
     verified = block_count(common_prefix(offered, turn.x2))

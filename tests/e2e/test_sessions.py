@@ -21,7 +21,7 @@ from sessions import (
     EDITS, GENERATED, PULL_DECISIONS, block_count, colocated, common_prefix, handshake_both_ways, run_session,
 )  # fmt: skip
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.d_to_p]
 
 PORTS = {"engine_port": 8710, "side_channel_port": 6110, "events_port": 6710, "router_port": 8700}
 # NixlConnector's own keys at the top level; the threshold pinned at 0 (always pull
