@@ -1,0 +1,95 @@
+"""KV transfer throughput, P->D and D->P, through KVPilotConnector against plain NixlConnector.
+
+One run brings up a 1 P + 1 D tiny fleet per connector in turn (both bidirectional,
+``kv_recompute_threshold`` 0 so that every verified span is pulled), each with the
+same ``--sessions`` agent sessions: turn 1 P prefills a ``--history``-token prompt and
+D pulls it (P->D), D generates ``--generated`` tokens; turn 2 P receives D's
+end-of-turn params with the history + D's output + a new tool output and pulls D's
+blocks beyond its local hit (D->P); D pulls turn 2 from P. Throughput is the bytes
+vLLM's NIXL worker moved over the time it measured for them, from each engine's own
+``vllm:nixl_bytes_transferred`` and ``vllm:nixl_xfer_time_seconds`` (D's counters for
+P->D, P's for D->P), so the one-time NIXL handshakes and the CPU box's scheduling
+stalls between requests do not count. It prints bytes/s per direction and the
+kvpilot / plain ratio (target: at least 0.9).
+
+    python benchmarks/bench_transfer.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from deploy import fleet as fleet_io
+from deploy.client import complete
+from deploy.fleet_spec import FleetSpec
+from deploy.metrics import Samples, delta, scrape
+from deploy.prompts import filler_text
+from deploy.tiny_model import ensure_tiny_model
+from routing.tokenizer import PromptTokenizer
+
+BYTES = "vllm:nixl_bytes_transferred_sum"
+SECONDS = "vllm:nixl_xfer_time_seconds_sum"
+TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
+CONNECTORS = ("NixlConnector", "KVPilotConnector")
+
+
+def session(p_url: str, d_url: str, tokenizer: PromptTokenizer, seed: int, history: int, generated: int) -> None:
+    """One two-turn agent session: P->D, then D->P and P->D again."""
+    x = tokenizer.prompt_token_ids(f"session {seed}: " + filler_text(history, seed))
+    p1 = complete(p_url, x, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    d1 = complete(d_url, x, max_tokens=generated, ignore_eos=True, return_token_ids=True,
+                  kv_transfer_params=p1.kv_transfer_params)  # fmt: skip
+    x2 = x + list(d1.token_ids) + tokenizer.prompt_token_ids(" tool: " + filler_text(60, seed + 1))
+    p2 = complete(p_url, x2, max_tokens=1, kv_transfer_params=d1.kv_transfer_params)
+    complete(d_url, x2, max_tokens=2, kv_transfer_params=p2.kv_transfer_params)
+
+
+def throughput(after: Samples, before: Samples) -> tuple[float, float, int]:
+    """(bytes, seconds, transfers) moved by one engine's NIXL worker between two scrapes."""
+    return delta(after, before, BYTES), delta(after, before, SECONDS), int(delta(after, before, TRANSFERS))
+
+
+def measure(connector: str, args: argparse.Namespace, tokenizer: PromptTokenizer) -> dict[str, tuple[float, float, int]]:
+    spec = FleetSpec(model_dir=ensure_tiny_model(), run_dir=Path(tempfile.mkdtemp(prefix="kvpilot-bench-")),
+                     disaggregation="always", connector=connector,
+                     connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
+                     engine_port=8710, side_channel_port=6110, events_port=6710, router_port=8700)  # fmt: skip
+    started = fleet_io.up(spec, progress=lambda _: None)
+    try:
+        p_url, d_url = started.by_role("prefill")[0].url, started.by_role("decode")[0].url
+        session(p_url, d_url, tokenizer, 0, 64, args.generated)  # the one-time handshakes, both ways
+        p0, d0 = scrape(p_url), scrape(d_url)
+        for seed in range(1, args.sessions + 1):
+            session(p_url, d_url, tokenizer, seed, args.history, args.generated)
+        return {"P->D": throughput(scrape(d_url), d0), "D->P": throughput(scrape(p_url), p0)}
+    finally:
+        fleet_io.down(spec.run_dir)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--history", type=int, default=1500, help="words of history per session")
+    parser.add_argument("--generated", type=int, default=160, help="tokens D generates in turn 1")
+    args = parser.parse_args()
+    tokenizer = PromptTokenizer(ensure_tiny_model())
+    results = {connector: measure(connector, args, tokenizer) for connector in CONNECTORS}
+
+    print(f"{args.sessions} sessions, {args.history}-word history, {args.generated} generated tokens")
+    print(f"{'direction':10} {'connector':18} {'transfers':>9} {'MB':>9} {'xfer s':>8} {'MB/s':>9}")
+    for direction in ("P->D", "D->P"):
+        rates = {}
+        for connector in CONNECTORS:
+            nbytes, seconds, count = results[connector][direction]
+            rates[connector] = nbytes / seconds if seconds else 0.0
+            print(f"{direction:10} {connector:18} {count:9d} {nbytes / 1e6:9.2f} {seconds:8.3f} "
+                  f"{rates[connector] / 1e6:9.1f}")  # fmt: skip
+        plain = rates["NixlConnector"]
+        ratio = rates["KVPilotConnector"] / plain if plain else float("nan")
+        print(f"{direction:10} kvpilot / plain {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
