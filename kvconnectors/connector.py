@@ -264,6 +264,8 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         plan = pilot.take_plan(request.request_id)
         if plan is not None and request.kv_transfer_params is not None:
             pilot.apply(plan, request.kv_transfer_params)
+        if num_external_tokens > 0:
+            pilot.pull_started(request.request_id)
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -307,6 +309,12 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         return self._inner.has_pending_block_frees()
 
     def has_pending_push_work(self) -> bool:
+        """The inner connector's push work, or a pull still in flight: vLLM keeps the
+        engine stepping only while this (or a runnable request) says so, and a request
+        waiting for a peer's KV is not runnable, so without it a D->P pull can sit
+        received but uncollected until the next request arrives."""
+        if self._pilot is not None and self._pilot.has_pulls_in_flight():
+            return True
         return self._inner.has_pending_push_work()
 
     def _stamp(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:

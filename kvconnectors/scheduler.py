@@ -140,6 +140,7 @@ class KVPilotScheduler:
         self._pull_policy = pull_policy
         self._backlog = PrefillBacklog()
         self._link = LinkMeter()
+        self._pulls_in_flight: set[str] = set()
 
     # ------------------------------------------------------------------ contract
     def contract(self, request: Request) -> ContractId:
@@ -229,6 +230,17 @@ class KVPilotScheduler:
         self._plans.pop(request_id, None)
         self._screened_out.pop(request_id, None)
         self._backlog.finished(request_id)
+        self._pulls_in_flight.discard(request_id)
+
+    # ------------------------------------------------------------------ pulls in flight
+    def pull_started(self, request_id: str) -> None:
+        """``request_id`` waits for KV from a peer (blocks were allocated for it)."""
+        self._pulls_in_flight.add(request_id)
+
+    def has_pulls_in_flight(self) -> bool:
+        """Whether a pull is still waiting for the worker to report it received: the
+        engine must keep stepping, since only a step collects that report."""
+        return bool(self._pulls_in_flight)
 
     # ------------------------------------------------------------------ live inputs of the pull policy
     def observe_step(self, scheduler_output: SchedulerOutput) -> None:
@@ -238,7 +250,10 @@ class KVPilotScheduler:
                                 scheduler_output.total_num_scheduled_tokens)  # fmt: skip
 
     def observe_transfers(self, connector_output: KVConnectorOutput) -> None:
-        """The worker's NIXL telemetry for the last step (durations, bytes, failures)."""
+        """The worker's report for the last step: pulls received or failed, and its
+        NIXL telemetry (durations, bytes, failures)."""
+        self._pulls_in_flight.difference_update(connector_output.finished_recving or ())
+        self._pulls_in_flight.difference_update(connector_output.failed_recving or ())
         stats = connector_output.kv_connector_stats
         inner = stats.inner if isinstance(stats, KVPilotStats) else stats
         data = inner if isinstance(inner, dict) else getattr(inner, "data", None)  # in-process, or to_dict()'s
