@@ -55,7 +55,6 @@ INNER_KEYS: Mapping[str, frozenset[str]] = MappingProxyType({
 takes its keys through ``inner_extra_config`` only."""
 
 RECOMPUTE_THRESHOLD_KEY = "kv_recompute_threshold"
-BIDIRECTIONAL_KEY = "bidirectional_kv_xfer"
 RecomputePolicyName = Literal["roofline", "threshold"]
 _OWN_STR_KEYS = ("policy_hardware", "policy_model", "policy_link")
 
@@ -83,10 +82,6 @@ class KVPilotConfig:
     policy_hardware: str | None = None
     policy_model: str | None = None
     policy_link: str | None = None
-
-    @property
-    def bidirectional(self) -> bool:
-        return bool(self.inner_extra_config.get(BIDIRECTIONAL_KEY, False))
 
     def inner_config_for_vllm(self) -> dict[str, Any]:
         """What the inner connector is built with. Under the roofline policy its fixed

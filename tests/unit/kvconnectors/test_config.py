@@ -24,7 +24,7 @@ def test_nixl_keys_at_the_top_level_are_a_drop_in() -> None:
     raw = {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 60, "num_threads": 2}
     config = KVPilotConfig.parse(raw)
     assert dict(config.inner_extra_config) == raw
-    assert config.bidirectional
+    assert config.inner_extra_config["bidirectional_kv_xfer"] is True
     assert config.recompute_policy == "roofline"
     # kvpilot decides session pulls: the inner connector's fixed threshold is off.
     assert config.inner_config_for_vllm() == {**raw, "kv_recompute_threshold": 0}
