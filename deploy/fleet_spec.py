@@ -100,6 +100,9 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
         "kv_connector": spec.connector,
         "kv_role": "kv_both",
         "kv_buffer_device": "cpu",
+        # A failed pull (dead holder, broken link) is prefilled here: the router
+        # does not retry a request that an engine failed.
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": spec.connector_extra_config,
     }
     argv = (

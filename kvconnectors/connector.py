@@ -23,6 +23,7 @@ import torch
 from kvconnectors import CONNECTOR_NAME
 from kvconnectors.config import KVPilotConfig, KVPilotConfigError
 from kvconnectors.policy_setup import build_pull_policy
+from kvconnectors.pull_params import PULL_DONE_KEY
 from kvconnectors.scheduler import KVPilotScheduler
 from kvconnectors.stats import KVPilotPromMetrics, KVPilotStats
 from vllm.config import VllmConfig
@@ -247,7 +248,13 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The inner connector's answer when the peer's whole offer verified; else only
-        the verified blocks beyond the local hit (or nothing)."""
+        the verified blocks beyond the local hit (or nothing). A session pull already
+        made once (it landed in the local cache, or failed and is being prefilled) is
+        not asked again: vLLM 0.32's NIXL scheduler would count its tokens as a new
+        asynchronous load without starting one, and the request would wait forever."""
+        params = request.kv_transfer_params
+        if params is not None and params.get(PULL_DONE_KEY):
+            return 0, False
         plan = self._scheduler_layer().plan_attach(request, num_computed_tokens)
         if plan is None or plan.attach_blocks is None:
             return self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -265,7 +272,8 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         if plan is not None and request.kv_transfer_params is not None:
             pilot.apply(plan, request.kv_transfer_params)
         if num_external_tokens > 0:
-            pilot.pull_started(request.request_id)
+            unhashed = blocks.get_unhashed_block_ids_all_groups()
+            pilot.pull_started(request, (b for group in unhashed for b in group), num_external_tokens)
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

@@ -22,6 +22,11 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+PULL_DONE_KEY = "_remote_blocks_processed"
+"""Set by vLLM's NIXL scheduler once it has planned a request's pull (the first time
+the request is allocated blocks); later passes over the request pull nothing."""
+
+
 def wants_remote_pull(params: Mapping[str, Any] | None) -> bool:
     """Whether the inner connector would try to load blocks from a peer for these
     params: a P->D handoff (``do_remote_prefill``), or a pull of the peer's blocks
@@ -32,7 +37,7 @@ def wants_remote_pull(params: Mapping[str, Any] | None) -> bool:
     if params.get("do_remote_prefill"):
         return True
     return bool(
-        params.get("do_remote_decode") and params.get("remote_block_ids") and not params.get("_remote_blocks_processed")
+        params.get("do_remote_decode") and params.get("remote_block_ids") and not params.get(PULL_DONE_KEY)
     )
 
 

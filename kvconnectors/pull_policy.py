@@ -143,3 +143,34 @@ class LinkMeter:
     def telemetry(self) -> LinkTelemetry:
         failures = sum(self._outcomes)
         return LinkTelemetry(samples=tuple(self._samples), failures=failures)
+
+
+PEER_RETRY_AFTER_S = 30.0
+"""After a pull from a peer fails, its offers are prefilled locally for this long
+instead of paying another failed handshake (vLLM's worker waits 5 s per try)."""
+
+
+class FailedPeers:
+    """Peers (by NIXL engine id) whose last pull failed, and when. A later pull that
+    succeeds clears the peer. Pure: the caller passes the clock."""
+
+    def __init__(self, retry_after_s: float = PEER_RETRY_AFTER_S) -> None:
+        self.retry_after_s = retry_after_s
+        self._failed_at: dict[str, float] = {}
+
+    def failed(self, engine_id: str, now: float) -> None:
+        self._failed_at[engine_id] = now
+
+    def succeeded(self, engine_id: str) -> None:
+        self._failed_at.pop(engine_id, None)
+
+    def seconds_since_failure(self, engine_id: str, now: float) -> float | None:
+        """Seconds since ``engine_id``'s last failed pull if that is within the retry
+        window, else ``None`` (never failed, or time to try it again)."""
+        at = self._failed_at.get(engine_id)
+        if at is None:
+            return None
+        if now - at >= self.retry_after_s:
+            del self._failed_at[engine_id]
+            return None
+        return now - at

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,7 @@ from kvconnectors.pull_params import (
     strip_pull_fields,
     wants_remote_pull,
 )
-from kvconnectors.pull_policy import LinkMeter, PrefillBacklog, PullDecision, PullPolicy
+from kvconnectors.pull_policy import FailedPeers, LinkMeter, PrefillBacklog, PullDecision, PullPolicy
 from kvconnectors.stats import KVPilotStats
 from kvconnectors.transfer_params import (
     PARAMS_KEY,
@@ -69,8 +70,25 @@ LEASE_EXPIRED = "lease_expired"
 """The peer's hold on its blocks ends (nearly) before the pull could read them."""
 PULL_POLICY = "pull_policy"
 """The pull policy chose to recompute a verified span rather than pull it."""
+PEER_FAILED = "peer_failed"
+"""A pull from this peer failed moments ago (dead holder, broken link): its offer is
+prefilled locally without another try until ``PEER_RETRY_AFTER_S`` passes."""
+LOAD_FAILED = "load_failed"
+"""A pull failed in flight and vLLM's ``kv_load_failure_policy: recompute`` prefilled
+the tokens it was to load."""
 # Contract fields whose mismatch means the peer's KV cannot be read here at all.
 _INCOMPATIBLE_FIELDS = frozenset({"model", "block_size", "kv_dtype", "kv_layout"})
+
+
+@dataclass(frozen=True, slots=True)
+class PullInFlight:
+    """A request waiting for a peer's KV: the peer, the local blocks it fills, and
+    how many tokens it loads."""
+
+    peer: str
+    block_ids: frozenset[int]
+    external_tokens: int
+    session_pull: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +158,10 @@ class KVPilotScheduler:
         self._pull_policy = pull_policy
         self._backlog = PrefillBacklog()
         self._link = LinkMeter()
-        self._pulls_in_flight: set[str] = set()
+        self._pulls_in_flight: dict[str, PullInFlight] = {}
+        self._failed_peers = FailedPeers()
+        ktc = vllm_config.kv_transfer_config
+        self._recompute_failed_loads = ktc is not None and ktc.kv_load_failure_policy == "recompute"
 
     # ------------------------------------------------------------------ contract
     def contract(self, request: Request) -> ContractId:
@@ -230,12 +251,17 @@ class KVPilotScheduler:
         self._plans.pop(request_id, None)
         self._screened_out.pop(request_id, None)
         self._backlog.finished(request_id)
-        self._pulls_in_flight.discard(request_id)
+        self._pulls_in_flight.pop(request_id, None)
 
     # ------------------------------------------------------------------ pulls in flight
-    def pull_started(self, request_id: str) -> None:
-        """``request_id`` waits for KV from a peer (blocks were allocated for it)."""
-        self._pulls_in_flight.add(request_id)
+    def pull_started(self, request: Request, block_ids: Iterable[int], external_tokens: int) -> None:
+        """``request`` waits for ``external_tokens`` of KV from its peer, into
+        ``block_ids`` (the blocks allocated for it)."""
+        params = request.kv_transfer_params or {}
+        self._pulls_in_flight[request.request_id] = PullInFlight(
+            peer=str(params.get("remote_engine_id")), block_ids=frozenset(block_ids),
+            external_tokens=external_tokens, session_pull=not params.get("do_remote_prefill"),
+        )  # fmt: skip
 
     def has_pulls_in_flight(self) -> bool:
         """Whether a pull is still waiting for the worker to report it received: the
@@ -252,8 +278,16 @@ class KVPilotScheduler:
     def observe_transfers(self, connector_output: KVConnectorOutput) -> None:
         """The worker's report for the last step: pulls received or failed, and its
         NIXL telemetry (durations, bytes, failures)."""
-        self._pulls_in_flight.difference_update(connector_output.finished_recving or ())
-        self._pulls_in_flight.difference_update(connector_output.failed_recving or ())
+        failed = set(connector_output.failed_recving or ())
+        invalid = connector_output.invalid_block_ids or set()
+        for request_id in (connector_output.finished_recving or set()) | failed:
+            pull = self._pulls_in_flight.pop(request_id, None)
+            if pull is None:
+                continue
+            if request_id in failed or not pull.block_ids.isdisjoint(invalid):
+                self._pull_failed(request_id, pull)
+            else:
+                self._failed_peers.succeeded(pull.peer)
         stats = connector_output.kv_connector_stats
         inner = stats.inner if isinstance(stats, KVPilotStats) else stats
         data = inner if isinstance(inner, dict) else getattr(inner, "data", None)  # in-process, or to_dict()'s
@@ -261,6 +295,19 @@ class KVPilotScheduler:
             return
         failures = len(data.get("num_failed_transfers", ())) + len(data.get("num_kv_expired_reqs", ()))
         self._link.observe(data.get("transfer_duration", ()), data.get("bytes_transferred", ()), failures)
+
+    def _pull_failed(self, request_id: str, pull: PullInFlight) -> None:
+        """Count a failed pull and remember its peer. vLLM's ``kv_load_failure_policy``
+        decides the request: ``recompute`` prefills the tokens here, ``fail`` ends it
+        with an error (the router's retry serves it)."""
+        self._failed_peers.failed(pull.peer, time.monotonic())
+        action = "recompute" if self._recompute_failed_loads else "fail"
+        self._stats.count("load_failures", reason=action)
+        if self._recompute_failed_loads:
+            self._stats.count("recomputed_tokens", pull.external_tokens, reason=LOAD_FAILED)
+        logger.warning("kvpilot %s: the pull of %d tokens from %s failed; kv_load_failure_policy=%s; its offers "
+                       "are prefilled locally for %.0f s", request_id, pull.external_tokens, pull.peer, action,
+                       self._failed_peers.retry_after_s)  # fmt: skip
 
     def external_tokens(self, plan: AttachPlan, num_computed_tokens: int) -> int:
         """Tokens to load from the peer under a partial ``plan`` (may be <= 0: none)."""
@@ -293,15 +340,30 @@ class KVPilotScheduler:
         except TransferParamsError as exc:
             return AttachPlan(0, MALFORMED, len(own_hashes) - local_hit, recompute_all, 0,
                               f"{exc}: prefill locally")  # fmt: skip
-        left = lease_seconds_left(params, time.time())
-        if left is not None and left < LEASE_MARGIN_S:
-            expired = min(offer.num_tokens, prompt_len) - num_computed_tokens
-            return AttachPlan(0, LEASE_EXPIRED, max(0, min(offer.num_blocks, len(own_hashes)) - local_hit),
-                              max(0, expired), 0, f"the peer's lease ends in {left:.1f} s: prefill locally")  # fmt: skip
+        session_pull = not params.get("do_remote_prefill")
+        skip_why = self._skip_reason(params, session_pull)
+        if skip_why is not None:
+            reason, why = skip_why
+            unloaded = min(offer.num_tokens, prompt_len) - num_computed_tokens
+            return AttachPlan(0, reason, max(0, min(offer.num_blocks, len(own_hashes)) - local_hit),
+                              max(0, unloaded), 0, f"{why}: prefill locally")  # fmt: skip
         plan = self._verified_plan(request, offer, own_hashes, num_computed_tokens)
-        if plan.attached_blocks and not params.get("do_remote_prefill"):  # a session pull: optional
+        if plan.attached_blocks and session_pull:  # optional
             plan = self._decide_pull(request, plan, offer.num_tokens, num_computed_tokens)
         return plan
+
+    def _skip_reason(self, params: dict[str, Any], session_pull: bool) -> tuple[str, str] | None:
+        """Why not to try this pull at all, or ``None``: the peer's lease (nearly)
+        ended, or a pull from it just failed. A P->D handoff skips a failed peer only
+        when vLLM would recompute its failure anyway (``kv_load_failure_policy``)."""
+        left = lease_seconds_left(params, time.time())
+        if left is not None and left < LEASE_MARGIN_S:
+            return LEASE_EXPIRED, f"the peer's lease ends in {left:.1f} s"
+        peer = str(params.get("remote_engine_id"))
+        since = self._failed_peers.seconds_since_failure(peer, time.monotonic())
+        if since is not None and (session_pull or self._recompute_failed_loads):
+            return PEER_FAILED, f"a pull from {peer} failed {since:.1f} s ago"
+        return None
 
     def _verified_plan(
         self, request: Request, offer: BlockOffer, own_hashes: list[BlockHash], num_computed_tokens: int

@@ -40,8 +40,8 @@ class CounterSpec:
     """The labels a reason fills; a reason is their values joined by ``/``."""
 
 
-REASONS = ("token_mismatch", "contract_mismatch", "malformed_params", "partial_tail", "lease_expired")
-RECOMPUTE_REASONS = (*REASONS, "pull_policy")
+REASONS = ("token_mismatch", "contract_mismatch", "malformed_params", "partial_tail", "lease_expired", "peer_failed")
+RECOMPUTE_REASONS = (*REASONS, "pull_policy", "load_failed")
 PULL_DECISIONS = tuple(f"{choice}/{by}" for choice in ("pull", "recompute") for by in ("roofline", "threshold"))
 
 COUNTERS: tuple[CounterSpec, ...] = (
@@ -80,6 +80,14 @@ COUNTERS: tuple[CounterSpec, ...] = (
         "(the roofline policy on live load and link, or a fixed kv_recompute_threshold).",
         PULL_DECISIONS,
         ("decision", "reason"),
+    ),
+    CounterSpec(
+        "load_failures",
+        "vllm:kvpilot_load_failures",
+        "Pulls that failed in flight (dead holder, broken link, expired hold), by what vLLM's "
+        "kv_load_failure_policy did with the request: recompute it here, or fail it.",
+        ("fail", "recompute"),
+        ("action",),
     ),
 )
 _SPECS = {spec.key: spec for spec in COUNTERS}

@@ -1,11 +1,12 @@
-"""The live pull policy's parts: decisions, the prefill backlog, the link meter."""
+"""The live pull policy's parts: decisions, the prefill backlog, the link meter,
+the peers whose pulls failed."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvconnectors.policy_setup import cpu_cores
-from kvconnectors.pull_policy import LinkMeter, PrefillBacklog, RooflinePullPolicy, ThresholdPullPolicy
+from kvconnectors.pull_policy import FailedPeers, LinkMeter, PrefillBacklog, RooflinePullPolicy, ThresholdPullPolicy
 from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from policies.recompute_vs_transfer import LinkTelemetry, PrefillLoad, RecomputeVsTransferPolicy, Span
 
@@ -57,6 +58,19 @@ def test_link_meter_keeps_a_window_of_transfers_and_failures() -> None:
     assert telemetry.failures == 1
     meter.observe([0.01] * 4, [10] * 4)
     assert len(meter.telemetry().samples) == 4 and meter.telemetry().failures == 0
+
+
+def test_a_failed_peer_is_skipped_until_its_retry_time_or_a_success() -> None:
+    peers = FailedPeers(retry_after_s=30.0)
+    assert peers.seconds_since_failure("d-0", now=100.0) is None
+    peers.failed("d-0", now=100.0)
+    assert peers.seconds_since_failure("d-0", now=112.5) == 12.5
+    assert peers.seconds_since_failure("d-1", now=112.5) is None
+    assert peers.seconds_since_failure("d-0", now=130.0) is None  # time to try it again
+    assert peers.seconds_since_failure("d-0", now=131.0) is None
+    peers.failed("d-0", now=200.0)
+    peers.succeeded("d-0")  # a pull already in flight got through
+    assert peers.seconds_since_failure("d-0", now=201.0) is None
 
 
 @pytest.mark.parametrize(("bind", "cores"), [("0", 1), ("0-3", 4), ("0,2", 2), ("0-1|2-3", 2)])

@@ -1,0 +1,76 @@
+"""A session's holder dies (article section 8.6; issue 9, leases and failures): D
+held the session's newest KV and is gone when the next turn reaches P. P's pull
+fails, vLLM's ``kv_load_failure_policy: recompute`` (set by the fleet) prefills
+what it was to load, and P answers exactly as a co-located run would; the next
+offer from the dead D is prefilled without another try. Both counted."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deploy.client import complete
+from deploy.fleet import Fleet
+from deploy.fleet_spec import FleetSpec
+from deploy.metrics import delta, scrape
+from fleets import running_fleet
+from routing.tokenizer import PromptTokenizer
+from scenarios import PROMPT_TOKENS, RECOMPUTED, REJECTED, settle
+from sessions import EDITS, GENERATED, block_count, colocated, history
+
+pytestmark = pytest.mark.e2e
+
+PORTS = {"engine_port": 8810, "side_channel_port": 6210, "events_port": 7010, "router_port": 8800}
+LOAD_FAILURES = "vllm:kvpilot_load_failures_total"
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    spec = FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("dead-holder-fleet"),
+                     disaggregation="always", connector_extra_config={"bidirectional_kv_xfer": True,
+                                                                      "kv_recompute_threshold": 0}, **PORTS)  # fmt: skip
+    with running_fleet(spec) as started:
+        yield started
+
+
+def _turn_one(p_url: str, d_url: str, x: list[int]) -> tuple[list[int], dict]:
+    """P prefills ``x`` and hands it to D, which generates; D's end-of-turn params."""
+    p1 = complete(p_url, x, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    d1 = complete(d_url, x, max_tokens=GENERATED, ignore_eos=True, return_token_ids=True,
+                  kv_transfer_params=p1.kv_transfer_params)  # fmt: skip
+    assert d1.kv_transfer_params is not None and d1.kv_transfer_params.get("remote_block_ids")
+    return list(d1.token_ids), d1.kv_transfer_params
+
+
+def test_a_dead_holder_is_recomputed_with_correct_output(fleet: Fleet, tokenizer: PromptTokenizer) -> None:
+    prefill, decode = fleet.by_role("prefill")[0], fleet.by_role("decode")[0]
+    sessions = [history(tokenizer, seed) for seed in (700, 701)]
+    turns = [_turn_one(prefill.url, decode.url, x) for x in sessions]
+    os.killpg(decode.pid, signal.SIGKILL)  # D and its NIXL agent vanish with the session's KV
+
+    next_prompts = [EDITS["unedited"](x, gen) + tokenizer.prompt_token_ids(" tool: ok") for x, (gen, _) in
+                    zip(sessions, turns)]  # fmt: skip
+    for x, x2, (_, params), reason in zip(sessions, next_prompts, turns, ("load_failed", "peer_failed")):
+        before = scrape(prefill.url)
+        out = complete(prefill.url, x2, max_tokens=1, kv_transfer_params=params, timeout=120)
+        after = settle(prefill.url)
+        # P keeps its own blocks of x from turn 1 and prefills the rest, as a
+        # co-located engine that computed x first would.
+        reference = colocated(prefill.url, x, x2, reused_blocks=block_count(len(x)))
+        assert out.logprobs[0] == reference.logprobs[0], f"{reason}: P's first token differs from co-located"
+        assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") == 0
+        offered_beyond_hit = len(x) + GENERATED - 1 - block_count(len(x)) * 32
+        if reason == "load_failed":  # the pull was tried, failed, and was prefilled here
+            assert delta(after, before, LOAD_FAILURES, action="recompute") == 1
+            loaded = (block_count(len(x) + GENERATED - 1) - block_count(len(x))) * 32
+            assert delta(after, before, RECOMPUTED, reason="load_failed") == loaded
+        else:  # the same dead peer's next offer is not tried at all
+            assert delta(after, before, LOAD_FAILURES, action="recompute") == 0
+            assert delta(after, before, RECOMPUTED, reason="peer_failed") == offered_beyond_hit
+            assert delta(after, before, REJECTED, reason="peer_failed") == (
+                block_count(len(x) + GENERATED - 1) - block_count(len(x)))
+    assert scrape(prefill.url), "P keeps serving"
