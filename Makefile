@@ -11,12 +11,6 @@ demo: setup
 test: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider
 
-# P pulling a session's KV back from D (docs/sessions.md): not in `make test` while
-# P's first pull from D can stall its worker past vLLM's 300 s step timeout on 2 cores.
-.PHONY: test-sessions
-test-sessions: setup
-	.venv/bin/python -m pytest -q -p no:cacheprovider -m d_to_p
-
 # The benchmarks: ratios against baselines measured in the same run (see README).
 .PHONY: bench
 bench: setup
@@ -26,3 +20,4 @@ bench: setup
 	.venv/bin/python benchmarks/bench_router_overhead.py
 	.venv/bin/python benchmarks/bench_hot_prefix.py
 	.venv/bin/python benchmarks/bench_transfer.py
+	.venv/bin/python benchmarks/bench_pull_policy.py

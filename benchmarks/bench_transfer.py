@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from deploy import fleet as fleet_io
+from deploy.agent_session import decoded_turn, prefill_next_turn
 from deploy.client import complete
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import Samples, delta, scrape
@@ -38,11 +39,9 @@ CONNECTORS = ("NixlConnector", "KVPilotConnector")
 def session(p_url: str, d_url: str, tokenizer: PromptTokenizer, seed: int, history: int, generated: int) -> None:
     """One two-turn agent session: P->D, then D->P and P->D again."""
     x = tokenizer.prompt_token_ids(f"session {seed}: " + filler_text(history, seed))
-    p1 = complete(p_url, x, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    d1 = complete(d_url, x, max_tokens=generated, ignore_eos=True, return_token_ids=True,
-                  kv_transfer_params=p1.kv_transfer_params)  # fmt: skip
-    x2 = x + list(d1.token_ids) + tokenizer.prompt_token_ids(" tool: " + filler_text(60, seed + 1))
-    p2 = complete(p_url, x2, max_tokens=1, kv_transfer_params=d1.kv_transfer_params)
+    turn = decoded_turn(p_url, d_url, x, generated)
+    x2 = x + turn.generated + tokenizer.prompt_token_ids(" tool: " + filler_text(60, seed + 1))
+    p2 = prefill_next_turn(p_url, x2, turn.d_params)
     complete(d_url, x2, max_tokens=2, kv_transfer_params=p2.kv_transfer_params)
 
 

@@ -48,7 +48,7 @@ from routing.cost import Candidate, CostModel, Decision, TierOverlap, tier_overl
 from routing.engines import Fleet, Worker
 from routing.index import KVIndex, Match, Tier, WorkerId
 from routing.ledger import LoadLedger, WorkerLoad
-from routing.sessions import SessionId, SessionStore
+from routing.sessions import OfferUse, SessionId, SessionOffer, SessionStore
 
 if TYPE_CHECKING:
     from routing.engine_metrics import EngineLoad
@@ -218,10 +218,29 @@ class Router:
             decision, local_remote,
         )  # fmt: skip
 
-    def served(self, session: SessionId | None, route: Route) -> None:
-        """Record that ``route``'s decode worker now holds the session's newest KV."""
-        if session is not None:
-            self.sessions.get(session).last_worker = route.decode.name
+    def served(self, session: SessionId | None, route: Route, decode_params: object = None) -> None:
+        """Record that ``route``'s decode worker now holds the session's newest KV,
+        and, when its returned ``decode_params`` offer that KV to a peer (vLLM's
+        bidirectional mode), the offer for the session's next step."""
+        if session is None:
+            return
+        state = self.sessions.get(session)
+        state.last_worker = route.decode.name
+        offer = SessionOffer.from_response(route.decode.name, decode_params)
+        if offer is not None:
+            state.offer = offer
+
+    def take_session_offer(self, session: SessionId | None, now: float) -> tuple[SessionOffer | None, OfferUse]:
+        """The session's offer for P to pull, once (``"sent"``), or ``None`` with why:
+        ``"expired"`` (its hold ends before P could read it) or ``"none"``."""
+        if session is None:
+            return None, "none"
+        state = self.sessions.get(session)
+        offer, state.offer = state.offer, None
+        if offer is None:
+            return None, "none"
+        use = offer.use(now)
+        return (offer if use == "sent" else None), use
 
     def _overlaps(self, match: Match) -> dict[WorkerId, TierOverlap]:
         shared = max(

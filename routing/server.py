@@ -44,7 +44,7 @@ from routing.engines import Fleet, IndexFeeder, Worker
 from routing.index import BlockIndex, KVIndex
 from routing.router import Route, Router, policy_from_config
 from routing.server_metrics import RouterMetrics
-from routing.sessions import InvalidSessionKey, SessionId, SessionStore, session_key
+from routing.sessions import InvalidSessionKey, SessionId, SessionStore, scoped, session_key
 from routing.tokenizer import PromptError, PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,8 @@ class RouterServer:
                 token_ids = self.tokenizer.prompt_token_ids(self.chat_template.render(body.get("messages")))
             else:
                 token_ids = self.tokenizer.prompt_token_ids(body.get("prompt"))
-            session = session_key(body, request.headers)
+            key = session_key(body, request.headers)
+            session = None if key is None else scoped(key, body.get("cache_salt"))
         except (PromptError, ChatError, InvalidSessionKey) as exc:
             raise BadRequest(str(exc)) from None
         if not token_ids:
@@ -259,18 +260,20 @@ class RouterServer:
         try:
             kind = route.kind.value
             if route.prefill is not None:
-                params = await self._prefill(route, engine_body)
+                params = await self._prefill(route, engine_body, self._session_offer(session))
                 if params is None:
                     kind, p = "fallback", d
                 else:
                     engine_body["kv_transfer_params"] = params
             headers = {"X-Request-Id": rid, "X-KVPilot-Route": kind,
                        "X-KVPilot-Prefill-Worker": p, "X-KVPilot-Decode-Worker": d}  # fmt: skip
-            if engine_body.get("stream"):
+            decode_params = None
+            if engine_body.get("stream"):  # vLLM streams no kv_transfer_params: no offer to keep
                 response = await self._stream(request, route, engine_body, chat, headers, started)
             else:
-                response = await self._unary(route, engine_body, chat, headers)
-            self.router.served(session, route)
+                response, decode_params = await self._unary(route, engine_body, chat, headers)
+            with self.lock:
+                self.router.served(session, route, decode_params)
             return response
         except UpstreamError as exc:
             self.metrics.upstream_errors.labels(exc.worker.name).inc()
@@ -285,11 +288,25 @@ class RouterServer:
         url = f"{worker.url}/v1/completions"
         return self._http.post(url, json=body, timeout=timeout or self._http.timeout)
 
-    async def _prefill(self, route: Route, body: dict[str, Any]) -> dict[str, Any] | None:
-        """P's kv_transfer_params, or None after a failure (then D prefills; counted)."""
+    def _session_offer(self, session: SessionId | None) -> dict[str, Any] | None:
+        """D's offer of the session's KV from its last step, if P may still pull it
+        (counted either way); taken once."""
+        with self.lock:
+            offer, use = self.router.take_session_offer(session, time.time())
+        if use != "none":
+            self.metrics.session_offers.labels(use).inc()
+        return None if offer is None else dict(offer.params)
+
+    async def _prefill(self, route: Route, body: dict[str, Any], offer: dict[str, Any] | None) -> dict[str, Any] | None:
+        """P's kv_transfer_params, or None after a failure (then D prefills; counted).
+
+        With a session ``offer`` (D's params from the session's last step, vLLM's
+        bidirectional protocol) P may pull D's KV of the session: its connector
+        verifies the offer against its own tokens and loads only what matches."""
         p = route.prefill
         assert p is not None
-        pbody = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        params = offer if offer is not None else {"do_remote_decode": True}
+        pbody = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": params}
         pbody.pop("stream_options", None)
         started = time.perf_counter()
         reason = None
@@ -323,7 +340,9 @@ class RouterServer:
 
     async def _unary(
         self, route: Route, body: dict[str, Any], chat: bool, headers: dict[str, str]
-    ) -> web.Response:
+    ) -> tuple[web.Response, object]:
+        """D's answer relayed, and the kv_transfer_params D returned (its offer of the
+        session's KV in bidirectional mode; ``None`` when absent)."""
         d = route.decode
         try:
             async with self._post(d, body) as resp:
@@ -336,11 +355,12 @@ class RouterServer:
             raise _answered(d, resp.status, raw)
         try:
             payload = json.loads(raw)
+            decode_params = payload.get("kv_transfer_params")
             if chat:
                 payload = chat_response(payload, route.request_id)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise UpstreamError(d, 502, f"sent an unreadable completion: {exc}") from None
-        return web.json_response(payload, headers=headers)
+        return web.json_response(payload, headers=headers), decode_params
 
     async def _stream(
         self,

@@ -30,6 +30,7 @@ class RouterMetrics:
     and the client's ``kvpilot_router_ttft_seconds``. Failures:
     ``kvpilot_router_prefill_failures_total{worker,reason}``,
     ``kvpilot_router_prefill_fallbacks_total``, ``kvpilot_router_upstream_errors_total{worker}``.
+    Sessions across pools: ``kvpilot_router_session_offers_total{outcome="sent"|"expired"}``.
     At scrape time: KV-event ingest per worker (batches, replays, gaps, restarts,
     rejected events by reason), the index's blocks per worker and tier, the
     ledger's load per worker (``kvpilot_router_active_prefill_blocks``,
@@ -64,6 +65,10 @@ class RouterMetrics:
         )
         self.fallbacks = Counter(p + "prefill_fallbacks", "Requests prefilled locally on D after P failed", registry=r)
         self.upstream_errors = Counter(p + "upstream_errors", "Engine errors returned to clients", ["worker"], registry=r)
+        self.session_offers = Counter(
+            p + "session_offers", "D's offers of a session's KV at the session's next remote prefill: sent to P, "
+            "or dropped because D's hold ends before P could read it", ["outcome"], registry=r,
+        )  # fmt: skip
         self._prompt, self._cached = 0, 0
         r.register(self)  # type: ignore[arg-type]  # the scrape-time collector below
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, NewType
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, NewType
 
 from routing.chain import PromptChain, first_difference, pack_tokens
 from routing.index import WorkerId
@@ -56,12 +57,55 @@ def session_key(body: Mapping[str, Any], headers: Mapping[str, str]) -> SessionI
     return None
 
 
+def scoped(key: SessionId, cache_salt: str | None) -> SessionId:
+    """``key`` within ``cache_salt``'s namespace, so that one tenant's session id
+    never names another tenant's session. The salt is length-prefixed: no pair of
+    (salt, key) can spell another pair."""
+    return key if cache_salt is None else SessionId(f"{len(cache_salt)}:{cache_salt}:{key}")
+
+
 def _checked(value: object, field: str) -> SessionId:
     if not isinstance(value, str) or not value or len(value) > MAX_KEY_LENGTH:
         raise InvalidSessionKey(
             f"{field} must be a non-empty string of at most {MAX_KEY_LENGTH} characters"
         )
     return SessionId(value)
+
+
+OFFER_MARGIN_S = 5.0
+"""An offer whose hold ends within this many seconds is not sent: P would race D
+freeing its blocks (the engine-side connector uses the same margin)."""
+
+OfferUse = Literal["sent", "expired", "none"]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionOffer:
+    """D's end-of-turn kv_transfer_params for a session (vLLM's bidirectional mode):
+    the blocks of the whole session D holds for a peer to pull, until ``expires_at``
+    (Unix seconds, from KVPilotConnector's ``kvpilot_expires_at``; ``None`` when D
+    stated no wall-clock hold)."""
+
+    holder: WorkerId
+    params: Mapping[str, Any]
+    expires_at: float | None
+
+    @classmethod
+    def from_response(cls, holder: WorkerId, params: object) -> SessionOffer | None:
+        """The offer in D's returned params, or ``None`` if they offer no blocks."""
+        if not isinstance(params, Mapping) or not params.get("do_remote_decode"):
+            return None
+        if not params.get("remote_block_ids"):
+            return None
+        expires_at = params.get("kvpilot_expires_at")
+        valid_expiry = isinstance(expires_at, (int, float)) and not isinstance(expires_at, bool)
+        return cls(holder, dict(params), float(expires_at) if valid_expiry else None)
+
+    def use(self, now: float, margin_s: float = OFFER_MARGIN_S) -> OfferUse:
+        """``sent`` if P may still pull it at ``now`` (Unix seconds), else ``expired``."""
+        if self.expires_at is not None and self.expires_at - now < margin_s:
+            return "expired"
+        return "sent"
 
 
 class Advance(NamedTuple):
@@ -75,12 +119,14 @@ class Advance(NamedTuple):
 class SessionState:
     """One session: its chain (with the index's cached match) and where it last ran."""
 
-    __slots__ = ("block_size", "chain", "last_worker", "_lora", "_salt")
+    __slots__ = ("block_size", "chain", "last_worker", "offer", "_lora", "_salt")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.chain: PromptChain | None = None
         self.last_worker: WorkerId | None = None
+        self.offer: SessionOffer | None = None
+        """D's offer of the session's KV after its last step, until used or replaced."""
         self._lora: str | None = None
         self._salt: str | None = None
 
@@ -159,8 +205,11 @@ class SessionStore:
 __all__ = [
     "Advance",
     "InvalidSessionKey",
+    "OfferUse",
     "SessionId",
+    "SessionOffer",
     "SessionState",
     "SessionStore",
+    "scoped",
     "session_key",
 ]

@@ -9,11 +9,11 @@ may pull D's KV of the session instead of recomputing it, then hands the step to
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from deploy.agent_session import decoded_turn, prefill_next_turn
 from deploy.client import Completion, complete
 from deploy.metrics import Samples, scrape
 from deploy.prompts import filler_text
@@ -89,21 +89,14 @@ def run_session(p_url: str, d_url: str, tokenizer: PromptTokenizer, seed: int, e
     """Turn 1 P->D, then turn 2 on P with D's params (``mutate_params`` of them: P
     pulls from D), then on D; each request may take ``timeout`` seconds."""
     x = history(tokenizer, seed)
-    p1 = complete(p_url, x, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout)
-    d1 = complete(d_url, x, max_tokens=GENERATED, ignore_eos=True, return_token_ids=True,
-                  kv_transfer_params=p1.kv_transfer_params, timeout=timeout)  # fmt: skip
-    d_params_at = time.time()
-    assert d1.kv_transfer_params is not None and d1.kv_transfer_params.get("do_remote_decode")
-    gen = list(d1.token_ids)
-    assert len(gen) == GENERATED
-    x2 = edit(x, gen) + tokenizer.prompt_token_ids(" tool: " + filler_text(NEW_TOOL_OUTPUT, seed + 1))
+    turn = decoded_turn(p_url, d_url, x, GENERATED, timeout=timeout)
+    x2 = edit(x, turn.generated) + tokenizer.prompt_token_ids(" tool: " + filler_text(NEW_TOOL_OUTPUT, seed + 1))
     extra = {"cache_salt": turn2_salt} if turn2_salt else {}
     before = scrape(p_url)
-    p2 = complete(p_url, x2, max_tokens=1, kv_transfer_params=mutate_params(d1.kv_transfer_params),
-                  timeout=timeout, **extra)  # fmt: skip
+    p2 = prefill_next_turn(p_url, x2, mutate_params(turn.d_params), timeout=timeout, **extra)
     after = settle(p_url)
     d2 = complete(d_url, x2, max_tokens=8, kv_transfer_params=p2.kv_transfer_params, timeout=timeout, **extra)
-    return Turn2(x, gen, d1.kv_transfer_params, d_params_at, x2, p2, d2, before, after)
+    return Turn2(x, turn.generated, turn.d_params, turn.d_params_at, x2, p2, d2, before, after)
 
 
 def colocated(engine_url: str, x: list[int], x2: list[int], reused_blocks: int) -> Completion:

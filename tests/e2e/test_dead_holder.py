@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from deploy.client import complete
+from deploy.agent_session import decoded_turn, prefill_next_turn
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape
 from fleets import running_fleet
 from routing.tokenizer import PromptTokenizer
 from scenarios import PROMPT_TOKENS, RECOMPUTED, REJECTED, settle
-from sessions import EDITS, GENERATED, block_count, colocated, history
+from sessions import GENERATED, block_count, colocated, history
 
 pytestmark = pytest.mark.e2e
 
@@ -37,26 +37,16 @@ def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield started
 
 
-def _turn_one(p_url: str, d_url: str, x: list[int]) -> tuple[list[int], dict]:
-    """P prefills ``x`` and hands it to D, which generates; D's end-of-turn params."""
-    p1 = complete(p_url, x, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    d1 = complete(d_url, x, max_tokens=GENERATED, ignore_eos=True, return_token_ids=True,
-                  kv_transfer_params=p1.kv_transfer_params)  # fmt: skip
-    assert d1.kv_transfer_params is not None and d1.kv_transfer_params.get("remote_block_ids")
-    return list(d1.token_ids), d1.kv_transfer_params
-
-
 def test_a_dead_holder_is_recomputed_with_correct_output(fleet: Fleet, tokenizer: PromptTokenizer) -> None:
     prefill, decode = fleet.by_role("prefill")[0], fleet.by_role("decode")[0]
     sessions = [history(tokenizer, seed) for seed in (700, 701)]
-    turns = [_turn_one(prefill.url, decode.url, x) for x in sessions]
+    turns = [decoded_turn(prefill.url, decode.url, x, GENERATED) for x in sessions]
     os.killpg(decode.pid, signal.SIGKILL)  # D and its NIXL agent vanish with the session's KV
 
-    next_prompts = [EDITS["unedited"](x, gen) + tokenizer.prompt_token_ids(" tool: ok") for x, (gen, _) in
-                    zip(sessions, turns)]  # fmt: skip
-    for x, x2, (_, params), reason in zip(sessions, next_prompts, turns, ("load_failed", "peer_failed")):
+    for turn, reason in zip(turns, ("load_failed", "peer_failed")):
+        x, x2 = turn.prompt, turn.prompt + turn.generated + tokenizer.prompt_token_ids(" tool: ok")
         before = scrape(prefill.url)
-        out = complete(prefill.url, x2, max_tokens=1, kv_transfer_params=params, timeout=120)
+        out = prefill_next_turn(prefill.url, x2, turn.d_params, timeout=120)
         after = settle(prefill.url)
         # P keeps its own blocks of x from turn 1 and prefills the rest, as a
         # co-located engine that computed x first would.

@@ -40,7 +40,6 @@ def test_plain_nixl_attaches_by_position_and_answers_wrong(nixl_fleet: Fleet, to
     assert out.logprobs != reference.logprobs
 
 
-@pytest.mark.d_to_p
 def test_plain_nixl_pulls_an_edited_session_by_position_and_answers_wrong(
     nixl_fleet: Fleet, tokenizer: PromptTokenizer
 ) -> None:

@@ -4,13 +4,11 @@ for NixlConnector, and attaches only what verifies against its own tokens."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from deploy import fleet as fleet_io
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta
@@ -21,7 +19,7 @@ from sessions import (
     EDITS, GENERATED, PULL_DECISIONS, block_count, colocated, common_prefix, handshake_both_ways, run_session,
 )  # fmt: skip
 
-pytestmark = [pytest.mark.e2e, pytest.mark.d_to_p]
+pytestmark = pytest.mark.e2e
 
 PORTS = {"engine_port": 8710, "side_channel_port": 6110, "events_port": 6710, "router_port": 8700}
 # NixlConnector's own keys at the top level; the threshold pinned at 0 (always pull
@@ -96,25 +94,3 @@ def test_an_expired_lease_is_recomputed_not_pulled(fleet: Fleet, tokenizer: Prom
     assert delta(turn.p_after, turn.p_before, RECOMPUTED, reason="lease_expired") > 0
     reference = colocated(decode, turn.x, turn.x2, block_count(len(turn.x)))
     assert turn.p_out.logprobs[0] == reference.logprobs[0]
-
-
-def test_the_roofline_policy_decides_live(fleet: Fleet, spec: FleetSpec, tokenizer: PromptTokenizer) -> None:
-    """Last in this module: P restarts without a threshold, so the roofline policy
-    decides its pulls from its own load and measured link; every decision is counted
-    with the span's verified blocks loaded or recomputed accordingly."""
-    roofline = dataclasses.replace(spec, connector_extra_config={"bidirectional_kv_xfer": True})
-    restarted = fleet_io.restart_engine(roofline, "prefill-0")
-    prefill, decode = _urls(restarted)
-    handshake_both_ways(prefill, decode, tokenizer)  # a new P: new handshakes
-    for seed in (400, 401):
-        turn = run_session(prefill, decode, tokenizer, seed=seed, edit=EDITS["unedited"])
-        after, before = turn.p_after, turn.p_before
-        pulls = delta(after, before, PULL_DECISIONS, decision="pull", reason="roofline")
-        recomputes = delta(after, before, PULL_DECISIONS, decision="recompute", reason="roofline")
-        assert pulls + recomputes == 1
-        span = (block_count(len(turn.x) + GENERATED - 1) - block_count(len(turn.x))) * 32
-        if pulls:
-            assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") == span
-        else:
-            assert delta(after, before, RECOMPUTED, reason="pull_policy") == span
-            assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") == 0

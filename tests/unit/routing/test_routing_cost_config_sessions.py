@@ -12,7 +12,7 @@ from routing.config import ConfigError, CostConfig, add_cli_flags, load_config
 from routing.chain import PromptChain, first_difference
 from routing.cost import Candidate, CostModel, TierOverlap, tier_overlap, worker_terms
 from routing.ledger import LoadLedger, WorkerLoad
-from routing.sessions import InvalidSessionKey, SessionStore, session_key
+from routing.sessions import InvalidSessionKey, SessionId, SessionOffer, SessionStore, scoped, session_key
 
 CFG = CostConfig()
 
@@ -201,3 +201,37 @@ def test_session_chains_hold_packed_tokens():
     with pytest.raises(ValueError, match="2\\*\\*32"):
         s.advance(list(range(12)) + [-1])
     assert list(s.chain.tokens) == list(range(12))  # a refused prompt changes nothing
+
+
+def test_a_session_id_is_scoped_by_salt():
+    key = SessionId("agent-1")
+    assert scoped(key, None) == key
+    assert scoped(key, "tenant-a") != scoped(key, "tenant-b")
+    # a salt cannot be spelled so that another (salt, key) pair collides
+    assert scoped(SessionId("b:c"), "a") != scoped(SessionId("c"), "a:b")
+
+
+OFFERED = {"do_remote_decode": True, "remote_block_ids": [[3, 4]], "remote_engine_id": "d",
+           "kvpilot_expires_at": 1000.0}
+
+
+@pytest.mark.parametrize(("params", "offered"), [
+    (OFFERED, True),
+    ({**OFFERED, "remote_block_ids": []}, False),  # no blocks held
+    ({**OFFERED, "do_remote_decode": False}, False),  # not bidirectional
+    (None, False),
+    ("params", False),
+])
+def test_an_offer_is_read_only_from_params_that_hold_blocks(params, offered):
+    assert (SessionOffer.from_response("decode-0", params) is not None) == offered
+
+
+@pytest.mark.parametrize(("now", "use"), [(900.0, "sent"), (994.9, "sent"), (995.1, "expired"), (1200.0, "expired")])
+def test_an_offer_about_to_expire_is_not_sent(now, use):
+    offer = SessionOffer.from_response("decode-0", OFFERED)
+    assert offer is not None and offer.use(now) == use
+
+
+def test_an_offer_without_a_wall_clock_hold_is_sent():
+    offer = SessionOffer.from_response("decode-0", {**OFFERED, "kvpilot_expires_at": "soon"})
+    assert offer is not None and offer.expires_at is None and offer.use(10**12) == "sent"

@@ -1,0 +1,53 @@
+"""Drive one agent session across a P and a D engine directly, as vLLM's
+``disagg_proxy_multiturn.py`` example does (article sections 5 and 9.2-9.4).
+
+Turn k: P prefills the history and hands it to D (P's params carry the handoff);
+D generates the next tool call and returns its end-of-turn kv_transfer_params,
+which in vLLM's bidirectional mode offer D's KV of the whole session. Turn k+1
+starts on P with the history as the client resends it and D's params: P may pull
+D's KV back. Used by the e2e tests and the benchmarks; talks HTTP only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from deploy.client import Completion, complete
+
+
+@dataclass(frozen=True)
+class DecodedTurn:
+    """What D produced in one turn, and the params that offer its KV to P."""
+
+    prompt: list[int]
+    generated: list[int]
+    d_params: dict[str, Any]
+    d_params_at: float
+    """Unix time at which D returned ``d_params``."""
+
+
+def decoded_turn(p_url: str, d_url: str, prompt: list[int], generated: int, timeout: float = 300.0,
+                 **extra: Any) -> DecodedTurn:  # fmt: skip
+    """P prefills ``prompt`` for D (``max_tokens=1``); D pulls it and generates
+    ``generated`` tokens (``ignore_eos``). Raises if D returns no session offer."""
+    p = complete(p_url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout,
+                 **extra)  # fmt: skip
+    d = complete(d_url, prompt, max_tokens=generated, ignore_eos=True, return_token_ids=True,
+                 kv_transfer_params=p.kv_transfer_params, timeout=timeout, **extra)  # fmt: skip
+    at = time.time()
+    if not (d.kv_transfer_params and d.kv_transfer_params.get("do_remote_decode")):
+        raise RuntimeError(f"D returned no session offer (is bidirectional_kv_xfer on?): {d.kv_transfer_params}")
+    if len(d.token_ids) != generated:
+        raise RuntimeError(f"D generated {len(d.token_ids)} tokens, asked for {generated}")
+    return DecodedTurn(prompt, list(d.token_ids), d.kv_transfer_params, at)
+
+
+def prefill_next_turn(p_url: str, prompt: list[int], d_params: dict[str, Any] | None, timeout: float = 300.0,
+                      **extra: Any) -> Completion:  # fmt: skip
+    """The next turn's prefill on P: with D's params P may pull D's KV of the
+    session; with ``None`` it prefills beyond its own cache. ``max_tokens=1``, so the
+    completion's latency is P's time to first token."""
+    params = {"do_remote_decode": True} if d_params is None else d_params
+    return complete(p_url, prompt, max_tokens=1, kv_transfer_params=params, timeout=timeout, **extra)
