@@ -9,8 +9,11 @@ blocks beyond its local hit (D->P); D pulls turn 2 from P. Throughput is the byt
 vLLM's NIXL worker moved over the time it measured for them, from each engine's own
 ``vllm:nixl_bytes_transferred`` and ``vllm:nixl_xfer_time_seconds`` (D's counters for
 P->D, P's for D->P), so the one-time NIXL handshakes and the CPU box's scheduling
-stalls between requests do not count. It prints bytes/s per direction and the
-kvpilot / plain ratio (target: at least 0.9).
+stalls between requests do not count. Then raw NIXL (:mod:`nixl_raw`: two bare
+agents in two processes) reads the same number of transfers with the mean descriptor
+size and count the connectors used in each direction: the link's ceiling here. It
+prints bytes/s per direction and the kvpilot / plain and kvpilot / raw ratios
+(target: kvpilot at least 0.9x plain).
 
     python benchmarks/bench_transfer.py
 """
@@ -19,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+import nixl_raw
 
 from deploy import fleet as fleet_io
 from deploy.agent_session import decoded_turn, prefill_next_turn
@@ -33,6 +39,7 @@ from routing.tokenizer import PromptTokenizer
 BYTES = "vllm:nixl_bytes_transferred_sum"
 SECONDS = "vllm:nixl_xfer_time_seconds_sum"
 TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
+DESCRIPTORS = "vllm:nixl_num_descriptors_sum"
 CONNECTORS = ("NixlConnector", "KVPilotConnector")
 
 
@@ -45,12 +52,36 @@ def session(p_url: str, d_url: str, tokenizer: PromptTokenizer, seed: int, histo
     complete(d_url, x2, max_tokens=2, kv_transfer_params=p2.kv_transfer_params)
 
 
-def throughput(after: Samples, before: Samples) -> tuple[float, float, int]:
-    """(bytes, seconds, transfers) moved by one engine's NIXL worker between two scrapes."""
-    return delta(after, before, BYTES), delta(after, before, SECONDS), int(delta(after, before, TRANSFERS))
+@dataclass(frozen=True)
+class Moved:
+    """What one engine's NIXL worker moved between two scrapes."""
+
+    nbytes: float
+    seconds: float
+    transfers: int
+    descriptors: int
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.nbytes / self.seconds if self.seconds else 0.0
 
 
-def measure(connector: str, args: argparse.Namespace, tokenizer: PromptTokenizer) -> dict[str, tuple[float, float, int]]:
+def throughput(after: Samples, before: Samples) -> Moved:
+    return Moved(delta(after, before, BYTES), delta(after, before, SECONDS), int(delta(after, before, TRANSFERS)),
+                 int(delta(after, before, DESCRIPTORS)))  # fmt: skip
+
+
+def raw_baseline(moved: Moved) -> Moved:
+    """Raw NIXL on ``moved``'s transfer count and mean descriptor size and count."""
+    if not moved.transfers or not moved.descriptors:
+        return Moved(0.0, 0.0, 0, 0)
+    per_transfer = max(1, round(moved.descriptors / moved.transfers))
+    descriptor_bytes = max(1, round(moved.nbytes / moved.descriptors))
+    raw = nixl_raw.measure(descriptor_bytes, per_transfer, moved.transfers)
+    return Moved(raw.nbytes, raw.seconds, raw.transfers, per_transfer * raw.transfers)
+
+
+def measure(connector: str, args: argparse.Namespace, tokenizer: PromptTokenizer) -> dict[str, Moved]:
     spec = FleetSpec(model_dir=ensure_tiny_model(), run_dir=Path(tempfile.mkdtemp(prefix="kvpilot-bench-")),
                      disaggregation="always", connector=connector,
                      connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
@@ -76,18 +107,19 @@ def main() -> None:
     tokenizer = PromptTokenizer(ensure_tiny_model())
     results = {connector: measure(connector, args, tokenizer) for connector in CONNECTORS}
 
+    raw = {direction: raw_baseline(results["KVPilotConnector"][direction]) for direction in ("P->D", "D->P")}
+
     print(f"{args.sessions} sessions, {args.history}-word history, {args.generated} generated tokens")
-    print(f"{'direction':10} {'connector':18} {'transfers':>9} {'MB':>9} {'xfer s':>8} {'MB/s':>9}")
+    print(f"{'direction':10} {'path':18} {'transfers':>9} {'MB':>9} {'xfer s':>8} {'MB/s':>9}")
     for direction in ("P->D", "D->P"):
-        rates = {}
-        for connector in CONNECTORS:
-            nbytes, seconds, count = results[connector][direction]
-            rates[connector] = nbytes / seconds if seconds else 0.0
-            print(f"{direction:10} {connector:18} {count:9d} {nbytes / 1e6:9.2f} {seconds:8.3f} "
-                  f"{rates[connector] / 1e6:9.1f}")  # fmt: skip
-        plain = rates["NixlConnector"]
-        ratio = rates["KVPilotConnector"] / plain if plain else float("nan")
-        print(f"{direction:10} kvpilot / plain {ratio:.2f}x")
+        rows = {**{c: results[c][direction] for c in CONNECTORS}, "raw NIXL": raw[direction]}
+        for path, moved in rows.items():
+            print(f"{direction:10} {path:18} {moved.transfers:9d} {moved.nbytes / 1e6:9.2f} {moved.seconds:8.3f} "
+                  f"{moved.bytes_per_s / 1e6:9.1f}")  # fmt: skip
+        kvpilot = rows["KVPilotConnector"].bytes_per_s
+        plain, ceiling = rows["NixlConnector"].bytes_per_s, rows["raw NIXL"].bytes_per_s
+        print(f"{direction:10} kvpilot / plain {kvpilot / plain if plain else float('nan'):.2f}x, "
+              f"kvpilot / raw {kvpilot / ceiling if ceiling else float('nan'):.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

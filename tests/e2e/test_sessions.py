@@ -1,6 +1,7 @@
-"""Sessions across pools, engine side: P pulls the session's newest KV back from D
-(vLLM's bidirectional protocol) through KVPilotConnector, configured as a drop-in
-for NixlConnector, and attaches only what verifies against its own tokens."""
+"""Sessions across pools: P pulls the session's newest KV back from D (vLLM's
+bidirectional protocol) through KVPilotConnector, configured as a drop-in for
+NixlConnector, and attaches only what verifies against its own tokens; driven
+directly, as vLLM's multi-turn proxy does, and through kvpilot's router."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from deploy.client import complete
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta
+from deploy.metrics import delta, scrape
 from fleets import running_fleet
 from routing.tokenizer import PromptTokenizer
-from scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED
+from scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED, settle
 from sessions import (
-    EDITS, GENERATED, PULL_DECISIONS, block_count, colocated, common_prefix, handshake_both_ways, run_session,
+    EDITS, GENERATED, PULL_DECISIONS, block_count, colocated, common_prefix, handshake_both_ways, history,
+    run_session,
 )  # fmt: skip
 
 pytestmark = pytest.mark.e2e
@@ -25,6 +28,7 @@ PORTS = {"engine_port": 8710, "side_channel_port": 6110, "events_port": 6710, "r
 # NixlConnector's own keys at the top level; the threshold pinned at 0 (always pull
 # what verifies) so that the co-located reference can split its prefill where P does.
 DROP_IN = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0}
+SESSION_OFFERS = "kvpilot_router_session_offers_total"
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +98,26 @@ def test_an_expired_lease_is_recomputed_not_pulled(fleet: Fleet, tokenizer: Prom
     assert delta(turn.p_after, turn.p_before, RECOMPUTED, reason="lease_expired") > 0
     reference = colocated(decode, turn.x, turn.x2, block_count(len(turn.x)))
     assert turn.p_out.logprobs[0] == reference.logprobs[0]
+
+
+def test_the_router_hands_ds_offer_to_p_at_the_next_step(fleet: Fleet, tokenizer: PromptTokenizer) -> None:
+    """Option 2 of the article's section 9.2 through the router: a client that resends
+    the whole history with a ``conversation_id`` gets P's pull of D's KV at step 2,
+    with D's answer equal to a co-located run."""
+    prefill, decode = _urls(fleet)
+    router = fleet.router.url
+    x = history(tokenizer, 600)
+    step1 = complete(router, x, max_tokens=GENERATED, ignore_eos=True, return_token_ids=True, conversation_id="s600")
+    x2 = x + list(step1.token_ids) + tokenizer.prompt_token_ids(" tool: ok, 3 tests pass")
+    before, router_before = scrape(prefill), scrape(router)
+    step2 = complete(router, x2, max_tokens=8, conversation_id="s600")
+    after, router_after = settle(prefill), scrape(router)
+
+    offered = x + list(step1.token_ids)[: GENERATED - 1]
+    verified = block_count(len(offered))
+    pulled = verified - block_count(len(x))
+    assert delta(router_after, router_before, SESSION_OFFERS, outcome="sent") == 1
+    assert delta(after, before, VERIFIED) == pulled
+    assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") == pulled * 32
+    reference = colocated(decode, x, x2, verified)
+    assert step2.same_output(reference), f"max logprob diff {step2.max_logprob_diff(reference)}"

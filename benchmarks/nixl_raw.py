@@ -1,0 +1,141 @@
+"""Raw NIXL reads between two processes on this box: the link's ceiling for the
+connectors' KV transfers, on the same descriptor sizes and counts.
+
+Two processes, each with one NIXL agent configured as vLLM 0.32's NIXL worker
+configures its own (UCX, ``num_threads=4``, telemetry on): the holder registers a
+DRAM buffer, the reader registers its own and READs ``descriptors`` descriptors of
+``descriptor_bytes`` each per transfer, ``transfers`` times. The holder's metadata
+reaches the reader over a pipe (vLLM uses a ZMQ side channel). Times are the
+reader's wall time from posting a transfer to seeing it done, as vLLM's
+``vllm:nixl_xfer_time_seconds`` measures.
+
+    python benchmarks/nixl_raw.py --descriptor-bytes 32768 --descriptors 4 --transfers 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from deploy.env import LOCAL_ONLY_ENV, NIXL_CPU_ENV
+
+
+@dataclass(frozen=True)
+class RawResult:
+    transfers: int
+    nbytes: int
+    seconds: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.nbytes / self.seconds if self.seconds else 0.0
+
+
+def _agent(name: str):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(num_threads=4, capture_telemetry=True))
+
+
+def _holder(conn: Connection, size: int) -> None:
+    agent = _agent("raw-holder")
+    buffer = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    agent.register_memory(agent.get_reg_descs([(buffer.ctypes.data, size, 0, "")], "DRAM"))
+    conn.send((agent.get_agent_metadata(), buffer.ctypes.data, int(buffer.sum())))
+    conn.recv()  # the reader is done
+
+
+def _read_all(conn: Connection, descriptor_bytes: int, descriptors: int, transfers: int) -> None:
+    agent = _agent("raw-reader")
+    metadata, remote_base, checksum = conn.recv()
+    remote = agent.add_remote_agent(metadata)
+    size = descriptor_bytes * descriptors * transfers
+    local = np.zeros(size, dtype=np.uint8)
+    agent.register_memory(agent.get_reg_descs([(local.ctypes.data, size, 0, "")], "DRAM"))
+    seconds = 0.0
+    for t in range(transfers):
+        offsets = [(t * descriptors + i) * descriptor_bytes for i in range(descriptors)]
+        local_descs = agent.get_xfer_descs([(local.ctypes.data + o, descriptor_bytes, 0) for o in offsets], "DRAM")
+        remote_descs = agent.get_xfer_descs([(remote_base + o, descriptor_bytes, 0) for o in offsets], "DRAM")
+        handle = agent.initialize_xfer("READ", local_descs, remote_descs, remote)
+        started = time.perf_counter()
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        seconds += time.perf_counter() - started
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL read {t} ended {state}")
+        agent.release_xfer_handle(handle)
+    if int(local.sum()) != checksum:
+        raise RuntimeError("raw NIXL read returned other bytes than the holder's")
+    conn.send(RawResult(transfers, size, seconds))
+    conn.send("done")
+
+
+def measure(descriptor_bytes: int, descriptors: int, transfers: int) -> RawResult:
+    """Raw NIXL READ throughput between two fresh processes (environment as the fleet's)."""
+    import os
+
+    os.environ.update({**LOCAL_ONLY_ENV, **NIXL_CPU_ENV})
+    ctx = mp.get_context("spawn")
+    holder_end, reader_end = ctx.Pipe()
+    results, results_in = ctx.Pipe(duplex=False)
+    holder = ctx.Process(target=_holder, args=(holder_end, descriptor_bytes * descriptors * transfers))
+    holder.start()
+    reader = ctx.Process(target=_relay, args=(reader_end, results_in, descriptor_bytes, descriptors, transfers))
+    reader.start()
+    try:
+        result = results.recv()
+    finally:
+        reader.join(60)
+        holder.join(60)
+        for proc in (reader, holder):
+            if proc.is_alive():
+                proc.kill()
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _relay(conn: Connection, results: Connection, descriptor_bytes: int, descriptors: int, transfers: int) -> None:
+    """The reader's process: reads, then hands the result (or the error) to the parent
+    and releases the holder."""
+    agent_conn = _Forward(conn, results)
+    try:
+        _read_all(agent_conn, descriptor_bytes, descriptors, transfers)  # type: ignore[arg-type]
+    except Exception as exc:  # reported to the parent, which raises it
+        results.send(exc)
+        conn.send("done")
+
+
+class _Forward:
+    """The holder's pipe for receiving; results go to the parent, ``done`` to the holder."""
+
+    def __init__(self, holder: Connection, results: Connection) -> None:
+        self._holder, self._results = holder, results
+
+    def recv(self):
+        return self._holder.recv()
+
+    def send(self, obj) -> None:
+        (self._results if isinstance(obj, RawResult) else self._holder).send(obj)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--descriptor-bytes", type=int, default=32768)
+    parser.add_argument("--descriptors", type=int, default=4, help="descriptors per transfer")
+    parser.add_argument("--transfers", type=int, default=32)
+    args = parser.parse_args()
+    r = measure(args.descriptor_bytes, args.descriptors, args.transfers)
+    print(f"raw NIXL READ: {r.transfers} transfers, {r.nbytes / 1e6:.2f} MB in {r.seconds:.3f} s: "
+          f"{r.bytes_per_s / 1e6:.1f} MB/s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
