@@ -112,6 +112,10 @@ def test_late_subscriber_catches_up_through_replay(endpoints, tmp_path):
 
 
 def test_engine_restart_clears_the_worker(endpoints):
+    """A restarted engine's sequence starts again at 0: the router drops everything
+    it knew of that worker, then indexes what the new engine stores. (The restart is
+    detected first and the new block published after, so that a PUB dropping batches
+    sent before its subscriber connects cannot lose the block under test.)"""
     endpoint, replay = endpoints
     index = BlockIndex(BS)
     sub = EngineSubscriber(W, endpoint, index, replay_endpoint=replay, topic="kv")
@@ -123,9 +127,11 @@ def test_engine_restart_clears_the_worker(endpoints):
     time.sleep(0.3)
     pub = _publisher(endpoint, replay)  # a restarted engine: seq starts at 0 again
     try:
-        pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[_stored(0, None)]))
         _publish_until_seen(pub, sub)
         assert sub.stats.restarts == 1
+        assert index.block_count(W) == 0
+        pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[_stored(0, None)]))
+        assert _depth_reaches(sub, index, 1) == 1
         assert index.match(PromptChain(_prompt(6), BS)).blocks == {W: {"GPU": 1}}
     finally:
         pub.shutdown()
