@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,8 @@ class FakeEngine:
     delay_s: float = 0.0
     kv_params: bool = True
     metrics_text: str | None = None  # None: /metrics answers 404
+    session_offer: dict[str, Any] | None = None
+    """What a decode answer returns as kv_transfer_params (vLLM's bidirectional mode)."""
     bodies: list[dict[str, Any]] = field(default_factory=list)
 
     def app(self) -> web.Application:
@@ -80,6 +83,8 @@ class FakeEngine:
                                    "choices": [choice], "usage": {"prompt_tokens": len(body["prompt"])}}  # fmt: skip
         if (body.get("kv_transfer_params") or {}).get("do_remote_decode") and self.kv_params:
             payload["kv_transfer_params"] = {"remote_engine_id": self.name, "remote_block_ids": [1, 2]}
+        elif self.session_offer is not None:
+            payload["kv_transfer_params"] = self.session_offer
         if not body.get("stream"):
             return web.json_response(payload)
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -304,6 +309,35 @@ def test_session_header_gives_affinity_to_the_last_decode_worker(model_dir):
         assert resp.headers["X-KVPilot-Decode-Worker"] == other  # no session: the prefix wins
 
     run(model_dir, {"co-0": "colocated", "co-1": "colocated"}, scenario)
+
+
+def test_ds_session_offer_goes_to_p_at_the_next_step_once_and_never_expired_or_across_salts(model_dir):
+    offer = {"do_remote_decode": True, "remote_block_ids": [[5, 6]], "remote_engine_id": "decode-0",
+             "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "r"}  # fmt: skip
+
+    async def step(client, tokens: int, **extra):
+        body = {"prompt": PROMPT + [7] * tokens, "conversation_id": "agent", **extra}
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200, await resp.text()
+
+    async def scenario(client, router, engines):
+        p, d = engines["prefill-0"], engines["decode-0"]
+        d.session_offer = {**offer, "kvpilot_expires_at": time.time() + 300}
+        await step(client, 4)
+        assert p.bodies[-1]["kv_transfer_params"] == {"do_remote_decode": True}  # step 1: nothing offered yet
+        await step(client, 8)
+        assert p.bodies[-1]["kv_transfer_params"] == d.session_offer  # step 2: D's offer of step 1
+        await step(client, 12, cache_salt="tenant-b")  # the same id in another tenant: another session
+        assert p.bodies[-1]["kv_transfer_params"] == {"do_remote_decode": True}
+        d.session_offer = {**offer, "kvpilot_expires_at": time.time() + 2}  # D's hold ends before P could read
+        await step(client, 16)
+        await step(client, 20)
+        assert p.bodies[-1]["kv_transfer_params"] == {"do_remote_decode": True}
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpilot_router_session_offers_total{outcome="sent"} 2.0' in metrics
+        assert 'kvpilot_router_session_offers_total{outcome="expired"} 1.0' in metrics
+
+    run(model_dir, PD, scenario, disaggregation={"max_local_tokens": 0})
 
 
 @pytest.mark.parametrize(
