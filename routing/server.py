@@ -202,6 +202,8 @@ class RouterServer:
         if model is not None and model != self.config.server.model_name:
             served = self.config.server.model_name
             raise BadRequest(f"'model' {model!r} is not served here (serving {served!r})", 404)
+        if "kv_transfer_params" in body:  # it names NIXL peers and blocks: the data plane is the router's
+            raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
         _optional(body, "stream", bool, "true or false")
         _optional(body, "cache_salt", str, "a string")
         max_tokens = _optional(body, "max_tokens", int, "a positive integer")
