@@ -44,6 +44,7 @@ from routing.engines import Fleet, IndexFeeder, Worker
 from routing.index import BlockIndex, KVIndex
 from routing.router import Route, Router, policy_from_config
 from routing.server_metrics import RouterMetrics
+from routing.request_fields import refused_field
 from routing.sessions import InvalidSessionKey, SessionId, SessionStore, scoped, session_key
 from routing.tokenizer import PromptError, PromptTokenizer
 
@@ -172,7 +173,7 @@ class RouterServer:
 
     async def _debug_route(self, request: web.Request) -> web.Response:
         try:
-            body = await self._body(request)
+            body = await self._body(request, chat=None)
             route, _, _ = self._route(request, body, "messages" in body, dry_run=True)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
@@ -191,7 +192,9 @@ class RouterServer:
         )
 
     # ---- parsing and routing -------------------------------------------------
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    async def _body(self, request: web.Request, chat: bool | None) -> dict[str, Any]:
+        """The parsed, checked body of a completions (``chat=False``) or chat
+        (``True``) request; ``None``: either, as its fields say."""
         try:
             body = json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -202,8 +205,9 @@ class RouterServer:
         if model is not None and model != self.config.server.model_name:
             served = self.config.server.model_name
             raise BadRequest(f"'model' {model!r} is not served here (serving {served!r})", 404)
-        if "kv_transfer_params" in body:  # it names NIXL peers and blocks: the data plane is the router's
-            raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
+        refused = refused_field(body, "messages" in body if chat is None else chat)
+        if refused is not None:
+            raise BadRequest(refused)
         _optional(body, "stream", bool, "true or false")
         _optional(body, "cache_salt", str, "a string")
         max_tokens = _optional(body, "max_tokens", int, "a positive integer")
@@ -246,7 +250,7 @@ class RouterServer:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         started = time.perf_counter()
         try:
-            body = await self._body(request)
+            body = await self._body(request, chat)
             engine_body = chat_to_completion_body(body) if chat else dict(body)
             route, engine_body["prompt"], session = self._route(request, body, chat)
         except (BadRequest, ChatError) as exc:

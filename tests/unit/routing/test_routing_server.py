@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -313,6 +314,42 @@ def test_session_header_gives_affinity_to_the_last_decode_worker(model_dir):
         assert resp.headers["X-KVPilot-Decode-Worker"] == other  # no session: the prefix wins
 
     run(model_dir, {"co-0": "colocated", "co-1": "colocated"}, scenario)
+
+
+def test_no_field_outside_the_allow_list_reaches_an_engine(model_dir):
+    """Fuzzed bodies: known fields, engine-internal ones and random names, on both
+    endpoints. A refused body is a 400 naming the field and reaches no engine; an
+    accepted one reaches the engines with allow-listed fields only."""
+    from routing.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, ENGINE_INTERNAL, SESSION_FIELDS
+
+    rng = random.Random(7)
+    candidates = sorted(COMPLETION_FIELDS - {"model", "prompt", "stream", "stream_options"}) + sorted(ENGINE_INTERNAL)
+    candidates += ["x_internal", "__proto__", "remote_host", "do_remote_prefill", "best_of", ""]
+    values = [1, 0.5, True, "v", [1, 2], {"do_remote_decode": True, "remote_host": "10.0.0.1"}, None]
+
+    async def scenario(client, router, engines):
+        for i in range(120):
+            chat = i % 2 == 1
+            body: dict[str, Any] = (
+                {"messages": [{"role": "user", "content": "hello world"}]} if chat else {"prompt": PROMPT[:8]}
+            )
+            extra = {rng.choice(candidates): rng.choice(values) for _ in range(rng.randint(0, 3))}
+            body.update(extra)
+            sent_before = sum(len(e.bodies) for e in engines.values())
+            resp = await client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+            reached = [b for e in engines.values() for b in e.bodies[sent_before:]]
+            bad = [k for k in extra if k not in COMPLETION_FIELDS | SESSION_FIELDS | CHAT_FIELDS]
+            if bad:
+                assert resp.status == 400, (body, resp.status)
+                message = (await resp.json())["error"]["message"]
+                assert any(f"'{k}'" in message for k in bad), message
+                assert not reached
+            for engine_body in reached:  # what the router itself sets is allowed too
+                assert set(engine_body) <= COMPLETION_FIELDS | {"kv_transfer_params"}, engine_body
+                if "kv_transfer_params" in engine_body:
+                    assert engine_body["kv_transfer_params"] != {"do_remote_decode": True, "remote_host": "10.0.0.1"}
+
+    run(model_dir, PD, scenario)
 
 
 def test_ds_session_offer_goes_to_p_at_the_next_step_once_and_never_expired_or_across_salts(model_dir):
