@@ -135,7 +135,7 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
         disaggregation = {"max_local_tokens": 0}  # no prompt is short enough to stay on D
     return {
         "server": {"host": HOST, "port": spec.router_port, "model_name": spec.served_model_name,
-                   "model_dir": str(spec.model_dir)},
+                   "model_dir": str(spec.model_dir), "max_prompt_tokens": spec.max_model_len},
         "index": {"block_size": spec.block_size, "backend": spec.index_backend},
         "disaggregation": disaggregation,
         "workers": [

@@ -154,11 +154,30 @@ class ServerConfig:
     prefill_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
     engine_metrics_interval_s: float = 5.0
+    max_body_bytes: int = 4 << 20
+    """Larger bodies are refused (413): 4 MiB holds 8K token ids or a long chat."""
+    max_prompt_tokens: int = 0
+    """Prompts longer than this are refused (400) before routing; 0: no limit. The
+    fleet sets the engines' max model length."""
+    max_output_tokens: int = 0
+    """``max_tokens`` (``max_completion_tokens``) above this is refused (400); 0: no limit."""
+    max_concurrent_requests: int = 0
+    """Requests in flight at once; 0: no limit (no queue)."""
+    max_queued_requests: int = 256
+    """Requests waiting for a slot; more are refused at once (429)."""
+    queue_timeout_s: float = 30.0
+    """A queued request not admitted within this is refused (503)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65536), got {self.port}")
-        _non_negative(self, "engine_metrics_interval_s")
+        for name in ("engine_metrics_interval_s", "max_prompt_tokens", "max_output_tokens",
+                     "max_concurrent_requests", "max_queued_requests"):  # fmt: skip
+            _non_negative(self, name)
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if not math.isfinite(self.queue_timeout_s) or self.queue_timeout_s <= 0:
+            raise ConfigError(f"queue_timeout_s must be a finite number > 0, got {self.queue_timeout_s!r}")
         for name in ("prefill_timeout_s", "request_timeout_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:

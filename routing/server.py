@@ -36,6 +36,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from routing.admission import Admission, Rejected
 from routing.chat import ChatError, ChatTemplate, chat_chunk, chat_response, chat_to_completion_body
 from routing.config import ConfigError, IndexConfig, RouterConfig
 from routing.ledger import LoadLedger
@@ -115,6 +116,8 @@ class RouterServer:
         self.lock = threading.Lock()
         self.index = make_index(config.index)
         self.ledger = LoadLedger()
+        srv = config.server
+        self.admission = Admission(srv.max_concurrent_requests, srv.max_queued_requests, srv.queue_timeout_s)
         policy = policy_from_config(config.disaggregation) if fleet.prefill else None
         sessions = SessionStore(config.index.block_size, config.sessions.max_sessions)
         interval = config.server.engine_metrics_interval_s
@@ -130,7 +133,7 @@ class RouterServer:
         self._http: aiohttp.ClientSession | None = None
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=self.config.server.max_body_bytes)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -196,7 +199,13 @@ class RouterServer:
         """The parsed, checked body of a completions (``chat=False``) or chat
         (``True``) request; ``None``: either, as its fields say."""
         try:
-            body = json.loads(await request.read())
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.metrics.rejected.labels("body_too_large").inc()
+            raise BadRequest(f"request body is over server.max_body_bytes ({self.config.server.max_body_bytes})",
+                             413) from None  # fmt: skip
+        try:
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BadRequest(f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
@@ -210,9 +219,14 @@ class RouterServer:
             raise BadRequest(refused)
         _optional(body, "stream", bool, "true or false")
         _optional(body, "cache_salt", str, "a string")
-        max_tokens = _optional(body, "max_tokens", int, "a positive integer")
-        if max_tokens is not None and max_tokens <= 0:
-            raise BadRequest("'max_tokens' must be a positive integer")
+        limit = self.config.server.max_output_tokens
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = _optional(body, name, int, "a positive integer")
+            if value is not None and value <= 0:
+                raise BadRequest(f"'{name}' must be a positive integer")
+            if value is not None and limit and value > limit:
+                self.metrics.rejected.labels("max_tokens").inc()
+                raise BadRequest(f"'{name}' {value} is over server.max_output_tokens ({limit})")
         return body
 
     def _route(
@@ -232,6 +246,10 @@ class RouterServer:
             raise BadRequest(str(exc)) from None
         if not token_ids:
             raise BadRequest("the prompt renders to no tokens")
+        limit = self.config.server.max_prompt_tokens
+        if limit and len(token_ids) > limit:
+            self.metrics.rejected.labels("prompt_too_long").inc()
+            raise BadRequest(f"the prompt has {len(token_ids)} tokens, over server.max_prompt_tokens ({limit})")
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
         with self.lock:
@@ -248,6 +266,17 @@ class RouterServer:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        """Admit (or refuse early, with ``Retry-After``), then serve."""
+        try:
+            async with self.admission.admit():
+                return await self._serve_admitted(request, chat)
+        except Rejected as exc:
+            self.metrics.rejected.labels(exc.reason).inc()
+            response = _error(exc.status, str(exc), "overloaded")
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+            return response
+
+    async def _serve_admitted(self, request: web.Request, chat: bool) -> web.StreamResponse:
         started = time.perf_counter()
         try:
             body = await self._body(request, chat)

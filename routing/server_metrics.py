@@ -31,6 +31,7 @@ class RouterMetrics:
     ``kvpilot_router_prefill_failures_total{worker,reason}``,
     ``kvpilot_router_prefill_fallbacks_total``, ``kvpilot_router_upstream_errors_total{worker}``.
     Sessions across pools: ``kvpilot_router_session_offers_total{outcome="sent"|"expired"}``.
+    Limits and admission: ``kvpilot_router_rejected_total{reason}``.
     At scrape time: KV-event ingest per worker (batches, replays, gaps, restarts,
     rejected events by reason), the index's blocks per worker and tier, the
     ledger's load per worker (``kvpilot_router_active_prefill_blocks``,
@@ -65,6 +66,10 @@ class RouterMetrics:
         )
         self.fallbacks = Counter(p + "prefill_fallbacks", "Requests prefilled locally on D after P failed", registry=r)
         self.upstream_errors = Counter(p + "upstream_errors", "Engine errors returned to clients", ["worker"], registry=r)
+        self.rejected = Counter(
+            p + "rejected", "Requests refused before routing: body_too_large, prompt_too_long, max_tokens, "
+            "queue_full, queue_timeout", ["reason"], registry=r,
+        )  # fmt: skip
         self.session_offers = Counter(
             p + "session_offers", "D's offers of a session's KV at the session's next remote prefill: sent to P, "
             "or dropped because D's hold ends before P could read it", ["outcome"], registry=r,

@@ -101,7 +101,8 @@ class FakeEngine:
 Scenario = Callable[[TestClient, RouterServer, dict[str, FakeEngine]], Awaitable[None]]
 
 
-def run(model_dir: Path, roles: dict[str, str], scenario: Scenario, **sections: Any) -> None:
+def run(model_dir: Path, roles: dict[str, str], scenario: Scenario, server_extra: dict[str, Any] | None = None,
+        **sections: Any) -> None:  # fmt: skip
     """Start the fake engines and the router (no KV events), then run ``scenario``."""
 
     async def main() -> None:
@@ -113,8 +114,8 @@ def run(model_dir: Path, roles: dict[str, str], scenario: Scenario, **sections: 
             {"name": name, "role": role, "url": str(servers[name].make_url("/")).rstrip("/")}
             for name, role in roles.items()
         ]
-        doc = {"index": {"block_size": BS}, "server": {"model_dir": str(model_dir), "prefill_timeout_s": 0.5},
-               "workers": workers, **sections}  # fmt: skip
+        server = {"model_dir": str(model_dir), "prefill_timeout_s": 0.5, **(server_extra or {})}
+        doc = {"index": {"block_size": BS}, "server": server, "workers": workers, **sections}
         path = model_dir / "router.yaml"
         path.write_text(yaml.safe_dump(doc))
         cfg = load_config(path)
@@ -350,6 +351,50 @@ def test_no_field_outside_the_allow_list_reaches_an_engine(model_dir):
                     assert engine_body["kv_transfer_params"] != {"do_remote_decode": True, "remote_host": "10.0.0.1"}
 
     run(model_dir, PD, scenario)
+
+
+def test_overload_is_refused_early_with_retry_after(model_dir):
+    """One slot, one queue place: of three concurrent requests to a slow engine, one is
+    served, one waits and is served, one is refused at once (429); a request that waits
+    past the queue timeout is refused then (503). Both say when to retry."""
+
+    async def scenario(client, router, engines):
+        engines["decode-0"].delay_s = 0.6
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        responses = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(3)))
+        statuses = sorted(r.status for r in responses)
+        assert statuses == [200, 200, 429], statuses
+        refused = next(r for r in responses if r.status == 429)
+        assert refused.headers["Retry-After"] == "1" and "capacity" in (await refused.json())["error"]["message"]
+        engines["decode-0"].delay_s = 3.0
+        slow = asyncio.ensure_future(client.post("/v1/completions", json=body))
+        await asyncio.sleep(0.2)
+        late = await client.post("/v1/completions", json=body)
+        assert late.status == 503 and late.headers["Retry-After"] == "1"
+        assert (await slow).status == 200
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpilot_router_rejected_total{reason="queue_full"} 1.0' in metrics
+        assert 'kvpilot_router_rejected_total{reason="queue_timeout"} 1.0' in metrics
+        assert router.admission.in_flight == 0 and router.admission.queued == 0 and _idle(router)
+
+    run(model_dir, {"decode-0": "colocated"}, scenario,
+        server_extra={"max_concurrent_requests": 1, "max_queued_requests": 1, "queue_timeout_s": 1.0})
+
+
+@pytest.mark.parametrize(("limits", "body", "status", "reason", "names"), [
+    ({"max_body_bytes": 1024}, {"prompt": "hello " * 400}, 413, "body_too_large", "max_body_bytes"),
+    ({"max_prompt_tokens": 16}, {"prompt": PROMPT}, 400, "prompt_too_long", "max_prompt_tokens"),
+    ({"max_output_tokens": 64}, {"prompt": PROMPT, "max_tokens": 65}, 400, "max_tokens", "'max_tokens' 65"),
+])
+def test_limits_refuse_before_routing_naming_the_limit(model_dir, limits, body, status, reason, names):
+    async def scenario(client, router, engines):
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == status and names in (await resp.json())["error"]["message"]
+        assert not engines["decode-0"].bodies
+        metrics = await (await client.get("/metrics")).text()
+        assert f'kvpilot_router_rejected_total{{reason="{reason}"}} 1.0' in metrics
+
+    run(model_dir, {"decode-0": "colocated"}, scenario, server_extra=limits)
 
 
 def test_ds_session_offer_goes_to_p_at_the_next_step_once_and_never_expired_or_across_salts(model_dir):

@@ -1,0 +1,73 @@
+"""Admission control: at most ``max_concurrent`` requests in flight, at most
+``max_queued`` waiting, none waiting longer than ``queue_timeout_s``.
+
+Under overload the router answers early instead of letting every request slow
+down (Mooncake's early rejection; Dynamo answers 529 past its queue threshold):
+a full queue is refused at once (429), a request that waited its whole timeout is
+refused then (503); both carry ``Retry-After``. Runs on the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Literal
+
+RejectReason = Literal["queue_full", "queue_timeout"]
+
+
+class Rejected(Exception):
+    """Not admitted: ``status`` (429 or 503) and ``retry_after_s`` for the client."""
+
+    def __init__(self, reason: RejectReason, status: int, retry_after_s: int, message: str) -> None:
+        super().__init__(message)
+        self.reason, self.status, self.retry_after_s = reason, status, retry_after_s
+
+
+class Admission:
+    """``max_concurrent == 0`` admits everything at once (no limit)."""
+
+    def __init__(self, max_concurrent: int, max_queued: int, queue_timeout_s: float) -> None:
+        if max_concurrent < 0 or max_queued < 0 or queue_timeout_s <= 0:
+            raise ValueError("max_concurrent and max_queued must be >= 0, queue_timeout_s > 0")
+        self.max_concurrent, self.max_queued, self.queue_timeout_s = max_concurrent, max_queued, queue_timeout_s
+        self._slots = asyncio.Semaphore(max_concurrent) if max_concurrent else None
+        self.queued = 0
+        self.in_flight = 0
+
+    @asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        """Hold one slot for the body of the ``async with``; raises :class:`Rejected`."""
+        if self._slots is None:
+            self.in_flight += 1
+            try:
+                yield
+            finally:
+                self.in_flight -= 1
+            return
+        if not self._slots.locked():
+            await self._slots.acquire()  # a free slot: taken without suspending
+        else:
+            await self._wait_for_slot(self._slots)
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self._slots.release()
+
+    async def _wait_for_slot(self, slots: asyncio.Semaphore) -> None:
+        retry_after = max(1, math.ceil(self.queue_timeout_s))
+        if self.queued >= self.max_queued:
+            raise Rejected("queue_full", 429, retry_after,
+                           f"the router is at capacity ({self.max_concurrent} in flight, {self.queued} queued)")  # fmt: skip
+        self.queued += 1
+        try:
+            await asyncio.wait_for(slots.acquire(), self.queue_timeout_s)
+        except asyncio.TimeoutError:
+            raise Rejected("queue_timeout", 503, retry_after,
+                           f"no capacity within server.queue_timeout_s ({self.queue_timeout_s:g} s)") from None  # fmt: skip
+        finally:
+            self.queued -= 1
