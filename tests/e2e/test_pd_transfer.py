@@ -77,6 +77,41 @@ def test_decode_moves_only_blocks_beyond_its_local_hit(pd_fleet: Fleet, tokenize
     assert out.same_output(reference), f"max diff {out.max_logprob_diff(reference)}"
 
 
+BENCH_SERVE = """
+import json, sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+result = main(parser.parse_args(sys.argv[1:]))
+print("RESULT " + json.dumps({"completed": result["completed"], "failed": result["failed"]}))
+"""
+
+
+def test_vllm_bench_serve_drives_the_router(pd_fleet: Fleet, model_dir, tmp_path) -> None:
+    """The client vLLM ships (``vllm bench serve``, streaming completions with
+    ``stream_options``) through the router's P->D path: every request completes."""
+    import json
+    import subprocess
+    import sys
+
+    from deploy.env import child_env
+
+    router = pd_fleet.router.url
+    before = scrape(router)
+    args = ["--backend", "openai", "--base-url", router, "--model", "tiny", "--tokenizer", str(model_dir),
+            "--dataset-name", "random", "--random-input-len", "200", "--random-output-len", "4",
+            "--num-prompts", "6", "--max-concurrency", "2", "--disable-tqdm", "--ready-check-timeout-sec", "0",
+            "--seed", "3"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", BENCH_SERVE, *args], capture_output=True, text=True, timeout=900,
+                          env=child_env(), cwd=tmp_path)  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-3000:]
+    assert json.loads(lines[-1][7:]) == {"completed": 6, "failed": 0}
+    # the 6 prompts and vllm bench serve's initial single-prompt test run
+    assert delta(scrape(router), before, "kvpilot_router_decisions_total", kind="remote_prefill") == 7
+
+
 def test_prefill_failure_falls_back_to_local_prefill_on_decode(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
     """Last in this module: it stops the prefill engine."""
     from deploy.fleet import stop_group
