@@ -167,17 +167,23 @@ class ServerConfig:
     """Requests waiting for a slot; more are refused at once (429)."""
     queue_timeout_s: float = 30.0
     """A queued request not admitted within this is refused (503)."""
+    circuit_failures: int = 3
+    """Consecutive failures (no answer, timeout, 5xx) that open a worker's circuit; 0: off."""
+    circuit_open_s: float = 10.0
+    """How long an open circuit keeps a worker out of routing before it is tried again."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65536), got {self.port}")
         for name in ("engine_metrics_interval_s", "max_prompt_tokens", "max_output_tokens",
-                     "max_concurrent_requests", "max_queued_requests"):  # fmt: skip
+                     "max_concurrent_requests", "max_queued_requests", "circuit_failures"):  # fmt: skip
             _non_negative(self, name)
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
-        if not math.isfinite(self.queue_timeout_s) or self.queue_timeout_s <= 0:
-            raise ConfigError(f"queue_timeout_s must be a finite number > 0, got {self.queue_timeout_s!r}")
+        for name in ("queue_timeout_s", "circuit_open_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
         for name in ("prefill_timeout_s", "request_timeout_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:

@@ -56,6 +56,10 @@ if TYPE_CHECKING:
 PAIR_SEPARATOR = "->"
 
 
+class NoHealthyWorker(Exception):
+    """Every worker that could decode this request is unavailable."""
+
+
 class Kind(str, enum.Enum):
     """How a request is served."""
 
@@ -145,7 +149,10 @@ class Router:
         rng: random.Random | None = None,
         *,
         engine_load: Callable[[WorkerId], EngineLoad | None] | None = None,
+        available: Callable[[WorkerId], bool] | None = None,
     ) -> None:
+        """``available(worker)``: False while the worker's circuit is open
+        (:class:`routing.health.CircuitBreaker`); such a worker is not routed to."""
         if fleet.prefill and policy is None:
             raise ValueError("a fleet with prefill workers needs a local-vs-remote policy")
         self.fleet = fleet
@@ -155,6 +162,7 @@ class Router:
         self.sessions = sessions
         self.policy = policy
         self.engine_load = engine_load
+        self.available = available if available is not None else (lambda _: True)
         self.cost = CostModel(config.cost, rng if rng is not None else random.Random(config.cost.router_seed))
         self._tiers = config.index.tiers
         self._options: dict[str, tuple[Worker | None, Worker]] = {
@@ -198,14 +206,17 @@ class Router:
         match = self.index.match(chain)
         overlaps = self._overlaps(match)
         loads = {w.name: self.ledger.load(w.name, chain) for w in self.fleet.workers}  # once per worker
-        candidates = [
-            self._candidate(name, p, d, overlaps, loads, last) for name, (p, d) in self._options.items()
-        ]
+        options = {name: (p, d) for name, (p, d) in self._options.items() if self.available(d.name)}
+        if not options:
+            raise NoHealthyWorker("no decode or co-located worker is available: every circuit is open")
+        candidates = [self._candidate(name, p, d, overlaps, loads, last) for name, (p, d) in options.items()]
         decision = self.cost.decide(request_id, chain.num_blocks, candidates)
-        p, d = self._options[decision.chosen]
+        p, d = options[decision.chosen]
         local_remote = None
         kind = Kind.COLOCATED
-        if p is not None:
+        if p is not None and not self.available(p.name):  # P's circuit is open: D prefills (option 5)
+            p, kind = None, Kind.LOCAL_PREFILL
+        elif p is not None:
             assert self.policy is not None
             local_remote = self.policy.decide(*self._policy_inputs(len(token_ids), p, d, overlaps, loads))
             kind = Kind.REMOTE_PREFILL if local_remote.where is Where.REMOTE else Kind.LOCAL_PREFILL

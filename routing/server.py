@@ -43,7 +43,8 @@ from routing.ledger import LoadLedger
 from routing.engine_metrics import EngineLoadPoller
 from routing.engines import Fleet, IndexFeeder, Worker
 from routing.index import BlockIndex, KVIndex
-from routing.router import Route, Router, policy_from_config
+from routing.health import CircuitBreaker
+from routing.router import NoHealthyWorker, Route, Router, policy_from_config
 from routing.server_metrics import RouterMetrics
 from routing.request_fields import refused_field
 from routing.sessions import InvalidSessionKey, SessionId, SessionStore, scoped, session_key
@@ -122,9 +123,11 @@ class RouterServer:
         sessions = SessionStore(config.index.block_size, config.sessions.max_sessions)
         interval = config.server.engine_metrics_interval_s
         self.engine_load = EngineLoadPoller(fleet.workers, interval) if interval > 0 else None
+        self.breaker = CircuitBreaker(srv.circuit_failures, srv.circuit_open_s)
         self.router = Router(
             fleet, config, self.index, self.ledger, sessions, policy,
             engine_load=self.engine_load.latest if self.engine_load is not None else None,
+            available=lambda worker: self.breaker.allows(worker, time.monotonic()),
         )  # fmt: skip
         self._background: list[asyncio.Task[None]] = []
         self.feeder: IndexFeeder | None = None
@@ -253,9 +256,12 @@ class RouterServer:
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
         with self.lock:
-            route = self.router.route(
-                token_ids, request_id, cache_salt=body.get("cache_salt"), session=session, dry_run=dry_run
-            )
+            try:
+                route = self.router.route(
+                    token_ids, request_id, cache_salt=body.get("cache_salt"), session=session, dry_run=dry_run
+                )
+            except NoHealthyWorker as exc:
+                raise BadRequest(str(exc), 503) from None
         return route, token_ids, session
 
     # ---- the proxy ---------------------------------------------------------
@@ -302,16 +308,20 @@ class RouterServer:
                     engine_body["kv_transfer_params"] = params
             headers = {"X-Request-Id": rid, "X-KVPilot-Route": kind,
                        "X-KVPilot-Prefill-Worker": p, "X-KVPilot-Decode-Worker": d}  # fmt: skip
-            decode_params = None
+            decode_params, answered = None, True
             if engine_body.get("stream"):  # vLLM streams no kv_transfer_params: no offer to keep
-                response = await self._stream(request, route, engine_body, chat, headers, started)
+                response, answered = await self._stream(request, route, engine_body, chat, headers, started)
             else:
                 response, decode_params = await self._unary(route, engine_body, chat, headers)
             with self.lock:
                 self.router.served(session, route, decode_params)
+            if answered:
+                self._worker_answered(route.decode)
             return response
         except UpstreamError as exc:
             self.metrics.upstream_errors.labels(exc.worker.name).inc()
+            if exc.status >= 500:
+                self._worker_failed(exc.worker)
             log.warning("request %s: %s", rid, exc)
             return _error(exc.status, str(exc), "upstream_error")
         finally:
@@ -362,6 +372,8 @@ class RouterServer:
         except (ValueError, AttributeError):
             reason = "bad_response"
         if reason is not None:
+            if reason != "no_kv_transfer_params" and not reason.startswith("status_4"):
+                self._worker_failed(p)
             log.warning(
                 "request %s: prefill on %s failed (%s); local prefill on %s",
                 route.request_id, p.name, reason, route.decode.name,
@@ -369,9 +381,23 @@ class RouterServer:
             self.metrics.prefill_failed(p.name, reason)
             self.ledger.move_prefill(route.request_id, route.decode.name, route.decode_cached_blocks)
             return None
+        self._worker_answered(p)
         self.ledger.first_token(route.request_id)
         self.metrics.ttft_stage.labels("prefill").observe(time.perf_counter() - started)
         return params
+
+    def _worker_failed(self, worker: Worker) -> None:
+        """An engine failed a request (no answer, timeout, 5xx): count it toward its circuit."""
+        if self.breaker.failed(worker.name, time.monotonic()):
+            self.metrics.circuit_trips.labels(worker.name).inc()
+            self.metrics.circuit_open.labels(worker.name).set(1)
+            log.warning("worker %s: circuit open for %.0f s; not routed to until then", worker.name,
+                        self.breaker.open_s)  # fmt: skip
+
+    def _worker_answered(self, worker: Worker) -> None:
+        if self.breaker.succeeded(worker.name):
+            self.metrics.circuit_open.labels(worker.name).set(0)
+            log.info("worker %s: answered again; circuit closed", worker.name)
 
     async def _unary(
         self, route: Route, body: dict[str, Any], chat: bool, headers: dict[str, str]
@@ -405,7 +431,9 @@ class RouterServer:
         chat: bool,
         headers: dict[str, str],
         started: float,
-    ) -> web.StreamResponse:
+    ) -> tuple[web.StreamResponse, bool]:
+        """D's stream relayed, and whether it ended normally (a break is sent to the
+        client as an error event and counted against D)."""
         d = route.decode
         sent_at = time.perf_counter()
         async with contextlib.AsyncExitStack() as stack:
@@ -434,11 +462,14 @@ class RouterServer:
                     await out.write(f"data: {data}\n\n".encode())
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
                 self.metrics.upstream_errors.labels(d.name).inc()
+                self._worker_failed(d)
                 message = f"engine {d.name} ({d.url}): stream broke: {exc!r}"
                 error = {"error": {"message": message, "type": "upstream_error", "code": 502}}
                 await out.write(f"data: {json.dumps(error)}\n\n".encode())
+                await out.write_eof()
+                return out, False
             await out.write_eof()
-            return out
+            return out, True
 
 
 def _answered(worker: Worker, status: int, raw: bytes) -> UpstreamError:

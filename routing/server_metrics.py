@@ -31,7 +31,8 @@ class RouterMetrics:
     ``kvpilot_router_prefill_failures_total{worker,reason}``,
     ``kvpilot_router_prefill_fallbacks_total``, ``kvpilot_router_upstream_errors_total{worker}``.
     Sessions across pools: ``kvpilot_router_session_offers_total{outcome="sent"|"expired"}``.
-    Limits and admission: ``kvpilot_router_rejected_total{reason}``.
+    Limits and admission: ``kvpilot_router_rejected_total{reason}``. Worker health:
+    ``kvpilot_router_circuit_trips_total{worker}``, ``kvpilot_router_circuit_open{worker}``.
     At scrape time: KV-event ingest per worker (batches, replays, gaps, restarts,
     rejected events by reason), the index's blocks per worker and tier, the
     ledger's load per worker (``kvpilot_router_active_prefill_blocks``,
@@ -70,6 +71,10 @@ class RouterMetrics:
             p + "rejected", "Requests refused before routing: body_too_large, prompt_too_long, max_tokens, "
             "queue_full, queue_timeout", ["reason"], registry=r,
         )  # fmt: skip
+        self.circuit_trips = Counter(
+            p + "circuit_trips", "Times a worker's circuit opened (it stopped being routed to)", ["worker"], registry=r
+        )
+        self.circuit_open = Gauge(p + "circuit_open", "1 while a worker's circuit is open", ["worker"], registry=r)
         self.session_offers = Counter(
             p + "session_offers", "D's offers of a session's KV at the session's next remote prefill: sent to P, "
             "or dropped because D's hold ends before P could read it", ["outcome"], registry=r,

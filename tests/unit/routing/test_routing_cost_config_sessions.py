@@ -235,3 +235,21 @@ def test_an_offer_about_to_expire_is_not_sent(now, use):
 def test_an_offer_without_a_wall_clock_hold_is_sent():
     offer = SessionOffer.from_response("decode-0", {**OFFERED, "kvpilot_expires_at": "soon"})
     assert offer is not None and offer.expires_at is None and offer.use(10**12) == "sent"
+
+
+def test_circuit_opens_after_consecutive_failures_and_closes_on_a_success():
+    from routing.health import CircuitBreaker
+
+    breaker = CircuitBreaker(failures_to_open=3, open_s=10.0)
+    assert breaker.allows("d-0", now=0.0)
+    assert not breaker.failed("d-0", now=1.0) and not breaker.failed("d-0", now=2.0)
+    breaker.succeeded("d-0")  # a success in between: the count starts again
+    assert not breaker.failed("d-0", now=3.0) and not breaker.failed("d-0", now=4.0)
+    assert breaker.failed("d-0", now=5.0)  # the third in a row opens it
+    assert not breaker.allows("d-0", now=14.9) and breaker.allows("d-1", now=6.0)
+    assert breaker.allows("d-0", now=15.0)  # half-open: tried again
+    assert breaker.failed("d-0", now=15.5)  # one failure re-opens it
+    assert not breaker.allows("d-0", now=20.0)
+    assert breaker.allows("d-0", now=25.5) and breaker.succeeded("d-0")  # closed by a success
+    assert breaker.allows("d-0", now=26.0) and not breaker.succeeded("d-0")
+    assert not CircuitBreaker(failures_to_open=0).failed("d-0", now=0.0)  # disabled

@@ -397,6 +397,51 @@ def test_limits_refuse_before_routing_naming_the_limit(model_dir, limits, body, 
     run(model_dir, {"decode-0": "colocated"}, scenario, server_extra=limits)
 
 
+def test_a_failing_worker_opens_its_circuit_and_closes_it_when_it_answers_again(model_dir):
+    async def scenario(client, router, engines):
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        engines["co-0"].status = 500
+        assert [(await client.post("/v1/completions", json=body)).status for _ in range(2)] == [502, 502]
+        refused = await client.post("/v1/completions", json=body)  # its circuit is open: not even tried
+        assert refused.status == 503 and "circuit" in (await refused.json())["error"]["message"]
+        assert len(engines["co-0"].bodies) == 2
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpilot_router_circuit_trips_total{worker="co-0"} 1.0' in metrics
+        assert 'kvpilot_router_circuit_open{worker="co-0"} 1.0' in metrics
+        await asyncio.sleep(1.1)  # half-open: tried again, closed by a success
+        engines["co-0"].status = 200
+        assert (await client.post("/v1/completions", json=body)).status == 200
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpilot_router_circuit_open{worker="co-0"} 0.0' in metrics
+
+    run(model_dir, {"co-0": "colocated"}, scenario, server_extra={"circuit_failures": 2, "circuit_open_s": 1.0})
+
+
+def test_a_worker_with_an_open_circuit_is_not_routed_to(model_dir):
+    async def scenario(client, router, engines):
+        for _ in range(2):
+            router.breaker.failed("co-0", time.monotonic())
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        served = [(await client.post("/v1/completions", json=body)).headers["X-KVPilot-Decode-Worker"]
+                  for _ in range(4)]  # fmt: skip
+        assert served == ["co-1"] * 4 and not engines["co-0"].bodies
+
+    run(model_dir, {"co-0": "colocated", "co-1": "colocated"}, scenario,
+        server_extra={"circuit_failures": 2, "circuit_open_s": 30.0})
+
+
+def test_a_prefill_worker_with_an_open_circuit_is_skipped_for_local_prefill(model_dir):
+    async def scenario(client, router, engines):
+        engines["prefill-0"].status = 500
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        routes = [(await client.post("/v1/completions", json=body)).headers["X-KVPilot-Route"] for _ in range(3)]
+        assert routes == ["fallback", "fallback", "local_prefill"]  # the third does not try P at all
+        assert len(engines["prefill-0"].bodies) == 2
+
+    run(model_dir, PD, scenario, disaggregation={"max_local_tokens": 0},
+        server_extra={"circuit_failures": 2, "circuit_open_s": 30.0})
+
+
 def test_ds_session_offer_goes_to_p_at_the_next_step_once_and_never_expired_or_across_salts(model_dir):
     offer = {"do_remote_decode": True, "remote_block_ids": [[5, 6]], "remote_engine_id": "decode-0",
              "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "r"}  # fmt: skip
