@@ -1,6 +1,9 @@
 """The router's HTTP front (aiohttp): OpenAI-compatible, token ids to the engines.
 
-Per request: parse and validate the body (400 naming the field), tokenize once
+Per request: admit it (:mod:`routing.admission`: a full queue is a 429, a queue
+wait past its timeout a 503, both with ``Retry-After``), parse and validate the
+body (400 naming the field; only the fields of :mod:`routing.request_fields` are
+accepted, so a client cannot set ``kv_transfer_params``), tokenize once
 (chat: render the model's chat template first), route (:mod:`routing.router`),
 count it in the :class:`~routing.cost.LoadLedger`, then
 
