@@ -8,7 +8,8 @@ accepted, so a client cannot set ``kv_transfer_params``), tokenize once
 count it in the :class:`~routing.cost.LoadLedger`, then
 
 - remote prefill: P gets the token ids with ``max_tokens=1``, ``stream=false``
-  and ``kv_transfer_params={"do_remote_decode": true}``; D gets them with P's
+  and ``kv_transfer_params={"do_remote_decode": true}`` (or, at a session's next
+  step, D's offer of the session's KV from its last step); D gets them with P's
   returned ``kv_transfer_params``. If P errors, times out
   (``server.prefill_timeout_s``) or returns no params, D prefills locally
   (no params) and ``kvpilot_router_prefill_fallbacks_total`` counts it;
@@ -17,7 +18,9 @@ count it in the :class:`~routing.cost.LoadLedger`, then
 D's answer is relayed (SSE when ``stream``); chat answers are converted back
 from the completions format. An upstream failure reaches the client as a JSON
 error naming the engine (the engine's 4xx status is kept, anything else is a
-502); the router keeps serving. Response headers ``X-Request-Id``,
+502); the router keeps serving, and counts the failure toward the engine's
+circuit (:mod:`routing.health`): a worker whose circuit is open is not routed to
+until it is tried again. Response headers ``X-Request-Id``,
 ``X-KVPilot-Route``, ``X-KVPilot-Prefill-Worker``, ``X-KVPilot-Decode-Worker``
 say where it went. ``POST /debug/route`` explains a decision without sending
 anything. Metrics: :class:`RouterMetrics` (listed in ``docs/router.md``).
