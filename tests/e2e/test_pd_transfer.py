@@ -108,8 +108,8 @@ def test_vllm_bench_serve_drives_the_router(pd_fleet: Fleet, model_dir, tmp_path
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-3000:]
     assert json.loads(lines[-1][7:]) == {"completed": 6, "failed": 0}
-    # the 6 prompts and vllm bench serve's initial single-prompt test run
-    assert delta(scrape(router), before, "kvpilot_router_decisions_total", kind="remote_prefill") == 7
+    # each prompt went P->D (and vllm bench serve's own single-prompt test run, when it sends one)
+    assert delta(scrape(router), before, "kvpilot_router_decisions_total", kind="remote_prefill") >= 6
 
 
 def test_prefill_failure_falls_back_to_local_prefill_on_decode(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
