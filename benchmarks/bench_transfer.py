@@ -29,7 +29,7 @@ import nixl_raw
 
 from deploy import fleet as fleet_io
 from deploy.agent_session import decoded_turn, prefill_next_turn
-from deploy.client import complete
+from deploy.client import HTTPStatusError, complete
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import Samples, delta, scrape
 from deploy.prompts import filler_text
@@ -105,8 +105,13 @@ def main() -> None:
     parser.add_argument("--generated", type=int, default=160, help="tokens D generates in turn 1")
     args = parser.parse_args()
     tokenizer = PromptTokenizer(ensure_tiny_model())
-    results = {connector: measure(connector, args, tokenizer) for connector in CONNECTORS}
-
+    results: dict[str, dict[str, Moved]] = {}
+    for connector in CONNECTORS:
+        try:
+            results[connector] = measure(connector, args, tokenizer)
+        except (TimeoutError, OSError, HTTPStatusError, RuntimeError) as exc:  # a stalled or dead engine
+            print(f"{connector}: the sessions did not complete ({exc!r}); its row is empty")
+            results[connector] = {direction: Moved(0.0, 0.0, 0, 0) for direction in ("P->D", "D->P")}
     raw = {direction: raw_baseline(results["KVPilotConnector"][direction]) for direction in ("P->D", "D->P")}
 
     print(f"{args.sessions} sessions, {args.history}-word history, {args.generated} generated tokens")
