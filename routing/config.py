@@ -171,6 +171,11 @@ class ServerConfig:
     """Consecutive failures (no answer, timeout, 5xx) that open a worker's circuit; 0: off."""
     circuit_open_s: float = 10.0
     """How long an open circuit keeps a worker out of routing before it is tried again."""
+    api_key_env: str = ""
+    """The environment variable holding the router's API key (``""``: no key). With a
+    key, every endpoint except ``/health`` and ``/metrics`` needs
+    ``Authorization: Bearer <key>``. Named, not stored, so no config file or command
+    line carries the secret."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
+import os
 import logging
 import threading
 import time
@@ -73,6 +75,21 @@ class UpstreamError(Exception):
         super().__init__(f"engine {worker.name} ({worker.url}): {detail}")
         self.worker = worker
         self.status = status
+
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+"""Endpoints that need no API key: liveness probes and Prometheus scrapes."""
+
+
+def _api_key(env_name: str) -> str | None:
+    """The API key from ``env_name`` (``None`` when no variable is named). Raises
+    :class:`ConfigError` when the named variable is unset or empty."""
+    if not env_name:
+        return None
+    key = os.environ.get(env_name, "")
+    if not key:
+        raise ConfigError(f"server.api_key_env names {env_name!r}, which is unset or empty")
+    return key
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
@@ -140,9 +157,11 @@ class RouterServer:
         self._feed_index = feed_index
         self.metrics = RouterMetrics(self)
         self._http: aiohttp.ClientSession | None = None
+        self._api_key = _api_key(config.server.api_key_env)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.server.max_body_bytes)
+        middlewares = [] if self._api_key is None else [self._require_key]
+        app = web.Application(client_max_size=self.config.server.max_body_bytes, middlewares=middlewares)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -172,6 +191,20 @@ class RouterServer:
             await asyncio.get_running_loop().run_in_executor(None, self.feeder.stop)
 
     # ---- small endpoints ---------------------------------------------------
+    @web.middleware
+    async def _require_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """401 unless the request carries the API key (``/health``, ``/metrics`` stay open)."""
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        assert self._api_key is not None
+        sent = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {self._api_key}".encode()):
+            self.metrics.rejected.labels("unauthorized").inc()
+            response = _error(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        return await handler(request)
+
     async def _health(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "workers": [w.name for w in self.fleet.workers]})
 

@@ -69,7 +69,7 @@ class RouterMetrics:
         self.upstream_errors = Counter(p + "upstream_errors", "Engine errors returned to clients", ["worker"], registry=r)
         self.rejected = Counter(
             p + "rejected", "Requests refused before routing: body_too_large, prompt_too_long, max_tokens, "
-            "queue_full, queue_timeout", ["reason"], registry=r,
+            "queue_full, queue_timeout, unauthorized", ["reason"], registry=r,
         )  # fmt: skip
         self.circuit_trips = Counter(
             p + "circuit_trips", "Times a worker's circuit opened (it stopped being routed to)", ["worker"], registry=r

@@ -442,6 +442,35 @@ def test_a_prefill_worker_with_an_open_circuit_is_skipped_for_local_prefill(mode
         server_extra={"circuit_failures": 2, "circuit_open_s": 30.0})
 
 
+def test_an_api_key_guards_every_endpoint_but_health_and_metrics(model_dir, monkeypatch):
+    monkeypatch.setenv("KVPILOT_TEST_KEY", "s3cret")
+
+    async def scenario(client, router, engines):
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        for path, payload in (("/v1/completions", body), ("/debug/route", body)):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                resp = await client.post(path, json=payload, headers=headers)
+                assert resp.status == 401 and resp.headers["WWW-Authenticate"] == "Bearer", (path, headers)
+        assert (await client.get("/v1/models")).status == 401
+        assert not engines["co-0"].bodies
+        authorized = {"Authorization": "Bearer s3cret"}
+        assert (await client.post("/v1/completions", json=body, headers=authorized)).status == 200
+        assert (await client.get("/health")).status == 200
+        metrics = await client.get("/metrics")
+        assert metrics.status == 200
+        assert 'kvpilot_router_rejected_total{reason="unauthorized"} 7.0' in await metrics.text()
+
+    run(model_dir, {"co-0": "colocated"}, scenario, server_extra={"api_key_env": "KVPILOT_TEST_KEY"})
+
+
+def test_an_api_key_variable_that_is_unset_stops_the_router(model_dir, monkeypatch):
+    from routing.config import ConfigError
+
+    monkeypatch.delenv("KVPILOT_TEST_KEY", raising=False)
+    with pytest.raises(ConfigError, match="KVPILOT_TEST_KEY"):
+        run(model_dir, {"co-0": "colocated"}, lambda *_: asyncio.sleep(0), server_extra={"api_key_env": "KVPILOT_TEST_KEY"})
+
+
 def test_ds_session_offer_goes_to_p_at_the_next_step_once_and_never_expired_or_across_salts(model_dir):
     offer = {"do_remote_decode": True, "remote_block_ids": [[5, 6]], "remote_engine_id": "decode-0",
              "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "r"}  # fmt: skip
