@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -52,7 +53,7 @@ def _holder(conn: Connection, size: int) -> None:
     conn.recv()  # the reader is done
 
 
-def _read_all(conn: Connection, descriptor_bytes: int, descriptors: int, transfers: int) -> None:
+def _read_all(conn: Connection, descriptor_bytes: int, descriptors: int, transfers: int) -> RawResult:
     agent = _agent("raw-reader")
     metadata, remote_base, checksum = conn.recv()
     remote = agent.add_remote_agent(metadata)
@@ -76,21 +77,30 @@ def _read_all(conn: Connection, descriptor_bytes: int, descriptors: int, transfe
         agent.release_xfer_handle(handle)
     if int(local.sum()) != checksum:
         raise RuntimeError("raw NIXL read returned other bytes than the holder's")
-    conn.send(RawResult(transfers, size, seconds))
-    conn.send("done")
+    return RawResult(transfers, size, seconds)
+
+
+def _reader(holder: Connection, results: Connection, descriptor_bytes: int, descriptors: int,
+            transfers: int) -> None:  # fmt: skip
+    """The reader's process: hands the result (or the error) to the parent, then
+    releases the holder."""
+    try:
+        results.send(_read_all(holder, descriptor_bytes, descriptors, transfers))
+    except Exception as exc:  # reported to the parent, which raises it
+        results.send(exc)
+    finally:
+        holder.send("done")
 
 
 def measure(descriptor_bytes: int, descriptors: int, transfers: int) -> RawResult:
     """Raw NIXL READ throughput between two fresh processes (environment as the fleet's)."""
-    import os
-
     os.environ.update({**LOCAL_ONLY_ENV, **NIXL_CPU_ENV})
     ctx = mp.get_context("spawn")
     holder_end, reader_end = ctx.Pipe()
     results, results_in = ctx.Pipe(duplex=False)
     holder = ctx.Process(target=_holder, args=(holder_end, descriptor_bytes * descriptors * transfers))
     holder.start()
-    reader = ctx.Process(target=_relay, args=(reader_end, results_in, descriptor_bytes, descriptors, transfers))
+    reader = ctx.Process(target=_reader, args=(reader_end, results_in, descriptor_bytes, descriptors, transfers))
     reader.start()
     try:
         result = results.recv()
@@ -103,30 +113,6 @@ def measure(descriptor_bytes: int, descriptors: int, transfers: int) -> RawResul
     if isinstance(result, BaseException):
         raise result
     return result
-
-
-def _relay(conn: Connection, results: Connection, descriptor_bytes: int, descriptors: int, transfers: int) -> None:
-    """The reader's process: reads, then hands the result (or the error) to the parent
-    and releases the holder."""
-    agent_conn = _Forward(conn, results)
-    try:
-        _read_all(agent_conn, descriptor_bytes, descriptors, transfers)  # type: ignore[arg-type]
-    except Exception as exc:  # reported to the parent, which raises it
-        results.send(exc)
-        conn.send("done")
-
-
-class _Forward:
-    """The holder's pipe for receiving; results go to the parent, ``done`` to the holder."""
-
-    def __init__(self, holder: Connection, results: Connection) -> None:
-        self._holder, self._results = holder, results
-
-    def recv(self):
-        return self._holder.recv()
-
-    def send(self, obj) -> None:
-        (self._results if isinstance(obj, RawResult) else self._holder).send(obj)
 
 
 def main() -> None:

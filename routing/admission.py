@@ -40,23 +40,18 @@ class Admission:
     @asynccontextmanager
     async def admit(self) -> AsyncIterator[None]:
         """Hold one slot for the body of the ``async with``; raises :class:`Rejected`."""
-        if self._slots is None:
-            self.in_flight += 1
-            try:
-                yield
-            finally:
-                self.in_flight -= 1
-            return
-        if not self._slots.locked():
-            await self._slots.acquire()  # a free slot: taken without suspending
-        else:
-            await self._wait_for_slot(self._slots)
+        slots = self._slots
+        if slots is not None and not slots.locked():
+            await slots.acquire()  # a free slot: taken without suspending
+        elif slots is not None:
+            await self._wait_for_slot(slots)
         self.in_flight += 1
         try:
             yield
         finally:
             self.in_flight -= 1
-            self._slots.release()
+            if slots is not None:
+                slots.release()
 
     async def _wait_for_slot(self, slots: asyncio.Semaphore) -> None:
         retry_after = max(1, math.ceil(self.queue_timeout_s))
