@@ -21,6 +21,7 @@ user can paste them::
       tiers: {GPU: gpu, CPU: host, STORAGE: disk}
     sessions:
       max_sessions: 10000
+      force_option: ""                   # reprefill | pull | affinity | shared_tier | local; "" = cheapest
     server:                              # the HTTP front (routing.server)
       host: 127.0.0.1
       port: 8000
@@ -72,6 +73,8 @@ import yaml
 
 TIER_CLASSES = ("gpu", "host", "disk", "shared")
 INDEX_BACKENDS = ("kvpilot", "dynamo")
+SESSION_OPTIONS = ("reprefill", "pull", "affinity", "shared_tier", "local")
+"""The names of :class:`policies.session_options.Option` (a test keeps them equal)."""
 
 
 class ConfigError(ValueError):
@@ -137,10 +140,16 @@ class IndexConfig:
 @dataclass(frozen=True)
 class SessionConfig:
     max_sessions: int = 10000
+    force_option: str = ""
+    """A session's later steps take this option of the article's section 9.2 while it
+    is available (``reprefill``, ``pull``, ``affinity``, ``shared_tier``, ``local``);
+    ``""``: the cheapest by the roofline."""
 
     def __post_init__(self) -> None:
         if self.max_sessions <= 0:
             raise ConfigError(f"max_sessions must be positive, got {self.max_sessions}")
+        if self.force_option and self.force_option not in SESSION_OPTIONS:
+            raise ConfigError(f"force_option must be one of {SESSION_OPTIONS} or empty, got {self.force_option!r}")
 
 
 @dataclass(frozen=True)

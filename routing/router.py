@@ -15,7 +15,11 @@ For one request the :class:`Router`:
 5. for a pair, asks ``policies.disaggregation`` whether to prefill locally on D
    (D's cached prefix, P's cached prefix and queue, D's KV usage from the
    ledger or D's own ``/metrics``, the larger) or remotely on P (conditional
-   disaggregation, article section 7).
+   disaggregation, article section 7);
+6. for a session's later step on a pair, prices the article's five options
+   instead (:mod:`policies.session_options`: re-prefill on P, pull D's offer
+   into P, the last P and D again, a shared tier, local on D) and takes the
+   cheapest, or the one ``sessions.force_option`` names while it is available.
 
 :meth:`Router.route` does not touch the :class:`~routing.ledger.LoadLedger`; the
 caller dispatches (:meth:`Route.prefill_worker` and :attr:`Route.cached_blocks`
@@ -40,6 +44,7 @@ from policies.disaggregation import (
     PromptState,
     Where,
 )
+from policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
 from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from policies.specs import SpecError
 from routing.chain import PromptChain
@@ -48,7 +53,7 @@ from routing.cost import Candidate, CostModel, Decision, TierOverlap, tier_overl
 from routing.engines import Fleet, Worker
 from routing.index import KVIndex, Match, Tier, WorkerId
 from routing.ledger import LoadLedger, WorkerLoad
-from routing.sessions import OfferUse, SessionId, SessionOffer, SessionStore
+from routing.sessions import OFFER_MARGIN_S, OfferUse, SessionId, SessionOffer, SessionState, SessionStore
 
 if TYPE_CHECKING:
     from routing.engine_metrics import EngineLoad
@@ -91,6 +96,10 @@ class Route:
     match: Match
     decision: Decision
     local_remote: LocalRemoteDecision | None
+    option: Option | None = None
+    """The article's option chosen for a session's later step (None otherwise)."""
+    options: tuple[OptionPrice, ...] = ()
+    """Every option, priced, when ``option`` is set."""
 
     @property
     def prefill_worker(self) -> Worker:
@@ -107,6 +116,9 @@ class Route:
         lines = [head, self.decision.explain()]
         if self.local_remote is not None:
             lines.append(f"request={self.request_id} {self.local_remote.explain()}")
+        for price in self.options:
+            chosen = " <- chosen" if price.option is self.option else ""
+            lines.append(f"request={self.request_id} {price.explain()}{chosen}")
         return "\n".join(lines)
 
 
@@ -163,6 +175,8 @@ class Router:
         self.policy = policy
         self.engine_load = engine_load
         self.available = available if available is not None else (lambda _: True)
+        self.pricer = SessionOptionPricer(policy) if policy is not None else None
+        self._forced = Option(config.sessions.force_option) if config.sessions.force_option else None
         self.cost = CostModel(config.cost, rng if rng is not None else random.Random(config.cost.router_seed))
         self._tiers = config.index.tiers
         self._options: dict[str, tuple[Worker | None, Worker]] = {
@@ -183,20 +197,24 @@ class Router:
         lora_name: str | None = None,
         session: SessionId | None = None,
         dry_run: bool = False,
+        now: float | None = None,
     ) -> Route:
         """Choose where ``token_ids`` goes. Does not modify the index or the ledger.
 
         With ``session`` and not ``dry_run``, the session's chain advances to
         ``token_ids`` (only new blocks are named). A ``dry_run`` names a fresh
         chain and leaves the session's chain as it was (it may create an empty
-        session entry). Raises ValueError for an empty prompt.
+        session entry). ``now`` (Unix seconds) dates the session's offer; ``None``
+        ignores its expiry. Raises ValueError for an empty prompt.
         """
         if not token_ids:
             raise ValueError("empty prompt")
         last: WorkerId | None = None
         state = self.sessions.get(session) if session is not None else None
+        reused_tokens = 0  # of the session's last prompt: its holder D has their KV
         if state is not None:
             last = state.last_worker
+            reused_tokens = state.shared_prefix(token_ids)
         if state is not None and not dry_run:
             state.advance(token_ids, lora_name=lora_name, cache_salt=cache_salt)
             chain = state.chain
@@ -214,7 +232,14 @@ class Router:
         p, d = options[decision.chosen]
         local_remote = None
         kind = Kind.COLOCATED
-        if p is not None and not self.available(p.name):  # P's circuit is open: D prefills (option 5)
+        option, prices = None, ()
+        if p is not None and state is not None and state.last_worker is not None:
+            prices = self._price_session_step(len(token_ids), p, d, overlaps, loads, state, reused_tokens, now)
+            chosen = choose(prices, self._forced)
+            option = chosen.option
+            p = None if option is Option.LOCAL else self.fleet.by_name(WorkerId(chosen.prefill_worker or ""))
+            kind = Kind.LOCAL_PREFILL if p is None else Kind.REMOTE_PREFILL
+        elif p is not None and not self.available(p.name):  # P's circuit is open: D prefills (option 5)
             p, kind = None, Kind.LOCAL_PREFILL
         elif p is not None:
             assert self.policy is not None
@@ -224,10 +249,54 @@ class Router:
                 p = None
         prefiller = p if p is not None else d
         return Route(
-            request_id, kind, p, d, len(token_ids), chain.num_blocks, chain,
-            overlaps[prefiller.name].gpu, overlaps[d.name].gpu, overlaps[prefiller.name], match,
-            decision, local_remote,
+            request_id=request_id, kind=kind, prefill=p, decode=d, prompt_tokens=len(token_ids),
+            prompt_blocks=chain.num_blocks, chain=chain, cached_blocks=overlaps[prefiller.name].gpu,
+            decode_cached_blocks=overlaps[d.name].gpu, overlap=overlaps[prefiller.name], match=match,
+            decision=decision, local_remote=local_remote, option=option, options=prices,
         )  # fmt: skip
+
+    def _price_session_step(
+        self,
+        prompt_tokens: int,
+        p: Worker,
+        d: Worker,
+        overlaps: Mapping[WorkerId, TierOverlap],
+        loads: Mapping[WorkerId, WorkerLoad],
+        state: SessionState,
+        reused_tokens: int,
+        now: float | None,
+    ) -> tuple[OptionPrice, ...]:
+        """The five options for a session's later step, with (P, D) the cost model's pair.
+
+        D's offer covers the prompt as far as the index says its holder caches it, or
+        at least the ``reused_tokens`` it shares with the last prompt (whose KV the
+        holder kept), within the blocks offered."""
+        assert self.pricer is not None
+        bs = self.index.block_size
+
+        def site(worker: Worker) -> PrefillSite:
+            cached = min(prompt_tokens, overlaps[worker.name].gpu * bs)
+            queued = loads[worker.name].active_prefill_blocks * bs
+            return PrefillSite(worker.name, cached, queued, self.available(worker.name))
+
+        chosen_p = site(p)
+        last_p = self.fleet.by_name(state.last_prefill) if state.last_prefill is not None else None
+        offer_tokens = time_left = None
+        offer = state.offer
+        if offer is not None and self.available(offer.holder) and offer.holder in overlaps:
+            held = max(overlaps[offer.holder].gpu * bs, reused_tokens // bs * bs)
+            offer_tokens = min(prompt_tokens, held, offer.blocks * bs)
+            if offer.expires_at is not None and now is not None:
+                time_left = offer.expires_at - now
+        prompt, decode = self._policy_inputs(prompt_tokens, p, d, overlaps, loads)
+        step = SessionStep(
+            prompt_tokens=prompt_tokens, p=chosen_p if chosen_p.available else None, d_name=d.name,
+            d_cached_tokens=prompt.d_cached_tokens, decode=decode,
+            last_p=site(last_p) if last_p is not None else None, last_d_chosen=d.name == state.last_worker,
+            offer_tokens=offer_tokens, offer_time_left_s=time_left, offer_margin_s=OFFER_MARGIN_S,
+            shared_tokens=min(prompt_tokens, overlaps[p.name].shared * bs),
+        )  # fmt: skip
+        return self.pricer.price(step)
 
     def served(self, session: SessionId | None, route: Route, decode_params: object = None) -> None:
         """Record that ``route``'s decode worker now holds the session's newest KV,
@@ -237,13 +306,17 @@ class Router:
             return
         state = self.sessions.get(session)
         state.last_worker = route.decode.name
+        state.last_prefill = route.prefill.name if route.prefill is not None else None
         offer = SessionOffer.from_response(route.decode.name, decode_params)
         if offer is not None:
             state.offer = offer
 
-    def take_session_offer(self, session: SessionId | None, now: float) -> tuple[SessionOffer | None, OfferUse]:
-        """The session's offer for P to pull, once (``"sent"``), or ``None`` with why:
-        ``"expired"`` (its hold ends before P could read it) or ``"none"``."""
+    def take_session_offer(self, session: SessionId | None, route: Route, now: float) -> tuple[SessionOffer | None, OfferUse]:
+        """The session's offer for P to pull when ``route`` chose option ``pull``
+        (``"sent"``), else ``None`` with why: ``"expired"`` (its hold ends before P
+        could read it, whichever option was chosen), ``"unused"`` (another option was
+        chosen) or ``"none"``. The
+        offer is taken either way: D's next answer brings a fresh one."""
         if session is None:
             return None, "none"
         state = self.sessions.get(session)
@@ -251,6 +324,8 @@ class Router:
         if offer is None:
             return None, "none"
         use = offer.use(now)
+        if use == "sent" and route.option is not Option.PULL:
+            use = "unused"
         return (offer if use == "sent" else None), use
 
     def _overlaps(self, match: Match) -> dict[WorkerId, TierOverlap]:

@@ -232,6 +232,14 @@ class RouterServer:
                 "prompt_blocks": route.prompt_blocks,
                 "cached_blocks": route.cached_blocks,
                 "overlap": route.match.blocks,
+                "session_option": route.option.value if route.option is not None else None,
+                "options": [
+                    {"option": price.option.value, "article_option": price.option.article_number,
+                     "available": price.available, "ttft_s": price.seconds if price.available else None,
+                     "prefill_worker": price.prefill_worker, "why": price.explain(),
+                     "chosen": price.option is route.option}
+                    for price in route.options
+                ],
                 "explain": route.explain(),
             }
         )
@@ -297,7 +305,8 @@ class RouterServer:
         with self.lock:
             try:
                 route = self.router.route(
-                    token_ids, request_id, cache_salt=body.get("cache_salt"), session=session, dry_run=dry_run
+                    token_ids, request_id, cache_salt=body.get("cache_salt"), session=session, dry_run=dry_run,
+                    now=time.time(),
                 )
             except NoHealthyWorker as exc:
                 raise BadRequest(str(exc), 503) from None
@@ -339,8 +348,9 @@ class RouterServer:
         self.metrics.decided(route, time.perf_counter() - started)
         try:
             kind = route.kind.value
+            offer = self._session_offer(session, route)
             if route.prefill is not None:
-                params = await self._prefill(route, engine_body, self._session_offer(session))
+                params = await self._prefill(route, engine_body, offer)
                 if params is None:
                     kind, p = "fallback", d
                 else:
@@ -372,11 +382,11 @@ class RouterServer:
         url = f"{worker.url}/v1/completions"
         return self._http.post(url, json=body, timeout=timeout or self._http.timeout)
 
-    def _session_offer(self, session: SessionId | None) -> dict[str, Any] | None:
-        """D's offer of the session's KV from its last step, if P may still pull it
-        (counted either way); taken once."""
+    def _session_offer(self, session: SessionId | None, route: Route) -> dict[str, Any] | None:
+        """D's offer of the session's KV from its last step, when ``route`` pulls it and
+        P may still read it (counted either way); taken once."""
         with self.lock:
-            offer, use = self.router.take_session_offer(session, time.time())
+            offer, use = self.router.take_session_offer(session, route, time.time())
         if use != "none":
             self.metrics.session_offers.labels(use).inc()
         return None if offer is None else dict(offer.params)

@@ -30,7 +30,8 @@ class RouterMetrics:
     and the client's ``kvpilot_router_ttft_seconds``. Failures:
     ``kvpilot_router_prefill_failures_total{worker,reason}``,
     ``kvpilot_router_prefill_fallbacks_total``, ``kvpilot_router_upstream_errors_total{worker}``.
-    Sessions across pools: ``kvpilot_router_session_offers_total{outcome="sent"|"expired"}``.
+    Sessions across pools: ``kvpilot_router_session_offers_total{outcome="sent"|"expired"|"unused"}``,
+    ``kvpilot_router_session_options_total{option}`` (the article's option per later step).
     Limits and admission: ``kvpilot_router_rejected_total{reason}``. Worker health:
     ``kvpilot_router_circuit_trips_total{worker}``, ``kvpilot_router_circuit_open{worker}``.
     At scrape time: KV-event ingest per worker (batches, replays, gaps, restarts,
@@ -76,14 +77,21 @@ class RouterMetrics:
         )
         self.circuit_open = Gauge(p + "circuit_open", "1 while a worker's circuit is open", ["worker"], registry=r)
         self.session_offers = Counter(
-            p + "session_offers", "D's offers of a session's KV at the session's next remote prefill: sent to P, "
-            "or dropped because D's hold ends before P could read it", ["outcome"], registry=r,
+            p + "session_offers", "D's offers of a session's KV at the session's next step: sent to P, dropped "
+            "because D's hold ends before P could read it, or unused (another option was chosen)", ["outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.session_options = Counter(
+            p + "session_options", "A session's later steps by the option chosen (article section 9.2)", ["option"],
+            registry=r,
         )  # fmt: skip
         self._prompt, self._cached = 0, 0
         r.register(self)  # type: ignore[arg-type]  # the scrape-time collector below
 
     def decided(self, route: Route, route_seconds: float) -> None:
         self.decisions.labels(route.kind.value, route.prefill_worker.name, route.decode.name).inc()
+        if route.option is not None:
+            self.session_options.labels(route.option.value).inc()
         self.prompt_blocks.inc(route.prompt_blocks)
         for tier, blocks in route.overlap._asdict().items():
             self.overlap.labels(tier).observe(blocks)

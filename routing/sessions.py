@@ -76,7 +76,7 @@ OFFER_MARGIN_S = 5.0
 """An offer whose hold ends within this many seconds is not sent: P would race D
 freeing its blocks (the engine-side connector uses the same margin)."""
 
-OfferUse = Literal["sent", "expired", "none"]
+OfferUse = Literal["sent", "expired", "unused", "none"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +101,13 @@ class SessionOffer:
         valid_expiry = isinstance(expires_at, (int, float)) and not isinstance(expires_at, bool)
         return cls(holder, dict(params), float(expires_at) if valid_expiry else None)
 
+    @property
+    def blocks(self) -> int:
+        """The blocks offered (of the first KV-cache group when ids come per group)."""
+        ids = self.params.get("remote_block_ids") or []
+        first = ids[0] if ids else None
+        return len(first) if isinstance(first, (list, tuple)) else len(ids)
+
     def use(self, now: float, margin_s: float = OFFER_MARGIN_S) -> OfferUse:
         """``sent`` if P may still pull it at ``now`` (Unix seconds), else ``expired``."""
         if self.expires_at is not None and self.expires_at - now < margin_s:
@@ -119,12 +126,15 @@ class Advance(NamedTuple):
 class SessionState:
     """One session: its chain (with the index's cached match) and where it last ran."""
 
-    __slots__ = ("block_size", "chain", "last_worker", "offer", "_lora", "_salt")
+    __slots__ = ("block_size", "chain", "last_worker", "last_prefill", "offer", "_lora", "_salt")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.chain: PromptChain | None = None
         self.last_worker: WorkerId | None = None
+        """The D (or co-located worker) that served the last step: it holds the newest KV."""
+        self.last_prefill: WorkerId | None = None
+        """The P that prefilled the last step (``None``: prefilled where it decoded)."""
         self.offer: SessionOffer | None = None
         """D's offer of the session's KV after its last step, until used or replaced."""
         self._lora: str | None = None
@@ -157,6 +167,12 @@ class SessionState:
             chain.truncate(same)
         chain.extend(packed[same:])
         return Advance(same, len(prompt) - same, diverged)
+
+    def shared_prefix(self, prompt: Sequence[int]) -> int:
+        """How many leading tokens ``prompt`` shares with the last prompt (0: none yet)."""
+        if self.chain is None:
+            return 0
+        return first_difference(self.chain.tokens, pack_tokens(prompt))
 
     def extend(self, appended: Sequence[int]) -> Advance:
         """The caller vouches that the new prompt is the last one plus ``appended``.

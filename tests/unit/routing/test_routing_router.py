@@ -19,7 +19,7 @@ from routing.events import BlockStored
 from routing.index import BlockIndex, WorkerId
 from routing.ledger import LoadLedger
 from routing.router import Kind, Router, pair_name, policy_from_config
-from routing.sessions import SessionId, SessionStore
+from routing.sessions import SessionId, SessionOffer, SessionStore
 
 BS = 4
 
@@ -249,3 +249,55 @@ def test_workers_section_parses_and_renders_the_engine_flag(tmp_path):
 def test_unknown_policy_preset_names_the_section():
     with pytest.raises(ConfigError, match="disaggregation"):
         policy_from_config(_config(PD, disaggregation={"p_hardware": "tpu9"}).disaggregation)
+
+
+# ---- a session's later step: the five options (reference article, section 9.2) ----
+
+OFFER = {"do_remote_decode": True, "remote_block_ids": [list(range(12))], "remote_engine_id": "d1"}
+
+
+def _session_after_step_one(force: str = "", **disaggregation: object) -> tuple[Router, SessionId, list[int]]:
+    """Step 1 prefilled on a P and decoded on d1, which now caches the prompt and 3
+    generated blocks and offers them; returns step 2's prompt (2 blocks more)."""
+    cfg = _config(PD, disaggregation={"max_local_tokens": 0, **disaggregation}, sessions={"force_option": force})
+    router = _router(cfg)
+    session = SessionId("agent")
+    step1 = _prompt(8, base=100)
+    first = router.route(step1, "s1", session=session, now=0.0)
+    assert first.option is None and first.kind is Kind.REMOTE_PREFILL  # a first step: the pair's policy
+    router.served(session, first, OFFER)
+    assert router.sessions.get(session).last_prefill == first.prefill.name
+    step2 = step1 + _prompt(3, base=900) + _prompt(2, base=950)
+    _store(router.index, "d1", step2[: 11 * BS])  # d1 holds the prompt and its generated blocks
+    _store(router.index, first.prefill.name, step1)
+    return router, session, step2
+
+
+@pytest.mark.parametrize("force", ["", "reprefill", "pull", "affinity"])
+def test_a_later_step_prices_every_option_and_takes_the_forced_or_cheapest(force):
+    router, session, step2 = _session_after_step_one(force)
+    route = router.route(step2, "s2", session=session, now=0.0)
+    assert [p.option.value for p in route.options] == ["reprefill", "pull", "affinity", "shared_tier", "local"]
+    assert route.option is not None and route.option.value == (force or route.option.value)
+    assert route.kind is Kind.REMOTE_PREFILL  # max_local_tokens 0: D never prefills here
+    assert not {p.option.value: p for p in route.options}["local"].available
+    assert f"{route.option.value}: " in route.explain() and "<- chosen" in route.explain()
+    offer, use = router.take_session_offer(session, route, now=0.0)
+    assert (use == "sent") == (route.option.value == "pull") and (offer is not None) == (use == "sent")
+
+
+def test_an_idle_d_holding_the_session_prefills_the_increment_itself():
+    router, session, step2 = _session_after_step_one("", max_local_tokens=2048)
+    route = router.route(step2, "s2", session=session, now=0.0)
+    assert route.option.value == "local" and route.kind is Kind.LOCAL_PREFILL and route.prefill is None
+    assert router.take_session_offer(session, route, now=0.0) == (None, "unused")
+
+
+def test_an_offer_expiring_before_p_could_read_it_is_never_sent():
+    router, session, step2 = _session_after_step_one("pull")
+    router.sessions.get(session).offer = SessionOffer(WorkerId("d1"), OFFER, expires_at=3.0)
+    route = router.route(step2, "s2", session=session, now=0.0)
+    pull = {p.option.value: p for p in route.options}["pull"]
+    assert not pull.available and "expires in 3.0 s" in pull.why
+    assert route.option.value != "pull"
+    assert router.take_session_offer(session, route, now=0.0) == (None, "expired")

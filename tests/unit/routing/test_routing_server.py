@@ -497,7 +497,7 @@ def test_ds_session_offer_goes_to_p_at_the_next_step_once_and_never_expired_or_a
         assert 'kvpilot_router_session_offers_total{outcome="sent"} 2.0' in metrics
         assert 'kvpilot_router_session_offers_total{outcome="expired"} 1.0' in metrics
 
-    run(model_dir, PD, scenario, disaggregation={"max_local_tokens": 0})
+    run(model_dir, PD, scenario, disaggregation={"max_local_tokens": 0}, sessions={"force_option": "pull"})
 
 
 @pytest.mark.parametrize(
