@@ -50,7 +50,8 @@ user can paste them::
         topic: kv
         kv_blocks: 0                     # the engine's KV capacity in blocks (0 = unknown)
 
-Every int, float and str leaf outside ``workers`` also has a flag (``--overlap-score-credit 0.5``);
+Every scalar leaf outside ``workers`` also has a flag (``--overlap-score-credit 0.5``,
+``--compare-costs true``, ``--max-local-tokens none``);
 flags override YAML, YAML overrides defaults. An unknown key is an error naming
 its path (``cost.overlap_score_credt``); so is a value of the wrong type or
 out of range.
@@ -311,32 +312,61 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str) -> Any:
         raise ConfigError(f"{prefix}{exc}" if prefix else str(exc)) from None
 
 
-_FLAG_KINDS = (int, float, str)
+_FLAG_KINDS = (int, float, str, bool)
+_NULL = object()
+"""A flag's ``none``: the leaf set to null (distinct from a flag not given)."""
 
 
-def _leaves() -> list[tuple[str, str, Any]]:
-    """(section, field, type) of every int, float or str leaf of the mapping sections."""
+def _scalar(annotation: Any) -> tuple[type, bool] | None:
+    """(type, nullable) of a scalar leaf's annotation, or None for anything else."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return (inner, True) if inner in _FLAG_KINDS else None
+    return (annotation, False) if annotation in _FLAG_KINDS else None
+
+
+def _leaves() -> list[tuple[str, str, type, bool]]:
+    """(section, field, type, nullable) of every scalar leaf of the mapping sections."""
     out = []
     for section, cls in typing.get_type_hints(RouterConfig).items():
         if not dataclasses.is_dataclass(cls):
             continue
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if hints[f.name] in _FLAG_KINDS:
-                out.append((section, f.name, hints[f.name]))
+            scalar = _scalar(hints[f.name])
+            if scalar is not None:
+                out.append((section, f.name, *scalar))
     return out
 
 
+def _flag_parser(kind: type, nullable: bool) -> Any:
+    """argparse's ``type=`` for a leaf: ``true``/``false`` for a bool, ``none`` for null."""
+
+    def parse(text: str) -> Any:
+        if nullable and text.lower() in ("none", "null"):
+            return _NULL
+        if kind is bool:
+            if text.lower() not in ("true", "false"):
+                raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+            return text.lower() == "true"
+        return kind(text)
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error
+    return parse
+
+
 def add_cli_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--<field-name>`` for every int/float/str leaf (default None = not given)."""
+    """Add ``--<field-name>`` for every scalar leaf (default None = not given); a
+    nullable leaf takes ``none``, a boolean ``true`` or ``false``."""
     group = parser.add_argument_group("router config (overrides the YAML file)")
-    for section, name, kind in _leaves():
+    for section, name, kind, nullable in _leaves():
         group.add_argument(
             "--" + name.replace("_", "-"),
             dest=f"{section}__{name}",
-            type=kind,
+            type=_flag_parser(kind, nullable),
             default=None,
-            metavar=kind.__name__.upper(),
+            metavar=kind.__name__.upper() + ("|none" if nullable else ""),
         )
 
 
@@ -349,11 +379,11 @@ def load_config(path: str | Path | None, args: argparse.Namespace | None = None)
             raise ConfigError(f"{path}: top level must be a mapping")
         data = {k: dict(v) if isinstance(v, Mapping) else v for k, v in (loaded or {}).items()}
     if args is not None:
-        for section, name, _ in _leaves():
+        for section, name, _, _ in _leaves():
             value = getattr(args, f"{section}__{name}", None)
             if value is not None:
                 target = data.setdefault(section, {})
                 if not isinstance(target, dict):
                     raise ConfigError(f"{section} must be a mapping")
-                target[name] = value
+                target[name] = None if value is _NULL else value
     return _build(RouterConfig, data, "")

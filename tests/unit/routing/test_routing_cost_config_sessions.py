@@ -113,6 +113,12 @@ def test_load_ledger_moves_a_failed_prefill_to_decode():
          lambda c: c.cost.overlap_score_credit == 0.5),
         ("index: {block_size: 32, tiers: {GPU: gpu}}", ["--max-sessions", "5"],
          lambda c: c.index.block_size == 32 and dict(c.index.tiers) == {"GPU": "gpu"} and c.sessions.max_sessions == 5),
+        ("disaggregation: {max_local_tokens: 0}", ["--max-local-tokens", "none", "--compare-costs", "true",
+                                                   "--decode-busy-kv-usage", "0.5", "--force-option", "pull"],
+         lambda c: c.disaggregation.max_local_tokens is None and c.disaggregation.compare_costs is True
+         and c.disaggregation.decode_busy_kv_usage == 0.5 and c.sessions.force_option == "pull"),
+        ("", ["--max-local-tokens", "64", "--compare-costs", "false"],
+         lambda c: c.disaggregation.max_local_tokens == 64 and c.disaggregation.compare_costs is False),
     ],
 )
 def test_config_layers(tmp_path, yaml_text, flags, check):
@@ -121,6 +127,22 @@ def test_config_layers(tmp_path, yaml_text, flags, check):
     parser = argparse.ArgumentParser()
     add_cli_flags(parser)
     assert check(load_config(path, parser.parse_args(flags)))
+
+
+@pytest.mark.parametrize("flags", [["--compare-costs", "yes"], ["--max-sessions", "none"],
+                                   ["--max-local-tokens", "1.5"]])
+def test_a_bad_flag_value_is_refused_by_argparse(flags):
+    parser = argparse.ArgumentParser()
+    add_cli_flags(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(flags)
+
+
+def test_an_unknown_forced_option_names_the_key(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("sessions: {force_option: teleport}")
+    with pytest.raises(ConfigError, match="sessions.force_option must be one of"):
+        load_config(path)
 
 
 @pytest.mark.parametrize(
