@@ -1,7 +1,7 @@
-"""``kvpilot cost`` and ``kvpilot plan``: the policies package's only I/O.
+"""``kvpilot cost``, ``kvpilot plan`` and ``kvpilot agent``: the policies package's only I/O.
 
-``add_subcommands`` registers both on an argparse subparsers object; each sets
-``func(args) -> int``. ``python -m policies.cli {cost,plan} ...`` runs them
+``add_subcommands`` registers them on an argparse subparsers object; each sets
+``func(args) -> int``. ``python -m policies.cli {cost,plan,agent} ...`` runs them
 standalone. ``--model``/``--hardware``/``--link`` take a preset name or a path
 (a YAML/JSON spec, an HF ``config.json``, or a model directory holding one).
 Exit codes: 0 done, 2 bad spec or argument.
@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from policies import agent_report
+from policies.disaggregation import KVPILOT_DEFAULT, DecodeState, LocalVsRemotePolicy
 from policies.planner import Workload, plan, render
 from policies.presets import (
     HF_CONFIGS,
@@ -107,6 +109,27 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_agent(args: argparse.Namespace) -> int:
+    """The agent benchmark's arms on the roofline, one table per link (and D state)."""
+    try:
+        model = _resolve(args.model, model_preset, model_from_mapping)
+        hw = _resolve(args.hardware, hardware_preset, hardware_from_mapping)
+        links = [_resolve(name, link_preset, link_from_mapping) for name in args.link or ("rdma", "nvlink")]
+        workload = Workload(1, args.prefix, args.task, args.output_tokens, args.tool_output, args.steps)
+        fmt = kv_format_preset(args.kv_format)
+    except (SpecError, ValueError) as exc:
+        return _fail(exc)
+    tables = []
+    for link in links:
+        policy = LocalVsRemotePolicy(model, fmt, hw, hw, link, KVPILOT_DEFAULT)
+        for streams in sorted({0, args.decode_streams}):
+            title = f"{model.name} on {hw.name}, {link.name}, D running {streams} streams"
+            tables.append(agent_report.render(agent_report.predict(policy, workload, DecodeState(0.0, streams)),
+                                              title))  # fmt: skip
+    print("\n\n".join(tables))
+    return 0
+
+
 def _plot(data: dict[str, Any], path: str) -> None:
     """P and D instances per regime as grouped bars, saved as a PNG."""
     import matplotlib
@@ -131,7 +154,7 @@ def _plot(data: dict[str, Any], path: str) -> None:
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add ``cost`` and ``plan`` to a ``kvpilot`` subparsers object."""
+    """Add ``cost``, ``plan`` and ``agent`` to a ``kvpilot`` subparsers object."""
     models = f"preset ({', '.join(HF_CONFIGS)}) or a YAML/JSON/config.json path"
     hardware = "preset (<gpu>x<count>, GPUs b200, h100, h200) or a YAML/JSON path"
     cost = subparsers.add_parser("cost", help="cost one span: recompute vs transfer")
@@ -163,6 +186,19 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--plot", metavar="FILE", help="write a PNG chart of the pools")
     pl.set_defaults(func=run_plan)
+
+    ag = subparsers.add_parser("agent", help="the agent benchmark's arms (no cache ... kvpilot) on the roofline")
+    ag.add_argument("--model", default="llama-70b", help=models)
+    ag.add_argument("--hardware", default="h100x2", help=hardware)
+    ag.add_argument("--kv-format", default="bf16", choices=sorted(KV_FORMATS))
+    ag.add_argument("--link", action="append", help="preset or path; repeat for several (default: rdma and nvlink)")
+    ag.add_argument("--prefix", type=int, default=defaults.shared_prefix_tokens, help="shared prefix tokens")
+    ag.add_argument("--task", type=int, default=defaults.task_tokens, help="task tokens")
+    ag.add_argument("--output-tokens", type=int, default=defaults.output_tokens, help="generated tokens per step")
+    ag.add_argument("--tool-output", type=int, default=defaults.tool_output_tokens, help="tool tokens per step")
+    ag.add_argument("--steps", type=int, default=defaults.steps)
+    ag.add_argument("--decode-streams", type=int, default=64, help="D's running streams in the busy case")
+    ag.set_defaults(func=run_agent)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
