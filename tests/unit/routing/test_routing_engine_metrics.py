@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
 from routing.engine_metrics import EngineLoadPoller, parse_engine_load
+from routing.engines import Role, Worker
+from routing.index import WorkerId
 
 EXPOSITION = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -34,11 +41,25 @@ def test_unlabelled_lines_and_junk_are_handled():
 
 
 def test_a_stale_sample_is_not_reported():
-    now = [100.0]
-    poller = EngineLoadPoller([], interval_s=1.0, clock=lambda: now[0])
-    poller._samples["w"] = parse_engine_load(EXPOSITION, at=100.0)  # what a poll stores
-    assert poller.latest("w") is not None
-    now[0] = 103.5
-    assert poller.latest("w") is None and poller.latest("unknown") is None
-    assert math.isclose(poller.max_age_s, 3.0)
+    """A real poll of an engine's ``/metrics``, then the clock moves past 3 intervals."""
 
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", lambda _: web.Response(text=EXPOSITION))
+        async with TestServer(app, host="127.0.0.1") as server:
+            worker = Worker(WorkerId("w"), Role.DECODE, str(server.make_url("")).rstrip("/"))
+            now = [100.0]
+            poller = EngineLoadPoller([worker], interval_s=1.0, clock=lambda: now[0])
+            async with aiohttp.ClientSession() as http:
+                task = asyncio.create_task(poller.run(http))
+                for _ in range(500):
+                    if poller.latest(WorkerId("w")) is not None:
+                        break
+                    await asyncio.sleep(0.01)
+                task.cancel()
+            assert poller.latest(WorkerId("w")) is not None
+            now[0] = 103.5
+            assert poller.latest(WorkerId("w")) is None and poller.latest(WorkerId("unknown")) is None
+            assert math.isclose(poller.max_age_s, 3.0)
+
+    asyncio.run(main())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 from hypothesis import example, given, settings
@@ -67,7 +69,12 @@ def test_vllm_encoding_round_trips():
 def test_fuzzed_bytes_never_raise(data):
     decoder = EventDecoder()
     batch = decoder.decode(data)
-    assert len(batch.events) + sum(decoder.rejections.values()) >= 0
+    # Every event in the batch is either decoded or rejected (counted), and an
+    # undecodable batch is one counted rejection with no events.
+    assert sum(decoder.rejections.values()) == len(batch.rejected)
+    if math.isnan(batch.ts):
+        assert not batch.events and [r.reason for r in batch.rejected] == [RejectReason.UNDECODABLE_BATCH]
+    assert decoder.events_decoded == len(batch.events)
 
 
 json_like = st.recursive(

@@ -529,7 +529,7 @@ def test_router_cli_flags_override_the_yaml(tmp_path):
     args = parser.parse_args(["router", "--config", str(path), "--port", "9100", "--overlap-score-credit", "0.5", "--model-dir", "/m"])
     cfg = load_config(args.config, args)
     assert (cfg.server.port, cfg.server.host, cfg.server.model_dir) == (9100, "127.0.0.1", "/m")
-    assert cfg.cost.overlap_score_credit == 0.5 and callable(args.func)
+    assert cfg.cost.overlap_score_credit == 0.5 and args.func.__name__ == "run_router"
 
 
 def test_engines_own_metrics_feed_the_decode_busy_guard_and_the_router_metrics(model_dir):
