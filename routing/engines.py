@@ -139,8 +139,10 @@ class IndexFeeder:
     """One subscriber per worker with events, polled by one daemon thread.
 
     The subscribers' sockets are created (and bound) in ``__init__``, so engines
-    may connect as soon as it returns. Every batch is applied while holding
-    ``lock``; readers of ``index`` must hold it too. :meth:`stop` joins the
+    may connect as soon as it returns. Every change to ``index`` is made while
+    holding ``lock``, and only the change: socket waits and replay fetches run
+    without it, so a reader holding it (the router's event loop) never waits on
+    I/O. Readers of ``index`` must hold it too. :meth:`stop` joins the
     thread and closes the sockets; it is idempotent.
     """
 
@@ -164,7 +166,7 @@ class IndexFeeder:
                         EngineSubscriber(
                             worker.name, worker.kv_events_endpoint, index,
                             replay_endpoint=worker.replay_endpoint, topic=worker.topic,
-                            context=context,
+                            context=context, guard=lock,
                         )  # fmt: skip
                     )
         except zmq.ZMQError:
@@ -196,5 +198,4 @@ class IndexFeeder:
             by_socket[sub.socket] = sub
         while not self._stop.is_set():
             for sock, _ in poller.poll(self.poll_ms):
-                with self.lock:
-                    by_socket[sock].poll(0)
+                by_socket[sock].poll(0)  # takes the lock around each apply

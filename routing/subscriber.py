@@ -27,7 +27,9 @@ the index.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import zmq
@@ -77,8 +79,13 @@ class EngineSubscriber:
         decoder: EventDecoder | None = None,
         context: zmq.Context | None = None,
         replay_timeout_s: float = 1.0,
+        guard: AbstractContextManager[object] | None = None,
     ) -> None:
+        """``guard`` (a lock) is held around each change to ``index`` and nothing
+        else: never across a socket wait or a replay fetch, so a reader holding it
+        (the router's event loop) waits for one batch's apply at most."""
         self.worker = worker
+        self._guard = guard if guard is not None else contextlib.nullcontext()
         self.index = index
         self.decoder = decoder if decoder is not None else EventDecoder()
         self.stats = SubscriberStats()
@@ -131,16 +138,18 @@ class EngineSubscriber:
         last = self._last_seq
         if last is not None and seq <= last:
             self.stats.restarts += 1
-            self.index.clear_worker(self.worker)
+            with self._guard:
+                self.index.clear_worker(self.worker)
             last = self._last_seq = None
         expected = 0 if last is None else last + 1
         if seq > expected:
             self.stats.gaps += 1
-            recovered = self._replay(expected, seq)
+            recovered = self._replay(expected, seq)  # I/O: outside the guard
             if [s for s, _ in recovered] != list(range(expected, seq)):  # bounded by MAX_SEQ_JUMP
                 self.stats.unrecoverable_gaps += 1
                 if last is not None:
-                    self.index.clear_worker(self.worker)
+                    with self._guard:
+                        self.index.clear_worker(self.worker)
             for rseq, payload in recovered:
                 self._apply(rseq, payload)
                 self.stats.replayed += 1
@@ -148,7 +157,8 @@ class EngineSubscriber:
 
     def _apply(self, seq: int, payload: bytes) -> None:
         batch = self.decoder.decode(payload)
-        self.index.apply_all(self.worker, batch.events)
+        with self._guard:
+            self.index.apply_all(self.worker, batch.events)
         self.stats.batches += 1
         self._last_seq = seq
 

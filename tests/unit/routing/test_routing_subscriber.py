@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -182,4 +183,41 @@ def test_forged_sequence_number_is_a_bad_frame_not_a_gap(endpoints):
     finally:
         raw.close(linger=0)
         pub.shutdown()
+        sub.close()
+
+
+def test_a_replay_wait_does_not_hold_the_index_lock():
+    """The router's event loop takes the index lock to route: a subscriber waiting on a
+    replay that never comes (up to ``replay_timeout_s``) must not be holding it."""
+    ctx = zmq.Context.instance()
+    events_port, replay_port = free_ports(2)
+    silent = ctx.socket(zmq.ROUTER)  # the engine's replay socket, never answering
+    silent.bind(f"tcp://127.0.0.1:{replay_port}")
+    lock = threading.Lock()
+    sub = EngineSubscriber(W, f"tcp://127.0.0.1:{events_port}", BlockIndex(BS), bind=True, guard=lock,
+                           replay_endpoint=f"tcp://127.0.0.1:{replay_port}", replay_timeout_s=2.0)  # fmt: skip
+    pub = ctx.socket(zmq.PUB)
+    pub.connect(f"tcp://127.0.0.1:{events_port}")
+    try:
+        seq = 0
+        while sub.stats.batches == 0:  # the first frames may be lost before the subscription lands
+            pub.send_multipart((b"", seq.to_bytes(8, "big"), b"not a batch"))
+            seq += 1
+            sub.poll(100)
+        while silent.poll(0):  # a lost first frame made a gap: drop its replay request
+            silent.recv_multipart()
+        gaps = sub.stats.unrecoverable_gaps
+        pub.send_multipart((b"", (sub.last_seq + 10).to_bytes(8, "big"), b"not a batch"))
+        waiting = threading.Thread(target=sub.poll, args=(5000,))
+        waiting.start()
+        assert silent.poll(5000), "the subscriber never asked for a replay"
+        started = time.monotonic()
+        assert lock.acquire(timeout=1.0), "the index lock was held across the replay wait"
+        lock.release()
+        assert time.monotonic() - started < 1.0
+        waiting.join()
+        assert sub.stats.unrecoverable_gaps == gaps + 1 and sub.stats.batches >= 2
+    finally:
+        pub.close(linger=0)
+        silent.close(linger=0)
         sub.close()
