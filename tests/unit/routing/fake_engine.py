@@ -1,0 +1,87 @@
+"""The one fake vLLM engine of the router's tests (vLLM itself is tested end to end in
+tests/e2e; these tests need engines that fail, hang or answer thousands at once on
+demand): an OpenAI completions server with knobs that records every body it gets,
+and a word-level tokenizer directory for the router."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+PROMPT_WORDS = ["[UNK]", "<|", "|>", "user", "assistant", "system", "end", "hello", "world", "the", "repo", "fix", "bug"]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def word_model_dir(path: Path) -> Path:
+    """Write a word-level tokenizer.json (ids = :data:`PROMPT_WORDS`) and a
+    tokenizer_config.json with a chat template into ``path``; returns it."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(PROMPT_WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "bos_token": "hello"}))
+    return path
+
+
+@dataclass
+class FakeEngine:
+    """An OpenAI completions server with knobs; ``bodies`` records what it got."""
+
+    name: str
+    status: int = 200
+    delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    """Pause after each streamed chunk (a decode step)."""
+    kv_params: bool = True
+    metrics_text: str | None = None  # None: /metrics answers 404
+    session_offer: dict[str, Any] | None = None
+    """What a decode answer returns as kv_transfer_params (vLLM's bidirectional mode)."""
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        if self.metrics_text is None:
+            return web.Response(status=404)
+        return web.Response(text=self.metrics_text)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        await asyncio.sleep(self.delay_s)
+        if self.status != 200:
+            return web.json_response({"error": {"message": f"{self.name} is broken"}}, status=self.status)
+        text = f"{self.name}:{len(body['prompt'])}"
+        lp = {"tokens": [" a"], "token_logprobs": [-0.5], "top_logprobs": [{" a": -0.5, " b": -1.0}], "text_offset": [0]}
+        choice = {"index": 0, "text": text, "logprobs": lp if body.get("logprobs") is not None else None, "finish_reason": "length"}
+        payload: dict[str, Any] = {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "tiny",
+                                   "choices": [choice], "usage": {"prompt_tokens": len(body["prompt"])}}  # fmt: skip
+        if (body.get("kv_transfer_params") or {}).get("do_remote_decode") and self.kv_params:
+            payload["kv_transfer_params"] = {"remote_engine_id": self.name, "remote_block_ids": [1, 2]}
+        elif self.session_offer is not None:
+            payload["kv_transfer_params"] = self.session_offer
+        if not body.get("stream"):
+            return web.json_response(payload)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for piece in ("x", "y"):
+            chunk = {**payload, "choices": [{**choice, "text": piece, "finish_reason": None}]}
+            await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(self.token_delay_s)
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
