@@ -2,12 +2,17 @@
 held the session's newest KV and is gone when the next turn reaches P. P's pull
 fails, vLLM's ``kv_load_failure_policy: recompute`` (set by the fleet) prefills
 what it was to load, and P answers exactly as a co-located run would; the next
-offer from the dead D is prefilled without another try. Both counted."""
+offer from the dead D is prefilled without another try. Both counted. D dies in
+the middle of a stream the router relays: the client gets an error event naming D
+and the stream ends (no hang)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,7 +46,16 @@ def test_a_dead_holder_is_recomputed_with_correct_output(fleet: Fleet, tokenizer
     prefill, decode = fleet.by_role("prefill")[0], fleet.by_role("decode")[0]
     sessions = [history(tokenizer, seed) for seed in (700, 701)]
     turns = [decoded_turn(prefill.url, decode.url, x, GENERATED) for x in sessions]
+    stream = _relayed_stream(fleet.router.url, sessions[0])
+    assert stream.first_event.wait(300), "no streamed token before D was killed"
+    router_before = scrape(fleet.router.url)
     os.killpg(decode.pid, signal.SIGKILL)  # D and its NIXL agent vanish with the session's KV
+    stream.thread.join(STREAM_END_BOUND_S)
+    assert not stream.thread.is_alive(), f"the client's stream hung over {STREAM_END_BOUND_S} s after D died"
+    last = json.loads(stream.events[-1])
+    assert "[DONE]" not in stream.events and "decode-0" in last["error"]["message"], stream.events[-3:]
+    assert delta(scrape(fleet.router.url), router_before, "kvpilot_router_upstream_errors_total",
+                 worker="decode-0") == 1  # fmt: skip
 
     for turn, reason in zip(turns, ("load_failed", "peer_failed")):
         x, x2 = turn.prompt, turn.prompt + turn.generated + tokenizer.prompt_token_ids(" tool: ok")
@@ -64,3 +78,36 @@ def test_a_dead_holder_is_recomputed_with_correct_output(fleet: Fleet, tokenizer
             assert delta(after, before, REJECTED, reason="peer_failed") == (
                 block_count(len(x) + GENERATED - 1) - block_count(len(x)))
     assert scrape(prefill.url), "P keeps serving"
+
+
+STREAM_END_BOUND_S = 60.0
+"""How long a relayed stream may last after its D died."""
+
+
+class _Stream:
+    """A streaming completion through the router, read in a thread."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.first_event = threading.Event()
+        self.thread = threading.Thread(target=lambda: None)
+
+
+def _relayed_stream(router_url: str, prompt: list[int]) -> _Stream:
+    """Start a long stream (P prefills, D decodes 4,000 tokens) and return at once."""
+    stream = _Stream()
+    body = {"prompt": prompt, "max_tokens": 4000, "ignore_eos": True, "stream": True, "temperature": 0.0}
+    request = urllib.request.Request(f"{router_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+
+    def read() -> None:
+        with urllib.request.urlopen(request, timeout=600) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data:"):
+                    stream.events.append(line[5:].strip())
+                    stream.first_event.set()
+
+    stream.thread = threading.Thread(target=read, daemon=True)
+    stream.thread.start()
+    return stream
