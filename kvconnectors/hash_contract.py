@@ -1,7 +1,8 @@
-"""The block-hash contract: how kvpilot, vLLM and the router name a KV block.
+"""The block-hash contract: how kvpilot and vLLM name a KV block.
 
-This module is shared by the connector (which runs inside vLLM) and the router
-(which runs without vLLM), so it must never import vLLM. It restates, and its
+The connector's verification builds on it, and it must never import vLLM (it is
+tested, and benchmarked, without an engine). The router does not use it: it names
+blocks by their tokens (:mod:`routing.chain`). It restates, and its
 tests check against, vLLM 0.32's own code in ``vllm/v1/core/kv_cache_utils.py``
 (``init_none_hash``, ``hash_block_tokens``, ``generate_block_hash_extra_keys``,
 ``get_request_block_hasher``) and ``vllm/utils/hashing.py``.
@@ -50,7 +51,7 @@ positions ``[i * block_size, (i + 1) * block_size)`` and is named::
   this granularity. It equals ``--block-size`` except in hybrid-model configs
   where vLLM hashes at a finer ``prefix_match_unit``.
 
-Two engines (or an engine and the router) name a block the same way iff they
+Two engines name a block the same way iff they
 agree on the algorithm, the seed (hence ``NONE_HASH``), the block size, and the
 tokens and extra keys of every block up to it. :func:`seed_identity` and
 :func:`salt_identity` give short, non-reversible ids of the seed and the salt so

@@ -12,6 +12,10 @@
 
 Nothing here imports vLLM, ``kvconnectors`` or ``routing``, reads a clock, or draws
 random numbers.
+
+Citations: "the article" is the reference article "KV, Prefix, and Session Caching
+in Co-located and Disaggregated LLM Serving", kvpilot's specification; "article
+section 9.2" cites its section by number.
 """
 
 from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecError

@@ -3,8 +3,7 @@
 For one session of a :class:`~policies.planner.Workload` (a shared prefix, then
 per step a generated tool call and a tool output), each arm of
 ``benchmarks/bench_agent.py`` serves step ``k`` as follows (after step ``k-1``,
-D holds the previous prompt and its generated tokens; the reference article
-"KV, prefix and session caching", section 9.2):
+D holds the previous prompt and its generated tokens; article section 9.2):
 
 - ``no_cache``: P prefills the whole prompt; D loads all of it;
 - ``prefix_only`` (option 1 as the article prices it): P holds only the shared

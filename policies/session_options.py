@@ -2,7 +2,7 @@
 
 After step ``k`` the newest KV of a session lives on the decode worker D that
 generated it; step ``k+1`` arrives at the router, which can serve it five ways
-(the reference article "KV, prefix and session caching", section 9.2):
+(article section 9.2):
 
 1. ``reprefill``: the cost model's P prefills what its own cache lacks (D's
    generated tokens at least), then hands D the KV D lacks;

@@ -2,11 +2,19 @@
 prefill engine, then a decode engine (or to one co-located engine), with token ids.
 Imports and runs without vLLM installed (no vLLM import anywhere in this package).
 
-Modules: ``events`` (vLLM KV-event wire format, tolerant decoding), ``chain``
-(block naming, a prompt's lazily named chain), ``index`` (the global block
-index), ``subscriber`` (the ZMQ edge: gaps, replay, restarts), ``sessions``
-(affinity keys, incremental chains), ``ledger`` (the router's own load
-accounting), ``cost`` (Dynamo's cost, explainable decisions), ``config``.
+Modules, pure first: ``events`` (vLLM KV-event wire format, tolerant decoding),
+``chain`` (block naming, a prompt's lazily named chain), ``index`` (the global
+block index), ``dynamo_index`` (Dynamo's RadixTree behind the same interface),
+``sessions`` (affinity keys, incremental chains, D's session offers), ``ledger``
+(the router's own load accounting), ``cost`` (Dynamo's cost, explainable
+decisions), ``router`` (the decision: pair, local or remote, the five session
+options), ``request_fields`` (what a client may send), ``admission``
+(concurrency limit and queue), ``health`` (per-worker circuit breaker),
+``config`` (the typed config and its flags); then I/O: ``subscriber`` (the ZMQ
+edge: gaps, replay, restarts), ``engines`` (the fleet, the index feeder thread),
+``engine_metrics`` (polling each engine's ``/metrics``), ``tokenizer``, ``chat``
+(chat template rendering and answer conversion), ``server`` (the aiohttp front),
+``server_metrics`` (its Prometheus metrics), ``cli`` (``kvpilot router``).
 
 Block naming: llm-d style, not the engines' hashes
 --------------------------------------------------
@@ -35,4 +43,8 @@ match them.
 Sessions: a chain is extendable (only new blocks are named) and keeps the
 index's last match; the index logs removals so the next match looks only at
 what changed (see ``BlockIndex.match``).
+
+Citations: "the article" is the reference article "KV, Prefix, and Session Caching
+in Co-located and Disaggregated LLM Serving", kvpilot's specification; "article
+section 9.2" cites its section by number.
 """

@@ -267,7 +267,7 @@ def test_salt_identity(salt: str | None, is_none: bool) -> None:
 
 
 def test_the_shared_modules_import_without_vllm() -> None:
-    """The router imports these without vLLM installed: none may pull it in."""
+    """These run without vLLM installed (tests, benchmarks): none may pull it in."""
     code = (
         "import sys\n"
         "import kvconnectors.hash_contract, kvconnectors.transfer_params, kvconnectors.verify\n"
