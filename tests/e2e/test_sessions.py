@@ -5,20 +5,23 @@ directly, as vLLM's multi-turn proxy does, and through kvpilot's router."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from deploy.client import complete
-from deploy.fleet import Fleet
+from deploy.client import Completion, complete
+from deploy.fleet import Fleet, restart_router
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape
 from fleets import running_fleet
 from routing.tokenizer import PromptTokenizer
 from scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED, settle
 from sessions import (
-    EDITS, GENERATED, PULL_DECISIONS, block_count, colocated, common_prefix, handshake_both_ways, history,
+    EDITS, GENERATED, PULL_DECISIONS, Edit, block_count, colocated, common_prefix, handshake_both_ways, history,
     run_session,
 )  # fmt: skip
 
@@ -29,6 +32,7 @@ PORTS = {"engine_port": 8710, "side_channel_port": 6110, "events_port": 6710, "r
 # what verifies) so that the co-located reference can split its prefill where P does.
 DROP_IN = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0}
 SESSION_OFFERS = "kvpilot_router_session_offers_total"
+SESSION_OPTIONS = "kvpilot_router_session_options_total"
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +46,14 @@ def fleet(spec: FleetSpec, tokenizer: PromptTokenizer) -> Iterator[Fleet]:
     with running_fleet(spec) as started:
         handshake_both_ways(*_urls(started), tokenizer)
         yield started
+
+
+def debug_route(router: str, prompt: list[int], **body: object) -> dict:
+    """``POST /debug/route``: the router's decision for ``prompt``, sending nothing."""
+    data = json.dumps({"prompt": prompt, **body}).encode()
+    request = urllib.request.Request(f"{router}/debug/route", data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return json.load(resp)
 
 
 def _urls(fleet: Fleet) -> tuple[str, str]:
@@ -100,24 +112,85 @@ def test_an_expired_lease_is_recomputed_not_pulled(fleet: Fleet, tokenizer: Prom
     assert turn.p_out.logprobs[0] == reference.logprobs[0]
 
 
-def test_the_router_hands_ds_offer_to_p_at_the_next_step(fleet: Fleet, tokenizer: PromptTokenizer) -> None:
-    """Option 2 of the article's section 9.2 through the router: a client that resends
-    the whole history with a ``conversation_id`` gets P's pull of D's KV at step 2,
-    with D's answer equal to a co-located run."""
-    prefill, decode = _urls(fleet)
-    router = fleet.router.url
-    x = history(tokenizer, 600)
-    step1 = complete(router, x, max_tokens=GENERATED, ignore_eos=True, return_token_ids=True, conversation_id="s600")
-    x2 = x + list(step1.token_ids) + tokenizer.prompt_token_ids(" tool: ok, 3 tests pass")
-    before, router_before = scrape(prefill), scrape(router)
-    step2 = complete(router, x2, max_tokens=8, conversation_id="s600")
-    after, router_after = settle(prefill), scrape(router)
+OPTIONS = ("reprefill", "pull", "affinity", "local")
 
-    offered = x + list(step1.token_ids)[: GENERATED - 1]
-    verified = block_count(len(offered))
-    pulled = verified - block_count(len(x))
-    assert delta(router_after, router_before, SESSION_OFFERS, outcome="sent") == 1
-    assert delta(after, before, VERIFIED) == pulled
-    assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") == pulled * 32
-    reference = colocated(decode, x, x2, verified)
-    assert step2.same_output(reference), f"max logprob diff {step2.max_logprob_diff(reference)}"
+
+def _router_choosing(spec: FleetSpec, flags: list[str]) -> str:
+    """The fleet's router restarted with ``flags`` (the engines keep running; the
+    index is rebuilt from their replay and fresh events); its URL."""
+    return restart_router(spec, flags).router.url
+
+
+def _agent_steps(router: str, x: list[int], tokenizer: PromptTokenizer, session: str,
+                 edit_step3: Edit = lambda h, gen: h + gen) -> list[tuple[list[int], Completion]]:  # fmt: skip
+    """Three steps of one agent session through ``router``: each resends the whole
+    history, D's tool call and a new tool output appended (``edit_step3`` edits the
+    history before step 3); returns each step's prompt and answer."""
+    steps, prompt = [], x
+    for n, max_tokens in enumerate((GENERATED, GENERATED, 8)):
+        out = complete(router, prompt, max_tokens=max_tokens, ignore_eos=True, return_token_ids=True,
+                       conversation_id=session)  # fmt: skip
+        steps.append((prompt, out))
+        tool = tokenizer.prompt_token_ids(f" tool: step {n} ok, {n + 3} tests pass")
+        prompt = (edit_step3 if n == 1 else (lambda h, gen: h + gen))(prompt, list(out.token_ids)) + tool
+    return steps
+
+
+def _reference(engine_url: str, steps: list[tuple[list[int], Completion]]) -> list[Completion]:
+    """The same session on one engine under a fresh salt (no P/D, no router)."""
+    salt = f"ref-{uuid.uuid4().hex}"
+    return [complete(engine_url, prompt, max_tokens=len(out.tokens), ignore_eos=True, cache_salt=salt)
+            for prompt, out in steps]  # fmt: skip
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_a_session_served_by_each_forced_option_answers_like_colocated(
+    spec: FleetSpec, fleet: Fleet, tokenizer: PromptTokenizer, option: str
+) -> None:
+    """The article's options 1, 2, 3 and 5 (section 9.2), each forced by config: a
+    client resending the whole history with a ``conversation_id`` gets answers equal
+    to a co-located run, token for token and logprob for logprob."""
+    flags = ["--force-option", option] + (["--max-local-tokens", "2048"] if option == "local" else [])
+    router = _router_choosing(spec, flags)
+    prefill, decode = _urls(fleet)
+    x = history(tokenizer, 600 + OPTIONS.index(option))
+    router_before, p_before = scrape(router), scrape(prefill)
+    steps = _agent_steps(router, x, tokenizer, f"forced-{option}")
+    router_after, p_after = settle(router), scrape(prefill)
+
+    assert delta(router_after, router_before, SESSION_OPTIONS, option=option) == 2  # steps 2 and 3
+    routes = [out.headers["X-KVPilot-Route"] for _, out in steps]
+    assert routes == ["remote_prefill"] + ["local_prefill" if option == "local" else "remote_prefill"] * 2
+    sent = delta(router_after, router_before, SESSION_OFFERS, outcome="sent")
+    assert sent == (2 if option == "pull" else 0)
+    if option == "pull":  # P loads D's blocks beyond its own cache of the last prompt, at each step
+        (x1, _), (x2, _), _ = steps
+        pulled = [block_count(len(prev) + GENERATED - 1) - block_count(len(prev))
+                  for prev in (x1, x2)]  # fmt: skip
+        assert delta(p_after, p_before, VERIFIED) == sum(pulled)
+    else:
+        assert delta(p_after, p_before, VERIFIED) == 0
+    for n, ((_, out), ref) in enumerate(zip(steps, _reference(decode, steps)), start=1):
+        assert out.same_output(ref), f"step {n}: max logprob diff {out.max_logprob_diff(ref)}"
+
+
+def test_unforced_the_router_takes_the_cheapest_option_and_edits_stay_correct(
+    spec: FleetSpec, fleet: Fleet, tokenizer: PromptTokenizer
+) -> None:
+    """By cost: ``/debug/route`` prices every option and the request takes the one it
+    calls cheapest; a truncated history (section 5) is still answered correctly."""
+    router = _router_choosing(spec, ["--max-local-tokens", "2048"])
+    decode = _urls(fleet)[1]
+    x = history(tokenizer, 700)
+    steps = _agent_steps(router, x, tokenizer, "by-cost", edit_step3=EDITS["history truncated"])
+    x4 = steps[-1][0] + list(steps[-1][1].token_ids)
+    priced = debug_route(router, x4, conversation_id="by-cost")
+    available = [o for o in priced["options"] if o["available"]]
+    cheapest = min(available, key=lambda o: o["ttft_s"])
+    assert priced["session_option"] == cheapest["option"] == "local"  # D holds all but the new tokens
+    assert {o["option"]: o["available"] for o in priced["options"]}["shared_tier"] is False
+    before = scrape(router)
+    complete(router, x4, max_tokens=8, conversation_id="by-cost")
+    assert delta(settle(router), before, SESSION_OPTIONS, option="local") == 1
+    for n, ((_, out), ref) in enumerate(zip(steps, _reference(decode, steps)), start=1):
+        assert out.same_output(ref), f"step {n}: max logprob diff {out.max_logprob_diff(ref)}"
