@@ -177,6 +177,9 @@ class ServerConfig:
     """Requests waiting for a slot; more are refused at once (429)."""
     queue_timeout_s: float = 30.0
     """A queued request not admitted within this is refused (503)."""
+    max_retries: int = 1
+    """A request whose decode worker failed before anything reached the client
+    (no answer, 5xx, timeout) is tried again this many times on other decode workers."""
     circuit_failures: int = 3
     """Consecutive failures (no answer, timeout, 5xx) that open a worker's circuit; 0: off."""
     circuit_open_s: float = 10.0
@@ -191,7 +194,7 @@ class ServerConfig:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65536), got {self.port}")
         for name in ("engine_metrics_interval_s", "max_prompt_tokens", "max_output_tokens",
-                     "max_concurrent_requests", "max_queued_requests", "circuit_failures"):  # fmt: skip
+                     "max_concurrent_requests", "max_queued_requests", "circuit_failures", "max_retries"):  # fmt: skip
             _non_negative(self, name)
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")

@@ -198,6 +198,7 @@ class Router:
         session: SessionId | None = None,
         dry_run: bool = False,
         now: float | None = None,
+        exclude: frozenset[WorkerId] = frozenset(),
     ) -> Route:
         """Choose where ``token_ids`` goes. Does not modify the index or the ledger.
 
@@ -205,7 +206,9 @@ class Router:
         ``token_ids`` (only new blocks are named). A ``dry_run`` names a fresh
         chain and leaves the session's chain as it was (it may create an empty
         session entry). ``now`` (Unix seconds) dates the session's offer; ``None``
-        ignores its expiry. Raises ValueError for an empty prompt.
+        ignores its expiry. ``exclude``: decode workers not to use (a retry's
+        failed ones). Raises ValueError for an empty prompt, :class:`NoHealthyWorker`
+        when no decode worker is left.
         """
         if not token_ids:
             raise ValueError("empty prompt")
@@ -224,9 +227,12 @@ class Router:
         match = self.index.match(chain)
         overlaps = self._overlaps(match)
         loads = {w.name: self.ledger.load(w.name, chain) for w in self.fleet.workers}  # once per worker
-        options = {name: (p, d) for name, (p, d) in self._options.items() if self.available(d.name)}
+        options = {
+            name: (p, d) for name, (p, d) in self._options.items() if self.available(d.name) and d.name not in exclude
+        }
         if not options:
-            raise NoHealthyWorker("no decode or co-located worker is available: every circuit is open")
+            raise NoHealthyWorker("no decode or co-located worker is available: every circuit is open"
+                                  + (f" or it failed this request ({', '.join(sorted(exclude))})" if exclude else ""))
         candidates = [self._candidate(name, p, d, overlaps, loads, last) for name, (p, d) in options.items()]
         decision = self.cost.decide(request_id, chain.num_blocks, candidates)
         p, d = options[decision.chosen]

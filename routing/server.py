@@ -16,8 +16,9 @@ count it in the :class:`~routing.cost.LoadLedger`, then
 - local prefill or co-located: one engine does both.
 
 D's answer is relayed (SSE when ``stream``); chat answers are converted back
-from the completions format. An upstream failure reaches the client as a JSON
-error naming the engine (the engine's 4xx status is kept, anything else is a
+from the completions format. A decode worker that fails before anything reached
+the client is left out and the request routed again (``server.max_retries``).
+An upstream failure reaches the client as a JSON error naming the engine (the engine's 4xx status is kept, anything else is a
 502); the router keeps serving, and counts the failure toward the engine's
 circuit (:mod:`routing.health`): a worker whose circuit is open is not routed to
 until it is tried again. Response headers ``X-Request-Id``,
@@ -50,7 +51,7 @@ from routing.config import ConfigError, IndexConfig, RouterConfig
 from routing.ledger import LoadLedger
 from routing.engine_metrics import EngineLoadPoller
 from routing.engines import Fleet, IndexFeeder, Worker
-from routing.index import BlockIndex, KVIndex
+from routing.index import BlockIndex, KVIndex, WorkerId
 from routing.health import CircuitBreaker
 from routing.router import NoHealthyWorker, Route, Router, policy_from_config
 from routing.server_metrics import RouterMetrics
@@ -280,7 +281,8 @@ class RouterServer:
         return body
 
     def _route(
-        self, request: web.Request, body: dict[str, Any], chat: bool, *, dry_run: bool = False
+        self, request: web.Request, body: dict[str, Any], chat: bool, *, dry_run: bool = False,
+        exclude: frozenset[WorkerId] = frozenset(),
     ) -> tuple[Route, list[int], SessionId | None]:
         """Tokenize and decide (under the index lock); raises :class:`BadRequest`."""
         try:
@@ -306,7 +308,7 @@ class RouterServer:
             try:
                 route = self.router.route(
                     token_ids, request_id, cache_salt=body.get("cache_salt"), session=session, dry_run=dry_run,
-                    now=time.time(),
+                    now=time.time(), exclude=exclude,
                 )
             except NoHealthyWorker as exc:
                 raise BadRequest(str(exc), 503) from None
@@ -331,20 +333,53 @@ class RouterServer:
             return response
 
     async def _serve_admitted(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        """Parse, route and serve; a decode worker that fails before anything reached
+        the client (5xx, no answer, timeout) is left out and the request routed again,
+        up to ``server.max_retries`` times (counted in ``kvpilot_router_retries_total``)."""
         started = time.perf_counter()
         try:
             body = await self._body(request, chat)
-            engine_body = chat_to_completion_body(body) if chat else dict(body)
-            route, engine_body["prompt"], session = self._route(request, body, chat)
+            base = chat_to_completion_body(body) if chat else dict(body)
+            route, base["prompt"], session = self._route(request, body, chat)
         except (BadRequest, ChatError) as exc:
             return _error(getattr(exc, "status", 400), str(exc))
+        for key in ROUTER_ONLY_KEYS:
+            base.pop(key, None)
+        failed: set[WorkerId] = set()
+        while True:
+            try:
+                return await self._attempt(request, chat, route, dict(base), session, started)
+            except UpstreamError as exc:
+                self.metrics.upstream_errors.labels(exc.worker.name).inc()
+                if exc.status >= 500:
+                    self._worker_failed(exc.worker)
+                log.warning("request %s: %s", route.request_id, exc)
+                if exc.status < 500 or len(failed) >= self.config.server.max_retries:
+                    return _error(exc.status, str(exc), "upstream_error")
+                failed.add(exc.worker.name)
+                try:
+                    route, _, _ = self._route(request, body, chat, exclude=frozenset(failed))
+                except BadRequest:  # no other decode worker: the failure stands
+                    return _error(exc.status, str(exc), "upstream_error")
+                self.metrics.retries.labels(exc.worker.name).inc()
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        chat: bool,
+        route: Route,
+        engine_body: dict[str, Any],
+        session: SessionId | None,
+        started: float,
+    ) -> web.StreamResponse:
+        """Serve ``route`` once; raises :class:`UpstreamError` when D fails before
+        anything was sent to the client (a stream that breaks later ends with an
+        error event instead)."""
         rid, p, d = route.request_id, route.prefill_worker.name, route.decode.name
         try:
             self.ledger.dispatch(rid, p, d, route.chain, route.cached_blocks)
         except ValueError:  # the ledger's "already active"
             return _error(409, f"X-Request-Id {rid!r} is already in flight")
-        for key in ROUTER_ONLY_KEYS:
-            engine_body.pop(key, None)
         self.metrics.decided(route, time.perf_counter() - started)
         try:
             kind = route.kind.value
@@ -367,12 +402,6 @@ class RouterServer:
             if answered:
                 self._worker_answered(route.decode)
             return response
-        except UpstreamError as exc:
-            self.metrics.upstream_errors.labels(exc.worker.name).inc()
-            if exc.status >= 500:
-                self._worker_failed(exc.worker)
-            log.warning("request %s: %s", rid, exc)
-            return _error(exc.status, str(exc), "upstream_error")
         finally:
             self.ledger.complete(rid)
 
@@ -528,7 +557,10 @@ def _answered(worker: Worker, status: int, raw: bytes) -> UpstreamError:
 
 
 async def _sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
-    """The ``data`` of each server-sent event (multi-line data joined by newlines)."""
+    """The ``data`` of each server-sent event (multi-line data joined by newlines).
+
+    Parsed here: no SSE library is installed and the maintained one (httpx-sse) reads httpx responses, not aiohttp's.
+    """
     lines: list[str] = []
     async for raw in content:
         line = raw.decode().rstrip("\r\n")

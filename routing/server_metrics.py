@@ -68,6 +68,10 @@ class RouterMetrics:
         )
         self.fallbacks = Counter(p + "prefill_fallbacks", "Requests prefilled locally on D after P failed", registry=r)
         self.upstream_errors = Counter(p + "upstream_errors", "Engine errors returned to clients", ["worker"], registry=r)
+        self.retries = Counter(
+            p + "retries", "Requests tried again on another decode worker after this one failed before "
+            "anything reached the client", ["worker"], registry=r,
+        )  # fmt: skip
         self.rejected = Counter(
             p + "rejected", "Requests refused before routing: body_too_large, prompt_too_long, max_tokens, "
             "queue_full, queue_timeout, unauthorized", ["reason"], registry=r,

@@ -348,6 +348,38 @@ def test_a_failing_worker_opens_its_circuit_and_closes_it_when_it_answers_again(
     run(model_dir, {"co-0": "colocated"}, scenario, server_extra={"circuit_failures": 2, "circuit_open_s": 1.0})
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_worker_failing_before_the_answer_is_retried_on_another(model_dir, stream):
+    async def scenario(client, router, engines):
+        engines["decode-0"].status = engines["decode-1"].status = 500
+        body = {"prompt": PROMPT, "max_tokens": 2, "stream": stream}
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 502  # both failed: max_retries 1, the second failure stands
+        engines["decode-1"].status = 200
+        for _ in range(3):  # whichever D the cost model picks first, decode-1 answers
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status == 200 and resp.headers["X-KVPilot-Decode-Worker"] == "decode-1", await resp.text()
+            await resp.read()
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpilot_router_retries_total{worker="decode-0"}' in metrics
+        for line in metrics.splitlines():
+            if line.startswith("kvpilot_router_active_requests{"):
+                assert line.endswith(" 0.0"), line  # every attempt left the ledger
+
+    roles = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+    run(model_dir, roles, scenario, disaggregation={"max_local_tokens": 0}, server_extra={"circuit_failures": 0})
+
+
+def test_a_client_error_is_not_retried(model_dir):
+    async def scenario(client, router, engines):
+        engines["decode-0"].status = engines["decode-1"].status = 400
+        resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert resp.status == 400 and len(engines["decode-0"].bodies) + len(engines["decode-1"].bodies) == 1
+
+    roles = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+    run(model_dir, roles, scenario, disaggregation={"max_local_tokens": 0})
+
+
 def test_a_worker_with_an_open_circuit_is_not_routed_to(model_dir):
     async def scenario(client, router, engines):
         for _ in range(2):
