@@ -1,28 +1,24 @@
-"""Read an engine's Prometheus ``/metrics``: a tiny text-format reader for the demo,
-the benchmarks and the tests (no client library needed)."""
+"""Read an engine's (or the router's) Prometheus ``/metrics`` for the demo, the
+benchmarks and the tests, with ``prometheus_client``'s parser."""
 
 from __future__ import annotations
 
-import re
+import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+from routing.engine_metrics import parse_samples
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def parse(text: str) -> Samples:
-    """Samples by (name, labels). Comment lines are skipped."""
-    samples: Samples = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        labels = frozenset(_LABEL.findall(match["labels"] or ""))
-        samples[(match["name"], labels)] = float(match["value"])
-    return samples
+    """Samples by (name, labels), names as exposed (a counter's ``_total``).
+
+    A line the parser refuses is skipped (see :func:`routing.engine_metrics.parse_samples`):
+    never raises; empty text gives ``{}``.
+    """
+    return {(s.name, frozenset(s.labels.items())): float(s.value) for s in parse_samples(text)}
 
 
 def scrape(base_url: str, timeout: float = 60.0) -> Samples:
@@ -42,3 +38,26 @@ def total(samples: Samples, name: str, **labels: str) -> float:
 
 def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
     return total(after, name, **labels) - total(before, name, **labels)
+
+
+def wait_for_metric(
+    base_url: str,
+    name: str,
+    predicate: Callable[[float], bool],
+    *,
+    timeout: float = 10.0,
+    interval: float = 0.05,
+    **labels: str,
+) -> Samples:
+    """Scrape ``base_url`` until ``predicate(total(samples, name, **labels))`` holds.
+
+    Returns the scrape on which it held or, once ``timeout`` seconds have passed,
+    the last scrape, so that the caller's assertions report what was there. Scrapes
+    at least once; raises only what :func:`scrape` raises (the endpoint is down).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(base_url)
+        if predicate(total(samples, name, **labels)) or time.monotonic() >= deadline:
+            return samples
+        time.sleep(interval)

@@ -41,6 +41,7 @@ from kvconnectors.pull_params import (
     wants_remote_pull,
 )
 from kvconnectors.pull_policy import FailedPeers, LinkMeter, PrefillBacklog, PullDecision, PullPolicy
+from kvconnectors.reasons import Reason
 from kvconnectors.stats import KVPilotStats
 from kvconnectors.transfer_params import (
     PARAMS_KEY,
@@ -50,7 +51,7 @@ from kvconnectors.transfer_params import (
     decode_offer,
     encode_offer,
 )
-from kvconnectors.verify import Reason, verify_offer
+from kvconnectors.verify import verify_offer
 from policies.recompute_vs_transfer import Span
 
 if TYPE_CHECKING:
@@ -62,20 +63,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvpilot.connector")
 
-MALFORMED = "malformed_params"
-PARTIAL_TAIL = "partial_tail"
-"""The offer verified up to its partial last block, which cannot be attached
-because this prompt goes on past it (a session's next turn): recomputed."""
-LEASE_EXPIRED = "lease_expired"
-"""The peer's hold on its blocks ends (nearly) before the pull could read them."""
-PULL_POLICY = "pull_policy"
-"""The pull policy chose to recompute a verified span rather than pull it."""
-PEER_FAILED = "peer_failed"
-"""A pull from this peer failed moments ago (dead holder, broken link): its offer is
-prefilled locally without another try until ``PEER_RETRY_AFTER_S`` passes."""
-LOAD_FAILED = "load_failed"
-"""A pull failed in flight and vLLM's ``kv_load_failure_policy: recompute`` prefilled
-the tokens it was to load."""
 # Contract fields whose mismatch means the peer's KV cannot be read here at all.
 _INCOMPATIBLE_FIELDS = frozenset({"model", "block_size", "kv_dtype", "kv_layout"})
 
@@ -91,7 +78,7 @@ class PullInFlight:
     session_pull: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AttachPlan:
     """What one request may load from its peer.
 
@@ -102,10 +89,13 @@ class AttachPlan:
     """
 
     attach_blocks: int | None
-    reason: str  # Reason value, MALFORMED or PARTIAL_TAIL
+    reason: Reason
     rejected_blocks: int
+    """Offered blocks this request needed but does not load."""
     recomputed_tokens: int
+    """Offered tokens prefilled here because of ``reason``."""
     attached_blocks: int
+    """Blocks loaded from the peer beyond the local hit."""
     explanation: str
     pull_decision: PullDecision | None = None
     """For a session pull: the policy's decision on the verified span."""
@@ -304,7 +294,7 @@ class KVPilotScheduler:
         action = "recompute" if self._recompute_failed_loads else "fail"
         self._stats.count("load_failures", reason=action)
         if self._recompute_failed_loads:
-            self._stats.count("recomputed_tokens", pull.external_tokens, reason=LOAD_FAILED)
+            self._stats.count("recomputed_tokens", pull.external_tokens, reason=Reason.LOAD_FAILED.value)
         logger.warning("kvpilot %s: the pull of %d tokens from %s failed; kv_load_failure_policy=%s; its offers "
                        "are prefilled locally for %.0f s", request_id, pull.external_tokens, pull.peer, action,
                        self._failed_peers.retry_after_s)  # fmt: skip
@@ -334,35 +324,54 @@ class KVPilotScheduler:
         local_hit = num_computed_tokens // self._block_size
         recompute_all = prompt_len - num_computed_tokens
         if screened_out is not None:  # malformed pull fields, dropped on arrival
-            return AttachPlan(0, MALFORMED, len(own_hashes) - local_hit, recompute_all, 0, screened_out)
+            return AttachPlan(
+                attach_blocks=0,
+                reason=Reason.MALFORMED,
+                rejected_blocks=len(own_hashes) - local_hit,
+                recomputed_tokens=recompute_all,
+                attached_blocks=0,
+                explanation=screened_out,
+            )
         try:
             offer = decode_offer(params.get(PARAMS_KEY))
         except TransferParamsError as exc:
-            return AttachPlan(0, MALFORMED, len(own_hashes) - local_hit, recompute_all, 0,
-                              f"{exc}: prefill locally")  # fmt: skip
+            return AttachPlan(
+                attach_blocks=0,
+                reason=Reason.MALFORMED,
+                rejected_blocks=len(own_hashes) - local_hit,
+                recomputed_tokens=recompute_all,
+                attached_blocks=0,
+                explanation=f"{exc}: prefill locally",
+            )
         session_pull = not params.get("do_remote_prefill")
         skip_why = self._skip_reason(params, session_pull)
         if skip_why is not None:
             reason, why = skip_why
             unloaded = min(offer.num_tokens, prompt_len) - num_computed_tokens
-            return AttachPlan(0, reason, max(0, min(offer.num_blocks, len(own_hashes)) - local_hit),
-                              max(0, unloaded), 0, f"{why}: prefill locally")  # fmt: skip
+            return AttachPlan(
+                attach_blocks=0,
+                reason=reason,
+                rejected_blocks=max(0, min(offer.num_blocks, len(own_hashes)) - local_hit),
+                recomputed_tokens=max(0, unloaded),
+                attached_blocks=0,
+                explanation=f"{why}: prefill locally",
+            )
         plan = self._verified_plan(request, offer, own_hashes, num_computed_tokens)
         if plan.attached_blocks and session_pull:  # optional
             plan = self._decide_pull(request, plan, offer.num_tokens, num_computed_tokens)
         return plan
 
-    def _skip_reason(self, params: dict[str, Any], session_pull: bool) -> tuple[str, str] | None:
+    def _skip_reason(self, params: dict[str, Any], session_pull: bool) -> tuple[Reason, str] | None:
         """Why not to try this pull at all, or ``None``: the peer's lease (nearly)
         ended, or a pull from it just failed. A P->D handoff skips a failed peer only
         when vLLM would recompute its failure anyway (``kv_load_failure_policy``)."""
         left = lease_seconds_left(params, time.time())
         if left is not None and left < LEASE_MARGIN_S:
-            return LEASE_EXPIRED, f"the peer's lease ends in {left:.1f} s"
+            return Reason.LEASE_EXPIRED, f"the peer's lease ends in {left:.1f} s"
         peer = str(params.get("remote_engine_id"))
         since = self._failed_peers.seconds_since_failure(peer, time.monotonic())
         if since is not None and (session_pull or self._recompute_failed_loads):
-            return PEER_FAILED, f"a pull from {peer} failed {since:.1f} s ago"
+            return Reason.PEER_FAILED, f"a pull from {peer} failed {since:.1f} s ago"
         return None
 
     def _verified_plan(
@@ -373,18 +382,31 @@ class KVPilotScheduler:
         verdict = verify_offer(offer, self.contract(request), own_hashes, local_hit)
         if self._tail_verified(request, offer, verdict.reason, verdict.num_verified_blocks, len(own_hashes)):
             loaded = len(own_hashes) - local_hit
-            return AttachPlan(None, Reason.VERIFIED_ALL.value, 0, 0, loaded, verdict.explain() + ", tail verified")
+            return AttachPlan(
+                attach_blocks=None,
+                reason=Reason.VERIFIED_ALL,
+                rejected_blocks=0,
+                recomputed_tokens=0,
+                attached_blocks=loaded,
+                explanation=verdict.explain() + ", tail verified",
+            )
         attach_end = verdict.attach_blocks.stop
         covered = min(offer.num_tokens, prompt_len)
         recomputed = max(0, covered - max(attach_end * self._block_size, num_computed_tokens))
-        reason = verdict.reason.value
-        if verdict.reason is Reason.VERIFIED_ALL:
+        reason = verdict.reason
+        if reason is Reason.VERIFIED_ALL:
             start = offer.num_blocks * self._block_size
             prompt_tail = tuple(request.prompt_token_ids[start : start + len(offer.tail_token_ids)])
-            reason = PARTIAL_TAIL if prompt_tail == offer.tail_token_ids else Reason.TOKEN_MISMATCH.value
+            reason = Reason.PARTIAL_TAIL if prompt_tail == offer.tail_token_ids else Reason.TOKEN_MISMATCH
         explanation = verdict.explain() if recomputed == 0 else f"{verdict.explain()}; recompute {recomputed} tokens"
-        return AttachPlan(attach_end, reason, len(verdict.rejected_blocks), recomputed, len(verdict.attach_blocks),
-                          explanation)  # fmt: skip
+        return AttachPlan(
+            attach_blocks=attach_end,
+            reason=reason,
+            rejected_blocks=len(verdict.rejected_blocks),
+            recomputed_tokens=recomputed,
+            attached_blocks=len(verdict.attach_blocks),
+            explanation=explanation,
+        )
 
     def _decide_pull(
         self, request: Request, plan: AttachPlan, offer_tokens: int, num_computed_tokens: int
@@ -429,20 +451,21 @@ class KVPilotScheduler:
         if plan.pull_decision is not None:
             self._stats.count("pull_decisions", reason=plan.pull_decision.label)
             if plan.policy_recomputed_tokens:
-                self._stats.count("recomputed_tokens", plan.policy_recomputed_tokens, reason=PULL_POLICY)
+                self._stats.count("recomputed_tokens", plan.policy_recomputed_tokens, reason=Reason.PULL_POLICY.value)
             logger.debug("kvpilot %s: %s", request_id, plan.explanation)
-        if plan.reason == Reason.VERIFIED_ALL.value and plan.recomputed_tokens == 0:
+        if plan.reason is Reason.VERIFIED_ALL and plan.recomputed_tokens == 0:
             logger.debug("kvpilot %s: %s", request_id, plan.explanation)
             return
         if plan.rejected_blocks:
-            self._stats.count("rejected_blocks", plan.rejected_blocks, reason=plan.reason)
+            self._stats.count("rejected_blocks", plan.rejected_blocks, reason=plan.reason.value)
         if plan.recomputed_tokens:
-            self._stats.count("recomputed_tokens", plan.recomputed_tokens, reason=plan.reason)
-        key = (plan.reason,) if plan.reason != Reason.CONTRACT_MISMATCH.value else (plan.reason, plan.explanation)
+            self._stats.count("recomputed_tokens", plan.recomputed_tokens, reason=plan.reason.value)
+        label = plan.reason.value
+        key = (label,) if plan.reason is not Reason.CONTRACT_MISMATCH else (label, plan.explanation)
         if key not in self._logged:  # once per reason (per distinct contract diff)
             self._logged.add(key)
             logger.warning("kvpilot %s: %s (further %s cases log at debug level)", request_id, plan.explanation,
-                           plan.reason)  # fmt: skip
+                           label)  # fmt: skip
         else:
             logger.debug("kvpilot %s: %s", request_id, plan.explanation)
 

@@ -27,6 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvconnectors import reasons
+
 
 @dataclass(frozen=True, slots=True)
 class CounterSpec:
@@ -40,8 +42,8 @@ class CounterSpec:
     """The labels a reason fills; a reason is their values joined by ``/``."""
 
 
-REASONS = ("token_mismatch", "contract_mismatch", "malformed_params", "partial_tail", "lease_expired", "peer_failed")
-RECOMPUTE_REASONS = (*REASONS, "pull_policy", "load_failed")
+REASONS = tuple(reason.value for reason in reasons.REJECT_REASONS)
+RECOMPUTE_REASONS = tuple(reason.value for reason in reasons.RECOMPUTE_REASONS)
 PULL_DECISIONS = tuple(f"{choice}/{by}" for choice in ("pull", "recompute") for by in ("roofline", "threshold"))
 
 COUNTERS: tuple[CounterSpec, ...] = (

@@ -18,11 +18,11 @@ prefix cache. P's offer carries P's contract and a digest per block (see
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvconnectors.hash_contract import BlockHash
+from kvconnectors.reasons import Reason
 from kvconnectors.transfer_params import (
     DIGEST_BYTES,
     BlockOffer,
@@ -32,23 +32,14 @@ from kvconnectors.transfer_params import (
 )
 
 
-class Reason(enum.Enum):
-    """Why a verdict attaches what it does (the label of the rejection metrics)."""
-
-    VERIFIED_ALL = "verified_all"
-    """Every block both sides have matched (vacuously so for an empty offer)."""
-    TOKEN_MISMATCH = "token_mismatch"
-    """Some block both sides have differs: the run stops before it."""
-    CONTRACT_MISMATCH = "contract_mismatch"
-    """The contracts differ: nothing is comparable, nothing is attached."""
-
-
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """The outcome of :func:`verify_offer`; block indices are positions in the
     prompt, the same on both sides. "P" is the offering peer and "D" the engine
     about to attach (in a bidirectional session pull D offers and P attaches).
 
+    - ``reason``: ``VERIFIED_ALL``, ``TOKEN_MISMATCH`` or ``CONTRACT_MISMATCH``
+      (:class:`~kvconnectors.reasons.Reason`, re-exported here).
     - ``num_verified_blocks``: length of the verified run (0 on a contract
       mismatch); never more than ``min(num_offered_blocks, num_own_blocks)``.
     - ``attach_blocks``: blocks to load from P; empty unless the verified run

@@ -5,8 +5,9 @@ through this router. An engine's own gauges also count traffic that did not
 (a second router, direct clients), so the router polls them:
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
 ``vllm:kv_cache_usage_perc`` (vLLM 0.32; summed over label sets, KV usage is
-the maximum). :func:`parse_engine_load` is pure and reads only those lines, so a
-large exposition costs little; :class:`EngineLoadPoller` is the asyncio loop.
+the maximum). :func:`parse_engine_load` is pure and hands only those lines to
+``prometheus_client``'s parser, so a large exposition costs little on the router's
+loop; :class:`EngineLoadPoller` is the asyncio loop.
 A sample older than ``max_age_s`` is ignored (an engine that stopped answering
 reports nothing, rather than stale load).
 """
@@ -22,6 +23,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from routing.engines import Worker
 from routing.index import WorkerId
@@ -31,6 +34,8 @@ log = logging.getLogger(__name__)
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+# A sample line of one of the three gauges starts with its name and then labels or a space.
+_GAUGE_LINES = tuple(name + after for name in (RUNNING, WAITING, KV_USAGE) for after in "{ \t")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,35 +48,51 @@ class EngineLoad:
     at: float
 
 
+def parse_samples(text: str) -> list[Sample]:
+    """Every sample of a Prometheus text exposition, as ``prometheus_client``'s parser reads it.
+
+    Sample names are as exposed (a counter's ``_total``, a histogram's ``_bucket``,
+    ``_sum`` and ``_count``); values may be ``nan`` or infinite. A line the parser
+    refuses is dropped and the rest is read as if it were not there, so junk never
+    raises; empty text gives ``[]``.
+    """
+    try:
+        return _parse(text)
+    except ValueError:
+        return _parse("\n".join(line for line in text.split("\n") if _parses(line)))
+
+
+def _parse(text: str) -> list[Sample]:
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def _parses(line: str) -> bool:
+    """Whether the parser takes ``line`` alone; it refuses a line for its own text only,
+    so the lines it takes alone it also takes together."""
+    try:
+        _parse(line)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_engine_load(text: str, at: float) -> EngineLoad | None:
     """The three gauges from a Prometheus text exposition; None if ``KV_USAGE`` is absent.
 
-    Lines that are not ``name{labels} value`` or ``name value`` for these names
-    are skipped; a non-finite value is ignored.
+    Only those gauges' sample lines are parsed; a line the parser refuses or a
+    non-finite value is ignored. Never raises.
     """
+    wanted = "\n".join(line for line in text.split("\n") if line.lstrip().startswith(_GAUGE_LINES))
     sums = {RUNNING: 0.0, WAITING: 0.0}
     usage: float | None = None
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name, _, rest = line.partition("{")
-        if not rest:
-            name, _, value_text = line.partition(" ")
-        else:
-            value_text = rest.rpartition("}")[2]
-        name = name.strip()
-        if name not in sums and name != KV_USAGE:
-            continue
-        try:
-            value = float(value_text.split()[0])
-        except (IndexError, ValueError):
-            continue
+    for sample in parse_samples(wanted):
+        value = float(sample.value)
         if not math.isfinite(value):
             continue
-        if name == KV_USAGE:
+        if sample.name == KV_USAGE:
             usage = value if usage is None else max(usage, value)
-        else:
-            sums[name] += value
+        elif sample.name in sums:
+            sums[sample.name] += value
     if usage is None:
         return None
     return EngineLoad(sums[RUNNING], sums[WAITING], usage, at)

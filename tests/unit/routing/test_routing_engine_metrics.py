@@ -8,8 +8,9 @@ import math
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from routing.engine_metrics import EngineLoadPoller, parse_engine_load
+from routing.engine_metrics import EngineLoadPoller, parse_engine_load, parse_samples
 from routing.engines import Role, Worker
 from routing.index import WorkerId
 
@@ -38,6 +39,26 @@ def test_unlabelled_lines_and_junk_are_handled():
     assert load is not None and (load.kv_usage, load.running, load.waiting) == (0.125, 0.0, 0.0)
     assert parse_engine_load("vllm:num_requests_running 1\n", at=0.0) is None  # no KV usage: not an engine we know
     assert parse_engine_load("", at=0.0) is None
+
+
+def test_samples_keep_their_exposed_names_and_a_refused_line_drops_alone():
+    """What prometheus_client writes reads back under the names it wrote (vLLM's ':'
+    names, a counter's ``_total``, a histogram's parts); junk between lines is dropped
+    without losing its neighbours or the ``# TYPE`` before it."""
+    registry = CollectorRegistry()
+    Counter("vllm:prompt_tokens_by_source", "", ["source"], registry=registry).labels("local_compute").inc(5)
+    Gauge("vllm:kv_cache_usage_perc", "", registry=registry).set(0.25)
+    Histogram("vllm:nixl_bytes_transferred", "", buckets=[10.0], registry=registry).observe(4)
+    exposed = generate_latest(registry).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in parse_samples(exposed)}
+    assert samples[("vllm:prompt_tokens_by_source_total", (("source", "local_compute"),))] == 5
+    assert samples[("vllm:kv_cache_usage_perc", ())] == 0.25
+    assert samples[("vllm:nixl_bytes_transferred_sum", ())] == 4
+    assert samples[("vllm:nixl_bytes_transferred_bucket", (("le", "10.0"),))] == 1
+
+    text = '# TYPE c counter\nc 1\nc{x="}"} oops\n# TYPE broken\nvllm:g{a="b"} 2\n'
+    assert [(s.name, s.labels, s.value) for s in parse_samples(text)] == [("c_total", {}, 1), ("vllm:g", {"a": "b"}, 2)]
+    assert parse_samples("") == [] and parse_samples("{{{\n") == []
 
 
 def test_a_stale_sample_is_not_reported():
