@@ -119,9 +119,7 @@ class IndexConfig:
     block_size: int = 16
     kv_group: int = 0
     removal_log_capacity: int = 65536
-    tiers: Mapping[str, str] = field(
-        default_factory=lambda: {"GPU": "gpu", "CPU": "host", "STORAGE": "disk"}
-    )
+    tiers: Mapping[str, str] = field(default_factory=lambda: {"GPU": "gpu", "CPU": "host", "STORAGE": "disk"})
 
     def __post_init__(self) -> None:
         if self.backend not in INDEX_BACKENDS:
@@ -190,11 +188,22 @@ class ServerConfig:
     ``Authorization: Bearer <key>``. Named, not stored, so no config file or command
     line carries the secret."""
 
+    engine_api_key_env: str = ""
+    """The environment variable holding the engines' API key (vLLM's ``--api-key``),
+    sent to every engine as ``Authorization: Bearer <key>``; ``""``: none."""
+
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65536), got {self.port}")
-        for name in ("engine_metrics_interval_s", "max_prompt_tokens", "max_output_tokens",
-                     "max_concurrent_requests", "max_queued_requests", "circuit_failures", "max_retries"):  # fmt: skip
+        for name in (
+            "engine_metrics_interval_s",
+            "max_prompt_tokens",
+            "max_output_tokens",
+            "max_concurrent_requests",
+            "max_queued_requests",
+            "circuit_failures",
+            "max_retries",
+        ):
             _non_negative(self, name)
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")

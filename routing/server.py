@@ -18,10 +18,10 @@ count it in the :class:`~routing.cost.LoadLedger`, then
 D's answer is relayed (SSE when ``stream``); chat answers are converted back
 from the completions format. A decode worker that fails before anything reached
 the client is left out and the request routed again (``server.max_retries``).
-An upstream failure reaches the client as a JSON error naming the engine (the engine's 4xx status is kept, anything else is a
-502); the router keeps serving, and counts the failure toward the engine's
-circuit (:mod:`routing.health`): a worker whose circuit is open is not routed to
-until it is tried again. Response headers ``X-Request-Id``,
+An upstream failure reaches the client as a JSON error naming the engine (the
+engine's 4xx status is kept, anything else is a 502); the router keeps serving,
+and counts the failure toward the engine's circuit (:mod:`routing.health`): a
+worker whose circuit is open is not routed to until it is tried again. Response headers ``X-Request-Id``,
 ``X-KVPilot-Route``, ``X-KVPilot-Prefill-Worker``, ``X-KVPilot-Decode-Worker``
 say where it went. ``POST /debug/route`` explains a decision without sending
 anything. Metrics: :class:`RouterMetrics` (listed in ``docs/router.md``).
@@ -33,13 +33,13 @@ import asyncio
 import contextlib
 import hmac
 import json
-import os
 import logging
+import os
 import threading
 import time
 import uuid
-from pathlib import Path
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -48,14 +48,14 @@ from aiohttp import web
 from routing.admission import Admission, Rejected
 from routing.chat import ChatError, ChatTemplate, chat_chunk, chat_response, chat_to_completion_body
 from routing.config import ConfigError, IndexConfig, RouterConfig
-from routing.ledger import LoadLedger
 from routing.engine_metrics import EngineLoadPoller
 from routing.engines import Fleet, IndexFeeder, Worker
-from routing.index import BlockIndex, KVIndex, WorkerId
 from routing.health import CircuitBreaker
+from routing.index import BlockIndex, KVIndex, WorkerId
+from routing.ledger import LoadLedger
+from routing.request_fields import refused_field
 from routing.router import NoHealthyWorker, Route, Router, policy_from_config
 from routing.server_metrics import RouterMetrics
-from routing.request_fields import refused_field
 from routing.sessions import InvalidSessionKey, SessionId, SessionStore, scoped, session_key
 from routing.tokenizer import PromptError, PromptTokenizer
 
@@ -82,14 +82,14 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Endpoints that need no API key: liveness probes and Prometheus scrapes."""
 
 
-def _api_key(env_name: str) -> str | None:
+def _api_key(env_name: str, field: str = "server.api_key_env") -> str | None:
     """The API key from ``env_name`` (``None`` when no variable is named). Raises
-    :class:`ConfigError` when the named variable is unset or empty."""
+    :class:`ConfigError` naming ``field`` when the named variable is unset or empty."""
     if not env_name:
         return None
     key = os.environ.get(env_name, "")
     if not key:
-        raise ConfigError(f"server.api_key_env names {env_name!r}, which is unset or empty")
+        raise ConfigError(f"{field} names {env_name!r}, which is unset or empty")
     return key
 
 
@@ -149,16 +149,23 @@ class RouterServer:
         self.engine_load = EngineLoadPoller(fleet.workers, interval) if interval > 0 else None
         self.breaker = CircuitBreaker(srv.circuit_failures, srv.circuit_open_s)
         self.router = Router(
-            fleet, config, self.index, self.ledger, sessions, policy,
+            fleet,
+            config,
+            self.index,
+            self.ledger,
+            sessions,
+            policy,
             engine_load=self.engine_load.latest if self.engine_load is not None else None,
             available=lambda worker: self.breaker.allows(worker, time.monotonic()),
-        )  # fmt: skip
+        )
         self._background: list[asyncio.Task[None]] = []
         self.feeder: IndexFeeder | None = None
         self._feed_index = feed_index
         self.metrics = RouterMetrics(self)
         self._http: aiohttp.ClientSession | None = None
         self._api_key = _api_key(config.server.api_key_env)
+        engine_key = _api_key(config.server.engine_api_key_env, "server.engine_api_key_env")
+        self._engine_headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else {}
 
     def app(self) -> web.Application:
         middlewares = [] if self._api_key is None else [self._require_key]
@@ -235,10 +242,15 @@ class RouterServer:
                 "overlap": route.match.blocks,
                 "session_option": route.option.value if route.option is not None else None,
                 "options": [
-                    {"option": price.option.value, "article_option": price.option.article_number,
-                     "available": price.available, "ttft_s": price.seconds if price.available else None,
-                     "prefill_worker": price.prefill_worker, "why": price.explain(),
-                     "chosen": price.option is route.option}
+                    {
+                        "option": price.option.value,
+                        "article_option": price.option.article_number,
+                        "available": price.available,
+                        "ttft_s": price.seconds if price.available else None,
+                        "prefill_worker": price.prefill_worker,
+                        "why": price.explain(),
+                        "chosen": price.option is route.option,
+                    }
                     for price in route.options
                 ],
                 "explain": route.explain(),
@@ -253,8 +265,9 @@ class RouterServer:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             self.metrics.rejected.labels("body_too_large").inc()
-            raise BadRequest(f"request body is over server.max_body_bytes ({self.config.server.max_body_bytes})",
-                             413) from None  # fmt: skip
+            raise BadRequest(
+                f"request body is over server.max_body_bytes ({self.config.server.max_body_bytes})", 413
+            ) from None
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -281,7 +294,12 @@ class RouterServer:
         return body
 
     def _route(
-        self, request: web.Request, body: dict[str, Any], chat: bool, *, dry_run: bool = False,
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        chat: bool,
+        *,
+        dry_run: bool = False,
         exclude: frozenset[WorkerId] = frozenset(),
     ) -> tuple[Route, list[int], SessionId | None]:
         """Tokenize and decide (under the index lock); raises :class:`BadRequest`."""
@@ -307,8 +325,13 @@ class RouterServer:
         with self.lock:
             try:
                 route = self.router.route(
-                    token_ids, request_id, cache_salt=body.get("cache_salt"), session=session, dry_run=dry_run,
-                    now=time.time(), exclude=exclude,
+                    token_ids,
+                    request_id,
+                    cache_salt=body.get("cache_salt"),
+                    session=session,
+                    dry_run=dry_run,
+                    now=time.time(),
+                    exclude=exclude,
                 )
             except NoHealthyWorker as exc:
                 raise BadRequest(str(exc), 503) from None
@@ -390,8 +413,12 @@ class RouterServer:
                     kind, p = "fallback", d
                 else:
                     engine_body["kv_transfer_params"] = params
-            headers = {"X-Request-Id": rid, "X-KVPilot-Route": kind,
-                       "X-KVPilot-Prefill-Worker": p, "X-KVPilot-Decode-Worker": d}  # fmt: skip
+            headers = {
+                "X-Request-Id": rid,
+                "X-KVPilot-Route": kind,
+                "X-KVPilot-Prefill-Worker": p,
+                "X-KVPilot-Decode-Worker": d,
+            }
             decode_params, answered = None, True
             if engine_body.get("stream"):  # vLLM streams no kv_transfer_params: no offer to keep
                 response, answered = await self._stream(request, route, engine_body, chat, headers, started)
@@ -406,10 +433,11 @@ class RouterServer:
             self.ledger.complete(rid)
 
     def _post(self, worker: Worker, body: dict[str, Any], timeout: aiohttp.ClientTimeout | None = None) -> Any:
-        """``POST {worker}/v1/completions`` (an async context manager)."""
+        """``POST {worker}/v1/completions`` (an async context manager), with the
+        engines' API key when one is configured."""
         assert self._http is not None
         url = f"{worker.url}/v1/completions"
-        return self._http.post(url, json=body, timeout=timeout or self._http.timeout)
+        return self._http.post(url, json=body, timeout=timeout or self._http.timeout, headers=self._engine_headers)
 
     def _session_offer(self, session: SessionId | None, route: Route) -> dict[str, Any] | None:
         """D's offer of the session's KV from its last step, when ``route`` pulls it and
@@ -454,8 +482,11 @@ class RouterServer:
                 self._worker_failed(p)
             log.warning(
                 "request %s: prefill on %s failed (%s); local prefill on %s",
-                route.request_id, p.name, reason, route.decode.name,
-            )  # fmt: skip
+                route.request_id,
+                p.name,
+                reason,
+                route.decode.name,
+            )
             self.metrics.prefill_failed(p.name, reason)
             self.ledger.move_prefill(route.request_id, route.decode.name, route.decode_cached_blocks)
             return None
@@ -469,8 +500,9 @@ class RouterServer:
         if self.breaker.failed(worker.name, time.monotonic()):
             self.metrics.circuit_trips.labels(worker.name).inc()
             self.metrics.circuit_open.labels(worker.name).set(1)
-            log.warning("worker %s: circuit open for %.0f s; not routed to until then", worker.name,
-                        self.breaker.open_s)  # fmt: skip
+            log.warning(
+                "worker %s: circuit open for %.0f s; not routed to until then", worker.name, self.breaker.open_s
+            )
 
     def _worker_answered(self, worker: Worker) -> None:
         if self.breaker.succeeded(worker.name):

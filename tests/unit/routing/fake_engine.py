@@ -14,7 +14,21 @@ from typing import Any
 from aiohttp import web
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-PROMPT_WORDS = ["[UNK]", "<|", "|>", "user", "assistant", "system", "end", "hello", "world", "the", "repo", "fix", "bug"]
+PROMPT_WORDS = [
+    "[UNK]",
+    "<|",
+    "|>",
+    "user",
+    "assistant",
+    "system",
+    "end",
+    "hello",
+    "world",
+    "the",
+    "repo",
+    "fix",
+    "bug",
+]
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
@@ -44,6 +58,8 @@ class FakeEngine:
     metrics_text: str | None = None  # None: /metrics answers 404
     session_offer: dict[str, Any] | None = None
     """What a decode answer returns as kv_transfer_params (vLLM's bidirectional mode)."""
+    api_key: str | None = None
+    """Like vLLM's ``--api-key``: ``/v1`` requests without ``Bearer <key>`` get a 401."""
     bodies: list[dict[str, Any]] = field(default_factory=list)
 
     def app(self) -> web.Application:
@@ -58,16 +74,34 @@ class FakeEngine:
         return web.Response(text=self.metrics_text)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
         body = await request.json()
         self.bodies.append(body)
         await asyncio.sleep(self.delay_s)
         if self.status != 200:
             return web.json_response({"error": {"message": f"{self.name} is broken"}}, status=self.status)
         text = f"{self.name}:{len(body['prompt'])}"
-        lp = {"tokens": [" a"], "token_logprobs": [-0.5], "top_logprobs": [{" a": -0.5, " b": -1.0}], "text_offset": [0]}
-        choice = {"index": 0, "text": text, "logprobs": lp if body.get("logprobs") is not None else None, "finish_reason": "length"}
-        payload: dict[str, Any] = {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "tiny",
-                                   "choices": [choice], "usage": {"prompt_tokens": len(body["prompt"])}}  # fmt: skip
+        lp = {
+            "tokens": [" a"],
+            "token_logprobs": [-0.5],
+            "top_logprobs": [{" a": -0.5, " b": -1.0}],
+            "text_offset": [0],
+        }
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": lp if body.get("logprobs") is not None else None,
+            "finish_reason": "length",
+        }
+        payload: dict[str, Any] = {
+            "id": "cmpl-x",
+            "object": "text_completion",
+            "created": 1,
+            "model": "tiny",
+            "choices": [choice],
+            "usage": {"prompt_tokens": len(body["prompt"])},
+        }
         if (body.get("kv_transfer_params") or {}).get("do_remote_decode") and self.kv_params:
             payload["kv_transfer_params"] = {"remote_engine_id": self.name, "remote_block_ids": [1, 2]}
         elif self.session_offer is not None:
@@ -83,5 +117,3 @@ class FakeEngine:
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
-
-

@@ -15,7 +15,6 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
-from fake_engine import PROMPT_WORDS as WORDS, FakeEngine, word_model_dir
 from routing.config import load_config
 from routing.engines import fleet_from_config
 from routing.events import BlockStored
@@ -23,7 +22,12 @@ from routing.index import WorkerId
 from routing.ledger import WorkerLoad
 from routing.server import RouterServer, build_server
 
+from fake_engine import PROMPT_WORDS as WORDS
+from fake_engine import FakeEngine, word_model_dir
+
 BS = 4
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return word_model_dir(tmp_path_factory.mktemp("model"))
@@ -32,8 +36,13 @@ def model_dir(tmp_path_factory) -> Path:
 Scenario = Callable[[TestClient, RouterServer, dict[str, FakeEngine]], Awaitable[None]]
 
 
-def run(model_dir: Path, roles: dict[str, str], scenario: Scenario, server_extra: dict[str, Any] | None = None,
-        **sections: Any) -> None:  # fmt: skip
+def run(
+    model_dir: Path,
+    roles: dict[str, str],
+    scenario: Scenario,
+    server_extra: dict[str, Any] | None = None,
+    **sections: Any,
+) -> None:
     """Start the fake engines and the router (no KV events), then run ``scenario``."""
 
     async def main() -> None:
@@ -88,7 +97,7 @@ def test_remote_prefill_then_decode_with_p_params(model_dir):
 
 
 @pytest.mark.parametrize(
-    "knob, value, reason",
+    ("knob", "value", "reason"),
     [("status", 500, "status_500"), ("delay_s", 2.0, "timeout"), ("kv_params", False, "no_kv_transfer_params")],
 )
 def test_prefill_failure_falls_back_to_local_prefill_on_d(model_dir, knob, value, reason):
@@ -121,7 +130,9 @@ def test_decode_failure_is_a_json_error_naming_the_engine_and_the_router_keeps_s
         engines["decode-0"].status = 200
         resp = await client.post("/v1/completions", json={"prompt": PROMPT})
         assert resp.status == 200
-        assert 'kvpilot_router_upstream_errors_total{worker="decode-0"} 2.0' in await (await client.get("/metrics")).text()
+        assert (
+            'kvpilot_router_upstream_errors_total{worker="decode-0"} 2.0' in await (await client.get("/metrics")).text()
+        )
         assert _idle(router)
 
     run(model_dir, PD, scenario)
@@ -167,7 +178,7 @@ def test_chat_renders_the_template_once_and_answers_in_chat_format(model_dir):
 
 
 @pytest.mark.parametrize(
-    "path, body, status, names",
+    ("path", "body", "status", "names"),
     [
         ("/v1/completions", b"{not json", 400, "not valid JSON"),
         ("/v1/completions", b"[1, 2]", 400, "JSON object"),
@@ -178,14 +189,27 @@ def test_chat_renders_the_template_once_and_answers_in_chat_format(model_dir):
         ("/v1/completions", {"prompt": [1, 2], "stream": "yes"}, 400, "'stream'"),
         ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, 400, "'max_tokens'"),
         ("/v1/completions", {"prompt": [1, 2], "cache_salt": 7}, 400, "'cache_salt'"),
-        ("/v1/completions", {"prompt": [1, 2], "kv_transfer_params": {"do_remote_prefill": True}}, 400,
-         "'kv_transfer_params'"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "kv_transfer_params": {}}, 400,
-         "'kv_transfer_params'"),
+        (
+            "/v1/completions",
+            {"prompt": [1, 2], "kv_transfer_params": {"do_remote_prefill": True}},
+            400,
+            "'kv_transfer_params'",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "kv_transfer_params": {}},
+            400,
+            "'kv_transfer_params'",
+        ),
         ("/v1/completions", {"prompt": [1, 2], "conversation_id": ""}, 400, "conversation_id"),
         ("/v1/completions", {"prompt": [1, 2], "model": "gpt-9"}, 404, "'gpt-9'"),
         ("/v1/chat/completions", {"messages": []}, 400, "'messages'"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}, 400, "'messages[1].role'"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}, {"content": "b"}]},
+            400,
+            "'messages[1].role'",
+        ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "'messages[0].content'"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{}]}, 400, "'tools'"),
         ("/debug/route", {"prompt": {}}, 400, "'prompt'"),
@@ -308,15 +332,22 @@ def test_overload_is_refused_early_with_retry_after(model_dir):
         assert 'kvpilot_router_rejected_total{reason="queue_timeout"} 1.0' in metrics
         assert router.admission.in_flight == 0 and router.admission.queued == 0 and _idle(router)
 
-    run(model_dir, {"decode-0": "colocated"}, scenario,
-        server_extra={"max_concurrent_requests": 1, "max_queued_requests": 1, "queue_timeout_s": 1.0})
+    run(
+        model_dir,
+        {"decode-0": "colocated"},
+        scenario,
+        server_extra={"max_concurrent_requests": 1, "max_queued_requests": 1, "queue_timeout_s": 1.0},
+    )
 
 
-@pytest.mark.parametrize(("limits", "body", "status", "reason", "names"), [
-    ({"max_body_bytes": 1024}, {"prompt": "hello " * 400}, 413, "body_too_large", "max_body_bytes"),
-    ({"max_prompt_tokens": 16}, {"prompt": PROMPT}, 400, "prompt_too_long", "max_prompt_tokens"),
-    ({"max_output_tokens": 64}, {"prompt": PROMPT, "max_tokens": 65}, 400, "max_tokens", "'max_tokens' 65"),
-])
+@pytest.mark.parametrize(
+    ("limits", "body", "status", "reason", "names"),
+    [
+        ({"max_body_bytes": 1024}, {"prompt": "hello " * 400}, 413, "body_too_large", "max_body_bytes"),
+        ({"max_prompt_tokens": 16}, {"prompt": PROMPT}, 400, "prompt_too_long", "max_prompt_tokens"),
+        ({"max_output_tokens": 64}, {"prompt": PROMPT, "max_tokens": 65}, 400, "max_tokens", "'max_tokens' 65"),
+    ],
+)
 def test_limits_refuse_before_routing_naming_the_limit(model_dir, limits, body, status, reason, names):
     async def scenario(client, router, engines):
         resp = await client.post("/v1/completions", json=body)
@@ -385,12 +416,17 @@ def test_a_worker_with_an_open_circuit_is_not_routed_to(model_dir):
         for _ in range(2):
             router.breaker.failed("co-0", time.monotonic())
         body = {"prompt": PROMPT, "max_tokens": 2}
-        served = [(await client.post("/v1/completions", json=body)).headers["X-KVPilot-Decode-Worker"]
-                  for _ in range(4)]  # fmt: skip
+        served = [
+            (await client.post("/v1/completions", json=body)).headers["X-KVPilot-Decode-Worker"] for _ in range(4)
+        ]
         assert served == ["co-1"] * 4 and not engines["co-0"].bodies
 
-    run(model_dir, {"co-0": "colocated", "co-1": "colocated"}, scenario,
-        server_extra={"circuit_failures": 2, "circuit_open_s": 30.0})
+    run(
+        model_dir,
+        {"co-0": "colocated", "co-1": "colocated"},
+        scenario,
+        server_extra={"circuit_failures": 2, "circuit_open_s": 30.0},
+    )
 
 
 def test_a_prefill_worker_with_an_open_circuit_is_skipped_for_local_prefill(model_dir):
@@ -401,8 +437,13 @@ def test_a_prefill_worker_with_an_open_circuit_is_skipped_for_local_prefill(mode
         assert routes == ["fallback", "fallback", "local_prefill"]  # the third does not try P at all
         assert len(engines["prefill-0"].bodies) == 2
 
-    run(model_dir, PD, scenario, disaggregation={"max_local_tokens": 0},
-        server_extra={"circuit_failures": 2, "circuit_open_s": 30.0})
+    run(
+        model_dir,
+        PD,
+        scenario,
+        disaggregation={"max_local_tokens": 0},
+        server_extra={"circuit_failures": 2, "circuit_open_s": 30.0},
+    )
 
 
 def test_an_api_key_guards_every_endpoint_but_health_and_metrics(model_dir, monkeypatch):
@@ -426,17 +467,43 @@ def test_an_api_key_guards_every_endpoint_but_health_and_metrics(model_dir, monk
     run(model_dir, {"co-0": "colocated"}, scenario, server_extra={"api_key_env": "KVPILOT_TEST_KEY"})
 
 
+def test_the_router_sends_the_engines_api_key(model_dir, monkeypatch):
+    monkeypatch.setenv("KVPILOT_TEST_ENGINE_KEY", "engine-s3cret")
+
+    async def scenario(client, router, engines):
+        for engine in engines.values():
+            engine.api_key = "engine-s3cret"
+        resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert resp.status == 200 and resp.headers["X-KVPilot-Route"] == "remote_prefill"
+        engines["decode-0"].api_key = "another"
+        assert (await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})).status == 401
+
+    run(model_dir, PD, scenario, disaggregation={"max_local_tokens": 0},
+        server_extra={"engine_api_key_env": "KVPILOT_TEST_ENGINE_KEY"})
+
+
 def test_an_api_key_variable_that_is_unset_stops_the_router(model_dir, monkeypatch):
     from routing.config import ConfigError
 
     monkeypatch.delenv("KVPILOT_TEST_KEY", raising=False)
     with pytest.raises(ConfigError, match="KVPILOT_TEST_KEY"):
-        run(model_dir, {"co-0": "colocated"}, lambda *_: asyncio.sleep(0), server_extra={"api_key_env": "KVPILOT_TEST_KEY"})
+        run(
+            model_dir,
+            {"co-0": "colocated"},
+            lambda *_: asyncio.sleep(0),
+            server_extra={"api_key_env": "KVPILOT_TEST_KEY"},
+        )
 
 
 def test_ds_session_offer_goes_to_p_at_the_next_step_once_and_never_expired_or_across_salts(model_dir):
-    offer = {"do_remote_decode": True, "remote_block_ids": [[5, 6]], "remote_engine_id": "decode-0",
-             "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "r"}  # fmt: skip
+    offer = {
+        "do_remote_decode": True,
+        "remote_block_ids": [[5, 6]],
+        "remote_engine_id": "decode-0",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1,
+        "remote_request_id": "r",
+    }
 
     async def step(client, tokens: int, **extra):
         body = {"prompt": PROMPT + [7] * tokens, "conversation_id": "agent", **extra}
@@ -464,7 +531,7 @@ def test_ds_session_offer_goes_to_p_at_the_next_step_once_and_never_expired_or_a
 
 
 @pytest.mark.parametrize(
-    "yaml_text, message",
+    ("yaml_text", "message"),
     [
         ("workers:\n  - {name: a, role: decode, url: 'http://x:1', bogus: 1}\n", "workers[0].bogus"),
         ("workers:\n  - {name: a, role: decode, url: 'http://x:1'}\n", "server.model_dir is required"),
@@ -489,7 +556,9 @@ def test_router_cli_flags_override_the_yaml(tmp_path):
     add_subcommands(parser.add_subparsers(dest="command"))
     path = tmp_path / "router.yaml"
     path.write_text("server: {port: 8000, host: 127.0.0.1}\ncost: {overlap_score_credit: 1.0}\n")
-    args = parser.parse_args(["router", "--config", str(path), "--port", "9100", "--overlap-score-credit", "0.5", "--model-dir", "/m"])
+    args = parser.parse_args(
+        ["router", "--config", str(path), "--port", "9100", "--overlap-score-credit", "0.5", "--model-dir", "/m"]
+    )
     cfg = load_config(args.config, args)
     assert (cfg.server.port, cfg.server.host, cfg.server.model_dir) == (9100, "127.0.0.1", "/m")
     assert cfg.cost.overlap_score_credit == 0.5 and args.func.__name__ == "run_router"
