@@ -51,6 +51,9 @@ class FleetSpec:
     first_core: int = 0
     """Engine i's compute threads bind core ``(first_core + i) % cores``; separate
     fleets on one box give each other different first cores."""
+    engine_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every engine (e.g. ``{"VLLM_SERVER_DEV_MODE": "1"}``);
+    it overrides the planned variables of the same name."""
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -123,6 +126,7 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port + ordinal),
         "VLLM_CPU_OMP_THREADS_BIND": str((spec.first_core + ordinal) % spec.cores),
         "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
+        **spec.engine_env,
     }
     side_ports = (spec.side_channel_port + ordinal, spec.events_port + 100 + ordinal)
     return ProcessPlan(worker.name, worker.role, argv, env, spec.engine_port + ordinal, side_ports)
