@@ -1,6 +1,6 @@
 # The two commands: `make demo` (set up, then run the main job on the tiny CPU fleet)
-# and `make test` (set up, then run every test). Both install what they need.
-.PHONY: setup demo test
+# and `make test` (set up, lint and type-check, then run every test). Both install what they need.
+.PHONY: setup demo test lint
 
 setup:
 	./scripts/bootstrap.sh
@@ -9,7 +9,16 @@ demo: setup
 	.venv/bin/kvpilot demo
 
 test: setup
+	$(MAKE) --no-print-directory lint
 	.venv/bin/python -m pytest -q -p no:cacheprovider
+
+# Lint and types (after `make setup`; run by `make test`): ruff (rules in pyproject.toml) on
+# LINT_PATHS, mypy strict on the packages [tool.mypy] names (kvconnectors, routing, policies).
+LINT_PATHS = kvconnectors routing policies tests/unit
+lint:
+	.venv/bin/ruff check $(LINT_PATHS)
+	.venv/bin/ruff format --check $(LINT_PATHS)
+	.venv/bin/python -m mypy
 
 # The benchmarks: ratios against baselines measured in the same run (see README).
 .PHONY: bench
@@ -21,3 +30,4 @@ bench: setup
 	.venv/bin/python benchmarks/bench_hot_prefix.py
 	.venv/bin/python benchmarks/bench_transfer.py
 	.venv/bin/python benchmarks/bench_pull_policy.py
+	.venv/bin/python benchmarks/bench_agent.py

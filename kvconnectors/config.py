@@ -41,16 +41,29 @@ EXTRA_CONFIG = "kv_connector_extra_config"
 _FORBIDDEN_INNER = frozenset({"KVPilotConnector", "MultiConnector"})
 DEFAULT_INNER_CONNECTOR = "NixlConnector"
 
-NIXL_KEYS = frozenset({
-    "backends", "bidirectional_kv_xfer", "decoder_kv_blocks_ttl", "enforce_handshake_compat", "engine_ttl",
-    "kv_lease_duration", "kv_recompute_threshold", "num_threads", "push_registration_timeout",
-})  # fmt: skip
+NIXL_KEYS = frozenset(
+    {
+        "backends",
+        "bidirectional_kv_xfer",
+        "decoder_kv_blocks_ttl",
+        "enforce_handshake_compat",
+        "engine_ttl",
+        "kv_lease_duration",
+        "kv_recompute_threshold",
+        "num_threads",
+        "push_registration_timeout",
+    }
+)
 """Every ``kv_connector_extra_config`` key vLLM 0.32's NIXL connectors read
 (``get_from_extra_config`` in ``kv_connector/v1/nixl/``)."""
 
-INNER_KEYS: Mapping[str, frozenset[str]] = MappingProxyType({
-    "NixlConnector": NIXL_KEYS, "NixlPullConnector": NIXL_KEYS, "NixlPushConnector": NIXL_KEYS,
-})  # fmt: skip
+INNER_KEYS: Mapping[str, frozenset[str]] = MappingProxyType(
+    {
+        "NixlConnector": NIXL_KEYS,
+        "NixlPullConnector": NIXL_KEYS,
+        "NixlPushConnector": NIXL_KEYS,
+    }
+)
 """Per inner connector, the keys accepted at the top level. Another inner connector
 takes its keys through ``inner_extra_config`` only."""
 
@@ -130,16 +143,18 @@ class KVPilotConfig:
                 raise KVPilotConfigError(key, f"expected a preset name, got {value!r}")
             names[key] = value
         _check_presets(names)
-        return cls(inner_connector=inner, inner_extra_config=MappingProxyType(merged), recompute_policy=policy,
-                   **names)  # fmt: skip
+        return cls(inner_connector=inner, inner_extra_config=MappingProxyType(merged), recompute_policy=policy, **names)
 
 
 def _check_presets(names: Mapping[str, str | None]) -> None:
     from policies.presets import hardware_preset, link_preset, model_preset
     from policies.specs import SpecError
 
-    for key, lookup in (("policy_hardware", hardware_preset), ("policy_model", model_preset),
-                        ("policy_link", link_preset)):  # fmt: skip
+    for key, lookup in (
+        ("policy_hardware", hardware_preset),
+        ("policy_model", model_preset),
+        ("policy_link", link_preset),
+    ):
         name = names[key]
         if name is not None:
             try:

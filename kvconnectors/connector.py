@@ -19,13 +19,6 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from kvconnectors import CONNECTOR_NAME
-from kvconnectors.config import KVPilotConfig, KVPilotConfigError
-from kvconnectors.policy_setup import build_pull_policy
-from kvconnectors.pull_params import PULL_DONE_KEY
-from kvconnectors.scheduler import KVPilotScheduler
-from kvconnectors.stats import KVPilotPromMetrics, KVPilotStats
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -37,7 +30,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
-    supports_hma,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -49,6 +41,13 @@ from vllm.v1.attention.backend import AttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
+
+from kvconnectors import CONNECTOR_NAME
+from kvconnectors.config import KVPilotConfig, KVPilotConfigError
+from kvconnectors.policy_setup import build_pull_policy
+from kvconnectors.pull_params import PULL_DONE_KEY
+from kvconnectors.scheduler import KVPilotScheduler
+from kvconnectors.stats import KVPilotPromMetrics, KVPilotStats
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
@@ -90,7 +89,7 @@ def inner_vllm_config(vllm_config: VllmConfig, config: KVPilotConfig) -> VllmCon
 def _inner_class(vllm_config: VllmConfig) -> tuple[type[KVConnectorBase_V1], VllmConfig]:
     config = parse_config(vllm_config)
     cls = KVConnectorFactory.get_connector_class_by_name(config.inner_connector)
-    return cls, inner_vllm_config(vllm_config, config)  # type: ignore[return-value]
+    return cls, inner_vllm_config(vllm_config, config)
 
 
 class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
@@ -100,9 +99,7 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = parse_config(vllm_config)
         inner_cls = KVConnectorFactory.get_connector_class_by_name(self.config.inner_connector)
-        self._inner: KVConnectorBase_V1 = inner_cls(  # type: ignore[call-arg]
-            inner_vllm_config(vllm_config, self.config), role, kv_cache_config
-        )
+        self._inner: KVConnectorBase_V1 = inner_cls(inner_vllm_config(vllm_config, self.config), role, kv_cache_config)
         self._pilot: KVPilotScheduler | None = None
         if role == KVConnectorRole.SCHEDULER:
             layout = inner_cls.get_required_kvcache_layout(inner_vllm_config(vllm_config, self.config))
@@ -178,7 +175,7 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         return self._inner.reset_cache()
 
     # ---------------------------------------------------------------- worker side
-    def get_mem_pool_context(self) -> AbstractContextManager | None:
+    def get_mem_pool_context(self) -> AbstractContextManager[object] | None:
         return self._inner.get_mem_pool_context()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -261,9 +258,7 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         external = self._scheduler_layer().external_tokens(plan, num_computed_tokens)
         return (external, True) if external > 0 else (0, False)
 
-    def get_external_cache_hit_sources(
-        self, request: Request, num_external_tokens: int
-    ) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         return self._inner.get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -297,8 +292,8 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler_layer().forget(request.request_id)
-        if supports_hma(self._inner):
-            delay_free, params = self._inner.request_finished_all_groups(request, block_ids)  # type: ignore[attr-defined]
+        if isinstance(self._inner, SupportsHMA):  # vLLM's supports_hma(), narrowing the type
+            delay_free, params = self._inner.request_finished_all_groups(request, block_ids)
         else:
             if len(block_ids) != 1:
                 raise ValueError(f"{self.config.inner_connector} does not support several KV cache groups")

@@ -69,18 +69,17 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Literal, NewType, get_args
 
+_cbor_dumps: Callable[..., bytes] | None
 try:
-    import cbor2 as _cbor2
+    from cbor2 import dumps as _cbor_dumps
 except ImportError:  # pragma: no cover - depends on the environment
-    _cbor2 = None
+    _cbor_dumps = None
 
+_xxh3_128_digest: Callable[[bytes], bytes] | None
 try:
-    import xxhash as _xxhash
-
-    if not hasattr(_xxhash, "xxh3_128_digest"):  # pragma: no cover
-        _xxhash = None
-except ImportError:  # pragma: no cover - depends on the environment
-    _xxhash = None
+    from xxhash import xxh3_128_digest as _xxh3_128_digest
+except ImportError:  # pragma: no cover - depends on the environment (xxhash < 3 has no xxh3)
+    _xxh3_128_digest = None
 
 BlockHash = NewType("BlockHash", bytes)
 """The name of one full block and of the whole prefix ending at it."""
@@ -116,11 +115,9 @@ def _pickle(obj: Any) -> bytes:
 
 
 def _cbor(obj: Any) -> bytes:
-    if _cbor2 is None:
-        raise ModuleNotFoundError(
-            "the *_cbor block-hash algorithms need the 'cbor2' package"
-        )
-    return _cbor2.dumps(obj, canonical=True)
+    if _cbor_dumps is None:
+        raise ModuleNotFoundError("the *_cbor block-hash algorithms need the 'cbor2' package")
+    return _cbor_dumps(obj, canonical=True)
 
 
 def _sha256(data: bytes) -> bytes:
@@ -128,16 +125,12 @@ def _sha256(data: bytes) -> bytes:
 
 
 def _xxh3_128(data: bytes) -> bytes:
-    if _xxhash is None:
-        raise ModuleNotFoundError(
-            "the xxhash* block-hash algorithms need the 'xxhash' package (>= 3)"
-        )
-    return _xxhash.xxh3_128_digest(data)
+    if _xxh3_128_digest is None:
+        raise ModuleNotFoundError("the xxhash* block-hash algorithms need the 'xxhash' package (>= 3)")
+    return _xxh3_128_digest(data)
 
 
-def _compose(
-    name: str, serialise: Callable[[Any], bytes], digest: Callable[[bytes], bytes]
-) -> Callable[[Any], bytes]:
+def _compose(name: str, serialise: Callable[[Any], bytes], digest: Callable[[bytes], bytes]) -> Callable[[Any], bytes]:
     def block_hash_fn(obj: Any) -> bytes:
         return digest(serialise(obj))
 
@@ -162,9 +155,7 @@ def hash_function(algo: HashAlgo) -> Callable[[Any], bytes]:
     try:
         return _HASH_FNS[algo]
     except KeyError:
-        raise ValueError(
-            f"unsupported block-hash algorithm {algo!r}; expected one of {HASH_ALGOS}"
-        ) from None
+        raise ValueError(f"unsupported block-hash algorithm {algo!r}; expected one of {HASH_ALGOS}") from None
 
 
 def none_hash(algo: HashAlgo, python_hash_seed: str | None) -> BlockHash:
@@ -201,7 +192,7 @@ def hash_block(
     explicit). ``token_ids`` must be the block's ``block_size`` tokens: this
     function hashes whatever it is given and does not check the length.
     """
-    return hash_function(algo)((parent, tuple(map(int, token_ids)), extra_keys))
+    return BlockHash(hash_function(algo)((parent, tuple(map(int, token_ids)), extra_keys)))
 
 
 def block_hash_chain(
@@ -256,7 +247,7 @@ def _short_id(domain: bytes, value: bytes) -> str:
     return hashlib.sha256(domain + b"\0" + value).hexdigest()[:_ID_HEX_CHARS]
 
 
-def seed_identity(seed_hash: BlockHash) -> SeedId:
+def seed_identity(seed_hash: bytes) -> SeedId:
     """Return a short id of ``NONE_HASH``: 8 hex chars of a domain-separated SHA-256.
 
     Equal seeds give equal ids; different seeds give different ids except with

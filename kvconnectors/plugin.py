@@ -9,6 +9,8 @@ imported until vLLM builds the connector.
 
 from __future__ import annotations
 
+import contextlib
+
 from kvconnectors import CONNECTOR_NAME
 
 
@@ -16,7 +18,6 @@ def register() -> None:
     """Register ``KVPilotConnector`` unless this process already has it."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    try:
+    # vLLM's factory refuses a second registration: this process has it already.
+    with contextlib.suppress(ValueError):
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvconnectors.connector", "KVPilotConnector")
-    except ValueError:
-        pass  # vLLM's factory refuses a second registration: this process has it already.

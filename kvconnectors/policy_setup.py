@@ -51,8 +51,11 @@ def engine_hardware(vllm_config: VllmConfig) -> HardwareSpec:
     device = current_platform.get_device_name().lower()
     gpu = next((name for name in GPUS if name != "cpu" and name in device), None)
     if gpu is None:
-        logger.warning("kvpilot: no hardware preset for %r; the pull policy assumes %s (set policy_hardware)",
-                       device, _FALLBACK_GPU)  # fmt: skip
+        logger.warning(
+            "kvpilot: no hardware preset for %r; the pull policy assumes %s (set policy_hardware)",
+            device,
+            _FALLBACK_GPU,
+        )
         gpu = _FALLBACK_GPU
     return hardware_preset(f"{gpu}x{vllm_config.parallel_config.tensor_parallel_size}")
 
@@ -68,11 +71,19 @@ def build_pull_policy(vllm_config: VllmConfig, config: KVPilotConfig) -> PullPol
     if config.policy_model:
         model = model_preset(config.policy_model)
     else:
-        model = model_from_hf_config(model_config.hf_config.to_dict(), model_config.served_model_name or "model",
-                                     "the engine's model config")  # fmt: skip
+        served = model_config.served_model_name
+        name = served[0] if isinstance(served, list) and served else served
+        model = model_from_hf_config(
+            model_config.hf_config.to_dict(), str(name or "model"), "the engine's model config"
+        )
     fmt = kv_format_preset("fp8" if vllm_config.cache_config.cache_dtype.startswith("fp8") else "bf16")
     hardware = hardware_preset(config.policy_hardware) if config.policy_hardware else engine_hardware(vllm_config)
     link = link_preset(config.policy_link or ("loopback" if current_platform.device_type == "cpu" else "rdma"))
-    logger.info("kvpilot: session pulls decided by the roofline policy: model %s, %s KV, hardware %s, link prior %s",
-                model.name, fmt.name, hardware.name, link.name)  # fmt: skip
+    logger.info(
+        "kvpilot: session pulls decided by the roofline policy: model %s, %s KV, hardware %s, link prior %s",
+        model.name,
+        fmt.name,
+        hardware.name,
+        link.name,
+    )
     return RooflinePullPolicy(RecomputeVsTransferPolicy(model, fmt, hardware, link))

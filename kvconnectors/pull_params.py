@@ -10,7 +10,7 @@ request by local prefill instead. Pure: no vLLM import.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 _REQUIRED_STR = ("remote_engine_id", "remote_request_id", "remote_host")
 _PULL_FIELDS = ("remote_block_ids", *_REQUIRED_STR, "remote_port")
@@ -18,7 +18,7 @@ _OPTIONAL_POSITIVE_INT = ("tp_size", "dcp_size", "pp_size", "remote_block_size")
 _OPTIONAL_NON_NEGATIVE_INT = ("remote_num_tokens",)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -36,9 +36,7 @@ def wants_remote_pull(params: Mapping[str, Any] | None) -> bool:
         return False
     if params.get("do_remote_prefill"):
         return True
-    return bool(
-        params.get("do_remote_decode") and params.get("remote_block_ids") and not params.get(PULL_DONE_KEY)
-    )
+    return bool(params.get("do_remote_decode") and params.get("remote_block_ids") and not params.get(PULL_DONE_KEY))
 
 
 def pull_fields_error(params: Mapping[str, Any]) -> str | None:

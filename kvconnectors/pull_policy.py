@@ -68,8 +68,12 @@ class ThresholdPullPolicy:
     def decide(self, span: Span, load: PrefillLoad, telemetry: LinkTelemetry) -> PullDecision:
         pull = span.tokens >= self.threshold
         relation = ">=" if pull else "<"
-        return PullDecision("pull" if pull else "recompute", "threshold", span,
-                            f"{span.tokens} tokens {relation} kv_recompute_threshold {self.threshold}")  # fmt: skip
+        return PullDecision(
+            "pull" if pull else "recompute",
+            "threshold",
+            span,
+            f"{span.tokens} tokens {relation} kv_recompute_threshold {self.threshold}",
+        )
 
 
 class RooflinePullPolicy:
@@ -97,8 +101,9 @@ class PrefillBacklog:
         """A request arrived with ``prompt_tokens`` to prefill (before any cache hit)."""
         self._remaining[request_id] = prompt_tokens
 
-    def scheduled(self, num_scheduled_tokens: Mapping[str, int], first_computed: Mapping[str, int],
-                  total_scheduled: int) -> None:  # fmt: skip
+    def scheduled(
+        self, num_scheduled_tokens: Mapping[str, int], first_computed: Mapping[str, int], total_scheduled: int
+    ) -> None:
         """One scheduler step: ``num_scheduled_tokens`` per request, and for requests
         scheduled for the first time the tokens their cache hits already covered."""
         self._running_tokens = total_scheduled

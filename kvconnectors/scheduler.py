@@ -26,12 +26,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvconnectors.hash_contract import BlockHash, HashAlgo, SeedId, salt_identity, seed_identity
+from kvconnectors.hash_contract import HashAlgo, SeedId, salt_identity, seed_identity
 from kvconnectors.pull_params import (
     LEASE_MARGIN_S,
     lease_seconds_left,
@@ -57,8 +57,8 @@ from policies.recompute_vs_transfer import Span
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvpilot.connector")
@@ -249,9 +249,11 @@ class KVPilotScheduler:
         ``block_ids`` (the blocks allocated for it)."""
         params = request.kv_transfer_params or {}
         self._pulls_in_flight[request.request_id] = PullInFlight(
-            peer=str(params.get("remote_engine_id")), block_ids=frozenset(block_ids),
-            external_tokens=external_tokens, session_pull=not params.get("do_remote_prefill"),
-        )  # fmt: skip
+            peer=str(params.get("remote_engine_id")),
+            block_ids=frozenset(block_ids),
+            external_tokens=external_tokens,
+            session_pull=not params.get("do_remote_prefill"),
+        )
 
     def has_pulls_in_flight(self) -> bool:
         """Whether a pull is still waiting for the worker to report it received: the
@@ -262,8 +264,9 @@ class KVPilotScheduler:
     def observe_step(self, scheduler_output: SchedulerOutput) -> None:
         """One scheduler step: what it scheduled shrinks the prefill backlog."""
         first = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
-        self._backlog.scheduled(scheduler_output.num_scheduled_tokens, first,
-                                scheduler_output.total_num_scheduled_tokens)  # fmt: skip
+        self._backlog.scheduled(
+            scheduler_output.num_scheduled_tokens, first, scheduler_output.total_num_scheduled_tokens
+        )
 
     def observe_transfers(self, connector_output: KVConnectorOutput) -> None:
         """The worker's report for the last step: pulls received or failed, and its
@@ -295,9 +298,15 @@ class KVPilotScheduler:
         self._stats.count("load_failures", reason=action)
         if self._recompute_failed_loads:
             self._stats.count("recomputed_tokens", pull.external_tokens, reason=Reason.LOAD_FAILED.value)
-        logger.warning("kvpilot %s: the pull of %d tokens from %s failed; kv_load_failure_policy=%s; its offers "
-                       "are prefilled locally for %.0f s", request_id, pull.external_tokens, pull.peer, action,
-                       self._failed_peers.retry_after_s)  # fmt: skip
+        logger.warning(
+            "kvpilot %s: the pull of %d tokens from %s failed; kv_load_failure_policy=%s; its offers "
+            "are prefilled locally for %.0f s",
+            request_id,
+            pull.external_tokens,
+            pull.peer,
+            action,
+            self._failed_peers.retry_after_s,
+        )
 
     def external_tokens(self, plan: AttachPlan, num_computed_tokens: int) -> int:
         """Tokens to load from the peer under a partial ``plan`` (may be <= 0: none)."""
@@ -375,7 +384,7 @@ class KVPilotScheduler:
         return None
 
     def _verified_plan(
-        self, request: Request, offer: BlockOffer, own_hashes: list[BlockHash], num_computed_tokens: int
+        self, request: Request, offer: BlockOffer, own_hashes: Sequence[bytes], num_computed_tokens: int
     ) -> AttachPlan:
         prompt_len = request.num_prompt_tokens
         local_hit = num_computed_tokens // self._block_size
@@ -396,7 +405,8 @@ class KVPilotScheduler:
         reason = verdict.reason
         if reason is Reason.VERIFIED_ALL:
             start = offer.num_blocks * self._block_size
-            prompt_tail = tuple(request.prompt_token_ids[start : start + len(offer.tail_token_ids)])
+            prompt_ids = request.prompt_token_ids  # None for prompt embeddings: nothing to compare the tail with
+            prompt_tail = None if prompt_ids is None else tuple(prompt_ids[start : start + len(offer.tail_token_ids)])
             reason = Reason.PARTIAL_TAIL if prompt_tail == offer.tail_token_ids else Reason.TOKEN_MISMATCH
         explanation = verdict.explain() if recomputed == 0 else f"{verdict.explain()}; recompute {recomputed} tokens"
         return AttachPlan(
@@ -423,13 +433,17 @@ class KVPilotScheduler:
         span = Span(tokens=span_tokens, context=num_computed_tokens, new_tokens=request.num_prompt_tokens - span_end)
         decision = self._pull_policy.decide(span, self._backlog.load(request.request_id), self._link.telemetry())
         if decision.pull:
-            return dataclasses.replace(plan, pull_decision=decision,
-                                       explanation=f"{plan.explanation}; pull: {decision.explanation}")  # fmt: skip
+            return dataclasses.replace(
+                plan, pull_decision=decision, explanation=f"{plan.explanation}; pull: {decision.explanation}"
+            )
         local_hit = num_computed_tokens // self._block_size
         return dataclasses.replace(
-            plan, attach_blocks=local_hit, attached_blocks=0, pull_decision=decision,
+            plan,
+            attach_blocks=local_hit,
+            attached_blocks=0,
+            pull_decision=decision,
             explanation=f"{plan.explanation}; recompute the verified span: {decision.explanation}",
-        )  # fmt: skip
+        )
 
     def _tail_verified(
         self, request: Request, offer: BlockOffer, reason: Reason, num_verified: int, num_own_blocks: int
@@ -441,6 +455,8 @@ class KVPilotScheduler:
         if reason is not Reason.VERIFIED_ALL or num_verified != offer.num_blocks or num_verified != num_own_blocks:
             return False
         if offer.num_tokens != request.num_prompt_tokens or request.lora_request or request.mm_features:
+            return False
+        if request.prompt_token_ids is None:  # prompt embeddings: nothing to compare the tail with
             return False
         start = num_verified * self._block_size
         return tuple(request.prompt_token_ids[start:]) == offer.tail_token_ids
@@ -464,8 +480,7 @@ class KVPilotScheduler:
         key = (label,) if plan.reason is not Reason.CONTRACT_MISMATCH else (label, plan.explanation)
         if key not in self._logged:  # once per reason (per distinct contract diff)
             self._logged.add(key)
-            logger.warning("kvpilot %s: %s (further %s cases log at debug level)", request_id, plan.explanation,
-                           label)  # fmt: skip
+            logger.warning("kvpilot %s: %s (further %s cases log at debug level)", request_id, plan.explanation, label)
         else:
             logger.debug("kvpilot %s: %s", request_id, plan.explanation)
 

@@ -14,10 +14,9 @@ class's ``build_kv_connector_stats``. ``KVPilotStats`` carries two parts:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import Counter
-
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -130,11 +129,13 @@ class KVPilotStats(KVConnectorStats):
 
     @property
     def counters(self) -> dict[str, float]:
-        return self.data["counters"]
+        counters: dict[str, float] = self.data["counters"]
+        return counters
 
     @property
     def inner(self) -> KVConnectorStats | None:
-        return self.data["inner"]
+        inner: KVConnectorStats | None = self.data["inner"]
+        return inner
 
     def count(self, counter: str, n: float = 1, reason: str | None = None) -> None:
         key = counter_key(counter, reason)
@@ -191,9 +192,11 @@ class KVPilotPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._inner = inner
         self._children: dict[str, dict[int, Counter]] = {}
+        # vLLM types _counter_cls as any metric class; it is the counter class it was given for Counter
+        counter_cls = cast("type[Counter]", self._counter_cls)
         for spec in COUNTERS:
             names = labelnames + (list(spec.label_names) if spec.reasons else [])
-            family = self._counter_cls(name=spec.metric, documentation=spec.doc, labelnames=names)
+            family = counter_cls(name=spec.metric, documentation=spec.doc, labelnames=names)
             for reason in spec.reasons or (None,):
                 extra = [] if reason is None else reason.split("/")
                 self._children[counter_key(spec.key, reason)] = {

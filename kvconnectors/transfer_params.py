@@ -62,7 +62,6 @@ import msgspec
 
 from kvconnectors.hash_contract import (
     NO_SALT_ID,
-    BlockHash,
     HashAlgo,
     SaltId,
     SeedId,
@@ -86,7 +85,7 @@ _SaltIdField = Annotated[SaltId, msgspec.Meta(pattern="^([0-9a-f]{8})?$")]
 _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 
 
-def pack_digests(hashes: Sequence[BlockHash]) -> PackedDigests:
+def pack_digests(hashes: Sequence[bytes]) -> PackedDigests:
     """Truncate each hash to :data:`DIGEST_BYTES` bytes and concatenate them.
 
     A hash shorter than a digest is packed as it is (so the result is then
@@ -189,9 +188,7 @@ def _digests_chars(num_blocks: int) -> int:
     return 4 * math.ceil(num_blocks * DIGEST_BYTES / 3)
 
 
-def encode_offer(
-    contract: ContractId, hashes: Sequence[BlockHash], tail_token_ids: Sequence[int] = ()
-) -> dict[str, Any]:
+def encode_offer(contract: ContractId, hashes: Sequence[bytes], tail_token_ids: Sequence[int] = ()) -> dict[str, Any]:
     """Return the JSON-serialisable sub-dict to store under :data:`PARAMS_KEY`.
 
     ``hashes`` are P's block hashes from block 0 on (``request.block_hashes``);
@@ -264,17 +261,14 @@ def decode_offer(raw: object, max_blocks: int = MAX_OFFER_BLOCKS) -> BlockOffer:
         kind = "truncated" if len(wire.block_digests) < expected_chars else "oversized"
         raise TransferParamsError(
             field,
-            f"{kind}: {len(wire.block_digests)} characters, expected {expected_chars} "
-            f"for {wire.num_blocks} blocks",
+            f"{kind}: {len(wire.block_digests)} characters, expected {expected_chars} for {wire.num_blocks} blocks",
         )
     try:
         packed = base64.b64decode(wire.block_digests, validate=True)
     except ValueError as exc:  # binascii.Error, or a non-ASCII string
         raise TransferParamsError(field, f"not base64: {exc}") from None
     if len(packed) != wire.num_blocks * DIGEST_BYTES:
-        raise TransferParamsError(
-            field, f"decodes to {len(packed)} bytes, expected {wire.num_blocks * DIGEST_BYTES}"
-        )
+        raise TransferParamsError(field, f"decodes to {len(packed)} bytes, expected {wire.num_blocks * DIGEST_BYTES}")
     return BlockOffer(
         version=wire.version,
         contract=wire.contract,

@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvconnectors.hash_contract import BlockHash
 from kvconnectors.reasons import Reason
 from kvconnectors.transfer_params import (
     DIGEST_BYTES,
@@ -71,10 +70,7 @@ class Verdict:
         )
         if self.reason is Reason.CONTRACT_MISMATCH:
             diffs = "; ".join(f"{d.field} peer={d.this!r} here={d.other!r}" for d in self.contract_diffs)
-            return (
-                f"contract mismatch ({diffs}): attach nothing, "
-                f"recompute {_span(self.rejected_blocks)} ({sizes})"
-            )
+            return f"contract mismatch ({diffs}): attach nothing, recompute {_span(self.rejected_blocks)} ({sizes})"
         attach = _span(self.attach_blocks)
         if self.reason is Reason.VERIFIED_ALL:
             return f"verified {self.num_verified_blocks} blocks: attach {attach} ({sizes})"
@@ -92,7 +88,7 @@ def _span(blocks: range) -> str:
 def verify_offer(
     offer: BlockOffer,
     own_contract: ContractId,
-    own_hashes: Sequence[BlockHash],
+    own_hashes: Sequence[bytes],
     num_local_hit_blocks: int,
 ) -> Verdict:
     """Compare P's offer with D's own chain and return what D may attach.
@@ -107,9 +103,7 @@ def verify_offer(
     """
     num_own = len(own_hashes)
     if not 0 <= num_local_hit_blocks <= num_own:
-        raise ValueError(
-            f"num_local_hit_blocks={num_local_hit_blocks} is outside [0, {num_own}]"
-        )
+        raise ValueError(f"num_local_hit_blocks={num_local_hit_blocks} is outside [0, {num_own}]")
     comparable = min(offer.num_blocks, num_own)
     diffs = offer.contract.diff(own_contract)
     first_mismatch: int | None = None

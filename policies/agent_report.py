@@ -75,8 +75,9 @@ def _computed(price: OptionPrice, step: SessionStep) -> tuple[int, int]:
     return step.prompt_tokens - have, pulled + handoff
 
 
-def predict(policy: LocalVsRemotePolicy, workload: Workload,
-            decode: DecodeState = DecodeState()) -> tuple[ArmPrediction, ...]:  # fmt: skip
+def predict(
+    policy: LocalVsRemotePolicy, workload: Workload, decode: DecodeState = DecodeState()
+) -> tuple[ArmPrediction, ...]:
     """Every arm of :data:`ARMS` over one session of ``workload``, priced with
     ``policy``'s model, KV format, hardware, link and guards, D facing ``decode``
     (its running streams decide whether a local prefill stalls them too long)."""
@@ -91,8 +92,16 @@ def predict(policy: LocalVsRemotePolicy, workload: Workload,
             p_cached = workload.prompt_tokens(k - 1) if k > 1 and arm in ("prefix_aware", "kvpilot") else prefix
             d_cached = 0 if arm == "no_cache" else held
             p = PrefillSite("P", min(prompt, p_cached))
-            step = SessionStep(prompt_tokens=prompt, p=p, d_name="D", d_cached_tokens=d_cached, decode=decode,
-                               last_p=p, last_d_chosen=True, offer_tokens=held or None)  # fmt: skip
+            step = SessionStep(
+                prompt_tokens=prompt,
+                p=p,
+                d_name="D",
+                d_cached_tokens=d_cached,
+                decode=decode,
+                last_p=p,
+                last_d_chosen=True,
+                offer_tokens=held or None,
+            )
             if arm == "kvpilot" and k > 1:
                 price = choose(pricer.price(step))
             elif arm == "vllm_pull" and k > 1:

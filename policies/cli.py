@@ -73,18 +73,27 @@ def run_cost(args: argparse.Namespace) -> int:
         return _fail(exc)
     span_bytes = kv_bytes(model, fmt, args.new)
     result = {
-        "model": model.name, "hardware": hw.name, "kv_format": fmt.name, "link": link.name,
-        "new_tokens": args.new, "context_tokens": args.context,
-        "kv_bytes_per_token": kv_bytes_per_token(model, fmt), "span_kv_bytes": span_bytes,
+        "model": model.name,
+        "hardware": hw.name,
+        "kv_format": fmt.name,
+        "link": link.name,
+        "new_tokens": args.new,
+        "context_tokens": args.context,
+        "kv_bytes_per_token": kv_bytes_per_token(model, fmt),
+        "span_kv_bytes": span_bytes,
         "prefill_s": prefill(model, fmt, hw, args.new, args.context).seconds,
-        "recompute_s": decision.recompute_s, "transfer_s": decision.transfer_s,
-        "decision": decision.choice.value, "reason": decision.explain(),
+        "recompute_s": decision.recompute_s,
+        "transfer_s": decision.transfer_s,
+        "decision": decision.choice.value,
+        "reason": decision.explain(),
     }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"{model.name} on {hw.name}, KV {fmt.name}, link {link.name}: {args.new} tokens at context {args.context}")
-    print(f"  KV bytes per token   {result['kv_bytes_per_token']:,.0f} B ({result['kv_bytes_per_token'] / 1024:.0f} KiB)")
+    print(
+        f"  KV bytes per token   {result['kv_bytes_per_token']:,.0f} B ({result['kv_bytes_per_token'] / 1024:.0f} KiB)"
+    )
     print(f"  KV bytes of the span {span_bytes / 1e6:,.1f} MB")
     print(f"  prefill (recompute)  {result['prefill_s'] * 1e3:,.2f} ms")
     print(f"  transfer             {decision.transfer_s * 1e3:,.2f} ms")
@@ -98,8 +107,16 @@ def run_plan(args: argparse.Namespace) -> int:
         model = _resolve(args.model, model_preset, model_from_mapping)
         hw = _resolve(args.hardware, hardware_preset, hardware_from_mapping)
         link = _resolve(args.restore_link, link_preset, link_from_mapping)
-        workload = Workload(args.sessions, args.prefix, args.task, args.output_tokens, args.tool_output,
-                            args.steps, args.tool_seconds, args.tpot_ms / 1e3)
+        workload = Workload(
+            args.sessions,
+            args.prefix,
+            args.task,
+            args.output_tokens,
+            args.tool_output,
+            args.steps,
+            args.tool_seconds,
+            args.tpot_ms / 1e3,
+        )
         result = plan(model, hw, link, workload)
     except (SpecError, ValueError) as exc:
         return _fail(exc)
@@ -124,8 +141,7 @@ def run_agent(args: argparse.Namespace) -> int:
         policy = LocalVsRemotePolicy(model, fmt, hw, hw, link, KVPILOT_DEFAULT)
         for streams in sorted({0, args.decode_streams}):
             title = f"{model.name} on {hw.name}, {link.name}, D running {streams} streams"
-            tables.append(agent_report.render(agent_report.predict(policy, workload, DecodeState(0.0, streams)),
-                                              title))  # fmt: skip
+            tables.append(agent_report.render(agent_report.predict(policy, workload, DecodeState(0.0, streams)), title))
     print("\n\n".join(tables))
     return 0
 
@@ -145,15 +161,17 @@ def _plot(data: dict[str, Any], path: str) -> None:
     ax.bar([x + 0.2 for x in xs], [r["d_instances"] for r in rows], width=0.4, label="D instances")
     ax.set_xticks(list(xs), labels, rotation=25, ha="right", fontsize=8)
     ax.set_ylabel("instances")
-    ax.set_title(f"{data['model']} on {data['hardware']}: {data['workload']['sessions']} agent sessions, "
-                 f"{data['steps_per_s']:.1f} steps/s")
+    ax.set_title(
+        f"{data['model']} on {data['hardware']}: {data['workload']['sessions']} agent sessions, "
+        f"{data['steps_per_s']:.1f} steps/s"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``cost``, ``plan`` and ``agent`` to a ``kvpilot`` subparsers object."""
     models = f"preset ({', '.join(HF_CONFIGS)}) or a YAML/JSON/config.json path"
     hardware = "preset (<gpu>x<count>, GPUs b200, h100, h200) or a YAML/JSON path"

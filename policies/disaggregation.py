@@ -72,12 +72,15 @@ class LocalRemoteDecision:
     reasons: tuple[str, ...]
 
     def explain(self) -> str:
-        return (f"{self.where.value} prefill: local {self.local_s * 1e3:.1f} ms (stalls D's streams "
-                f"{self.stall_s * 1e3:.1f} ms) vs remote {self.remote_s * 1e3:.1f} ms; " + "; ".join(self.reasons))
+        return (
+            f"{self.where.value} prefill: local {self.local_s * 1e3:.1f} ms (stalls D's streams "
+            f"{self.stall_s * 1e3:.1f} ms) vs remote {self.remote_s * 1e3:.1f} ms; " + "; ".join(self.reasons)
+        )
 
 
-def remote_prefill_seconds(model: ModelSpec, fmt: KVFormat, p_hw: HardwareSpec, link: LinkSpec,
-                           prompt: PromptState) -> float:
+def remote_prefill_seconds(
+    model: ModelSpec, fmt: KVFormat, p_hw: HardwareSpec, link: LinkSpec, prompt: PromptState
+) -> float:
     """TTFT contribution of the remote path: P drains its queue (linear FLOPs of
     the queued tokens), prefills what it lacks, then hands D the KV D lacks."""
     queue_s, _ = pass_seconds(p_hw, linear_flops(model, prompt.p_queued_tokens), 0.0)
@@ -89,8 +92,15 @@ def remote_prefill_seconds(model: ModelSpec, fmt: KVFormat, p_hw: HardwareSpec, 
 class LocalVsRemotePolicy:
     """Decides where one request's prefill runs. Pure and stateless."""
 
-    def __init__(self, model: ModelSpec, fmt: KVFormat, p_hardware: HardwareSpec, d_hardware: HardwareSpec,
-                 link: LinkSpec, config: LocalPrefillConfig = KVPILOT_DEFAULT) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        fmt: KVFormat,
+        p_hardware: HardwareSpec,
+        d_hardware: HardwareSpec,
+        link: LinkSpec,
+        config: LocalPrefillConfig = KVPILOT_DEFAULT,
+    ) -> None:
         self.model, self.fmt, self.p_hw, self.d_hw, self.link = model, fmt, p_hardware, d_hardware, link
         self.config = config
 
@@ -108,11 +118,22 @@ class LocalVsRemotePolicy:
             share = eff / prompt.prompt_tokens if prompt.prompt_tokens else 0.0
             checks.append((share < c.max_local_fraction, f"effective share {share:.0%} vs {c.max_local_fraction:.0%}"))
         if c.decode_busy_kv_usage is not None:
-            checks.append((decode.kv_usage <= c.decode_busy_kv_usage,
-                           f"D KV usage {decode.kv_usage:.0%} vs guard {c.decode_busy_kv_usage:.0%}"))
+            checks.append(
+                (
+                    decode.kv_usage <= c.decode_busy_kv_usage,
+                    f"D KV usage {decode.kv_usage:.0%} vs guard {c.decode_busy_kv_usage:.0%}",
+                )
+            )
         if c.compare_costs:
-            checks.append((stall_s <= c.max_stall_s, f"stall on {decode.running_streams} streams "
-                                                     f"{stall_s * 1e3:.1f} ms vs budget {c.max_stall_s * 1e3:.0f} ms"))
+            checks.append(
+                (
+                    stall_s <= c.max_stall_s,
+                    (
+                        f"stall on {decode.running_streams} streams "
+                        f"{stall_s * 1e3:.1f} ms vs budget {c.max_stall_s * 1e3:.0f} ms"
+                    ),
+                )
+            )
             checks.append((local_s <= remote_s, "local cheaper" if local_s <= remote_s else "remote cheaper"))
         where = Where.LOCAL if all(ok for ok, _ in checks) else Where.REMOTE
         reasons = tuple(f"{'ok' if ok else 'NO'}: {text}" for ok, text in checks)

@@ -55,16 +55,25 @@ class FailureDecision:
     reason: str
 
     def explain(self) -> str:
-        return (f"{self.action.value}: recompute on D {self.recompute_s * 1e3:.1f} ms (each step stalls "
-                f"{self.stall_s * 1e3:.1f} ms, {self.jitter_s:.2f} stream-s of jitter) vs fail and retry "
-                f"{self.fail_s * 1e3:.1f} ms; {self.reason}")
+        return (
+            f"{self.action.value}: recompute on D {self.recompute_s * 1e3:.1f} ms (each step stalls "
+            f"{self.stall_s * 1e3:.1f} ms, {self.jitter_s:.2f} stream-s of jitter) vs fail and retry "
+            f"{self.fail_s * 1e3:.1f} ms; {self.reason}"
+        )
 
 
 class LoadFailurePolicy:
     """Pure: the caller passes the jitter already spent in the current window."""
 
-    def __init__(self, model: ModelSpec, fmt: KVFormat, p_hardware: HardwareSpec, d_hardware: HardwareSpec,
-                 link: LinkSpec, config: FailurePolicyConfig = KVPILOT_DEFAULT) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        fmt: KVFormat,
+        p_hardware: HardwareSpec,
+        d_hardware: HardwareSpec,
+        link: LinkSpec,
+        config: FailurePolicyConfig = KVPILOT_DEFAULT,
+    ) -> None:
         self.model, self.fmt, self.p_hw, self.d_hw, self.link = model, fmt, p_hardware, d_hardware, link
         self.config = config
 
@@ -87,11 +96,18 @@ class LoadFailurePolicy:
         elif c.mode == "recompute":
             action, reason = FailureAction.RECOMPUTE, "mode is recompute"
         elif stall_s > c.max_stall_s:
-            action, reason = FailureAction.FAIL, f"a step would stall {stall_s * 1e3:.1f} ms > {c.max_stall_s * 1e3:.0f} ms"
+            action, reason = (
+                FailureAction.FAIL,
+                f"a step would stall {stall_s * 1e3:.1f} ms > {c.max_stall_s * 1e3:.0f} ms",
+            )
         elif jitter_spent_s + jitter_s > c.jitter_budget_s:
-            action, reason = FailureAction.FAIL, (f"jitter {jitter_spent_s:.2f} + {jitter_s:.2f} stream-s exceeds "
-                                                  f"the budget {c.jitter_budget_s:.2f}")
+            action, reason = (
+                FailureAction.FAIL,
+                (f"jitter {jitter_spent_s:.2f} + {jitter_s:.2f} stream-s exceeds the budget {c.jitter_budget_s:.2f}"),
+            )
         else:
-            action, reason = FailureAction.RECOMPUTE, (f"within budget ({jitter_spent_s + jitter_s:.2f} of "
-                                                       f"{c.jitter_budget_s:.2f} stream-s)")
+            action, reason = (
+                FailureAction.RECOMPUTE,
+                (f"within budget ({jitter_spent_s + jitter_s:.2f} of {c.jitter_budget_s:.2f} stream-s)"),
+            )
         return FailureDecision(action, fail_s, recompute.seconds, stall_s, jitter_s, reason)

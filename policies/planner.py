@@ -47,7 +47,9 @@ class Workload:
 
     def prompt_tokens(self, step: int) -> int:
         """Prompt length at ``step`` (1-based)."""
-        return self.shared_prefix_tokens + self.task_tokens + (step - 1) * (self.output_tokens + self.tool_output_tokens)
+        return (
+            self.shared_prefix_tokens + self.task_tokens + (step - 1) * (self.output_tokens + self.tool_output_tokens)
+        )
 
     def new_tokens(self, step: int, cache: CacheMode) -> tuple[int, int]:
         """(tokens to prefill, cached context) at ``step`` under ``cache``.
@@ -150,15 +152,30 @@ class Plan:
 
     def to_dict(self) -> dict[str, object]:
         return {
-            "model": self.model, "hardware": self.hardware, "workload": asdict(self.workload),
+            "model": self.model,
+            "hardware": self.hardware,
+            "workload": asdict(self.workload),
             "task_prefill_instance_s": {k: t.total_s for k, t in self.task.items()},
             "session_step_prefill_s": list(self.task["session"].step_seconds),
-            "cycle_s": self.cycle_s, "steps_per_s": self.step_rate, "mean_context_tokens": self.mean_context,
-            "decoding_sequences": self.decoding, "resident_sessions_with_offload": self.resident_offloaded,
-            "rows": [{**asdict(r.regime), "p_instances": r.p_instances, "p_instances_ceil": math.ceil(r.p_instances),
-                      "d_by_memory": r.d_by_memory, "d_by_tpot": r.d_by_tpot, "d_instances": r.d_instances,
-                      "sessions_per_d": r.sessions_per_d, "step_ms_at_memory": r.step_ms_at_memory,
-                      "restore_ms": r.restore_ms} for r in self.rows],
+            "cycle_s": self.cycle_s,
+            "steps_per_s": self.step_rate,
+            "mean_context_tokens": self.mean_context,
+            "decoding_sequences": self.decoding,
+            "resident_sessions_with_offload": self.resident_offloaded,
+            "rows": [
+                {
+                    **asdict(r.regime),
+                    "p_instances": r.p_instances,
+                    "p_instances_ceil": math.ceil(r.p_instances),
+                    "d_by_memory": r.d_by_memory,
+                    "d_by_tpot": r.d_by_tpot,
+                    "d_instances": r.d_instances,
+                    "sessions_per_d": r.sessions_per_d,
+                    "step_ms_at_memory": r.step_ms_at_memory,
+                    "restore_ms": r.restore_ms,
+                }
+                for r in self.rows
+            ],
             "lessons": [asdict(lesson) for lesson in self.lessons],
         }
 
@@ -174,8 +191,9 @@ def task_prefill(model: ModelSpec, hw: HardwareSpec, workload: Workload, cache: 
     return TaskPrefill(cache, tuple(seconds))
 
 
-def _d_by_tpot(model: ModelSpec, hw: HardwareSpec, regime: Regime, workload: Workload,
-               decoding: float, context: int) -> int | None:
+def _d_by_tpot(
+    model: ModelSpec, hw: HardwareSpec, regime: Regime, workload: Workload, decoding: float, context: int
+) -> int | None:
     """Fewest instances whose decode step meets TPOT; None if one sequence cannot."""
     fmt = kv_format_preset(regime.kv_format)
     prefix = workload.shared_prefix_tokens if regime.cascade else 0
@@ -186,8 +204,13 @@ def _d_by_tpot(model: ModelSpec, hw: HardwareSpec, regime: Regime, workload: Wor
     return None
 
 
-def plan(model: ModelSpec, hw: HardwareSpec, restore_link: LinkSpec, workload: Workload = Workload(),
-         regimes: tuple[Regime, ...] = REGIMES) -> Plan:
+def plan(
+    model: ModelSpec,
+    hw: HardwareSpec,
+    restore_link: LinkSpec,
+    workload: Workload = Workload(),
+    regimes: tuple[Regime, ...] = REGIMES,
+) -> Plan:
     """Size P and D for every regime. Raises ValueError if a session's KV does
     not fit in one D instance."""
     task = {mode: task_prefill(model, hw, workload, mode) for mode in ("none", "prefix", "session")}
@@ -214,10 +237,30 @@ def plan(model: ModelSpec, hw: HardwareSpec, restore_link: LinkSpec, workload: W
             moved = kv_bytes(model, fmt, context)
             moved -= kv_bytes(model, fmt, workload.shared_prefix_tokens) if regime.dedup else 0.0
             restore = restore_link.transfer_seconds(moved) * 1e3
-        rows.append(PlanRow(regime, rate * task[regime.cache].mean_step_s, d_mem,
-                            _d_by_tpot(model, hw, regime, workload, decoding, context), fit, step * 1e3, restore))
-    draft = Plan(model.name, hw.name, workload, task, cycle, rate, workload.mean_context, decoding,
-                 resident_offloaded, tuple(rows), ())
+        rows.append(
+            PlanRow(
+                regime,
+                rate * task[regime.cache].mean_step_s,
+                d_mem,
+                _d_by_tpot(model, hw, regime, workload, decoding, context),
+                fit,
+                step * 1e3,
+                restore,
+            )
+        )
+    draft = Plan(
+        model.name,
+        hw.name,
+        workload,
+        task,
+        cycle,
+        rate,
+        workload.mean_context,
+        decoding,
+        resident_offloaded,
+        tuple(rows),
+        (),
+    )
     keys = {r.key for r in regimes}
     lessons = lessons_of(draft) if keys >= {r.key for r in REGIMES} else ()
     return dataclasses.replace(draft, lessons=lessons)
@@ -236,51 +279,71 @@ def lessons_of(p: Plan) -> tuple[Lesson, ...]:
     restore = offload.restore_ms or 0.0
     prefill_ms = p.task["session"].mean_step_s * 1e3
     return (
-        Lesson("Caching strategy moves the P pool by more than an order of magnitude",
-               none.p_instances >= 10 * session.p_instances,
-               f"P instances: no cache {none.p_instances:.1f}, prefix only {prefix.p_instances:.1f}, session reuse "
-               f"{session.p_instances:.1f} ({prefix.p_instances / session.p_instances:.1f}x fewer than prefix only, "
-               f"{none.p_instances / session.p_instances:.1f}x fewer than no cache); D stays {session.d_instances} "
-               f"either way, so caching pushes the P:D ratio toward D"),
-        Lesson("For agents, the D pool is sized by KV residency, not decode compute",
-               session.d_by_memory > (session.d_by_tpot or math.inf),
-               f"{p.decoding:.1f} sequences decode at any instant (TPOT needs {_count(session.d_by_tpot)} D), but "
-               f"{p.workload.sessions} sessions keep KV warm (memory needs {session.d_by_memory} D); FP8 -> "
-               f"{fp8.d_instances}, idle offload -> {offload.d_instances}, prefix dedup -> {dedup.d_instances}"),
-        Lesson("Offloading idle sessions can be nearly free under disaggregation",
-               restore <= prefill_ms,
-               f"restoring a {p.mean_context:,.0f}-token session takes {restore:.0f} ms, vs {prefill_ms:.0f} ms for "
-               f"P to prefill the step's new tokens, which it hides behind"),
-        Lesson("Deduplication fixes capacity; only a cascade kernel fixes bandwidth",
-               consolidated.d_by_memory < (consolidated.d_by_tpot or math.inf)
-               and (cascade.d_by_tpot or math.inf) <= cascade.d_by_memory,
-               f"dedup + offload fits in {consolidated.d_by_memory} D by memory, but a step there takes "
-               f"{consolidated.step_ms_at_memory:.1f} ms vs the {tpot_ms:.0f} ms TPOT target; a cascade kernel "
-               f"reads the shared prefix once: {cascade.step_ms_at_memory:.1f} ms"),
+        Lesson(
+            "Caching strategy moves the P pool by more than an order of magnitude",
+            none.p_instances >= 10 * session.p_instances,
+            f"P instances: no cache {none.p_instances:.1f}, prefix only {prefix.p_instances:.1f}, session reuse "
+            f"{session.p_instances:.1f} ({prefix.p_instances / session.p_instances:.1f}x fewer than prefix only, "
+            f"{none.p_instances / session.p_instances:.1f}x fewer than no cache); D stays {session.d_instances} "
+            f"either way, so caching pushes the P:D ratio toward D",
+        ),
+        Lesson(
+            "For agents, the D pool is sized by KV residency, not decode compute",
+            session.d_by_memory > (session.d_by_tpot or math.inf),
+            f"{p.decoding:.1f} sequences decode at any instant (TPOT needs {_count(session.d_by_tpot)} D), but "
+            f"{p.workload.sessions} sessions keep KV warm (memory needs {session.d_by_memory} D); FP8 -> "
+            f"{fp8.d_instances}, idle offload -> {offload.d_instances}, prefix dedup -> {dedup.d_instances}",
+        ),
+        Lesson(
+            "Offloading idle sessions can be nearly free under disaggregation",
+            restore <= prefill_ms,
+            f"restoring a {p.mean_context:,.0f}-token session takes {restore:.0f} ms, vs {prefill_ms:.0f} ms for "
+            f"P to prefill the step's new tokens, which it hides behind",
+        ),
+        Lesson(
+            "Deduplication fixes capacity; only a cascade kernel fixes bandwidth",
+            consolidated.d_by_memory < (consolidated.d_by_tpot or math.inf)
+            and (cascade.d_by_tpot or math.inf) <= cascade.d_by_memory,
+            f"dedup + offload fits in {consolidated.d_by_memory} D by memory, but a step there takes "
+            f"{consolidated.step_ms_at_memory:.1f} ms vs the {tpot_ms:.0f} ms TPOT target; a cascade kernel "
+            f"reads the shared prefix once: {cascade.step_ms_at_memory:.1f} ms",
+        ),
     )
 
 
 def render(p: Plan) -> str:
     """The plan as a terminal table followed by the task prefill summary and the lessons."""
     w = p.workload
-    head = (f"{p.model} on {p.hardware}: {w.sessions} sessions, {w.steps} steps, cycle {p.cycle_s:.2f} s "
-            f"-> {p.step_rate:.2f} steps/s, mean context {p.mean_context:,.0f} tokens, "
-            f"{p.decoding:.1f} decoding, TPOT target {w.tpot_target_s * 1e3:.0f} ms")
-    cols = f"{'regime':<28}{'P':>6}{'P#':>4}{'D mem':>7}{'D tpot':>8}{'D':>4}{'sess/D':>8}{'step ms':>9}{'restore ms':>12}"
+    head = (
+        f"{p.model} on {p.hardware}: {w.sessions} sessions, {w.steps} steps, cycle {p.cycle_s:.2f} s "
+        f"-> {p.step_rate:.2f} steps/s, mean context {p.mean_context:,.0f} tokens, "
+        f"{p.decoding:.1f} decoding, TPOT target {w.tpot_target_s * 1e3:.0f} ms"
+    )
+    cols = (
+        f"{'regime':<28}{'P':>6}{'P#':>4}{'D mem':>7}{'D tpot':>8}{'D':>4}{'sess/D':>8}{'step ms':>9}{'restore ms':>12}"
+    )
     lines = [head, "", cols, "-" * len(cols)]
     for r in p.rows:
         tpot = "-" if r.d_by_tpot is None else str(r.d_by_tpot)
         restore = "" if r.restore_ms is None else f"{r.restore_ms:.0f}"
-        lines.append(f"{r.regime.label:<28}{r.p_instances:>6.1f}{math.ceil(r.p_instances):>4}{r.d_by_memory:>7}"
-                     f"{tpot:>8}{r.d_instances:>4}{r.sessions_per_d:>8}{r.step_ms_at_memory:>9.1f}{restore:>12}".rstrip())
+        lines.append(
+            f"{r.regime.label:<28}{r.p_instances:>6.1f}{math.ceil(r.p_instances):>4}{r.d_by_memory:>7}"
+            f"{tpot:>8}{r.d_instances:>4}{r.sessions_per_d:>8}{r.step_ms_at_memory:>9.1f}{restore:>12}".rstrip()
+        )
     t = p.task
     session = t["session"].step_seconds
-    lines += ["", "step ms: decode step with D sized by memory; restore: host tier back to HBM.",
-              f"Prefill per task (instance-s): no cache {t['none'].total_s:.1f}, prefix only {t['prefix'].total_s:.1f}, "
-              f"session reuse {t['session'].total_s:.2f} ({t['none'].total_s / t['session'].total_s:.1f}x and "
-              f"{t['prefix'].total_s / t['session'].total_s:.1f}x less); session step prefill "
-              f"{session[1] if len(session) > 1 else session[0]:.2f} s (step 2) -> {session[-1]:.2f} s "
-              f"(step {len(session)})", ""]
+    lines += [
+        "",
+        "step ms: decode step with D sized by memory; restore: host tier back to HBM.",
+        (
+            f"Prefill per task (instance-s): no cache {t['none'].total_s:.1f}, prefix only {t['prefix'].total_s:.1f}, "
+            f"session reuse {t['session'].total_s:.2f} ({t['none'].total_s / t['session'].total_s:.1f}x and "
+            f"{t['prefix'].total_s / t['session'].total_s:.1f}x less); session step prefill "
+            f"{session[1] if len(session) > 1 else session[0]:.2f} s (step 2) -> {session[-1]:.2f} s "
+            f"(step {len(session)})"
+        ),
+        "",
+    ]
     for i, lesson in enumerate(p.lessons, 1):
         verdict = "holds" if lesson.holds else "DOES NOT HOLD here"
         lines.append(f"{i}. {lesson.title} [{verdict}]: {lesson.detail}.")

@@ -13,34 +13,62 @@ import dataclasses
 import json
 import re
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
 from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 # --- models, as their config.json ---------------------------------------------------
 
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     # Llama-3-70B: the article's running example (80 layers, 64 query / 8 KV heads).
     "llama-70b": {
-        "model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192,
-        "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "vocab_size": 128256, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "model_type": "llama",
+        "num_hidden_layers": 80,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
     },
     "llama-8b": {
-        "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
-        "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "vocab_size": 128256, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
     },
     # DeepSeek-V3: MLA + MoE (256 routed experts, 8 active, 1 shared; FP8 weights).
     "deepseek-v3": {
-        "model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168,
-        "intermediate_size": 18432, "moe_intermediate_size": 2048, "first_k_dense_replace": 3,
-        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
-        "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
-        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
-        "vocab_size": 129280, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 61,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "first_k_dense_replace": 3,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "vocab_size": 129280,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
         "quantization_config": {"quant_method": "fp8"},
     },
 }
@@ -91,8 +119,9 @@ def _req(cfg: Mapping[str, Any], key: str, source: str) -> Any:
     return value
 
 
-def _estimate_params(cfg: Mapping[str, Any], source: str, hidden: int, heads: int,
-                     kv_heads: int, head_dim: int, mla: bool) -> tuple[float, float]:
+def _estimate_params(
+    cfg: Mapping[str, Any], source: str, hidden: int, heads: int, kv_heads: int, head_dim: int, mla: bool
+) -> tuple[float, float]:
     """(total, active) parameters from a config's dimensions (gated MLPs assumed)."""
     layers = int(_req(cfg, "num_hidden_layers", source))
     vocab = int(_req(cfg, "vocab_size", source))
@@ -153,38 +182,50 @@ def model_from_hf_config(cfg: Mapping[str, Any], name: str, source: str = "confi
         stateful = 0
     state_bytes = 0
     if stateful:
-        dims = [cfg.get(k) for k in ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")]
-        if not all(dims):
-            raise SpecError("state_bytes_per_layer",
-                            f"{source} gives no recurrent-state size for its linear layers; use a YAML model spec")
-        state_bytes = int(dims[0]) * int(dims[1]) * int(dims[2]) * 2
+        value_heads, key_dim, value_dim = (
+            cfg.get(k) for k in ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+        )
+        if not (value_heads and key_dim and value_dim):
+            raise SpecError(
+                "state_bytes_per_layer",
+                f"{source} gives no recurrent-state size for its linear layers; use a YAML model spec",
+            )
+        state_bytes = int(value_heads) * int(key_dim) * int(value_dim) * 2
     quant = cfg.get("quantization_config") or {}
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     weight_bytes = 1.0 if quant.get("quant_method") == "fp8" else _DTYPE_BYTES.get(dtype, 2.0)
     return ModelSpec(
-        name=name, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-        num_kv_heads=kv_heads, head_dim=head_dim, params_total=total, params_active=active,
-        weight_bytes_per_param=weight_bytes, attention="mla" if mla else "gqa",
+        name=name,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        params_total=total,
+        params_active=active,
+        weight_bytes_per_param=weight_bytes,
+        attention="mla" if mla else "gqa",
         kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
         qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0) if mla else 0,
         qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0) if mla else 0,
         v_head_dim=int(cfg.get("v_head_dim") or 0) if mla else 0,
-        sliding_window_layers=sliding, sliding_window=window if sliding else 0,
-        state_layers=stateful, state_bytes_per_layer=state_bytes,
+        sliding_window_layers=sliding,
+        sliding_window=window if sliding else 0,
+        state_layers=stateful,
+        state_bytes_per_layer=state_bytes,
     )
 
 
-_T = TypeVar("_T")
+_T = TypeVar("_T", bound="DataclassInstance")
 
 
 def _from_fields(cls: type[_T], data: Mapping[str, Any], source: str) -> _T:
     """Instantiate a spec dataclass from a mapping, refusing unknown keys by name."""
-    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    known = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in known:
             raise SpecError(str(key), f"unknown field in {source} (known: {', '.join(sorted(known))})")
-    required = [f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-                if f.default is dataclasses.MISSING and f.name not in data]
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in data]
     if required:
         raise SpecError(required[0], f"missing from {source}")
     return cls(**data)
@@ -239,11 +280,11 @@ def link_from_mapping(data: Mapping[str, Any], source: str) -> LinkSpec:
 
 
 def _override(spec: _T, fields: Mapping[str, Any], source: str) -> _T:
-    known = {f.name for f in dataclasses.fields(spec)}  # type: ignore[arg-type]
+    known = {f.name for f in dataclasses.fields(spec)}
     for key in fields:
         if key not in known:
             raise SpecError(str(key), f"unknown field in {source}")
-    return dataclasses.replace(spec, **fields)  # type: ignore[type-var]
+    return dataclasses.replace(spec, **fields)
 
 
 def model_preset(name: str) -> ModelSpec:
@@ -261,8 +302,9 @@ def hardware_preset(name: str) -> HardwareSpec:
     ``cpux<cores>`` for a CPU engine."""
     match = _HW_NAME.match(name)
     if not match or match["gpu"] not in GPUS:
-        raise SpecError("hardware", f"unknown preset {name!r} (known GPUs: {', '.join(sorted(GPUS))}; "
-                                    "add x<count>, e.g. b200x2)")
+        raise SpecError(
+            "hardware", f"unknown preset {name!r} (known GPUs: {', '.join(sorted(GPUS))}; add x<count>, e.g. b200x2)"
+        )
     flops, bandwidth, hbm = GPUS[match["gpu"]]
     return HardwareSpec(name, flops, bandwidth, hbm, gpus=int(match["count"] or 1))
 

@@ -114,8 +114,14 @@ class RecomputeTransferDecision:
 class RecomputeVsTransferPolicy:
     """Chooses the cheaper way to give P the KV of a span. Pure and stateless."""
 
-    def __init__(self, model: ModelSpec, fmt: KVFormat, p_hardware: HardwareSpec, link: LinkSpec,
-                 config: RecomputeTransferConfig = RecomputeTransferConfig()) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        fmt: KVFormat,
+        p_hardware: HardwareSpec,
+        link: LinkSpec,
+        config: RecomputeTransferConfig = RecomputeTransferConfig(),
+    ) -> None:
         self.model, self.fmt, self.hw, self.link, self.config = model, fmt, p_hardware, link, config
 
     def recompute_seconds(self, span: Span, load: PrefillLoad) -> tuple[float, PassCost]:
@@ -157,8 +163,9 @@ class RecomputeVsTransferPolicy:
         rates = [s.nbytes / (s.seconds - self.link.setup_s) for s in usable]
         return self.link.setup_s, statistics.median(rates), f"{len(usable)} recent transfers"
 
-    def decide(self, span: Span, load: PrefillLoad = PrefillLoad(),
-               telemetry: LinkTelemetry = LinkTelemetry()) -> RecomputeTransferDecision:
+    def decide(
+        self, span: Span, load: PrefillLoad = PrefillLoad(), telemetry: LinkTelemetry = LinkTelemetry()
+    ) -> RecomputeTransferDecision:
         """Expected added latency of both options; the cheaper wins (ties recompute,
         which needs no remote state). An empty span costs nothing either way."""
         recompute_s, with_span = self.recompute_seconds(span, load)
@@ -169,8 +176,9 @@ class RecomputeVsTransferPolicy:
         detect = telemetry.mean_failure_s if telemetry.mean_failure_s is not None else self.config.failure_detect_s
         transfer_s = (1 - p_fail) * clean + p_fail * (detect + recompute_s) if nbytes else 0.0
         choice = Choice.RECOMPUTE if recompute_s <= transfer_s else Choice.TRANSFER
-        return RecomputeTransferDecision(choice, recompute_s, transfer_s, span, nbytes, bandwidth, fixed_s, source,
-                                         p_fail, with_span.bound)
+        return RecomputeTransferDecision(
+            choice, recompute_s, transfer_s, span, nbytes, bandwidth, fixed_s, source, p_fail, with_span.bound
+        )
 
 
 def fixed_threshold_choice(span_tokens: int, threshold: int = VLLM_RECOMPUTE_BELOW_TOKENS) -> Choice:

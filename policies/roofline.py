@@ -135,8 +135,14 @@ def decode_attention_intensity(model: ModelSpec, fmt: KVFormat, context: int = 4
     return decode_attention_flops_per_token(model, context) / kv
 
 
-def decode_step(model: ModelSpec, fmt: KVFormat, hw: HardwareSpec, contexts: Sequence[int],
-                shared_prefix: int = 0, cascade: bool = False) -> PassCost:
+def decode_step(
+    model: ModelSpec,
+    fmt: KVFormat,
+    hw: HardwareSpec,
+    contexts: Sequence[int],
+    shared_prefix: int = 0,
+    cascade: bool = False,
+) -> PassCost:
     """One decode step for a batch with the given context lengths.
 
     Reads all weights once and, per sequence, its whole KV. With ``cascade``, a
@@ -175,13 +181,16 @@ def kv_budget_bytes(model: ModelSpec, hw: HardwareSpec) -> float:
     when the weights alone do not fit."""
     usable = hw.memory_utilization * hw.hbm_bytes * hw.gpus - model.weight_bytes
     if usable <= 0:
-        raise ValueError(f"{model.name} weights ({model.weight_bytes / 1e9:.0f} GB) leave no KV room on "
-                         f"{hw.name} ({hw.memory_utilization:.0%} of {hw.hbm_bytes * hw.gpus / 1e9:.0f} GB)")
+        raise ValueError(
+            f"{model.name} weights ({model.weight_bytes / 1e9:.0f} GB) leave no KV room on "
+            f"{hw.name} ({hw.memory_utilization:.0%} of {hw.hbm_bytes * hw.gpus / 1e9:.0f} GB)"
+        )
     return usable / kv_replication(model, hw)
 
 
-def sessions_per_instance(model: ModelSpec, fmt: KVFormat, hw: HardwareSpec, session_tokens: int,
-                          shared_prefix: int = 0, dedup: bool = False) -> int:
+def sessions_per_instance(
+    model: ModelSpec, fmt: KVFormat, hw: HardwareSpec, session_tokens: int, shared_prefix: int = 0, dedup: bool = False
+) -> int:
     """Whole sessions of ``session_tokens`` whose KV fits in one instance.
 
     With ``dedup`` the first ``shared_prefix`` tokens are stored once for all

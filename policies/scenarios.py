@@ -54,8 +54,9 @@ def _samples(link: LinkSpec, bytes_per_s: float, count: int = 8) -> tuple[Transf
     return tuple(TransferSample(n, link.setup_s + n / bytes_per_s) for n in sizes)
 
 
-def link_conditions(link: LinkSpec, slow_factor: float = 10.0, failure_rate: float = 0.2,
-                    failure_s: float = 0.05) -> dict[str, LinkTelemetry]:
+def link_conditions(
+    link: LinkSpec, slow_factor: float = 10.0, failure_rate: float = 0.2, failure_s: float = 0.05
+) -> dict[str, LinkTelemetry]:
     """Telemetry for three link states: ``fast`` (transfers at the spec's rate),
     ``slow`` (congested: ``slow_factor`` x slower) and ``failing`` (spec rate,
     ``failure_rate`` of transfers failing after ``failure_s``)."""
@@ -69,9 +70,14 @@ def link_conditions(link: LinkSpec, slow_factor: float = 10.0, failure_rate: flo
     }
 
 
-def default_scenarios(link: LinkSpec, short_context: int = 2_000, long_context: int = 62_000,
-                      spans: tuple[int, ...] = (32, 150), new_tokens: int = 100,
-                      busy: PrefillLoad = PrefillLoad(16_384, 8_192)) -> list[Scenario]:
+def default_scenarios(
+    link: LinkSpec,
+    short_context: int = 2_000,
+    long_context: int = 62_000,
+    spans: tuple[int, ...] = (32, 150),
+    new_tokens: int = 100,
+    busy: PrefillLoad = PrefillLoad(16_384, 8_192),
+) -> list[Scenario]:
     """The grid: context x P load x link state x span size (24 rows by default).
 
     ``new_tokens`` is the request's own increment (a short follow-up) prefilled
@@ -81,14 +87,14 @@ def default_scenarios(link: LinkSpec, short_context: int = 2_000, long_context: 
     links = link_conditions(link)
     grid = itertools.product(contexts.items(), loads.items(), links.items(), spans)
     return [
-        Scenario(f"{c_name} ctx / {l_name} P / {k_name} link / {span} tok",
-                 Span(span, context, new_tokens), load, telemetry)
+        Scenario(
+            f"{c_name} ctx / {l_name} P / {k_name} link / {span} tok", Span(span, context, new_tokens), load, telemetry
+        )
         for (c_name, context), (l_name, load), (k_name, telemetry), span in grid
     ]
 
 
-def evaluate(policy: RecomputeVsTransferPolicy, scenarios: list[Scenario],
-             threshold: int = 64) -> list[ScenarioRow]:
+def evaluate(policy: RecomputeVsTransferPolicy, scenarios: list[Scenario], threshold: int = 64) -> list[ScenarioRow]:
     """Decide every scenario and score the fixed ``threshold`` rule beside it."""
     return [
         ScenarioRow(s, policy.decide(s.span, s.load, s.telemetry), fixed_threshold_choice(s.span.tokens, threshold))
@@ -98,8 +104,10 @@ def evaluate(policy: RecomputeVsTransferPolicy, scenarios: list[Scenario],
 
 def render_table(rows: list[ScenarioRow], threshold: int = 64) -> str:
     """A Markdown table of the scenarios plus a totals line (mean expected latency)."""
-    header = (f"| scenario | recompute ms | transfer ms | policy | vLLM <{threshold} | "
-              f"policy ms | vLLM ms |\n|---|---:|---:|---|---|---:|---:|")
+    header = (
+        f"| scenario | recompute ms | transfer ms | policy | vLLM <{threshold} | "
+        f"policy ms | vLLM ms |\n|---|---:|---:|---|---|---:|---:|"
+    )
     lines = [header]
     for row in rows:
         d = row.decision
@@ -116,6 +124,7 @@ def render_table(rows: list[ScenarioRow], threshold: int = 64) -> str:
         f"\nMean expected latency over {len(rows)} scenarios: policy {policy * 1e3:.2f} ms, "
         f"fixed {threshold}-token threshold {baseline * 1e3:.2f} ms; the policy is faster in {wins} "
         f"(marked *) and slower in {losses}."
-        if rows else "\nNo scenarios."
+        if rows
+        else "\nNo scenarios."
     )
     return "\n".join(lines)

@@ -124,8 +124,15 @@ class SessionOptionPricer:
     def _transfer_s(self, tokens: int) -> float:
         return self.policy.link.transfer_seconds(kv_bytes(self.policy.model, self.policy.fmt, max(0, tokens)))
 
-    def _remote(self, option: Option, step: SessionStep, site: PrefillSite, loaded_tokens: int,
-                loaded_s: float, loaded_what: str) -> OptionPrice:  # fmt: skip
+    def _remote(
+        self,
+        option: Option,
+        step: SessionStep,
+        site: PrefillSite,
+        loaded_tokens: int,
+        loaded_s: float,
+        loaded_what: str,
+    ) -> OptionPrice:
         """P at ``site`` holds ``max(own cache, loaded_tokens)`` after ``loaded_s`` of loading,
         prefills the rest, then D pulls what it lacks."""
         pol = self.policy
@@ -134,9 +141,11 @@ class SessionOptionPricer:
         prefill_s = prefill(pol.model, pol.fmt, pol.p_hw, step.prompt_tokens - have, have).seconds
         handoff_s = self._transfer_s(step.prompt_tokens - step.d_cached_tokens)
         seconds = queue_s + loaded_s + prefill_s + handoff_s
-        why = (f"P={site.name} queue {queue_s * 1e3:.2f} ms + {loaded_what}{loaded_s * 1e3:.2f} ms + prefill "
-               f"{step.prompt_tokens - have} tokens after {have} {prefill_s * 1e3:.2f} ms + D={step.d_name} pulls "
-               f"{step.prompt_tokens - step.d_cached_tokens} tokens {handoff_s * 1e3:.2f} ms")  # fmt: skip
+        why = (
+            f"P={site.name} queue {queue_s * 1e3:.2f} ms + {loaded_what}{loaded_s * 1e3:.2f} ms + prefill "
+            f"{step.prompt_tokens - have} tokens after {have} {prefill_s * 1e3:.2f} ms + D={step.d_name} pulls "
+            f"{step.prompt_tokens - step.d_cached_tokens} tokens {handoff_s * 1e3:.2f} ms"
+        )
         return OptionPrice(option, seconds, site.name, why)
 
     def reprefill(self, step: SessionStep) -> OptionPrice:
@@ -156,8 +165,11 @@ class SessionOptionPricer:
         if step.offer_time_left_s is not None:
             reach_s = self._queue_s(step.p) + pull_s + step.offer_margin_s
             if step.offer_time_left_s < reach_s:
-                return _unavailable(Option.PULL, f"D's offer expires in {step.offer_time_left_s:.1f} s, before P "
-                                                 f"could read it ({reach_s:.1f} s with the margin)")  # fmt: skip
+                return _unavailable(
+                    Option.PULL,
+                    f"D's offer expires in {step.offer_time_left_s:.1f} s, before P "
+                    f"could read it ({reach_s:.1f} s with the margin)",
+                )
         return self._remote(Option.PULL, step, step.p, step.offer_tokens, pull_s, f"pull {gain} tokens from D ")
 
     def affinity(self, step: SessionStep) -> OptionPrice:
@@ -175,8 +187,9 @@ class SessionOptionPricer:
         gain = step.shared_tokens - step.p.cached_tokens
         if gain <= 0:
             return _unavailable(Option.SHARED_TIER, "no shared tier holds more of the prompt than P's cache")
-        return self._remote(Option.SHARED_TIER, step, step.p, step.shared_tokens, self._transfer_s(gain),
-                            f"restore {gain} tokens ")  # fmt: skip
+        return self._remote(
+            Option.SHARED_TIER, step, step.p, step.shared_tokens, self._transfer_s(gain), f"restore {gain} tokens "
+        )
 
     def local(self, step: SessionStep) -> OptionPrice:
         p_cached = step.p.cached_tokens if step.p is not None else 0
@@ -190,8 +203,7 @@ class SessionOptionPricer:
 
     def price(self, step: SessionStep) -> tuple[OptionPrice, ...]:
         """All five options in the article's order."""
-        return (self.reprefill(step), self.pull(step), self.affinity(step), self.shared_tier(step),
-                self.local(step))  # fmt: skip
+        return (self.reprefill(step), self.pull(step), self.affinity(step), self.shared_tier(step), self.local(step))
 
 
 def choose(prices: tuple[OptionPrice, ...], forced: Option | None = None) -> OptionPrice:
@@ -206,4 +218,4 @@ def choose(prices: tuple[OptionPrice, ...], forced: Option | None = None) -> Opt
     return min(available, key=lambda p: (p.seconds, TIE_ORDER.index(p.option)))
 
 
-__all__ = ["Option", "OptionPrice", "PrefillSite", "SessionOptionPricer", "SessionStep", "TIE_ORDER", "choose"]
+__all__ = ["TIE_ORDER", "Option", "OptionPrice", "PrefillSite", "SessionOptionPricer", "SessionStep", "choose"]

@@ -53,15 +53,20 @@ class TierDecision:
     skipped: tuple[str, ...]
 
     def explain(self) -> str:
-        options = ", ".join(f"{name} {self.restore_s[name] * 1e3:.0f} ms (exposed {self.exposed_s[name] * 1e3:.0f})"
-                            for name in self.restore_s)
+        options = ", ".join(
+            f"{name} {self.restore_s[name] * 1e3:.0f} ms (exposed {self.exposed_s[name] * 1e3:.0f})"
+            for name in self.restore_s
+        )
         skipped = f"; skipped: {', '.join(self.skipped)}" if self.skipped else ""
-        return (f"{self.tier}: gap {self.expected_gap_s:g} s; restore {options or 'none eligible'}; "
-                f"recompute {self.recompute_s * 1e3:.0f} ms{skipped}")
+        return (
+            f"{self.tier}: gap {self.expected_gap_s:g} s; restore {options or 'none eligible'}; "
+            f"recompute {self.recompute_s * 1e3:.0f} ms{skipped}"
+        )
 
 
-def choose_tier(session_bytes: float, expected_gap_s: float, recompute_s: float, tiers: tuple[Tier, ...],
-                overlap_s: float = 0.0) -> TierDecision:
+def choose_tier(
+    session_bytes: float, expected_gap_s: float, recompute_s: float, tiers: tuple[Tier, ...], overlap_s: float = 0.0
+) -> TierDecision:
     """Pick the tier for a session of ``session_bytes`` that returns in
     ``expected_gap_s``; ``overlap_s`` is work the restore can hide behind.
     Returns tier ``"recompute"`` when no eligible tier's exposed restore beats

@@ -88,12 +88,26 @@ class ModelSpec:
         if not self.name:
             raise SpecError("name", "must be a non-empty string")
         _require_positive(
-            self, "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
-            "head_dim", "params_total", "params_active", "weight_bytes_per_param",
+            self,
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "params_total",
+            "params_active",
+            "weight_bytes_per_param",
         )
         _require_non_negative(
-            self, "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-            "sliding_window_layers", "sliding_window", "state_layers", "state_bytes_per_layer",
+            self,
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "sliding_window_layers",
+            "sliding_window",
+            "state_layers",
+            "state_bytes_per_layer",
         )
         if self.attention not in ("gqa", "mla"):
             raise SpecError("attention", f"must be 'gqa' or 'mla', got {self.attention!r}")

@@ -56,13 +56,21 @@ class Admission:
     async def _wait_for_slot(self, slots: asyncio.Semaphore) -> None:
         retry_after = max(1, math.ceil(self.queue_timeout_s))
         if self.queued >= self.max_queued:
-            raise Rejected("queue_full", 429, retry_after,
-                           f"the router is at capacity ({self.max_concurrent} in flight, {self.queued} queued)")  # fmt: skip
+            raise Rejected(
+                "queue_full",
+                429,
+                retry_after,
+                f"the router is at capacity ({self.max_concurrent} in flight, {self.queued} queued)",
+            )
         self.queued += 1
         try:
             await asyncio.wait_for(slots.acquire(), self.queue_timeout_s)
         except asyncio.TimeoutError:
-            raise Rejected("queue_timeout", 503, retry_after,
-                           f"no capacity within server.queue_timeout_s ({self.queue_timeout_s:g} s)") from None  # fmt: skip
+            raise Rejected(
+                "queue_timeout",
+                503,
+                retry_after,
+                f"no capacity within server.queue_timeout_s ({self.queue_timeout_s:g} s)",
+            ) from None
         finally:
             self.queued -= 1

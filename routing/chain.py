@@ -23,13 +23,16 @@ from __future__ import annotations
 from array import array
 from collections.abc import Hashable, Mapping, Sequence
 from itertools import count
-from typing import NewType, Optional
+from typing import Any, NewType, overload
 
 import numpy as np
 
 BlockKey = NewType("BlockKey", int)
-Namespace = Optional[tuple[Hashable, ...]]
+Namespace = tuple[Hashable, ...] | None
 """Block 0's untagged extra keys, as vLLM publishes them: ``(lora_name?, cache_salt?)`` or None."""
+
+Tokens = Sequence[int] | np.ndarray
+"""Token ids: a sequence of ints, or packed (a uint32 numpy array, read in place)."""
 
 ROOT_KEY = BlockKey(0)
 _RNG = np.random.default_rng()
@@ -49,11 +52,15 @@ def namespace_for(lora_name: str | None = None, cache_salt: str | None = None) -
     return parts or None
 
 
+@overload
+def freeze(value: list[Any] | tuple[Any, ...]) -> tuple[Hashable, ...]: ...
+@overload
+def freeze(value: object) -> Hashable: ...
 def freeze(value: object) -> Hashable:
     """An event's extra key made hashable (msgpack gives lists where vLLM had tuples)."""
     if isinstance(value, (list, tuple)):
         return tuple(freeze(v) for v in value)
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _lanes(block_size: int) -> np.ndarray:
@@ -86,7 +93,7 @@ def pack_tokens(tokens: Sequence[int]) -> array[int]:
 
 
 def block_hashes(
-    tokens: Sequence[int], block_size: int, first_pos: int, start: int = 0, stop: int | None = None
+    tokens: Tokens, block_size: int, first_pos: int, start: int = 0, stop: int | None = None
 ) -> np.ndarray:
     """Unchained 60-bit hashes (uint64) of the full blocks of ``tokens[start:stop]``, the
     first at chain position ``first_pos``.
@@ -103,7 +110,7 @@ def block_hashes(
         flat = np.frombuffer(tokens, dtype=np.uint32, count=n * block_size, offset=4 * start)
     else:
         flat = np.frombuffer(pack_tokens(tokens[start : start + n * block_size]), dtype=np.uint32)
-    h = flat.reshape(n, block_size) @ _lanes(block_size)
+    h: np.ndarray = flat.reshape(n, block_size) @ _lanes(block_size)
     h += np.arange(first_pos, first_pos + n, dtype=np.uint64) * _POSITION_LANE
     h ^= h >> _SHIFT_A
     h *= _FINAL_MULTIPLIER
@@ -112,7 +119,7 @@ def block_hashes(
     return h
 
 
-def first_difference(old: Sequence[int], new: Sequence[int]) -> int:
+def first_difference(old: Tokens, new: Tokens) -> int:
     """Index of the first position where ``old`` and ``new`` differ, or the shorter length.
 
     Compares packed tokens with numpy (about 10 us for 64K tokens, where a list
@@ -124,7 +131,7 @@ def first_difference(old: Sequence[int], new: Sequence[int]) -> int:
     return int(differ[0]) if differ.size else n
 
 
-def _uint32(tokens: Sequence[int]) -> np.ndarray:
+def _uint32(tokens: Tokens) -> np.ndarray:
     """``tokens`` as a uint32 numpy array, in place where already packed."""
     if isinstance(tokens, np.ndarray):
         return tokens
@@ -136,10 +143,11 @@ def chain_from_hashes(hashes: np.ndarray, parent: BlockKey) -> list[BlockKey]:
     keys = np.bitwise_xor.accumulate(hashes)
     if parent:
         keys ^= np.uint64(parent)
-    return keys.tolist()  # type: ignore[no-any-return]
+    chained: list[BlockKey] = keys.tolist()
+    return chained
 
 
-def chain_keys(tokens: Sequence[int], block_size: int, first_pos: int, parent: BlockKey) -> list[BlockKey]:
+def chain_keys(tokens: Tokens, block_size: int, first_pos: int, parent: BlockKey) -> list[BlockKey]:
     """Keys of the full blocks of ``tokens``, the first one at chain position ``first_pos``.
 
     ``chain_keys(t, bs, 0, ROOT_KEY)[k]`` names the prefix ``t[: (k + 1) * bs]``;
@@ -162,11 +170,11 @@ class PromptChain:
     what changed.
     """
 
-    __slots__ = ("block_size", "namespace", "match_state", "_tokens", "_buffer", "_keys", "_pos")
+    __slots__ = ("_buffer", "_keys", "_pos", "_tokens", "block_size", "match_state", "namespace")
 
     def __init__(
         self,
-        tokens: Sequence[int],
+        tokens: Tokens,
         block_size: int,
         *,
         lora_name: str | None = None,
@@ -178,7 +186,7 @@ class PromptChain:
         self.block_size = block_size
         self.namespace = namespace_for(lora_name, cache_salt)
         self.match_state: MatchState | None = MatchState() if incremental else None
-        self._tokens: Sequence[int] = tokens  # the caller's, or a view of _buffer once owned
+        self._tokens: Tokens = tokens  # the caller's, or a view of _buffer once owned
         self._buffer: np.ndarray | None = None  # owned uint32 storage, grown by doubling
         if incremental:  # long-lived: packed, owned
             self._own()
@@ -186,7 +194,7 @@ class PromptChain:
         self._pos: dict[BlockKey, int] | None = None
 
     @property
-    def tokens(self) -> Sequence[int]:
+    def tokens(self) -> Tokens:
         return self._tokens
 
     @property
@@ -232,7 +240,7 @@ class PromptChain:
             self._tokens = self._buffer[: len(packed)]
         return self._buffer
 
-    def extend(self, appended: Sequence[int]) -> None:
+    def extend(self, appended: Tokens) -> None:
         """The prompt grows by ``appended``; named blocks stay named.
 
         Amortized O(len(appended)): the storage doubles when full. Raises
@@ -266,7 +274,7 @@ class PromptChain:
 class MatchState:
     """The index's last match of an incremental chain: depth per slot bit, log cursor."""
 
-    __slots__ = ("depths", "cursor")
+    __slots__ = ("cursor", "depths")
 
     def __init__(self) -> None:
         self.depths: dict[int, int] = {}

@@ -78,8 +78,9 @@ def _checked_messages(messages: object) -> list[dict[str, str]]:
         if not isinstance(role, str) or not role:
             raise ChatError(f"'messages[{i}].role' must be a non-empty string")
         if isinstance(content, list):  # text parts only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise ChatError(f"'messages[{i}].content' parts must all be {{'type': 'text', 'text': str}}")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
@@ -108,13 +109,14 @@ def _chat_logprobs(lp: Any) -> Any:
     if not lp:
         return None
     tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
+
     def entry(token: str, logprob: float) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
     return {
         "content": [
             {**entry(t, x), "top_logprobs": [entry(k, v) for k, v in (top or {}).items()]}
-            for t, x, top in zip(lp["tokens"], lp["token_logprobs"], tops)
+            for t, x, top in zip(lp["tokens"], lp["token_logprobs"], tops, strict=False)
         ]
     }
 
@@ -122,10 +124,14 @@ def _chat_logprobs(lp: Any) -> Any:
 def chat_response(completion: dict[str, Any], request_id: str) -> dict[str, Any]:
     """An engine's ``text_completion`` as a ``chat.completion``."""
     choices = [
-        {"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-         "logprobs": _chat_logprobs(c.get("logprobs")), "finish_reason": c.get("finish_reason")}
+        {
+            "index": c["index"],
+            "message": {"role": "assistant", "content": c["text"]},
+            "logprobs": _chat_logprobs(c.get("logprobs")),
+            "finish_reason": c.get("finish_reason"),
+        }
         for c in completion["choices"]
-    ]  # fmt: skip
+    ]
     return {**_chat_head(completion, request_id, "chat.completion"), "choices": choices}
 
 
@@ -135,14 +141,18 @@ def chat_chunk(chunk: dict[str, Any], request_id: str, first: bool) -> dict[str,
     for c in chunk.get("choices") or ():
         delta = {"role": "assistant", "content": c["text"]} if first else {"content": c["text"]}
         choices.append(
-            {"index": c["index"], "delta": delta, "logprobs": _chat_logprobs(c.get("logprobs")),
-             "finish_reason": c.get("finish_reason")}
-        )  # fmt: skip
+            {
+                "index": c["index"],
+                "delta": delta,
+                "logprobs": _chat_logprobs(c.get("logprobs")),
+                "finish_reason": c.get("finish_reason"),
+            }
+        )
     return {**_chat_head(chunk, request_id, "chat.completion.chunk"), "choices": choices}
 
 
 def _chat_head(completion: dict[str, Any], request_id: str, kind: str) -> dict[str, Any]:
-    head = {"id": request_id, "object": kind}
+    head: dict[str, Any] = {"id": request_id, "object": kind}
     head.update(created=completion.get("created"), model=completion.get("model"))
     if completion.get("usage") is not None:
         head["usage"] = completion["usage"]

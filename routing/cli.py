@@ -39,7 +39,7 @@ def run_router(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_subcommands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``router`` to a ``kvpilot`` subparsers object."""
     parser = subparsers.add_parser("router", help="the KV-aware router (OpenAI-compatible HTTP)")
     parser.add_argument("--config", metavar="FILE", help="router YAML (workers, cost, server, ...)")

@@ -68,9 +68,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_D = TypeVar("_D", bound="DataclassInstance")
 
 TIER_CLASSES = ("gpu", "host", "disk", "shared")
 INDEX_BACKENDS = ("kvpilot", "dynamo")
@@ -267,7 +272,7 @@ class RouterConfig:
 
 
 def _coerce(value: Any, kind: Any, path: str) -> Any:
-    if dataclasses.is_dataclass(kind):
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path or 'config'} must be a mapping, got {type(value).__name__}")
         return _build(kind, value, path + ".")
@@ -307,7 +312,7 @@ def _coerce(value: Any, kind: Any, path: str) -> Any:
     raise ConfigError(f"{path}: unsupported type {kind!r}")  # pragma: no cover
 
 
-def _build(cls: Any, data: Mapping[str, Any], prefix: str) -> Any:
+def _build(cls: type[_D], data: Mapping[str, Any], prefix: str) -> _D:
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)
     known = {f.name for f in fields}

@@ -51,9 +51,7 @@ class TierOverlap(NamedTuple):
     shared: int = 0
 
 
-def tier_overlap(
-    depths: Mapping[Tier, int], tier_classes: Mapping[str, str], shared_depth: int = 0
-) -> TierOverlap:
+def tier_overlap(depths: Mapping[Tier, int], tier_classes: Mapping[str, str], shared_depth: int = 0) -> TierOverlap:
     """Fold a worker's per-tier prefix depths into :class:`TierOverlap`.
 
     ``depths`` is one worker's entry of :attr:`routing.index.Match.blocks`;
@@ -100,9 +98,7 @@ class Terms(NamedTuple):
 def worker_terms(cfg: CostConfig, prompt_blocks: int, cand: Candidate) -> Terms:
     """The cost of sending a ``prompt_blocks`` request to ``cand``, term by term."""
     load, ov = cand.load, cand.overlap
-    gpu_credit = cfg.overlap_score_credit / (
-        1.0 + cfg.overlap_score_credit_decay * load.active_prefill_blocks
-    )
+    gpu_credit = cfg.overlap_score_credit / (1.0 + cfg.overlap_score_credit_decay * load.active_prefill_blocks)
     credit = (
         gpu_credit * ov.gpu
         + cfg.host_cache_hit_weight * ov.host
@@ -165,10 +161,7 @@ class CostModel:
         if self.cfg.router_temperature > 0:
             lo, hi = min(costs), max(costs)
             span = hi - lo
-            weights = [
-                math.exp(-((x - lo) / span if span else 0.0) / self.cfg.router_temperature)
-                for x in costs
-            ]
+            weights = [math.exp(-((x - lo) / span if span else 0.0) / self.cfg.router_temperature) for x in costs]
             total = sum(weights)
             probabilities = tuple(w / total for w in weights)
             index = self._rng.choices(range(len(terms)), weights=probabilities)[0]

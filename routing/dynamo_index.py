@@ -43,20 +43,20 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from dynamo.llm import RadixTree, compute_block_hash_for_seq
 
 from routing.chain import Namespace, PromptChain, freeze
-from routing.events import BlockRemoved, BlockStored, ExternalBlockHash
+from routing.events import BlockRemoved, BlockStored
 from routing.index import DEFAULT_TIER, EventApplier, Match, Tier, WorkerId
 
 _U64 = (1 << 64) - 1
 _BAD_TOKENS = (OverflowError, TypeError, ValueError)  # what compute_block_hash_for_seq raises
 
 
-def _u64s(hashes: Iterable[ExternalBlockHash]) -> list[int] | None:
+def _u64s(hashes: Iterable[object]) -> list[int] | None:  # a hand-built event may hold anything
     """Engine block hashes as Dynamo's u64s (ints mod 2**64, bytes via BLAKE2b-64); None if not int/bytes."""
     out = []
     for h in hashes:
@@ -117,7 +117,7 @@ class DynamoIndex(EventApplier):
         known = self._known.setdefault(worker, {})
         extras = ev.extra_keys or []
         if not parents:
-            ns: Namespace = freeze(extras[0]) if extras and extras[0] else None  # type: ignore[assignment]
+            ns: Namespace = freeze(extras[0]) if extras and extras[0] else None
         elif parents[0] in known:
             ns = known[parents[0]]
         else:
@@ -130,7 +130,7 @@ class DynamoIndex(EventApplier):
         )
         bs = self.block_size
         try:
-            blocks = list(zip(hashes[:cut], _local_hashes(ev.token_ids[: cut * bs], bs, ns)))
+            blocks = list(zip(hashes[:cut], _local_hashes(ev.token_ids[: cut * bs], bs, ns), strict=False))
         except _BAD_TOKENS:
             return "bad_token_ids"
         tier = Tier(ev.medium or DEFAULT_TIER)
@@ -224,16 +224,16 @@ class DynamoIndex(EventApplier):
         if n == 0 or not self._trees:
             return Match({}, n, 0)
         try:
-            tokens = chain.tokens
-            if isinstance(tokens, np.ndarray):  # a session chain's packed tokens
-                tokens = tokens.tolist()
+            packed = chain.tokens
+            # a session chain's tokens are packed
+            tokens: Sequence[int] = packed.tolist() if isinstance(packed, np.ndarray) else packed
             hashes = _local_hashes(tokens, chain.block_size, chain.namespace)
         except _BAD_TOKENS as exc:
             raise ValueError(f"token ids must be in [0, 2**32): {exc}") from exc
         blocks: dict[WorkerId, dict[Tier, int]] = {}
         for tier, tree in self._trees.items():
             # keyed by (worker id, dp rank), not by worker id as the stub says
-            scores: dict[tuple[int, int], int] = tree.find_matches(hashes).scores  # type: ignore[assignment]
+            scores = cast("dict[tuple[int, int], int]", tree.find_matches(hashes).scores)
             for (wid, _dp_rank), depth in scores.items():
                 if depth:
                     blocks.setdefault(self._names[wid], {})[tier] = depth

@@ -69,9 +69,7 @@ def _worker(cfg: WorkerConfig, where: str) -> Worker:
     try:
         role = Role(cfg.role)
     except ValueError:
-        raise ConfigError(
-            f"{where}.role must be one of {[r.value for r in Role]}, got {cfg.role!r}"
-        ) from None
+        raise ConfigError(f"{where}.role must be one of {[r.value for r in Role]}, got {cfg.role!r}") from None
     parts = urlsplit(cfg.url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ConfigError(f"{where}.url must be http(s)://host:port, got {cfg.url!r}")
@@ -82,9 +80,14 @@ def _worker(cfg: WorkerConfig, where: str) -> Worker:
     if cfg.replay_endpoint is not None and cfg.kv_events_endpoint is None:
         raise ConfigError(f"{where}.replay_endpoint needs kv_events_endpoint")
     return Worker(
-        WorkerId(cfg.name), role, cfg.url.rstrip("/"), cfg.kv_events_endpoint,
-        cfg.replay_endpoint, cfg.topic, cfg.kv_blocks,
-    )  # fmt: skip
+        WorkerId(cfg.name),
+        role,
+        cfg.url.rstrip("/"),
+        cfg.kv_events_endpoint,
+        cfg.replay_endpoint,
+        cfg.topic,
+        cfg.kv_blocks,
+    )
 
 
 def fleet_from_config(cfg: RouterConfig) -> Fleet:
@@ -152,7 +155,7 @@ class IndexFeeder:
         index: KVIndex,
         lock: threading.Lock,
         *,
-        context: zmq.Context | None = None,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
         poll_ms: int = 100,
     ) -> None:
         self.index = index
@@ -164,10 +167,14 @@ class IndexFeeder:
                 if worker.kv_events_endpoint is not None:
                     self.subscribers.append(
                         EngineSubscriber(
-                            worker.name, worker.kv_events_endpoint, index,
-                            replay_endpoint=worker.replay_endpoint, topic=worker.topic,
-                            context=context, guard=lock,
-                        )  # fmt: skip
+                            worker.name,
+                            worker.kv_events_endpoint,
+                            index,
+                            replay_endpoint=worker.replay_endpoint,
+                            topic=worker.topic,
+                            context=context,
+                            guard=lock,
+                        )
                     )
         except zmq.ZMQError:
             for sub in self.subscribers:

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import msgspec
 
-ExternalBlockHash = Union[bytes, int]
+ExternalBlockHash = bytes | int
 """An engine's name for a block, as published (vLLM's ``ExternalBlockHash``)."""
 
 
@@ -82,7 +82,7 @@ class AllBlocksCleared(_Event, tag="AllBlocksCleared"):
     """The engine dropped its whole prefix cache."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 
 
@@ -132,10 +132,7 @@ def _shape_error(event: KVEvent) -> str | None:
         if event.block_size <= 0:
             return f"block_size {event.block_size} is not positive"
         if len(event.token_ids) != n * event.block_size:
-            return (
-                f"{len(event.token_ids)} token_ids for {n} blocks of "
-                f"{event.block_size}"
-            )
+            return f"{len(event.token_ids)} token_ids for {n} blocks of {event.block_size}"
         if event.extra_keys is not None and len(event.extra_keys) != n:
             return f"{len(event.extra_keys)} extra_keys entries for {n} blocks"
     return None

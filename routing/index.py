@@ -185,21 +185,20 @@ class BlockIndex(EventApplier):
         names, metas = self._names.get(worker) or self._names.setdefault(worker, ({}, {}))
         extras = ev.extra_keys
         if ev.parent_block_hash is None:
-            ns: Namespace = freeze(extras[0]) if extras and extras[0] else None  # type: ignore[assignment]
+            ns: Namespace = freeze(extras[0]) if extras and extras[0] else None
             parent, pos0 = ROOT_KEY, 0
             nsid = self._ns_id(ns)
         else:
-            parent = names.get(ev.parent_block_hash)  # type: ignore[assignment]
-            if parent is None:
+            known = names.get(ev.parent_block_hash)
+            if known is None:
                 return "unknown_parent"
+            parent = known
             meta = metas[ev.parent_block_hash]
             nsid, pos0 = meta & _NS_MASK, (meta >> _NS_BITS) + 1
             ns = self._ns_list[nsid]
         plain = (ev.lora_name,) if ev.lora_name else None
         try:
-            if extras and any(
-                e is not None and freeze(e) != plain for e in extras[1 if pos0 == 0 else 0 :]
-            ):
+            if extras and any(e is not None and freeze(e) != plain for e in extras[1 if pos0 == 0 else 0 :]):
                 keys = self._keys_with_extras(ev, pos0, parent, plain)
             else:
                 keys = chain_keys(ev.token_ids, self.block_size, pos0, parent)
@@ -207,16 +206,14 @@ class BlockIndex(EventApplier):
             return "bad_token_ids"
         bit = 1 << self._bit_for(worker, Tier(ev.medium or DEFAULT_TIER))
         masks = self._masks.setdefault(ns, {})
-        masks.update(zip(keys, map(or_, map(masks.get, keys, repeat(0)), repeat(bit))))
+        masks.update(zip(keys, map(or_, map(masks.get, keys, repeat(0)), repeat(bit)), strict=False))
         self._slot_keys[bit.bit_length() - 1].setdefault(ns, {}).update(zip(keys, repeat(None)))
-        names.update(zip(ev.block_hashes, keys))
+        names.update(zip(ev.block_hashes, keys, strict=False))
         metas.update(zip(ev.block_hashes, count(pos0 << _NS_BITS | nsid, 1 << _NS_BITS)))
         self.counters["blocks_stored"] += len(keys)
         return "applied"
 
-    def _keys_with_extras(
-        self, ev: BlockStored, pos0: int, parent: BlockKey, plain: Namespace
-    ) -> list[BlockKey]:
+    def _keys_with_extras(self, ev: BlockStored, pos0: int, parent: BlockKey, plain: Namespace) -> list[BlockKey]:
         """Blocks with extra keys beyond LoRA (multimodal, embeds) get them hashed in."""
         hashes = block_hashes(ev.token_ids, self.block_size, pos0)
         for j, extra in enumerate((ev.extra_keys or ())[: len(hashes)]):
@@ -352,9 +349,7 @@ class BlockIndex(EventApplier):
         while done < n and alive:
             end = min(n, done + step)
             keys = chain.keys(end)
-            alive_seq.extend(
-                islice(accumulate(map(get, keys[done:end], repeat(0)), and_, initial=alive), 1, None)
-            )
+            alive_seq.extend(islice(accumulate(map(get, keys[done:end], repeat(0)), and_, initial=alive), 1, None))
             alive, done, step = alive_seq[-1], end, step * 4
         depths: dict[int, int] = {}
         i, size = 0, len(alive_seq)
@@ -367,9 +362,7 @@ class BlockIndex(EventApplier):
             i, cur = j, nxt
         return depths
 
-    def _catch_up(
-        self, chain: PromptChain, state: MatchState, masks: dict[BlockKey, int]
-    ) -> dict[int, int]:
+    def _catch_up(self, chain: PromptChain, state: MatchState, masks: dict[BlockKey, int]) -> dict[int, int]:
         depths = dict(state.depths)
         start = state.cursor - (self._log_end - len(self._log))
         for entry in islice(self._log, start, None):

@@ -13,16 +13,44 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-COMPLETION_FIELDS = frozenset({
-    # OpenAI
-    "model", "prompt", "max_tokens", "temperature", "top_p", "stream", "stream_options", "logprobs",
-    "stop", "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user",
-    # vLLM sampling and output extras
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids",
-    "bad_words", "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids", "structured_outputs",
-    "response_format", "truncate_prompt_tokens", "cache_salt",
-})  # fmt: skip
+COMPLETION_FIELDS = frozenset(
+    {
+        # OpenAI
+        "model",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "seed",
+        "user",
+        # vLLM sampling and output extras
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "allowed_token_ids",
+        "bad_words",
+        "prompt_logprobs",
+        "return_token_ids",
+        "return_tokens_as_token_ids",
+        "structured_outputs",
+        "response_format",
+        "truncate_prompt_tokens",
+        "cache_salt",
+    }
+)
 """Forwarded to the engines as sent."""
 
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"})
@@ -31,10 +59,20 @@ CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "c
 SESSION_FIELDS = frozenset({"conversation_id", "prompt_cache_key"})
 """Read by the router for session affinity; never forwarded."""
 
-ENGINE_INTERNAL = frozenset({
-    "kv_transfer_params", "ec_transfer_params", "request_id", "priority", "vllm_xargs", "mm_payload",
-    "prompt_embeds", "routed_experts_prompt_start", "session_id", "return_mm_kwargs",
-})  # fmt: skip
+ENGINE_INTERNAL = frozenset(
+    {
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "request_id",
+        "priority",
+        "vllm_xargs",
+        "mm_payload",
+        "prompt_embeds",
+        "routed_experts_prompt_start",
+        "session_id",
+        "return_mm_kwargs",
+    }
+)
 """vLLM request fields that steer an engine's data plane or scheduler: set by the
 router (``kv_transfer_params``) or by no one."""
 

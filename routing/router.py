@@ -44,8 +44,8 @@ from policies.disaggregation import (
     PromptState,
     Where,
 )
-from policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
 from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
 from policies.specs import SpecError
 from routing.chain import PromptChain
 from routing.config import ConfigError, DisaggregationConfig, RouterConfig
@@ -135,9 +135,12 @@ def policy_from_config(cfg: DisaggregationConfig) -> LocalVsRemotePolicy:
             hardware_preset(cfg.d_hardware),
             link_preset(cfg.link_preset),
             LocalPrefillConfig(
-                cfg.max_local_tokens, cfg.max_local_fraction, cfg.decode_busy_kv_usage,
-                cfg.compare_costs, cfg.max_stall_s,
-            ),  # fmt: skip
+                cfg.max_local_tokens,
+                cfg.max_local_fraction,
+                cfg.decode_busy_kv_usage,
+                cfg.compare_costs,
+                cfg.max_stall_s,
+            ),
         )
     except SpecError as exc:
         raise ConfigError(f"disaggregation: {exc}") from None
@@ -231,14 +234,17 @@ class Router:
             name: (p, d) for name, (p, d) in self._options.items() if self.available(d.name) and d.name not in exclude
         }
         if not options:
-            raise NoHealthyWorker("no decode or co-located worker is available: every circuit is open"
-                                  + (f" or it failed this request ({', '.join(sorted(exclude))})" if exclude else ""))
+            raise NoHealthyWorker(
+                "no decode or co-located worker is available: every circuit is open"
+                + (f" or it failed this request ({', '.join(sorted(exclude))})" if exclude else "")
+            )
         candidates = [self._candidate(name, p, d, overlaps, loads, last) for name, (p, d) in options.items()]
         decision = self.cost.decide(request_id, chain.num_blocks, candidates)
         p, d = options[decision.chosen]
         local_remote = None
         kind = Kind.COLOCATED
-        option, prices = None, ()
+        option: Option | None = None
+        prices: tuple[OptionPrice, ...] = ()
         if p is not None and state is not None and state.last_worker is not None:
             prices = self._price_session_step(len(token_ids), p, d, overlaps, loads, state, reused_tokens, now)
             chosen = choose(prices, self._forced)
@@ -255,11 +261,22 @@ class Router:
                 p = None
         prefiller = p if p is not None else d
         return Route(
-            request_id=request_id, kind=kind, prefill=p, decode=d, prompt_tokens=len(token_ids),
-            prompt_blocks=chain.num_blocks, chain=chain, cached_blocks=overlaps[prefiller.name].gpu,
-            decode_cached_blocks=overlaps[d.name].gpu, overlap=overlaps[prefiller.name], match=match,
-            decision=decision, local_remote=local_remote, option=option, options=prices,
-        )  # fmt: skip
+            request_id=request_id,
+            kind=kind,
+            prefill=p,
+            decode=d,
+            prompt_tokens=len(token_ids),
+            prompt_blocks=chain.num_blocks,
+            chain=chain,
+            cached_blocks=overlaps[prefiller.name].gpu,
+            decode_cached_blocks=overlaps[d.name].gpu,
+            overlap=overlaps[prefiller.name],
+            match=match,
+            decision=decision,
+            local_remote=local_remote,
+            option=option,
+            options=prices,
+        )
 
     def _price_session_step(
         self,
@@ -296,12 +313,18 @@ class Router:
                 time_left = offer.expires_at - now
         prompt, decode = self._policy_inputs(prompt_tokens, p, d, overlaps, loads)
         step = SessionStep(
-            prompt_tokens=prompt_tokens, p=chosen_p if chosen_p.available else None, d_name=d.name,
-            d_cached_tokens=prompt.d_cached_tokens, decode=decode,
-            last_p=site(last_p) if last_p is not None else None, last_d_chosen=d.name == state.last_worker,
-            offer_tokens=offer_tokens, offer_time_left_s=time_left, offer_margin_s=OFFER_MARGIN_S,
+            prompt_tokens=prompt_tokens,
+            p=chosen_p if chosen_p.available else None,
+            d_name=d.name,
+            d_cached_tokens=prompt.d_cached_tokens,
+            decode=decode,
+            last_p=site(last_p) if last_p is not None else None,
+            last_d_chosen=d.name == state.last_worker,
+            offer_tokens=offer_tokens,
+            offer_time_left_s=time_left,
+            offer_margin_s=OFFER_MARGIN_S,
             shared_tokens=min(prompt_tokens, overlaps[p.name].shared * bs),
-        )  # fmt: skip
+        )
         return self.pricer.price(step)
 
     def served(self, session: SessionId | None, route: Route, decode_params: object = None) -> None:
@@ -317,7 +340,9 @@ class Router:
         if offer is not None:
             state.offer = offer
 
-    def take_session_offer(self, session: SessionId | None, route: Route, now: float) -> tuple[SessionOffer | None, OfferUse]:
+    def take_session_offer(
+        self, session: SessionId | None, route: Route, now: float
+    ) -> tuple[SessionOffer | None, OfferUse]:
         """The session's offer for P to pull when ``route`` chose option ``pull``
         (``"sent"``), else ``None`` with why: ``"expired"`` (its hold ends before P
         could read it, whichever option was chosen), ``"unused"`` (another option was
@@ -345,10 +370,7 @@ class Router:
             default=0,
         )
         empty: Mapping[Tier, int] = {}
-        return {
-            w.name: tier_overlap(match.blocks.get(w.name, empty), self._tiers, shared)
-            for w in self.fleet.workers
-        }
+        return {w.name: tier_overlap(match.blocks.get(w.name, empty), self._tiers, shared) for w in self.fleet.workers}
 
     def _candidate(
         self,

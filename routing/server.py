@@ -21,10 +21,11 @@ the client is left out and the request routed again (``server.max_retries``).
 An upstream failure reaches the client as a JSON error naming the engine (the
 engine's 4xx status is kept, anything else is a 502); the router keeps serving,
 and counts the failure toward the engine's circuit (:mod:`routing.health`): a
-worker whose circuit is open is not routed to until it is tried again. Response headers ``X-Request-Id``,
-``X-KVPilot-Route``, ``X-KVPilot-Prefill-Worker``, ``X-KVPilot-Decode-Worker``
-say where it went. ``POST /debug/route`` explains a decision without sending
-anything. Metrics: :class:`RouterMetrics` (listed in ``docs/router.md``).
+worker whose circuit is open is not routed to until it is tried again. Response
+headers ``X-Request-Id``, ``X-KVPilot-Route``, ``X-KVPilot-Prefill-Worker``,
+``X-KVPilot-Decode-Worker`` say where it went. ``POST /debug/route`` explains a
+decision without sending anything. Metrics: :class:`RouterMetrics` (listed in
+``docs/router.md``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from routing.admission import Admission, Rejected
 from routing.chat import ChatError, ChatTemplate, chat_chunk, chat_response, chat_to_completion_body
@@ -200,7 +202,7 @@ class RouterServer:
 
     # ---- small endpoints ---------------------------------------------------
     @web.middleware
-    async def _require_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _require_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """401 unless the request carries the API key (``/health``, ``/metrics`` stay open)."""
         if request.path in OPEN_PATHS:
             return await handler(request)

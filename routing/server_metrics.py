@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from routing.index import Tier
+
 if TYPE_CHECKING:
     from routing.router import Route
     from routing.server import RouterServer
@@ -49,9 +51,12 @@ class RouterMetrics:
         p = "kvpilot_router_"
         self.decisions = Counter(p + "decisions", "Routing decisions", ["kind", "prefill", "decode"], registry=r)
         self.overlap = Histogram(
-            p + "overlap_blocks", "Creditable prefix blocks of the prefilling worker, per tier class",
-            ["tier"], buckets=_BLOCK_BUCKETS, registry=r,
-        )  # fmt: skip
+            p + "overlap_blocks",
+            "Creditable prefix blocks of the prefilling worker, per tier class",
+            ["tier"],
+            buckets=_BLOCK_BUCKETS,
+            registry=r,
+        )
         self.prompt_blocks = Counter(p + "prompt_blocks", "Full prompt blocks routed", registry=r)
         self.cached_blocks = Counter(
             p + "cached_blocks", "Prompt blocks cached on the prefilling worker, per tier class", ["tier"], registry=r
@@ -67,30 +72,41 @@ class RouterMetrics:
             p + "prefill_failures", "Remote prefills that failed", ["worker", "reason"], registry=r
         )
         self.fallbacks = Counter(p + "prefill_fallbacks", "Requests prefilled locally on D after P failed", registry=r)
-        self.upstream_errors = Counter(p + "upstream_errors", "Engine errors returned to clients", ["worker"], registry=r)
+        self.upstream_errors = Counter(
+            p + "upstream_errors", "Engine errors returned to clients", ["worker"], registry=r
+        )
         self.retries = Counter(
-            p + "retries", "Requests tried again on another decode worker after this one failed before "
-            "anything reached the client", ["worker"], registry=r,
-        )  # fmt: skip
+            p + "retries",
+            "Requests tried again on another decode worker after this one failed before anything reached the client",
+            ["worker"],
+            registry=r,
+        )
         self.rejected = Counter(
-            p + "rejected", "Requests refused before routing: body_too_large, prompt_too_long, max_tokens, "
-            "queue_full, queue_timeout, unauthorized", ["reason"], registry=r,
-        )  # fmt: skip
+            p + "rejected",
+            "Requests refused before routing: body_too_large, prompt_too_long, max_tokens, "
+            "queue_full, queue_timeout, unauthorized",
+            ["reason"],
+            registry=r,
+        )
         self.circuit_trips = Counter(
             p + "circuit_trips", "Times a worker's circuit opened (it stopped being routed to)", ["worker"], registry=r
         )
         self.circuit_open = Gauge(p + "circuit_open", "1 while a worker's circuit is open", ["worker"], registry=r)
         self.session_offers = Counter(
-            p + "session_offers", "D's offers of a session's KV at the session's next step: sent to P, dropped "
-            "because D's hold ends before P could read it, or unused (another option was chosen)", ["outcome"],
+            p + "session_offers",
+            "D's offers of a session's KV at the session's next step: sent to P, dropped "
+            "because D's hold ends before P could read it, or unused (another option was chosen)",
+            ["outcome"],
             registry=r,
-        )  # fmt: skip
+        )
         self.session_options = Counter(
-            p + "session_options", "A session's later steps by the option chosen (article section 9.2)", ["option"],
+            p + "session_options",
+            "A session's later steps by the option chosen (article section 9.2)",
+            ["option"],
             registry=r,
-        )  # fmt: skip
+        )
         self._prompt, self._cached = 0, 0
-        r.register(self)  # type: ignore[arg-type]  # the scrape-time collector below
+        r.register(self)  # the scrape-time collector below
 
     def decided(self, route: Route, route_seconds: float) -> None:
         self.decisions.labels(route.kind.value, route.prefill_worker.name, route.decode.name).inc()
@@ -119,14 +135,20 @@ class RouterMetrics:
         families = {
             s: CounterMetricFamily(f"{p}kv_event_{s}", f"KV-event {s} per worker", labels=["worker"]) for s in stats
         }
-        rejected = CounterMetricFamily(p + "kv_events_rejected", "Malformed KV events skipped", labels=["worker", "reason"])
+        rejected = CounterMetricFamily(
+            p + "kv_events_rejected", "Malformed KV events skipped", labels=["worker", "reason"]
+        )
         blocks = GaugeMetricFamily(p + "index_blocks", "Blocks in the index", labels=["worker", "tier"])
         ledger = {
-            field: GaugeMetricFamily(f"{p}{field}", f"The router's own count of {field.replace('_', ' ')}", labels=["worker"])
+            field: GaugeMetricFamily(
+                f"{p}{field}", f"The router's own count of {field.replace('_', ' ')}", labels=["worker"]
+            )
             for field in ("active_prefill_blocks", "active_decode_blocks", "active_requests")
         }
         engine = {
-            field: GaugeMetricFamily(f"{p}engine_{field}", f"The engine's own {field} (its /metrics)", labels=["worker"])
+            field: GaugeMetricFamily(
+                f"{p}engine_{field}", f"The engine's own {field} (its /metrics)", labels=["worker"]
+            )
             for field in ("running", "waiting", "kv_usage")
         }
         failures = CounterMetricFamily(
@@ -147,11 +169,11 @@ class RouterMetrics:
             for sub in server.feeder.subscribers if server.feeder is not None else ():
                 for s in stats:
                     families[s].add_metric([sub.worker], getattr(sub.stats, s))
-                for reason, n in sub.decoder.rejections.items():
-                    rejected.add_metric([sub.worker, reason.value], n)
+                for rejection, n in sub.decoder.rejections.items():
+                    rejected.add_metric([sub.worker, rejection.value], n)
             for worker in server.fleet.workers:
                 for tier in server.config.index.tiers:
-                    blocks.add_metric([worker.name, tier], server.index.block_count(worker.name, tier))
+                    blocks.add_metric([worker.name, tier], server.index.block_count(worker.name, Tier(tier)))
         yield from families.values()
         yield rejected
         yield blocks

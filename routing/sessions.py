@@ -66,9 +66,7 @@ def scoped(key: SessionId, cache_salt: str | None) -> SessionId:
 
 def _checked(value: object, field: str) -> SessionId:
     if not isinstance(value, str) or not value or len(value) > MAX_KEY_LENGTH:
-        raise InvalidSessionKey(
-            f"{field} must be a non-empty string of at most {MAX_KEY_LENGTH} characters"
-        )
+        raise InvalidSessionKey(f"{field} must be a non-empty string of at most {MAX_KEY_LENGTH} characters")
     return SessionId(value)
 
 
@@ -99,7 +97,7 @@ class SessionOffer:
             return None
         expires_at = params.get("kvpilot_expires_at")
         valid_expiry = isinstance(expires_at, (int, float)) and not isinstance(expires_at, bool)
-        return cls(holder, dict(params), float(expires_at) if valid_expiry else None)
+        return cls(holder, dict(params), float(expires_at) if valid_expiry and expires_at is not None else None)
 
     @property
     def blocks(self) -> int:
@@ -126,7 +124,7 @@ class Advance(NamedTuple):
 class SessionState:
     """One session: its chain (with the index's cached match) and where it last ran."""
 
-    __slots__ = ("block_size", "chain", "last_worker", "last_prefill", "offer", "_lora", "_salt")
+    __slots__ = ("_lora", "_salt", "block_size", "chain", "last_prefill", "last_worker", "offer")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -141,15 +139,11 @@ class SessionState:
         self._salt: str | None = None
 
     def _reset(self, tokens: Sequence[int], lora: str | None, salt: str | None) -> Advance:
-        self.chain = PromptChain(
-            tokens, self.block_size, lora_name=lora, cache_salt=salt, incremental=True
-        )
+        self.chain = PromptChain(tokens, self.block_size, lora_name=lora, cache_salt=salt, incremental=True)
         self._lora, self._salt = lora, salt
         return Advance(0, len(tokens), False)
 
-    def advance(
-        self, prompt: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None
-    ) -> Advance:
+    def advance(self, prompt: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None) -> Advance:
         """Make the chain name ``prompt``, reusing what the last prompt shares with it.
 
         Packs ``prompt`` once and compares it with the old one with numpy. A

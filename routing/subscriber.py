@@ -43,9 +43,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 def subscriber_binds(engine_endpoint: str) -> bool:
     """True when vLLM's publisher will connect to ``engine_endpoint`` (so we bind)."""
     engine_binds = (
-        "*" in engine_endpoint
-        or "::" in engine_endpoint
-        or engine_endpoint.startswith(("ipc://", "inproc://"))
+        "*" in engine_endpoint or "::" in engine_endpoint or engine_endpoint.startswith(("ipc://", "inproc://"))
     )
     return not engine_binds
 
@@ -77,7 +75,7 @@ class EngineSubscriber:
         topic: str = "",
         bind: bool | None = None,
         decoder: EventDecoder | None = None,
-        context: zmq.Context | None = None,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
         replay_timeout_s: float = 1.0,
         guard: AbstractContextManager[object] | None = None,
     ) -> None:
@@ -103,7 +101,7 @@ class EngineSubscriber:
         self._last_seq: int | None = None
 
     @property
-    def socket(self) -> zmq.Socket:
+    def socket(self) -> zmq.Socket[bytes]:
         """The SUB socket, for a caller's ``zmq.Poller``."""
         return self._sub
 

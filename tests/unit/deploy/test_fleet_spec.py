@@ -27,11 +27,16 @@ def test_plan_gives_each_engine_its_ports_core_and_connector() -> None:
         events = json.loads(argv[argv.index("--kv-events-config") + 1])
         assert events["endpoint"].startswith("tcp://127.0.0.1:") and events["enable_kv_cache_events"]
     assert router.argv[-2:] == ("--config", "/r/router.yaml")
-    assert [w["role"] for w in config["workers"]] == ["prefill", "decode", "decode"]  # type: ignore[index]
-    assert config["server"] == {"host": "127.0.0.1", "port": 8000, "model_name": "tiny", "model_dir": "/m",
-                                "max_prompt_tokens": 8192}
+    assert [w["role"] for w in config["workers"]] == ["prefill", "decode", "decode"]  # type: ignore[index]  # dict[str, object]
+    assert config["server"] == {
+        "host": "127.0.0.1",
+        "port": 8000,
+        "model_name": "tiny",
+        "model_dir": "/m",
+        "max_prompt_tokens": 8192,
+    }
     assert router.side_ports == (5700, 5701, 5702)  # the router binds the event endpoints
-    workers = config["workers"]  # type: ignore[index]
+    workers = config["workers"]  # type: ignore[index]  # plan_fleet types the config dict[str, object]
     assert [w["url"] for w in workers] == [e.url for e in engines]
     assert [w["replay_endpoint"] for w in workers] == [f"tcp://127.0.0.1:{p}" for p in (5800, 5801, 5802)]
 

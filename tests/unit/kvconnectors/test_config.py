@@ -17,7 +17,7 @@ def test_inner_extra_config_is_passed_through_read_only() -> None:
     assert config.inner_connector == "NixlPushConnector"
     assert config.inner_extra_config["a"] == 1
     with pytest.raises(TypeError):
-        config.inner_extra_config["a"] = 2  # type: ignore[index]
+        config.inner_extra_config["a"] = 2  # type: ignore[index]  # writing the read-only mapping on purpose
 
 
 def test_nixl_keys_at_the_top_level_are_a_drop_in() -> None:
@@ -82,6 +82,8 @@ def test_unknown_inner_connector_is_refused_against_vllms_registry() -> None:
 
     from kvconnectors.connector import parse_config
 
-    vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"inner_connector": "NoSuch"}))
-    with pytest.raises(KVPilotConfigError, match="inner_connector.*not a connector registered"):
-        parse_config(vllm_config)  # type: ignore[arg-type]
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"inner_connector": "NoSuch"})
+    )
+    with pytest.raises(KVPilotConfigError, match=r"inner_connector.*not a connector registered"):
+        parse_config(vllm_config)  # type: ignore[arg-type]  # a SimpleNamespace standing in for VllmConfig

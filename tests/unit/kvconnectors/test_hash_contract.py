@@ -50,9 +50,7 @@ def _vllm_none_hash(monkeypatch: pytest.MonkeyPatch, algo: str, seed: str) -> by
     return kvu.NONE_HASH
 
 
-def _vllm_request_hashes(
-    tokens: list[int], block_size: int, algo: str, cache_salt: str | None
-) -> list[bytes]:
+def _vllm_request_hashes(tokens: list[int], block_size: int, algo: str, cache_salt: str | None) -> list[bytes]:
     hasher = kvu.get_request_block_hasher(block_size, get_hash_fn_by_name(algo))
     request = Request(
         request_id="r",
@@ -66,7 +64,7 @@ def _vllm_request_hashes(
 
 
 def test_algorithms_are_exactly_vllms() -> None:
-    assert HASH_ALGOS == get_args(PrefixCachingHashAlgo)
+    assert get_args(PrefixCachingHashAlgo) == HASH_ALGOS
 
 
 def test_default_seed_is_vllms() -> None:
@@ -75,30 +73,24 @@ def test_default_seed_is_vllms() -> None:
 
 @pytest.mark.parametrize("algo", HASH_ALGOS)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_none_hash_matches_vllm_for_a_set_seed(
-    monkeypatch: pytest.MonkeyPatch, algo: str, seed: str
-) -> None:
+def test_none_hash_matches_vllm_for_a_set_seed(monkeypatch: pytest.MonkeyPatch, algo: str, seed: str) -> None:
     assert none_hash(algo, seed) == _vllm_none_hash(monkeypatch, algo, seed)
 
 
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
-def test_none_hash_matches_vllm_for_an_unset_seed_with_a_sha(
-    monkeypatch: pytest.MonkeyPatch, algo: str
-) -> None:
+def test_none_hash_matches_vllm_for_an_unset_seed_with_a_sha(monkeypatch: pytest.MonkeyPatch, algo: str) -> None:
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     kvu.init_none_hash(get_hash_fn_by_name(algo))
     assert none_hash(algo, None) == kvu.NONE_HASH
 
 
 @pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
-def test_unset_seed_with_xxhash_has_no_shared_chain(
-    monkeypatch: pytest.MonkeyPatch, algo: str
-) -> None:
+def test_unset_seed_with_xxhash_has_no_shared_chain(monkeypatch: pytest.MonkeyPatch, algo: str) -> None:
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     kvu.init_none_hash(get_hash_fn_by_name(algo))
     first = kvu.NONE_HASH
     kvu.init_none_hash(get_hash_fn_by_name(algo))
-    assert kvu.NONE_HASH != first  # vLLM really draws a fresh seed each time
+    assert first != kvu.NONE_HASH  # vLLM really draws a fresh seed each time
     with pytest.raises(NoSharedSeedError, match="PYTHONHASHSEED"):
         none_hash(algo, None)
 
@@ -114,9 +106,7 @@ def test_unset_seed_with_xxhash_has_no_shared_chain(
     ],
 )
 @pytest.mark.parametrize("block_size", [1, 16, 128])
-def test_hash_block_equals_vllm_hash_block_tokens(
-    algo: str, extra_keys: tuple | None, block_size: int
-) -> None:
+def test_hash_block_equals_vllm_hash_block_tokens(algo: str, extra_keys: tuple | None, block_size: int) -> None:
     fn = get_hash_fn_by_name(algo)
     parent = BlockHash(fn("some-parent"))
     tokens = _tokens(block_size)
@@ -147,9 +137,7 @@ def test_incremental_chain_equals_vllm_over_the_whole_prompt(
     block_size = 16
     seed_hash = BlockHash(_vllm_none_hash(monkeypatch, algo, "99"))
     tokens = _tokens(4 * block_size + 3)
-    earlier = block_hash_chain(
-        tokens[: split_block * block_size + 5], block_size, algo, seed_hash, cache_salt
-    )
+    earlier = block_hash_chain(tokens[: split_block * block_size + 5], block_size, algo, seed_hash, cache_salt)
     later = block_hash_chain(
         tokens[split_block * block_size :],
         block_size,
@@ -168,14 +156,12 @@ def test_a_different_seed_changes_every_block(algo: str) -> None:
     a = block_hash_chain(tokens, 16, algo, none_hash(algo, "1"))
     b = block_hash_chain(tokens, 16, algo, none_hash(algo, "2"))
     assert len(a) == len(b) == 4
-    assert all(x != y for x, y in zip(a, b))
+    assert all(x != y for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("algo", HASH_ALGOS)
 @pytest.mark.parametrize(("salt_a", "salt_b"), [(None, "s"), ("s", "t"), ("", "s")])
-def test_a_different_salt_changes_every_block(
-    algo: str, salt_a: str | None, salt_b: str
-) -> None:
+def test_a_different_salt_changes_every_block(algo: str, salt_a: str | None, salt_b: str) -> None:
     tokens, seed_hash = _tokens(64), none_hash(algo, "1")
     a = block_hash_chain(tokens, 16, algo, seed_hash, salt_a)
     b = block_hash_chain(tokens, 16, algo, seed_hash, salt_b)
@@ -193,9 +179,9 @@ def test_the_salt_does_not_touch_blocks_after_the_first_in_incremental_calls() -
     seed_hash, parent = none_hash("sha256", "1"), BlockHash(b"\x01" * 32)
     tokens = _tokens(32)
     kwargs = {"parent": parent, "start_block": 3}
-    assert block_hash_chain(
-        tokens, 16, "sha256", seed_hash, "s", **kwargs
-    ) == block_hash_chain(tokens, 16, "sha256", seed_hash, None, **kwargs)
+    assert block_hash_chain(tokens, 16, "sha256", seed_hash, "s", **kwargs) == block_hash_chain(
+        tokens, 16, "sha256", seed_hash, None, **kwargs
+    )
 
 
 def test_a_changed_token_changes_its_block_and_every_later_one() -> None:
@@ -211,9 +197,7 @@ def test_a_changed_token_changes_its_block_and_every_later_one() -> None:
 def test_numpy_token_ids_hash_like_python_ints(algo: str) -> None:
     tokens, seed_hash = _tokens(48), none_hash(algo, "1")
     as_numpy = np.array(tokens, dtype=np.int64)
-    assert block_hash_chain(as_numpy, 16, algo, seed_hash) == block_hash_chain(
-        tokens, 16, algo, seed_hash
-    )
+    assert block_hash_chain(as_numpy, 16, algo, seed_hash) == block_hash_chain(tokens, 16, algo, seed_hash)
 
 
 @pytest.mark.parametrize(("num_tokens", "expected_blocks"), [(0, 0), (15, 0), (16, 1), (47, 2)])
@@ -245,7 +229,7 @@ def test_bad_chain_arguments_are_refused(kwargs: dict, message: str) -> None:
 
 def test_hash_function_refuses_an_unknown_algorithm() -> None:
     with pytest.raises(ValueError, match="blake3"):
-        hash_function("blake3")  # type: ignore[arg-type]
+        hash_function("blake3")  # type: ignore[arg-type]  # not a HashAlgo, on purpose
 
 
 def test_seed_identity_is_short_stable_and_seed_specific() -> None:
@@ -254,9 +238,7 @@ def test_seed_identity_is_short_stable_and_seed_specific() -> None:
     assert seed_identity(a) != seed_identity(b)
     assert len(seed_identity(a)) == 8
     assert seed_identity(a) not in a.hex()
-    assert seed_identity(none_hash("sha256", "1")) != seed_identity(
-        none_hash("sha256_cbor", "1")
-    )
+    assert seed_identity(none_hash("sha256", "1")) != seed_identity(none_hash("sha256_cbor", "1"))
 
 
 @pytest.mark.parametrize(("salt", "is_none"), [(None, True), ("", True), ("s", False)])

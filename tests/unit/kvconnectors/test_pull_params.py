@@ -31,7 +31,7 @@ GOOD = {
     ],
 )
 def test_wants_remote_pull(params: object, wanted: bool) -> None:
-    assert wants_remote_pull(params) is wanted  # type: ignore[arg-type]
+    assert wants_remote_pull(params) is wanted  # type: ignore[arg-type]  # malformed params on purpose
 
 
 def test_well_formed_fields_pass() -> None:

@@ -20,8 +20,9 @@ def test_threshold_is_vllms_rule(tokens: int, threshold: int, choice: str) -> No
 
 
 def _roofline() -> RooflinePullPolicy:
-    policy = RecomputeVsTransferPolicy(model_preset("llama-70b"), kv_format_preset("bf16"),
-                                       hardware_preset("b200x2"), link_preset("rdma"))  # fmt: skip
+    policy = RecomputeVsTransferPolicy(
+        model_preset("llama-70b"), kv_format_preset("bf16"), hardware_preset("b200x2"), link_preset("rdma")
+    )
     return RooflinePullPolicy(policy)
 
 

@@ -49,7 +49,7 @@ def test_the_connector_counts_exactly_these_labels() -> None:
         "lease_expired",
         "peer_failed",
     )
-    assert stats.RECOMPUTE_REASONS == (*stats.REASONS, "pull_policy", "load_failed")
+    assert (*stats.REASONS, "pull_policy", "load_failed") == stats.RECOMPUTE_REASONS
     counted = stats.KVPilotStats()
     for reason in RECOMPUTE_REASONS:
         counted.count("recomputed_tokens", 1, reason=reason.value)

@@ -22,13 +22,13 @@ from kvconnectors.transfer_params import (
     BlockOffer,
     ContractId,
     FieldDiff,
-    pack_digests,
     decode_offer,
     encode_offer,
+    pack_digests,
 )
 from kvconnectors.verify import Reason, Verdict, verify_offer
 
-from offer_contract import CONTRACT  # noqa: E402
+from offer_contract import CONTRACT
 
 
 def _hash(label: str) -> BlockHash:
@@ -61,23 +61,23 @@ class Case(NamedTuple):
 
 V, T = Reason.VERIFIED_ALL, Reason.TOKEN_MISMATCH
 CASES = {
-    "both empty": Case("", "", 0, V, 0, range(0, 0), None, range(0, 0)),
+    "both empty": Case("", "", 0, V, 0, range(0), None, range(0)),
     "empty offer": Case("", "abc", 1, V, 0, range(1, 1), None, range(1, 1)),
-    "nothing of D's own": Case("abc", "", 0, V, 0, range(0, 0), None, range(0, 0)),
-    "all verified, no local hit": Case("abcd", "abcd", 0, V, 4, range(0, 4), None, range(4, 4)),
+    "nothing of D's own": Case("abc", "", 0, V, 0, range(0), None, range(0)),
+    "all verified, no local hit": Case("abcd", "abcd", 0, V, 4, range(4), None, range(4, 4)),
     "all verified beyond a local hit": Case("abcd", "abcd", 2, V, 4, range(2, 4), None, range(4, 4)),
     "all verified, all local": Case("abcd", "abcd", 4, V, 4, range(4, 4), None, range(4, 4)),
     "P offers more than D has": Case("abcdef", "abcd", 1, V, 4, range(1, 4), None, range(4, 4)),
-    "P offers fewer than D has": Case("ab", "abcde", 0, V, 2, range(0, 2), None, range(2, 2)),
-    "P differs only beyond D's blocks": Case("abcX", "abc", 0, V, 3, range(0, 3), None, range(3, 3)),
-    "mismatch at block 0": Case("abcd", "Xbcd", 0, T, 0, range(0, 0), 0, range(0, 4)),
-    "mismatch mid-way": Case("abcde", "abXYZ", 0, T, 2, range(0, 2), 2, range(2, 5)),
+    "P offers fewer than D has": Case("ab", "abcde", 0, V, 2, range(2), None, range(2, 2)),
+    "P differs only beyond D's blocks": Case("abcX", "abc", 0, V, 3, range(3), None, range(3, 3)),
+    "mismatch at block 0": Case("abcd", "Xbcd", 0, T, 0, range(0), 0, range(4)),
+    "mismatch mid-way": Case("abcde", "abXYZ", 0, T, 2, range(2), 2, range(2, 5)),
     "mismatch mid-way after a local hit": Case("abcde", "abXYZ", 1, T, 2, range(1, 2), 2, range(2, 5)),
-    "mismatch at D's last block": Case("abcdef", "abcX", 0, T, 3, range(0, 3), 3, range(3, 4)),
-    "mismatch in P's shorter offer": Case("abX", "abcde", 0, T, 2, range(0, 2), 2, range(2, 3)),
+    "mismatch at D's last block": Case("abcdef", "abcX", 0, T, 3, range(3), 3, range(3, 4)),
+    "mismatch in P's shorter offer": Case("abX", "abcde", 0, T, 2, range(2), 2, range(2, 3)),
     "local hit beyond the verified run": Case("abcde", "aXYZW", 3, T, 1, range(3, 3), 1, range(3, 5)),
     "mismatch inside a full local hit": Case("abcde", "abXYZ", 5, T, 2, range(5, 5), 2, range(5, 5)),
-    "a later match does not extend the run": Case("aXc", "aYc", 0, T, 1, range(0, 1), 1, range(1, 3)),
+    "a later match does not extend the run": Case("aXc", "aYc", 0, T, 1, range(1), 1, range(1, 3)),
 }
 
 
@@ -146,11 +146,30 @@ def test_digests_compare_the_offer_s_truncation() -> None:
 @pytest.mark.parametrize(
     ("offered", "own", "local_hit", "expected"),
     [
-        ("abcd", "abcd", 1, "verified 4 blocks: attach blocks [1, 4) (peer offered 4 blocks, this engine has 4, local hit 1)"),
-        ("abcd", "abXY", 0, "token mismatch at block 2: verified 2 blocks, attach blocks [0, 2), "
-         "recompute blocks [2, 4) (peer offered 4 blocks, this engine has 4, local hit 0)"),
-        ("abcd", "XYZW", 0, "token mismatch at block 0: verified 0 blocks, attach no blocks, "
-         "recompute blocks [0, 4) (peer offered 4 blocks, this engine has 4, local hit 0)"),
+        (
+            "abcd",
+            "abcd",
+            1,
+            "verified 4 blocks: attach blocks [1, 4) (peer offered 4 blocks, this engine has 4, local hit 1)",
+        ),
+        (
+            "abcd",
+            "abXY",
+            0,
+            (
+                "token mismatch at block 2: verified 2 blocks, attach blocks [0, 2), "
+                "recompute blocks [2, 4) (peer offered 4 blocks, this engine has 4, local hit 0)"
+            ),
+        ),
+        (
+            "abcd",
+            "XYZW",
+            0,
+            (
+                "token mismatch at block 0: verified 0 blocks, attach no blocks, "
+                "recompute blocks [0, 4) (peer offered 4 blocks, this engine has 4, local hit 0)"
+            ),
+        ),
     ],
 )
 def test_explain(offered: str, own: str, local_hit: int, expected: str) -> None:
@@ -161,7 +180,7 @@ EDITS = {
     # (description): (edit applied to P's prompt X to get D's prompt X', verified blocks)
     "identical": (lambda x: x, 8),
     "D's prompt extends P's": (lambda x: x + [7] * 40, 8),
-    "a token changed in block 3": (lambda x: x[:50] + [x[50] + 1] + x[51:], 3),
+    "a token changed in block 3": (lambda x: [*x[:50], x[50] + 1, *x[51:]], 3),
     "a span cut from the middle": (lambda x: x[:70] + x[90:], 4),
     "the front truncated": (lambda x: x[16:], 0),
 }
@@ -178,7 +197,7 @@ def test_real_chains_through_the_wire_format(edit, expected_verified: int, algo:
     own = block_hash_chain(prompt_d, 16, algo, seed_hash)
     verdict = verify_offer(offer, contract, own, 0)
     assert verdict.num_verified_blocks == expected_verified
-    assert verdict.attach_blocks == range(0, expected_verified)
+    assert verdict.attach_blocks == range(expected_verified)
 
 
 def test_another_salt_is_a_contract_mismatch_and_a_token_mismatch_too() -> None:
@@ -203,14 +222,12 @@ def test_the_verified_run_is_the_longest_common_prefix(offered: str, own: str, d
     local_hit = data.draw(st.integers(0, len(own)))
     verdict = verify_offer(_offer(offered), CONTRACT, _hashes(own), local_hit)
     common = next(
-        (i for i, (a, b) in enumerate(zip(offered, own)) if a != b), min(len(offered), len(own))
+        (i for i, (a, b) in enumerate(zip(offered, own, strict=False)) if a != b), min(len(offered), len(own))
     )
     assert verdict.num_verified_blocks == common
     assert verdict.attach_blocks == range(local_hit, max(local_hit, common))
     assert all(offered[i] == own[i] for i in verdict.attach_blocks)
-    assert verdict.rejected_blocks == range(
-        max(local_hit, common), max(local_hit, common, min(len(offered), len(own)))
-    )
+    assert verdict.rejected_blocks == range(max(local_hit, common), max(local_hit, common, min(len(offered), len(own))))
 
 
 def test_an_own_hash_shorter_than_a_digest_is_refused() -> None:

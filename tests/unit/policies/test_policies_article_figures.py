@@ -23,6 +23,7 @@ from policies.roofline import (
     sessions_per_instance,
     weight_stream_seconds,
 )
+from policies.specs import KVFormat, LinkSpec
 
 M = model_preset("llama-70b")
 MLA = model_preset("deepseek-v3")
@@ -38,7 +39,7 @@ TASK = {mode: task_prefill(M, HW, W, mode) for mode in ("none", "prefix", "sessi
 FIRST_PREFILL = prefill(M, BF16, HW, FIRST)
 
 
-def _sessions(fmt, dedup):  # type: ignore[no-untyped-def]
+def _sessions(fmt: KVFormat, dedup: bool) -> int:
     return sessions_per_instance(M, fmt, HW, STEP20, PREFIX, dedup)
 
 
@@ -56,8 +57,11 @@ FIGURES: list[tuple[str, Callable[[], float], float]] = [
     ("2.4 ~141 GB of weights", lambda: M.weight_bytes, 141e9),
     ("2.4 8.8 ms weight pass", lambda: weight_stream_seconds(M, HW), 8.8e-3),
     ("2.4 48K session adds ~15.7 GB", lambda: kv_bytes(M, BF16, 48_000), 15.7e9),
-    ("2.4 eight 48K sessions read ~126 GB", lambda: decode_step(M, BF16, HW, [48_000] * 8).bytes - M.weight_bytes,
-     126e9),
+    (
+        "2.4 eight 48K sessions read ~126 GB",
+        lambda: decode_step(M, BF16, HW, [48_000] * 8).bytes - M.weight_bytes,
+        126e9,
+    ),
     ("2.4 ~17 ms per step for 8 sessions at 48K", lambda: decode_step(M, BF16, HW, [48_000] * 8).seconds, 17e-3),
     # 3.1 KV size
     ("3.1 320 KiB per token", lambda: kv_bytes_per_token(M, BF16), 320 * 1024),
@@ -82,8 +86,11 @@ FIGURES: list[tuple[str, Callable[[], float], float]] = [
     ("5.1 ~0.19 s per step at step 20", lambda: TASK["session"].step_seconds[19], 0.19),
     # 5.3 recompute vs restore
     ("5.3 recomputing a step-20 session ~5.3 s", lambda: prefill(M, BF16, HW, STEP20).seconds, 5.3),
-    ("5.3 PCIe restores ~25x faster", lambda: prefill(M, BF16, HW, STEP20).seconds
-     / PCIE.transfer_seconds(kv_bytes(M, BF16, STEP20)), 25),
+    (
+        "5.3 PCIe restores ~25x faster",
+        lambda: prefill(M, BF16, HW, STEP20).seconds / PCIE.transfer_seconds(kv_bytes(M, BF16, STEP20)),
+        25,
+    ),
     # 8.1 handoff
     ("8.1 handoff ~5% of TTFT at 400 Gb/s", lambda: _handoff_share(RDMA), 0.05),
     ("8.1 TCP adds almost 50%", lambda: TCP.transfer_seconds(kv_bytes(M, BF16, FIRST)) / FIRST_PREFILL.seconds, 0.5),
@@ -127,7 +134,7 @@ def _kv_budget() -> float:
     return kv_budget_bytes(M, HW)
 
 
-def _handoff_share(link) -> float:  # type: ignore[no-untyped-def]
+def _handoff_share(link: LinkSpec) -> float:
     return handoff_share_of_ttft(FIRST_PREFILL.seconds, link.transfer_seconds(kv_bytes(M, BF16, FIRST)))
 
 
@@ -157,8 +164,9 @@ ROUNDED: list[tuple[str, Callable[[], float], float, int]] = [
 
 
 @pytest.mark.parametrize(("figure", "compute", "article", "digits"), ROUNDED, ids=[f[0] for f in ROUNDED])
-def test_article_figure_at_its_stated_precision(figure: str, compute: Callable[[], float], article: float,
-                                                digits: int) -> None:
+def test_article_figure_at_its_stated_precision(
+    figure: str, compute: Callable[[], float], article: float, digits: int
+) -> None:
     assert round(compute(), digits) == article, figure
 
 
@@ -169,7 +177,7 @@ def test_idle_pass_is_weight_bound_up_to_about_150_tokens() -> None:
 
 
 @pytest.mark.parametrize(("fmt", "dedup", "exact"), [(BF16, False, 9), (FP8, False, 19), (BF16, True, 18)])
-def test_session_counts_exact(fmt, dedup, exact) -> None:  # type: ignore[no-untyped-def]
+def test_session_counts_exact(fmt: KVFormat, dedup: bool, exact: int) -> None:
     assert _sessions(fmt, dedup) == exact
 
 

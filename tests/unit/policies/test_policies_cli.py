@@ -24,20 +24,42 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 
 def test_cost_prints_every_figure(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, "cost", "--model", "llama-70b", "--hardware", "b200x2", "--new", "150",
-                        "--context", "62000")
+    code, out, _ = _run(
+        capsys, "cost", "--model", "llama-70b", "--hardware", "b200x2", "--new", "150", "--context", "62000"
+    )
     assert code == 0
-    for text in ("327,680 B (320 KiB)", "49.2 MB", "prefill (recompute)  16.88 ms", "transfer             1.25 ms",
-                 "decision             transfer:"):
+    for text in (
+        "327,680 B (320 KiB)",
+        "49.2 MB",
+        "prefill (recompute)  16.88 ms",
+        "transfer             1.25 ms",
+        "decision             transfer:",
+    ):
         assert text in out
 
 
-@pytest.mark.parametrize(("argv", "decision"), [
-    (["--new", "8000", "--context", "40000"], "transfer"),
-    (["--new", "20", "--context", "1000", "--link", "tcp", "--p-running", "100"], "recompute"),
-    (["--new", "150", "--context", "62000", "--kv-format", "nvfp4", "--model", "deepseek-v3",
-      "--hardware", "b200x8"], "transfer"),
-])
+@pytest.mark.parametrize(
+    ("argv", "decision"),
+    [
+        (["--new", "8000", "--context", "40000"], "transfer"),
+        (["--new", "20", "--context", "1000", "--link", "tcp", "--p-running", "100"], "recompute"),
+        (
+            [
+                "--new",
+                "150",
+                "--context",
+                "62000",
+                "--kv-format",
+                "nvfp4",
+                "--model",
+                "deepseek-v3",
+                "--hardware",
+                "b200x8",
+            ],
+            "transfer",
+        ),
+    ],
+)
 def test_cost_json(capsys: pytest.CaptureFixture[str], argv: list[str], decision: str) -> None:
     code, out, _ = _run(capsys, "cost", *argv, "--json")
     data = json.loads(out)
@@ -53,14 +75,17 @@ def test_cost_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
     assert "slower in 0" in out
 
 
-@pytest.mark.parametrize(("argv", "field"), [
-    (["cost", "--model", "gpt-9"], "model"),
-    (["cost", "--hardware", "tpu"], "hardware"),
-    (["cost", "--link", "wifi"], "link"),
-    (["cost", "--new", "-1"], "new"),
-    (["plan", "--sessions", "0"], "sessions"),
-    (["plan", "--hardware", "h100"], "leave no KV room"),
-])
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["cost", "--model", "gpt-9"], "model"),
+        (["cost", "--hardware", "tpu"], "hardware"),
+        (["cost", "--link", "wifi"], "link"),
+        (["cost", "--new", "-1"], "new"),
+        (["plan", "--sessions", "0"], "sessions"),
+        (["plan", "--hardware", "h100"], "leave no KV room"),
+    ],
+)
 def test_errors_exit_2_and_name_the_field(capsys: pytest.CaptureFixture[str], argv: list[str], field: str) -> None:
     code, _, err = _run(capsys, *argv)
     assert code == 2
@@ -75,8 +100,21 @@ def test_specs_from_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     hw.write_text("preset: b200x2\ncompute_efficiency: 0.3\n")
     link = tmp_path / "link.json"
     link.write_text(json.dumps({"name": "slow", "kind": "tcp", "lanes": 1, "lane_gbps": 10}))
-    code, out, _ = _run(capsys, "cost", "--model", str(model_dir), "--hardware", str(hw), "--link", str(link),
-                        "--new", "150", "--context", "62000", "--json")
+    code, out, _ = _run(
+        capsys,
+        "cost",
+        "--model",
+        str(model_dir),
+        "--hardware",
+        str(hw),
+        "--link",
+        str(link),
+        "--new",
+        "150",
+        "--context",
+        "62000",
+        "--json",
+    )
     data = json.loads(out)
     assert code == 0
     assert data["prefill_s"] == pytest.approx(2 * 0.01688, rel=0.01)  # half the efficiency, twice the time
@@ -107,8 +145,14 @@ def test_add_subcommands_plugs_into_a_host_parser() -> None:
 
 
 def test_python_dash_m_entry_point() -> None:
-    result = subprocess.run([sys.executable, "-m", "policies.cli", "plan", "--json"], capture_output=True,
-                            text=True, check=True, cwd=PACKAGE.parent, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "policies.cli", "plan", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=PACKAGE.parent,
+        timeout=60,
+    )
     assert json.loads(result.stdout)["rows"][0]["key"] == "none"
 
 

@@ -36,19 +36,22 @@ RDMA, PCIE, NVME = link_preset("rdma"), link_preset("pcie"), link_preset("nvme")
 STEP20_ON_D = PromptState(prompt_tokens=63_450, d_cached_tokens=61_950, p_cached_tokens=32_000)
 
 
-@pytest.mark.parametrize(("config", "prompt", "decode", "where"), [
-    (DYNAMO_DEFAULT, STEP20_ON_D, DecodeState(0.5, 8), Where.LOCAL),  # Dynamo ignores D's load
-    (DYNAMO_DEFAULT, STEP20_ON_D, DecodeState(0.95, 0), Where.LOCAL),
-    (DYNAMO_DEFAULT, PromptState(5_000), DecodeState(), Where.REMOTE),  # >= 2,048 effective tokens
-    (DYNAMO_DEFAULT, PromptState(1_000), DecodeState(), Where.REMOTE),  # no D hit: 100% >= 70%
-    (DYNAMO_DEFAULT, PromptState(1_000, 400), DecodeState(), Where.LOCAL),
-    (KVPILOT_DEFAULT, STEP20_ON_D, DecodeState(0.5, 0), Where.LOCAL),  # a lightly loaded D: good option
-    (KVPILOT_DEFAULT, STEP20_ON_D, DecodeState(0.5, 8), Where.REMOTE),  # ~170 ms stall on 8 streams
-    (KVPILOT_DEFAULT, STEP20_ON_D, DecodeState(0.95, 0), Where.REMOTE),  # decode-busy guard
-    (KVPILOT_DEFAULT, PromptState(2_000, 1_800), DecodeState(0.3, 8), Where.LOCAL),  # short stall
-    # P already holds all but D's 150 tokens: remote is cheaper than a 1,500-token local prefill
-    (KVPILOT_DEFAULT, PromptState(63_450, 61_950, 63_300), DecodeState(0.3, 0), Where.REMOTE),
-])
+@pytest.mark.parametrize(
+    ("config", "prompt", "decode", "where"),
+    [
+        (DYNAMO_DEFAULT, STEP20_ON_D, DecodeState(0.5, 8), Where.LOCAL),  # Dynamo ignores D's load
+        (DYNAMO_DEFAULT, STEP20_ON_D, DecodeState(0.95, 0), Where.LOCAL),
+        (DYNAMO_DEFAULT, PromptState(5_000), DecodeState(), Where.REMOTE),  # >= 2,048 effective tokens
+        (DYNAMO_DEFAULT, PromptState(1_000), DecodeState(), Where.REMOTE),  # no D hit: 100% >= 70%
+        (DYNAMO_DEFAULT, PromptState(1_000, 400), DecodeState(), Where.LOCAL),
+        (KVPILOT_DEFAULT, STEP20_ON_D, DecodeState(0.5, 0), Where.LOCAL),  # a lightly loaded D: good option
+        (KVPILOT_DEFAULT, STEP20_ON_D, DecodeState(0.5, 8), Where.REMOTE),  # ~170 ms stall on 8 streams
+        (KVPILOT_DEFAULT, STEP20_ON_D, DecodeState(0.95, 0), Where.REMOTE),  # decode-busy guard
+        (KVPILOT_DEFAULT, PromptState(2_000, 1_800), DecodeState(0.3, 8), Where.LOCAL),  # short stall
+        # P already holds all but D's 150 tokens: remote is cheaper than a 1,500-token local prefill
+        (KVPILOT_DEFAULT, PromptState(63_450, 61_950, 63_300), DecodeState(0.3, 0), Where.REMOTE),
+    ],
+)
 def test_local_vs_remote(config: LocalPrefillConfig, prompt: PromptState, decode: DecodeState, where: Where) -> None:
     decision = LocalVsRemotePolicy(M, BF16, HW, HW, RDMA, config).decide(prompt, decode)
     assert decision.where is where, decision.explain()
@@ -69,19 +72,29 @@ def test_remote_cost_counts_queue_prefill_and_handoff() -> None:
     assert decision.remote_s == pytest.approx(expected)
 
 
-@pytest.mark.parametrize(("config", "prompt", "streams", "spent", "action", "why"), [
-    (VLLM_DEFAULT, PromptState(2_000), 8, 0.0, FailureAction.FAIL, "mode is fail"),
-    (VLLM_RECOMPUTE, PromptState(32_100), 8, 0.0, FailureAction.RECOMPUTE, "mode is recompute"),
-    (FailurePolicyConfig(), PromptState(2_000), 8, 0.0, FailureAction.RECOMPUTE, "within budget"),
-    (FailurePolicyConfig(), PromptState(2_000), 8, 1.5, FailureAction.FAIL, "exceeds the budget"),
-    (FailurePolicyConfig(), PromptState(32_100), 8, 0.0, FailureAction.FAIL, "exceeds the budget"),
-    (FailurePolicyConfig(), PromptState(32_100), 0, 0.0, FailureAction.RECOMPUTE, "within budget"),  # idle D
-    (FailurePolicyConfig(chunk_tokens=0), PromptState(2_000), 1, 0.0, FailureAction.FAIL, "would stall"),
-    (FailurePolicyConfig(max_stall_s=1.0, chunk_tokens=0), PromptState(2_000), 1, 0.0, FailureAction.RECOMPUTE,
-     "within budget"),
-])
-def test_load_failure_policy(config: FailurePolicyConfig, prompt: PromptState, streams: int, spent: float,
-                             action: FailureAction, why: str) -> None:
+@pytest.mark.parametrize(
+    ("config", "prompt", "streams", "spent", "action", "why"),
+    [
+        (VLLM_DEFAULT, PromptState(2_000), 8, 0.0, FailureAction.FAIL, "mode is fail"),
+        (VLLM_RECOMPUTE, PromptState(32_100), 8, 0.0, FailureAction.RECOMPUTE, "mode is recompute"),
+        (FailurePolicyConfig(), PromptState(2_000), 8, 0.0, FailureAction.RECOMPUTE, "within budget"),
+        (FailurePolicyConfig(), PromptState(2_000), 8, 1.5, FailureAction.FAIL, "exceeds the budget"),
+        (FailurePolicyConfig(), PromptState(32_100), 8, 0.0, FailureAction.FAIL, "exceeds the budget"),
+        (FailurePolicyConfig(), PromptState(32_100), 0, 0.0, FailureAction.RECOMPUTE, "within budget"),  # idle D
+        (FailurePolicyConfig(chunk_tokens=0), PromptState(2_000), 1, 0.0, FailureAction.FAIL, "would stall"),
+        (
+            FailurePolicyConfig(max_stall_s=1.0, chunk_tokens=0),
+            PromptState(2_000),
+            1,
+            0.0,
+            FailureAction.RECOMPUTE,
+            "within budget",
+        ),
+    ],
+)
+def test_load_failure_policy(
+    config: FailurePolicyConfig, prompt: PromptState, streams: int, spent: float, action: FailureAction, why: str
+) -> None:
     decision = LoadFailurePolicy(M, BF16, HW, HW, RDMA, config).decide(prompt, streams, spent)
     assert decision.action is action, decision.explain()
     assert why in decision.reason
@@ -100,16 +113,19 @@ SESSION = kv_bytes(M, BF16, 63_450)
 RECOMPUTE_S = prefill(M, BF16, HW, 63_450).seconds
 
 
-@pytest.mark.parametrize(("gap_s", "overlap_s", "tiers", "tier"), [
-    (2.0, 0.0, TIERS, "hbm"),  # an agent tool call, nothing to hide behind
-    (2.0, 0.25, TIERS, "shared"),  # restores hide behind P's prefill: take the cheapest that hides
-    (60.0, 0.16, TIERS, "host"),  # human chat
-    (3_600.0, 0.16, TIERS, "shared"),  # past host's horizon; the shared tier's RDMA beats local NVMe
-    (3_600.0, 0.16, TIERS[:3], "disk"),
-    (365 * 86_400.0, 0.0, TIERS, RECOMPUTE),  # nothing holds a year
-    (60.0, 0.0, (TIERS[0], Tier("host", PCIE, 600.0, free_bytes=1e9)), RECOMPUTE),  # host full
-    (60.0, 0.0, (Tier("tape", LinkSpec("tape", "tcp", 1, 0.1), 1e9),), RECOMPUTE),  # slower than recomputing
-])
+@pytest.mark.parametrize(
+    ("gap_s", "overlap_s", "tiers", "tier"),
+    [
+        (2.0, 0.0, TIERS, "hbm"),  # an agent tool call, nothing to hide behind
+        (2.0, 0.25, TIERS, "shared"),  # restores hide behind P's prefill: take the cheapest that hides
+        (60.0, 0.16, TIERS, "host"),  # human chat
+        (3_600.0, 0.16, TIERS, "shared"),  # past host's horizon; the shared tier's RDMA beats local NVMe
+        (3_600.0, 0.16, TIERS[:3], "disk"),
+        (365 * 86_400.0, 0.0, TIERS, RECOMPUTE),  # nothing holds a year
+        (60.0, 0.0, (TIERS[0], Tier("host", PCIE, 600.0, free_bytes=1e9)), RECOMPUTE),  # host full
+        (60.0, 0.0, (Tier("tape", LinkSpec("tape", "tcp", 1, 0.1), 1e9),), RECOMPUTE),  # slower than recomputing
+    ],
+)
 def test_session_tier(gap_s: float, overlap_s: float, tiers: tuple[Tier, ...], tier: str) -> None:
     decision = choose_tier(SESSION, gap_s, RECOMPUTE_S, tiers, overlap_s)
     assert decision.tier == tier, decision.explain()

@@ -17,17 +17,20 @@ PCIE = link_preset("pcie")
 PLAN = plan(M, HW, PCIE)
 
 
-@pytest.mark.parametrize(("key", "d_memory", "d_tpot", "d"), [
-    ("none", 5, 2, 5),
-    ("prefix", 5, 2, 5),
-    ("session", 5, 2, 5),  # residency, not compute, sizes D
-    ("fp8", 3, 1, 3),  # FP8 roughly halves D
-    ("offload", 3, 2, 3),  # so does offloading idle sessions
-    ("dedup", 2, 2, 2),  # dedup cuts it by nearly two-thirds
-    ("consolidated", 1, 2, 2),  # fits in one, but misses TPOT there
-    ("cascade", 1, 1, 1),  # a cascade kernel fixes the bandwidth
-    ("nvfp4", 1, 1, 1),
-])
+@pytest.mark.parametrize(
+    ("key", "d_memory", "d_tpot", "d"),
+    [
+        ("none", 5, 2, 5),
+        ("prefix", 5, 2, 5),
+        ("session", 5, 2, 5),  # residency, not compute, sizes D
+        ("fp8", 3, 1, 3),  # FP8 roughly halves D
+        ("offload", 3, 2, 3),  # so does offloading idle sessions
+        ("dedup", 2, 2, 2),  # dedup cuts it by nearly two-thirds
+        ("consolidated", 1, 2, 2),  # fits in one, but misses TPOT there
+        ("cascade", 1, 1, 1),  # a cascade kernel fixes the bandwidth
+        ("nvfp4", 1, 1, 1),
+    ],
+)
 def test_d_pool_per_regime(key: str, d_memory: int, d_tpot: int, d: int) -> None:
     row = PLAN.row(key)
     assert (row.d_by_memory, row.d_by_tpot, row.d_instances) == (d_memory, d_tpot, d)
@@ -48,16 +51,19 @@ def test_all_four_lessons_hold_and_are_rendered() -> None:
     assert "23.5x and 9.5x less" in text
 
 
-@pytest.mark.parametrize(("change", "lesson", "holds"), [
-    # short chats: little to cache, so caching cannot move P by 10x
-    ({"shared_prefix_tokens": 500, "tool_output_tokens": 3_000, "steps": 2}, 0, False),
-    # a few sessions and no tool wait: residency no longer exceeds the decode limit
-    ({"sessions": 8, "tool_seconds": 0.0}, 1, False),
-    # a TPOT target below the weight pass cannot be met by any number of instances
-    ({"tpot_target_s": 0.008}, 1, False),
-    # a near-instant tool: P's short prefill cannot hide a full-session restore
-    ({"tool_output_tokens": 100, "output_tokens": 50}, 2, False),
-])
+@pytest.mark.parametrize(
+    ("change", "lesson", "holds"),
+    [
+        # short chats: little to cache, so caching cannot move P by 10x
+        ({"shared_prefix_tokens": 500, "tool_output_tokens": 3_000, "steps": 2}, 0, False),
+        # a few sessions and no tool wait: residency no longer exceeds the decode limit
+        ({"sessions": 8, "tool_seconds": 0.0}, 1, False),
+        # a TPOT target below the weight pass cannot be met by any number of instances
+        ({"tpot_target_s": 0.008}, 1, False),
+        # a near-instant tool: P's short prefill cannot hide a full-session restore
+        ({"tool_output_tokens": 100, "output_tokens": 50}, 2, False),
+    ],
+)
 def test_lessons_can_fail_for_other_workloads(change: dict[str, float], lesson: int, holds: bool) -> None:
     other = plan(M, HW, PCIE, dataclasses.replace(Workload(), **change))
     assert other.lessons[lesson].holds is holds
@@ -76,8 +82,9 @@ def test_subset_of_regimes_has_no_lessons() -> None:
     assert plan(M, HW, PCIE, regimes=REGIMES[:2]).lessons == ()
 
 
-@pytest.mark.parametrize(("field", "value"), [("sessions", 0), ("steps", -1), ("tool_seconds", -1.0),
-                                              ("tpot_target_s", 0.0)])
+@pytest.mark.parametrize(
+    ("field", "value"), [("sessions", 0), ("steps", -1), ("tool_seconds", -1.0), ("tpot_target_s", 0.0)]
+)
 def test_bad_workload_names_the_field(field: str, value: float) -> None:
     with pytest.raises(SpecError) as err:
         Workload(**{field: value})

@@ -48,19 +48,22 @@ def test_policy_beats_every_fixed_threshold(threshold: int) -> None:
     assert _mean([r.policy_s for r in ROWS]) < fixed
 
 
-@pytest.mark.parametrize(("scenario", "choice"), [
-    # short spans on an idle P ride along in a weight-bound pass: free to recompute
-    ("short ctx / idle P / fast link / 32 tok", Choice.RECOMPUTE),
-    # at long context even a short tail is worth transferring (beats "recompute below 64")
-    ("long ctx / idle P / fast link / 32 tok", Choice.TRANSFER),
-    # a busy P pays full compute price for every token
-    ("short ctx / busy P / fast link / 32 tok", Choice.TRANSFER),
-    # a congested or failing link tips 150 tokens at short context back to recompute
-    ("short ctx / idle P / slow link / 150 tok", Choice.RECOMPUTE),
-    ("short ctx / busy P / failing link / 150 tok", Choice.RECOMPUTE),
-    # a long context makes recompute dearer than an expected failure
-    ("long ctx / busy P / failing link / 150 tok", Choice.TRANSFER),
-])
+@pytest.mark.parametrize(
+    ("scenario", "choice"),
+    [
+        # short spans on an idle P ride along in a weight-bound pass: free to recompute
+        ("short ctx / idle P / fast link / 32 tok", Choice.RECOMPUTE),
+        # at long context even a short tail is worth transferring (beats "recompute below 64")
+        ("long ctx / idle P / fast link / 32 tok", Choice.TRANSFER),
+        # a busy P pays full compute price for every token
+        ("short ctx / busy P / fast link / 32 tok", Choice.TRANSFER),
+        # a congested or failing link tips 150 tokens at short context back to recompute
+        ("short ctx / idle P / slow link / 150 tok", Choice.RECOMPUTE),
+        ("short ctx / busy P / failing link / 150 tok", Choice.RECOMPUTE),
+        # a long context makes recompute dearer than an expected failure
+        ("long ctx / busy P / failing link / 150 tok", Choice.TRANSFER),
+    ],
+)
 def test_scenario_choices(scenario: str, choice: Choice) -> None:
     row = next(r for r in ROWS if r.scenario.name == scenario)
     assert row.decision.choice is choice, row.decision.explain()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 
@@ -24,9 +25,19 @@ BF16 = kv_format_preset("bf16")
 HW = hardware_preset("b200x2")
 
 
-@pytest.mark.parametrize(("new", "context", "window"), [
-    (1, 0, 4), (10, 0, 4), (3, 2, 4), (5, 100, 4), (7, 1, 8), (0, 5, 4), (20, 3, 1), (16, 0, 16),
-])
+@pytest.mark.parametrize(
+    ("new", "context", "window"),
+    [
+        (1, 0, 4),
+        (10, 0, 4),
+        (3, 2, 4),
+        (5, 100, 4),
+        (7, 1, 8),
+        (0, 5, 4),
+        (20, 3, 1),
+        (16, 0, 16),
+    ],
+)
 def test_sliding_window_pairs_match_brute_force(new: int, context: int, window: int) -> None:
     brute = sum(min(p + 1, window) for p in range(context, context + new))
     assert _pairs_window(new, context, window) == brute
@@ -39,9 +50,14 @@ def test_sliding_window_layers_cap_attention_and_kv() -> None:
     assert attention_flops(hybrid, 100, 0) == attention_flops(M, 100, 0)  # all within the window
 
 
-@pytest.mark.parametrize(("contexts", "shared", "saved_prefixes"), [
-    ([48_000] * 8, 32_000, 7), ([40_000, 33_000], 32_000, 1), ([32_000], 32_000, 0),
-])
+@pytest.mark.parametrize(
+    ("contexts", "shared", "saved_prefixes"),
+    [
+        ([48_000] * 8, 32_000, 7),
+        ([40_000, 33_000], 32_000, 1),
+        ([32_000], 32_000, 0),
+    ],
+)
 def test_cascade_reads_the_shared_prefix_once(contexts: list[int], shared: int, saved_prefixes: int) -> None:
     paged = decode_step(M, BF16, HW, contexts)
     cascade = decode_step(M, BF16, HW, contexts, shared, cascade=True)
@@ -54,13 +70,16 @@ def test_cascade_needs_every_context_to_cover_the_prefix() -> None:
         decode_step(M, BF16, HW, [1000], 32_000, cascade=True)
 
 
-@pytest.mark.parametrize(("call", "expected"), [
-    (lambda: prefill(M, BF16, HW, 0, 1000), 0.0),
-    (lambda: decode_step(M, BF16, HW, []).seconds, 0.0),
-    (lambda: kv_bytes(M, BF16, 0), 0.0),
-    (lambda: handoff_share_of_ttft(0.0, 0.0), 0.0),
-])
-def test_empty_inputs_cost_nothing(call, expected) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [
+        (lambda: prefill(M, BF16, HW, 0, 1000), 0.0),
+        (lambda: decode_step(M, BF16, HW, []).seconds, 0.0),
+        (lambda: kv_bytes(M, BF16, 0), 0.0),
+        (lambda: handoff_share_of_ttft(0.0, 0.0), 0.0),
+    ],
+)
+def test_empty_inputs_cost_nothing(call: Callable[[], object], expected: float) -> None:
     result = call()
     assert (result.seconds if hasattr(result, "seconds") else result) == expected
 
@@ -70,10 +89,16 @@ def test_prefill_bound_switches_with_size() -> None:
     assert prefill(M, BF16, HW, 4096).bound == "compute"
 
 
-@pytest.mark.parametrize(("model", "gpus", "parallel", "replication"), [
-    ("llama-70b", 2, "tp", 1.0), ("llama-70b", 16, "tp", 2.0), ("deepseek-v3", 8, "tp", 8.0),
-    ("deepseek-v3", 8, "dp", 1.0), ("deepseek-v3", 1, "tp", 1.0),
-])
+@pytest.mark.parametrize(
+    ("model", "gpus", "parallel", "replication"),
+    [
+        ("llama-70b", 2, "tp", 1.0),
+        ("llama-70b", 16, "tp", 2.0),
+        ("deepseek-v3", 8, "tp", 8.0),
+        ("deepseek-v3", 8, "dp", 1.0),
+        ("deepseek-v3", 1, "tp", 1.0),
+    ],
+)
 def test_kv_replication(model: str, gpus: int, parallel: str, replication: float) -> None:
     hw = dataclasses.replace(hardware_preset("b200"), gpus=gpus, attention_parallel=parallel)
     assert kv_replication(model_preset(model), hw) == replication

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,11 +26,14 @@ from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecErro
 LLAMA_70B = HF_CONFIGS["llama-70b"]
 
 
-@pytest.mark.parametrize(("name", "total", "active", "attention"), [
-    ("llama-70b", 70.6e9, 70.6e9, "gqa"),
-    ("llama-8b", 8.03e9, 8.03e9, "gqa"),
-    ("deepseek-v3", 671e9, 37e9, "mla"),
-])
+@pytest.mark.parametrize(
+    ("name", "total", "active", "attention"),
+    [
+        ("llama-70b", 70.6e9, 70.6e9, "gqa"),
+        ("llama-8b", 8.03e9, 8.03e9, "gqa"),
+        ("deepseek-v3", 671e9, 37e9, "mla"),
+    ],
+)
 def test_model_presets_derive_params_from_dims(name: str, total: float, active: float, attention: str) -> None:
     model = model_preset(name)
     assert model.params_total == pytest.approx(total, rel=0.01)
@@ -43,8 +47,9 @@ def test_deepseek_preset_has_fp8_weights_and_mla_latent() -> None:
     assert model.kv_values_per_token_layer == 512 + 64
 
 
-@pytest.mark.parametrize(("name", "gpus", "flops"), [("b200x2", 2, 2.25e15), ("h100", 1, 989e12),
-                                                     ("h200x8", 8, 989e12)])
+@pytest.mark.parametrize(
+    ("name", "gpus", "flops"), [("b200x2", 2, 2.25e15), ("h100", 1, 989e12), ("h200x8", 8, 989e12)]
+)
 def test_hardware_presets(name: str, gpus: int, flops: float) -> None:
     hw = hardware_preset(name)
     assert (hw.gpus, hw.peak_flops) == (gpus, flops)
@@ -56,8 +61,12 @@ def test_kv_formats(fmt: str, bytes_per_value: float) -> None:
 
 
 def test_hf_config_hybrid_layer_types() -> None:
-    cfg = {**LLAMA_70B, "num_hidden_layers": 4, "sliding_window": 1024,
-           "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}
+    cfg = {
+        **LLAMA_70B,
+        "num_hidden_layers": 4,
+        "sliding_window": 1024,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    }
     model = model_from_hf_config(cfg, "hybrid")
     assert (model.sliding_window_layers, model.full_attention_layers, model.sliding_window) == (2, 2, 1024)
     bf16 = kv_format_preset("bf16")
@@ -66,8 +75,14 @@ def test_hf_config_hybrid_layer_types() -> None:
 
 
 def test_hf_config_linear_attention_state() -> None:
-    cfg = {**LLAMA_70B, "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-           "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128}
+    cfg = {
+        **LLAMA_70B,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+    }
     model = model_from_hf_config(cfg, "linear")
     assert (model.state_layers, model.state_bytes_per_layer) == (3, 32 * 128 * 128 * 2)
     bf16 = kv_format_preset("bf16")
@@ -75,8 +90,16 @@ def test_hf_config_linear_attention_state() -> None:
 
 
 def test_hf_config_mixtral_moe() -> None:
-    cfg = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2}
+    cfg = {
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    }
     model = model_from_mapping(cfg, "mixtral/config.json")
     assert model.params_total == pytest.approx(46.7e9, rel=0.01)
     assert model.params_active == pytest.approx(12.9e9, rel=0.01)
@@ -86,17 +109,20 @@ def _drop(key: str) -> dict[str, Any]:
     return {k: v for k, v in LLAMA_70B.items() if k != key}
 
 
-@pytest.mark.parametrize(("cfg", "field"), [
-    (_drop("num_hidden_layers"), "num_hidden_layers"),
-    (_drop("hidden_size"), "hidden_size"),
-    (_drop("vocab_size"), "vocab_size"),
-    (_drop("intermediate_size"), "intermediate_size"),
-    ({**LLAMA_70B, "num_key_value_heads": 7}, "num_kv_heads"),
-    ({**LLAMA_70B, "kv_lora_rank": 512}, "qk_rope_head_dim"),
-    ({**LLAMA_70B, "layer_types": ["full_attention"]}, "layer_types"),
-    ({**LLAMA_70B, "layer_types": ["linear_attention"] * 80}, "state_bytes_per_layer"),
-    ({**LLAMA_70B, "num_local_experts": 8}, "num_experts_per_tok"),
-])
+@pytest.mark.parametrize(
+    ("cfg", "field"),
+    [
+        (_drop("num_hidden_layers"), "num_hidden_layers"),
+        (_drop("hidden_size"), "hidden_size"),
+        (_drop("vocab_size"), "vocab_size"),
+        (_drop("intermediate_size"), "intermediate_size"),
+        ({**LLAMA_70B, "num_key_value_heads": 7}, "num_kv_heads"),
+        ({**LLAMA_70B, "kv_lora_rank": 512}, "qk_rope_head_dim"),
+        ({**LLAMA_70B, "layer_types": ["full_attention"]}, "layer_types"),
+        ({**LLAMA_70B, "layer_types": ["linear_attention"] * 80}, "state_bytes_per_layer"),
+        ({**LLAMA_70B, "num_local_experts": 8}, "num_experts_per_tok"),
+    ],
+)
 def test_bad_hf_configs_name_the_field(cfg: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as err:
         model_from_mapping(cfg, "config.json")
@@ -104,22 +130,35 @@ def test_bad_hf_configs_name_the_field(cfg: dict[str, Any], field: str) -> None:
     assert field in str(err.value)
 
 
-GOOD_MODEL = {"name": "m", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2,
-              "head_dim": 16, "params_total": 1e6}
+GOOD_MODEL = {
+    "name": "m",
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "params_total": 1e6,
+}
 
 
-@pytest.mark.parametrize(("override", "field"), [
-    ({"num_layers": 0}, "num_layers"),
-    ({"head_dim": -1}, "head_dim"),
-    ({"hidden_size": "big"}, "hidden_size"),
-    ({"params_active": 2e6}, "params_active"),
-    ({"attention": "mha"}, "attention"),
-    ({"attention": "mla"}, "kv_lora_rank"),
-    ({"sliding_window_layers": 1}, "sliding_window"),
-    ({"state_layers": 1}, "state_bytes_per_layer"),
-    ({"sliding_window_layers": 2, "sliding_window": 8, "state_layers": 1, "state_bytes_per_layer": 8}, "num_layers"),
-    ({"colour": "blue"}, "colour"),
-])
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"num_layers": 0}, "num_layers"),
+        ({"head_dim": -1}, "head_dim"),
+        ({"hidden_size": "big"}, "hidden_size"),
+        ({"params_active": 2e6}, "params_active"),
+        ({"attention": "mha"}, "attention"),
+        ({"attention": "mla"}, "kv_lora_rank"),
+        ({"sliding_window_layers": 1}, "sliding_window"),
+        ({"state_layers": 1}, "state_bytes_per_layer"),
+        (
+            {"sliding_window_layers": 2, "sliding_window": 8, "state_layers": 1, "state_bytes_per_layer": 8},
+            "num_layers",
+        ),
+        ({"colour": "blue"}, "colour"),
+    ],
+)
 def test_bad_model_documents_name_the_field(override: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as err:
         model_from_mapping({**GOOD_MODEL, **override}, "model.yaml")
@@ -128,7 +167,7 @@ def test_bad_model_documents_name_the_field(override: dict[str, Any], field: str
 
 def test_missing_required_model_field() -> None:
     doc = {k: v for k, v in GOOD_MODEL.items() if k != "head_dim"}
-    with pytest.raises(SpecError, match="head_dim: missing from model.yaml"):
+    with pytest.raises(SpecError, match=r"head_dim: missing from model\.yaml"):
         model_from_mapping(doc, "model.yaml")
 
 
@@ -140,15 +179,20 @@ def test_model_document_yaml_and_json_agree() -> None:
     assert from_yaml.params_active == from_yaml.params_total
 
 
-@pytest.mark.parametrize(("doc", "field"), [
-    ({"preset": "b200x2", "compute_efficiency": 1.5}, "compute_efficiency"),
-    ({"preset": "b200x2", "flops": 1}, "flops"),
-    ({"preset": "a100"}, "hardware"),
-    ({"name": "x", "peak_flops": 1e15, "hbm_bandwidth": 1e12}, "hbm_bytes"),
-    ({"name": "x", "peak_flops": 1e15, "hbm_bandwidth": 1e12, "hbm_bytes": 8e10, "gpus": 0}, "gpus"),
-    ({"name": "x", "peak_flops": 1e15, "hbm_bandwidth": 1e12, "hbm_bytes": 8e10, "attention_parallel": "ep"},
-     "attention_parallel"),
-])
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        ({"preset": "b200x2", "compute_efficiency": 1.5}, "compute_efficiency"),
+        ({"preset": "b200x2", "flops": 1}, "flops"),
+        ({"preset": "a100"}, "hardware"),
+        ({"name": "x", "peak_flops": 1e15, "hbm_bandwidth": 1e12}, "hbm_bytes"),
+        ({"name": "x", "peak_flops": 1e15, "hbm_bandwidth": 1e12, "hbm_bytes": 8e10, "gpus": 0}, "gpus"),
+        (
+            {"name": "x", "peak_flops": 1e15, "hbm_bandwidth": 1e12, "hbm_bytes": 8e10, "attention_parallel": "ep"},
+            "attention_parallel",
+        ),
+    ],
+)
 def test_bad_hardware_documents_name_the_field(doc: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as err:
         hardware_from_mapping(doc, "hw.yaml")
@@ -160,12 +204,15 @@ def test_hardware_override_keeps_the_rest() -> None:
     assert hw == HardwareSpec("b200x2", 2.25e15, 8e12, 192e9, gpus=2, compute_efficiency=0.5)
 
 
-@pytest.mark.parametrize(("doc", "field"), [
-    ({"preset": "rdma", "efficiency": 0}, "efficiency"),
-    ({"name": "l", "kind": "carrier-pigeon", "lanes": 1, "lane_gbps": 1}, "kind"),
-    ({"name": "l", "kind": "tcp", "lanes": 1}, "lane_gbps"),
-    ({"preset": "infiniband"}, "link"),
-])
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        ({"preset": "rdma", "efficiency": 0}, "efficiency"),
+        ({"name": "l", "kind": "carrier-pigeon", "lanes": 1, "lane_gbps": 1}, "kind"),
+        ({"name": "l", "kind": "tcp", "lanes": 1}, "lane_gbps"),
+        ({"preset": "infiniband"}, "link"),
+    ],
+)
 def test_bad_link_documents_name_the_field(doc: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as err:
         link_from_mapping(doc, "link.yaml")
@@ -178,15 +225,18 @@ def test_unparseable_documents(text: str, source: str) -> None:
         parse_document(text, source)
 
 
-@pytest.mark.parametrize(("make", "field"), [
-    (lambda: KVFormat("x", 4, scale_bits=8), "scale_block"),
-    (lambda: KVFormat("", 4), "name"),
-    (lambda: LinkSpec("l", "rdma", 2, 400, setup_s=-1), "setup_s"),
-    (lambda: ModelSpec("m", 2, 64, 4, 2, 16, float("nan"), 1.0), "params_total"),
-    (lambda: kv_format_preset("int3"), "kv_format"),
-    (lambda: link_preset("smoke-signal"), "link"),
-])
-def test_direct_construction_errors(make, field: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: KVFormat("x", 4, scale_bits=8), "scale_block"),
+        (lambda: KVFormat("", 4), "name"),
+        (lambda: LinkSpec("l", "rdma", 2, 400, setup_s=-1), "setup_s"),
+        (lambda: ModelSpec("m", 2, 64, 4, 2, 16, float("nan"), 1.0), "params_total"),
+        (lambda: kv_format_preset("int3"), "kv_format"),
+        (lambda: link_preset("smoke-signal"), "link"),
+    ],
+)
+def test_direct_construction_errors(make: Callable[[], object], field: str) -> None:
     with pytest.raises(SpecError) as err:
         make()
     assert err.value.field == field

@@ -14,18 +14,25 @@ from routing.config import SESSION_OPTIONS
 
 def pricer(link: str = "rdma", config: LocalPrefillConfig = KVPILOT_DEFAULT) -> SessionOptionPricer:
     h100 = hardware_preset("h100")
-    policy = LocalVsRemotePolicy(model_preset("llama-70b"), kv_format_preset("bf16"), h100, h100, link_preset(link),
-                                 config)  # fmt: skip
+    policy = LocalVsRemotePolicy(
+        model_preset("llama-70b"), kv_format_preset("bf16"), h100, h100, link_preset(link), config
+    )
     return SessionOptionPricer(policy)
 
 
 # Step 20 of the article's agent: a 63,000-token prompt; P holds the shared prefix
 # and step 19's prompt, D the whole session but the new 1,500-token tool output.
 STEP = SessionStep(
-    prompt_tokens=63_000, p=PrefillSite("p0", cached_tokens=61_350), d_name="d0", d_cached_tokens=61_500,
-    decode=DecodeState(kv_usage=0.3, running_streams=0), last_p=PrefillSite("p0", cached_tokens=61_350),
-    last_d_chosen=True, offer_tokens=61_500, offer_time_left_s=400.0,
-)  # fmt: skip
+    prompt_tokens=63_000,
+    p=PrefillSite("p0", cached_tokens=61_350),
+    d_name="d0",
+    d_cached_tokens=61_500,
+    decode=DecodeState(kv_usage=0.3, running_streams=0),
+    last_p=PrefillSite("p0", cached_tokens=61_350),
+    last_d_chosen=True,
+    offer_tokens=61_500,
+    offer_time_left_s=400.0,
+)
 
 
 def by_option(step: SessionStep, **kw) -> dict[Option, object]:
@@ -33,7 +40,7 @@ def by_option(step: SessionStep, **kw) -> dict[Option, object]:
 
 
 def test_the_config_names_are_the_options() -> None:
-    assert SESSION_OPTIONS == tuple(o.value for o in Option)
+    assert tuple(o.value for o in Option) == SESSION_OPTIONS
     assert [o.article_number for o in Option] == [1, 2, 3, 4, 5]
 
 
@@ -57,8 +64,12 @@ def test_a_busy_d_sends_the_step_to_p_and_the_pull_pays_only_for_what_p_lacks() 
 
 
 def test_a_p_holding_only_the_shared_prefix_pulls_over_nvlink_but_not_over_slow_tcp() -> None:
-    cold = {**_fields(STEP), "p": PrefillSite("p1", cached_tokens=2_000), "last_d_chosen": True,
-            "decode": DecodeState(kv_usage=0.95, running_streams=40)}  # fmt: skip
+    cold = {
+        **_fields(STEP),
+        "p": PrefillSite("p1", cached_tokens=2_000),
+        "last_d_chosen": True,
+        "decode": DecodeState(kv_usage=0.95, running_streams=40),
+    }
     step = SessionStep(**cold)
     fast = by_option(step, link="nvlink")
     assert choose(tuple(fast.values())).option is Option.PULL  # 59,500 tokens of recompute avoided
@@ -68,7 +79,7 @@ def test_a_p_holding_only_the_shared_prefix_pulls_over_nvlink_but_not_over_slow_
 
 
 @pytest.mark.parametrize(
-    "change, option, why",
+    ("change", "option", "why"),
     [
         ({"offer_tokens": None}, Option.PULL, "no offer"),
         ({"offer_time_left_s": 3.0}, Option.PULL, "expires"),

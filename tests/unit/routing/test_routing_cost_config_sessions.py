@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from routing.config import ConfigError, CostConfig, add_cli_flags, load_config
 from routing.chain import PromptChain, first_difference
+from routing.config import ConfigError, CostConfig, add_cli_flags, load_config
 from routing.cost import Candidate, CostModel, TierOverlap, tier_overlap, worker_terms
 from routing.ledger import LoadLedger, WorkerLoad
 from routing.sessions import InvalidSessionKey, SessionId, SessionOffer, SessionStore, scoped, session_key
@@ -18,7 +18,7 @@ CFG = CostConfig()
 
 
 @pytest.mark.parametrize(
-    "cfg, overlap, load, affinity, cost",
+    ("cfg", "overlap", "load", "affinity", "cost"),
     [
         (CFG, TierOverlap(), WorkerLoad(), False, 100 + 100),
         (CFG, TierOverlap(gpu=60), WorkerLoad(), False, 40 + 100),
@@ -26,10 +26,20 @@ CFG = CostConfig()
         (CFG, TierOverlap(shared=10), WorkerLoad(), False, 95 + 100),
         (CFG, TierOverlap(gpu=60), WorkerLoad(30, 50, 2), False, 70 + 150),
         (CFG, TierOverlap(gpu=100), WorkerLoad(), True, 0 + 100 - 16),
-        (dataclasses.replace(CFG, overlap_score_credit_decay=0.01), TierOverlap(gpu=100),
-         WorkerLoad(100, 0, 0), False, 150 + 100),  # credit halved at 100 active prefill blocks
-        (dataclasses.replace(CFG, prefill_load_scale=2.0, decode_active_request_weight=5.0),
-         TierOverlap(gpu=50), WorkerLoad(0, 0, 3), False, 100 + 100 + 15),
+        (
+            dataclasses.replace(CFG, overlap_score_credit_decay=0.01),
+            TierOverlap(gpu=100),
+            WorkerLoad(100, 0, 0),
+            False,
+            150 + 100,
+        ),  # credit halved at 100 active prefill blocks
+        (
+            dataclasses.replace(CFG, prefill_load_scale=2.0, decode_active_request_weight=5.0),
+            TierOverlap(gpu=50),
+            WorkerLoad(0, 0, 3),
+            False,
+            100 + 100 + 15,
+        ),
         (dataclasses.replace(CFG, overlap_score_credit=3.0), TierOverlap(gpu=50), WorkerLoad(), False, 0 + 100),
     ],
 )
@@ -44,8 +54,10 @@ def test_tier_overlap_counts_each_block_once():
 
 
 def test_argmin_explain_and_seeded_sampling():
-    cands = [Candidate("hot", TierOverlap(gpu=90), WorkerLoad(80, 0, 0)),
-             Candidate("cold", TierOverlap(), WorkerLoad())]
+    cands = [
+        Candidate("hot", TierOverlap(gpu=90), WorkerLoad(80, 0, 0)),
+        Candidate("cold", TierOverlap(), WorkerLoad()),
+    ]
     d = CostModel(CFG).decide("r1", 100, cands)
     assert d.chosen == "hot"
     text = d.explain()
@@ -57,7 +69,7 @@ def test_argmin_explain_and_seeded_sampling():
     assert len(set(picks)) == 1  # same seed, same draw
     many = CostModel(warm, random.Random(1))
     assert {many.decide("r", 100, cands).chosen for _ in range(200)} == {"hot", "cold"}
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no candidate workers"):
         CostModel(CFG).decide("r", 1, [])
 
 
@@ -69,7 +81,7 @@ def test_load_ledger_lifecycle():
     ledger = LoadLedger()
     ledger.dispatch("r1", "p", "d", _chain(10), cached_blocks=4)
     assert ledger.load("p") == WorkerLoad(6, 0, 0) and ledger.load("d") == WorkerLoad(0, 10, 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="already active"):
         ledger.dispatch("r1", "p", "d", _chain(1), 0)
     assert ledger.first_token("r1") and not ledger.first_token("r1")
     assert ledger.load("p") == WorkerLoad()
@@ -105,20 +117,46 @@ def test_load_ledger_moves_a_failed_prefill_to_decode():
 
 
 @pytest.mark.parametrize(
-    "yaml_text, flags, check",
+    ("yaml_text", "flags", "check"),
     [
         ("", [], lambda c: c.cost.overlap_score_credit == 1.0 and c.cost.host_cache_hit_weight == 0.75),
         ("cost: {overlap_score_credit: 2}", [], lambda c: c.cost.overlap_score_credit == 2.0),
-        ("cost: {overlap_score_credit: 2}", ["--overlap-score-credit", "0.5"],
-         lambda c: c.cost.overlap_score_credit == 0.5),
-        ("index: {block_size: 32, tiers: {GPU: gpu}}", ["--max-sessions", "5"],
-         lambda c: c.index.block_size == 32 and dict(c.index.tiers) == {"GPU": "gpu"} and c.sessions.max_sessions == 5),
-        ("disaggregation: {max_local_tokens: 0}", ["--max-local-tokens", "none", "--compare-costs", "true",
-                                                   "--decode-busy-kv-usage", "0.5", "--force-option", "pull"],
-         lambda c: c.disaggregation.max_local_tokens is None and c.disaggregation.compare_costs is True
-         and c.disaggregation.decode_busy_kv_usage == 0.5 and c.sessions.force_option == "pull"),
-        ("", ["--max-local-tokens", "64", "--compare-costs", "false"],
-         lambda c: c.disaggregation.max_local_tokens == 64 and c.disaggregation.compare_costs is False),
+        (
+            "cost: {overlap_score_credit: 2}",
+            ["--overlap-score-credit", "0.5"],
+            lambda c: c.cost.overlap_score_credit == 0.5,
+        ),
+        (
+            "index: {block_size: 32, tiers: {GPU: gpu}}",
+            ["--max-sessions", "5"],
+            lambda c: (
+                c.index.block_size == 32 and dict(c.index.tiers) == {"GPU": "gpu"} and c.sessions.max_sessions == 5
+            ),
+        ),
+        (
+            "disaggregation: {max_local_tokens: 0}",
+            [
+                "--max-local-tokens",
+                "none",
+                "--compare-costs",
+                "true",
+                "--decode-busy-kv-usage",
+                "0.5",
+                "--force-option",
+                "pull",
+            ],
+            lambda c: (
+                c.disaggregation.max_local_tokens is None
+                and c.disaggregation.compare_costs is True
+                and c.disaggregation.decode_busy_kv_usage == 0.5
+                and c.sessions.force_option == "pull"
+            ),
+        ),
+        (
+            "",
+            ["--max-local-tokens", "64", "--compare-costs", "false"],
+            lambda c: c.disaggregation.max_local_tokens == 64 and c.disaggregation.compare_costs is False,
+        ),
     ],
 )
 def test_config_layers(tmp_path, yaml_text, flags, check):
@@ -129,8 +167,9 @@ def test_config_layers(tmp_path, yaml_text, flags, check):
     assert check(load_config(path, parser.parse_args(flags)))
 
 
-@pytest.mark.parametrize("flags", [["--compare-costs", "yes"], ["--max-sessions", "none"],
-                                   ["--max-local-tokens", "1.5"]])
+@pytest.mark.parametrize(
+    "flags", [["--compare-costs", "yes"], ["--max-sessions", "none"], ["--max-local-tokens", "1.5"]]
+)
 def test_a_bad_flag_value_is_refused_by_argparse(flags):
     parser = argparse.ArgumentParser()
     add_cli_flags(parser)
@@ -141,12 +180,12 @@ def test_a_bad_flag_value_is_refused_by_argparse(flags):
 def test_an_unknown_forced_option_names_the_key(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("sessions: {force_option: teleport}")
-    with pytest.raises(ConfigError, match="sessions.force_option must be one of"):
+    with pytest.raises(ConfigError, match=r"sessions\.force_option must be one of"):
         load_config(path)
 
 
 @pytest.mark.parametrize(
-    "yaml_text, message",
+    ("yaml_text", "message"),
     [
         ("cost: {overlap_score_credt: 1}", "cost.overlap_score_credt"),
         ("routerr: {}", "routerr"),
@@ -166,7 +205,7 @@ def test_config_errors_name_the_key(tmp_path, yaml_text, message):
 
 
 @pytest.mark.parametrize(
-    "body, headers, key",
+    ("body", "headers", "key"),
     [
         ({"conversation_id": "c", "prompt_cache_key": "p"}, {"X-Session-ID": "h"}, "c"),
         ({"prompt_cache_key": "p"}, {"x-session-id": "h"}, "p"),
@@ -185,7 +224,7 @@ def test_bad_session_keys_name_the_field(body):
 
 
 @pytest.mark.parametrize(
-    "old, new, expected",
+    ("old", "new", "expected"),
     [([1, 2, 3], [1, 2, 3, 4], 3), ([1, 2, 3], [1, 9, 3], 1), ([1, 2, 3], [1, 2], 2), ([], [5], 0)],
 )
 def test_first_difference(old, new, expected):
@@ -221,7 +260,7 @@ def test_session_chains_hold_packed_tokens():
     assert isinstance(s.chain.tokens, np.ndarray) and s.chain.tokens.dtype == np.uint32
     assert list(s.chain.tokens) == list(range(12))
     with pytest.raises(ValueError, match="2\\*\\*32"):
-        s.advance(list(range(12)) + [-1])
+        s.advance([*list(range(12)), -1])
     assert list(s.chain.tokens) == list(range(12))  # a refused prompt changes nothing
 
 
@@ -233,17 +272,24 @@ def test_a_session_id_is_scoped_by_salt():
     assert scoped(SessionId("b:c"), "a") != scoped(SessionId("c"), "a:b")
 
 
-OFFERED = {"do_remote_decode": True, "remote_block_ids": [[3, 4]], "remote_engine_id": "d",
-           "kvpilot_expires_at": 1000.0}
+OFFERED = {
+    "do_remote_decode": True,
+    "remote_block_ids": [[3, 4]],
+    "remote_engine_id": "d",
+    "kvpilot_expires_at": 1000.0,
+}
 
 
-@pytest.mark.parametrize(("params", "offered"), [
-    (OFFERED, True),
-    ({**OFFERED, "remote_block_ids": []}, False),  # no blocks held
-    ({**OFFERED, "do_remote_decode": False}, False),  # not bidirectional
-    (None, False),
-    ("params", False),
-])
+@pytest.mark.parametrize(
+    ("params", "offered"),
+    [
+        (OFFERED, True),
+        ({**OFFERED, "remote_block_ids": []}, False),  # no blocks held
+        ({**OFFERED, "do_remote_decode": False}, False),  # not bidirectional
+        (None, False),
+        ("params", False),
+    ],
+)
 def test_an_offer_is_read_only_from_params_that_hold_blocks(params, offered):
     assert (SessionOffer.from_response("decode-0", params) is not None) == offered
 

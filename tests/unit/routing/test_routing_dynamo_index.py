@@ -16,7 +16,7 @@ from routing.events import AllBlocksCleared, BlockRemoved, BlockStored
 from routing.index import BlockIndex, PromptChain
 
 BS = 2
-BASE = [list(range(1, 13)), list(range(1, 7)) + [50, 51, 52, 53], [9, 9, 9, 9, 9, 9, 9, 9]]
+BASE = [list(range(1, 13)), [*list(range(1, 7)), 50, 51, 52, 53], [9, 9, 9, 9, 9, 9, 9, 9]]
 BACKENDS = {"kvpilot": BlockIndex, "dynamo": DynamoIndex}
 
 
@@ -30,7 +30,12 @@ def stored(tokens, a, b, salt=None, medium="GPU", as_int=False, **kw):
     return BlockStored(
         [ehash(tokens, k, salt, as_int) for k in range(a, b)],
         ehash(tokens, a - 1, salt, as_int) if a else None,
-        tokens[a * BS : b * BS], BS, medium=medium, extra_keys=extra if salt else None, **kw)
+        tokens[a * BS : b * BS],
+        BS,
+        medium=medium,
+        extra_keys=extra if salt else None,
+        **kw,
+    )
 
 
 def removed(tokens, ks, salt=None, medium="GPU"):
@@ -43,7 +48,7 @@ def backend(request):
 
 
 @pytest.mark.parametrize(
-    "events, prompt, salt, expected",
+    ("events", "prompt", "salt", "expected"),
     [
         ([stored(BASE[0], 0, 6)], BASE[0], None, {"w": {"GPU": 6}}),
         ([stored(BASE[0], 0, 6, as_int=True)], BASE[0], None, {"w": {"GPU": 6}}),  # int hashes >= 2**63
@@ -57,12 +62,14 @@ def backend(request):
         ([stored(BASE[0], 0, 6)], BASE[0], "s", {}),  # unsalted blocks, salted prompt
         ([stored(BASE[0], 0, 6, salt="s")], BASE[0], "s", {"w": {"GPU": 6}}),
         ([stored(BASE[0], 0, 6, salt="s")], BASE[0], "t", {}),  # another salt
-        ([stored(BASE[0], 0, 4), stored(BASE[0], 0, 6, medium="CPU")], BASE[0], None,
-         {"w": {"GPU": 4, "CPU": 6}}),
-        ([stored(BASE[0], 0, 6), stored(BASE[0], 0, 6, medium="CPU"), removed(BASE[0], [1])],
-         BASE[0], None, {"w": {"GPU": 1, "CPU": 6}}),
-        ([stored(BASE[0], 0, 6), stored(BASE[0], 0, 6, medium="CPU"), AllBlocksCleared()],
-         BASE[0], None, {}),
+        ([stored(BASE[0], 0, 4), stored(BASE[0], 0, 6, medium="CPU")], BASE[0], None, {"w": {"GPU": 4, "CPU": 6}}),
+        (
+            [stored(BASE[0], 0, 6), stored(BASE[0], 0, 6, medium="CPU"), removed(BASE[0], [1])],
+            BASE[0],
+            None,
+            {"w": {"GPU": 1, "CPU": 6}},
+        ),
+        ([stored(BASE[0], 0, 6), stored(BASE[0], 0, 6, medium="CPU"), AllBlocksCleared()], BASE[0], None, {}),
         ([stored(BASE[0], 0, 6, medium=None)], BASE[0], None, {"w": {"GPU": 6}}),  # None reads GPU
         ([stored(BASE[0], 2, 4)], BASE[0], None, {}),  # unknown parent: skipped
         ([stored(BASE[0], 0, 6, group_idx=1)], BASE[0], None, {}),  # another KV group
@@ -94,11 +101,14 @@ def test_lora_and_salt_namespace(backend):
     """vLLM puts (lora, salt) in block 0's extra keys and the LoRA name in the others'."""
     index = backend(BS)
     extra = [["lora", "s"]] + [["lora"]] * 5
-    ev = BlockStored([ehash(BASE[0], k, "ls") for k in range(6)], None, BASE[0], BS,
-                     lora_name="lora", extra_keys=extra)
+    ev = BlockStored([ehash(BASE[0], k, "ls") for k in range(6)], None, BASE[0], BS, lora_name="lora", extra_keys=extra)
     assert index.apply("w", ev) == "applied"
-    assert index.apply("w", BlockStored([b"next"], ehash(BASE[0], 5, "ls"), [7, 8], BS,
-                                        lora_name="lora", extra_keys=[["lora"]])) == "applied"
+    assert (
+        index.apply(
+            "w", BlockStored([b"next"], ehash(BASE[0], 5, "ls"), [7, 8], BS, lora_name="lora", extra_keys=[["lora"]])
+        )
+        == "applied"
+    )
     prompt = BASE[0] + [7, 8]
     assert index.match(PromptChain(prompt, BS, lora_name="lora", cache_salt="s")).blocks == {"w": {"GPU": 7}}
     assert index.match(PromptChain(prompt, BS, cache_salt="s")).blocks == {}
@@ -116,9 +126,17 @@ def test_skips_are_counted_not_raised(backend):
     assert index.apply("w", BlockRemoved([ehash(BASE[0], 0, None)], group_idx=2)) == "other_group"
     assert index.apply("w", BlockStored([b"y"], None, [1, -2], BS)) == "bad_token_ids"
     assert index.apply("w", removed(BASE[1], [4, 0])) == "applied"  # 4 unknown, 0 removed
-    assert index.counters == {"applied": 2, "unknown_parent": 1, "unknown_slot": 2, "block_size": 1,
-                              "other_group": 2, "bad_token_ids": 1, "unknown_block": 1,
-                              "blocks_stored": 3, "blocks_removed": 1}
+    assert index.counters == {
+        "applied": 2,
+        "unknown_parent": 1,
+        "unknown_slot": 2,
+        "block_size": 1,
+        "other_group": 2,
+        "bad_token_ids": 1,
+        "unknown_block": 1,
+        "blocks_stored": 3,
+        "blocks_removed": 1,
+    }
     assert index.match(PromptChain(BASE[0], BS)).blocks == {}
     assert index.workers() == ["w"]
 
@@ -166,12 +184,19 @@ def test_remove_worker(backend):
 
 def test_backends_agree_event_by_event():
     stream = [
-        ("a", stored(BASE[0], 0, 4)), ("b", stored(BASE[1], 0, 5)), ("a", stored(BASE[0], 4, 6)),
-        ("b", stored(BASE[0], 0, 6, salt="s")), ("a", stored(BASE[0], 0, 6, medium="CPU")),
-        ("a", removed(BASE[0], [5])), ("b", removed(BASE[1], [4, 3])), ("a", stored(BASE[0], 5, 6)),
-        ("b", removed(BASE[0], [0], salt="s")), ("a", AllBlocksCleared()), ("b", stored(BASE[2], 0, 4)),
+        ("a", stored(BASE[0], 0, 4)),
+        ("b", stored(BASE[1], 0, 5)),
+        ("a", stored(BASE[0], 4, 6)),
+        ("b", stored(BASE[0], 0, 6, salt="s")),
+        ("a", stored(BASE[0], 0, 6, medium="CPU")),
+        ("a", removed(BASE[0], [5])),
+        ("b", removed(BASE[1], [4, 3])),
+        ("a", stored(BASE[0], 5, 6)),
+        ("b", removed(BASE[0], [0], salt="s")),
+        ("a", AllBlocksCleared()),
+        ("b", stored(BASE[2], 0, 4)),
     ]
-    prompts = [(p, salt) for p in BASE + [BASE[0][:5], BASE[2][:3]] for salt in (None, "s")]
+    prompts = [(p, salt) for p in [*BASE, BASE[0][:5], BASE[2][:3]] for salt in (None, "s")]
     ours, dyn = BlockIndex(BS), DynamoIndex(BS)
     for worker, event in stream:
         assert ours.apply(worker, event) == dyn.apply(worker, event)
@@ -183,13 +208,15 @@ def test_backends_agree_event_by_event():
 
 # ---- where Dynamo differs (module docstring) --------------------------------
 
+
 def outcomes(index, events):
     return [index.apply("w", event) for event in events]
 
 
 def test_multimodal_blocks_are_cut_but_the_prefix_matches():
-    mm = BlockStored([ehash(BASE[0], k, None) for k in range(4)], None, BASE[0][:8], BS,
-                     extra_keys=[None, None, [["img", 0]], None])
+    mm = BlockStored(
+        [ehash(BASE[0], k, None) for k in range(4)], None, BASE[0][:8], BS, extra_keys=[None, None, [["img", 0]], None]
+    )
     child = stored(BASE[0], 4, 6)
     ours, dyn = BlockIndex(BS), DynamoIndex(BS)
     assert outcomes(ours, [mm, child]) == ["applied", "applied"]
@@ -215,7 +242,6 @@ def test_removal_drops_the_subtree_in_dynamo():
     chain = PromptChain(BASE[0], BS)
     assert ours.match(chain).blocks == {"w": {"GPU": 6}}  # blocks 3-5 still cached: credited again
     assert dyn.match(chain).blocks == {"w": {"GPU": 3}}
-    assert outcomes(dyn, [stored(BASE[0], 5, 6), removed(BASE[0], [4, 1])]) == [
-        "refused", "already_dropped"]
+    assert outcomes(dyn, [stored(BASE[0], 5, 6), removed(BASE[0], [4, 1])]) == ["refused", "already_dropped"]
     assert dyn.match(chain).blocks == {"w": {"GPU": 1}}
     assert dyn.block_count("w") == 4  # follows the events: 0, 2, 3, 5

@@ -34,7 +34,7 @@ def test_gauges_are_summed_and_kv_usage_is_the_maximum():
 
 
 def test_unlabelled_lines_and_junk_are_handled():
-    text = "vllm:kv_cache_usage_perc 0.125\nvllm:num_requests_running nan\nvllm:num_requests_waiting{x=\"}\"} oops\n"
+    text = 'vllm:kv_cache_usage_perc 0.125\nvllm:num_requests_running nan\nvllm:num_requests_waiting{x="}"} oops\n'
     load = parse_engine_load(text, at=0.0)
     assert load is not None and (load.kv_usage, load.running, load.waiting) == (0.125, 0.0, 0.0)
     assert parse_engine_load("vllm:num_requests_running 1\n", at=0.0) is None  # no KV usage: not an engine we know

@@ -12,13 +12,20 @@ from hypothesis import strategies as st
 from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecoder, RejectReason
 
 enc = msgspec.msgpack.encode
-STORED = {"type": "BlockStored", "block_hashes": [b"a", b"b"], "parent_block_hash": None,
-          "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": None, "medium": "GPU",
-          "lora_name": None}
+STORED = {
+    "type": "BlockStored",
+    "block_hashes": [b"a", b"b"],
+    "parent_block_hash": None,
+    "token_ids": [1, 2, 3, 4],
+    "block_size": 2,
+    "lora_id": None,
+    "medium": "GPU",
+    "lora_name": None,
+}
 
 
 @pytest.mark.parametrize(
-    "events, kinds, reasons",
+    ("events", "kinds", "reasons"),
     [
         ([STORED], [BlockStored], []),
         ([{"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU"}], [BlockRemoved], []),
@@ -51,12 +58,25 @@ def test_undecodable_batches(payload):
 
 def test_vllm_encoding_round_trips():
     kv = pytest.importorskip("vllm.distributed.kv_events")
-    batch = kv.KVEventBatch(ts=2.0, events=[
-        kv.BlockStored(block_hashes=[b"x" * 32], parent_block_hash=b"p" * 32, token_ids=[5, 6],
-                       block_size=2, lora_id=None, medium="GPU", lora_name=None,
-                       extra_keys=[("salt",)], group_idx=0),
-        kv.BlockRemoved(block_hashes=[b"x" * 32], medium="GPU"),
-        kv.AllBlocksCleared()], data_parallel_rank=3)
+    batch = kv.KVEventBatch(
+        ts=2.0,
+        events=[
+            kv.BlockStored(
+                block_hashes=[b"x" * 32],
+                parent_block_hash=b"p" * 32,
+                token_ids=[5, 6],
+                block_size=2,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                extra_keys=[("salt",)],
+                group_idx=0,
+            ),
+            kv.BlockRemoved(block_hashes=[b"x" * 32], medium="GPU"),
+            kv.AllBlocksCleared(),
+        ],
+        data_parallel_rank=3,
+    )
     out = EventDecoder().decode(msgspec.msgpack.Encoder().encode(batch))
     assert out.rejected == [] and out.data_parallel_rank == 3
     stored = out.events[0]
@@ -85,9 +105,18 @@ json_like = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.one_of(json_like, st.fixed_dictionaries(
-    {"type": st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "X"])},
-    optional={k: json_like for k in STORED if k != "type"})), max_size=5))
+@given(
+    st.lists(
+        st.one_of(
+            json_like,
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "X"])},
+                optional={k: json_like for k in STORED if k != "type"},
+            ),
+        ),
+        max_size=5,
+    )
+)
 @example([{"type": []}])  # an unhashable tag once raised in the classifier
 def test_fuzzed_events_are_kept_or_counted(events):
     decoder = EventDecoder()

@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routing.events import AllBlocksCleared, BlockRemoved, BlockStored
 from routing.chain import PromptChain, chain_keys
+from routing.events import AllBlocksCleared, BlockRemoved, BlockStored
 from routing.index import BlockIndex
 
 BS = 2
-BASE = [list(range(1, 13)), list(range(1, 7)) + [50, 51, 52, 53], [9, 9, 9, 9, 9, 9, 9, 9]]
+BASE = [list(range(1, 13)), [*list(range(1, 7)), 50, 51, 52, 53], [9, 9, 9, 9, 9, 9, 9, 9]]
 SALTS = [None, "s"]
 
 
@@ -26,7 +26,12 @@ def stored(tokens, a, b, salt=None, medium="GPU", **kw):
     return BlockStored(
         [ehash(tokens, k, salt) for k in range(a, b)],
         ehash(tokens, a - 1, salt) if a else None,
-        tokens[a * BS : b * BS], BS, medium=medium, extra_keys=extra if salt else None, **kw)
+        tokens[a * BS : b * BS],
+        BS,
+        medium=medium,
+        extra_keys=extra if salt else None,
+        **kw,
+    )
 
 
 def removed(tokens, ks, salt=None, medium="GPU"):
@@ -34,7 +39,7 @@ def removed(tokens, ks, salt=None, medium="GPU"):
 
 
 @pytest.mark.parametrize(
-    "events, prompt, salt, expected",
+    ("events", "prompt", "salt", "expected"),
     [
         ([stored(BASE[0], 0, 6)], BASE[0], None, {"w": {"GPU": 6}}),
         ([stored(BASE[0], 0, 3), stored(BASE[0], 3, 6)], BASE[0] + [7], None, {"w": {"GPU": 6}}),
@@ -45,10 +50,13 @@ def removed(tokens, ks, salt=None, medium="GPU"):
         ([stored(BASE[0], 0, 6, salt="s")], BASE[0], None, {}),  # salted blocks, unsalted prompt
         ([stored(BASE[0], 0, 6)], BASE[0], "s", {}),  # unsalted blocks, salted prompt
         ([stored(BASE[0], 0, 6, salt="s")], BASE[0], "s", {"w": {"GPU": 6}}),
-        ([stored(BASE[0], 0, 4), stored(BASE[0], 0, 6, medium="CPU")], BASE[0], None,
-         {"w": {"GPU": 4, "CPU": 6}}),
-        ([stored(BASE[0], 0, 6), stored(BASE[0], 0, 6, medium="CPU"), removed(BASE[0], [1])],
-         BASE[0], None, {"w": {"GPU": 1, "CPU": 6}}),
+        ([stored(BASE[0], 0, 4), stored(BASE[0], 0, 6, medium="CPU")], BASE[0], None, {"w": {"GPU": 4, "CPU": 6}}),
+        (
+            [stored(BASE[0], 0, 6), stored(BASE[0], 0, 6, medium="CPU"), removed(BASE[0], [1])],
+            BASE[0],
+            None,
+            {"w": {"GPU": 1, "CPU": 6}},
+        ),
         ([stored(BASE[0], 2, 4)], BASE[0], None, {}),  # unknown parent: skipped
         ([stored(BASE[0], 0, 6, group_idx=1)], BASE[0], None, {}),  # another KV group
         ([stored(BASE[2], 0, 4)], BASE[2][:6], None, {"w": {"GPU": 3}}),  # repeated blocks
@@ -116,10 +124,23 @@ def reference(held, prompt, salt):
 
 
 op = st.one_of(
-    st.tuples(st.just("store"), st.sampled_from("ab"), st.sampled_from(["GPU", "CPU"]),
-              st.integers(0, 2), st.sampled_from([0, 0, 0, 2, 3]), st.integers(1, 6), st.sampled_from(SALTS)),
-    st.tuples(st.just("remove"), st.sampled_from("ab"), st.sampled_from(["GPU", "CPU"]),
-              st.integers(0, 2), st.lists(st.integers(0, 5), max_size=3), st.sampled_from(SALTS)),
+    st.tuples(
+        st.just("store"),
+        st.sampled_from("ab"),
+        st.sampled_from(["GPU", "CPU"]),
+        st.integers(0, 2),
+        st.sampled_from([0, 0, 0, 2, 3]),
+        st.integers(1, 6),
+        st.sampled_from(SALTS),
+    ),
+    st.tuples(
+        st.just("remove"),
+        st.sampled_from("ab"),
+        st.sampled_from(["GPU", "CPU"]),
+        st.integers(0, 2),
+        st.lists(st.integers(0, 5), max_size=3),
+        st.sampled_from(SALTS),
+    ),
     st.tuples(st.just("clear"), st.sampled_from("ab")),
     st.tuples(st.just("drop"), st.sampled_from("ab")),
 )

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from routing.config import ConfigError, RouterConfig, load_config
 from routing.chain import PromptChain
+from routing.config import ConfigError, RouterConfig, load_config
 from routing.engines import Role, fleet_from_config, kv_events_config
 from routing.events import BlockStored
 from routing.index import BlockIndex, WorkerId
@@ -50,16 +50,14 @@ def _store(index: BlockIndex, worker: str, tokens: list[int], salt: str | None =
 def _router(cfg: RouterConfig, seed: int = 0) -> Router:
     fleet = fleet_from_config(cfg)
     policy = policy_from_config(cfg.disaggregation) if fleet.prefill else None
-    return Router(
-        fleet, cfg, BlockIndex(BS), LoadLedger(), SessionStore(BS, 16), policy, random.Random(seed)
-    )
+    return Router(fleet, cfg, BlockIndex(BS), LoadLedger(), SessionStore(BS, 16), policy, random.Random(seed))
 
 
 COLOCATED = [_w("w1", "colocated"), _w("w2", "colocated")]
 
 
 @pytest.mark.parametrize(
-    "case, stored, request_salt, expected, expected_cached",
+    ("case", "stored", "request_salt", "expected", "expected_cached"),
     [
         ("prefix on w2 wins", [("w2", None)], None, "w2", 8),
         ("prefix on w1 wins", [("w1", None)], None, "w1", 8),
@@ -84,7 +82,7 @@ def test_prefix_overlap_and_salt_isolation(case, stored, request_salt, expected,
 
 
 @pytest.mark.parametrize(
-    "case, credit, w2_prefix_blocks, expected",
+    ("case", "credit", "w2_prefix_blocks", "expected"),
     [
         ("affinity breaks the tie", 16.0, 0, "w1"),
         ("no credit configured: the prefix decides", 0.0, 2, "w2"),
@@ -137,7 +135,7 @@ PD = [_w("p1", "prefill"), _w("p2", "prefill"), _w("d1", "decode", kv_blocks=100
 
 
 @pytest.mark.parametrize(
-    "case, on_p2, on_d1, d_active_blocks, expected_kind, expected_p",
+    ("case", "on_p2", "on_d1", "d_active_blocks", "expected_kind", "expected_p"),
     [
         ("nothing cached: remote on either P", 0, 0, 0, Kind.REMOTE_PREFILL, None),
         ("P2 holds the prefix: the pair through P2", 8, 0, 0, Kind.REMOTE_PREFILL, "p2"),
@@ -166,7 +164,10 @@ def test_pairs_and_conditional_disaggregation(case, on_p2, on_d1, d_active_block
         assert route.prefill is not None
         if expected_p:
             assert route.prefill.name == expected_p and route.cached_blocks == on_p2
-    assert route.decision.chosen in {pair_name(WorkerId("p1"), WorkerId("d1")), pair_name(WorkerId("p2"), WorkerId("d1"))}
+    assert route.decision.chosen in {
+        pair_name(WorkerId("p1"), WorkerId("d1")),
+        pair_name(WorkerId("p2"), WorkerId("d1")),
+    }
 
 
 def test_explain_names_the_request_every_term_and_the_policy_verdict():
@@ -193,7 +194,7 @@ def test_empty_prompt_is_refused():
 
 # ---- the fleet (routing.engines) and its config section --------------------------
 @pytest.mark.parametrize(
-    "workers, message",
+    ("workers", "message"),
     [
         ([{"name": "a", "role": "decode", "url": "http://h:1", "colour": 1}], "workers[0].colour"),
         ([{"name": "a", "role": "decode"}], "missing config key 'workers[0].url'"),
@@ -206,8 +207,10 @@ def test_empty_prompt_is_refused():
         ([_w("a", "decode", replay_endpoint="tcp://127.0.0.1:2")], "workers[0].replay_endpoint needs"),
         ([_w("a", "decode", kv_blocks="many")], "workers[0].kv_blocks"),
         (
-            [_w("a", "decode", kv_events_endpoint="tcp://127.0.0.1:3"),
-             _w("b", "decode", kv_events_endpoint="tcp://127.0.0.1:3")],
+            [
+                _w("a", "decode", kv_events_endpoint="tcp://127.0.0.1:3"),
+                _w("b", "decode", kv_events_endpoint="tcp://127.0.0.1:3"),
+            ],
             "tcp://127.0.0.1:3 is used twice",
         ),
     ],

@@ -478,8 +478,13 @@ def test_the_router_sends_the_engines_api_key(model_dir, monkeypatch):
         engines["decode-0"].api_key = "another"
         assert (await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})).status == 401
 
-    run(model_dir, PD, scenario, disaggregation={"max_local_tokens": 0},
-        server_extra={"engine_api_key_env": "KVPILOT_TEST_ENGINE_KEY"})
+    run(
+        model_dir,
+        PD,
+        scenario,
+        disaggregation={"max_local_tokens": 0},
+        server_extra={"engine_api_key_env": "KVPILOT_TEST_ENGINE_KEY"},
+    )
 
 
 def test_an_api_key_variable_that_is_unset_stops_the_router(model_dir, monkeypatch):

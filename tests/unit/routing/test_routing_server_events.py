@@ -15,22 +15,24 @@ import time
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from routing.config import RouterConfig
+from routing.engines import fleet_from_config
+from routing.server import RouterServer
+from routing.tokenizer import PromptTokenizer
+
+from zmq_ports import free_ports
+
+# vLLM only for its publisher (the router never imports it); these before its import.
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
-from routing.config import RouterConfig  # noqa: E402
-from routing.engines import fleet_from_config  # noqa: E402
-from routing.server import RouterServer  # noqa: E402
-from routing.tokenizer import PromptTokenizer  # noqa: E402
-from zmq_ports import free_ports  # noqa: E402
-
 BS = 4
 PROMPT = list(range(1000, 1040))  # 10 blocks
 
 
-@pytest.fixture()
+@pytest.fixture
 def model_dir(tmp_path):
     """A word-level tokenizer.json (prompts here are token ids; no chat template)."""
     from tokenizers import Tokenizer, models
@@ -45,13 +47,17 @@ def _config(model_dir, ports: list[int]) -> RouterConfig:
 
     workers = tuple(
         WorkerConfig(
-            name, "colocated", "http://127.0.0.1:9",  # never called: /debug/route sends nothing
+            name,
+            "colocated",
+            "http://127.0.0.1:9",  # never called: /debug/route sends nothing
             kv_events_endpoint=f"tcp://127.0.0.1:{ports[2 * i]}",
             replay_endpoint=f"tcp://127.0.0.1:{ports[2 * i + 1]}",
         )
         for i, name in enumerate(("w1", "w2"))
     )
-    return RouterConfig(index=IndexConfig(block_size=BS), server=ServerConfig(model_dir=str(model_dir)), workers=workers)
+    return RouterConfig(
+        index=IndexConfig(block_size=BS), server=ServerConfig(model_dir=str(model_dir)), workers=workers
+    )
 
 
 def _batch(blocks: int) -> object:
@@ -79,9 +85,11 @@ def test_debug_route_picks_the_worker_that_published_the_blocks(model_dir):
         async with TestClient(TestServer(server.app(), host="127.0.0.1")) as client:
             assert server.feeder is not None and len(server.feeder.subscribers) == 2
             publisher = kv_events.ZmqEventPublisher(
-                data_parallel_rank=0, endpoint=cfg.workers[1].kv_events_endpoint,
-                replay_endpoint=cfg.workers[1].replay_endpoint, topic="kv",
-            )  # fmt: skip
+                data_parallel_rank=0,
+                endpoint=cfg.workers[1].kv_events_endpoint,
+                replay_endpoint=cfg.workers[1].replay_endpoint,
+                topic="kv",
+            )
             try:
                 publisher.publish(_batch(7))  # may be lost before the connection is up: replay recovers it
                 info: dict = {}

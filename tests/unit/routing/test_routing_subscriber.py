@@ -9,15 +9,17 @@ import time
 import pytest
 import zmq
 
+from routing.chain import PromptChain
+from routing.index import BlockIndex, WorkerId
+from routing.subscriber import EngineSubscriber, subscriber_binds
+
+from zmq_ports import free_ports
+
+# vLLM only for its publisher (the router never imports it); these before its import.
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
-
-from routing.chain import PromptChain  # noqa: E402
-from routing.index import BlockIndex, WorkerId  # noqa: E402
-from routing.subscriber import EngineSubscriber, subscriber_binds  # noqa: E402
-from zmq_ports import free_ports  # noqa: E402
 
 BS = 4
 W = WorkerId("w1")
@@ -45,9 +47,7 @@ def _prompt(n: int) -> list[int]:
 
 
 def _noop() -> object:
-    return kv_events.KVEventBatch(
-        ts=time.time(), events=[kv_events.BlockRemoved(block_hashes=[b"none"], medium="GPU")]
-    )
+    return kv_events.KVEventBatch(ts=time.time(), events=[kv_events.BlockRemoved(block_hashes=[b"none"], medium="GPU")])
 
 
 def _publish_until_seen(pub: object, sub: EngineSubscriber, timeout_s: float = 20.0) -> None:
@@ -75,7 +75,7 @@ def _depth_reaches(sub: EngineSubscriber, index: BlockIndex, blocks: int, timeou
         sub.poll(100)
 
 
-@pytest.fixture()
+@pytest.fixture
 def endpoints():
     return tuple(f"tcp://127.0.0.1:{port}" for port in free_ports(2))
 
@@ -194,8 +194,15 @@ def test_a_replay_wait_does_not_hold_the_index_lock():
     silent = ctx.socket(zmq.ROUTER)  # the engine's replay socket, never answering
     silent.bind(f"tcp://127.0.0.1:{replay_port}")
     lock = threading.Lock()
-    sub = EngineSubscriber(W, f"tcp://127.0.0.1:{events_port}", BlockIndex(BS), bind=True, guard=lock,
-                           replay_endpoint=f"tcp://127.0.0.1:{replay_port}", replay_timeout_s=2.0)  # fmt: skip
+    sub = EngineSubscriber(
+        W,
+        f"tcp://127.0.0.1:{events_port}",
+        BlockIndex(BS),
+        bind=True,
+        guard=lock,
+        replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        replay_timeout_s=2.0,
+    )
     pub = ctx.socket(zmq.PUB)
     pub.connect(f"tcp://127.0.0.1:{events_port}")
     try:
