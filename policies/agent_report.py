@@ -24,6 +24,7 @@ tokens moved between engines, and the expected TTFT of each step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from policies.disaggregation import DecodeState, LocalVsRemotePolicy
@@ -131,4 +132,22 @@ def render(predictions: tuple[ArmPrediction, ...], title: str, steps: tuple[int,
     return "\n".join(lines)
 
 
-__all__ = ["ARMS", "LABELS", "ArmPrediction", "predict", "render"]
+BENCH_ARMS = {"a": "no_cache", "b": "prefix_only", "c": "vllm_pull", "d": "prefix_aware", "e": "kvpilot"}
+"""``benchmarks/bench_agent.py``'s arm letters, by the arm they measure."""
+
+
+def render_measured(predictions: tuple[ArmPrediction, ...], measured: Mapping[str, float], title: str) -> str:
+    """A markdown table: each arm's prefill tokens as a multiple of kvpilot's, predicted
+    beside ``measured`` (arm name -> prefill tokens computed over a benchmark run)."""
+    predicted = {p.arm: sum(p.prefill_tokens) for p in predictions}
+    lines = [f"**{title}**", "", "| arm | predicted x kvpilot | measured x kvpilot |", "|---|---|---|"]
+    for p in predictions:
+        ratio = predicted[p.arm] / max(1, predicted["kvpilot"])
+        seen = measured.get(p.arm)
+        base = measured.get("kvpilot")
+        shown = f"{seen / max(1.0, base):.1f}" if seen is not None and base is not None else "-"
+        lines.append(f"| {p.label} | {ratio:.1f} | {shown} |")
+    return "\n".join(lines)
+
+
+__all__ = ["ARMS", "BENCH_ARMS", "LABELS", "ArmPrediction", "predict", "render", "render_measured"]

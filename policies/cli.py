@@ -142,6 +142,23 @@ def run_agent(args: argparse.Namespace) -> int:
         for streams in sorted({0, args.decode_streams}):
             title = f"{model.name} on {hw.name}, {link.name}, D running {streams} streams"
             tables.append(agent_report.render(agent_report.predict(policy, workload, DecodeState(0.0, streams)), title))
+    if args.measured:
+        try:
+            run = json.loads(Path(args.measured).read_text())
+            cfg, summaries = run["config"], run["summaries"]
+            bench = Workload(
+                1, cfg["prefix_tokens"], cfg["tool_tokens"], cfg["generated"], cfg["tool_tokens"], cfg["steps"]
+            )
+            measured = {
+                agent_report.BENCH_ARMS[letter]: float(summary["prefill_computed"])
+                for letter, summary in summaries.items()
+                if letter in agent_report.BENCH_ARMS
+            }
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return _fail(ValueError(f"--measured {args.measured}: not a bench_agent.py result ({exc!r})"))
+        policy = LocalVsRemotePolicy(model, fmt, hw, hw, links[0], KVPILOT_DEFAULT)
+        title = f"{model.name} on {hw.name}, {links[0].name}: the benchmark's workload, predicted and measured"
+        tables.append(agent_report.render_measured(agent_report.predict(policy, bench), measured, title))
     print("\n\n".join(tables))
     return 0
 
@@ -216,6 +233,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     ag.add_argument("--tool-output", type=int, default=defaults.tool_output_tokens, help="tool tokens per step")
     ag.add_argument("--steps", type=int, default=defaults.steps)
     ag.add_argument("--decode-streams", type=int, default=64, help="D's running streams in the busy case")
+    ag.add_argument("--measured", metavar="JSON", help="a bench_agent.py --out file: its ratios beside the model's")
     ag.set_defaults(func=run_agent)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from policies.agent_report import ARMS, predict, render
@@ -53,3 +55,22 @@ def test_the_cli_prints_one_table_per_link_and_d_state(capsys) -> None:
         ),
         "t",
     ).count("\n| (") == len(ARMS)
+
+
+def test_measured_ratios_sit_beside_the_predicted_ones(tmp_path, capsys) -> None:
+    run = {
+        "config": {"prefix_tokens": 1000, "tool_tokens": 100, "generated": 32, "steps": 5},
+        "summaries": {
+            "a": {"prefill_computed": 900.0},
+            "b": {"prefill_computed": 300.0},
+            "e": {"prefill_computed": 100.0},
+        },
+    }
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(run))
+    assert main(["agent", "--link", "rdma", "--measured", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| (a) no prefix cache | " in out and " | 9.0 |" in out and " | 3.0 |" in out
+    assert "| (c) vLLM proxy, pull every step | 1.0 | - |" in out  # not measured: shown as such
+    path.write_text("{}")
+    assert main(["agent", "--measured", str(path)]) == 2
