@@ -55,12 +55,19 @@ def _fleet(args: argparse.Namespace) -> int:
     if args.action == "up":
         spec = _fleet_spec(args)
         print(f"kvpilot fleet up: {spec.prefill} prefill, {spec.decode} decode, {spec.colocated} co-located")
+        observe = None
+        if args.observe:
+            from deploy.observe import ObserveSpec
+
+            observe = ObserveSpec(port=args.prometheus_port, nixl_telemetry=not args.no_nixl_telemetry)
         try:
-            started = fleet.up(spec, timeout=args.timeout)
+            started = fleet.up(spec, timeout=args.timeout, observe=observe)
         except fleet.FleetStartError as exc:
             print(f"kvpilot fleet up failed: {exc}", file=sys.stderr)
             return 1
         print(f"router: {started.router.url}   (state in {args.run_dir / fleet.STATE_FILE})")
+        if started.prometheus is not None:
+            print(f"prometheus: {started.prometheus.url}   (dashboards: grafana/README.md)")
         return 0
     if args.action == "status":
         rows = fleet.status(args.run_dir)
@@ -107,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="conditional: the router picks local or remote prefill per request; always: prefill on P")
     fl.add_argument("--index-backend", choices=["kvpilot", "dynamo"], default="kvpilot",
                     help="the router's block index: kvpilot's, or Dynamo's RadixTree (kvpilot[dynamo])")
+    fl.add_argument("--observe", action="store_true",
+                    help="also start Prometheus scraping every engine and the router, with grafana/alerts.yml")
+    fl.add_argument("--prometheus-port", type=int, default=9090,
+                    help="with --observe: Prometheus' port; engine i's NIXL exporter gets port + 1 + i")
+    fl.add_argument("--no-nixl-telemetry", action="store_true",
+                    help="with --observe: leave NIXL's own Prometheus exporter off")
     fl.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
     fl.set_defaults(func=_fleet)
 

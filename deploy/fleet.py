@@ -2,7 +2,8 @@
 
 ``up`` starts every engine in its own process group, with its log in
 ``<run_dir>/logs/<name>.log``, waits until all answer ``/health``, then starts the
-router and writes ``<run_dir>/fleet.json``. If an engine dies while starting, or
+router (and, when observed, Prometheus: :mod:`deploy.observe`) and writes
+``<run_dir>/fleet.json``. If an engine dies while starting, or
 the wait times out, or the caller is interrupted (Ctrl-C, SIGTERM), ``up`` stops
 everything it started and raises :class:`FleetStartError` naming the engine, with
 the tail of its log. ``down`` stops every process group listed in ``fleet.json``,
@@ -30,6 +31,7 @@ import yaml
 
 from deploy.env import child_env
 from deploy.fleet_spec import HOST, ROUTER_CONFIG, FleetSpec, ProcessPlan, plan_fleet
+from deploy.observe import PROMETHEUS_CONFIG, ObserveSpec, PrometheusMissing, plan_observe, prometheus_binary
 
 STATE_FILE = "fleet.json"
 LOG_TAIL_LINES = 40
@@ -47,6 +49,8 @@ class RunningProcess:
     port: int
     side_ports: tuple[int, ...]
     log: str
+    health: str = "/health"
+    """The path that answers 200 once it serves (Prometheus: ``/-/ready``)."""
 
     @property
     def ports(self) -> list[int]:
@@ -64,12 +68,20 @@ class Fleet:
     run_dir: Path
     engines: tuple[RunningProcess, ...]
     router: RunningProcess
+    prometheus: RunningProcess | None = None
+    """Prometheus scraping the fleet (``kvpilot fleet up --observe``), if started."""
+
+    @property
+    def processes(self) -> list[RunningProcess]:
+        """Every recorded process: engines, router, then Prometheus."""
+        return [*self.engines, self.router, *([self.prometheus] if self.prometheus else [])]
 
     def by_role(self, role: str) -> list[RunningProcess]:
         return [e for e in self.engines if e.role == role]
 
     def save(self) -> None:
-        state = {"engines": [vars_of(e) for e in self.engines], "router": vars_of(self.router)}
+        state = {"engines": [vars_of(e) for e in self.engines], "router": vars_of(self.router),
+                 "prometheus": vars_of(self.prometheus) if self.prometheus else None}  # fmt: skip
         (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
 
     @classmethod
@@ -82,13 +94,14 @@ class Fleet:
             run_dir,
             tuple(_process_from(e) for e in state["engines"]),
             _process_from(state["router"]),
+            _process_from(state["prometheus"]) if state.get("prometheus") else None,
         )
 
 
 def vars_of(proc: RunningProcess) -> dict[str, object]:
     return {
         "name": proc.name, "role": proc.role, "pid": proc.pid,
-        "port": proc.port, "side_ports": list(proc.side_ports), "log": proc.log,
+        "port": proc.port, "side_ports": list(proc.side_ports), "log": proc.log, "health": proc.health,
     }  # fmt: skip
 
 
@@ -106,9 +119,9 @@ def port_is_free(port: int) -> bool:
         return True
 
 
-def is_healthy(url: str, timeout: float = 2.0) -> bool:
+def is_healthy(url: str, timeout: float = 2.0, path: str = "/health") -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as resp:
+        with urllib.request.urlopen(f"{url}{path}", timeout=timeout) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -180,7 +193,7 @@ def _wait_ports_free(ports: list[int], timeout: float = 30.0) -> None:
     raise RuntimeError(f"ports still in use after stopping the fleet: {busy}")
 
 
-def _spawn(plan: ProcessPlan, logs: Path) -> tuple[subprocess.Popen[bytes], RunningProcess]:
+def _spawn(plan: ProcessPlan, logs: Path, health: str = "/health") -> tuple[subprocess.Popen[bytes], RunningProcess]:
     log = logs / f"{plan.name}.log"
     with open(log, "ab") as out:  # appended: a restarted engine keeps its history
         proc = subprocess.Popen(
@@ -192,7 +205,7 @@ def _spawn(plan: ProcessPlan, logs: Path) -> tuple[subprocess.Popen[bytes], Runn
             start_new_session=True,  # its own process group: stopped as a whole
         )
     role = plan.role.value if plan.role else None
-    return proc, RunningProcess(plan.name, role, proc.pid, plan.port, plan.side_ports, str(log))
+    return proc, RunningProcess(plan.name, role, proc.pid, plan.port, plan.side_ports, str(log), health)
 
 
 @contextmanager
@@ -213,7 +226,7 @@ def _wait_healthy(started: list[tuple[subprocess.Popen[bytes], RunningProcess]],
         for name, (proc, info) in list(pending.items()):
             if proc.poll() is not None:
                 raise _start_failure(f"{name} exited with code {proc.returncode} while starting", info)
-            if is_healthy(info.url):
+            if is_healthy(info.url, path=info.health):
                 del pending[name]
         if pending and time.monotonic() > deadline:
             name, (_, info) = next(iter(pending.items()))
@@ -236,22 +249,35 @@ def warm_up(url: str, model: str) -> None:
         resp.read()
 
 
-def up(spec: FleetSpec, timeout: float = 600.0, progress=print) -> Fleet:
-    """Start the fleet and return it once every process is healthy.
+def up(spec: FleetSpec, timeout: float = 600.0, progress=print, observe: ObserveSpec | None = None) -> Fleet:
+    """Start the fleet and return it once every process is healthy; with ``observe``,
+    then Prometheus scraping it (and NIXL's exporter in every engine, if asked).
 
     Raises :class:`FleetStartError` (after stopping everything it started) if a port
     is taken, an engine dies or is not healthy within ``timeout`` seconds, or the
-    caller is interrupted. A fleet already recorded in ``spec.run_dir`` is an error.
+    caller is interrupted; and before starting anything when ``observe`` is given
+    but Prometheus is not installed. A fleet already recorded in ``spec.run_dir`` is
+    an error.
     """
     if Fleet.load(spec.run_dir) is not None:
         raise FleetStartError(f"a fleet is already recorded in {spec.run_dir}; run `kvpilot fleet down` first")
     engines, router, router_config = plan_fleet(spec)
-    busy = [port for p in [*engines, router] for port in (p.port, *p.side_ports) if not port_is_free(port)]
+    prometheus: ProcessPlan | None = None
+    if observe is not None:
+        try:
+            binary = prometheus_binary()
+        except PrometheusMissing as exc:
+            raise FleetStartError(str(exc)) from None
+        engines, prometheus, prometheus_config = plan_observe(observe, spec.run_dir, engines, router, binary)
+    planned = [*engines, router, *([prometheus] if prometheus else [])]
+    busy = [port for p in planned for port in (p.port, *p.side_ports) if not port_is_free(port)]
     if busy:
         raise FleetStartError(f"ports already in use on {HOST}: {busy}")
     logs = spec.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     (spec.run_dir / ROUTER_CONFIG).write_text(yaml.safe_dump(router_config, sort_keys=False))
+    if prometheus is not None:
+        (spec.run_dir / PROMETHEUS_CONFIG).write_text(yaml.safe_dump(prometheus_config, sort_keys=False))
     started: list[tuple[subprocess.Popen[bytes], RunningProcess]] = []
     with _sigterm_as_interrupt():
         try:
@@ -266,13 +292,19 @@ def up(spec: FleetSpec, timeout: float = 600.0, progress=print) -> Fleet:
             started.append(_spawn(router, logs))
             _wait_healthy(started[-1:], time.monotonic() + 60)
             progress(f"  router on {router.url}")
+            if prometheus is not None:
+                started.append(_spawn(prometheus, logs, health="/-/ready"))
+                _wait_healthy(started[-1:], time.monotonic() + 60)
+                progress(f"  prometheus on {prometheus.url}")
         except BaseException as exc:
             for proc, _ in reversed(started):
                 stop_group(proc.pid)
             if isinstance(exc, KeyboardInterrupt):
                 raise FleetStartError("interrupted while starting; every process started was stopped") from None
             raise
-    fleet = Fleet(spec.run_dir, tuple(r for _, r in started[:-1]), started[-1][1])
+    running = [r for _, r in started]
+    n = len(engines)
+    fleet = Fleet(spec.run_dir, tuple(running[:n]), running[n], running[n + 1] if prometheus else None)
     fleet.save()
     return fleet
 
@@ -282,7 +314,7 @@ def status(run_dir: Path) -> list[tuple[RunningProcess, bool, bool]]:
     fleet = Fleet.load(run_dir)
     if fleet is None:
         return []
-    return [(p, _group_alive(p.pid), is_healthy(p.url)) for p in (*fleet.engines, fleet.router)]
+    return [(p, _group_alive(p.pid), is_healthy(p.url, path=p.health)) for p in fleet.processes]
 
 
 def down(run_dir: Path) -> int:
@@ -290,7 +322,7 @@ def down(run_dir: Path) -> int:
     fleet = Fleet.load(run_dir)
     if fleet is None:
         return 0
-    procs = [fleet.router, *fleet.engines]
+    procs = [*([fleet.prometheus] if fleet.prometheus else []), fleet.router, *fleet.engines]
     for proc in procs:
         stop_group(proc.pid)
     _wait_ports_free([port for p in procs for port in p.ports])
@@ -316,7 +348,7 @@ def restart_engine(spec: FleetSpec, name: str, timeout: float = 600.0) -> Fleet:
     new = _replace(old, plan, spec.run_dir / "logs", timeout)
     warm_up(new.url, spec.served_model_name)
     engines = tuple(new if e.name == name else e for e in fleet.engines)
-    restarted = Fleet(spec.run_dir, engines, fleet.router)
+    restarted = dataclasses.replace(fleet, engines=engines)
     restarted.save()
     return restarted
 
@@ -334,7 +366,7 @@ def restart_router(spec: FleetSpec, flags: Sequence[str] = (), timeout: float = 
         raise FleetStartError(f"no fleet recorded in {spec.run_dir}")
     plan = plan_fleet(spec)[1]
     plan = dataclasses.replace(plan, argv=(*plan.argv, *flags))
-    restarted = Fleet(spec.run_dir, fleet.engines, _replace(fleet.router, plan, spec.run_dir / "logs", timeout))
+    restarted = dataclasses.replace(fleet, router=_replace(fleet.router, plan, spec.run_dir / "logs", timeout))
     restarted.save()
     return restarted
 
@@ -343,7 +375,7 @@ def _replace(old: RunningProcess, plan: ProcessPlan, logs: Path, timeout: float)
     """Stop ``old``, start ``plan`` in its place and wait for its health."""
     stop_group(old.pid)
     _wait_ports_free(old.ports)
-    proc, new = _spawn(plan, logs)
+    proc, new = _spawn(plan, logs, old.health)
     try:
         _wait_healthy([(proc, new)], time.monotonic() + timeout)
     except BaseException:

@@ -28,5 +28,20 @@ else
   echo "[setup] .venv up to date"
 fi
 
+# Prometheus and promtool (`kvpilot fleet up --observe`, the dashboard and alert tests):
+# Debian's package (2.42), installed when missing and apt can be used; otherwise say how.
+if command -v prometheus >/dev/null && command -v promtool >/dev/null; then
+  echo "[setup] prometheus: $(prometheus --version 2>&1 | head -n 1)"
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] installing Prometheus (Debian package: prometheus, promtool)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; } 2>&1 \
+    | sed 's/^/  /' || true
+  command -v prometheus >/dev/null || echo "[setup] WARNING: apt-get install prometheus failed; the dashboard tests will skip"
+else
+  echo "[setup] Prometheus not found: as root, \`apt-get install -y prometheus\` (Debian/Ubuntu), or put Prometheus 2.x's"
+  echo "        prometheus and promtool on PATH. Without them \`kvpilot fleet up --observe\` refuses to start and the"
+  echo "        dashboard and alert-rule tests skip."
+fi
+
 echo "[setup] tiny model (built once, cached in \${KVPILOT_CACHE:-~/.cache/kvpilot})"
 .venv/bin/kvpilot tiny-model | sed 's/^/  /'
