@@ -72,6 +72,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
+from policies.session_options import Option
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -79,8 +81,8 @@ _D = TypeVar("_D", bound="DataclassInstance")
 
 TIER_CLASSES = ("gpu", "host", "disk", "shared")
 INDEX_BACKENDS = ("kvpilot", "dynamo")
-SESSION_OPTIONS = ("reprefill", "pull", "affinity", "shared_tier", "local")
-"""The names of :class:`policies.session_options.Option` (a test keeps them equal)."""
+SESSION_OPTIONS = tuple(option.value for option in Option)
+"""What ``sessions.force_option`` may name."""
 
 
 class ConfigError(ValueError):

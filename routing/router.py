@@ -220,12 +220,13 @@ class Router:
         reused_tokens = 0  # of the session's last prompt: its holder D has their KV
         if state is not None:
             last = state.last_worker
-            reused_tokens = state.shared_prefix(token_ids)
         if state is not None and not dry_run:
-            state.advance(token_ids, lora_name=lora_name, cache_salt=cache_salt)
+            reused_tokens = state.advance(token_ids, lora_name=lora_name, cache_salt=cache_salt).reused_tokens
             chain = state.chain
             assert chain is not None
         else:
+            if state is not None:  # a dry run leaves the chain: compare without advancing it
+                reused_tokens = state.shared_prefix(token_ids)
             chain = PromptChain(token_ids, self.index.block_size, lora_name=lora_name, cache_salt=cache_salt)
         match = self.index.match(chain)
         overlaps = self._overlaps(match)
