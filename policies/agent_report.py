@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from policies.disaggregation import DecodeState, LocalVsRemotePolicy
 from policies.planner import Workload
-from policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
+from policies.session_options import PrefillSite, SessionOptionPricer, SessionStep, choose
 
 ARMS = ("no_cache", "prefix_only", "vllm_pull", "prefix_aware", "kvpilot")
 LABELS = {
@@ -59,21 +59,6 @@ class ArmPrediction:
     def ttft_at(self, step: int) -> float:
         """TTFT of ``step`` (1-based; the last step when the session is shorter)."""
         return self.ttft_s[min(step, len(self.ttft_s)) - 1]
-
-
-def _computed(price: OptionPrice, step: SessionStep) -> tuple[int, int]:
-    """(tokens prefilled, tokens moved between engines) under ``price``'s option."""
-    handoff = step.prompt_tokens - step.d_cached_tokens
-    if price.option is Option.LOCAL:
-        return step.prompt_tokens - step.d_cached_tokens, 0
-    site = step.last_p if price.option is Option.AFFINITY else step.p
-    assert site is not None
-    have = site.cached_tokens
-    pulled = 0
-    if price.option is Option.PULL and step.offer_tokens is not None:
-        pulled = max(0, step.offer_tokens - have)
-        have = max(have, step.offer_tokens)
-    return step.prompt_tokens - have, pulled + handoff
 
 
 def predict(
@@ -109,9 +94,8 @@ def predict(
                 price = pricer.pull(step)
             else:
                 price = pricer.reprefill(step)
-            computed, transferred = _computed(price, step)
-            tokens.append(computed)
-            moved.append(transferred)
+            tokens.append(price.prefill_tokens)
+            moved.append(price.moved_tokens)
             ttft.append(price.seconds)
             options.append(price.option.value)
         out.append(ArmPrediction(arm, tuple(tokens), tuple(moved), tuple(ttft), tuple(options)))

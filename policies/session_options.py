@@ -92,12 +92,15 @@ class SessionStep:
 @dataclass(frozen=True, slots=True)
 class OptionPrice:
     """One option: its expected TTFT in seconds (``inf`` when unavailable), where it
-    prefills, and why (the terms, or why it cannot be used)."""
+    prefills, and why (the terms, or why it cannot be used); when available, the
+    prompt tokens it prefills and the tokens of KV it moves between engines."""
 
     option: Option
     seconds: float
     prefill_worker: str | None
     why: str
+    prefill_tokens: int = 0
+    moved_tokens: int = 0
 
     @property
     def available(self) -> bool:
@@ -141,12 +144,13 @@ class SessionOptionPricer:
         prefill_s = prefill(pol.model, pol.fmt, pol.p_hw, step.prompt_tokens - have, have).seconds
         handoff_s = self._transfer_s(step.prompt_tokens - step.d_cached_tokens)
         seconds = queue_s + loaded_s + prefill_s + handoff_s
+        moved = max(0, have - site.cached_tokens) + step.prompt_tokens - step.d_cached_tokens
         why = (
             f"P={site.name} queue {queue_s * 1e3:.2f} ms + {loaded_what}{loaded_s * 1e3:.2f} ms + prefill "
             f"{step.prompt_tokens - have} tokens after {have} {prefill_s * 1e3:.2f} ms + D={step.d_name} pulls "
             f"{step.prompt_tokens - step.d_cached_tokens} tokens {handoff_s * 1e3:.2f} ms"
         )
-        return OptionPrice(option, seconds, site.name, why)
+        return OptionPrice(option, seconds, site.name, why, step.prompt_tokens - have, moved)
 
     def reprefill(self, step: SessionStep) -> OptionPrice:
         if step.p is None:
@@ -199,7 +203,7 @@ class SessionOptionPricer:
         why = f"D={step.d_name} prefills {prompt.effective_tokens} tokens; " + "; ".join(verdict.reasons)
         if verdict.where is not Where.LOCAL and step.p is not None:
             return _unavailable(Option.LOCAL, why)
-        return OptionPrice(Option.LOCAL, verdict.local_s, step.d_name, why)
+        return OptionPrice(Option.LOCAL, verdict.local_s, step.d_name, why, prompt.effective_tokens, 0)
 
     def price(self, step: SessionStep) -> tuple[OptionPrice, ...]:
         """All five options in the article's order."""
