@@ -77,7 +77,6 @@ import dataclasses
 import json
 import math
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
@@ -96,10 +95,8 @@ from deploy.metrics import Samples, delta, scrape
 from deploy.tiny_model import ensure_tiny_model
 from routing.tokenizer import PromptTokenizer
 
-try:
-    import agent_workload as aw
-except ImportError:  # run as a module: python -m benchmarks.bench_agent
-    from benchmarks import agent_workload as aw
+import agent_workload as aw
+from vllm_router_arm import running_vllm_router
 
 PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -177,7 +174,6 @@ class ArmResult:
     outcomes: list[Outcome] = field(default_factory=list)
     steps: dict[int, StepCounters] = field(default_factory=dict)
     seconds: float = 0.0
-    skipped: str | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -274,6 +270,18 @@ def nixl_warm_up(p_url: str, d_url: str, timeout: float) -> float:
     offer = {**(d1.kv_transfer_params or {}), "do_remote_decode": True, "do_remote_prefill": False}
     p_to_d(p_url, d_url, x2, salt, 2, timeout, offer)
     return time.perf_counter() - started
+
+
+def logged_warm_up(fleet: str, p_url: str, d_url: str, timeout: float) -> float:
+    """:func:`nixl_warm_up`, logged; ``nan`` seconds if it failed (the arms still run)."""
+    log(f"NIXL warm-up on fleet {fleet} (uncounted)")
+    try:
+        seconds = nixl_warm_up(p_url, d_url, timeout)
+    except Exception as exc:  # noqa: BLE001 - a failed warm-up is reported, the run goes on
+        log(f"  warm-up failed: {exc}")
+        return math.nan
+    log(f"  warm-up took {seconds:.1f} s")
+    return seconds
 
 
 @contextmanager
@@ -443,10 +451,7 @@ def tables(summaries: dict[str, dict[str, Any]], report_steps: list[int], total_
     lines = ["| arm | prefill computed | local cache hit | external KV | KV moved MB (xfers) "
              "| wrong | near-tie flips | failed | stalled | goodput |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for key, s in summaries.items():
-        if s.get("skipped"):
-            lines.append(f"| {ARMS[key]} | skipped: {s['skipped']} | | | | | | | | |")
-            continue
+    for s in summaries.values():
         lines.append(f"| {s['arm']} | {s['prefill_computed']:,.0f} | {s['local_cache_hit']:,.0f} | "
                      f"{s['external_kv_transfer']:,.0f} | {s['kv_bytes'] / 1e6:,.1f} ({s['nixl_transfers']:.0f}) | "
                      f"{s['wrong']} | {s['token_flips']} | {s['failed']} | {s['stalled']} | "
@@ -455,9 +460,7 @@ def tables(summaries: dict[str, dict[str, Any]], report_steps: list[int], total_
         " | ".join(f"TTFT s{k} p50/p99" for k in report_steps)
     lines += ["", f"| arm | {head} | D TPOT ms | arm wall s |",
               "|---|" + "---:|" * (2 * len(report_steps) + 2)]
-    for key, s in summaries.items():
-        if s.get("skipped"):
-            continue
+    for s in summaries.values():
         cells = [f"{fmt_s(s['latency'][k]['p50'])} / {fmt_s(s['latency'][k]['p99'])}" for k in report_steps]
         cells += [f"{fmt_s(s['ttft'][k]['p50'])} / {fmt_s(s['ttft'][k]['p99'])}" for k in report_steps]
         lines.append(f"| {s['arm']} | " + " | ".join(cells) + f" | {s['tpot_mean'] * 1e3:.1f} | {s['seconds']:.0f} |")
@@ -478,7 +481,7 @@ def plot(results: dict[str, ArmResult], path: Path, edited_steps: list[int], tit
     fig, ax = plt.subplots(figsize=(8, 4.5))
     failed_label = "x: that step had failed requests (not computed)"
     for key, r in results.items():
-        if r.skipped or not r.steps:
+        if not r.steps:
             continue
         xs = sorted(r.steps)
         line, = ax.plot(xs, [r.steps[k].computed for k in xs], marker="o", markersize=3, label=ARMS[key])
@@ -598,14 +601,7 @@ def main() -> None:
         log(f"calibration noise: {noise['calibration']}")
 
         if fleet_n_arms:
-            t0 = time.perf_counter()
-            log("NIXL warm-up on fleet N (uncounted)")
-            try:
-                warm_ups["N"] = nixl_warm_up(p_url, d_url, args.warm_up_timeout)
-            except Exception as exc:  # noqa: BLE001
-                warm_ups["N"] = math.nan
-                log(f"  warm-up failed: {exc}")
-            log(f"  warm-up took {time.perf_counter() - t0:.1f} s")
+            warm_ups["N"] = logged_warm_up("N", p_url, d_url, args.warm_up_timeout)
 
         for key in fleet_n_arms:
             salt = f"arm-{key}-{run_id}"
@@ -629,15 +625,6 @@ def main() -> None:
                     proxy = ConversationProxy(p_url, d_url, salt, args.generated, args.request_timeout)
                     send = lambda s, k, p: proxy(f"session-{s}", p)  # noqa: E731
                 else:
-                    try:
-                        try:
-                            from vllm_router_arm import running_vllm_router
-                        except ImportError:
-                            from benchmarks.vllm_router_arm import running_vllm_router
-                    except ImportError as exc:
-                        results[key] = ArmResult(key, skipped=f"benchmarks/vllm_router_arm.py not importable ({exc})")
-                        log(f"  skipped: {results[key].skipped}")
-                        continue
                     url = stack.enter_context(running_vllm_router(
                         [p_url], [d_url], VLLM_ROUTER_PORT, root / "vllm-router.log"))  # fmt: skip
                     send = lambda s, k, p, url=url, salt=salt: complete(  # noqa: E731
@@ -664,14 +651,7 @@ def main() -> None:
         with running(spec_k) as fleet:
             timings["fleet_k_up"] = time.perf_counter() - t0
             p_url, d_url, router = fleet.by_role("prefill")[0].url, fleet.by_role("decode")[0].url, fleet.router.url
-            t0 = time.perf_counter()
-            log("NIXL warm-up on fleet K (uncounted)")
-            try:
-                warm_ups["K"] = nixl_warm_up(p_url, d_url, args.warm_up_timeout)
-            except Exception as exc:  # noqa: BLE001
-                warm_ups["K"] = math.nan
-                log(f"  warm-up failed: {exc}")
-            log(f"  warm-up took {time.perf_counter() - t0:.1f} s")
+            warm_ups["K"] = logged_warm_up("K", p_url, d_url, args.warm_up_timeout)
             salt = f"arm-e-{run_id}"
             t0 = time.perf_counter()
             log(f"arm {ARMS['e']} via {router}")
@@ -684,9 +664,8 @@ def main() -> None:
 
     # Judge, summarize, print.
     for r in results.values():
-        if not r.skipped:
-            judge(r, reference, args.generated, args.tolerance)
-    if "a" in results and not results["a"].skipped:
+        judge(r, reference, args.generated, args.tolerance)
+    if "a" in results:
         a = results["a"]
         noise["arm_a"] = {"max": max((o.max_diff for o in a.outcomes if o.completion), default=math.nan),
                           "token_flips": sum(o.completion is not None and not o.tokens_match
@@ -694,8 +673,7 @@ def main() -> None:
     wrong_diffs = [o.max_diff for r in results.values() for o in r.outcomes if o.completion is not None and o.wrong]
     noise["smallest_diff_among_wrong"] = min(wrong_diffs, default=math.nan)
     noise["largest_diff_among_wrong"] = max(wrong_diffs, default=math.nan)
-    base = results.get("a") if "a" in results and not results["a"].skipped else next(
-        (r for r in results.values() if not r.skipped), None)
+    base = results.get("a") or next(iter(results.values()), None)
     base_ttft1 = pct(at_step(base, 1, "ttft"), 50) if base else math.nan
     base_tpot = statistics.median([c.tpot for c in base.steps.values() if c.tpot]) if base else math.nan
     ttft_slo = args.ttft_slo if args.ttft_slo is not None else 1.5 * base_ttft1
@@ -706,12 +684,11 @@ def main() -> None:
         r = results.get(key)
         if r is None:
             continue
-        summaries[key] = {"skipped": r.skipped} if r.skipped else summarize(r, report_steps, ttft_slo, tpot_slo)
+        summaries[key] = summarize(r, report_steps, ttft_slo, tpot_slo)
     total_requests = args.sessions * args.steps
-    live = {k: s for k, s in summaries.items() if not s.get("skipped")}
 
     def get(key: str, f: Callable[[dict[str, Any]], float]) -> float:
-        return f(live[key]) if key in live else math.nan
+        return f(summaries[key]) if key in summaries else math.nan
 
     last = args.steps
     ratios = {
@@ -755,7 +732,7 @@ def main() -> None:
           "session KV survives on P between steps")
     print(f"- stalled = requests that took >= {STALL_S:.0f} s; on this 2-core box engines share cores with NIXL's "
           "busy-polling progress threads (and with whatever else runs), so a step can take tens of seconds")
-    for key, s in live.items():
+    for key, s in summaries.items():
         extra = []
         if s["wrong"]:
             extra.append(f"wrong at (session, step) {s['wrong_at']}")
@@ -789,12 +766,12 @@ def main() -> None:
         "per_step": {k: {step: {"computed": c.computed, "computed_by_engine": c.compute, "cached": c.cached,
                                 "external": c.external, "kv_bytes": c.kv_bytes, "tpot": c.tpot, "wall": c.wall,
                                 **c.extra} for step, c in r.steps.items()}
-                     for k, r in results.items() if not r.skipped},
+                     for k, r in results.items()},
         "requests": {k: [{"session": o.session, "step": o.step, "latency": o.latency, "ttft": o.ttft,
                           "tokens_match": o.tokens_match, "first_mismatch": o.first_mismatch,
                           "max_diff": o.max_diff, "wrong": o.wrong, "error": o.error, "route": o.route,
                           "p_seconds": o.p_seconds} for o in r.outcomes]
-                     for k, r in results.items() if not r.skipped},
+                     for k, r in results.items()},
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(finite(out), indent=1))

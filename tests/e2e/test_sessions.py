@@ -122,7 +122,7 @@ def _router_choosing(spec: FleetSpec, flags: list[str]) -> str:
 
 
 def _agent_steps(router: str, x: list[int], tokenizer: PromptTokenizer, session: str,
-                 edit_step3: Edit = lambda h, gen: h + gen) -> list[tuple[list[int], Completion]]:  # fmt: skip
+                 edit_step3: Edit = EDITS["unedited"]) -> list[tuple[list[int], Completion]]:  # fmt: skip
     """Three steps of one agent session through ``router``: each resends the whole
     history, D's tool call and a new tool output appended (``edit_step3`` edits the
     history before step 3); returns each step's prompt and answer."""
@@ -132,7 +132,8 @@ def _agent_steps(router: str, x: list[int], tokenizer: PromptTokenizer, session:
                        conversation_id=session)  # fmt: skip
         steps.append((prompt, out))
         tool = tokenizer.prompt_token_ids(f" tool: step {n} ok, {n + 3} tests pass")
-        prompt = (edit_step3 if n == 1 else (lambda h, gen: h + gen))(prompt, list(out.token_ids)) + tool
+        edit = edit_step3 if n == 1 else EDITS["unedited"]
+        prompt = edit(prompt, list(out.token_ids)) + tool
     return steps
 
 
