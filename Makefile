@@ -14,7 +14,7 @@ test: setup
 
 # Lint and types (after `make setup`; run by `make test`): ruff (rules in pyproject.toml) on
 # LINT_PATHS, mypy strict on the packages [tool.mypy] names (kvconnectors, routing, policies).
-LINT_PATHS = kvconnectors routing policies tests/unit
+LINT_PATHS = .
 lint:
 	.venv/bin/ruff check $(LINT_PATHS)
 	.venv/bin/ruff format --check $(LINT_PATHS)

@@ -29,8 +29,7 @@ FIRST_ORDINARY_ID = 7
 """Ids below this are the tiny model's special tokens (``<s>``, ``</s>``, ...)."""
 
 EDIT_KINDS = ("strip", "rerender", "truncate")
-EDIT_NAMES = {"strip": "reasoning trace stripped", "rerender": "message re-rendered",
-              "truncate": "history truncated"}  # fmt: skip
+EDIT_NAMES = {"strip": "reasoning trace stripped", "rerender": "message re-rendered", "truncate": "history truncated"}
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+import agent_workload as aw
+from vllm_router_arm import running_vllm_router
 
 from deploy import fleet as fleet_io
 from deploy.client import Completion, complete
@@ -94,9 +97,6 @@ from deploy.fleet_spec import FleetSpec
 from deploy.metrics import Samples, delta, scrape
 from deploy.tiny_model import ensure_tiny_model
 from routing.tokenizer import PromptTokenizer
-
-import agent_workload as aw
-from vllm_router_arm import running_vllm_router
 
 PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -111,13 +111,25 @@ ARMS = {
     "d": "(d) vllm-router PD",
     "e": "(e) kvpilot",
 }
-FLEET_N = dict(connector="NixlConnector", connector_extra_config={"bidirectional_kv_xfer": True},
-               disaggregation="always", engine_port=9410, side_channel_port=7640, events_port=7740,
-               router_port=9400, engine_env={"VLLM_SERVER_DEV_MODE": "1"})  # fmt: skip
-FLEET_K = dict(connector="KVPilotConnector",
-               connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
-               disaggregation="conditional", engine_port=9510, side_channel_port=7660, events_port=7760,
-               router_port=9500)  # fmt: skip
+FLEET_N = {
+    "connector": "NixlConnector",
+    "connector_extra_config": {"bidirectional_kv_xfer": True},
+    "disaggregation": "always",
+    "engine_port": 9410,
+    "side_channel_port": 7640,
+    "events_port": 7740,
+    "router_port": 9400,
+    "engine_env": {"VLLM_SERVER_DEV_MODE": "1"},
+}
+FLEET_K = {
+    "connector": "KVPilotConnector",
+    "connector_extra_config": {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
+    "disaggregation": "conditional",
+    "engine_port": 9510,
+    "side_channel_port": 7660,
+    "events_port": 7760,
+    "router_port": 9500,
+}
 VLLM_ROUTER_PORT = 9420
 STALL_S = 25.0
 """A request this slow is counted as stalled (P's NIXL lease on blocks for D is 30 s)."""
@@ -196,20 +208,36 @@ def counters(before: dict[str, Samples], after: dict[str, Samples], decode: str)
     extra = {}
     for decision in ("pull", "recompute"):
         extra[f"pull_decisions_{decision}"] = sum(
-            delta(after[n], before[n], PULL_DECISIONS, decision=decision) for n in after)  # fmt: skip
+            delta(after[n], before[n], PULL_DECISIONS, decision=decision) for n in after
+        )
     extra["verified_blocks"] = sum(delta(after[n], before[n], VERIFIED_BLOCKS) for n in after)
     return StepCounters(compute, cached, external, kv_bytes, transfers, tpot, extra)
 
 
-def p_to_d(p_url: str, d_url: str, prompt: list[int], salt: str, generated: int, timeout: float,
-           p_params: dict[str, Any] | None = None) -> Completion:  # fmt: skip
+def p_to_d(
+    p_url: str,
+    d_url: str,
+    prompt: list[int],
+    salt: str,
+    generated: int,
+    timeout: float,
+    p_params: dict[str, Any] | None = None,
+) -> Completion:
     """The P->D proxy: P prefills (``max_tokens=1``) with ``p_params`` (default: a plain
     handoff), D generates with P's returned params (D prefills itself if P returned none)."""
     params = p_params if p_params is not None else {"do_remote_decode": True}
     p = complete(p_url, prompt, max_tokens=1, kv_transfer_params=params, cache_salt=salt, timeout=timeout)
     extra = {"kv_transfer_params": p.kv_transfer_params} if p.kv_transfer_params else {}
-    d = complete(d_url, prompt, max_tokens=generated, ignore_eos=True, return_token_ids=True,
-                 cache_salt=salt, timeout=timeout, **extra)  # fmt: skip
+    d = complete(
+        d_url,
+        prompt,
+        max_tokens=generated,
+        ignore_eos=True,
+        return_token_ids=True,
+        cache_salt=salt,
+        timeout=timeout,
+        **extra,
+    )
     return dataclasses.replace(d, headers={**d.headers, P_SECONDS: f"{p.total_seconds:.6f}"})
 
 
@@ -217,8 +245,14 @@ class ConversationProxy:
     """Arm (c): the behaviour of vLLM's ``disagg_proxy_multiturn.py`` (see the module doc)."""
 
     TTL_S = 450.0  # the example's: below vLLM's 480 s hold of D's blocks
-    MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+    MISS: ClassVar[dict[str, Any]] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
 
     def __init__(self, p_url: str, d_url: str, salt: str, generated: int, timeout: float) -> None:
         self.p_url, self.d_url, self.salt, self.generated, self.timeout = p_url, d_url, salt, generated, timeout
@@ -298,9 +332,16 @@ def running(spec: FleetSpec) -> Iterator[fleet_io.Fleet]:
 Send = Callable[[int, int, list[int]], Completion]
 
 
-def lockstep(key: str, send: Send, prompts: dict[tuple[int, int], list[int]], engines: dict[str, str],
-             decode: str, args: argparse.Namespace, before_step: Callable[[int], None] | None = None,
-             route_header: str | None = None) -> ArmResult:  # fmt: skip
+def lockstep(
+    key: str,
+    send: Send,
+    prompts: dict[tuple[int, int], list[int]],
+    engines: dict[str, str],
+    decode: str,
+    args: argparse.Namespace,
+    before_step: Callable[[int], None] | None = None,
+    route_header: str | None = None,
+) -> ArmResult:
     """All sessions' step k concurrently, scrape, step k+1, ..."""
     result = ArmResult(key)
     started = time.perf_counter()
@@ -321,7 +362,7 @@ def lockstep(key: str, send: Send, prompts: dict[tuple[int, int], list[int]], en
                 before_step(step)
             before = {n: scrape(u) for n, u in engines.items()}
             t0 = time.perf_counter()
-            outcomes = list(pool.map(lambda s: one(s, step), range(args.sessions)))
+            outcomes = list(pool.map(one, range(args.sessions), [step] * args.sessions))
             wall = time.perf_counter() - t0
             time.sleep(args.settle)  # counters reach /metrics on the stats loop's next tick
             after = {n: scrape(u) for n, u in engines.items()}
@@ -330,10 +371,15 @@ def lockstep(key: str, send: Send, prompts: dict[tuple[int, int], list[int]], en
             result.outcomes += outcomes
             errors = sum(o.error is not None for o in outcomes)
             c = result.steps[step]
-            log(f"  {key} step {step:2d}: {wall:6.2f} s, computed {c.computed:6.0f}, "
+            log(
+                f"  {key} step {step:2d}: {wall:6.2f} s, computed {c.computed:6.0f}, "
                 f"cached {c.cached:6.0f}, external {c.external:6.0f}, KV {c.kv_bytes / 1e6:6.2f} MB"
-                + (f", {errors} failed: {outcomes[[o.error is not None for o in outcomes].index(True)].error}"
-                   if errors else ""))  # fmt: skip
+                + (
+                    f", {errors} failed: {outcomes[[o.error is not None for o in outcomes].index(True)].error}"
+                    if errors
+                    else ""
+                )
+            )
     result.seconds = time.perf_counter() - started
     return result
 
@@ -351,9 +397,9 @@ def compare(out: Completion, ref: Completion) -> tuple[int | None, float]:
     a, b = (ids, ref.token_ids) if ids else (out.tokens, ref.tokens)
     if len(out.logprobs) != len(ref.logprobs) or len(a) != len(b):
         return 0, math.inf
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
     end = len(a) if first is None else first + 1
-    return first, max((abs(x - y) for x, y in zip(out.logprobs[:end], ref.logprobs[:end])), default=0.0)
+    return first, max((abs(x - y) for x, y in zip(out.logprobs[:end], ref.logprobs[:end], strict=True)), default=0.0)
 
 
 def judge(result: ArmResult, reference: dict[tuple[int, int], Completion], generated: int, tol: float) -> None:
@@ -382,15 +428,24 @@ def pct(values: list[float], q: float) -> float:
 
 
 def at_step(result: ArmResult, step: int, what: str) -> list[float]:
-    return [getattr(o, what) for o in result.outcomes
-            if o.step == step and o.completion is not None and getattr(o, what) is not None]  # fmt: skip
+    return [
+        getattr(o, what)
+        for o in result.outcomes
+        if o.step == step and o.completion is not None and getattr(o, what) is not None
+    ]
 
 
 def summarize(result: ArmResult, report_steps: list[int], ttft_slo: float, tpot_slo: float) -> dict[str, Any]:
     steps = result.steps.values()
-    good = [o for o in result.outcomes
-            if o.completion is not None and not o.wrong and o.ttft is not None and o.ttft <= ttft_slo
-            and (result.steps[o.step].tpot or 0.0) <= tpot_slo]  # fmt: skip
+    good = [
+        o
+        for o in result.outcomes
+        if o.completion is not None
+        and not o.wrong
+        and o.ttft is not None
+        and o.ttft <= ttft_slo
+        and (result.steps[o.step].tpot or 0.0) <= tpot_slo
+    ]
     tpots = [c.tpot for c in steps if c.tpot is not None]
     per_engine: dict[str, float] = {}
     for c in steps:
@@ -410,10 +465,14 @@ def summarize(result: ArmResult, report_steps: list[int], ttft_slo: float, tpot_
         "external_kv_transfer": sum(c.external for c in steps),
         "kv_bytes": sum(c.kv_bytes for c in steps),
         "nixl_transfers": sum(c.transfers for c in steps),
-        "latency": {k: {"p50": pct(at_step(result, k, "latency"), 50), "p99": pct(at_step(result, k, "latency"), 99)}
-                    for k in report_steps},  # fmt: skip
-        "ttft": {k: {"p50": pct(at_step(result, k, "ttft"), 50), "p99": pct(at_step(result, k, "ttft"), 99)}
-                 for k in report_steps},  # fmt: skip
+        "latency": {
+            k: {"p50": pct(at_step(result, k, "latency"), 50), "p99": pct(at_step(result, k, "latency"), 99)}
+            for k in report_steps
+        },
+        "ttft": {
+            k: {"p50": pct(at_step(result, k, "ttft"), 50), "p99": pct(at_step(result, k, "ttft"), 99)}
+            for k in report_steps
+        },
         "tpot_mean": statistics.fmean(tpots) if tpots else math.nan,
         "goodput": len(good),
         "wrong": len(wrong),
@@ -423,8 +482,9 @@ def summarize(result: ArmResult, report_steps: list[int], ttft_slo: float, tpot_
         "wrong_at": sorted({(o.session, o.step) for o in wrong}),
         "failed": sum(o.error is not None for o in result.outcomes),
         "errors": sorted({o.error for o in result.outcomes if o.error})[:5],
-        "max_logprob_diff_correct": max((o.max_diff for o in result.outcomes
-                                         if o.completion is not None and not o.wrong), default=0.0),  # fmt: skip
+        "max_logprob_diff_correct": max(
+            (o.max_diff for o in result.outcomes if o.completion is not None and not o.wrong), default=0.0
+        ),
         "routes": routes,
         "extra": {k: sum(c.extra.get(k, 0.0) for c in steps) for k in next(iter(steps)).extra} if steps else {},
         "seconds": result.seconds,
@@ -448,18 +508,26 @@ def fmt_s(x: float) -> str:
 
 
 def tables(summaries: dict[str, dict[str, Any]], report_steps: list[int], total_requests: int) -> str:
-    lines = ["| arm | prefill computed | local cache hit | external KV | KV moved MB (xfers) "
-             "| wrong | near-tie flips | failed | stalled | goodput |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for s in summaries.values():
-        lines.append(f"| {s['arm']} | {s['prefill_computed']:,.0f} | {s['local_cache_hit']:,.0f} | "
-                     f"{s['external_kv_transfer']:,.0f} | {s['kv_bytes'] / 1e6:,.1f} ({s['nixl_transfers']:.0f}) | "
-                     f"{s['wrong']} | {s['token_flips']} | {s['failed']} | {s['stalled']} | "
-                     f"{s['goodput']}/{total_requests} |")  # fmt: skip
-    head = " | ".join(f"lat s{k} p50/p99" for k in report_steps) + " | " + \
-        " | ".join(f"TTFT s{k} p50/p99" for k in report_steps)
-    lines += ["", f"| arm | {head} | D TPOT ms | arm wall s |",
-              "|---|" + "---:|" * (2 * len(report_steps) + 2)]
+    lines = [
+        (
+            "| arm | prefill computed | local cache hit | external KV | KV moved MB (xfers) "
+            "| wrong | near-tie flips | failed | stalled | goodput |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines.extend(
+        f"| {s['arm']} | {s['prefill_computed']:,.0f} | {s['local_cache_hit']:,.0f} | "
+        f"{s['external_kv_transfer']:,.0f} | {s['kv_bytes'] / 1e6:,.1f} ({s['nixl_transfers']:.0f}) | "
+        f"{s['wrong']} | {s['token_flips']} | {s['failed']} | {s['stalled']} | "
+        f"{s['goodput']}/{total_requests} |"
+        for s in summaries.values()
+    )
+    head = (
+        " | ".join(f"lat s{k} p50/p99" for k in report_steps)
+        + " | "
+        + " | ".join(f"TTFT s{k} p50/p99" for k in report_steps)
+    )
+    lines += ["", f"| arm | {head} | D TPOT ms | arm wall s |", "|---|" + "---:|" * (2 * len(report_steps) + 2)]
     for s in summaries.values():
         cells = [f"{fmt_s(s['latency'][k]['p50'])} / {fmt_s(s['latency'][k]['p99'])}" for k in report_steps]
         cells += [f"{fmt_s(s['ttft'][k]['p50'])} / {fmt_s(s['ttft'][k]['p99'])}" for k in report_steps]
@@ -484,10 +552,17 @@ def plot(results: dict[str, ArmResult], path: Path, edited_steps: list[int], tit
         if not r.steps:
             continue
         xs = sorted(r.steps)
-        line, = ax.plot(xs, [r.steps[k].computed for k in xs], marker="o", markersize=3, label=ARMS[key])
+        (line,) = ax.plot(xs, [r.steps[k].computed for k in xs], marker="o", markersize=3, label=ARMS[key])
         failed = sorted({o.step for o in r.outcomes if o.error is not None})
-        ax.plot(failed, [r.steps[k].computed for k in failed], "x", color=line.get_color(), markersize=9,
-                markeredgewidth=2, label=failed_label if failed else None)
+        ax.plot(
+            failed,
+            [r.steps[k].computed for k in failed],
+            "x",
+            color=line.get_color(),
+            markersize=9,
+            markeredgewidth=2,
+            label=failed_label if failed else None,
+        )
         if failed:
             failed_label = None
     for k in edited_steps:
@@ -515,9 +590,15 @@ def reference_pass(d_url: str, workload: aw.Workload, args: argparse.Namespace):
                 prompts[(s, step)] = workload.prompt(s, step)
 
             def ref(s: int, step: int = step) -> Completion:
-                return complete(d_url, prompts[(s, step)], max_tokens=args.generated, ignore_eos=True,
-                                return_token_ids=True, cache_salt=f"ref-{uuid.uuid4().hex}",
-                                timeout=args.request_timeout)  # fmt: skip
+                return complete(
+                    d_url,
+                    prompts[(s, step)],
+                    max_tokens=args.generated,
+                    ignore_eos=True,
+                    return_token_ids=True,
+                    cache_salt=f"ref-{uuid.uuid4().hex}",
+                    timeout=args.request_timeout,
+                )
 
             for s, out in enumerate(pool.map(ref, range(args.sessions))):
                 if len(out.token_ids) != args.generated:
@@ -535,12 +616,17 @@ def main() -> None:
     parser.add_argument("--tool-tokens", type=int, default=100)
     parser.add_argument("--generated", type=int, default=32, help="G: tokens of each tool call")
     parser.add_argument("--editing-sessions", type=int, default=1, help="sessions that edit their history")
-    parser.add_argument("--edit-steps", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=None,
-                        help="steps after which they edit (default: 1/4, 1/2, 3/4 of --steps)")
+    parser.add_argument(
+        "--edit-steps",
+        type=lambda s: tuple(int(x) for x in s.split(",") if x),
+        default=None,
+        help="steps after which they edit (default: 1/4, 1/2, 3/4 of --steps)",
+    )
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument("--arms", default="abcde", help="which arms to run (letters)")
-    parser.add_argument("--tolerance", type=float, default=0.03,
-                        help="max |logprob diff| of a correct output (see the module doc)")
+    parser.add_argument(
+        "--tolerance", type=float, default=0.03, help="max |logprob diff| of a correct output (see the module doc)"
+    )
     parser.add_argument("--ttft-slo", type=float, default=None, help="default: 1.5 x arm (a)'s TTFT p50 at step 1")
     parser.add_argument("--tpot-slo", type=float, default=None, help="default: 1.5 x arm (a)'s median step TPOT")
     parser.add_argument("--request-timeout", type=float, default=240.0)
@@ -555,14 +641,24 @@ def main() -> None:
 
     model_dir = ensure_tiny_model()
     tokenizer = PromptTokenizer(model_dir)
-    wspec = aw.WorkloadSpec(args.sessions, args.steps, args.prefix_tokens, args.tool_tokens, args.generated,
-                            args.editing_sessions, args.edit_steps, args.seed)  # fmt: skip
+    wspec = aw.WorkloadSpec(
+        args.sessions,
+        args.steps,
+        args.prefix_tokens,
+        args.tool_tokens,
+        args.generated,
+        args.editing_sessions,
+        args.edit_steps,
+        args.seed,
+    )
     workload = aw.build(wspec, tokenizer)
     run_id = uuid.uuid4().hex[:8]
     root = Path(tempfile.mkdtemp(prefix="kvpilot-bench-agent-"))
-    log(f"workload: {args.sessions} sessions x {args.steps} steps, prefix {args.prefix_tokens}, tool output "
+    log(
+        f"workload: {args.sessions} sessions x {args.steps} steps, prefix {args.prefix_tokens}, tool output "
         f"{args.tool_tokens}, G={args.generated}; editing sessions {args.editing_sessions} at {wspec.edit_plan}; "
-        f"logs under {root}")  # fmt: skip
+        f"logs under {root}"
+    )
     results: dict[str, ArmResult] = {}
     noise: dict[str, Any] = {}
     warm_ups: dict[str, float] = {}
@@ -582,21 +678,37 @@ def main() -> None:
         prompts, reference = reference_pass(d_url, workload, args)
         timings["reference"] = time.perf_counter() - t0
         edited_steps = sorted({k + 1 for _, k, _ in workload.edits_done})
-        log(f"reference done in {timings['reference']:.0f} s; edits {workload.edits_done}; "
-            f"last prompt {max(len(p) for p in prompts.values())} tokens")
+        log(
+            f"reference done in {timings['reference']:.0f} s; edits {workload.edits_done}; "
+            f"last prompt {max(len(p) for p in prompts.values())} tokens"
+        )
 
         t0 = time.perf_counter()
         log("calibration: the same prompts on D with its prefix cache (a stable salt per session)")
-        calib = lockstep("calibration", lambda s, k, p: complete(
-            d_url, p, max_tokens=args.generated, ignore_eos=True, return_token_ids=True,
-            cache_salt=f"calib-{run_id}-{s}", timeout=args.request_timeout),
-            prompts, {"D": d_url}, "D", args)  # fmt: skip
+        calib = lockstep(
+            "calibration",
+            lambda s, k, p: complete(
+                d_url,
+                p,
+                max_tokens=args.generated,
+                ignore_eos=True,
+                return_token_ids=True,
+                cache_salt=f"calib-{run_id}-{s}",
+                timeout=args.request_timeout,
+            ),
+            prompts,
+            {"D": d_url},
+            "D",
+            args,
+        )
         judge(calib, reference, args.generated, math.inf)
         calib_diffs = [o.max_diff for o in calib.outcomes if o.completion is not None]
-        noise["calibration"] = {"max": max(calib_diffs, default=math.nan),
-                                "median": statistics.median(calib_diffs) if calib_diffs else math.nan,
-                                "token_flips": sum(not o.tokens_match for o in calib.outcomes),
-                                "cached_tokens": sum(c.cached for c in calib.steps.values())}  # fmt: skip
+        noise["calibration"] = {
+            "max": max(calib_diffs, default=math.nan),
+            "median": statistics.median(calib_diffs) if calib_diffs else math.nan,
+            "token_flips": sum(not o.tokens_match for o in calib.outcomes),
+            "cached_tokens": sum(c.cached for c in calib.steps.values()),
+        }
         timings["calibration"] = time.perf_counter() - t0
         log(f"calibration noise: {noise['calibration']}")
 
@@ -610,26 +722,42 @@ def main() -> None:
             before_step = None
             with ExitStack() as stack:
                 if key == "a":
-                    send: Send = lambda s, k, p: p_to_d(p_url, d_url, p, f"a-{uuid.uuid4().hex}",  # noqa: E731
-                                                        args.generated, args.request_timeout)
+
+                    def send(s: int, k: int, p: list[int]) -> Completion:
+                        return p_to_d(p_url, d_url, p, f"a-{uuid.uuid4().hex}", args.generated, args.request_timeout)
+
                 elif key == "b":
                     resets: list[int] = []
 
-                    def before_step(step: int, salt: str = salt) -> None:
+                    def before_step(step: int, salt: str = salt, resets: list[int] = resets) -> None:
                         resets.append(reset_prefix_cache(p_url))
                         complete(p_url, workload.prefix, max_tokens=1, cache_salt=salt, timeout=args.request_timeout)
 
-                    send = lambda s, k, p, salt=salt: p_to_d(p_url, d_url, p, salt,  # noqa: E731
-                                                             args.generated, args.request_timeout)
+                    def send(s: int, k: int, p: list[int], salt: str = salt) -> Completion:
+                        return p_to_d(p_url, d_url, p, salt, args.generated, args.request_timeout)
+
                 elif key == "c":
                     proxy = ConversationProxy(p_url, d_url, salt, args.generated, args.request_timeout)
-                    send = lambda s, k, p: proxy(f"session-{s}", p)  # noqa: E731
+
+                    def send(s: int, k: int, p: list[int], proxy: ConversationProxy = proxy) -> Completion:
+                        return proxy(f"session-{s}", p)
+
                 else:
-                    url = stack.enter_context(running_vllm_router(
-                        [p_url], [d_url], VLLM_ROUTER_PORT, root / "vllm-router.log"))  # fmt: skip
-                    send = lambda s, k, p, url=url, salt=salt: complete(  # noqa: E731
-                        url, p, max_tokens=args.generated, ignore_eos=True, return_token_ids=True,
-                        cache_salt=salt, timeout=args.request_timeout)
+                    url = stack.enter_context(
+                        running_vllm_router([p_url], [d_url], VLLM_ROUTER_PORT, root / "vllm-router.log")
+                    )
+
+                    def send(s: int, k: int, p: list[int], url: str = url, salt: str = salt) -> Completion:
+                        return complete(
+                            url,
+                            p,
+                            max_tokens=args.generated,
+                            ignore_eos=True,
+                            return_token_ids=True,
+                            cache_salt=salt,
+                            timeout=args.request_timeout,
+                        )
+
                 results[key] = lockstep(key, send, prompts, engines, "D", args, before_step)
             if key == "b":
                 results[key].notes.append(f"P's prefix cache reset before every step (attempts: max {max(resets)})")
@@ -655,11 +783,22 @@ def main() -> None:
             salt = f"arm-e-{run_id}"
             t0 = time.perf_counter()
             log(f"arm {ARMS['e']} via {router}")
-            send = lambda s, k, p: complete(  # noqa: E731
-                router, p, max_tokens=args.generated, ignore_eos=True, return_token_ids=True, cache_salt=salt,
-                conversation_id=f"session-{s}", timeout=args.request_timeout)
-            results["e"] = lockstep("e", send, prompts, {"P": p_url, "D": d_url}, "D", args,
-                                    route_header="X-KVPilot-Route")  # fmt: skip
+
+            def send(s: int, k: int, p: list[int]) -> Completion:
+                return complete(
+                    router,
+                    p,
+                    max_tokens=args.generated,
+                    ignore_eos=True,
+                    return_token_ids=True,
+                    cache_salt=salt,
+                    conversation_id=f"session-{s}",
+                    timeout=args.request_timeout,
+                )
+
+            results["e"] = lockstep(
+                "e", send, prompts, {"P": p_url, "D": d_url}, "D", args, route_header="X-KVPilot-Route"
+            )
             timings["arm_e"] = time.perf_counter() - t0
 
     # Judge, summarize, print.
@@ -667,9 +806,10 @@ def main() -> None:
         judge(r, reference, args.generated, args.tolerance)
     if "a" in results:
         a = results["a"]
-        noise["arm_a"] = {"max": max((o.max_diff for o in a.outcomes if o.completion), default=math.nan),
-                          "token_flips": sum(o.completion is not None and not o.tokens_match
-                                             for o in a.outcomes)}  # fmt: skip
+        noise["arm_a"] = {
+            "max": max((o.max_diff for o in a.outcomes if o.completion), default=math.nan),
+            "token_flips": sum(o.completion is not None and not o.tokens_match for o in a.outcomes),
+        }
     wrong_diffs = [o.max_diff for r in results.values() for o in r.outcomes if o.completion is not None and o.wrong]
     noise["smallest_diff_among_wrong"] = min(wrong_diffs, default=math.nan)
     noise["largest_diff_among_wrong"] = max(wrong_diffs, default=math.nan)
@@ -694,44 +834,59 @@ def main() -> None:
     ratios = {
         "prefill_a_over_e": ratio(get("a", lambda s: s["prefill_computed"]), get("e", lambda s: s["prefill_computed"])),
         "prefill_b_over_e": ratio(get("b", lambda s: s["prefill_computed"]), get("e", lambda s: s["prefill_computed"])),
-        f"ttft_p50_step{last}_b_over_e": ratio(get("b", lambda s: s["ttft"][last]["p50"]),
-                                               get("e", lambda s: s["ttft"][last]["p50"])),  # fmt: skip
+        f"ttft_p50_step{last}_b_over_e": ratio(
+            get("b", lambda s: s["ttft"][last]["p50"]), get("e", lambda s: s["ttft"][last]["p50"])
+        ),
         "goodput_e_over_c": ratio(get("e", lambda s: s["goodput"]), get("c", lambda s: s["goodput"])),
         "goodput_e_over_d": ratio(get("e", lambda s: s["goodput"]), get("d", lambda s: s["goodput"])),
     }
     timings["total"] = time.perf_counter() - t_run
 
     print()
-    print(f"## Coding agent, {args.sessions} sessions x {args.steps} steps (prefix {args.prefix_tokens}, tool output "
-          f"{args.tool_tokens}, G={args.generated}); session(s) {[s for s in range(args.sessions) if wspec.edits(s)]} "
-          f"edit at {', '.join(f'{k} ({aw.EDIT_NAMES[v]})' for k, v in wspec.edit_plan.items())}")  # fmt: skip
+    print(
+        f"## Coding agent, {args.sessions} sessions x {args.steps} steps (prefix {args.prefix_tokens}, tool output "
+        f"{args.tool_tokens}, G={args.generated}); session(s) {[s for s in range(args.sessions) if wspec.edits(s)]} "
+        f"edit at {', '.join(f'{k} ({aw.EDIT_NAMES[v]})' for k, v in wspec.edit_plan.items())}"
+    )
     print()
     print(tables(summaries, report_steps, total_requests))
     print()
-    print(f"- prefill tokens computed (a)/(e): {ratios['prefill_a_over_e']:.2f}x, (b)/(e): "
-          f"{ratios['prefill_b_over_e']:.2f}x")
+    print(
+        f"- prefill tokens computed (a)/(e): {ratios['prefill_a_over_e']:.2f}x, (b)/(e): "
+        f"{ratios['prefill_b_over_e']:.2f}x"
+    )
     print(f"- TTFT p50 at step {last}, (b)/(e): {ratios[f'ttft_p50_step{last}_b_over_e']:.2f}x")
     ge = get("e", lambda s: s["goodput"])
-    print(f"- goodput (e) {ge:.0f} vs (c) {get('c', lambda s: s['goodput']):.0f} "
-          f"({ratios['goodput_e_over_c']:.2f}x) vs (d) {get('d', lambda s: s['goodput']):.0f} "
-          f"({ratios['goodput_e_over_d']:.2f}x), of {total_requests} requests")
-    print(f"- goodput = correct requests with TTFT <= {ttft_slo:.3f} s and their step's D TPOT <= "
-          f"{tpot_slo * 1e3:.1f} ms (1.5x arm (a)'s TTFT p50 at step 1 and 1.5x its median step TPOT, unless "
-          f"given). TTFT of a non-streaming request = latency - (G-1) x D's mean TPOT over that step "
-          f"(D's vllm:request_time_per_output_token_seconds)")  # fmt: skip
-    print(f"- wrong = max |logprob diff| against the no-cache reference > {args.tolerance}, over the generated "
-          f"tokens up to and including the first one that differs (after it the contexts differ). A token that "
-          f"differs with a diff within the tolerance is a near-tie flip on numeric noise (bf16, random weights), "
-          f"counted apart, not as wrong. Noise of known-correct paths: calibration (D's own prefix cache, "
-          f"{noise['calibration']['token_flips']} flips) max {noise['calibration']['max']:.4f}"
-          + (f", arm (a) max {noise['arm_a']['max']:.4f}" if "arm_a" in noise else "")
-          + f"; wrong outputs' diffs ranged {noise['smallest_diff_among_wrong']:.3g}"
-            f" .. {noise['largest_diff_among_wrong']:.3g}")  # fmt: skip
-    print("- arm (b) emulates a busy fleet: P's prefix cache is reset before every step and re-warmed with the "
-          "shared prefix only (uncounted, so its step 1 computes no shared prefix, unlike the other arms), so no "
-          "session KV survives on P between steps")
-    print(f"- stalled = requests that took >= {STALL_S:.0f} s; on this 2-core box engines share cores with NIXL's "
-          "busy-polling progress threads (and with whatever else runs), so a step can take tens of seconds")
+    print(
+        f"- goodput (e) {ge:.0f} vs (c) {get('c', lambda s: s['goodput']):.0f} "
+        f"({ratios['goodput_e_over_c']:.2f}x) vs (d) {get('d', lambda s: s['goodput']):.0f} "
+        f"({ratios['goodput_e_over_d']:.2f}x), of {total_requests} requests"
+    )
+    print(
+        f"- goodput = correct requests with TTFT <= {ttft_slo:.3f} s and their step's D TPOT <= "
+        f"{tpot_slo * 1e3:.1f} ms (1.5x arm (a)'s TTFT p50 at step 1 and 1.5x its median step TPOT, unless "
+        f"given). TTFT of a non-streaming request = latency - (G-1) x D's mean TPOT over that step "
+        f"(D's vllm:request_time_per_output_token_seconds)"
+    )
+    print(
+        f"- wrong = max |logprob diff| against the no-cache reference > {args.tolerance}, over the generated "
+        f"tokens up to and including the first one that differs (after it the contexts differ). A token that "
+        f"differs with a diff within the tolerance is a near-tie flip on numeric noise (bf16, random weights), "
+        f"counted apart, not as wrong. Noise of known-correct paths: calibration (D's own prefix cache, "
+        f"{noise['calibration']['token_flips']} flips) max {noise['calibration']['max']:.4f}"
+        + (f", arm (a) max {noise['arm_a']['max']:.4f}" if "arm_a" in noise else "")
+        + f"; wrong outputs' diffs ranged {noise['smallest_diff_among_wrong']:.3g}"
+        f" .. {noise['largest_diff_among_wrong']:.3g}"
+    )
+    print(
+        "- arm (b) emulates a busy fleet: P's prefix cache is reset before every step and re-warmed with the "
+        "shared prefix only (uncounted, so its step 1 computes no shared prefix, unlike the other arms), so no "
+        "session KV survives on P between steps"
+    )
+    print(
+        f"- stalled = requests that took >= {STALL_S:.0f} s; on this 2-core box engines share cores with NIXL's "
+        "busy-polling progress threads (and with whatever else runs), so a step can take tens of seconds"
+    )
     for key, s in summaries.items():
         extra = []
         if s["wrong"]:
@@ -740,39 +895,85 @@ def main() -> None:
             extra.append(f"errors: {s['errors']}")
         if s["stalled"]:
             lat, p_s = s["slowest"]
-            extra.append(f"{s['stalled']} request(s) took >= {STALL_S:.0f} s (slowest {lat:.1f} s"
-                         + (f", of which P {p_s:.1f} s)" if p_s is not None else ")"))
+            extra.append(
+                f"{s['stalled']} request(s) took >= {STALL_S:.0f} s (slowest {lat:.1f} s"
+                + (f", of which P {p_s:.1f} s)" if p_s is not None else ")")
+            )
         if s["routes"]:
             extra.append(f"routes: {s['routes']}")
         if key == "e":
-            extra.append(f"P pull decisions {s['extra'].get('pull_decisions_pull', 0):.0f} pull / "
-                         f"{s['extra'].get('pull_decisions_recompute', 0):.0f} recompute")  # fmt: skip
+            extra.append(
+                f"P pull decisions {s['extra'].get('pull_decisions_pull', 0):.0f} pull / "
+                f"{s['extra'].get('pull_decisions_recompute', 0):.0f} recompute"
+            )
         by_engine = s["prefill_computed_by_engine"].items()
         extra.append("computed by engine " + ", ".join(f"{n} {v:,.0f}" for n, v in by_engine))
         extra += s["notes"]
         print(f"- {s['arm']}: " + "; ".join(extra))
     print(f"- NIXL warm-ups (uncounted): {', '.join(f'fleet {k} {v:.1f} s' for k, v in warm_ups.items())}")
-    print(f"- time: total {timings['total']:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()
-                                                               if k != "total") + ")")  # fmt: skip
+    print(
+        f"- time: total {timings['total']:.0f} s ("
+        + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items() if k != "total")
+        + ")"
+    )
 
-    plot(results, args.plot, edited_steps,
-         f"Prefill tokens computed per step, {args.sessions} sessions x {args.steps} steps (tiny model, CPU)")
+    plot(
+        results,
+        args.plot,
+        edited_steps,
+        f"Prefill tokens computed per step, {args.sessions} sessions x {args.steps} steps (tiny model, CPU)",
+    )
     out = {
-        "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                   "edit_plan": wspec.edit_plan, "editing_sessions_ids":
-                   [s for s in range(args.sessions) if wspec.edits(s)], "run_dir": str(root)},
-        "tolerance": args.tolerance, "noise": noise, "ttft_slo_s": ttft_slo, "tpot_slo_s": tpot_slo,
-        "summaries": summaries, "ratios": ratios, "timings_s": timings, "warm_ups_s": warm_ups,
-        "per_step": {k: {step: {"computed": c.computed, "computed_by_engine": c.compute, "cached": c.cached,
-                                "external": c.external, "kv_bytes": c.kv_bytes, "tpot": c.tpot, "wall": c.wall,
-                                **c.extra} for step, c in r.steps.items()}
-                     for k, r in results.items()},
-        "requests": {k: [{"session": o.session, "step": o.step, "latency": o.latency, "ttft": o.ttft,
-                          "tokens_match": o.tokens_match, "first_mismatch": o.first_mismatch,
-                          "max_diff": o.max_diff, "wrong": o.wrong, "error": o.error, "route": o.route,
-                          "p_seconds": o.p_seconds} for o in r.outcomes]
-                     for k, r in results.items()},
-    }  # fmt: skip
+        "config": {
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "edit_plan": wspec.edit_plan,
+            "editing_sessions_ids": [s for s in range(args.sessions) if wspec.edits(s)],
+            "run_dir": str(root),
+        },
+        "tolerance": args.tolerance,
+        "noise": noise,
+        "ttft_slo_s": ttft_slo,
+        "tpot_slo_s": tpot_slo,
+        "summaries": summaries,
+        "ratios": ratios,
+        "timings_s": timings,
+        "warm_ups_s": warm_ups,
+        "per_step": {
+            k: {
+                step: {
+                    "computed": c.computed,
+                    "computed_by_engine": c.compute,
+                    "cached": c.cached,
+                    "external": c.external,
+                    "kv_bytes": c.kv_bytes,
+                    "tpot": c.tpot,
+                    "wall": c.wall,
+                    **c.extra,
+                }
+                for step, c in r.steps.items()
+            }
+            for k, r in results.items()
+        },
+        "requests": {
+            k: [
+                {
+                    "session": o.session,
+                    "step": o.step,
+                    "latency": o.latency,
+                    "ttft": o.ttft,
+                    "tokens_match": o.tokens_match,
+                    "first_mismatch": o.first_mismatch,
+                    "max_diff": o.max_diff,
+                    "wrong": o.wrong,
+                    "error": o.error,
+                    "route": o.route,
+                    "p_seconds": o.p_seconds,
+                }
+                for o in r.outcomes
+            ]
+            for k, r in results.items()
+        },
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(finite(out), indent=1))
     print(f"- wrote {args.out} and {args.plot}")

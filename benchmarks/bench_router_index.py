@@ -41,15 +41,15 @@ import msgspec
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dynamo.llm import RadixTree, compute_block_hash_for_seq  # noqa: E402
+from dynamo.llm import RadixTree, compute_block_hash_for_seq
 
-from routing.config import CostConfig  # noqa: E402
-from routing.cost import Candidate, CostModel, tier_overlap  # noqa: E402
-from routing.ledger import WorkerLoad  # noqa: E402
-from routing.events import BlockRemoved, BlockStored, EventDecoder  # noqa: E402
-from routing.chain import PromptChain  # noqa: E402
-from routing.index import BlockIndex  # noqa: E402
-from routing.sessions import SessionState  # noqa: E402
+from routing.chain import PromptChain
+from routing.config import CostConfig
+from routing.cost import Candidate, CostModel, tier_overlap
+from routing.events import BlockRemoved, BlockStored, EventDecoder
+from routing.index import BlockIndex
+from routing.ledger import WorkerLoad
+from routing.sessions import SessionState
 
 BS, WORKERS, PER_WORKER, EVENT_BLOCKS, CHAIN = 16, 16, 50_000, 32, 1024
 TRIALS = 200
@@ -87,16 +87,18 @@ class Stream:
 
 
 def ours_msg(chain: list[int], cid: int, a: int, b: int) -> bytes:
-    ev = BlockStored([ehash(cid, k) for k in range(a, b)], ehash(cid, a - 1) if a else None,
-                     chain[a * BS : b * BS], BS, medium="GPU")
+    ev = BlockStored(
+        [ehash(cid, k) for k in range(a, b)], ehash(cid, a - 1) if a else None, chain[a * BS : b * BS], BS, medium="GPU"
+    )
     return msgspec.msgpack.encode([time.time(), [ev]])
 
 
 def dyn_event(msg: dict, eid: int) -> bytes:
     local = compute_block_hash_for_seq(msg["token_ids"], BS)
-    blocks = [{"block_hash": h, "tokens_hash": t} for h, t in zip(msg["block_hashes"], local)]
-    return json.dumps({"event_id": eid, "data": {"stored": {
-        "parent_hash": msg["parent_block_hash"], "blocks": blocks}}}).encode()
+    blocks = [{"block_hash": h, "tokens_hash": t} for h, t in zip(msg["block_hashes"], local, strict=True)]
+    return json.dumps(
+        {"event_id": eid, "data": {"stored": {"parent_hash": msg["parent_block_hash"], "blocks": blocks}}}
+    ).encode()
 
 
 def dyn_remove(hashes: list[int], eid: int) -> bytes:
@@ -144,15 +146,18 @@ def ingest(stream: Stream) -> tuple[BlockIndex, RadixTree, dict[str, float]]:
 def decide_all(index: BlockIndex, model: CostModel, chain: PromptChain) -> str:
     match = index.match(chain)
     tiers = {"GPU": "gpu"}
-    cands = [Candidate(f"w{w}", tier_overlap(match.blocks.get(f"w{w}", {}), tiers), WorkerLoad())
-             for w in range(WORKERS)]
+    cands = [
+        Candidate(f"w{w}", tier_overlap(match.blocks.get(f"w{w}", {}), tiers), WorkerLoad()) for w in range(WORKERS)
+    ]
     return model.decide("bench", chain.num_blocks, cands).chosen
 
 
 def cold(index: BlockIndex, tree: RadixTree, stream: Stream) -> list[tuple[str, list[float], list[float]]]:
-    prompts = {"(a) nothing cached": tokens(65536),
-               "(b) 32K cached on 4 workers": stream.x[: 32768] + tokens(32768),
-               "(c) all 64K cached on worker 0": stream.x}
+    prompts = {
+        "(a) nothing cached": tokens(65536),
+        "(b) 32K cached on 4 workers": stream.x[:32768] + tokens(32768),
+        "(c) all 64K cached on worker 0": stream.x,
+    }
     model = CostModel(CostConfig())
     rows = []
     for name, p in prompts.items():
@@ -200,7 +205,7 @@ def session(index: BlockIndex, tree: RadixTree, stream: Stream) -> list[tuple[st
         nonlocal eid
         for _ in range(8):
             w = churn_rng.randrange(WORKERS)
-            _, c, a, b = by_worker[w].pop(churn_rng.randrange(len(by_worker[w])))
+            _, c, _a, b = by_worker[w].pop(churn_rng.randrange(len(by_worker[w])))
             gone = [ehash(c, k) for k in range(b - 4, b)]
             index.apply(f"w{w}", BlockRemoved(gone, medium="GPU"))
             try:
@@ -224,7 +229,7 @@ def session(index: BlockIndex, tree: RadixTree, stream: Stream) -> list[tuple[st
     # identity shortcut, so give every trial its own copy.
     raw20, raw_new = msgspec.json.encode(seq[: lengths[-1]]), msgspec.json.encode(seq[lengths[-2] : lengths[-1]])
     adv, ext, dyn = [], [], []
-    for s, e in zip(sessions, extenders):
+    for s, e in zip(sessions, extenders, strict=True):
         prompt20, new = msgspec.json.decode(raw20), msgspec.json.decode(raw_new)
         t = time.perf_counter()
         s.advance(prompt20)
@@ -250,18 +255,24 @@ def main() -> None:
     # cyclic GC from re-scanning them (the indexes built below stay subject to it).
     gc.collect()
     gc.freeze()
-    print(f"stream: {WORKERS} workers, {stream.blocks} blocks of {BS} tokens, "
-          f"{len(stream.spans)} events; affinity={sorted(os.sched_getaffinity(0))}")
+    print(
+        f"stream: {WORKERS} workers, {stream.blocks} blocks of {BS} tokens, "
+        f"{len(stream.spans)} events; affinity={sorted(os.sched_getaffinity(0))}"
+    )
     index, tree, rates = ingest(stream)
     print("\n| measure | kvpilot | Dynamo | ratio (kvpilot/Dynamo) |\n|---|---|---|---|")
     for key, label in (("dyn_same", "same vLLM stream"), ("dyn_apply", "RadixTree.apply_event only")):
-        print(f"| ingest blocks/s vs {label} | {rates['ours']:,.0f} | {rates[key]:,.0f} | "
-              f"{rates['ours'] / rates[key]:.2f}x (target >= 1.0) |")
+        print(
+            f"| ingest blocks/s vs {label} | {rates['ours']:,.0f} | {rates[key]:,.0f} | "
+            f"{rates['ours'] / rates[key]:.2f}x (target >= 1.0) |"
+        )
     for name, ours, dyn in cold(index, tree, stream) + session(index, tree, stream):
         target = "0.1" if name.startswith("session") else "1.0"
         for q, label in ((0.5, "p50"), (0.99, "p99")):
-            print(f"| {name} {label} us | {pct(ours, q):,.0f} | {pct(dyn, q):,.0f} | "
-                  f"{pct(ours, q) / pct(dyn, q):.3f}x (target <= {target}) |")
+            print(
+                f"| {name} {label} us | {pct(ours, q):,.0f} | {pct(dyn, q):,.0f} | "
+                f"{pct(ours, q) / pct(dyn, q):.3f}x (target <= {target}) |"
+            )
     print(f"\n{TRIALS} trials per decision row, sides alternated; total {time.perf_counter() - t0:.0f} s")
 
 

@@ -39,9 +39,18 @@ def _p90(xs: list[float]) -> float:
 def measure(backend: str, requests: int, tokens: int) -> tuple[list[float], list[float]]:
     """(direct, routed) latencies of ``requests`` interleaved pairs on a fresh one-engine fleet."""
     run_dir = Path(tempfile.mkdtemp(prefix="kvpilot-bench-"))
-    spec = FleetSpec(model_dir=ensure_tiny_model(), run_dir=run_dir, prefill=0, decode=0, colocated=1,
-                     engine_port=8910, side_channel_port=6910, events_port=7010, router_port=8900,
-                     index_backend=backend)  # fmt: skip
+    spec = FleetSpec(
+        model_dir=ensure_tiny_model(),
+        run_dir=run_dir,
+        prefill=0,
+        decode=0,
+        colocated=1,
+        engine_port=8910,
+        side_channel_port=6910,
+        events_port=7010,
+        router_port=8900,
+        index_backend=backend,
+    )
     started = fleet_io.up(spec, progress=lambda _: None)
     try:
         engine, router = started.engines[0].url, started.router.url
@@ -65,13 +74,19 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"{args.requests} requests each, {args.tokens}-token cached prompt, max_tokens=1\n")
-    print("| index backend | direct p50 ms | routed p50 ms | router adds p50 ms | routed/direct p50 | direct p90 ms | routed p90 ms |")
+    print(
+        "| index backend | direct p50 ms | routed p50 ms | router adds p50 ms | routed/direct p50 "
+        "| direct p90 ms | routed p90 ms |"
+    )
     print("|---|---|---|---|---|---|---|")
     for backend in args.backends:
         direct, routed = measure(backend, args.requests, args.tokens)
         d50, r50 = statistics.median(direct), statistics.median(routed)
-        print(f"| {backend} | {d50 * 1e3:.2f} | {r50 * 1e3:.2f} | {(r50 - d50) * 1e3:+.2f} | {r50 / d50:.2f}x | "
-              f"{_p90(direct) * 1e3:.2f} | {_p90(routed) * 1e3:.2f} |", flush=True)
+        print(
+            f"| {backend} | {d50 * 1e3:.2f} | {r50 * 1e3:.2f} | {(r50 - d50) * 1e3:+.2f} | {r50 / d50:.2f}x | "
+            f"{_p90(direct) * 1e3:.2f} | {_p90(routed) * 1e3:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

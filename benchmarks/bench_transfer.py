@@ -67,8 +67,12 @@ class Moved:
 
 
 def throughput(after: Samples, before: Samples) -> Moved:
-    return Moved(delta(after, before, BYTES), delta(after, before, SECONDS), int(delta(after, before, TRANSFERS)),
-                 int(delta(after, before, DESCRIPTORS)))  # fmt: skip
+    return Moved(
+        delta(after, before, BYTES),
+        delta(after, before, SECONDS),
+        int(delta(after, before, TRANSFERS)),
+        int(delta(after, before, DESCRIPTORS)),
+    )
 
 
 def raw_baseline(moved: Moved) -> Moved:
@@ -82,10 +86,17 @@ def raw_baseline(moved: Moved) -> Moved:
 
 
 def measure(connector: str, args: argparse.Namespace, tokenizer: PromptTokenizer) -> dict[str, Moved]:
-    spec = FleetSpec(model_dir=ensure_tiny_model(), run_dir=Path(tempfile.mkdtemp(prefix="kvpilot-bench-")),
-                     disaggregation="always", connector=connector,
-                     connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
-                     engine_port=8710, side_channel_port=6110, events_port=6710, router_port=8700)  # fmt: skip
+    spec = FleetSpec(
+        model_dir=ensure_tiny_model(),
+        run_dir=Path(tempfile.mkdtemp(prefix="kvpilot-bench-")),
+        disaggregation="always",
+        connector=connector,
+        connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
+        engine_port=8710,
+        side_channel_port=6110,
+        events_port=6710,
+        router_port=8700,
+    )
     started = fleet_io.up(spec, progress=lambda _: None)
     try:
         p_url, d_url = started.by_role("prefill")[0].url, started.by_role("decode")[0].url
@@ -119,12 +130,16 @@ def main() -> None:
     for direction in ("P->D", "D->P"):
         rows = {**{c: results[c][direction] for c in CONNECTORS}, "raw NIXL": raw[direction]}
         for path, moved in rows.items():
-            print(f"{direction:10} {path:18} {moved.transfers:9d} {moved.nbytes / 1e6:9.2f} {moved.seconds:8.3f} "
-                  f"{moved.bytes_per_s / 1e6:9.1f}")  # fmt: skip
+            print(
+                f"{direction:10} {path:18} {moved.transfers:9d} {moved.nbytes / 1e6:9.2f} {moved.seconds:8.3f} "
+                f"{moved.bytes_per_s / 1e6:9.1f}"
+            )
         kvpilot = rows["KVPilotConnector"].bytes_per_s
         plain, ceiling = rows["NixlConnector"].bytes_per_s, rows["raw NIXL"].bytes_per_s
-        print(f"{direction:10} kvpilot / plain {kvpilot / plain if plain else float('nan'):.2f}x, "
-              f"kvpilot / raw {kvpilot / ceiling if ceiling else float('nan'):.2f}x")  # fmt: skip
+        print(
+            f"{direction:10} kvpilot / plain {kvpilot / plain if plain else float('nan'):.2f}x, "
+            f"kvpilot / raw {kvpilot / ceiling if ceiling else float('nan'):.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
@@ -41,6 +42,13 @@ from kvconnectors.transfer_params import PARAMS_KEY, ContractId, decode_offer, e
 from kvconnectors.verify import Reason, verify_offer
 
 BLOCK_SIZES = (16, 128)
+
+
+def _decode_and_verify(received: object, contract: ContractId, hashes: list[bytes]) -> None:
+    """What D does with an offer on the wire: decode it, then verify every block."""
+    verdict = verify_offer(decode_offer(received), contract, hashes, 0)
+    assert verdict.reason is Reason.VERIFIED_ALL
+    assert verdict.num_verified_blocks == len(hashes)
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -87,16 +95,9 @@ def main() -> None:
         wire = json.dumps({PARAMS_KEY: encode_offer(contract, hashes)})
         received = json.loads(wire)[PARAMS_KEY]
 
-        def decode_and_verify() -> None:
-            verdict = verify_offer(decode_offer(received), contract, hashes, 0)
-            assert verdict.reason is Reason.VERIFIED_ALL
-            assert verdict.num_verified_blocks == len(hashes)
-
-        baseline = _median_ms(
-            lambda: _vllm_hash_chain(tokens, block_size, args.algo, seed), args.repeats
-        )
-        encode = _median_ms(lambda: encode_offer(contract, hashes), args.repeats)
-        verify = _median_ms(decode_and_verify, args.repeats)
+        baseline = _median_ms(partial(_vllm_hash_chain, tokens, block_size, args.algo, seed), args.repeats)
+        encode = _median_ms(partial(encode_offer, contract, hashes), args.repeats)
+        verify = _median_ms(partial(_decode_and_verify, received, contract, hashes), args.repeats)
         print(
             f"{block_size:>5} {len(hashes):>6} {len(wire):>9} {baseline:>12.3f} "
             f"{encode:>9.3f} {verify:>16.3f} {verify / baseline:>10.1%}"

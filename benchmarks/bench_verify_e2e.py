@@ -47,8 +47,9 @@ def main() -> None:
     try:
         prefill, decode = started.by_role("prefill")[0].url, started.by_role("decode")[0].url
         prompt = [(i * 7919) % 2000 + 7 for i in range(args.tokens)]  # ids of ordinary tokens
-        params = complete(prefill, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True},
-                          cache_salt="size").kv_transfer_params  # fmt: skip
+        params = complete(
+            prefill, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, cache_salt="size"
+        ).kv_transfer_params
         added_bytes = len(json.dumps({"kvpilot": params["kvpilot"]}))
         complete(started.router.url, prompt[:64], max_tokens=1)  # warm-up: the one-time NIXL handshake
         rows = []

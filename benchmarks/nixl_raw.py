@@ -80,13 +80,12 @@ def _read_all(conn: Connection, descriptor_bytes: int, descriptors: int, transfe
     return RawResult(transfers, size, seconds)
 
 
-def _reader(holder: Connection, results: Connection, descriptor_bytes: int, descriptors: int,
-            transfers: int) -> None:  # fmt: skip
+def _reader(holder: Connection, results: Connection, descriptor_bytes: int, descriptors: int, transfers: int) -> None:
     """The reader's process: hands the result (or the error) to the parent, then
     releases the holder."""
     try:
         results.send(_read_all(holder, descriptor_bytes, descriptors, transfers))
-    except Exception as exc:  # reported to the parent, which raises it
+    except Exception as exc:  # noqa: BLE001 - any failure is reported to the parent, which raises it
         results.send(exc)
     finally:
         holder.send("done")
@@ -122,8 +121,10 @@ def main() -> None:
     parser.add_argument("--transfers", type=int, default=32)
     args = parser.parse_args()
     r = measure(args.descriptor_bytes, args.descriptors, args.transfers)
-    print(f"raw NIXL READ: {r.transfers} transfers, {r.nbytes / 1e6:.2f} MB in {r.seconds:.3f} s: "
-          f"{r.bytes_per_s / 1e6:.1f} MB/s")  # fmt: skip
+    print(
+        f"raw NIXL READ: {r.transfers} transfers, {r.nbytes / 1e6:.2f} MB in {r.seconds:.3f} s: "
+        f"{r.bytes_per_s / 1e6:.1f} MB/s"
+    )
 
 
 if __name__ == "__main__":

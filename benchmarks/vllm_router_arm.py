@@ -43,25 +43,38 @@ VLLM_ROUTER_FLAGS: tuple[str, ...] = (
     # vLLM's two-stage P->D protocol (P: max_tokens=1 + do_remote_decode; D: P's params).
     "--vllm-pd-disaggregation",
     # NixlConnector's pull protocol (the default; stated so the mode is explicit).
-    "--kv-connector", "nixl",
+    "--kv-connector",
+    "nixl",
     # The router's default: an approximate prefix tree over the request text per
     # worker, so a session keeps landing on the P and D that saw its prefix.
-    "--policy", "cache_aware",
+    "--policy",
+    "cache_aware",
     # A failed request is reported, not replayed on P/D (kvpilot's router does not retry).
     "--disable-retries",
     # One failure must not take the only P or D out of rotation for the rest of a run.
     "--disable-circuit-breaker",
     # Workers are already up; poll them every second rather than every 30 s.
-    "--worker-startup-check-interval", "1",
-)  # fmt: skip
+    "--worker-startup-check-interval",
+    "1",
+)
 
 
 def vllm_router_argv(
     prefill_urls: list[str], decode_urls: list[str], port: int, kv_event_endpoints: list[str] | None = None
 ) -> list[str]:
     """The full command line (see :data:`VLLM_ROUTER_FLAGS`)."""
-    argv = [VLLM_ROUTER, *VLLM_ROUTER_FLAGS, "--host", HOST, "--port", str(port),
-            "--prometheus-host", HOST, "--prometheus-port", str(port + 1)]  # fmt: skip
+    argv = [
+        VLLM_ROUTER,
+        *VLLM_ROUTER_FLAGS,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--prometheus-host",
+        HOST,
+        "--prometheus-port",
+        str(port + 1),
+    ]
     for url in prefill_urls:
         argv += ["--prefill", url]  # no bootstrap port: NIXL handshakes on its own side channel
     for url in decode_urls:
@@ -70,7 +83,7 @@ def vllm_router_argv(
         if len(kv_event_endpoints) != len(prefill_urls):
             raise ValueError("kv_event_endpoints needs one endpoint per prefill URL")
         argv += ["--prefill-policy", "kv_aware"]
-        for url, endpoint in zip(prefill_urls, kv_event_endpoints):
+        for url, endpoint in zip(prefill_urls, kv_event_endpoints, strict=True):
             argv += ["--pd-kv-events", f"{url}={endpoint}"]
     return argv
 
@@ -88,8 +101,14 @@ def running_vllm_router(
     url = f"http://{HOST}:{port}"
     argv = vllm_router_argv(prefill_urls, decode_urls, port, kv_event_endpoints)
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(argv, env=child_env(), stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv,
+            env=child_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + timeout
         while not is_healthy(url):

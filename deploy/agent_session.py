@@ -28,14 +28,22 @@ class DecodedTurn:
     """Unix time at which D returned ``d_params``."""
 
 
-def decoded_turn(p_url: str, d_url: str, prompt: list[int], generated: int, timeout: float = 300.0,
-                 **extra: Any) -> DecodedTurn:  # fmt: skip
+def decoded_turn(
+    p_url: str, d_url: str, prompt: list[int], generated: int, timeout: float = 300.0, **extra: Any
+) -> DecodedTurn:
     """P prefills ``prompt`` for D (``max_tokens=1``); D pulls it and generates
     ``generated`` tokens (``ignore_eos``). Raises if D returns no session offer."""
-    p = complete(p_url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout,
-                 **extra)  # fmt: skip
-    d = complete(d_url, prompt, max_tokens=generated, ignore_eos=True, return_token_ids=True,
-                 kv_transfer_params=p.kv_transfer_params, timeout=timeout, **extra)  # fmt: skip
+    p = complete(p_url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout, **extra)
+    d = complete(
+        d_url,
+        prompt,
+        max_tokens=generated,
+        ignore_eos=True,
+        return_token_ids=True,
+        kv_transfer_params=p.kv_transfer_params,
+        timeout=timeout,
+        **extra,
+    )
     at = time.time()
     if not (d.kv_transfer_params and d.kv_transfer_params.get("do_remote_decode")):
         raise RuntimeError(f"D returned no session offer (is bidirectional_kv_xfer on?): {d.kv_transfer_params}")
@@ -44,8 +52,9 @@ def decoded_turn(p_url: str, d_url: str, prompt: list[int], generated: int, time
     return DecodedTurn(prompt, list(d.token_ids), d.kv_transfer_params, at)
 
 
-def prefill_next_turn(p_url: str, prompt: list[int], d_params: dict[str, Any] | None, timeout: float = 300.0,
-                      **extra: Any) -> Completion:  # fmt: skip
+def prefill_next_turn(
+    p_url: str, prompt: list[int], d_params: dict[str, Any] | None, timeout: float = 300.0, **extra: Any
+) -> Completion:
     """The next turn's prefill on P: with D's params P may pull D's KV of the
     session; with ``None`` it prefills beyond its own cache. ``max_tokens=1``, so the
     completion's latency is P's time to first token."""

@@ -110,16 +110,32 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--router-port", type=int, default=8000)
     fl.add_argument("--connector", default="KVPilotConnector", help="kv_connector for every engine")
     fl.add_argument("--connector-extra-config", help="JSON for kv_connector_extra_config")
-    fl.add_argument("--disaggregation", choices=["conditional", "always"], default="conditional",
-                    help="conditional: the router picks local or remote prefill per request; always: prefill on P")
-    fl.add_argument("--index-backend", choices=["kvpilot", "dynamo"], default="kvpilot",
-                    help="the router's block index: kvpilot's, or Dynamo's RadixTree (kvpilot[dynamo])")
-    fl.add_argument("--observe", action="store_true",
-                    help="also start Prometheus scraping every engine and the router, with grafana/alerts.yml")
-    fl.add_argument("--prometheus-port", type=int, default=9090,
-                    help="with --observe: Prometheus' port; engine i's NIXL exporter gets port + 1 + i")
-    fl.add_argument("--no-nixl-telemetry", action="store_true",
-                    help="with --observe: leave NIXL's own Prometheus exporter off")
+    fl.add_argument(
+        "--disaggregation",
+        choices=["conditional", "always"],
+        default="conditional",
+        help="conditional: the router picks local or remote prefill per request; always: prefill on P",
+    )
+    fl.add_argument(
+        "--index-backend",
+        choices=["kvpilot", "dynamo"],
+        default="kvpilot",
+        help="the router's block index: kvpilot's, or Dynamo's RadixTree (kvpilot[dynamo])",
+    )
+    fl.add_argument(
+        "--observe",
+        action="store_true",
+        help="also start Prometheus scraping every engine and the router, with grafana/alerts.yml",
+    )
+    fl.add_argument(
+        "--prometheus-port",
+        type=int,
+        default=9090,
+        help="with --observe: Prometheus' port; engine i's NIXL exporter gets port + 1 + i",
+    )
+    fl.add_argument(
+        "--no-nixl-telemetry", action="store_true", help="with --observe: leave NIXL's own Prometheus exporter off"
+    )
     fl.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
     fl.set_defaults(func=_fleet)
 
@@ -131,8 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="1 P + 1 D tiny fleet, a few requests, a table, then down")
     demo.add_argument("--run-dir", type=Path, default=Path(".kvpilot") / "demo")
-    demo.add_argument("--disaggregation", choices=["conditional", "always"], default="always",
-                      help="always (default): every request is prefilled on P; conditional: the router decides")
+    demo.add_argument(
+        "--disaggregation",
+        choices=["conditional", "always"],
+        default="always",
+        help="always (default): every request is prefilled on P; conditional: the router decides",
+    )
     demo.set_defaults(func=_demo)
     return parser
 

@@ -34,7 +34,7 @@ class Completion:
     def max_logprob_diff(self, other: Completion) -> float:
         if len(self.logprobs) != len(other.logprobs):
             return float("inf")
-        return max((abs(a - b) for a, b in zip(self.logprobs, other.logprobs)), default=0.0)
+        return max((abs(a - b) for a, b in zip(self.logprobs, other.logprobs, strict=True)), default=0.0)
 
 
 class HTTPStatusError(RuntimeError):
@@ -45,9 +45,7 @@ class HTTPStatusError(RuntimeError):
 
 
 def _post(url: str, body: dict[str, Any], timeout: float):
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
         return urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as exc:
@@ -65,8 +63,15 @@ def complete(
     **extra: Any,
 ) -> Completion:
     """Greedy completion with top-1 logprobs. ``extra`` goes into the body as is."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "logprobs": 1, "stream": stream, **extra}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": 1,
+        "stream": stream,
+        **extra,
+    }
     started = time.perf_counter()
     tokens: list[str] = []
     logprobs: list[float] = []
@@ -94,8 +99,9 @@ def complete(
                         tokens += choice["logprobs"]["tokens"]
                         logprobs += choice["logprobs"]["token_logprobs"]
                     text += choice.get("text", "")
-    return Completion(text, tuple(tokens), tuple(logprobs), ttft, time.perf_counter() - started, params, headers,
-                      token_ids)  # fmt: skip
+    return Completion(
+        text, tuple(tokens), tuple(logprobs), ttft, time.perf_counter() - started, params, headers, token_ids
+    )
 
 
 def debug_route(router_url: str, prompt: list[int], *, timeout: float = 60.0, **extra: object) -> dict[str, Any]:

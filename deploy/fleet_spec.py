@@ -109,17 +109,27 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
         "kv_connector_extra_config": spec.connector_extra_config,
     }
     argv = (
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(spec.model_dir),
-        "--served-model-name", spec.served_model_name,
-        "--host", HOST,
-        "--port", str(spec.engine_port + ordinal),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(spec.model_dir),
+        "--served-model-name",
+        spec.served_model_name,
+        "--host",
+        HOST,
+        "--port",
+        str(spec.engine_port + ordinal),
         "--enforce-eager",
-        "--block-size", str(spec.block_size),
-        "--max-model-len", str(spec.max_model_len),
-        "--kv-transfer-config", json.dumps(kv_transfer),
-        "--kv-events-config", kv_events_config(worker),
-    )  # fmt: skip
+        "--block-size",
+        str(spec.block_size),
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--kv-transfer-config",
+        json.dumps(kv_transfer),
+        "--kv-events-config",
+        kv_events_config(worker),
+    )
     env = {
         **NIXL_CPU_ENV,
         **HASH_SEED_ENV,
@@ -138,16 +148,26 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
     if spec.disaggregation == "always":
         disaggregation = {"max_local_tokens": 0}  # no prompt is short enough to stay on D
     return {
-        "server": {"host": HOST, "port": spec.router_port, "model_name": spec.served_model_name,
-                   "model_dir": str(spec.model_dir), "max_prompt_tokens": spec.max_model_len},
+        "server": {
+            "host": HOST,
+            "port": spec.router_port,
+            "model_name": spec.served_model_name,
+            "model_dir": str(spec.model_dir),
+            "max_prompt_tokens": spec.max_model_len,
+        },
         "index": {"block_size": spec.block_size, "backend": spec.index_backend},
         "disaggregation": disaggregation,
         "workers": [
-            {"name": w.name, "role": w.role.value, "url": w.url,
-             "kv_events_endpoint": w.kv_events_endpoint, "replay_endpoint": w.replay_endpoint}
+            {
+                "name": w.name,
+                "role": w.role.value,
+                "url": w.url,
+                "kv_events_endpoint": w.kv_events_endpoint,
+                "replay_endpoint": w.replay_endpoint,
+            }
             for w in workers
         ],
-    }  # fmt: skip
+    }
 
 
 def plan_fleet(spec: FleetSpec) -> tuple[list[ProcessPlan], ProcessPlan, dict[str, object]]:

@@ -85,8 +85,9 @@ def prometheus_config(spec: ObserveSpec, engines: list[ProcessPlan], router: Pro
         {"job_name": "kvpilot-router", "static_configs": [_target(router.port)]},
     ]
     if spec.nixl_telemetry:
-        jobs.append({"job_name": "nixl",
-                     "static_configs": [_target(spec.nixl_port_of(i), e) for i, e in enumerate(engines)]})  # fmt: skip
+        jobs.append(
+            {"job_name": "nixl", "static_configs": [_target(spec.nixl_port_of(i), e) for i, e in enumerate(engines)]}
+        )
     config: dict[str, object] = {
         "global": {"scrape_interval": spec.scrape_interval, "evaluation_interval": spec.scrape_interval},
         "scrape_configs": jobs,
@@ -103,10 +104,13 @@ def plan_observe(
     (to be written to ``<run_dir>/prometheus.yml``)."""
     if spec.nixl_telemetry:
         engines = [
-            dataclasses.replace(e, env={**e.env, **nixl_telemetry_env(spec.nixl_port_of(i))},
-                                side_ports=(*e.side_ports, spec.nixl_port_of(i)))
+            dataclasses.replace(
+                e,
+                env={**e.env, **nixl_telemetry_env(spec.nixl_port_of(i))},
+                side_ports=(*e.side_ports, spec.nixl_port_of(i)),
+            )
             for i, e in enumerate(engines)
-        ]  # fmt: skip
+        ]
     argv = (
         binary,
         f"--config.file={run_dir / PROMETHEUS_CONFIG}",

@@ -49,22 +49,35 @@ def _variable(var: Variable) -> DatasourceVariable | QueryVariable:
     if not var.query:
         return DatasourceVariable(var.name).label(var.label).type("prometheus")
     return (
-        QueryVariable(var.name).label(var.label).datasource(DATASOURCE).query(var.query)
-        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
-        .multi(True).include_all(True).current(VariableOption(text="All", value="$__all"))
-    )  # fmt: skip
+        QueryVariable(var.name)
+        .label(var.label)
+        .datasource(DATASOURCE)
+        .query(var.query)
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        .current(VariableOption(text="All", value="$__all"))
+    )
 
 
 def _panel(panel: Panel, panel_id: int, pos: GridPos) -> Timeseries:
     built = (
-        Timeseries().id(panel_id).title(panel.title).description(panel.description).datasource(DATASOURCE)
-        .unit(panel.unit).grid_pos(pos).fill_opacity(10)
-        .legend(VizLegendOptions().show_legend(True).display_mode(LegendDisplayMode.LIST)
-                .placement(LegendPlacement.BOTTOM))
-    )  # fmt: skip
+        Timeseries()
+        .id(panel_id)
+        .title(panel.title)
+        .description(panel.description)
+        .datasource(DATASOURCE)
+        .unit(panel.unit)
+        .grid_pos(pos)
+        .fill_opacity(10)
+        .legend(
+            VizLegendOptions().show_legend(True).display_mode(LegendDisplayMode.LIST).placement(LegendPlacement.BOTTOM)
+        )
+    )
     if panel.stacked:
         built = built.stacking(StackingConfig().mode(StackingMode.NORMAL)).fill_opacity(40)
-    for ref, query in zip(string.ascii_uppercase, panel.queries, strict=False):
+    for ref, query in zip(string.ascii_uppercase, panel.queries, strict=True):
         built = built.with_target(Dataquery().ref_id(ref).expr(query.expr).legend_format(query.legend).range())
     return built
 
@@ -72,11 +85,24 @@ def _panel(panel: Panel, panel_id: int, pos: GridPos) -> Timeseries:
 def build(spec: DashboardSpec) -> Dashboard:
     """The dashboard builder: rows in order, three panels per grid line."""
     dash = (
-        Dashboard(spec.title).uid(spec.uid).description(spec.description).tags(TAGS).editable()
-        .refresh("10s").time("now-30m", "now").timezone("browser").tooltip(DashboardCursorSync.CROSSHAIR)
-        .link(DashboardLink("kvpilot").type(DashboardLinkType.DASHBOARDS).tags(["kvpilot"]).as_dropdown(True)
-              .include_vars(True).keep_time(True))
-    )  # fmt: skip
+        Dashboard(spec.title)
+        .uid(spec.uid)
+        .description(spec.description)
+        .tags(TAGS)
+        .editable()
+        .refresh("10s")
+        .time("now-30m", "now")
+        .timezone("browser")
+        .tooltip(DashboardCursorSync.CROSSHAIR)
+        .link(
+            DashboardLink("kvpilot")
+            .type(DashboardLinkType.DASHBOARDS)
+            .tags(["kvpilot"])
+            .as_dropdown(True)
+            .include_vars(True)
+            .keep_time(True)
+        )
+    )
     for var in spec.variables:
         dash = dash.with_variable(_variable(var))
     panel_id, y = 1, 0

@@ -73,8 +73,10 @@ def _vec(metric: str, sel: str) -> str:
 
 def _quantiles(metric: str, sel: str, qs: tuple[float, ...] = (0.5, 0.95, 0.99)) -> tuple[Query, ...]:
     return tuple(
-        Query(f"histogram_quantile({q}, sum by (le) (rate({_vec(metric + '_bucket', sel)}[{RATE}])))",
-              f"p{round(q * 100)}")
+        Query(
+            f"histogram_quantile({q}, sum by (le) (rate({_vec(metric + '_bucket', sel)}[{RATE}])))",
+            f"p{round(q * 100)}",
+        )
         for q in qs
     )
 
@@ -97,89 +99,207 @@ WORKER_VAR = Variable("worker", "Worker (router)", "label_values(kvpilot_router_
 XFER, POST = "vllm:nixl_xfer_time_seconds", "vllm:nixl_post_time_seconds"
 BYTES, DESCS = "vllm:nixl_bytes_transferred", "vllm:nixl_num_descriptors"
 
-NIXL_ROW = Row("NIXL transfers (vLLM's vllm:nixl_* on the engine that reads the KV)", (
-    Panel("Transfer time", "Duration of each NIXL read, from vLLM's histogram: p50, p95, p99 and the mean.", "s",
-          (*_quantiles(XFER, ENGINE), Query(_mean(XFER, ENGINE), "mean"))),
-    Panel("Post time", "Time to post a transfer (before the wire moves anything).", "s",
-          (*_quantiles(POST, ENGINE, (0.5, 0.99)), Query(_mean(POST, ENGINE), "mean"))),
-    Panel("Bytes per transfer", "KV bytes moved by one NIXL transfer: the mean and p90.", "bytes",
-          (Query(_mean(BYTES, ENGINE), "mean"), *_quantiles(BYTES, ENGINE, (0.9,)))),
-    Panel("Throughput and per-transfer bandwidth",
-          "Bytes read per second by each engine, and bytes over transfer time (the link speed one transfer sees).",
-          "Bps",
-          (Query(f"sum by (instance) (rate({BYTES}_sum{{{ENGINE}}}[{RATE}]))", "{{instance}} throughput"),
-           Query(f"sum(rate({BYTES}_sum{{{ENGINE}}}[{RATE}])) / sum(rate({XFER}_sum{{{ENGINE}}}[{RATE}]))",
-                 "per-transfer bandwidth"))),
-    Panel("Transfers per second", "NIXL transfers completed per second, per engine.", "ops",
-          (Query(f"sum by (instance) (rate({XFER}_count{{{ENGINE}}}[{RATE}]))", "{{instance}}"),)),
-    Panel("Descriptors per transfer", "NIXL descriptors (one per contiguous block region) per transfer.", "short",
-          (Query(_mean(DESCS, ENGINE), "mean"), *_quantiles(DESCS, ENGINE, (0.9,)))),
-    Panel("Failed transfers and notifications",
-          "Transfers that failed (handshake, transfer or notification) and failed notifications, per interval.",
-          "short",
-          (Query(_per_interval("vllm:nixl_num_failed_transfers_total", ENGINE, "instance"), "{{instance}} transfers"),
-           Query(_per_interval("vllm:nixl_num_failed_notifications_total", ENGINE, "instance"),
-                 "{{instance}} notifications"))),
-    Panel("Expired leases",
-          "Requests whose KV the holder freed before the reader pulled it (counted on the holder), and completion "
-          "notifications that arrived after that.", "short",
-          (Query(_per_interval("vllm:nixl_num_kv_expired_reqs_total", ENGINE, "instance"), "{{instance}} expired"),
-           Query(_per_interval("vllm:nixl_num_notifications_after_expiry_total", ENGINE, "instance"),
-                 "{{instance}} notified after expiry"))),
-))
+NIXL_ROW = Row(
+    "NIXL transfers (vLLM's vllm:nixl_* on the engine that reads the KV)",
+    (
+        Panel(
+            "Transfer time",
+            "Duration of each NIXL read, from vLLM's histogram: p50, p95, p99 and the mean.",
+            "s",
+            (*_quantiles(XFER, ENGINE), Query(_mean(XFER, ENGINE), "mean")),
+        ),
+        Panel(
+            "Post time",
+            "Time to post a transfer (before the wire moves anything).",
+            "s",
+            (*_quantiles(POST, ENGINE, (0.5, 0.99)), Query(_mean(POST, ENGINE), "mean")),
+        ),
+        Panel(
+            "Bytes per transfer",
+            "KV bytes moved by one NIXL transfer: the mean and p90.",
+            "bytes",
+            (Query(_mean(BYTES, ENGINE), "mean"), *_quantiles(BYTES, ENGINE, (0.9,))),
+        ),
+        Panel(
+            "Throughput and per-transfer bandwidth",
+            "Bytes read per second by each engine, and bytes over transfer time (the link speed one transfer sees).",
+            "Bps",
+            (
+                Query(f"sum by (instance) (rate({BYTES}_sum{{{ENGINE}}}[{RATE}]))", "{{instance}} throughput"),
+                Query(
+                    f"sum(rate({BYTES}_sum{{{ENGINE}}}[{RATE}])) / sum(rate({XFER}_sum{{{ENGINE}}}[{RATE}]))",
+                    "per-transfer bandwidth",
+                ),
+            ),
+        ),
+        Panel(
+            "Transfers per second",
+            "NIXL transfers completed per second, per engine.",
+            "ops",
+            (Query(f"sum by (instance) (rate({XFER}_count{{{ENGINE}}}[{RATE}]))", "{{instance}}"),),
+        ),
+        Panel(
+            "Descriptors per transfer",
+            "NIXL descriptors (one per contiguous block region) per transfer.",
+            "short",
+            (Query(_mean(DESCS, ENGINE), "mean"), *_quantiles(DESCS, ENGINE, (0.9,))),
+        ),
+        Panel(
+            "Failed transfers and notifications",
+            "Transfers that failed (handshake, transfer or notification) and failed notifications, per interval.",
+            "short",
+            (
+                Query(
+                    _per_interval("vllm:nixl_num_failed_transfers_total", ENGINE, "instance"), "{{instance}} transfers"
+                ),
+                Query(
+                    _per_interval("vllm:nixl_num_failed_notifications_total", ENGINE, "instance"),
+                    "{{instance}} notifications",
+                ),
+            ),
+        ),
+        Panel(
+            "Expired leases",
+            "Requests whose KV the holder freed before the reader pulled it (counted on the holder), and completion "
+            "notifications that arrived after that.",
+            "short",
+            (
+                Query(_per_interval("vllm:nixl_num_kv_expired_reqs_total", ENGINE, "instance"), "{{instance}} expired"),
+                Query(
+                    _per_interval("vllm:nixl_num_notifications_after_expiry_total", ENGINE, "instance"),
+                    "{{instance}} notified after expiry",
+                ),
+            ),
+        ),
+    ),
+)
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
-SOURCES_ROW = Row("Prompt tokens by source", (
-    Panel("Prompt tokens by source",
-          "Where each prompt token's KV came from: computed here, a local prefix-cache hit, or a transfer.",
-          "short", (Query(f"sum by (source) (rate({BY_SOURCE}{{{ENGINE}}}[{RATE}]))", "{{source}}"),), stacked=True),
-    Panel("Share of prompt tokens transferred", "Transferred prompt tokens over all prompt tokens.", "percentunit",
-          (Query(f'sum(rate({BY_SOURCE}{{{ENGINE}, source="external_kv_transfer"}}[{RATE}])) '
-                 f"/ sum(rate({BY_SOURCE}{{{ENGINE}}}[{RATE}]))", "transferred"),)),
-))
+SOURCES_ROW = Row(
+    "Prompt tokens by source",
+    (
+        Panel(
+            "Prompt tokens by source",
+            "Where each prompt token's KV came from: computed here, a local prefix-cache hit, or a transfer.",
+            "short",
+            (Query(f"sum by (source) (rate({BY_SOURCE}{{{ENGINE}}}[{RATE}]))", "{{source}}"),),
+            stacked=True,
+        ),
+        Panel(
+            "Share of prompt tokens transferred",
+            "Transferred prompt tokens over all prompt tokens.",
+            "percentunit",
+            (
+                Query(
+                    f'sum(rate({BY_SOURCE}{{{ENGINE}, source="external_kv_transfer"}}[{RATE}])) '
+                    f"/ sum(rate({BY_SOURCE}{{{ENGINE}}}[{RATE}]))",
+                    "transferred",
+                ),
+            ),
+        ),
+    ),
+)
 
-KVPILOT_ROW = Row("kvpilot verification and pulls (vllm:kvpilot_*)", (
-    Panel("Offers and verified blocks",
-          "Offers kvpilot stamped on a holder's answers, and remote blocks a reader verified and loaded.", "ops",
-          (Query(f"sum by (instance) (rate(vllm:kvpilot_offers_total{{{ENGINE}}}[{RATE}]))", "{{instance}} offers"),
-           Query(f"sum by (instance) (rate(vllm:kvpilot_verified_blocks_total{{{ENGINE}}}[{RATE}]))",
-                 "{{instance}} verified blocks"))),
-    Panel("Rejected blocks by reason",
-          "Offered blocks a reader needed but did not load: token or contract mismatch, malformed params, a partial "
-          "tail, an expired lease, a failed peer.", "short",
-          (Query(_per_interval("vllm:kvpilot_rejected_blocks_total", ENGINE, "reason"), "{{reason}}"),), stacked=True),
-    Panel("Recomputed tokens by reason",
-          "Prompt tokens prefilled here although a peer offered their KV, by reason.", "short",
-          (Query(_per_interval("vllm:kvpilot_recomputed_tokens_total", ENGINE, "reason"), "{{reason}}"),),
-          stacked=True),
-    Panel("Verification time", "Share of scheduler time spent checking offers against this engine's block hashes.",
-          "percentunit",
-          (Query(f"sum by (instance) (rate(vllm:kvpilot_verify_seconds_total{{{ENGINE}}}[{RATE}]))", "{{instance}}"),)),
-    Panel("Pull vs recompute decisions",
-          "Session pulls decided, by decision and by what decided (the roofline policy or a fixed threshold).",
-          "short",
-          (Query(_per_interval("vllm:kvpilot_pull_decisions_total", ENGINE, "decision, reason"),
-                 "{{decision}} ({{reason}})"),)),
-    Panel("Failed pulls", "Pulls that failed in flight, by what vLLM did with the request.", "short",
-          (Query(_per_interval("vllm:kvpilot_load_failures_total", ENGINE, "action"), "{{action}}"),)),
-))
+KVPILOT_ROW = Row(
+    "kvpilot verification and pulls (vllm:kvpilot_*)",
+    (
+        Panel(
+            "Offers and verified blocks",
+            "Offers kvpilot stamped on a holder's answers, and remote blocks a reader verified and loaded.",
+            "ops",
+            (
+                Query(
+                    f"sum by (instance) (rate(vllm:kvpilot_offers_total{{{ENGINE}}}[{RATE}]))", "{{instance}} offers"
+                ),
+                Query(
+                    f"sum by (instance) (rate(vllm:kvpilot_verified_blocks_total{{{ENGINE}}}[{RATE}]))",
+                    "{{instance}} verified blocks",
+                ),
+            ),
+        ),
+        Panel(
+            "Rejected blocks by reason",
+            "Offered blocks a reader needed but did not load: token or contract mismatch, malformed params, a partial "
+            "tail, an expired lease, a failed peer.",
+            "short",
+            (Query(_per_interval("vllm:kvpilot_rejected_blocks_total", ENGINE, "reason"), "{{reason}}"),),
+            stacked=True,
+        ),
+        Panel(
+            "Recomputed tokens by reason",
+            "Prompt tokens prefilled here although a peer offered their KV, by reason.",
+            "short",
+            (Query(_per_interval("vllm:kvpilot_recomputed_tokens_total", ENGINE, "reason"), "{{reason}}"),),
+            stacked=True,
+        ),
+        Panel(
+            "Verification time",
+            "Share of scheduler time spent checking offers against this engine's block hashes.",
+            "percentunit",
+            (
+                Query(
+                    f"sum by (instance) (rate(vllm:kvpilot_verify_seconds_total{{{ENGINE}}}[{RATE}]))", "{{instance}}"
+                ),
+            ),
+        ),
+        Panel(
+            "Pull vs recompute decisions",
+            "Session pulls decided, by decision and by what decided (the roofline policy or a fixed threshold).",
+            "short",
+            (
+                Query(
+                    _per_interval("vllm:kvpilot_pull_decisions_total", ENGINE, "decision, reason"),
+                    "{{decision}} ({{reason}})",
+                ),
+            ),
+        ),
+        Panel(
+            "Failed pulls",
+            "Pulls that failed in flight, by what vLLM did with the request.",
+            "short",
+            (Query(_per_interval("vllm:kvpilot_load_failures_total", ENGINE, "action"), "{{action}}"),),
+        ),
+    ),
+)
 
-AGENT = "agent_name=~\".+\""
-NIXL_AGENT_ROW = Row("NIXL agent telemetry (NIXL's own Prometheus exporter)", (
-    Panel("NIXL agent bytes", "Bytes each engine's NIXL agent received (reads) and sent, per second.", "Bps",
-          (Query(f"sum by (worker) (rate(agent_rx_bytes_total{{{AGENT}}}[{RATE}]))", "{{worker}} rx"),
-           Query(f"sum by (worker) (rate(agent_tx_bytes_total{{{AGENT}}}[{RATE}]))", "{{worker}} tx"))),
-    Panel("NIXL agent mean transfer time", "The agent's transfer time over its transfer requests (NIXL counts µs).",
-          "s",
-          (Query(f"sum by (worker) (rate(agent_xfer_time_total{{{AGENT}}}[{RATE}])) / 1e6 / sum by (worker) "
-                 f"(rate(agent_rx_requests_num_total{{{AGENT}}}[{RATE}]) "
-                 f"+ rate(agent_tx_requests_num_total{{{AGENT}}}[{RATE}]))", "{{worker}}"),)),
-    Panel("NIXL agent errors by status", "Errors NIXL's agent counted, by status.", "short",
-          (Query(_per_interval("agent_errors_total", AGENT, "worker, status"), "{{worker}} {{status}}"),)),
-))
+AGENT = 'agent_name=~".+"'
+NIXL_AGENT_ROW = Row(
+    "NIXL agent telemetry (NIXL's own Prometheus exporter)",
+    (
+        Panel(
+            "NIXL agent bytes",
+            "Bytes each engine's NIXL agent received (reads) and sent, per second.",
+            "Bps",
+            (
+                Query(f"sum by (worker) (rate(agent_rx_bytes_total{{{AGENT}}}[{RATE}]))", "{{worker}} rx"),
+                Query(f"sum by (worker) (rate(agent_tx_bytes_total{{{AGENT}}}[{RATE}]))", "{{worker}} tx"),
+            ),
+        ),
+        Panel(
+            "NIXL agent mean transfer time",
+            "The agent's transfer time over its transfer requests (NIXL counts µs).",
+            "s",
+            (
+                Query(
+                    f"sum by (worker) (rate(agent_xfer_time_total{{{AGENT}}}[{RATE}])) / 1e6 / sum by (worker) "
+                    f"(rate(agent_rx_requests_num_total{{{AGENT}}}[{RATE}]) "
+                    f"+ rate(agent_tx_requests_num_total{{{AGENT}}}[{RATE}]))",
+                    "{{worker}}",
+                ),
+            ),
+        ),
+        Panel(
+            "NIXL agent errors by status",
+            "Errors NIXL's agent counted, by status.",
+            "short",
+            (Query(_per_interval("agent_errors_total", AGENT, "worker, status"), "{{worker}} {{status}}"),),
+        ),
+    ),
+)
 
 TRANSFERS = DashboardSpec(
-    "kvpilot-transfers", "kvpilot / Transfers",
+    "kvpilot-transfers",
+    "kvpilot / Transfers",
     "KV transfers between vLLM engines: NIXL's timings, bytes and failures, where prompt tokens came from, and "
     "what kvpilot verified, rejected and recomputed.",
     (NIXL_ROW, SOURCES_ROW, KVPILOT_ROW, NIXL_AGENT_ROW),
@@ -188,95 +308,220 @@ TRANSFERS = DashboardSpec(
 
 DECISIONS = "kvpilot_router_decisions_total"
 STAGE = "kvpilot_router_ttft_stage_seconds"
-DECISIONS_ROW = Row("Routing decisions", (
-    Panel("Decisions by kind", "Routing decisions per second: remote prefill, local prefill on D, co-located.", "ops",
-          (Query(f"sum by (kind) (rate({DECISIONS}[{RATE}]))", "{{kind}}"),), stacked=True),
-    Panel("Decisions by pair", "Routing decisions per second by (prefill worker, decode worker).", "ops",
-          (Query(f'sum by (prefill, decode) (rate({DECISIONS}{{decode=~"$worker"}}[{RATE}]))',
-                 "{{prefill}} -> {{decode}}"),)),
-    Panel("Session steps by option",
-          "A session's later steps by the option chosen (re-prefill, pull D's KV, affinity, shared tier, local).",
-          "short", (Query(_per_interval("kvpilot_router_session_options_total", "", "option"), "{{option}}"),)),
-    Panel("Session offers by outcome",
-          "D's offers of a session's KV at its next step: sent to P, expired first, or unused.", "short",
-          (Query(_per_interval("kvpilot_router_session_offers_total", "", "outcome"), "{{outcome}}"),)),
-))
+DECISIONS_ROW = Row(
+    "Routing decisions",
+    (
+        Panel(
+            "Decisions by kind",
+            "Routing decisions per second: remote prefill, local prefill on D, co-located.",
+            "ops",
+            (Query(f"sum by (kind) (rate({DECISIONS}[{RATE}]))", "{{kind}}"),),
+            stacked=True,
+        ),
+        Panel(
+            "Decisions by pair",
+            "Routing decisions per second by (prefill worker, decode worker).",
+            "ops",
+            (
+                Query(
+                    f'sum by (prefill, decode) (rate({DECISIONS}{{decode=~"$worker"}}[{RATE}]))',
+                    "{{prefill}} -> {{decode}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Session steps by option",
+            "A session's later steps by the option chosen (re-prefill, pull D's KV, affinity, shared tier, local).",
+            "short",
+            (Query(_per_interval("kvpilot_router_session_options_total", "", "option"), "{{option}}"),),
+        ),
+        Panel(
+            "Session offers by outcome",
+            "D's offers of a session's KV at its next step: sent to P, expired first, or unused.",
+            "short",
+            (Query(_per_interval("kvpilot_router_session_offers_total", "", "outcome"), "{{outcome}}"),),
+        ),
+    ),
+)
 
-TTFT_ROW = Row("Time to first token by stage", (
-    Panel("Mean TTFT by stage",
-          "The router's stages (route; P's prefill answer; D's first token, which includes D's NIXL read) beside "
-          "the NIXL transfer time itself and the client's TTFT.", "s",
-          (Query(_mean(STAGE, "", "stage"), "{{stage}}"),
-           Query(_mean(XFER, ENGINE), "transfer (NIXL read)"),
-           Query(_mean("kvpilot_router_ttft_seconds", ""), "client TTFT (streams)"))),
-    Panel("TTFT p50 / p95 / p99", "Time to first token as a streaming client sees it, through the router.", "s",
-          _quantiles("kvpilot_router_ttft_seconds", "")),
-    Panel("TTFT stage p95", "p95 of each stage.", "s",
-          (Query(f"histogram_quantile(0.95, sum by (le, stage) (rate({STAGE}_bucket[{RATE}])))", "{{stage}}"),)),
-))
+TTFT_ROW = Row(
+    "Time to first token by stage",
+    (
+        Panel(
+            "Mean TTFT by stage",
+            "The router's stages (route; P's prefill answer; D's first token, which includes D's NIXL read) beside "
+            "the NIXL transfer time itself and the client's TTFT.",
+            "s",
+            (
+                Query(_mean(STAGE, "", "stage"), "{{stage}}"),
+                Query(_mean(XFER, ENGINE), "transfer (NIXL read)"),
+                Query(_mean("kvpilot_router_ttft_seconds", ""), "client TTFT (streams)"),
+            ),
+        ),
+        Panel(
+            "TTFT p50 / p95 / p99",
+            "Time to first token as a streaming client sees it, through the router.",
+            "s",
+            _quantiles("kvpilot_router_ttft_seconds", ""),
+        ),
+        Panel(
+            "TTFT stage p95",
+            "p95 of each stage.",
+            "s",
+            (Query(f"histogram_quantile(0.95, sum by (le, stage) (rate({STAGE}_bucket[{RATE}])))", "{{stage}}"),),
+        ),
+    ),
+)
 
-HITS_ROW = Row("Cache hits: the router's prediction beside the engines' measurement", (
-    Panel("Predicted vs measured prefix-cache hit ratio",
-          "The router's predicted hit ratio (cached over prompt blocks on the prefilling worker) beside the "
-          "prefix-cache hit ratio the engines that prefill measured (role!=\"decode\": every engine where the "
-          "scrape has no role label).", "percentunit",
-          (Query(f"sum(rate(kvpilot_router_cached_blocks_total[{RATE}])) "
-                 f"/ sum(rate(kvpilot_router_prompt_blocks_total[{RATE}]))", "predicted (router)"),
-           Query(f'sum(rate(vllm:prefix_cache_hits_total{{{ENGINE}, role!="decode"}}[{RATE}])) '
-                 f'/ sum(rate(vllm:prefix_cache_queries_total{{{ENGINE}, role!="decode"}}[{RATE}]))',
-                 "measured (engines)"),
-           Query("kvpilot_router_cache_hit_ratio", "predicted since router start"))),
-    Panel("Predicted cached blocks by tier", "Prompt blocks routed per second, and those predicted cached, by tier.",
-          "short",
-          (Query(f"sum by (tier) (rate(kvpilot_router_cached_blocks_total[{RATE}]))", "cached {{tier}}"),
-           Query(f"sum(rate(kvpilot_router_prompt_blocks_total[{RATE}]))", "prompt blocks"))),
-))
+HITS_ROW = Row(
+    "Cache hits: the router's prediction beside the engines' measurement",
+    (
+        Panel(
+            "Predicted vs measured prefix-cache hit ratio",
+            "The router's predicted hit ratio (cached over prompt blocks on the prefilling worker) beside the "
+            'prefix-cache hit ratio the engines that prefill measured (role!="decode": every engine where the '
+            "scrape has no role label).",
+            "percentunit",
+            (
+                Query(
+                    f"sum(rate(kvpilot_router_cached_blocks_total[{RATE}])) "
+                    f"/ sum(rate(kvpilot_router_prompt_blocks_total[{RATE}]))",
+                    "predicted (router)",
+                ),
+                Query(
+                    f'sum(rate(vllm:prefix_cache_hits_total{{{ENGINE}, role!="decode"}}[{RATE}])) '
+                    f'/ sum(rate(vllm:prefix_cache_queries_total{{{ENGINE}, role!="decode"}}[{RATE}]))',
+                    "measured (engines)",
+                ),
+                Query("kvpilot_router_cache_hit_ratio", "predicted since router start"),
+            ),
+        ),
+        Panel(
+            "Predicted cached blocks by tier",
+            "Prompt blocks routed per second, and those predicted cached, by tier.",
+            "short",
+            (
+                Query(f"sum by (tier) (rate(kvpilot_router_cached_blocks_total[{RATE}]))", "cached {{tier}}"),
+                Query(f"sum(rate(kvpilot_router_prompt_blocks_total[{RATE}]))", "prompt blocks"),
+            ),
+        ),
+    ),
+)
 
 EVENTS = "kvpilot_router_kv_event"
-INDEX_ROW = Row("Block index and KV events", (
-    Panel("Index blocks per worker and tier", "Blocks the router's index holds for each worker, by tier.", "short",
-          (Query(f"sum by (worker, tier) (kvpilot_router_index_blocks{{{WORKER}}})", "{{worker}} {{tier}}"),)),
-    Panel("KV-event batches", "KV-event batches ingested per second, per worker.", "ops",
-          (Query(f"sum by (worker) (rate({EVENTS}_batches_total{{{WORKER}}}[{RATE}]))", "{{worker}}"),)),
-    Panel("KV-event gaps, replays and restarts",
-          "Per interval: gaps in an engine's sequence, batches replayed to fill them, gaps the engine could no "
-          "longer replay (the worker's entries are dropped), engine restarts, bad frames.", "short",
-          tuple(Query(_per_interval(f"{EVENTS}_{s}_total", WORKER, "worker"), f"{{{{worker}}}} {s}")
-                for s in ("gaps", "replayed", "unrecoverable_gaps", "restarts", "bad_frames"))),
-    Panel("KV events rejected (since router start)", "Malformed KV events skipped, by worker and reason.", "short",
-          (Query(f"sum by (worker, reason) (kvpilot_router_kv_events_rejected_total{{{WORKER}}})",
-                 "{{worker}} {{reason}}"),)),
-))
+INDEX_ROW = Row(
+    "Block index and KV events",
+    (
+        Panel(
+            "Index blocks per worker and tier",
+            "Blocks the router's index holds for each worker, by tier.",
+            "short",
+            (Query(f"sum by (worker, tier) (kvpilot_router_index_blocks{{{WORKER}}})", "{{worker}} {{tier}}"),),
+        ),
+        Panel(
+            "KV-event batches",
+            "KV-event batches ingested per second, per worker.",
+            "ops",
+            (Query(f"sum by (worker) (rate({EVENTS}_batches_total{{{WORKER}}}[{RATE}]))", "{{worker}}"),),
+        ),
+        Panel(
+            "KV-event gaps, replays and restarts",
+            "Per interval: gaps in an engine's sequence, batches replayed to fill them, gaps the engine could no "
+            "longer replay (the worker's entries are dropped), engine restarts, bad frames.",
+            "short",
+            tuple(
+                Query(_per_interval(f"{EVENTS}_{s}_total", WORKER, "worker"), f"{{{{worker}}}} {s}")
+                for s in ("gaps", "replayed", "unrecoverable_gaps", "restarts", "bad_frames")
+            ),
+        ),
+        Panel(
+            "KV events rejected (since router start)",
+            "Malformed KV events skipped, by worker and reason.",
+            "short",
+            (
+                Query(
+                    f"sum by (worker, reason) (kvpilot_router_kv_events_rejected_total{{{WORKER}}})",
+                    "{{worker}} {{reason}}",
+                ),
+            ),
+        ),
+    ),
+)
 
-LOAD_ROW = Row("Load per worker", (
-    Panel("Active prefill and decode blocks", "The router's own ledger of blocks in flight per worker.", "short",
-          (Query(f"sum by (worker) (kvpilot_router_active_prefill_blocks{{{WORKER}}})", "{{worker}} prefill"),
-           Query(f"sum by (worker) (kvpilot_router_active_decode_blocks{{{WORKER}}})", "{{worker}} decode"))),
-    Panel("Active requests", "Requests in flight per worker (router's ledger).", "short",
-          (Query(f"sum by (worker) (kvpilot_router_active_requests{{{WORKER}}})", "{{worker}}"),)),
-    Panel("Engine load", "Each engine's running and waiting requests, as the router last polled them.", "short",
-          (Query(f"sum by (worker) (kvpilot_router_engine_running{{{WORKER}}})", "{{worker}} running"),
-           Query(f"sum by (worker) (kvpilot_router_engine_waiting{{{WORKER}}})", "{{worker}} waiting"))),
-    Panel("Engine KV-cache usage", "Each engine's KV-cache usage, as the router last polled it.", "percentunit",
-          (Query(f"max by (worker) (kvpilot_router_engine_kv_usage{{{WORKER}}})", "{{worker}}"),)),
-))
+LOAD_ROW = Row(
+    "Load per worker",
+    (
+        Panel(
+            "Active prefill and decode blocks",
+            "The router's own ledger of blocks in flight per worker.",
+            "short",
+            (
+                Query(f"sum by (worker) (kvpilot_router_active_prefill_blocks{{{WORKER}}})", "{{worker}} prefill"),
+                Query(f"sum by (worker) (kvpilot_router_active_decode_blocks{{{WORKER}}})", "{{worker}} decode"),
+            ),
+        ),
+        Panel(
+            "Active requests",
+            "Requests in flight per worker (router's ledger).",
+            "short",
+            (Query(f"sum by (worker) (kvpilot_router_active_requests{{{WORKER}}})", "{{worker}}"),),
+        ),
+        Panel(
+            "Engine load",
+            "Each engine's running and waiting requests, as the router last polled them.",
+            "short",
+            (
+                Query(f"sum by (worker) (kvpilot_router_engine_running{{{WORKER}}})", "{{worker}} running"),
+                Query(f"sum by (worker) (kvpilot_router_engine_waiting{{{WORKER}}})", "{{worker}} waiting"),
+            ),
+        ),
+        Panel(
+            "Engine KV-cache usage",
+            "Each engine's KV-cache usage, as the router last polled it.",
+            "percentunit",
+            (Query(f"max by (worker) (kvpilot_router_engine_kv_usage{{{WORKER}}})", "{{worker}}"),),
+        ),
+    ),
+)
 
-FAILURES_ROW = Row("Failures and admission", (
-    Panel("Prefill failures (since router start)", "Remote prefills that failed, by P and reason.", "short",
-          (Query(f"sum by (worker, reason) (kvpilot_router_prefill_failures_total{{{WORKER}}})",
-                 "{{worker}} {{reason}}"),)),
-    Panel("Prefill fallbacks", "Requests prefilled on D after P failed, per interval.", "short",
-          (Query(f"sum(increase(kvpilot_router_prefill_fallbacks_total[{RATE}]))", "fallbacks"),)),
-    Panel("Engine errors passed to clients (since router start)", "Engine errors the router returned, per worker.",
-          "short", (Query(f"sum by (worker) (kvpilot_router_upstream_errors_total{{{WORKER}}})", "{{worker}}"),)),
-    Panel("Requests refused before routing (since router start)",
-          "Admission and limits: body too large, prompt too long, max_tokens, queue full or timed out, "
-          "unauthorized.", "short",
-          (Query("sum by (reason) (kvpilot_router_rejected_total)", "{{reason}}"),)),
-))
+FAILURES_ROW = Row(
+    "Failures and admission",
+    (
+        Panel(
+            "Prefill failures (since router start)",
+            "Remote prefills that failed, by P and reason.",
+            "short",
+            (
+                Query(
+                    f"sum by (worker, reason) (kvpilot_router_prefill_failures_total{{{WORKER}}})",
+                    "{{worker}} {{reason}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Prefill fallbacks",
+            "Requests prefilled on D after P failed, per interval.",
+            "short",
+            (Query(f"sum(increase(kvpilot_router_prefill_fallbacks_total[{RATE}]))", "fallbacks"),),
+        ),
+        Panel(
+            "Engine errors passed to clients (since router start)",
+            "Engine errors the router returned, per worker.",
+            "short",
+            (Query(f"sum by (worker) (kvpilot_router_upstream_errors_total{{{WORKER}}})", "{{worker}}"),),
+        ),
+        Panel(
+            "Requests refused before routing (since router start)",
+            "Admission and limits: body too large, prompt too long, max_tokens, queue full or timed out, unauthorized.",
+            "short",
+            (Query("sum by (reason) (kvpilot_router_rejected_total)", "{{reason}}"),),
+        ),
+    ),
+)
 
 ROUTER = DashboardSpec(
-    "kvpilot-router", "kvpilot / Router",
+    "kvpilot-router",
+    "kvpilot / Router",
     "The KV-aware router: decisions, TTFT by stage, predicted vs measured cache hits, the block index and its KV "
     "events, load per worker, failures and admission.",
     (DECISIONS_ROW, TTFT_ROW, HITS_ROW, INDEX_ROW, LOAD_ROW, FAILURES_ROW),

@@ -12,12 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fleets import E2E_PORTS, running_fleet
 
 from deploy import fleet as fleet_io
 from deploy.fleet_spec import FleetSpec
 from deploy.tiny_model import ensure_tiny_model
-from fleets import E2E_PORTS, running_fleet
 from routing.tokenizer import PromptTokenizer
+
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
@@ -32,6 +33,8 @@ def tokenizer(model_dir: Path) -> PromptTokenizer:
 @pytest.fixture(scope="module")
 def pd_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[fleet_io.Fleet]:
     """1 prefill + 1 decode engine with KVPilotConnector, behind the router (every request prefilled on P)."""
-    spec = FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("pd-fleet"), disaggregation="always", **E2E_PORTS)
+    spec = FleetSpec(
+        model_dir=model_dir, run_dir=tmp_path_factory.mktemp("pd-fleet"), disaggregation="always", **E2E_PORTS
+    )
     with running_fleet(spec) as f:
         yield f

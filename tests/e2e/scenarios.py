@@ -36,9 +36,12 @@ def cases() -> list[Case]:
     history = system + "".join(turn(k) for k in range(6))
     return [
         Case("reasoning trace stripped", system + think + tail, system + "\nAssistant: run the test" + tail),
-        Case("message re-rendered", history + "\nassistant: {\"tool\": \"pytest\"}" + tail,
-             history + "\n<|assistant|>\ntool=pytest" + tail),  # fmt: skip
-        Case("front truncated", history + tail, history[len(system):] + tail),
+        Case(
+            "message re-rendered",
+            history + '\nassistant: {"tool": "pytest"}' + tail,
+            history + "\n<|assistant|>\ntool=pytest" + tail,
+        ),
+        Case("front truncated", history + tail, history[len(system) :] + tail),
         Case("another cache_salt", history, history, p_salt="tenant-a", d_salt="tenant-b", reason="contract_mismatch"),
     ]
 
@@ -89,5 +92,3 @@ def run_case(p_url: str, d_url: str, x: list[int], x_prime: list[int], p_salt: s
     extra = {"cache_salt": d_salt} if d_salt else {}
     out = complete(d_url, x_prime, max_tokens=10, kv_transfer_params=params, **extra)
     return out, before, settle(d_url, before)
-
-

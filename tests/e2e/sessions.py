@@ -13,12 +13,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from scenarios import BLOCK_SIZE, settle
+
 from deploy.agent_session import decoded_turn, prefill_next_turn
 from deploy.client import Completion, complete
 from deploy.metrics import Samples, scrape
 from deploy.prompts import filler_text
 from routing.tokenizer import PromptTokenizer
-from scenarios import BLOCK_SIZE, settle
 
 GENERATED = 80  # D's tool call: spans blocks, so the session's newest KV is D's
 NEW_TOOL_OUTPUT = 60
@@ -83,9 +84,16 @@ FIRST_PULL_TIMEOUT_S = 900.0
 cores NIXL's progress threads spin on, that has taken from 9 s to over 5 minutes."""
 
 
-def run_session(p_url: str, d_url: str, tokenizer: PromptTokenizer, seed: int, edit: Edit,
-                turn2_salt: str | None = None, mutate_params: Callable[[dict], dict] = lambda p: p,
-                timeout: float = 300.0) -> Turn2:  # fmt: skip
+def run_session(
+    p_url: str,
+    d_url: str,
+    tokenizer: PromptTokenizer,
+    seed: int,
+    edit: Edit,
+    turn2_salt: str | None = None,
+    mutate_params: Callable[[dict], dict] = lambda p: p,
+    timeout: float = 300.0,
+) -> Turn2:
     """Turn 1 P->D, then turn 2 on P with D's params (``mutate_params`` of them: P
     pulls from D), then on D; each request may take ``timeout`` seconds."""
     x = history(tokenizer, seed)

@@ -15,6 +15,7 @@ skipped; the mechanism above is from the report of a run on an AMX Xeon (issue 1
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 from pathlib import Path
@@ -39,27 +40,33 @@ def _has_amx() -> bool:
 
 
 @pytest.mark.skipif(not _has_amx(), reason="the AMX kernel is chosen only on CPUs with AMX (amx_tile)")
-def test_an_unwarmed_decode_engine_still_dies_on_its_first_pulled_decode(model_dir: Path, tmp_path: Path,
-                                                                         tokenizer) -> None:  # fmt: skip
+def test_an_unwarmed_decode_engine_still_dies_on_its_first_pulled_decode(
+    model_dir: Path, tmp_path: Path, tokenizer
+) -> None:
     spec = FleetSpec(model_dir=model_dir, run_dir=tmp_path, disaggregation="always", **PORTS)
     engines, _, _ = plan_fleet(spec)
     procs = {}
-    try:
-        for plan in engines:  # the engines alone: no router, and no warm-up
-            log = open(tmp_path / f"{plan.name}.log", "wb")
-            procs[plan.name] = (plan, subprocess.Popen(plan.argv, env=child_env(plan.env), stdout=log,
-                                                      stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
-        deadline = time.monotonic() + 600
-        while not all(is_healthy(plan.url) for plan, _ in procs.values()):
-            assert time.monotonic() < deadline, "engines not healthy in 600 s"
-            time.sleep(1)
-        (p_plan, _), (d_plan, _) = procs["prefill-0"], procs["decode-0"]
-        prompt = tokenizer.prompt_token_ids("the first forward of D is a decode over pulled KV " * 8)
-        handoff = complete(p_plan.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        with pytest.raises((HTTPStatusError, OSError)):
-            complete(d_plan.url, prompt, max_tokens=4, kv_transfer_params=handoff.kv_transfer_params, timeout=300)
-        log_text = (tmp_path / "decode-0.log").read_text(errors="replace")
-        assert "-4" in log_text or "SIGILL" in log_text, log_text[-2000:]  # the worker's exit code
-    finally:
-        for _, proc in procs.values():
-            stop_group(proc.pid)
+    with contextlib.ExitStack() as logs:
+        try:
+            for plan in engines:  # the engines alone: no router, and no warm-up
+                log = logs.enter_context(open(tmp_path / f"{plan.name}.log", "wb"))
+                procs[plan.name] = (
+                    plan,
+                    subprocess.Popen(
+                        plan.argv, env=child_env(plan.env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    ),
+                )
+            deadline = time.monotonic() + 600
+            while not all(is_healthy(plan.url) for plan, _ in procs.values()):
+                assert time.monotonic() < deadline, "engines not healthy in 600 s"
+                time.sleep(1)
+            (p_plan, _), (d_plan, _) = procs["prefill-0"], procs["decode-0"]
+            prompt = tokenizer.prompt_token_ids("the first forward of D is a decode over pulled KV " * 8)
+            handoff = complete(p_plan.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            with pytest.raises((HTTPStatusError, OSError)):
+                complete(d_plan.url, prompt, max_tokens=4, kv_transfer_params=handoff.kv_transfer_params, timeout=300)
+            log_text = (tmp_path / "decode-0.log").read_text(errors="replace")
+            assert "-4" in log_text or "SIGILL" in log_text, log_text[-2000:]  # the worker's exit code
+        finally:
+            for _, proc in procs.values():
+                stop_group(proc.pid)

@@ -24,6 +24,7 @@ import msgspec
 import pytest
 import yaml
 import zmq
+from scenarios import BLOCK_SIZE, prefill_on
 
 from deploy import dashboards
 from deploy import fleet as fleet_io
@@ -34,7 +35,6 @@ from deploy.metrics import scrape, total
 from deploy.observe import DEFAULT_RULES, ObserveSpec
 from deploy.prompts import filler_text
 from routing.tokenizer import PromptTokenizer
-from scenarios import BLOCK_SIZE, prefill_on
 
 pytestmark = pytest.mark.e2e
 
@@ -117,8 +117,9 @@ def _drive(fleet: Fleet, prom: dashboards.Prometheus, tokenizer: PromptTokenizer
     # A three-step session: the router picks an option at steps 2 and 3, D's offers go unused.
     prompt = ids(4)
     for step in range(3):
-        out = complete(router, prompt, max_tokens=8, ignore_eos=True, return_token_ids=True,
-                       conversation_id="dash-session")  # fmt: skip
+        out = complete(
+            router, prompt, max_tokens=8, ignore_eos=True, return_token_ids=True, conversation_id="dash-session"
+        )
         prompt = prompt + list(out.token_ids) + tokenizer.prompt_token_ids(f" tool: step {step} ok")
     # Offers D rejects: P's KV of x on D's edited prompt, and under another contract.
     edited = x[: 4 * BLOCK_SIZE] + [t + 1 for t in x[4 * BLOCK_SIZE :]]
@@ -133,19 +134,26 @@ def _drive(fleet: Fleet, prom: dashboards.Prometheus, tokenizer: PromptTokenizer
         with pytest.raises(HTTPStatusError) as refused:
             complete(router, **body)
         assert refused.value.status == 400
-    decode_worker = next(w for w in yaml.safe_load((fleet.run_dir / "router.yaml").read_text())["workers"]
-                         if w["role"] == "decode")  # fmt: skip
+    decode_worker = next(
+        w for w in yaml.safe_load((fleet.run_dir / "router.yaml").read_text())["workers"] if w["role"] == "decode"
+    )
     _forge_kv_event_gap(decode_worker["kv_events_endpoint"], router, decode_worker["name"])
 
 
 @pytest.fixture(scope="module")
-def observed(model_dir: Path, tokenizer: PromptTokenizer,
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, dashboards.Prometheus]]:  # fmt: skip
+def observed(
+    model_dir: Path, tokenizer: PromptTokenizer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Fleet, dashboards.Prometheus]]:
     if shutil.which("prometheus") is None and not os.environ.get("KVPILOT_PROMETHEUS"):
         pytest.skip("Prometheus is not installed: `apt-get install -y prometheus` (scripts/bootstrap.sh does it)")
     run_dir = tmp_path_factory.mktemp("dashboards-fleet")
-    spec = FleetSpec(model_dir=model_dir, run_dir=run_dir, disaggregation="always",
-                     connector_extra_config={"bidirectional_kv_xfer": True}, **PORTS)  # fmt: skip
+    spec = FleetSpec(
+        model_dir=model_dir,
+        run_dir=run_dir,
+        disaggregation="always",
+        connector_extra_config={"bidirectional_kv_xfer": True},
+        **PORTS,
+    )
     observe = ObserveSpec(port=PROMETHEUS_PORT, rules=_rules_without_waiting(run_dir / "alerts-now.yml"))
     started = fleet_io.up(spec, timeout=600, observe=observe)
     try:
@@ -181,10 +189,15 @@ def test_fleet_status_lists_prometheus(observed: tuple[Fleet, dashboards.Prometh
 def test_every_variable_finds_its_values(observed: tuple[Fleet, dashboards.Prometheus]) -> None:
     _, prom = observed
     for dash in dashboards.load_all():
-        values = {name: sorted(prom.label_values(dashboards.substitute(query, {"model": "tiny"})))
-                  for name, query in dash.variables.items()}  # fmt: skip
-        assert values == {"model": ["tiny"], "instance": ["127.0.0.1:9610", "127.0.0.1:9611"],
-                          "worker": ["decode-0", "prefill-0"]}, dash.uid  # fmt: skip
+        values = {
+            name: sorted(prom.label_values(dashboards.substitute(query, {"model": "tiny"})))
+            for name, query in dash.variables.items()
+        }
+        assert values == {
+            "model": ["tiny"],
+            "instance": ["127.0.0.1:9610", "127.0.0.1:9611"],
+            "worker": ["decode-0", "prefill-0"],
+        }, dash.uid
 
 
 def test_every_panel_query_returns_data(observed: tuple[Fleet, dashboards.Prometheus]) -> None:

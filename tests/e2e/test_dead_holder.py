@@ -17,15 +17,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fleets import running_fleet
+from scenarios import PROMPT_TOKENS, RECOMPUTED, REJECTED, settle
+from sessions import GENERATED, block_count, colocated, history
 
 from deploy.agent_session import decoded_turn, prefill_next_turn
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape
-from fleets import running_fleet
 from routing.tokenizer import PromptTokenizer
-from scenarios import PROMPT_TOKENS, RECOMPUTED, REJECTED, settle
-from sessions import GENERATED, block_count, colocated, history
 
 pytestmark = pytest.mark.e2e
 
@@ -35,9 +35,13 @@ LOAD_FAILURES = "vllm:kvpilot_load_failures_total"
 
 @pytest.fixture(scope="module")
 def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    spec = FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("dead-holder-fleet"),
-                     disaggregation="always", connector_extra_config={"bidirectional_kv_xfer": True,
-                                                                      "kv_recompute_threshold": 0}, **PORTS)  # fmt: skip
+    spec = FleetSpec(
+        model_dir=model_dir,
+        run_dir=tmp_path_factory.mktemp("dead-holder-fleet"),
+        disaggregation="always",
+        connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
+        **PORTS,
+    )
     with running_fleet(spec) as started:
         yield started
 
@@ -54,10 +58,11 @@ def test_a_dead_holder_is_recomputed_with_correct_output(fleet: Fleet, tokenizer
     assert not stream.thread.is_alive(), f"the client's stream hung over {STREAM_END_BOUND_S} s after D died"
     last = json.loads(stream.events[-1])
     assert "[DONE]" not in stream.events and "decode-0" in last["error"]["message"], stream.events[-3:]
-    assert delta(scrape(fleet.router.url), router_before, "kvpilot_router_upstream_errors_total",
-                 worker="decode-0") == 1  # fmt: skip
+    assert (
+        delta(scrape(fleet.router.url), router_before, "kvpilot_router_upstream_errors_total", worker="decode-0") == 1
+    )
 
-    for turn, reason in zip(turns, ("load_failed", "peer_failed")):
+    for turn, reason in zip(turns, ("load_failed", "peer_failed"), strict=True):
         x, x2 = turn.prompt, turn.prompt + turn.generated + tokenizer.prompt_token_ids(" tool: ok")
         before = scrape(prefill.url)
         out = prefill_next_turn(prefill.url, x2, turn.d_params, timeout=120)
@@ -76,7 +81,8 @@ def test_a_dead_holder_is_recomputed_with_correct_output(fleet: Fleet, tokenizer
             assert delta(after, before, LOAD_FAILURES, action="recompute") == 0
             assert delta(after, before, RECOMPUTED, reason="peer_failed") == offered_beyond_hit
             assert delta(after, before, REJECTED, reason="peer_failed") == (
-                block_count(len(x) + GENERATED - 1) - block_count(len(x)))
+                block_count(len(x) + GENERATED - 1) - block_count(len(x))
+            )
     assert scrape(prefill.url), "P keeps serving"
 
 
@@ -97,8 +103,9 @@ def _relayed_stream(router_url: str, prompt: list[int]) -> _Stream:
     """Start a long stream (P prefills, D decodes 4,000 tokens) and return at once."""
     stream = _Stream()
     body = {"prompt": prompt, "max_tokens": 4000, "ignore_eos": True, "stream": True, "temperature": 0.0}
-    request = urllib.request.Request(f"{router_url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"{router_url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
 
     def read() -> None:
         with urllib.request.urlopen(request, timeout=600) as resp:

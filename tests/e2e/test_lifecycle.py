@@ -59,9 +59,14 @@ def test_bad_config_stops_engine_at_start_naming_the_key(
     model_dir: Path, tmp_path: Path, extra_config: dict, named_key: str
 ) -> None:
     spec = FleetSpec(
-        model_dir=model_dir, run_dir=tmp_path, prefill=0, decode=0, colocated=1,
-        connector_extra_config=extra_config, **PORTS,
-    )  # fmt: skip
+        model_dir=model_dir,
+        run_dir=tmp_path,
+        prefill=0,
+        decode=0,
+        colocated=1,
+        connector_extra_config=extra_config,
+        **PORTS,
+    )
     started = time.monotonic()
     with pytest.raises(fleet_io.FleetStartError) as failure:
         fleet_io.up(spec, timeout=300)
@@ -78,8 +83,19 @@ def test_bad_config_stops_engine_at_start_naming_the_key(
 
 def test_fleet_down_leaves_no_process_and_frees_ports(model_dir: Path, tmp_path: Path) -> None:
     cli = [sys.executable, "-m", "deploy.cli", "fleet"]
-    common = ["--run-dir", str(tmp_path), "--model", str(model_dir), "--prefill", "0", "--decode", "0",
-              "--colocated", "1", *_port_flags()]  # fmt: skip
+    common = [
+        "--run-dir",
+        str(tmp_path),
+        "--model",
+        str(model_dir),
+        "--prefill",
+        "0",
+        "--decode",
+        "0",
+        "--colocated",
+        "1",
+        *_port_flags(),
+    ]
     up = subprocess.run([*cli, "up", *common], capture_output=True, text=True, timeout=600)
     assert up.returncode == 0, up.stderr[-3000:]
     state = json.loads((tmp_path / fleet_io.STATE_FILE).read_text())
@@ -96,12 +112,27 @@ def test_fleet_down_leaves_no_process_and_frees_ports(model_dir: Path, tmp_path:
 
 
 def test_ctrl_c_during_up_stops_everything(model_dir: Path, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "deploy.cli", "fleet", "up", "--run-dir", str(tmp_path), "--model", str(model_dir),
-           *_port_flags()]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "fleet",
+        "up",
+        "--run-dir",
+        str(tmp_path),
+        "--model",
+        str(model_dir),
+        *_port_flags(),
+    ]
     # A shell without job control starts background jobs with SIGINT ignored (POSIX), and
     # Python then keeps ignoring it: give the CLI the default, as a terminal would.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert proc.stdout is not None
     for line in proc.stdout:  # wait until both engines have been spawned
         if "started decode-0" in line:

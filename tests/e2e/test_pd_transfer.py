@@ -22,7 +22,20 @@ KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2
 
 
 def _words(n: int, seed: int) -> str:
-    vocab = "alpha beta gamma delta cache block token prefix decode prefill router session".split()
+    vocab = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "cache",
+        "block",
+        "token",
+        "prefix",
+        "decode",
+        "prefill",
+        "router",
+        "session",
+    ]
     return " ".join(vocab[(seed * 7 + i * 13 + i // 5) % len(vocab)] for i in range(n))
 
 
@@ -99,12 +112,39 @@ def test_vllm_bench_serve_drives_the_router(pd_fleet: Fleet, model_dir, tmp_path
 
     router = pd_fleet.router.url
     before = scrape(router)
-    args = ["--backend", "openai", "--base-url", router, "--model", "tiny", "--tokenizer", str(model_dir),
-            "--dataset-name", "random", "--random-input-len", "200", "--random-output-len", "4",
-            "--num-prompts", "6", "--max-concurrency", "2", "--disable-tqdm", "--ready-check-timeout-sec", "0",
-            "--seed", "3"]  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", BENCH_SERVE, *args], capture_output=True, text=True, timeout=900,
-                          env=child_env(), cwd=tmp_path)  # fmt: skip
+    args = [
+        "--backend",
+        "openai",
+        "--base-url",
+        router,
+        "--model",
+        "tiny",
+        "--tokenizer",
+        str(model_dir),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "200",
+        "--random-output-len",
+        "4",
+        "--num-prompts",
+        "6",
+        "--max-concurrency",
+        "2",
+        "--disable-tqdm",
+        "--ready-check-timeout-sec",
+        "0",
+        "--seed",
+        "3",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", BENCH_SERVE, *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=child_env(),
+        cwd=tmp_path,
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-3000:]
     assert json.loads(lines[-1][7:]) == {"completed": 6, "failed": 0}

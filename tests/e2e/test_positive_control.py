@@ -9,23 +9,30 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from fleets import running_fleet
+from scenarios import cases, colocated_reference, common_full_blocks
+from sessions import EDITS, GENERATED, block_count, colocated, common_prefix, handshake_both_ways, run_session
+
 from deploy.client import complete
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from routing.tokenizer import PromptTokenizer
-from scenarios import cases, common_full_blocks, colocated_reference
-from sessions import EDITS, GENERATED, block_count, colocated, common_prefix, handshake_both_ways, run_session
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def nixl_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    spec = FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("nixl-fleet"), connector="NixlConnector",
-                     connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
-                     engine_port=8610, side_channel_port=6010, events_port=6610, router_port=8600)  # fmt: skip
+    spec = FleetSpec(
+        model_dir=model_dir,
+        run_dir=tmp_path_factory.mktemp("nixl-fleet"),
+        connector="NixlConnector",
+        connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
+        engine_port=8610,
+        side_channel_port=6010,
+        events_port=6610,
+        router_port=8600,
+    )
     with running_fleet(spec) as started:
         yield started
 

@@ -9,14 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fleets import running_fleet
+from scenarios import PROMPT_TOKENS, RECOMPUTED
+from sessions import EDITS, GENERATED, PULL_DECISIONS, block_count, handshake_both_ways, run_session
 
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta
-from fleets import running_fleet
 from routing.tokenizer import PromptTokenizer
-from scenarios import PROMPT_TOKENS, RECOMPUTED
-from sessions import EDITS, GENERATED, PULL_DECISIONS, block_count, handshake_both_ways, run_session
 
 pytestmark = pytest.mark.e2e
 
@@ -25,8 +25,13 @@ PORTS = {"engine_port": 8910, "side_channel_port": 7510, "events_port": 7210, "r
 
 @pytest.fixture(scope="module")
 def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tokenizer: PromptTokenizer) -> Iterator[Fleet]:
-    spec = FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("roofline-fleet"), disaggregation="always",
-                     connector_extra_config={"bidirectional_kv_xfer": True}, **PORTS)  # fmt: skip
+    spec = FleetSpec(
+        model_dir=model_dir,
+        run_dir=tmp_path_factory.mktemp("roofline-fleet"),
+        disaggregation="always",
+        connector_extra_config={"bidirectional_kv_xfer": True},
+        **PORTS,
+    )
     with running_fleet(spec) as started:
         handshake_both_ways(started.by_role("prefill")[0].url, started.by_role("decode")[0].url, tokenizer)
         yield started

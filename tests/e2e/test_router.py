@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from fleets import running_fleet
 
 from deploy import fleet as fleet_io
 from deploy.client import complete, debug_route, wait_for_overlap
@@ -17,7 +18,6 @@ from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape, total
 from deploy.prompts import filler_text
-from fleets import running_fleet
 from routing.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
@@ -29,8 +29,15 @@ CACHE_HIT = "vllm:prompt_tokens_by_source_total"
 @pytest.fixture(scope="module", params=["kvpilot", "dynamo"])
 def spec(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FleetSpec:
     """The same fleet and tests with each index backend (kvpilot's, Dynamo's RadixTree)."""
-    return FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("router-fleet"), prefill=0, decode=0,
-                     colocated=2, index_backend=request.param, **PORTS)  # fmt: skip
+    return FleetSpec(
+        model_dir=model_dir,
+        run_dir=tmp_path_factory.mktemp("router-fleet"),
+        prefill=0,
+        decode=0,
+        colocated=2,
+        index_backend=request.param,
+        **PORTS,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +58,23 @@ def warmed(fleet: Fleet, tokenizer: PromptTokenizer) -> tuple[list[int], list[in
 
 
 def _hits(before: list, after: list) -> float:
-    return sum(delta(x, y, CACHE_HIT, source="local_cache_hit") for x, y in zip(after, before))
+    return sum(delta(x, y, CACHE_HIT, source="local_cache_hit") for x, y in zip(after, before, strict=True))
 
 
-def test_prefix_routing_beats_round_robin(fleet: Fleet, warmed: tuple[list[int], list[int]],
-                                          tokenizer: PromptTokenizer) -> None:  # fmt: skip
+def test_prefix_routing_beats_round_robin(
+    fleet: Fleet, warmed: tuple[list[int], list[int]], tokenizer: PromptTokenizer
+) -> None:
     a, b = warmed
-    extensions = [(base + tokenizer.prompt_token_ids(f" step {i} " + filler_text(40, 30 + i)), want)
-                  for i in range(4) for base, want in ((a, "colocated-0"), (b, "colocated-1"))]  # fmt: skip
+    extensions = [
+        (base + tokenizer.prompt_token_ids(f" step {i} " + filler_text(40, 30 + i)), want)
+        for i in range(4)
+        for base, want in ((a, "colocated-0"), (b, "colocated-1"))
+    ]
     before = [scrape(e.url) for e in fleet.engines]
-    placed = [complete(fleet.router.url, prompt, max_tokens=2).headers.get("X-KVPilot-Decode-Worker")
-              for prompt, _ in extensions]  # fmt: skip
+    placed = [
+        complete(fleet.router.url, prompt, max_tokens=2).headers.get("X-KVPilot-Decode-Worker")
+        for prompt, _ in extensions
+    ]
     time.sleep(0.5)
     routed_hits = _hits(before, [scrape(e.url) for e in fleet.engines])
     assert placed == [want for _, want in extensions]
@@ -101,19 +114,26 @@ def test_malformed_events_are_counted_and_skipped(fleet: Fleet, spec: FleetSpec,
             socket.send_multipart((b"kv", b"short"))
             time.sleep(0.2)
             after = scrape(fleet.router.url)
-            if delta(after, before, "kvpilot_router_kv_event_bad_frames_total") + delta(
-                after, before, "kvpilot_router_kv_events_rejected_total"
-            ) >= 2:
+            if (
+                delta(after, before, "kvpilot_router_kv_event_bad_frames_total")
+                + delta(after, before, "kvpilot_router_kv_events_rejected_total")
+                >= 2
+            ):
                 break
     finally:
         socket.close(linger=0)
-    assert total(after, "kvpilot_router_kv_event_bad_frames_total") + total(after, "kvpilot_router_kv_events_rejected_total") >= 2
+    assert (
+        total(after, "kvpilot_router_kv_event_bad_frames_total")
+        + total(after, "kvpilot_router_kv_events_rejected_total")
+        >= 2
+    )
     out = complete(fleet.router.url, tokenizer.prompt_token_ids(filler_text(50, 5)), max_tokens=2)
     assert out.tokens  # still serving
 
 
-def test_engine_restart_clears_its_entries(fleet: Fleet, spec: FleetSpec, warmed: tuple[list[int], list[int]],
-                                           tokenizer: PromptTokenizer) -> None:  # fmt: skip
+def test_engine_restart_clears_its_entries(
+    fleet: Fleet, spec: FleetSpec, warmed: tuple[list[int], list[int]], tokenizer: PromptTokenizer
+) -> None:
     a, _ = warmed
     assert debug_route(fleet.router.url, a)["overlap"].get("colocated-0", {}).get("GPU", 0) > 0
     restarted = fleet_io.restart_engine(spec, "colocated-0")
@@ -121,10 +141,14 @@ def test_engine_restart_clears_its_entries(fleet: Fleet, spec: FleetSpec, warmed
     other = tokenizer.prompt_token_ids(filler_text(100, 77))
     complete(restarted.engines[0].url, other, max_tokens=1)
     deadline = time.monotonic() + 30
-    while debug_route(fleet.router.url, a)["overlap"].get("colocated-0", {}).get("GPU", 0) and time.monotonic() < deadline:
+    while (
+        debug_route(fleet.router.url, a)["overlap"].get("colocated-0", {}).get("GPU", 0) and time.monotonic() < deadline
+    ):
         time.sleep(0.3)
     assert debug_route(fleet.router.url, a)["overlap"].get("colocated-0", {}).get("GPU", 0) == 0
-    assert wait_for_overlap(fleet.router.url, other, "colocated-0", len(other) // 32)["overlap"]["colocated-0"]["GPU"] > 0
+    assert (
+        wait_for_overlap(fleet.router.url, other, "colocated-0", len(other) // 32)["overlap"]["colocated-0"]["GPU"] > 0
+    )
 
 
 def test_router_reads_the_engines_own_load(fleet: Fleet) -> None:

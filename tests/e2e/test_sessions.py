@@ -12,18 +12,26 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fleets import running_fleet
+from scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED, settle
+from sessions import (
+    EDITS,
+    GENERATED,
+    PULL_DECISIONS,
+    Edit,
+    block_count,
+    colocated,
+    common_prefix,
+    handshake_both_ways,
+    history,
+    run_session,
+)
 
 from deploy.client import Completion, complete
 from deploy.fleet import Fleet, restart_router
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape
-from fleets import running_fleet
 from routing.tokenizer import PromptTokenizer
-from scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED, settle
-from sessions import (
-    EDITS, GENERATED, PULL_DECISIONS, Edit, block_count, colocated, common_prefix, handshake_both_ways, history,
-    run_session,
-)  # fmt: skip
 
 pytestmark = pytest.mark.e2e
 
@@ -37,8 +45,13 @@ SESSION_OPTIONS = "kvpilot_router_session_options_total"
 
 @pytest.fixture(scope="module")
 def spec(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FleetSpec:
-    return FleetSpec(model_dir=model_dir, run_dir=tmp_path_factory.mktemp("session-fleet"), disaggregation="always",
-                     connector_extra_config=DROP_IN, **PORTS)  # fmt: skip
+    return FleetSpec(
+        model_dir=model_dir,
+        run_dir=tmp_path_factory.mktemp("session-fleet"),
+        disaggregation="always",
+        connector_extra_config=DROP_IN,
+        **PORTS,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +118,14 @@ def test_an_expired_lease_is_recomputed_not_pulled(fleet: Fleet, tokenizer: Prom
     """D's params say when its hold ends in wall-clock time; P does not race it."""
     prefill, decode = _urls(fleet)
 
-    turn = run_session(prefill, decode, tokenizer, seed=300, edit=EDITS["unedited"], mutate_params=lambda p: {**p, "kvpilot_expires_at": p["kvpilot_expires_at"] - 10_000})
+    turn = run_session(
+        prefill,
+        decode,
+        tokenizer,
+        seed=300,
+        edit=EDITS["unedited"],
+        mutate_params=lambda p: {**p, "kvpilot_expires_at": p["kvpilot_expires_at"] - 10_000},
+    )
     assert delta(turn.p_after, turn.p_before, VERIFIED) == 0
     assert delta(turn.p_after, turn.p_before, RECOMPUTED, reason="lease_expired") > 0
     reference = colocated(decode, turn.x, turn.x2, block_count(len(turn.x)))
@@ -121,15 +141,17 @@ def _router_choosing(spec: FleetSpec, flags: list[str]) -> str:
     return restart_router(spec, flags).router.url
 
 
-def _agent_steps(router: str, x: list[int], tokenizer: PromptTokenizer, session: str,
-                 edit_step3: Edit = EDITS["unedited"]) -> list[tuple[list[int], Completion]]:  # fmt: skip
+def _agent_steps(
+    router: str, x: list[int], tokenizer: PromptTokenizer, session: str, edit_step3: Edit = EDITS["unedited"]
+) -> list[tuple[list[int], Completion]]:
     """Three steps of one agent session through ``router``: each resends the whole
     history, D's tool call and a new tool output appended (``edit_step3`` edits the
     history before step 3); returns each step's prompt and answer."""
     steps, prompt = [], x
     for n, max_tokens in enumerate((GENERATED, GENERATED, 8)):
-        out = complete(router, prompt, max_tokens=max_tokens, ignore_eos=True, return_token_ids=True,
-                       conversation_id=session)  # fmt: skip
+        out = complete(
+            router, prompt, max_tokens=max_tokens, ignore_eos=True, return_token_ids=True, conversation_id=session
+        )
         steps.append((prompt, out))
         tool = tokenizer.prompt_token_ids(f" tool: step {n} ok, {n + 3} tests pass")
         edit = edit_step3 if n == 1 else EDITS["unedited"]
@@ -140,8 +162,10 @@ def _agent_steps(router: str, x: list[int], tokenizer: PromptTokenizer, session:
 def _reference(engine_url: str, steps: list[tuple[list[int], Completion]]) -> list[Completion]:
     """The same session on one engine under a fresh salt (no P/D, no router)."""
     salt = f"ref-{uuid.uuid4().hex}"
-    return [complete(engine_url, prompt, max_tokens=len(out.tokens), ignore_eos=True, cache_salt=salt)
-            for prompt, out in steps]  # fmt: skip
+    return [
+        complete(engine_url, prompt, max_tokens=len(out.tokens), ignore_eos=True, cache_salt=salt)
+        for prompt, out in steps
+    ]
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -166,12 +190,11 @@ def test_a_session_served_by_each_forced_option_answers_like_colocated(
     assert sent == (2 if option == "pull" else 0)
     if option == "pull":  # P loads D's blocks beyond its own cache of the last prompt, at each step
         (x1, _), (x2, _), _ = steps
-        pulled = [block_count(len(prev) + GENERATED - 1) - block_count(len(prev))
-                  for prev in (x1, x2)]  # fmt: skip
+        pulled = [block_count(len(prev) + GENERATED - 1) - block_count(len(prev)) for prev in (x1, x2)]
         assert delta(p_after, p_before, VERIFIED) == sum(pulled)
     else:
         assert delta(p_after, p_before, VERIFIED) == 0
-    for n, ((_, out), ref) in enumerate(zip(steps, _reference(decode, steps)), start=1):
+    for n, ((_, out), ref) in enumerate(zip(steps, _reference(decode, steps), strict=True), start=1):
         assert out.same_output(ref), f"step {n}: max logprob diff {out.max_logprob_diff(ref)}"
 
 
@@ -193,5 +216,5 @@ def test_unforced_the_router_takes_the_cheapest_option_and_edits_stay_correct(
     before = scrape(router)
     complete(router, x4, max_tokens=8, conversation_id="by-cost")
     assert delta(settle(router), before, SESSION_OPTIONS, option="local") == 1
-    for n, ((_, out), ref) in enumerate(zip(steps, _reference(decode, steps)), start=1):
+    for n, ((_, out), ref) in enumerate(zip(steps, _reference(decode, steps), strict=True), start=1):
         assert out.same_output(ref), f"step {n}: max logprob diff {out.max_logprob_diff(ref)}"

@@ -7,6 +7,20 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from scenarios import (
+    BLOCK_SIZE,
+    PROMPT_TOKENS,
+    RECOMPUTED,
+    REJECTED,
+    VERIFIED,
+    Case,
+    cases,
+    colocated_reference,
+    common_full_blocks,
+    prefill_on,
+    run_case,
+    settle,
+)
 
 from deploy import fleet as fleet_io
 from deploy.client import HTTPStatusError, complete
@@ -14,10 +28,6 @@ from deploy.fleet import Fleet
 from deploy.metrics import delta, scrape
 from deploy.prompts import filler_text
 from routing.tokenizer import PromptTokenizer
-from scenarios import (
-    BLOCK_SIZE, PROMPT_TOKENS, RECOMPUTED, REJECTED, VERIFIED, Case, cases, common_full_blocks, settle,
-    colocated_reference, prefill_on, run_case,
-)  # fmt: skip
 
 pytestmark = pytest.mark.e2e
 
@@ -51,14 +61,20 @@ def test_misaligned_kv_is_never_attached(pd_fleet: Fleet, tokenizer: PromptToken
 MALFORMED = {
     "no kvpilot offer": lambda p: {k: v for k, v in p.items() if k != "kvpilot"},
     "unknown version": lambda p: {**p, "kvpilot": {**p["kvpilot"], "version": 99}},
-    "truncated digests": lambda p: {**p, "kvpilot": {**p["kvpilot"], "block_digests": p["kvpilot"]["block_digests"][:-8]}},
+    "truncated digests": lambda p: {
+        **p,
+        "kvpilot": {**p["kvpilot"], "block_digests": p["kvpilot"]["block_digests"][:-8]},
+    },
     "garbage digests": lambda p: {**p, "kvpilot": {**p["kvpilot"], "block_digests": "!!not base64!!"}},
-    "block size a string": lambda p: {**p, "kvpilot": {**p["kvpilot"], "contract": {**p["kvpilot"]["contract"], "block_size": "32"}}},
+    "block size a string": lambda p: {
+        **p,
+        "kvpilot": {**p["kvpilot"], "contract": {**p["kvpilot"]["contract"], "block_size": "32"}},
+    },
     "kvpilot not an object": lambda p: {**p, "kvpilot": "garbage"},
     "remote_port a string": lambda p: {**p, "remote_port": "http"},
     "remote_block_ids garbage": lambda p: {**p, "remote_block_ids": "abc"},
     "do_remote_prefill alone": lambda p: {"do_remote_prefill": True},
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("mutation", list(MALFORMED), ids=str)

@@ -9,32 +9,43 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from fleets import running_fleet
+from scenarios import BLOCK_SIZE, PROMPT_TOKENS, RECOMPUTED, REJECTED, colocated_reference, run_case
+
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta
+from deploy.prompts import filler_text
 from deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
 from routing.tokenizer import PromptTokenizer
-from deploy.prompts import filler_text
-from scenarios import BLOCK_SIZE, PROMPT_TOKENS, RECOMPUTED, REJECTED, colocated_reference, run_case
 
 pytestmark = pytest.mark.e2e
 
 
 def _single_engine(model_dir: Path, run_dir: Path, offset: int) -> FleetSpec:
-    return FleetSpec(model_dir=model_dir, run_dir=run_dir, prefill=0, decode=0, colocated=1, first_core=offset,
-                     engine_port=8510 + offset, side_channel_port=5910 + offset, events_port=6510 + offset,
-                     router_port=8500 + offset)  # fmt: skip
+    return FleetSpec(
+        model_dir=model_dir,
+        run_dir=run_dir,
+        prefill=0,
+        decode=0,
+        colocated=1,
+        first_core=offset,
+        engine_port=8510 + offset,
+        side_channel_port=5910 + offset,
+        events_port=6510 + offset,
+        router_port=8500 + offset,
+    )
 
 
 @pytest.fixture(scope="module")
 def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Fleet]]:
     """(P serving another model, D serving the tiny model), both with KVPilotConnector."""
     other = ensure_tiny_model(spec=replace(TINY_MODEL_SPEC, seed=TINY_MODEL_SPEC.seed + 1))
-    with running_fleet(_single_engine(other, tmp_path_factory.mktemp("other-p"), 0)) as p:
-        with running_fleet(_single_engine(model_dir, tmp_path_factory.mktemp("tiny-d"), 1)) as d:
-            yield p, d
+    with (
+        running_fleet(_single_engine(other, tmp_path_factory.mktemp("other-p"), 0)) as p,
+        running_fleet(_single_engine(model_dir, tmp_path_factory.mktemp("tiny-d"), 1)) as d,
+    ):
+        yield p, d
 
 
 def test_prefill_from_another_model_is_refused(engines: tuple[Fleet, Fleet], tokenizer: PromptTokenizer) -> None:
