@@ -95,7 +95,7 @@ def ours_msg(chain: list[int], cid: int, a: int, b: int) -> bytes:
 
 def dyn_event(msg: dict, eid: int) -> bytes:
     local = compute_block_hash_for_seq(msg["token_ids"], BS)
-    blocks = [{"block_hash": h, "tokens_hash": t} for h, t in zip(msg["block_hashes"], local, strict=True)]
+    blocks = [{"block_hash": h, "tokens_hash": t} for h, t in zip(msg["block_hashes"], local, strict=False)]
     return json.dumps(
         {"event_id": eid, "data": {"stored": {"parent_hash": msg["parent_block_hash"], "blocks": blocks}}}
     ).encode()

@@ -77,7 +77,7 @@ def _panel(panel: Panel, panel_id: int, pos: GridPos) -> Timeseries:
     )
     if panel.stacked:
         built = built.stacking(StackingConfig().mode(StackingMode.NORMAL)).fill_opacity(40)
-    for ref, query in zip(string.ascii_uppercase, panel.queries, strict=True):
+    for ref, query in zip(string.ascii_uppercase, panel.queries, strict=False):
         built = built.with_target(Dataquery().ref_id(ref).expr(query.expr).legend_format(query.legend).range())
     return built
 

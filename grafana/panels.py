@@ -435,6 +435,13 @@ INDEX_ROW = Row(
             ),
         ),
         Panel(
+            "Workers whose KV events stopped",
+            "1 while a worker that prefilled new blocks has published no KV event for "
+            "index.events_stale_after_s: it is routed on load alone until its next batch.",
+            "short",
+            (Query(f"max by (worker) (kvpilot_router_kv_events_stale{{{WORKER}}})", "{{worker}}"),),
+        ),
+        Panel(
             "KV events rejected (since router start)",
             "Malformed KV events skipped, by worker and reason.",
             "short",

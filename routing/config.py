@@ -19,6 +19,7 @@ user can paste them::
       backend: kvpilot                   # kvpilot | dynamo (Dynamo's RadixTree; needs kvpilot[dynamo])
       block_size: 16
       tiers: {GPU: gpu, CPU: host, STORAGE: disk}
+      events_stale_after_s: 30.0         # a worker silent this long after a prefill: load-only; 0 = off
     sessions:
       max_sessions: 10000
       force_option: ""                   # reprefill | pull | affinity | shared_tier | local; "" = cheapest
@@ -126,6 +127,9 @@ class IndexConfig:
     block_size: int = 16
     kv_group: int = 0
     removal_log_capacity: int = 65536
+    events_stale_after_s: float = 30.0
+    """A worker that prefilled blocks its entries lacked and then published no KV
+    event for this long is routed on load alone (``routing.event_watch``); 0 = off."""
     tiers: Mapping[str, str] = field(default_factory=lambda: {"GPU": "gpu", "CPU": "host", "STORAGE": "disk"})
 
     def __post_init__(self) -> None:
@@ -137,6 +141,8 @@ class IndexConfig:
             raise ConfigError(f"kv_group must be >= 0, got {self.kv_group}")
         if self.removal_log_capacity <= 0:
             raise ConfigError("removal_log_capacity must be positive")
+        if not self.events_stale_after_s >= 0:
+            raise ConfigError(f"events_stale_after_s must be >= 0, got {self.events_stale_after_s}")
         for medium, klass in self.tiers.items():
             if klass not in TIER_CLASSES:
                 raise ConfigError(f"tiers.{medium} must be one of {TIER_CLASSES}, got {klass!r}")

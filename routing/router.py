@@ -165,9 +165,12 @@ class Router:
         *,
         engine_load: Callable[[WorkerId], EngineLoad | None] | None = None,
         available: Callable[[WorkerId], bool] | None = None,
+        events_stale: Callable[[WorkerId], bool] | None = None,
     ) -> None:
         """``available(worker)``: False while the worker's circuit is open
-        (:class:`routing.health.CircuitBreaker`); such a worker is not routed to."""
+        (:class:`routing.health.CircuitBreaker`); such a worker is not routed to.
+        ``events_stale(worker)``: True while the worker's KV events have stopped
+        (:class:`routing.event_watch.EventWatch`); it gets no overlap credit (load only)."""
         if fleet.prefill and policy is None:
             raise ValueError("a fleet with prefill workers needs a local-vs-remote policy")
         self.fleet = fleet
@@ -178,6 +181,7 @@ class Router:
         self.policy = policy
         self.engine_load = engine_load
         self.available = available if available is not None else (lambda _: True)
+        self.events_stale = events_stale if events_stale is not None else (lambda _: False)
         self.pricer = SessionOptionPricer(policy) if policy is not None else None
         self._forced = Option(config.sessions.force_option) if config.sessions.force_option else None
         self.cost = CostModel(config.cost, rng if rng is not None else random.Random(config.cost.router_seed))
@@ -371,7 +375,12 @@ class Router:
             default=0,
         )
         empty: Mapping[Tier, int] = {}
-        return {w.name: tier_overlap(match.blocks.get(w.name, empty), self._tiers, shared) for w in self.fleet.workers}
+        return {
+            w.name: tier_overlap(
+                empty if self.events_stale(w.name) else match.blocks.get(w.name, empty), self._tiers, shared
+            )
+            for w in self.fleet.workers
+        }
 
     def _candidate(
         self,

@@ -52,6 +52,7 @@ from routing.chat import ChatError, ChatTemplate, chat_chunk, chat_response, cha
 from routing.config import ConfigError, IndexConfig, RouterConfig
 from routing.engine_metrics import EngineLoadPoller
 from routing.engines import Fleet, IndexFeeder, Worker
+from routing.event_watch import EventWatch
 from routing.health import CircuitBreaker
 from routing.index import BlockIndex, KVIndex, WorkerId
 from routing.ledger import LoadLedger
@@ -150,6 +151,7 @@ class RouterServer:
         interval = config.server.engine_metrics_interval_s
         self.engine_load = EngineLoadPoller(fleet.workers, interval) if interval > 0 else None
         self.breaker = CircuitBreaker(srv.circuit_failures, srv.circuit_open_s)
+        self.event_watch = EventWatch(config.index.events_stale_after_s)
         self.router = Router(
             fleet,
             config,
@@ -159,6 +161,7 @@ class RouterServer:
             policy,
             engine_load=self.engine_load.latest if self.engine_load is not None else None,
             available=lambda worker: self.breaker.allows(worker, time.monotonic()),
+            events_stale=self.event_watch.is_stale,
         )
         self._background: list[asyncio.Task[None]] = []
         self.feeder: IndexFeeder | None = None
@@ -223,6 +226,7 @@ class RouterServer:
         return web.json_response({"object": "list", "data": [model]})
 
     async def _metrics(self, _: web.Request) -> web.Response:
+        self.watch_events()
         body, content_type = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -242,6 +246,7 @@ class RouterServer:
                 "prompt_blocks": route.prompt_blocks,
                 "cached_blocks": route.cached_blocks,
                 "overlap": route.match.blocks,
+                "events_stale": sorted(self.event_watch.stale),
                 "session_option": route.option.value if route.option is not None else None,
                 "options": [
                     {
@@ -324,6 +329,7 @@ class RouterServer:
             raise BadRequest(f"the prompt has {len(token_ids)} tokens, over server.max_prompt_tokens ({limit})")
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
+        self.watch_events()
         with self.lock:
             try:
                 route = self.router.route(
@@ -430,6 +436,7 @@ class RouterServer:
                 self.router.served(session, route, decode_params)
             if answered:
                 self._worker_answered(route.decode)
+            self._expect_events(route, p)
             return response
         finally:
             self.ledger.complete(rid)
@@ -496,6 +503,21 @@ class RouterServer:
         self.ledger.first_token(route.request_id)
         self.metrics.ttft_stage.labels("prefill").observe(time.perf_counter() - started)
         return params
+
+    def event_batches(self) -> dict[WorkerId, int]:
+        """Each subscribed worker's count of applied KV-event batches."""
+        return {sub.worker: sub.stats.batches for sub in (self.feeder.subscribers if self.feeder is not None else ())}
+
+    def watch_events(self) -> None:
+        """Flag the workers whose KV events stopped, and clear the ones heard again."""
+        self.event_watch.update(self.event_batches(), time.monotonic())
+
+    def _expect_events(self, route: Route, prefilled_on: WorkerId) -> None:
+        """``prefilled_on`` served ``route``'s prompt; blocks it did not hold must show up as events."""
+        cached = route.cached_blocks if prefilled_on == route.prefill_worker.name else route.decode_cached_blocks
+        batches = self.event_batches()
+        if route.prompt_blocks > cached and prefilled_on in batches:
+            self.event_watch.expect(prefilled_on, batches[prefilled_on], time.monotonic())
 
     def _worker_failed(self, worker: Worker) -> None:
         """An engine failed a request (no answer, timeout, 5xx): count it toward its circuit."""

@@ -42,7 +42,9 @@ class RouterMetrics:
     ``_active_decode_blocks``, ``_active_requests``), and the engines' own
     gauges as last polled (``kvpilot_router_engine_running``, ``_waiting``,
     ``_kv_usage``; absent while stale) with unreadable polls
-    (``kvpilot_router_engine_metrics_failures_total{worker,reason}``).
+    (``kvpilot_router_engine_metrics_failures_total{worker,reason}``); workers whose
+    KV events stopped (``kvpilot_router_kv_events_stale{worker}``, 1 while routed on
+    load alone; ``kvpilot_router_kv_events_went_stale_total{worker}``).
     """
 
     def __init__(self, server: RouterServer) -> None:
@@ -154,7 +156,18 @@ class RouterMetrics:
         failures = CounterMetricFamily(
             p + "engine_metrics_failures", "Unreadable engine /metrics polls", labels=["worker", "reason"]
         )
+        stale = GaugeMetricFamily(
+            p + "kv_events_stale",
+            "1 while a worker's KV events have stopped after it prefilled new blocks: routed on load alone",
+            labels=["worker"],
+        )
+        went_stale = CounterMetricFamily(
+            p + "kv_events_went_stale", "Times a worker's KV events were found stopped", labels=["worker"]
+        )
+        watch = server.event_watch
         for worker in server.fleet.workers:
+            stale.add_metric([worker.name], float(watch.is_stale(worker.name)))
+            went_stale.add_metric([worker.name], watch.went_stale.get(worker.name, 0))
             load = server.ledger.load(worker.name)
             for field, family in ledger.items():
                 family.add_metric([worker.name], getattr(load, field))
@@ -180,6 +193,8 @@ class RouterMetrics:
         yield from ledger.values()
         yield from engine.values()
         yield failures
+        yield stale
+        yield went_stale
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -9,14 +9,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 import zmq
 from fleets import running_fleet
 
 from deploy import fleet as fleet_io
-from deploy.client import complete, debug_route, wait_for_overlap
+from deploy.client import Completion, complete, debug_route, wait_for_overlap
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape, total
+from deploy.metrics import delta, scrape, total, wait_for_metric
 from deploy.prompts import filler_text
 from routing.tokenizer import PromptTokenizer
 
@@ -165,3 +166,44 @@ def test_router_reads_the_engines_own_load(fleet: Fleet) -> None:
         usage = total(samples, "kvpilot_router_engine_kv_usage", worker=worker)
         assert 0.0 <= usage <= 1.0
         assert any(name == "kvpilot_router_engine_running" and ("worker", worker) in labels for name, labels in samples)
+
+
+def test_an_engine_whose_events_stop_is_flagged_and_routed_on_load_alone(
+    fleet: Fleet, spec: FleetSpec, tokenizer: PromptTokenizer, tmp_path: Path
+) -> None:
+    """colocated-1 keeps serving but none of its KV events reach the router (its topic
+    is misconfigured in the router's config: the router's SUB filters its batches out).
+    Once it has prefilled a prompt through the router and stayed silent for
+    ``index.events_stale_after_s``, it is flagged and gets no overlap credit; its
+    answers stay correct. Runs last: it restarts the router, then restores it."""
+    if spec.index_backend != "kvpilot":
+        pytest.skip("the watch is the router's, whatever the index: once is enough")
+    silenced = "colocated-1"
+    config = yaml.safe_load((spec.run_dir / "router.yaml").read_text())
+    for worker in config["workers"]:
+        if worker["name"] == silenced:
+            worker["topic"] = "not-what-the-engine-publishes"
+    config["index"]["events_stale_after_s"] = 3.0
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    try:
+        router = fleet_io.restart_router(spec, ["--config", str(tmp_path / "router.yaml")]).router.url
+        served: dict[str, tuple[list[int], Completion]] = {}
+        for seed in range(700, 712):  # fresh prompts: no overlap anywhere, so ties go to either worker
+            prompt = tokenizer.prompt_token_ids(filler_text(200, seed))
+            out = complete(router, prompt, max_tokens=4)
+            served.setdefault(out.headers["X-KVPilot-Decode-Worker"], (prompt, out))
+            if silenced in served:
+                break
+        assert silenced in served, f"no fresh prompt went to {silenced}: {sorted(served)}"
+        stale = "kvpilot_router_kv_events_stale"
+        samples = wait_for_metric(router, stale, lambda v: v == 1, timeout=30, worker=silenced)
+        assert total(samples, stale, worker=silenced) == 1
+        assert total(samples, "kvpilot_router_kv_events_went_stale_total", worker=silenced) == 1
+        assert total(samples, stale, worker="colocated-0") == 0
+        prompt, out = served[silenced]
+        route = debug_route(router, prompt)
+        assert route["events_stale"] == [silenced]
+        reference = complete(fleet.engines[1].url, prompt, max_tokens=4, cache_salt=uuid.uuid4().hex)
+        assert out.same_output(reference)
+    finally:
+        fleet_io.restart_router(spec)

@@ -1,0 +1,87 @@
+"""routing.event_watch: a worker whose KV events stop after it prefilled new blocks is
+flagged, routed on load alone, and cleared by its next batch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from test_routing_router import COLOCATED, _config, _prompt, _store
+
+from routing.engines import fleet_from_config
+from routing.event_watch import EventWatch
+from routing.index import BlockIndex, WorkerId
+from routing.ledger import LoadLedger
+from routing.router import Router
+from routing.sessions import SessionStore
+
+W1, W2 = WorkerId("w1"), WorkerId("w2")
+
+
+@pytest.mark.parametrize(
+    ("case", "heard_at", "checked_at", "stale"),
+    [
+        ("silent past the bound", None, 10.0, True),
+        ("silent, not yet past the bound", None, 9.9, False),
+        ("heard before the bound", 3.0, 10.0, False),
+        ("heard after the bound", 12.0, 12.0, False),
+    ],
+)
+def test_a_worker_silent_after_a_prefill_is_flagged_until_heard(case, heard_at, checked_at, stale):
+    watch = EventWatch(stale_after_s=10.0)
+    watch.expect(W1, batches=5, now=0.0)
+    batches = {W1: 5, W2: 0}
+    if heard_at is not None:
+        batches[W1] = 6
+    watch.update(batches, checked_at)
+    assert watch.is_stale(W1) is stale, case
+    assert watch.stale == (frozenset({W1}) if stale else frozenset())
+    assert not watch.is_stale(W2)  # never expected: never flagged
+
+
+def test_the_next_batch_clears_a_flag_and_each_episode_is_counted_once():
+    watch = EventWatch(stale_after_s=1.0)
+    watch.expect(W1, 0, now=0.0)
+    watch.update({W1: 0}, 5.0)
+    watch.update({W1: 0}, 6.0)
+    assert watch.is_stale(W1) and watch.went_stale == {W1: 1}
+    watch.expect(W1, 0, now=7.0)  # an older expectation is kept: still stale
+    watch.update({W1: 1}, 7.5)
+    assert not watch.is_stale(W1)
+    watch.expect(W1, 1, now=8.0)
+    watch.update({W1: 1}, 9.5)
+    assert watch.is_stale(W1) and watch.went_stale == {W1: 2}
+
+
+def test_zero_disables_the_watch_and_negative_is_refused():
+    watch = EventWatch(stale_after_s=0.0)
+    watch.expect(W1, 0, now=0.0)
+    watch.update({W1: 0}, 1e9)
+    assert not watch.is_stale(W1)
+    with pytest.raises(ValueError, match="stale_after_s"):
+        EventWatch(stale_after_s=-1.0)
+
+
+def test_a_stale_worker_earns_no_overlap_credit():
+    """Both workers hold the prompt; the one whose events stopped is scored on load alone."""
+    cfg = _config(COLOCATED)
+    watch = EventWatch(stale_after_s=1.0)
+    router = Router(
+        fleet_from_config(cfg),
+        cfg,
+        BlockIndex(4),
+        LoadLedger(),
+        SessionStore(4, 16),
+        None,
+        random.Random(0),
+        events_stale=watch.is_stale,
+    )
+    prompt = _prompt(10)
+    _store(router.index, "w2", prompt[: 8 * 4])
+    assert router.route(prompt, "before").decode.name == W2
+    watch.expect(W2, 0, now=0.0)
+    watch.update({W2: 0}, 2.0)
+    route = router.route(prompt, "after")
+    assert route.cached_blocks == 0
+    assert all(term.credit_blocks == 0 for term in route.decision.terms), route.explain()
