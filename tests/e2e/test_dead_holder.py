@@ -4,7 +4,7 @@ fails, vLLM's ``kv_load_failure_policy: recompute`` (set by the fleet) prefills
 what it was to load, and P answers exactly as a co-located run would; the next
 offer from the dead D is prefilled without another try. Both counted. D dies in
 the middle of a stream the router relays: the client gets an error event naming D
-and the stream ends (no hang)."""
+and the stream ends (no hang). P dies holding a request: D prefills it, correctly."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import json
 import os
 import signal
 import threading
+import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,10 +23,13 @@ from fleets import running_fleet
 from scenarios import PROMPT_TOKENS, RECOMPUTED, REJECTED, settle
 from sessions import GENERATED, block_count, colocated, history
 
+from deploy import fleet as fleet_io
 from deploy.agent_session import decoded_turn, prefill_next_turn
+from deploy.client import Completion, complete
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape
+from deploy.metrics import delta, scrape, total, wait_for_metric
+from deploy.prompts import filler_text
 from routing.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
@@ -34,14 +39,18 @@ LOAD_FAILURES = "vllm:kvpilot_load_failures_total"
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    spec = FleetSpec(
+def spec(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FleetSpec:
+    return FleetSpec(
         model_dir=model_dir,
         run_dir=tmp_path_factory.mktemp("dead-holder-fleet"),
         disaggregation="always",
         connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
         **PORTS,
     )
+
+
+@pytest.fixture(scope="module")
+def fleet(spec: FleetSpec) -> Iterator[Fleet]:
     with running_fleet(spec) as started:
         yield started
 
@@ -85,6 +94,43 @@ def test_a_dead_holder_is_recomputed_with_correct_output(fleet: Fleet, tokenizer
             )
     assert scrape(prefill.url), "P keeps serving"
 
+
+def test_p_killed_mid_prefill_is_served_by_d_with_correct_output(
+    fleet: Fleet, spec: FleetSpec, tokenizer: PromptTokenizer
+) -> None:
+    """P dies holding a request: the router sees P's connection drop, D prefills the
+    prompt itself, and the answer equals a co-located run's. Runs after the test
+    above killed D, so D is started again first."""
+    restarted = fleet_io.restart_engine(spec, "decode-0")
+    prefill, decode = restarted.by_role("prefill")[0], restarted.by_role("decode")[0]
+    x = tokenizer.prompt_token_ids(filler_text(600, 41))
+    router_before = scrape(fleet.router.url)
+    answers: list[Completion] = []
+    os.killpg(prefill.pid, signal.SIGSTOP)  # P accepts the request and never answers...
+    try:
+        client = threading.Thread(target=lambda: answers.append(complete(fleet.router.url, x, max_tokens=6)))
+        client.start()
+        samples = wait_for_metric(
+            fleet.router.url, "kvpilot_router_active_prefill_blocks", lambda v: v > 0, timeout=60, worker="prefill-0"
+        )
+        assert total(samples, "kvpilot_router_active_prefill_blocks", worker="prefill-0") > 0, "never sent to P"
+        time.sleep(1.0)  # the request's bytes are in P's socket
+    finally:
+        os.killpg(prefill.pid, signal.SIGKILL)  # ...then dies mid-prefill
+    client.join(P_DEATH_BOUND_S)
+    assert not client.is_alive(), f"no answer {P_DEATH_BOUND_S} s after P died"
+    assert answers, "the client got an error, not D's answer"
+    out = answers[0]
+    assert out.headers.get("X-KVPilot-Route") == "fallback", out.headers
+    reference = complete(decode.url, x, max_tokens=6, cache_salt=uuid.uuid4().hex)
+    assert out.same_output(reference), f"max logprob diff {out.max_logprob_diff(reference)}"
+    after = scrape(fleet.router.url)
+    assert delta(after, router_before, "kvpilot_router_prefill_failures_total", worker="prefill-0") == 1
+    assert total(after, "kvpilot_router_prefill_failures_total", worker="prefill-0", reason="connection") >= 1
+
+
+P_DEATH_BOUND_S = 120.0
+"""How long a request may take once its P died (D's whole prefill, on a loaded box)."""
 
 STREAM_END_BOUND_S = 60.0
 """How long a relayed stream may last after its D died."""
