@@ -10,6 +10,8 @@ block index), ``dynamo_index`` (Dynamo's RadixTree behind the same interface),
 decisions), ``router`` (the decision: pair, local or remote, the five session
 options), ``request_fields`` (what a client may send), ``admission``
 (concurrency limit and queue), ``health`` (per-worker circuit breaker),
+``event_watch`` (workers whose KV events stopped), ``pair_health`` (each (P, D)
+pair's recent transfer failures and transfer time, as a cost),
 ``config`` (the typed config and its flags); then I/O: ``subscriber`` (the ZMQ
 edge: gaps, replay, restarts), ``engines`` (the fleet, the index feeder thread),
 ``engine_metrics`` (polling each engine's ``/metrics``), ``tokenizer``, ``chat``

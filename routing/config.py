@@ -15,6 +15,9 @@ user can paste them::
       router_temperature: 0.0            # 0 = argmin; > 0 = seeded softmax sampling
       session_affinity_credit: 16.0      # kvpilot's own: blocks of credit for the session's last worker
       router_seed: 0
+      pair_failure_cost_blocks: 32.0     # kvpilot's own: per recent transfer failure of a (P, D) pair
+      pair_failure_half_life_s: 60.0
+      pair_transfer_cost_blocks_per_s: 64.0   # per second of the pair's mean NIXL transfer time
     index:
       backend: kvpilot                   # kvpilot | dynamo (Dynamo's RadixTree; needs kvpilot[dynamo])
       block_size: 16
@@ -111,12 +114,20 @@ class CostConfig:
     router_temperature: float = 0.0
     session_affinity_credit: float = 16.0
     router_seed: int = 0
+    pair_failure_cost_blocks: float = 32.0
+    """kvpilot's own (``routing.pair_health``): blocks added to a (P, D) pair's cost per
+    recent transfer failure or expired lease, halved every ``pair_failure_half_life_s``."""
+    pair_failure_half_life_s: float = 60.0
+    pair_transfer_cost_blocks_per_s: float = 64.0
+    """Blocks added per second of the pair's mean NIXL transfer time."""
 
     def __post_init__(self) -> None:
         _non_negative(
             self,
             *(f.name for f in dataclasses.fields(self) if f.name != "router_seed"),
         )
+        if not self.pair_failure_half_life_s > 0:
+            raise ConfigError(f"pair_failure_half_life_s must be > 0, got {self.pair_failure_half_life_s}")
 
 
 @dataclass(frozen=True)

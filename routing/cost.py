@@ -13,6 +13,8 @@ For a request of ``prompt_blocks`` full blocks and a candidate worker (all in bl
          + potential_decode_blocks
          + decode_active_request_weight * active_requests
          - session_affinity_credit * [worker served this session last]
+         + pair_penalty_blocks        # kvpilot's own: a (P, D) pair's recent transfer
+                                      # failures and transfer time (routing.pair_health)
 
 This is the formula of the article's section 4.4 (Dynamo's routing concepts).
 The load comes from :class:`routing.ledger.LoadLedger`; as in Dynamo, decode
@@ -82,6 +84,7 @@ class Candidate(NamedTuple):
     overlap: TierOverlap
     load: WorkerLoad
     session_affinity: bool = False
+    pair_penalty_blocks: float = 0.0
 
 
 class Terms(NamedTuple):
@@ -92,6 +95,7 @@ class Terms(NamedTuple):
     potential_decode_blocks: int
     active_request_cost: float
     affinity_credit: float
+    pair_penalty: float
     cost: float
 
 
@@ -109,8 +113,8 @@ def worker_terms(cfg: CostConfig, prompt_blocks: int, cand: Candidate) -> Terms:
     decode = load.active_decode_blocks + prompt_blocks - load.shared_decode_blocks
     requests = cfg.decode_active_request_weight * load.active_requests
     affinity = cfg.session_affinity_credit if cand.session_affinity else 0.0
-    cost = cfg.prefill_load_scale * adjusted + decode + requests - affinity
-    return Terms(cand.name, gpu_credit, credit, adjusted, decode, requests, affinity, cost)
+    cost = cfg.prefill_load_scale * adjusted + decode + requests - affinity + cand.pair_penalty_blocks
+    return Terms(cand.name, gpu_credit, credit, adjusted, decode, requests, affinity, cand.pair_penalty_blocks, cost)
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,9 @@ class Decision:
                 f"({t.adjusted_prefill_blocks:.2f}; credit={t.credit_blocks:.2f} "
                 f"gpu_credit/block={t.gpu_credit:.3f}) + potential_decode_blocks"
                 f"({t.potential_decode_blocks}) + active_request_cost({t.active_request_cost:.2f})"
-                f" - session_affinity_credit({t.affinity_credit:.2f}){p}"
+                f" - session_affinity_credit({t.affinity_credit:.2f})"
+                + (f" + pair_penalty({t.pair_penalty:.2f})" if t.pair_penalty else "")
+                + p
                 + (" <- chosen" if t.name == self.chosen else "")
             )
         return "\n".join(lines)

@@ -5,7 +5,8 @@ through this router. An engine's own gauges also count traffic that did not
 (a second router, direct clients), so the router polls them:
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
 ``vllm:kv_cache_usage_perc`` (vLLM 0.32; summed over label sets, KV usage is
-the maximum). :func:`parse_engine_load` is pure and hands only those lines to
+the maximum), and the NIXL transfer counters that rate each (P, D) pair
+(:data:`TRANSFER_COUNTERS`, :mod:`routing.pair_health`). :func:`parse_engine_load` is pure and hands only those lines to
 ``prometheus_client``'s parser, so a large exposition costs little on the router's
 loop; :class:`EngineLoadPoller` is the asyncio loop.
 A sample older than ``max_age_s`` is ignored (an engine that stopped answering
@@ -20,7 +21,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,14 +29,23 @@ from prometheus_client.samples import Sample
 
 from routing.engines import Worker
 from routing.index import WorkerId
+from routing.pair_health import TransferCounters
 
 log = logging.getLogger(__name__)
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
-# A sample line of one of the three gauges starts with its name and then labels or a space.
-_GAUGE_LINES = tuple(name + after for name in (RUNNING, WAITING, KV_USAGE) for after in "{ \t")
+TRANSFER_COUNTERS = {
+    "vllm:nixl_num_failed_transfers_total": "failures",
+    "vllm:kvpilot_load_failures_total": "failures",
+    "vllm:nixl_num_kv_expired_reqs_total": "expired_leases",
+    "vllm:nixl_xfer_time_seconds_sum": "transfer_seconds",
+    "vllm:nixl_xfer_time_seconds_count": "transfers",
+}
+"""The counters behind :class:`~routing.pair_health.TransferCounters` (summed over label sets)."""
+# A sample line of one of these starts with its name and then labels or a space.
+_WANTED_LINES = tuple(name + after for name in (RUNNING, WAITING, KV_USAGE, *TRANSFER_COUNTERS) for after in "{ \t")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +56,7 @@ class EngineLoad:
     waiting: float
     kv_usage: float
     at: float
+    transfer: TransferCounters = field(default_factory=TransferCounters)
 
 
 def parse_samples(text: str) -> list[Sample]:
@@ -77,13 +88,15 @@ def _parses(line: str) -> bool:
 
 
 def parse_engine_load(text: str, at: float) -> EngineLoad | None:
-    """The three gauges from a Prometheus text exposition; None if ``KV_USAGE`` is absent.
+    """The three gauges and the transfer counters from a Prometheus text exposition;
+    None if ``KV_USAGE`` is absent (a counter that is absent reads 0).
 
-    Only those gauges' sample lines are parsed; a line the parser refuses or a
+    Only those sample lines are parsed; a line the parser refuses or a
     non-finite value is ignored. Never raises.
     """
-    wanted = "\n".join(line for line in text.split("\n") if line.lstrip().startswith(_GAUGE_LINES))
+    wanted = "\n".join(line for line in text.split("\n") if line.lstrip().startswith(_WANTED_LINES))
     sums = {RUNNING: 0.0, WAITING: 0.0}
+    transfer = dict.fromkeys(TRANSFER_COUNTERS.values(), 0.0)
     usage: float | None = None
     for sample in parse_samples(wanted):
         value = float(sample.value)
@@ -93,9 +106,11 @@ def parse_engine_load(text: str, at: float) -> EngineLoad | None:
             usage = value if usage is None else max(usage, value)
         elif sample.name in sums:
             sums[sample.name] += value
+        elif sample.name in TRANSFER_COUNTERS:
+            transfer[TRANSFER_COUNTERS[sample.name]] += value
     if usage is None:
         return None
-    return EngineLoad(sums[RUNNING], sums[WAITING], usage, at)
+    return EngineLoad(sums[RUNNING], sums[WAITING], usage, at, TransferCounters(**transfer))
 
 
 class EngineLoadPoller:

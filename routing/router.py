@@ -9,8 +9,9 @@ For one request the :class:`Router`:
 3. builds one :class:`~routing.cost.Candidate` per (P, D) pair and per
    co-located worker. A pair is named ``"P->D"``; it is credited with P's
    overlap (P prefills), loaded with P's active prefill blocks and D's decode
-   blocks and requests, and earns the session credit if D served the session
-   last (after a step the newest KV lives on D, article section 9.2);
+   blocks and requests, earns the session credit if D served the session
+   last (after a step the newest KV lives on D, article section 9.2), and is
+   charged its recent transfer failures and transfer time (``pair_penalty``);
 4. asks :class:`~routing.cost.CostModel` to pick one (seeded RNG);
 5. for a pair, asks ``policies.disaggregation`` whether to prefill locally on D
    (D's cached prefix, P's cached prefix and queue, D's KV usage from the
@@ -166,11 +167,14 @@ class Router:
         engine_load: Callable[[WorkerId], EngineLoad | None] | None = None,
         available: Callable[[WorkerId], bool] | None = None,
         events_stale: Callable[[WorkerId], bool] | None = None,
+        pair_penalty: Callable[[WorkerId, WorkerId], float] | None = None,
     ) -> None:
         """``available(worker)``: False while the worker's circuit is open
         (:class:`routing.health.CircuitBreaker`); such a worker is not routed to.
         ``events_stale(worker)``: True while the worker's KV events have stopped
-        (:class:`routing.event_watch.EventWatch`); it gets no overlap credit (load only)."""
+        (:class:`routing.event_watch.EventWatch`); it gets no overlap credit (load only).
+        ``pair_penalty(p, d)``: blocks added to the pair's cost for its recent transfer
+        failures and transfer time (:class:`routing.pair_health.PairHealth`)."""
         if fleet.prefill and policy is None:
             raise ValueError("a fleet with prefill workers needs a local-vs-remote policy")
         self.fleet = fleet
@@ -182,6 +186,7 @@ class Router:
         self.engine_load = engine_load
         self.available = available if available is not None else (lambda _: True)
         self.events_stale = events_stale if events_stale is not None else (lambda _: False)
+        self.pair_penalty = pair_penalty if pair_penalty is not None else (lambda _p, _d: 0.0)
         self.pricer = SessionOptionPricer(policy) if policy is not None else None
         self._forced = Option(config.sessions.force_option) if config.sessions.force_option else None
         self.cost = CostModel(config.cost, rng if rng is not None else random.Random(config.cost.router_seed))
@@ -395,7 +400,7 @@ class Router:
         if p is None:
             return Candidate(name, overlaps[d.name], d_load, d.name == last)
         load = d_load._replace(active_prefill_blocks=loads[p.name].active_prefill_blocks)
-        return Candidate(name, overlaps[p.name], load, d.name == last)
+        return Candidate(name, overlaps[p.name], load, d.name == last, self.pair_penalty(p.name, d.name))
 
     def _policy_inputs(
         self,

@@ -56,8 +56,9 @@ from routing.event_watch import EventWatch
 from routing.health import CircuitBreaker
 from routing.index import BlockIndex, KVIndex, WorkerId
 from routing.ledger import LoadLedger
+from routing.pair_health import PairHealth
 from routing.request_fields import refused_field
-from routing.router import NoHealthyWorker, Route, Router, policy_from_config
+from routing.router import NoHealthyWorker, Route, Router, pair_name, policy_from_config
 from routing.server_metrics import RouterMetrics
 from routing.sessions import InvalidSessionKey, SessionId, SessionStore, scoped, session_key
 from routing.tokenizer import PromptError, PromptTokenizer
@@ -152,6 +153,7 @@ class RouterServer:
         self.engine_load = EngineLoadPoller(fleet.workers, interval) if interval > 0 else None
         self.breaker = CircuitBreaker(srv.circuit_failures, srv.circuit_open_s)
         self.event_watch = EventWatch(config.index.events_stale_after_s)
+        self.pair_health = PairHealth(config.cost)
         self.router = Router(
             fleet,
             config,
@@ -162,6 +164,7 @@ class RouterServer:
             engine_load=self.engine_load.latest if self.engine_load is not None else None,
             available=lambda worker: self.breaker.allows(worker, time.monotonic()),
             events_stale=self.event_watch.is_stale,
+            pair_penalty=lambda p, d: self.pair_health.penalty_blocks(p, d, time.monotonic()),
         )
         self._background: list[asyncio.Task[None]] = []
         self.feeder: IndexFeeder | None = None
@@ -247,6 +250,11 @@ class RouterServer:
                 "cached_blocks": route.cached_blocks,
                 "overlap": route.match.blocks,
                 "events_stale": sorted(self.event_watch.stale),
+                "pair_penalty_blocks": {
+                    pair_name(p.name, d.name): self.pair_health.penalty_blocks(p.name, d.name, time.monotonic())
+                    for p in self.fleet.prefill
+                    for d in self.fleet.decode
+                },
                 "session_option": route.option.value if route.option is not None else None,
                 "options": [
                     {
@@ -416,6 +424,7 @@ class RouterServer:
             kind = route.kind.value
             offer = self._session_offer(session, route)
             if route.prefill is not None:
+                self.pair_health.routed(route.prefill.name, route.decode.name, time.monotonic())
                 params = await self._prefill(route, engine_body, offer)
                 if params is None:
                     kind, p = "fallback", d
@@ -489,6 +498,7 @@ class RouterServer:
         if reason is not None:
             if reason != "no_kv_transfer_params" and not reason.startswith("status_4"):
                 self._worker_failed(p)
+                self.pair_health.failed(p.name, route.decode.name, time.monotonic())
             log.warning(
                 "request %s: prefill on %s failed (%s); local prefill on %s",
                 route.request_id,
@@ -509,8 +519,14 @@ class RouterServer:
         return {sub.worker: sub.stats.batches for sub in (self.feeder.subscribers if self.feeder is not None else ())}
 
     def watch_events(self) -> None:
-        """Flag the workers whose KV events stopped, and clear the ones heard again."""
+        """Flag the workers whose KV events stopped, and clear the ones heard again; rate
+        each (P, D) pair by the engines' transfer counters as last polled."""
         self.event_watch.update(self.event_batches(), time.monotonic())
+        if self.engine_load is not None:
+            for worker in self.fleet.workers:
+                sample = self.engine_load.latest(worker.name)
+                if sample is not None:
+                    self.pair_health.observe(worker.name, sample.transfer, sample.at)
 
     def _expect_events(self, route: Route, prefilled_on: WorkerId) -> None:
         """``prefilled_on`` served ``route``'s prompt; blocks it did not hold must show up as events."""

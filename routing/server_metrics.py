@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -9,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from routing.index import Tier
+from routing.router import pair_name
 
 if TYPE_CHECKING:
     from routing.router import Route
@@ -44,7 +46,8 @@ class RouterMetrics:
     ``_kv_usage``; absent while stale) with unreadable polls
     (``kvpilot_router_engine_metrics_failures_total{worker,reason}``); workers whose
     KV events stopped (``kvpilot_router_kv_events_stale{worker}``, 1 while routed on
-    load alone; ``kvpilot_router_kv_events_went_stale_total{worker}``).
+    load alone; ``kvpilot_router_kv_events_went_stale_total{worker}``); each (P, D)
+    pair's cost penalty (``kvpilot_router_pair_penalty_blocks{pair}``).
     """
 
     def __init__(self, server: RouterServer) -> None:
@@ -161,6 +164,18 @@ class RouterMetrics:
             "1 while a worker's KV events have stopped after it prefilled new blocks: routed on load alone",
             labels=["worker"],
         )
+        pair_penalty = GaugeMetricFamily(
+            p + "pair_penalty_blocks",
+            "Blocks added to a (P, D) pair's cost for its recent transfer failures and transfer time",
+            labels=["pair"],
+        )
+        now = time.monotonic()
+        for prefill in server.fleet.prefill:
+            for decode in server.fleet.decode:
+                pair_penalty.add_metric(
+                    [pair_name(prefill.name, decode.name)],
+                    server.pair_health.penalty_blocks(prefill.name, decode.name, now),
+                )
         went_stale = CounterMetricFamily(
             p + "kv_events_went_stale", "Times a worker's KV events were found stopped", labels=["worker"]
         )
@@ -195,6 +210,7 @@ class RouterMetrics:
         yield failures
         yield stale
         yield went_stale
+        yield pair_penalty
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from test_routing_router import COLOCATED, _config, _prompt, _store
 
 from routing.engines import fleet_from_config

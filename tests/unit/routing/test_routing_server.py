@@ -594,3 +594,48 @@ def test_engines_own_metrics_feed_the_decode_busy_guard_and_the_router_metrics(m
 
     server = {"model_dir": str(model_dir), "engine_metrics_interval_s": 0.05}
     run(model_dir, PD, scenario, server=server)
+
+
+TWO_P = {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode"}
+
+
+def test_a_pairs_transfer_failures_raise_its_cost_and_the_other_pair_wins(model_dir):
+    """P-0's failed prefill for D, then D's failed NIXL transfers (its own counters, as
+    polled) are charged to the pairs D served; the penalties show in /debug/route's
+    explanation and in /metrics, and the healthier pair takes the traffic."""
+
+    async def scenario(client, router, engines):
+        usage = '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 0.1\n'
+        for engine in engines.values():
+            engine.metrics_text = usage
+        engines["prefill-1"].status = 500
+        while True:  # until the seeded tie-break sends one request to prefill-1
+            resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert resp.status == 200
+            if resp.headers["X-KVPilot-Route"] == "fallback":
+                break
+        engines["prefill-1"].status = 200
+        route = await (await client.post("/debug/route", json={"prompt": PROMPT})).json()
+        penalties = route["pair_penalty_blocks"]
+        assert penalties["prefill-1->decode-0"] == pytest.approx(32.0, rel=0.01), penalties
+        assert penalties["prefill-0->decode-0"] == 0.0
+        assert route["prefill_worker"] == "prefill-0", route["explain"]
+        assert "pair_penalty(32" in route["explain"]
+        resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert resp.headers["X-KVPilot-Prefill-Worker"] == "prefill-0"
+        # D reports four failed transfers: shared by the two pairs it served (+64 each).
+        engines["decode-0"].metrics_text = usage + "vllm:nixl_num_failed_transfers_total 4.0\n"
+        for _ in range(100):  # the poller runs every 0.05 s
+            route = await (await client.post("/debug/route", json={"prompt": PROMPT})).json()
+            if route["pair_penalty_blocks"]["prefill-0->decode-0"] > 0:
+                break
+            await asyncio.sleep(0.05)
+        penalties = route["pair_penalty_blocks"]
+        assert penalties["prefill-0->decode-0"] == pytest.approx(64.0, rel=0.01), penalties
+        assert penalties["prefill-1->decode-0"] == pytest.approx(96.0, rel=0.01), penalties
+        assert route["prefill_worker"] == "prefill-0", route["explain"]
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpilot_router_pair_penalty_blocks{pair="prefill-1->decode-0"} 9' in metrics
+
+    server = {"model_dir": str(model_dir), "engine_metrics_interval_s": 0.05}
+    run(model_dir, TWO_P, scenario, server=server)
