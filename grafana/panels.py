@@ -518,6 +518,24 @@ FAILURES_ROW = Row(
             (Query(f"sum by (worker) (kvpilot_router_upstream_errors_total{{{WORKER}}})", "{{worker}}"),),
         ),
         Panel(
+            "Retries on another decode worker",
+            "Requests routed again without a D that failed before anything reached the client, per interval.",
+            "short",
+            (Query(_per_interval("kvpilot_router_retries_total", WORKER, "worker"), "{{worker}}"),),
+        ),
+        Panel(
+            "Open circuits",
+            "1 while a worker's circuit is open (it failed server.circuit_failures times in a row): not routed to.",
+            "short",
+            (Query(f"max by (worker) (kvpilot_router_circuit_open{{{WORKER}}})", "{{worker}}"),),
+        ),
+        Panel(
+            "Pair penalty (blocks)",
+            "Blocks added to each (P, D) pair's cost for its recent transfer failures and transfer time.",
+            "short",
+            (Query("max by (pair) (kvpilot_router_pair_penalty_blocks)", "{{pair}}"),),
+        ),
+        Panel(
             "Requests refused before routing (since router start)",
             "Admission and limits: body too large, prompt too long, max_tokens, queue full or timed out, unauthorized.",
             "short",

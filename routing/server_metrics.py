@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from routing.router import Route
     from routing.server import RouterServer
 
+REJECTION_REASONS = ("body_too_large", "prompt_too_long", "max_tokens", "queue_full", "queue_timeout", "unauthorized")
+"""The ``reason`` label values of ``kvpilot_router_rejected_total``."""
+
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -88,8 +91,7 @@ class RouterMetrics:
         )
         self.rejected = Counter(
             p + "rejected",
-            "Requests refused before routing: body_too_large, prompt_too_long, max_tokens, "
-            "queue_full, queue_timeout, unauthorized",
+            "Requests refused before routing: " + ", ".join(REJECTION_REASONS),
             ["reason"],
             registry=r,
         )
@@ -111,6 +113,14 @@ class RouterMetrics:
             registry=r,
         )
         self._prompt, self._cached = 0, 0
+        # Every label set that can be known up front exists from the start at 0, so a
+        # dashboard's rate() or increase() sees the first event as an increase.
+        for worker in server.fleet.workers:
+            self.circuit_open.labels(worker.name).set(0)
+            for per_worker in (self.circuit_trips, self.upstream_errors, self.retries):
+                per_worker.labels(worker.name)
+        for reason in REJECTION_REASONS:
+            self.rejected.labels(reason)
         r.register(self)  # the scrape-time collector below
 
     def decided(self, route: Route, route_seconds: float) -> None:
