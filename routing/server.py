@@ -49,6 +49,14 @@ from aiohttp.typedefs import Handler
 
 from routing.admission import Admission, Rejected
 from routing.chat import ChatError, ChatTemplate, chat_chunk, chat_response, chat_to_completion_body
+from routing.collectors import (
+    EngineLoadCollector,
+    EventWatchCollector,
+    FeederCollector,
+    IndexCollector,
+    LedgerCollector,
+    PairHealthCollector,
+)
 from routing.config import ConfigError, IndexConfig, RouterConfig
 from routing.engine_metrics import EngineLoadPoller
 from routing.engines import Fleet, IndexFeeder, Worker
@@ -169,7 +177,19 @@ class RouterServer:
         self._background: list[asyncio.Task[None]] = []
         self.feeder: IndexFeeder | None = None
         self._feed_index = feed_index
-        self.metrics = RouterMetrics(self)
+        names = [w.name for w in fleet.workers]
+        self.metrics = RouterMetrics(names)
+        for collector in (
+            LedgerCollector(self.ledger, names),
+            IndexCollector(self.index, names, list(config.index.tiers), self.lock),
+            EventWatchCollector(self.event_watch, names),
+            PairHealthCollector(
+                self.pair_health,
+                [(pair_name(p.name, d.name), (p.name, d.name)) for p in fleet.prefill for d in fleet.decode],
+            ),
+            *([EngineLoadCollector(self.engine_load, names)] if self.engine_load is not None else []),
+        ):
+            self.metrics.registry.register(collector)
         self._http: aiohttp.ClientSession | None = None
         self._api_key = _api_key(config.server.api_key_env)
         engine_key = _api_key(config.server.engine_api_key_env, "server.engine_api_key_env")
@@ -193,6 +213,7 @@ class RouterServer:
         self._http = aiohttp.ClientSession(timeout=timeout)
         if self._feed_index and any(w.kv_events_endpoint for w in self.fleet.workers):
             self.feeder = IndexFeeder(self.fleet, self.index, self.lock)
+            self.metrics.registry.register(FeederCollector(self.feeder))
             self.feeder.start()
         if self.engine_load is not None:
             self._background.append(asyncio.create_task(self.engine_load.run(self._http)))

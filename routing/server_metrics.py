@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from routing.index import Tier
-from routing.router import pair_name
+from routing.index import WorkerId
 
 if TYPE_CHECKING:
     from routing.router import Route
-    from routing.server import RouterServer
 
 REJECTION_REASONS = ("body_too_large", "prompt_too_long", "max_tokens", "queue_full", "queue_timeout", "unauthorized")
 """The ``reason`` label values of ``kvpilot_router_rejected_total``."""
@@ -41,20 +38,13 @@ class RouterMetrics:
     ``kvpilot_router_session_options_total{option}`` (the article's option per later step).
     Limits and admission: ``kvpilot_router_rejected_total{reason}``. Worker health:
     ``kvpilot_router_circuit_trips_total{worker}``, ``kvpilot_router_circuit_open{worker}``.
-    At scrape time: KV-event ingest per worker (batches, replays, gaps, restarts,
-    rejected events by reason), the index's blocks per worker and tier, the
-    ledger's load per worker (``kvpilot_router_active_prefill_blocks``,
-    ``_active_decode_blocks``, ``_active_requests``), and the engines' own
-    gauges as last polled (``kvpilot_router_engine_running``, ``_waiting``,
-    ``_kv_usage``; absent while stale) with unreadable polls
-    (``kvpilot_router_engine_metrics_failures_total{worker,reason}``); workers whose
-    KV events stopped (``kvpilot_router_kv_events_stale{worker}``, 1 while routed on
-    load alone; ``kvpilot_router_kv_events_went_stale_total{worker}``); each (P, D)
-    pair's cost penalty (``kvpilot_router_pair_penalty_blocks{pair}``).
+    Read at scrape time by the components' own collectors (:mod:`routing.collectors`),
+    which the server registers into :attr:`registry`: KV-event ingest, index blocks,
+    the ledger's load, the engines' own gauges, stopped KV events, pair penalties.
     """
 
-    def __init__(self, server: RouterServer) -> None:
-        self._server = server
+    def __init__(self, workers: Sequence[WorkerId]) -> None:
+        """``workers``: every worker's name, for the label sets that exist from the start."""
         self.registry = r = CollectorRegistry(auto_describe=True)
         p = "kvpilot_router_"
         self.decisions = Counter(p + "decisions", "Routing decisions", ["kind", "prefill", "decode"], registry=r)
@@ -115,13 +105,12 @@ class RouterMetrics:
         self._prompt, self._cached = 0, 0
         # Every label set that can be known up front exists from the start at 0, so a
         # dashboard's rate() or increase() sees the first event as an increase.
-        for worker in server.fleet.workers:
-            self.circuit_open.labels(worker.name).set(0)
+        for worker in workers:
+            self.circuit_open.labels(worker).set(0)
             for per_worker in (self.circuit_trips, self.upstream_errors, self.retries):
-                per_worker.labels(worker.name)
+                per_worker.labels(worker)
         for reason in REJECTION_REASONS:
             self.rejected.labels(reason)
-        r.register(self)  # the scrape-time collector below
 
     def decided(self, route: Route, route_seconds: float) -> None:
         self.decisions.labels(route.kind.value, route.prefill_worker.name, route.decode.name).inc()
@@ -139,88 +128,6 @@ class RouterMetrics:
     def prefill_failed(self, worker: str, reason: str) -> None:
         self.prefill_failures.labels(worker, reason).inc()
         self.fallbacks.inc()
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Any:
-        server = self._server
-        stats = ("batches", "replayed", "gaps", "unrecoverable_gaps", "restarts", "bad_frames")
-        p = "kvpilot_router_"
-        families = {
-            s: CounterMetricFamily(f"{p}kv_event_{s}", f"KV-event {s} per worker", labels=["worker"]) for s in stats
-        }
-        rejected = CounterMetricFamily(
-            p + "kv_events_rejected", "Malformed KV events skipped", labels=["worker", "reason"]
-        )
-        blocks = GaugeMetricFamily(p + "index_blocks", "Blocks in the index", labels=["worker", "tier"])
-        ledger = {
-            field: GaugeMetricFamily(
-                f"{p}{field}", f"The router's own count of {field.replace('_', ' ')}", labels=["worker"]
-            )
-            for field in ("active_prefill_blocks", "active_decode_blocks", "active_requests")
-        }
-        engine = {
-            field: GaugeMetricFamily(
-                f"{p}engine_{field}", f"The engine's own {field} (its /metrics)", labels=["worker"]
-            )
-            for field in ("running", "waiting", "kv_usage")
-        }
-        failures = CounterMetricFamily(
-            p + "engine_metrics_failures", "Unreadable engine /metrics polls", labels=["worker", "reason"]
-        )
-        stale = GaugeMetricFamily(
-            p + "kv_events_stale",
-            "1 while a worker's KV events have stopped after it prefilled new blocks: routed on load alone",
-            labels=["worker"],
-        )
-        pair_penalty = GaugeMetricFamily(
-            p + "pair_penalty_blocks",
-            "Blocks added to a (P, D) pair's cost for its recent transfer failures and transfer time",
-            labels=["pair"],
-        )
-        now = time.monotonic()
-        for prefill in server.fleet.prefill:
-            for decode in server.fleet.decode:
-                pair_penalty.add_metric(
-                    [pair_name(prefill.name, decode.name)],
-                    server.pair_health.penalty_blocks(prefill.name, decode.name, now),
-                )
-        went_stale = CounterMetricFamily(
-            p + "kv_events_went_stale", "Times a worker's KV events were found stopped", labels=["worker"]
-        )
-        watch = server.event_watch
-        for worker in server.fleet.workers:
-            stale.add_metric([worker.name], float(watch.is_stale(worker.name)))
-            went_stale.add_metric([worker.name], watch.went_stale.get(worker.name, 0))
-            load = server.ledger.load(worker.name)
-            for field, family in ledger.items():
-                family.add_metric([worker.name], getattr(load, field))
-            reported = server.engine_load.latest(worker.name) if server.engine_load is not None else None
-            for field, family in engine.items():
-                if reported is not None:
-                    family.add_metric([worker.name], getattr(reported, field))
-        if server.engine_load is not None:
-            for (worker_name, reason), n in server.engine_load.failures.items():
-                failures.add_metric([worker_name, reason], n)
-        with server.lock:
-            for sub in server.feeder.subscribers if server.feeder is not None else ():
-                for s in stats:
-                    families[s].add_metric([sub.worker], getattr(sub.stats, s))
-                for rejection, n in sub.decoder.rejections.items():
-                    rejected.add_metric([sub.worker, rejection.value], n)
-            for worker in server.fleet.workers:
-                for tier in server.config.index.tiers:
-                    blocks.add_metric([worker.name, tier], server.index.block_count(worker.name, Tier(tier)))
-        yield from families.values()
-        yield rejected
-        yield blocks
-        yield from ledger.values()
-        yield from engine.values()
-        yield failures
-        yield stale
-        yield went_stale
-        yield pair_penalty
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

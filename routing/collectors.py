@@ -1,0 +1,166 @@
+"""Scrape-time Prometheus collectors, one per router component (llm-d's
+``instrumented_index.go`` is the model: the component does not know about metrics;
+a collector beside it reads its public state when Prometheus scrapes).
+
+Each collector is registered into :class:`routing.server_metrics.RouterMetrics`'s
+registry by the server that owns the component; none reaches into another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from routing.index import KVIndex, Tier, WorkerId
+from routing.ledger import LoadLedger
+
+if TYPE_CHECKING:
+    from routing.engine_metrics import EngineLoadPoller
+    from routing.engines import IndexFeeder
+    from routing.event_watch import EventWatch
+    from routing.pair_health import Pair, PairHealth
+
+P = "kvpilot_router_"
+SUBSCRIBER_STATS = ("batches", "replayed", "gaps", "unrecoverable_gaps", "restarts", "bad_frames")
+
+
+class LedgerCollector(Collector):
+    """The router's own load per worker: ``kvpilot_router_active_{prefill_blocks,decode_blocks,requests}``."""
+
+    FIELDS = ("active_prefill_blocks", "active_decode_blocks", "active_requests")
+
+    def __init__(self, ledger: LoadLedger, workers: Sequence[WorkerId]) -> None:
+        self.ledger, self.workers = ledger, tuple(workers)
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            f: GaugeMetricFamily(P + f, f"The router's own count of {f.replace('_', ' ')}", labels=["worker"])
+            for f in self.FIELDS
+        }
+        for worker in self.workers:
+            load = self.ledger.load(worker)
+            for f, family in families.items():
+                family.add_metric([worker], getattr(load, f))
+        yield from families.values()
+
+
+class IndexCollector(Collector):
+    """``kvpilot_router_index_blocks{worker,tier}``, read under the index's ``lock``."""
+
+    def __init__(
+        self,
+        index: KVIndex,
+        workers: Sequence[WorkerId],
+        tiers: Sequence[str],
+        lock: AbstractContextManager[object] | None = None,
+    ) -> None:
+        self.index, self.workers, self.tiers = index, tuple(workers), tuple(tiers)
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+
+    def collect(self) -> Iterator[Metric]:
+        blocks = GaugeMetricFamily(P + "index_blocks", "Blocks in the index", labels=["worker", "tier"])
+        with self.lock:
+            for worker in self.workers:
+                for tier in self.tiers:
+                    blocks.add_metric([worker, tier], self.index.block_count(worker, Tier(tier)))
+        yield blocks
+
+
+class FeederCollector(Collector):
+    """KV-event ingest per worker: ``kvpilot_router_kv_event_<stat>_total`` and
+    ``kvpilot_router_kv_events_rejected_total{worker,reason}``."""
+
+    def __init__(self, feeder: IndexFeeder) -> None:
+        self.feeder = feeder
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            s: CounterMetricFamily(f"{P}kv_event_{s}", f"KV-event {s} per worker", labels=["worker"])
+            for s in SUBSCRIBER_STATS
+        }
+        rejected = CounterMetricFamily(
+            P + "kv_events_rejected", "Malformed KV events skipped", labels=["worker", "reason"]
+        )
+        with self.feeder.lock:
+            for sub in self.feeder.subscribers:
+                for s in SUBSCRIBER_STATS:
+                    families[s].add_metric([sub.worker], getattr(sub.stats, s))
+                for rejection, n in sub.decoder.rejections.items():
+                    rejected.add_metric([sub.worker, rejection.value], n)
+        yield from families.values()
+        yield rejected
+
+
+class EngineLoadCollector(Collector):
+    """The engines' own gauges as last polled (``kvpilot_router_engine_{running,waiting,kv_usage}``,
+    absent while stale) and unreadable polls (``kvpilot_router_engine_metrics_failures_total``)."""
+
+    FIELDS = ("running", "waiting", "kv_usage")
+
+    def __init__(self, poller: EngineLoadPoller, workers: Sequence[WorkerId]) -> None:
+        self.poller, self.workers = poller, tuple(workers)
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            f: GaugeMetricFamily(f"{P}engine_{f}", f"The engine's own {f} (its /metrics)", labels=["worker"])
+            for f in self.FIELDS
+        }
+        failures = CounterMetricFamily(
+            P + "engine_metrics_failures", "Unreadable engine /metrics polls", labels=["worker", "reason"]
+        )
+        for worker in self.workers:
+            reported = self.poller.latest(worker)
+            if reported is not None:
+                for f, family in families.items():
+                    family.add_metric([worker], getattr(reported, f))
+        for (worker, reason), n in self.poller.failures.items():
+            failures.add_metric([worker, reason], n)
+        yield from families.values()
+        yield failures
+
+
+class EventWatchCollector(Collector):
+    """``kvpilot_router_kv_events_stale{worker}`` and ``_went_stale_total{worker}``."""
+
+    def __init__(self, watch: EventWatch, workers: Sequence[WorkerId]) -> None:
+        self.watch, self.workers = watch, tuple(workers)
+
+    def collect(self) -> Iterator[Metric]:
+        stale = GaugeMetricFamily(
+            P + "kv_events_stale",
+            "1 while a worker's KV events have stopped after it prefilled new blocks: routed on load alone",
+            labels=["worker"],
+        )
+        went_stale = CounterMetricFamily(
+            P + "kv_events_went_stale", "Times a worker's KV events were found stopped", labels=["worker"]
+        )
+        for worker in self.workers:
+            stale.add_metric([worker], float(self.watch.is_stale(worker)))
+            went_stale.add_metric([worker], self.watch.went_stale.get(worker, 0))
+        yield stale
+        yield went_stale
+
+
+class PairHealthCollector(Collector):
+    """``kvpilot_router_pair_penalty_blocks{pair}`` for every (P, D) pair of the fleet."""
+
+    def __init__(self, health: PairHealth, pairs: Sequence[tuple[str, Pair]]) -> None:
+        """``pairs``: (the pair's name, (P, D)) for each pair."""
+        self.health, self.pairs = health, tuple(pairs)
+
+    def collect(self) -> Iterator[Metric]:
+        penalty = GaugeMetricFamily(
+            P + "pair_penalty_blocks",
+            "Blocks added to a (P, D) pair's cost for its recent transfer failures and transfer time",
+            labels=["pair"],
+        )
+        now = time.monotonic()
+        for name, (prefill, decode) in self.pairs:
+            penalty.add_metric([name], self.health.penalty_blocks(prefill, decode, now))
+        yield penalty
