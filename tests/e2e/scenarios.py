@@ -31,7 +31,10 @@ class Case:
 
 def cases() -> list[Case]:
     system, tail = filler_text(300, 1), filler_text(120, 2)
-    turn = lambda k: f"\nUser: step {k} " + filler_text(40, 10 + k)  # noqa: E731
+
+    def turn(k: int) -> str:
+        return f"\nUser: step {k} " + filler_text(40, 10 + k)
+
     think = "\nAssistant: <think>" + filler_text(200, 3) + "</think> run the test"
     history = system + "".join(turn(k) for k in range(6))
     return [

@@ -102,7 +102,9 @@ def _wait_scraped(prom: dashboards.Prometheus, selector: str, timeout: float = 6
 def _drive(fleet: Fleet, prom: dashboards.Prometheus, tokenizer: PromptTokenizer) -> None:
     router = fleet.router.url
     prefill, decode = fleet.by_role("prefill")[0].url, fleet.by_role("decode")[0].url
-    ids = lambda seed, words=300: tokenizer.prompt_token_ids(f"dash {seed}: " + filler_text(words, seed))  # noqa: E731
+
+    def ids(seed: int, words: int = 300) -> list[int]:
+        return tokenizer.prompt_token_ids(f"dash {seed}: " + filler_text(words, seed))
 
     # Verified transfers P -> D through the router; the repeat hits P's prefix cache.
     x = ids(1)

@@ -233,7 +233,9 @@ def test_observe_plan_scrapes_every_engine_the_router_and_nixl() -> None:
 
 
 def test_fleet_state_keeps_prometheus_and_reads_older_state(tmp_path: Path) -> None:
-    proc = lambda name, port, health="/health": RunningProcess(name, None, 1, port, (), "log", health)  # noqa: E731
+    def proc(name: str, port: int, health: str = "/health") -> RunningProcess:
+        return RunningProcess(name, None, 1, port, (), "log", health)
+
     fleet = Fleet(tmp_path, (proc("decode-0", 1),), proc("router", 2), proc("prometheus", 3, "/-/ready"))
     fleet.save()
     assert Fleet.load(tmp_path) == fleet
