@@ -71,11 +71,16 @@ def test_a_dead_holder_is_recomputed_with_correct_output(fleet: Fleet, tokenizer
         delta(scrape(fleet.router.url), router_before, "kvpilot_router_upstream_errors_total", worker="decode-0") == 1
     )
 
-    for turn, reason in zip(turns, ("load_failed", "peer_failed"), strict=True):
+    # Both next turns first, back to back: the second must reach P within the 30 s that
+    # P remembers the dead peer (PEER_RETRY_AFTER_S), however slow the box; the
+    # co-located references come after.
+    served = []
+    for turn in turns:
         x, x2 = turn.prompt, turn.prompt + turn.generated + tokenizer.prompt_token_ids(" tool: ok")
         before = scrape(prefill.url)
         out = prefill_next_turn(prefill.url, x2, turn.d_params, timeout=120)
-        after = settle(prefill.url)
+        served.append((x, x2, out, before, settle(prefill.url)))
+    for (x, x2, out, before, after), reason in zip(served, ("load_failed", "peer_failed"), strict=True):
         # P keeps its own blocks of x from turn 1 and prefills the rest, as a
         # co-located engine that computed x first would.
         reference = colocated(prefill.url, x, x2, reused_blocks=block_count(len(x)))
