@@ -18,6 +18,9 @@ kvpilot's own keys:
   (a D->P session pull) from live inputs; ``"threshold"`` keeps vLLM's fixed
   ``kv_recompute_threshold``. Giving ``kv_recompute_threshold`` pins
   ``"threshold"`` unless ``recompute_policy`` says otherwise.
+* ``peer_retry_after_s`` (default 30): after a pull from a peer fails, that peer's
+  offers are prefilled locally for this long instead of paying another failed
+  handshake.
 * ``policy_hardware``, ``policy_model``, ``policy_link``: preset names
   (:mod:`policies.presets`) overriding what the policy derives from the engine's
   own config; ``policy_link`` is the prior used until this engine has measured
@@ -33,6 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
+
+from kvconnectors.pull_policy import PEER_RETRY_AFTER_S
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 
@@ -95,6 +100,7 @@ class KVPilotConfig:
     policy_hardware: str | None = None
     policy_model: str | None = None
     policy_link: str | None = None
+    peer_retry_after_s: float = PEER_RETRY_AFTER_S
 
     def inner_config_for_vllm(self) -> dict[str, Any]:
         """What the inner connector is built with. Under the roofline policy its fixed
@@ -120,7 +126,7 @@ class KVPilotConfig:
         if inner in _FORBIDDEN_INNER:
             raise KVPilotConfigError("inner_connector", f"{inner} cannot be wrapped by KVPilotConnector")
         inner_keys = INNER_KEYS.get(inner, frozenset())
-        own = {"inner_connector", "inner_extra_config", "recompute_policy", *_OWN_STR_KEYS}
+        own = {"inner_connector", "inner_extra_config", "recompute_policy", "peer_retry_after_s", *_OWN_STR_KEYS}
         for key in raw:
             if key not in own and key not in inner_keys:
                 known = ", ".join(sorted(own | inner_keys))
@@ -143,7 +149,16 @@ class KVPilotConfig:
                 raise KVPilotConfigError(key, f"expected a preset name, got {value!r}")
             names[key] = value
         _check_presets(names)
-        return cls(inner_connector=inner, inner_extra_config=MappingProxyType(merged), recompute_policy=policy, **names)
+        retry = raw.get("peer_retry_after_s", PEER_RETRY_AFTER_S)
+        if isinstance(retry, bool) or not isinstance(retry, int | float) or not retry > 0 or retry == float("inf"):
+            raise KVPilotConfigError("peer_retry_after_s", f"expected a positive number of seconds, got {retry!r}")
+        return cls(
+            inner_connector=inner,
+            inner_extra_config=MappingProxyType(merged),
+            recompute_policy=policy,
+            peer_retry_after_s=float(retry),
+            **names,
+        )
 
 
 def _check_presets(names: Mapping[str, str | None]) -> None:

@@ -104,7 +104,9 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             layout = inner_cls.get_required_kvcache_layout(inner_vllm_config(vllm_config, self.config))
             policy = build_pull_policy(vllm_config, self.config)
-            self._pilot = KVPilotScheduler(vllm_config, kv_cache_config, layout, policy)
+            self._pilot = KVPilotScheduler(
+                vllm_config, kv_cache_config, layout, policy, peer_retry_after_s=self.config.peer_retry_after_s
+            )
 
     @property
     def inner(self) -> KVConnectorBase_V1:

@@ -40,7 +40,13 @@ from kvconnectors.pull_params import (
     strip_pull_fields,
     wants_remote_pull,
 )
-from kvconnectors.pull_policy import FailedPeers, LinkMeter, PrefillBacklog, PullDecision, PullPolicy
+from kvconnectors.pull_policy import (
+    FailedPeers,
+    LinkMeter,
+    PrefillBacklog,
+    PullDecision,
+    PullPolicy,
+)
 from kvconnectors.reasons import Reason
 from kvconnectors.stats import KVPilotStats
 from kvconnectors.transfer_params import (
@@ -125,7 +131,12 @@ class KVPilotScheduler:
     scheduler calls it from one thread."""
 
     def __init__(
-        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_layout: str | None, pull_policy: PullPolicy
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        kv_layout: str | None,
+        pull_policy: PullPolicy,
+        peer_retry_after_s: float,
     ) -> None:
         cache_config = vllm_config.cache_config
         self._block_size: int = kv_cache_config.hash_block_size or cache_config.block_size
@@ -149,7 +160,7 @@ class KVPilotScheduler:
         self._backlog = PrefillBacklog()
         self._link = LinkMeter()
         self._pulls_in_flight: dict[str, PullInFlight] = {}
-        self._failed_peers = FailedPeers()
+        self._failed_peers = FailedPeers(peer_retry_after_s)
         ktc = vllm_config.kv_transfer_config
         self._recompute_failed_loads = ktc is not None and ktc.kv_load_failure_policy == "recompute"
 

@@ -44,7 +44,9 @@ def spec(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FleetSpec
         model_dir=model_dir,
         run_dir=tmp_path_factory.mktemp("dead-holder-fleet"),
         disaggregation="always",
-        connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
+        # P remembers the dead D long enough for the second turn on a slow box (a P
+        # holding a lease has been seen to take 30 s before it schedules the next turn)
+        connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0, "peer_retry_after_s": 300},
         **PORTS,
     )
 
@@ -71,9 +73,8 @@ def test_a_dead_holder_is_recomputed_with_correct_output(fleet: Fleet, tokenizer
         delta(scrape(fleet.router.url), router_before, "kvpilot_router_upstream_errors_total", worker="decode-0") == 1
     )
 
-    # Both next turns first, back to back: the second must reach P within the 30 s that
-    # P remembers the dead peer (PEER_RETRY_AFTER_S), however slow the box; the
-    # co-located references come after.
+    # Both next turns first, back to back: the second must reach P while it remembers
+    # the dead peer (peer_retry_after_s); the co-located references come after.
     served = []
     for turn in turns:
         x, x2 = turn.prompt, turn.prompt + turn.generated + tokenizer.prompt_token_ids(" tool: ok")

@@ -66,6 +66,9 @@ def test_another_inner_connector_takes_its_keys_explicitly() -> None:
         ({"inner_connector": "KVPilotConnector"}, "inner_connector"),
         ({"inner_connector": "MultiConnector"}, "inner_connector"),
         ({"inner_extra_config": [1]}, "inner_extra_config"),
+        ({"peer_retry_after_s": 0}, "peer_retry_after_s"),
+        ({"peer_retry_after_s": "30"}, "peer_retry_after_s"),
+        ({"peer_retry_after_s": True}, "peer_retry_after_s"),
         ([1, 2], "<root>"),
     ],
 )
@@ -87,3 +90,9 @@ def test_unknown_inner_connector_is_refused_against_vllms_registry() -> None:
     )
     with pytest.raises(KVPilotConfigError, match=r"inner_connector.*not a connector registered"):
         parse_config(vllm_config)  # type: ignore[arg-type]  # a SimpleNamespace standing in for VllmConfig
+
+
+def test_peer_retry_window_defaults_to_30_s_and_is_configurable() -> None:
+    assert KVPilotConfig.parse(None).peer_retry_after_s == 30.0
+    assert KVPilotConfig.parse({"peer_retry_after_s": 120}).peer_retry_after_s == 120.0
+    assert "peer_retry_after_s" not in KVPilotConfig.parse({"peer_retry_after_s": 120}).inner_config_for_vllm()
