@@ -15,8 +15,10 @@ pair's recent transfer failures and transfer time, as a cost),
 ``config`` (the typed config and its flags); then I/O: ``subscriber`` (the ZMQ
 edge: gaps, replay, restarts), ``engines`` (the fleet, the index feeder thread),
 ``engine_metrics`` (polling each engine's ``/metrics``), ``tokenizer``, ``chat``
-(chat template rendering and answer conversion), ``server`` (the aiohttp front),
-``server_metrics`` (its Prometheus metrics), ``cli`` (``kvpilot router``).
+(chat template rendering and answer conversion), ``upstream`` (the HTTP calls to
+the engines: P's prefill, D's answer or stream), ``server`` (the aiohttp front),
+``server_metrics`` (its Prometheus metrics), ``collectors`` (each component's
+scrape-time collector), ``cli`` (``kvpilot router``).
 
 Block naming: llm-d style, not the engines' hashes
 --------------------------------------------------

@@ -31,7 +31,6 @@ decision without sending anything. Metrics: :class:`RouterMetrics` (listed in
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
@@ -39,7 +38,6 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +68,7 @@ from routing.router import NoHealthyWorker, Route, Router, pair_name, policy_fro
 from routing.server_metrics import RouterMetrics
 from routing.sessions import InvalidSessionKey, SessionId, SessionStore, scoped, session_key
 from routing.tokenizer import PromptError, PromptTokenizer
+from routing.upstream import EngineClient, UpstreamError
 
 log = logging.getLogger(__name__)
 ROUTER_ONLY_KEYS = ("conversation_id", "prompt_cache_key")
@@ -78,15 +77,6 @@ ROUTER_ONLY_KEYS = ("conversation_id", "prompt_cache_key")
 class BadRequest(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
-        self.status = status
-
-
-class UpstreamError(Exception):
-    """An engine failed; ``status`` is what the client gets."""
-
-    def __init__(self, worker: Worker, status: int, detail: str) -> None:
-        super().__init__(f"engine {worker.name} ({worker.url}): {detail}")
-        self.worker = worker
         self.status = status
 
 
@@ -191,6 +181,7 @@ class RouterServer:
         ):
             self.metrics.registry.register(collector)
         self._http: aiohttp.ClientSession | None = None
+        self._engines: EngineClient | None = None
         self._api_key = _api_key(config.server.api_key_env)
         engine_key = _api_key(config.server.engine_api_key_env, "server.engine_api_key_env")
         self._engine_headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else {}
@@ -211,6 +202,7 @@ class RouterServer:
     async def _start(self, _: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.server.request_timeout_s)
         self._http = aiohttp.ClientSession(timeout=timeout)
+        self._engines = EngineClient(self._http, self._engine_headers, self.config.server.prefill_timeout_s)
         if self._feed_index and any(w.kv_events_endpoint for w in self.fleet.workers):
             self.feeder = IndexFeeder(self.fleet, self.index, self.lock)
             self.metrics.registry.register(FeederCollector(self.feeder))
@@ -471,13 +463,6 @@ class RouterServer:
         finally:
             self.ledger.complete(rid)
 
-    def _post(self, worker: Worker, body: dict[str, Any], timeout: aiohttp.ClientTimeout | None = None) -> Any:
-        """``POST {worker}/v1/completions`` (an async context manager), with the
-        engines' API key when one is configured."""
-        assert self._http is not None
-        url = f"{worker.url}/v1/completions"
-        return self._http.post(url, json=body, timeout=timeout or self._http.timeout, headers=self._engine_headers)
-
     def _session_offer(self, session: SessionId | None, route: Route) -> dict[str, Any] | None:
         """D's offer of the session's KV from its last step, when ``route`` pulls it and
         P may still read it (counted either way); taken once."""
@@ -494,30 +479,13 @@ class RouterServer:
         bidirectional protocol) P may pull D's KV of the session: its connector
         verifies the offer against its own tokens and loads only what matches."""
         p = route.prefill
-        assert p is not None
-        params = offer if offer is not None else {"do_remote_decode": True}
-        pbody = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": params}
-        pbody.pop("stream_options", None)
+        assert p is not None and self._engines is not None
         started = time.perf_counter()
-        reason = None
-        try:
-            timeout = aiohttp.ClientTimeout(total=self.config.server.prefill_timeout_s)
-            async with self._post(p, pbody, timeout) as resp:
-                raw = await resp.read()
-            if resp.status != 200:
-                reason = f"status_{resp.status}"
-            else:
-                params = json.loads(raw).get("kv_transfer_params")
-                if not isinstance(params, dict):
-                    reason = "no_kv_transfer_params"
-        except asyncio.TimeoutError:
-            reason = "timeout"
-        except aiohttp.ClientError:
-            reason = "connection"
-        except (ValueError, AttributeError):
-            reason = "bad_response"
-        if reason is not None:
-            if reason != "no_kv_transfer_params" and not reason.startswith("status_4"):
+        outcome = await self._engines.prefill(p, body, offer if offer is not None else {"do_remote_decode": True})
+        params, reason = outcome.params, outcome.failure
+        if params is None:
+            assert reason is not None
+            if outcome.engine_fault:
                 self._worker_failed(p)
                 self.pair_health.failed(p.name, route.decode.name, time.monotonic())
             log.warning(
@@ -576,17 +544,9 @@ class RouterServer:
         """D's answer relayed, and the kv_transfer_params D returned (its offer of the
         session's KV in bidirectional mode; ``None`` when absent)."""
         d = route.decode
+        assert self._engines is not None
+        payload = await self._engines.complete(d, body)
         try:
-            async with self._post(d, body) as resp:
-                raw = await resp.read()
-        except asyncio.TimeoutError:
-            raise UpstreamError(d, 504, "timed out") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamError(d, 502, f"unreachable: {exc}") from None
-        if resp.status != 200:
-            raise _answered(d, resp.status, raw)
-        try:
-            payload = json.loads(raw)
             decode_params = payload.get("kv_transfer_params")
             if chat:
                 payload = chat_response(payload, route.request_id)
@@ -606,22 +566,15 @@ class RouterServer:
         """D's stream relayed, and whether it ended normally (a break is sent to the
         client as an error event and counted against D)."""
         d = route.decode
+        assert self._engines is not None
         sent_at = time.perf_counter()
-        async with contextlib.AsyncExitStack() as stack:
-            try:
-                upstream = await stack.enter_async_context(self._post(d, body))
-            except asyncio.TimeoutError:
-                raise UpstreamError(d, 504, "timed out") from None
-            except aiohttp.ClientError as exc:
-                raise UpstreamError(d, 502, f"unreachable: {exc}") from None
-            if upstream.status != 200:
-                raise _answered(d, upstream.status, await upstream.read())
+        async with self._engines.stream(d, body) as events:
             sse = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             out = web.StreamResponse(headers={**headers, **sse})
             await out.prepare(request)
             first = True
             try:
-                async for data in _sse_data(upstream.content):
+                async for data in events:
                     if first:
                         now = time.perf_counter()
                         self.metrics.ttft_stage.labels("decode_first_token").observe(now - sent_at)
@@ -641,29 +594,6 @@ class RouterServer:
                 return out, False
             await out.write_eof()
             return out, True
-
-
-def _answered(worker: Worker, status: int, raw: bytes) -> UpstreamError:
-    """An engine's non-200 answer: its 4xx kept for the client, anything else a 502."""
-    detail = f"answered {status}: {raw[:500].decode(errors='replace')}"
-    return UpstreamError(worker, status if 400 <= status < 500 else 502, detail)
-
-
-async def _sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
-    """The ``data`` of each server-sent event (multi-line data joined by newlines).
-
-    Parsed here: no SSE library is installed and the maintained one (httpx-sse) reads httpx responses, not aiohttp's.
-    """
-    lines: list[str] = []
-    async for raw in content:
-        line = raw.decode().rstrip("\r\n")
-        if line.startswith("data:"):
-            lines.append(line[5:].lstrip(" "))
-        elif not line and lines:
-            yield "\n".join(lines)
-            lines = []
-    if lines:
-        yield "\n".join(lines)
 
 
 def build_server(config: RouterConfig, fleet: Fleet, *, feed_index: bool = True) -> RouterServer:
