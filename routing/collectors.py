@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
@@ -74,9 +74,11 @@ class IndexCollector(Collector):
 
 class FeederCollector(Collector):
     """KV-event ingest per worker: ``kvpilot_router_kv_event_<stat>_total`` and
-    ``kvpilot_router_kv_events_rejected_total{worker,reason}``."""
+    ``kvpilot_router_kv_events_rejected_total{worker,reason}``. ``feeder()`` is the
+    running feeder, or None (before the app starts, or without KV events): the
+    families are then exposed empty."""
 
-    def __init__(self, feeder: IndexFeeder) -> None:
+    def __init__(self, feeder: Callable[[], IndexFeeder | None]) -> None:
         self.feeder = feeder
 
     def collect(self) -> Iterator[Metric]:
@@ -87,8 +89,9 @@ class FeederCollector(Collector):
         rejected = CounterMetricFamily(
             P + "kv_events_rejected", "Malformed KV events skipped", labels=["worker", "reason"]
         )
-        with self.feeder.lock:
-            for sub in self.feeder.subscribers:
+        feeder = self.feeder()
+        with feeder.lock if feeder is not None else contextlib.nullcontext():
+            for sub in feeder.subscribers if feeder is not None else ():
                 for s in SUBSCRIBER_STATS:
                     families[s].add_metric([sub.worker], getattr(sub.stats, s))
                 for rejection, n in sub.decoder.rejections.items():

@@ -171,6 +171,7 @@ class RouterServer:
         self.metrics = RouterMetrics(names)
         for collector in (
             LedgerCollector(self.ledger, names),
+            FeederCollector(lambda: self.feeder),
             IndexCollector(self.index, names, list(config.index.tiers), self.lock),
             EventWatchCollector(self.event_watch, names),
             PairHealthCollector(
@@ -205,7 +206,6 @@ class RouterServer:
         self._engines = EngineClient(self._http, self._engine_headers, self.config.server.prefill_timeout_s)
         if self._feed_index and any(w.kv_events_endpoint for w in self.fleet.workers):
             self.feeder = IndexFeeder(self.fleet, self.index, self.lock)
-            self.metrics.registry.register(FeederCollector(self.feeder))
             self.feeder.start()
         if self.engine_load is not None:
             self._background.append(asyncio.create_task(self.engine_load.run(self._http)))
