@@ -76,6 +76,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
+from policies.disaggregation import LocalPrefillConfig
 from policies.session_options import Option
 
 if TYPE_CHECKING:
@@ -242,14 +243,13 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
-class DisaggregationConfig:
-    """``policies.disaggregation.LocalPrefillConfig`` plus the preset names it costs with."""
+class DisaggregationConfig(LocalPrefillConfig):
+    """The policy's own :class:`~policies.disaggregation.LocalPrefillConfig` (one type:
+    the router hands this section to the policy as it is) plus the preset names it
+    costs with. One default differs from Dynamo's (:data:`~policies.disaggregation.DYNAMO_DEFAULT`):
+    the decode-busy guard is on at 90% of D's KV."""
 
-    max_local_tokens: int | None = 2048
-    max_local_fraction: float | None = 0.7
     decode_busy_kv_usage: float | None = 0.9
-    compare_costs: bool = False
-    max_stall_s: float = 0.05
     model_preset: str = "llama-8b"
     p_hardware: str = "h100"
     d_hardware: str = "h100"

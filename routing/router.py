@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING
 
 from policies.disaggregation import (
     DecodeState,
-    LocalPrefillConfig,
     LocalRemoteDecision,
     LocalVsRemotePolicy,
     PromptState,
@@ -135,13 +134,7 @@ def policy_from_config(cfg: DisaggregationConfig) -> LocalVsRemotePolicy:
             hardware_preset(cfg.p_hardware),
             hardware_preset(cfg.d_hardware),
             link_preset(cfg.link_preset),
-            LocalPrefillConfig(
-                cfg.max_local_tokens,
-                cfg.max_local_fraction,
-                cfg.decode_busy_kv_usage,
-                cfg.compare_costs,
-                cfg.max_stall_s,
-            ),
+            cfg,
         )
     except SpecError as exc:
         raise ConfigError(f"disaggregation: {exc}") from None
