@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
 
 def _fleet_spec(args: argparse.Namespace):
-    from deploy.fleet_spec import FleetSpec
+    from deploy.fleet_spec import ENGINE_API_KEY_ENV, FleetSpec
     from deploy.tiny_model import ensure_tiny_model
 
     extra = json.loads(args.connector_extra_config) if args.connector_extra_config else {}
@@ -46,6 +47,7 @@ def _fleet_spec(args: argparse.Namespace):
         connector_extra_config=extra,
         disaggregation=args.disaggregation,
         index_backend=args.index_backend,
+        engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None,
     )
 
 

@@ -245,14 +245,13 @@ WARM_UP_PROMPT = "warm up"
 """Shorter than a block: no prefix-cache entry, no KV event, nothing for the router."""
 
 
-def warm_up(url: str, model: str) -> None:
+def warm_up(url: str, model: str, api_key: str | None = None) -> None:
     """One local prefill, so that an engine's first forward is never a decode-only
     step over KV received from a peer: vLLM-CPU's AMX attention kernel dies with
     SIGILL on that (see docs/sessions.md). Raises ``OSError`` if the engine fails it."""
     body = {"model": model, "prompt": WARM_UP_PROMPT, "max_tokens": 1, "temperature": 0.0}
-    request = urllib.request.Request(
-        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(request, timeout=120) as resp:
         resp.read()
 
@@ -295,7 +294,7 @@ def up(spec: FleetSpec, timeout: float = 600.0, progress=print, observe: Observe
                 progress(f"  started {plan.name} (pid {started[-1][0].pid}) on {plan.url}")
             _wait_healthy(started, t0 + timeout)
             for _, info in started:
-                warm_up(info.url, spec.served_model_name)
+                warm_up(info.url, spec.served_model_name, spec.engine_api_key)
             progress(f"  engines healthy and warmed up after {time.monotonic() - t0:.0f} s")
             started.append(_spawn(router, logs))
             _wait_healthy(started[-1:], time.monotonic() + 60)
@@ -354,7 +353,7 @@ def restart_engine(spec: FleetSpec, name: str, timeout: float = 600.0) -> Fleet:
     if old is None or plan is None:
         raise KeyError(f"no engine named {name!r} in {spec.run_dir}")
     new = _replace(old, plan, spec.run_dir / "logs", timeout)
-    warm_up(new.url, spec.served_model_name)
+    warm_up(new.url, spec.served_model_name, spec.engine_api_key)
     engines = tuple(new if e.name == name else e for e in fleet.engines)
     restarted = dataclasses.replace(fleet, engines=engines)
     restarted.save()

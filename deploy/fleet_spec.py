@@ -19,6 +19,8 @@ from routing.engines import Role, Worker, kv_events_config
 
 HOST = "127.0.0.1"
 ROUTER_CONFIG = "router.yaml"
+ENGINE_API_KEY_ENV = "KVPILOT_ENGINE_API_KEY"
+"""Where the router finds the engines' API key; ``kvpilot fleet up`` reads it too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,11 @@ class FleetSpec:
     engine_env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every engine (e.g. ``{"VLLM_SERVER_DEV_MODE": "1"}``);
     it overrides the planned variables of the same name."""
+    engine_api_key: str | None = field(default=None, repr=False)
+    """vLLM's API key for every engine (its ``/v1`` endpoints answer 401 without it):
+    given in the engines' environment (``VLLM_API_KEY``, never on a command line) and
+    the router's (:data:`ENGINE_API_KEY_ENV`, named by ``server.engine_api_key_env``),
+    which sends it. ``None``: the engines take any request."""
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -136,6 +143,7 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port + ordinal),
         "VLLM_CPU_OMP_THREADS_BIND": str((spec.first_core + ordinal) % spec.cores),
         "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
+        **({"VLLM_API_KEY": spec.engine_api_key} if spec.engine_api_key else {}),
         **spec.engine_env,
     }
     side_ports = (spec.side_channel_port + ordinal, spec.events_port + 100 + ordinal)
@@ -154,6 +162,7 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
             "model_name": spec.served_model_name,
             "model_dir": str(spec.model_dir),
             "max_prompt_tokens": spec.max_model_len,
+            **({"engine_api_key_env": ENGINE_API_KEY_ENV} if spec.engine_api_key else {}),
         },
         "index": {"block_size": spec.block_size, "backend": spec.index_backend},
         "disaggregation": disaggregation,
@@ -180,5 +189,6 @@ def plan_fleet(spec: FleetSpec) -> tuple[list[ProcessPlan], ProcessPlan, dict[st
     config_path = spec.run_dir / ROUTER_CONFIG
     argv = (sys.executable, "-m", "routing.cli", "router", "--config", str(config_path))
     events_ports = tuple(spec.events_port + i for i in range(len(workers)))
-    router = ProcessPlan("router", None, argv, {}, spec.router_port, events_ports)
+    router_env = {ENGINE_API_KEY_ENV: spec.engine_api_key} if spec.engine_api_key else {}
+    router = ProcessPlan("router", None, argv, router_env, spec.router_port, events_ports)
     return engines, router, router_config(spec, workers)

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from deploy import fleet as fleet_io
+from deploy.client import HTTPStatusError, complete
 from deploy.env import child_env
-from deploy.fleet_spec import FleetSpec, plan_fleet
+from deploy.fleet_spec import ENGINE_API_KEY_ENV, FleetSpec, plan_fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -82,7 +83,10 @@ def test_bad_config_stops_engine_at_start_naming_the_key(
 
 
 def test_fleet_down_leaves_no_process_and_frees_ports(model_dir: Path, tmp_path: Path) -> None:
+    """Also: with ``KVPILOT_ENGINE_API_KEY`` set, the engine refuses requests without
+    the key and the router, which sends it, serves."""
     cli = [sys.executable, "-m", "deploy.cli", "fleet"]
+    key = f"key-{os.getpid()}"
     common = [
         "--run-dir",
         str(tmp_path),
@@ -96,9 +100,16 @@ def test_fleet_down_leaves_no_process_and_frees_ports(model_dir: Path, tmp_path:
         "1",
         *_port_flags(),
     ]
-    up = subprocess.run([*cli, "up", *common], capture_output=True, text=True, timeout=600)
+    up = subprocess.run(
+        [*cli, "up", *common], capture_output=True, text=True, timeout=600, env={**os.environ, ENGINE_API_KEY_ENV: key}
+    )
     assert up.returncode == 0, up.stderr[-3000:]
     state = json.loads((tmp_path / fleet_io.STATE_FILE).read_text())
+    engine, router = f"http://127.0.0.1:{state['engines'][0]['port']}", f"http://127.0.0.1:{state['router']['port']}"
+    with pytest.raises(HTTPStatusError) as refused:
+        complete(engine, "no key", max_tokens=1)
+    assert refused.value.status == 401
+    assert complete(router, "the router sends the key", max_tokens=2).tokens
     pids = [e["pid"] for e in state["engines"]] + [state["router"]["pid"]]
     assert all(_alive(pid) for pid in pids)
     status = subprocess.run([*cli, "status", "--run-dir", str(tmp_path)], capture_output=True, text=True)

@@ -73,3 +73,16 @@ def test_invalid_fleets_are_refused(kw: dict, message: str) -> None:
 def test_roles_are_named() -> None:
     engines, _, _ = plan_fleet(_spec(prefill=0, decode=0, colocated=1))
     assert engines[0].role is Role.COLOCATED
+
+
+def test_an_engine_api_key_reaches_engines_and_router_by_environment_only() -> None:
+    from deploy.fleet_spec import ENGINE_API_KEY_ENV
+
+    engines, router, config = plan_fleet(_spec(prefill=1, decode=1, engine_api_key="s3cret"))
+    assert all(e.env["VLLM_API_KEY"] == "s3cret" and "s3cret" not in " ".join(e.argv) for e in engines)
+    assert router.env == {ENGINE_API_KEY_ENV: "s3cret"} and "s3cret" not in " ".join(router.argv)
+    assert config["server"]["engine_api_key_env"] == ENGINE_API_KEY_ENV  # type: ignore[index]  # dict[str, object]
+    assert "s3cret" not in repr(_spec(engine_api_key="s3cret"))
+    engines, router, config = plan_fleet(_spec())
+    assert all("VLLM_API_KEY" not in e.env for e in engines) and router.env == {}
+    assert "engine_api_key_env" not in config["server"]  # type: ignore[operator]  # dict[str, object]
