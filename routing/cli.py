@@ -4,19 +4,32 @@
 ``python -m routing.cli router --config FILE`` works standalone. Every scalar
 of the config's mapping sections has a flag that overrides the YAML (``--port``,
 ``--host``, ``--model-dir``, ``--overlap-score-credit``...). Binds 127.0.0.1
-unless ``server.host`` says otherwise. Exit codes: 0 after a clean shutdown,
-2 for a bad config.
+unless ``server.host`` says otherwise, and then warns (louder without an API key).
+Exit codes: 0 after a clean shutdown, 2 for a bad config.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import sys
 from collections.abc import Sequence
 
 from routing.config import ConfigError, add_cli_flags, load_config
 from routing.engines import fleet_from_config
+
+log = logging.getLogger("routing.cli")
+
+
+def beyond_loopback(host: str) -> bool:
+    """Whether binding ``host`` accepts connections from other machines."""
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to anything
+        return True
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -35,6 +48,12 @@ def run_router(args: argparse.Namespace) -> int:
         print(f"kvpilot router: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if beyond_loopback(config.server.host):
+        log.warning(
+            "binding %s: the router is reachable beyond this machine%s",
+            config.server.host,
+            "" if config.server.api_key_env else ", with no API key (set server.api_key_env)",
+        )
     web.run_app(server.app(), host=config.server.host, port=config.server.port, print=None)
     return 0
 

@@ -639,3 +639,22 @@ def test_a_pairs_transfer_failures_raise_its_cost_and_the_other_pair_wins(model_
 
     server = {"model_dir": str(model_dir), "engine_metrics_interval_s": 0.05}
     run(model_dir, TWO_P, scenario, server=server)
+
+
+@pytest.mark.parametrize(
+    ("host", "beyond"),
+    [
+        ("127.0.0.1", False),
+        ("::1", False),
+        ("localhost", False),
+        ("127.0.0.2", False),
+        ("0.0.0.0", True),
+        ("::", True),
+        ("10.0.0.7", True),
+        ("router.example", True),
+    ],
+)
+def test_binding_beyond_loopback_is_recognised(host, beyond):
+    from routing.cli import beyond_loopback
+
+    assert beyond_loopback(host) is beyond
