@@ -4,7 +4,8 @@ fails, vLLM's ``kv_load_failure_policy: recompute`` (set by the fleet) prefills
 what it was to load, and P answers exactly as a co-located run would; the next
 offer from the dead D is prefilled without another try. Both counted. D dies in
 the middle of a stream the router relays: the client gets an error event naming D
-and the stream ends (no hang). P dies holding a request: D prefills it, correctly."""
+and the stream ends (no hang). P dies holding a request: D prefills it, correctly.
+P dies after returning its params, before D pulls: D recomputes, correctly."""
 
 from __future__ import annotations
 
@@ -133,6 +134,29 @@ def test_p_killed_mid_prefill_is_served_by_d_with_correct_output(
     after = scrape(fleet.router.url)
     assert delta(after, router_before, "kvpilot_router_prefill_failures_total", worker="prefill-0") == 1
     assert total(after, "kvpilot_router_prefill_failures_total", worker="prefill-0", reason="connection") >= 1
+
+
+def test_p_killed_after_returning_params_is_recomputed_on_d(
+    fleet: Fleet, spec: FleetSpec, tokenizer: PromptTokenizer
+) -> None:
+    """P answers the prefill with its params and dies before D pulls: D's pull fails,
+    vLLM's ``kv_load_failure_policy: recompute`` prefills those tokens on D, and the
+    answer equals a co-located run's. Runs after the test above killed P, so P is
+    started again first."""
+    restarted = fleet_io.restart_engine(spec, "prefill-0")
+    prefill, decode = restarted.by_role("prefill")[0], restarted.by_role("decode")[0]
+    x = tokenizer.prompt_token_ids(filler_text(600, 43))
+    params = complete(prefill.url, x, max_tokens=1, kv_transfer_params={"do_remote_decode": True}).kv_transfer_params
+    assert params and params.get("do_remote_prefill"), params
+    os.killpg(prefill.pid, signal.SIGKILL)
+    before = scrape(decode.url)
+    out = complete(decode.url, x, max_tokens=6, kv_transfer_params=params, timeout=P_DEATH_BOUND_S)
+    after = settle(decode.url, before)
+    reference = complete(decode.url, x, max_tokens=6, cache_salt=uuid.uuid4().hex)
+    assert out.same_output(reference), f"max logprob diff {out.max_logprob_diff(reference)}"
+    assert delta(after, before, LOAD_FAILURES, action="recompute") == 1
+    assert delta(after, before, RECOMPUTED, reason="load_failed") > 0
+    assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") == 0
 
 
 P_DEATH_BOUND_S = 120.0
