@@ -3,7 +3,11 @@ tenant isolation, malformed events, engine restart. Two co-located engines."""
 
 from __future__ import annotations
 
+import json
+import socket as socket_module
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +23,7 @@ from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape, total, wait_for_metric
 from deploy.prompts import filler_text
+from routing.request_fields import ENGINE_INTERNAL
 from routing.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
@@ -207,3 +212,45 @@ def test_an_engine_whose_events_stop_is_flagged_and_routed_on_load_alone(
         assert out.same_output(reference)
     finally:
         fleet_io.restart_router(spec)
+
+
+def test_clients_cannot_make_engines_dial_anywhere(fleet: Fleet, tokenizer: PromptTokenizer) -> None:
+    """A client's own kv_transfer_params (pointing an engine's NIXL at a listener here)
+    and every other engine-internal field are refused with a 400 naming the field, on
+    both endpoints; the listener sees no connection, and the router keeps serving."""
+    listener = socket_module.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    steer = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "rogue",
+        "remote_host": "127.0.0.1",
+        "remote_port": port,
+        "remote_block_ids": [1, 2, 3],
+    }
+    prompt = tokenizer.prompt_token_ids(filler_text(100, 90))
+    bodies = [({"prompt": prompt, "kv_transfer_params": steer}, "/v1/completions", "kv_transfer_params")]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "kv_transfer_params": steer}
+    bodies.append((chat, "/v1/chat/completions", "kv_transfer_params"))
+    bodies += [({"prompt": prompt, name: value}, "/v1/completions", name) for name, value in ENGINE_INTERNAL_SAMPLES]
+    try:
+        for body, path, name in bodies:
+            request = urllib.request.Request(
+                f"{fleet.router.url}{path}",
+                data=json.dumps({"model": "tiny", "max_tokens": 2, **body}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=60)
+            assert refused.value.code == 400 and name in refused.value.read().decode(), (path, name)
+        time.sleep(2.0)  # anything dialing the listener would have by now
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    finally:
+        listener.close()
+    assert complete(fleet.router.url, prompt, max_tokens=2).tokens  # still serving
+
+
+ENGINE_INTERNAL_SAMPLES = [(name, {"x": 1}) for name in sorted(ENGINE_INTERNAL)]
