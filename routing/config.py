@@ -22,7 +22,7 @@ user can paste them::
       backend: kvpilot                   # kvpilot | dynamo (Dynamo's RadixTree; needs kvpilot[dynamo])
       block_size: 16
       tiers: {GPU: gpu, CPU: host, STORAGE: disk}
-      events_stale_after_s: 30.0         # a worker silent this long after a prefill: load-only; 0 = off
+      events_stale_after_s: 0.0          # > 0: a worker silent this long after a prefill is routed on load alone
     sessions:
       max_sessions: 10000
       force_option: ""                   # reprefill | pull | affinity | shared_tier | local; "" = cheapest
@@ -139,9 +139,11 @@ class IndexConfig:
     block_size: int = 16
     kv_group: int = 0
     removal_log_capacity: int = 65536
-    events_stale_after_s: float = 30.0
+    events_stale_after_s: float = 0.0
     """A worker that prefilled blocks its entries lacked and then published no KV
-    event for this long is routed on load alone (``routing.event_watch``); 0 = off."""
+    event for this long is routed on load alone (``routing.event_watch``); 0 = off
+    (the default: right after a router restart the index can lack blocks an engine
+    holds, and a prefill of those publishes nothing)."""
     tiers: Mapping[str, str] = field(default_factory=lambda: {"GPU": "gpu", "CPU": "host", "STORAGE": "disk"})
 
     def __post_init__(self) -> None:
