@@ -126,8 +126,11 @@ class EngineLoadPoller:
         interval_s: float,
         *,
         clock: Callable[[], float] = time.monotonic,
+        on_sample: Callable[[WorkerId, EngineLoad], None] | None = None,
     ) -> None:
+        """``on_sample(worker, sample)`` is called once per good sample, as it arrives."""
         self.workers = tuple(workers)
+        self._on_sample = on_sample
         self.interval_s = interval_s
         self.max_age_s = 3 * interval_s
         self.failures: Counter[tuple[WorkerId, str]] = Counter()
@@ -161,6 +164,8 @@ class EngineLoadPoller:
                         reason = "no_kv_usage"
                     else:
                         self._samples[worker.name] = sample
+                        if self._on_sample is not None:
+                            self._on_sample(worker.name, sample)
         except asyncio.TimeoutError:
             reason = "timeout"
         except (aiohttp.ClientError, UnicodeDecodeError):

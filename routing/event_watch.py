@@ -38,10 +38,14 @@ class EventWatch:
         self.went_stale: dict[WorkerId, int] = {}
         """How many times each worker was flagged (a counter)."""
 
+    @property
+    def enabled(self) -> bool:
+        return self.stale_after_s > 0
+
     def expect(self, worker: WorkerId, batches: int, now: float) -> None:
         """``worker`` prefilled at least one block its index entries lacked; it had
         applied ``batches`` event batches by then. Keeps an older expectation."""
-        if self.stale_after_s and worker not in self._expected:
+        if self.enabled and worker not in self._expected:
             self._expected[worker] = _Expectation(now, batches)
 
     def update(self, batches: dict[WorkerId, int], now: float) -> None:

@@ -148,10 +148,18 @@ class RouterServer:
         policy = policy_from_config(config.disaggregation) if fleet.prefill else None
         sessions = SessionStore(config.index.block_size, config.sessions.max_sessions)
         interval = config.server.engine_metrics_interval_s
-        self.engine_load = EngineLoadPoller(fleet.workers, interval) if interval > 0 else None
         self.breaker = CircuitBreaker(srv.circuit_failures, srv.circuit_open_s)
         self.event_watch = EventWatch(config.index.events_stale_after_s)
         self.pair_health = PairHealth(config.cost)
+        self.engine_load = (
+            EngineLoadPoller(
+                fleet.workers,
+                interval,
+                on_sample=lambda worker, sample: self.pair_health.observe(worker, sample.transfer, sample.at),
+            )
+            if interval > 0
+            else None
+        )
         self.router = Router(
             fleet,
             config,
@@ -508,17 +516,14 @@ class RouterServer:
         return {sub.worker: sub.stats.batches for sub in (self.feeder.subscribers if self.feeder is not None else ())}
 
     def watch_events(self) -> None:
-        """Flag the workers whose KV events stopped, and clear the ones heard again; rate
-        each (P, D) pair by the engines' transfer counters as last polled."""
-        self.event_watch.update(self.event_batches(), time.monotonic())
-        if self.engine_load is not None:
-            for worker in self.fleet.workers:
-                sample = self.engine_load.latest(worker.name)
-                if sample is not None:
-                    self.pair_health.observe(worker.name, sample.transfer, sample.at)
+        """Flag the workers whose KV events stopped, and clear the ones heard again."""
+        if self.event_watch.enabled:
+            self.event_watch.update(self.event_batches(), time.monotonic())
 
     def _expect_events(self, route: Route, prefilled_on: WorkerId) -> None:
         """``prefilled_on`` served ``route``'s prompt; blocks it did not hold must show up as events."""
+        if not self.event_watch.enabled:
+            return
         cached = route.cached_blocks if prefilled_on == route.prefill_worker.name else route.decode_cached_blocks
         batches = self.event_batches()
         if route.prompt_blocks > cached and prefilled_on in batches:
