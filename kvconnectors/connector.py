@@ -4,7 +4,8 @@ An inner connector (``NixlConnector`` by default, named in the extra config) own
 data plane: NIXL agents, handshakes, pull and push, leases, heartbeats, its metrics.
 This facade forwards every call to it, and adds kvpilot's layers at the
 scheduler-side seams through :class:`kvconnectors.scheduler.KVPilotScheduler`.
-The worker side is the inner connector's, unchanged.
+The worker side is the inner connector's, unchanged, except that the engine thread
+keeps its CPU binding (:mod:`kvconnectors.thread_binding`).
 
 Loaded by name through the ``vllm.general_plugins`` entry point
 (:mod:`kvconnectors.plugin`); ``kv_connector_module_path`` is not needed.
@@ -48,6 +49,7 @@ from kvconnectors.policy_setup import build_pull_policy
 from kvconnectors.pull_params import PULL_DONE_KEY
 from kvconnectors.scheduler import KVPilotScheduler
 from kvconnectors.stats import KVPilotPromMetrics, KVPilotStats
+from kvconnectors.thread_binding import keeping_thread_binding
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
@@ -99,7 +101,10 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = parse_config(vllm_config)
         inner_cls = KVConnectorFactory.get_connector_class_by_name(self.config.inner_connector)
-        self._inner: KVConnectorBase_V1 = inner_cls(inner_vllm_config(vllm_config, self.config), role, kv_cache_config)
+        with keeping_thread_binding():
+            self._inner: KVConnectorBase_V1 = inner_cls(
+                inner_vllm_config(vllm_config, self.config), role, kv_cache_config
+            )
         self._pilot: KVPilotScheduler | None = None
         if role == KVConnectorRole.SCHEDULER:
             layout = inner_cls.get_required_kvcache_layout(inner_vllm_config(vllm_config, self.config))

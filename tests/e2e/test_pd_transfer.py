@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import psutil
 import pytest
 
 from deploy.client import complete
@@ -88,6 +89,27 @@ def test_decode_moves_only_blocks_beyond_its_local_hit(pd_fleet: Fleet, tokenize
     complete(decode.url, first, max_tokens=2, cache_salt=salt)
     reference = complete(decode.url, extended, max_tokens=8, cache_salt=salt)
     assert out.same_output(reference), f"max diff {out.max_logprob_diff(reference)}"
+
+
+def _cores(cpu_list: str) -> set[int]:
+    """``"0"``, ``"0-3"``, ``"0,2"`` as a set of core ids."""
+    cores: set[int] = set()
+    for part in cpu_list.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def test_each_engine_computes_on_the_cores_it_was_bound_to(pd_fleet: Fleet) -> None:
+    """vLLM's NIXL worker on CPU pins the thread that builds it, the engine's model
+    thread, to the box's last core; KVPilotConnector gives that thread its binding back."""
+    for engine in pd_fleet.engines:
+        api_server = psutil.Process(engine.pid)
+        bound = _cores(api_server.environ()["VLLM_CPU_OMP_THREADS_BIND"])
+        workers = [p for p in api_server.children(recursive=True) if p.name() == "VLLM::Worker"]
+        assert workers, f"{engine.name}: no VLLM::Worker process"
+        for worker in workers:
+            assert set(worker.cpu_affinity()) == bound, f"{engine.name}: model thread on {worker.cpu_affinity()}"
 
 
 BENCH_SERVE = """
