@@ -101,6 +101,11 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = parse_config(vllm_config)
         inner_cls = KVConnectorFactory.get_connector_class_by_name(self.config.inner_connector)
+        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        if groups > 1 and not issubclass(inner_cls, SupportsHMA):  # checked once, as multi_connector.py does
+            raise KVPilotConfigError(
+                "inner_connector", f"{self.config.inner_connector} does not support {groups} KV cache groups (HMA)"
+            )
         with keeping_thread_binding():
             self._inner: KVConnectorBase_V1 = inner_cls(
                 inner_vllm_config(vllm_config, self.config), role, kv_cache_config
@@ -301,9 +306,7 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler_layer().forget(request.request_id)
         if isinstance(self._inner, SupportsHMA):  # vLLM's supports_hma(), narrowing the type
             delay_free, params = self._inner.request_finished_all_groups(request, block_ids)
-        else:
-            if len(block_ids) != 1:
-                raise ValueError(f"{self.config.inner_connector} does not support several KV cache groups")
+        else:  # one KV cache group: checked at construction
             delay_free, params = self._inner.request_finished(request, block_ids[0])
         return delay_free, self._stamp(request, params)
 

@@ -14,7 +14,9 @@ scheduler and the inner connector.
   and reporting ``k * block_size - num_computed_tokens`` external tokens.
 
 Every remote attach goes through :meth:`KVPilotScheduler.plan_attach`, whatever the
-direction (P->D prefill handoff or a bidirectional pull of the peer's session KV).
+direction (P->D prefill handoff or a bidirectional pull of the peer's session KV); the
+decision itself is :func:`kvconnectors.attach_plan.plan_attach`, pure and tested
+without vLLM. This class is its vLLM-facing side and holds the live state.
 A session pull (P pulling D's KV of earlier turns) is optional: the verified span
 is pulled or recomputed as the pull policy decides (:mod:`kvconnectors.pull_policy`),
 on this engine's own prefill backlog and measured NIXL transfers. A P->D handoff is
@@ -23,14 +25,21 @@ always loaded: P computed it for this request.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvconnectors.attach_plan import (
+    AttachPlan,
+    PromptView,
+    apply_plan,
+    external_tokens,
+    is_session_pull,
+    plan_attach,
+)
 from kvconnectors.hash_contract import HashAlgo, SeedId, salt_identity, seed_identity
 from kvconnectors.pull_params import (
     LEASE_MARGIN_S,
@@ -44,21 +53,17 @@ from kvconnectors.pull_policy import (
     FailedPeers,
     LinkMeter,
     PrefillBacklog,
-    PullDecision,
     PullPolicy,
 )
 from kvconnectors.reasons import Reason
 from kvconnectors.stats import KVPilotStats
 from kvconnectors.transfer_params import (
     PARAMS_KEY,
-    BlockOffer,
     ContractId,
     TransferParamsError,
     decode_offer,
     encode_offer,
 )
-from kvconnectors.verify import verify_offer
-from policies.recompute_vs_transfer import Span
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,35 +87,6 @@ class PullInFlight:
     block_ids: frozenset[int]
     external_tokens: int
     session_pull: bool
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AttachPlan:
-    """What one request may load from its peer.
-
-    ``attach_blocks is None`` means everything the peer offered verified, tail
-    included: the inner connector's own plan stands. Otherwise the request loads
-    the peer's first ``attach_blocks`` blocks (those beyond its local hit) and
-    recomputes the rest.
-    """
-
-    attach_blocks: int | None
-    reason: Reason
-    rejected_blocks: int
-    """Offered blocks this request needed but does not load."""
-    recomputed_tokens: int
-    """Offered tokens prefilled here because of ``reason``."""
-    attached_blocks: int
-    """Blocks loaded from the peer beyond the local hit."""
-    explanation: str
-    pull_decision: PullDecision | None = None
-    """For a session pull: the policy's decision on the verified span."""
-
-    @property
-    def policy_recomputed_tokens(self) -> int:
-        """Verified tokens recomputed because the pull policy chose to."""
-        d = self.pull_decision
-        return d.span.tokens if d is not None and not d.pull else 0
 
 
 def model_identity(model: str) -> str:
@@ -321,65 +297,33 @@ class KVPilotScheduler:
 
     def external_tokens(self, plan: AttachPlan, num_computed_tokens: int) -> int:
         """Tokens to load from the peer under a partial ``plan`` (may be <= 0: none)."""
-        assert plan.attach_blocks is not None
-        return plan.attach_blocks * self._block_size - num_computed_tokens
+        return external_tokens(plan, num_computed_tokens, self._block_size)
 
     @staticmethod
     def apply(plan: AttachPlan, params: dict[str, Any]) -> None:
-        """Rewrite ``params`` so that the inner connector pulls only what ``plan`` allows.
-
-        The peer's block list is cut to the verified prefix, which vLLM's pull pairs
-        with this engine's blocks beyond its local hit. The list stays even when
-        nothing is attached, so the peer is told to free its blocks. A screened-out
-        request has no list left: nothing to do.
-        """
-        if plan.attach_blocks is not None and "remote_block_ids" in params:
-            params["remote_block_ids"] = [group[: plan.attach_blocks] for group in params["remote_block_ids"]]
+        """Cut ``params`` to what ``plan`` allows (:func:`kvconnectors.attach_plan.apply_plan`)."""
+        apply_plan(plan, params)
 
     def _plan(
         self, request: Request, params: dict[str, Any], num_computed_tokens: int, screened_out: str | None
     ) -> AttachPlan:
-        prompt_len = request.num_prompt_tokens
-        own_hashes = request.block_hashes[: prompt_len // self._block_size]
-        local_hit = num_computed_tokens // self._block_size
-        recompute_all = prompt_len - num_computed_tokens
-        if screened_out is not None:  # malformed pull fields, dropped on arrival
-            return AttachPlan(
-                attach_blocks=0,
-                reason=Reason.MALFORMED,
-                rejected_blocks=len(own_hashes) - local_hit,
-                recomputed_tokens=recompute_all,
-                attached_blocks=0,
-                explanation=screened_out,
-            )
-        try:
-            offer = decode_offer(params.get(PARAMS_KEY))
-        except TransferParamsError as exc:
-            return AttachPlan(
-                attach_blocks=0,
-                reason=Reason.MALFORMED,
-                rejected_blocks=len(own_hashes) - local_hit,
-                recomputed_tokens=recompute_all,
-                attached_blocks=0,
-                explanation=f"{exc}: prefill locally",
-            )
-        session_pull = not params.get("do_remote_prefill")
-        skip_why = self._skip_reason(params, session_pull)
-        if skip_why is not None:
-            reason, why = skip_why
-            unloaded = min(offer.num_tokens, prompt_len) - num_computed_tokens
-            return AttachPlan(
-                attach_blocks=0,
-                reason=reason,
-                rejected_blocks=max(0, min(offer.num_blocks, len(own_hashes)) - local_hit),
-                recomputed_tokens=max(0, unloaded),
-                attached_blocks=0,
-                explanation=f"{why}: prefill locally",
-            )
-        plan = self._verified_plan(request, offer, own_hashes, num_computed_tokens)
-        if plan.attached_blocks and session_pull:  # optional
-            plan = self._decide_pull(request, plan, offer.num_tokens, num_computed_tokens)
-        return plan
+        prompt = PromptView(
+            num_prompt_tokens=request.num_prompt_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            block_hashes=request.block_hashes,
+            extra_keys=bool(request.lora_request or request.mm_features),
+        )
+        return plan_attach(
+            prompt,
+            params,
+            self.contract(request),
+            num_computed_tokens,
+            screened_out=screened_out,
+            skip=self._skip_reason(params, is_session_pull(params)),
+            decide_pull=lambda span: self._pull_policy.decide(
+                span, self._backlog.load(request.request_id), self._link.telemetry()
+            ),
+        )
 
     def _skip_reason(self, params: dict[str, Any], session_pull: bool) -> tuple[Reason, str] | None:
         """Why not to try this pull at all, or ``None``: the peer's lease (nearly)
@@ -393,84 +337,6 @@ class KVPilotScheduler:
         if since is not None and (session_pull or self._recompute_failed_loads):
             return Reason.PEER_FAILED, f"a pull from {peer} failed {since:.1f} s ago"
         return None
-
-    def _verified_plan(
-        self, request: Request, offer: BlockOffer, own_hashes: Sequence[bytes], num_computed_tokens: int
-    ) -> AttachPlan:
-        prompt_len = request.num_prompt_tokens
-        local_hit = num_computed_tokens // self._block_size
-        verdict = verify_offer(offer, self.contract(request), own_hashes, local_hit)
-        if self._tail_verified(request, offer, verdict.reason, verdict.num_verified_blocks, len(own_hashes)):
-            loaded = len(own_hashes) - local_hit
-            return AttachPlan(
-                attach_blocks=None,
-                reason=Reason.VERIFIED_ALL,
-                rejected_blocks=0,
-                recomputed_tokens=0,
-                attached_blocks=loaded,
-                explanation=verdict.explain() + ", tail verified",
-            )
-        attach_end = verdict.attach_blocks.stop
-        covered = min(offer.num_tokens, prompt_len)
-        recomputed = max(0, covered - max(attach_end * self._block_size, num_computed_tokens))
-        reason = verdict.reason
-        if reason is Reason.VERIFIED_ALL:
-            start = offer.num_blocks * self._block_size
-            prompt_ids = request.prompt_token_ids  # None for prompt embeddings: nothing to compare the tail with
-            prompt_tail = None if prompt_ids is None else tuple(prompt_ids[start : start + len(offer.tail_token_ids)])
-            reason = Reason.PARTIAL_TAIL if prompt_tail == offer.tail_token_ids else Reason.TOKEN_MISMATCH
-        explanation = verdict.explain() if recomputed == 0 else f"{verdict.explain()}; recompute {recomputed} tokens"
-        return AttachPlan(
-            attach_blocks=attach_end,
-            reason=reason,
-            rejected_blocks=len(verdict.rejected_blocks),
-            recomputed_tokens=recomputed,
-            attached_blocks=len(verdict.attach_blocks),
-            explanation=explanation,
-        )
-
-    def _decide_pull(
-        self, request: Request, plan: AttachPlan, offer_tokens: int, num_computed_tokens: int
-    ) -> AttachPlan:
-        """For a session pull: pull the verified span beyond the local hit, or
-        recompute it, as the pull policy decides on live load and link telemetry."""
-        if plan.attach_blocks is None:  # everything verified: the inner connector would load up to the offer's end
-            span_end = min(offer_tokens, request.num_prompt_tokens)
-        else:
-            span_end = plan.attach_blocks * self._block_size
-        span_tokens = span_end - num_computed_tokens
-        if span_tokens <= 0:
-            return plan
-        span = Span(tokens=span_tokens, context=num_computed_tokens, new_tokens=request.num_prompt_tokens - span_end)
-        decision = self._pull_policy.decide(span, self._backlog.load(request.request_id), self._link.telemetry())
-        if decision.pull:
-            return dataclasses.replace(
-                plan, pull_decision=decision, explanation=f"{plan.explanation}; pull: {decision.explanation}"
-            )
-        local_hit = num_computed_tokens // self._block_size
-        return dataclasses.replace(
-            plan,
-            attach_blocks=local_hit,
-            attached_blocks=0,
-            pull_decision=decision,
-            explanation=f"{plan.explanation}; recompute the verified span: {decision.explanation}",
-        )
-
-    def _tail_verified(
-        self, request: Request, offer: BlockOffer, reason: Reason, num_verified: int, num_own_blocks: int
-    ) -> bool:
-        """Whether the peer's whole offer verified and covers exactly this prompt.
-
-        The partial tail has no block hash: given a verified chain up to it, equal
-        token ids mean equal KV, unless extra keys (LoRA, multimodal) apply."""
-        if reason is not Reason.VERIFIED_ALL or num_verified != offer.num_blocks or num_verified != num_own_blocks:
-            return False
-        if offer.num_tokens != request.num_prompt_tokens or request.lora_request or request.mm_features:
-            return False
-        if request.prompt_token_ids is None:  # prompt embeddings: nothing to compare the tail with
-            return False
-        start = num_verified * self._block_size
-        return tuple(request.prompt_token_ids[start:]) == offer.tail_token_ids
 
     def _record(self, request_id: str, plan: AttachPlan) -> None:
         if plan.attached_blocks:

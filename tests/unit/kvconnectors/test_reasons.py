@@ -39,7 +39,7 @@ def test_the_connector_counts_exactly_these_labels() -> None:
     """stats' label tuples derive from the enum, and the scheduler's records are built by keyword."""
     pytest.importorskip("vllm")
     from kvconnectors import stats
-    from kvconnectors.scheduler import AttachPlan
+    from kvconnectors.attach_plan import AttachPlan
 
     assert stats.REASONS == (
         "token_mismatch",
