@@ -3,9 +3,10 @@
 ``KVPilotConnector`` (in :mod:`kvconnectors.connector`) wraps an inner vLLM connector
 (``NixlConnector`` by default) and adds kvpilot's layers at the scheduler-side seams.
 The pure modules (the hash contract, the kv_transfer_params schema, verification,
-the pull policy) never import vLLM at module level, so they are tested without it; only
-:mod:`kvconnectors.connector`, :mod:`kvconnectors.stats` and :mod:`kvconnectors.plugin`'s
-``register()`` do.
+attach planning, the pull policy, the thread binding) never import vLLM at module level,
+so they are tested without it; only :mod:`kvconnectors.connector`,
+:mod:`kvconnectors.scheduler` (through :mod:`kvconnectors.stats`) and
+:mod:`kvconnectors.plugin`'s ``register()`` do.
 
 Citations: "the article" is the reference article "KV, Prefix, and Session Caching
 in Co-located and Disaggregated LLM Serving", kvpilot's specification; "article
