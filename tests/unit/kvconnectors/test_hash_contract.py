@@ -253,6 +253,7 @@ def test_the_shared_modules_import_without_vllm() -> None:
     code = (
         "import sys\n"
         "import kvconnectors.hash_contract, kvconnectors.transfer_params, kvconnectors.verify\n"
+        "import kvconnectors.attach_plan, kvconnectors.pull_policy, kvconnectors.thread_binding\n"
         "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
