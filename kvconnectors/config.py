@@ -32,10 +32,14 @@ checked where the registry is at hand (:mod:`kvconnectors.connector`).
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 from kvconnectors.pull_policy import PEER_RETRY_AFTER_S
 
@@ -74,7 +78,6 @@ takes its keys through ``inner_extra_config`` only."""
 
 RECOMPUTE_THRESHOLD_KEY = "kv_recompute_threshold"
 RecomputePolicyName = Literal["roofline", "threshold"]
-_OWN_STR_KEYS = ("policy_hardware", "policy_model", "policy_link")
 
 
 class KVPilotConfigError(ValueError):
@@ -85,11 +88,16 @@ class KVPilotConfigError(ValueError):
         super().__init__(f"KVPilotConnector: {EXTRA_CONFIG}.{key}: {problem}")
 
 
+PresetName = Annotated[str, msgspec.Meta(min_length=1)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+_MSGSPEC_ERROR = re.compile(r"^(?P<message>.*?)(?: - at `\$\.?(?P<key>[^`.\[]*)[^`]*`)?$", re.DOTALL)
+
+
 @dataclass(frozen=True, slots=True)
 class KVPilotConfig:
     """What ``KVPilotConnector`` reads from its extra config. Unknown keys are errors."""
 
-    inner_connector: str = DEFAULT_INNER_CONNECTOR
+    inner_connector: Annotated[str, msgspec.Meta(min_length=1)] = DEFAULT_INNER_CONNECTOR
     """Name of the vLLM connector that moves the bytes (registered in vLLM's factory)."""
 
     inner_extra_config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -97,10 +105,19 @@ class KVPilotConfig:
     (top-level inner keys merged in). :meth:`inner_config_for_vllm` is what it gets."""
 
     recompute_policy: RecomputePolicyName = "roofline"
-    policy_hardware: str | None = None
-    policy_model: str | None = None
-    policy_link: str | None = None
-    peer_retry_after_s: float = PEER_RETRY_AFTER_S
+    policy_hardware: PresetName | None = None
+    policy_model: PresetName | None = None
+    policy_link: PresetName | None = None
+    peer_retry_after_s: Seconds = PEER_RETRY_AFTER_S
+
+    def __post_init__(self) -> None:
+        if self.inner_connector in _FORBIDDEN_INNER:
+            problem = f"{self.inner_connector} cannot be wrapped by KVPilotConnector"
+            raise KVPilotConfigError("inner_connector", problem)
+        if not math.isfinite(self.peer_retry_after_s):
+            raise KVPilotConfigError("peer_retry_after_s", f"expected finite seconds, got {self.peer_retry_after_s}")
+        _check_presets({key: getattr(self, key) for key in _PRESET_KEYS})
+        object.__setattr__(self, "inner_extra_config", MappingProxyType(dict(self.inner_extra_config)))
 
     def inner_config_for_vllm(self) -> dict[str, Any]:
         """What the inner connector is built with. Under the roofline policy its fixed
@@ -112,7 +129,9 @@ class KVPilotConfig:
 
     @classmethod
     def parse(cls, raw: object) -> KVPilotConfig:
-        """Parse and validate ``raw`` (the extra-config dict; ``None`` means defaults).
+        """Parse and validate ``raw`` (the extra-config dict; ``None`` means defaults):
+        kvpilot's own keys through msgspec against this class's types and constraints,
+        the inner connector's keys merged into ``inner_extra_config``.
 
         Raises :class:`KVPilotConfigError` naming the first bad key.
         """
@@ -120,45 +139,34 @@ class KVPilotConfig:
             return cls()
         if not isinstance(raw, Mapping):
             raise KVPilotConfigError("<root>", f"expected a JSON object, got {type(raw).__name__}")
-        inner = raw.get("inner_connector", DEFAULT_INNER_CONNECTOR)
-        if not isinstance(inner, str) or not inner:
-            raise KVPilotConfigError("inner_connector", f"expected a connector name, got {inner!r}")
-        if inner in _FORBIDDEN_INNER:
-            raise KVPilotConfigError("inner_connector", f"{inner} cannot be wrapped by KVPilotConnector")
-        inner_keys = INNER_KEYS.get(inner, frozenset())
-        own = {"inner_connector", "inner_extra_config", "recompute_policy", "peer_retry_after_s", *_OWN_STR_KEYS}
+        own = {key: raw[key] for key in _OWN_KEYS & raw.keys()}
+        inner = own.get("inner_connector", DEFAULT_INNER_CONNECTOR)
+        inner_keys = INNER_KEYS.get(inner, frozenset()) if isinstance(inner, str) else frozenset()
         for key in raw:
-            if key not in own and key not in inner_keys:
-                known = ", ".join(sorted(own | inner_keys))
+            if key not in _OWN_KEYS and key not in inner_keys:
+                known = ", ".join(sorted(_OWN_KEYS | inner_keys))
                 raise KVPilotConfigError(str(key), f"unknown key (known keys: {known})")
-        explicit = raw.get("inner_extra_config", {})
-        if not isinstance(explicit, Mapping):
-            raise KVPilotConfigError("inner_extra_config", f"expected a JSON object, got {type(explicit).__name__}")
-        merged = dict(explicit)
-        for key in inner_keys & raw.keys():
-            if key in explicit:
-                raise KVPilotConfigError(key, "given both at the top level and in inner_extra_config")
-            merged[key] = raw[key]
-        policy = raw.get("recompute_policy", "threshold" if RECOMPUTE_THRESHOLD_KEY in merged else "roofline")
-        if policy not in ("roofline", "threshold"):
-            raise KVPilotConfigError("recompute_policy", f"expected 'roofline' or 'threshold', got {policy!r}")
-        names: dict[str, str | None] = {}
-        for key in _OWN_STR_KEYS:
-            value = raw.get(key)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise KVPilotConfigError(key, f"expected a preset name, got {value!r}")
-            names[key] = value
-        _check_presets(names)
-        retry = raw.get("peer_retry_after_s", PEER_RETRY_AFTER_S)
-        if isinstance(retry, bool) or not isinstance(retry, int | float) or not retry > 0 or retry == float("inf"):
-            raise KVPilotConfigError("peer_retry_after_s", f"expected a positive number of seconds, got {retry!r}")
-        return cls(
-            inner_connector=inner,
-            inner_extra_config=MappingProxyType(merged),
-            recompute_policy=policy,
-            peer_retry_after_s=float(retry),
-            **names,
-        )
+        explicit = own.get("inner_extra_config", {})
+        if isinstance(explicit, Mapping):
+            merged = dict(explicit)
+            for key in inner_keys & raw.keys():
+                if key in explicit:
+                    raise KVPilotConfigError(key, "given both at the top level and in inner_extra_config")
+                merged[key] = raw[key]
+            own["inner_extra_config"] = merged
+            own.setdefault("recompute_policy", "threshold" if RECOMPUTE_THRESHOLD_KEY in merged else "roofline")
+        try:
+            return msgspec.convert(own, cls)
+        except msgspec.ValidationError as exc:
+            if isinstance(exc.__cause__, KVPilotConfigError):  # raised by __post_init__
+                raise exc.__cause__ from None
+            match = _MSGSPEC_ERROR.match(str(exc))
+            assert match is not None  # the pattern matches every string
+            raise KVPilotConfigError(match["key"] or "<root>", match["message"]) from None
+
+
+_OWN_KEYS = frozenset(f.name for f in fields(KVPilotConfig))
+_PRESET_KEYS = ("policy_hardware", "policy_model", "policy_link")
 
 
 def _check_presets(names: Mapping[str, str | None]) -> None:

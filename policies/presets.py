@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
 import yaml
 
 from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecError
@@ -220,7 +221,8 @@ _T = TypeVar("_T", bound="DataclassInstance")
 
 
 def _from_fields(cls: type[_T], data: Mapping[str, Any], source: str) -> _T:
-    """Instantiate a spec dataclass from a mapping, refusing unknown keys by name."""
+    """Convert a mapping to a spec dataclass (msgspec: types, then the spec's own
+    checks), refusing unknown and missing keys by name."""
     known = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in known:
@@ -228,7 +230,13 @@ def _from_fields(cls: type[_T], data: Mapping[str, Any], source: str) -> _T:
     required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in data]
     if required:
         raise SpecError(required[0], f"missing from {source}")
-    return cls(**data)
+    try:
+        return msgspec.convert(data, cls)
+    except msgspec.ValidationError as exc:
+        if isinstance(exc.__cause__, SpecError):  # the spec's own range checks
+            raise exc.__cause__ from None
+        message, _, path = str(exc).partition(" - at `$.")
+        raise SpecError(path.rstrip("`") or "<document>", f"{message} in {source}") from None
 
 
 def parse_document(text: str, source: str) -> dict[str, Any]:
@@ -280,11 +288,12 @@ def link_from_mapping(data: Mapping[str, Any], source: str) -> LinkSpec:
 
 
 def _override(spec: _T, fields: Mapping[str, Any], source: str) -> _T:
-    known = {f.name for f in dataclasses.fields(spec)}
+    """``spec`` with ``fields`` replaced, converted and checked as :func:`_from_fields` does."""
+    base = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     for key in fields:
-        if key not in known:
+        if key not in base:
             raise SpecError(str(key), f"unknown field in {source}")
-    return dataclasses.replace(spec, **fields)
+    return _from_fields(type(spec), {**base, **fields}, source)
 
 
 def model_preset(name: str) -> ModelSpec:

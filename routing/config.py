@@ -45,7 +45,7 @@ user can paste them::
       d_hardware: h100
       link_preset: rdma
       kv_format: bf16
-    workers:                             # routing.engines: the fleet
+    workers:                             # Worker; routing.engines checks the fleet
       - name: prefill-0
         role: prefill                    # prefill | decode | colocated
         url: http://127.0.0.1:8100
@@ -56,33 +56,36 @@ user can paste them::
 
 Every scalar leaf outside ``workers`` also has a flag (``--overlap-score-credit 0.5``,
 ``--compare-costs true``, ``--max-local-tokens none``);
-flags override YAML, YAML overrides defaults. An unknown key is an error naming
-its path (``cost.overlap_score_credt``); so is a value of the wrong type or
-out of range.
+flags override YAML, YAML overrides defaults. msgspec converts the merged mapping
+into these frozen dataclasses (the same approach as ``kvconnectors/config.py``,
+``kvconnectors/transfer_params.py`` and ``policies/presets.py``), running each
+section's own range checks; an unknown key is an error naming its path
+(``cost.overlap_score_credt``), and so is a value of the wrong type
+(``cost.router_seed: Expected `int`, got `float```) or out of range.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
+from urllib.parse import urlsplit
 
+import msgspec
 import yaml
 
 from policies.disaggregation import LocalPrefillConfig
 from policies.session_options import Option
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
-
-_D = TypeVar("_D", bound="DataclassInstance")
+from routing.index import WorkerId
 
 TIER_CLASSES = ("gpu", "host", "disk", "shared")
 INDEX_BACKENDS = ("kvpilot", "dynamo")
@@ -265,19 +268,42 @@ class DisaggregationConfig(LocalPrefillConfig):
                 _non_negative(self, name)
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    """One engine as written in YAML; :mod:`routing.engines` validates the fleet."""
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
 
-    name: str
-    role: str
+
+_EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """One engine: an OpenAI-compatible server at ``url`` with optional KV events, as
+    written in YAML and as the router uses it (:mod:`routing.engines` checks the fleet)."""
+
+    name: WorkerId
+    role: Role
     url: str
     kv_events_endpoint: str | None = None
     replay_endpoint: str | None = None
     topic: str = "kv"
     kv_blocks: int = 0
+    """KV capacity in blocks (0 = unknown: the decode-busy guard reads usage 0)."""
 
     def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("name must be a non-empty string")
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"url must be http(s)://host:port, got {self.url!r}")
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+        for name in ("kv_events_endpoint", "replay_endpoint"):
+            endpoint = getattr(self, name)
+            if endpoint is not None and not endpoint.startswith(_EVENT_SCHEMES):
+                raise ConfigError(f"{name} must be a tcp://, ipc:// or inproc:// endpoint")
+        if self.replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ConfigError("replay_endpoint needs kv_events_endpoint")
         if self.kv_blocks < 0:
             raise ConfigError(f"kv_blocks must be >= 0, got {self.kv_blocks}")
 
@@ -289,65 +315,56 @@ class RouterConfig:
     sessions: SessionConfig = field(default_factory=SessionConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
-    workers: tuple[WorkerConfig, ...] = ()
+    workers: tuple[Worker, ...] = ()
 
 
-def _coerce(value: Any, kind: Any, path: str) -> Any:
-    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{path or 'config'} must be a mapping, got {type(value).__name__}")
-        return _build(kind, value, path + ".")
-    origin = typing.get_origin(kind)
-    if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(kind):
-        if value is None:
-            return None
-        (inner,) = [a for a in typing.get_args(kind) if a is not type(None)]
-        return _coerce(value, inner, path)
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise ConfigError(f"{path} must be a list, got {type(value).__name__}")
-        (item,) = [a for a in typing.get_args(kind) if a is not Ellipsis]
-        return tuple(_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value))
-    if kind is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path} must be a string, got {value!r}")
-        return value
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path} must be true or false, got {value!r}")
-        return value
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path} must be a number, got {value!r}")
-        return float(value)
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path} must be an integer, got {value!r}")
-        return value
-    if typing.get_origin(kind) is Mapping:
-        if not isinstance(value, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-        ):
-            raise ConfigError(f"{path} must be a mapping of strings to strings")
-        return dict(value)
-    raise ConfigError(f"{path}: unsupported type {kind!r}")  # pragma: no cover
+_MSGSPEC_ERROR = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 
 
-def _build(cls: type[_D], data: Mapping[str, Any], prefix: str) -> _D:
+def _dotted(error: msgspec.ValidationError) -> str:
+    """msgspec's ``"<message> - at `$.cost.router_seed`"`` as ``cost.router_seed: <message>``.
+
+    A message from a section's own check starts with its field name in lower case
+    (``"block_size must be positive"``) and joins the path with a dot instead."""
+    match = _MSGSPEC_ERROR.match(str(error))
+    assert match is not None  # the pattern matches every string
+    message, path = match["message"], (match["path"] or "").lstrip(".")
+    if not path:
+        return message
+    return f"{path}.{message}" if message[:1].islower() else f"{path}: {message}"
+
+
+def _check_keys(cls: type, data: object, prefix: str) -> None:
+    """Unknown and missing keys, named by path (msgspec ignores unknown dataclass fields)."""
+    if not isinstance(data, Mapping):
+        return  # msgspec names the wrong type
     hints = typing.get_type_hints(cls)
-    fields = dataclasses.fields(cls)
-    known = {f.name for f in fields}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
-        if key not in known:
+        if key not in fields:
             raise ConfigError(f"unknown config key {prefix + str(key)!r}")
-    for f in fields:
-        if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"missing config key {prefix + f.name!r}")
-    values = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    for name, f in fields.items():
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"missing config key {prefix + name!r}")
+            continue
+        kind, value = hints[name], data[name]
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+            _check_keys(kind, value, f"{prefix}{name}.")
+        elif typing.get_origin(kind) is tuple and isinstance(value, list):
+            (item,) = [a for a in typing.get_args(kind) if a is not Ellipsis]
+            if isinstance(item, type) and dataclasses.is_dataclass(item):
+                for i, entry in enumerate(value):
+                    _check_keys(item, entry, f"{prefix}{name}[{i}].")
+
+
+def _build(data: Mapping[str, Any]) -> RouterConfig:
+    """``data`` as a :class:`RouterConfig`; msgspec converts and runs each section's checks."""
+    _check_keys(RouterConfig, data, "")
     try:
-        return cls(**values)
-    except ConfigError as exc:
-        raise ConfigError(f"{prefix}{exc}" if prefix else str(exc)) from None
+        return msgspec.convert(data, RouterConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_dotted(exc)) from None
 
 
 _FLAG_KINDS = (int, float, str, bool)
@@ -424,4 +441,4 @@ def load_config(path: str | Path | None, args: argparse.Namespace | None = None)
                 if not isinstance(target, dict):
                     raise ConfigError(f"{section} must be a mapping")
                 target[name] = None if value is _NULL else value
-    return _build(RouterConfig, data, "")
+    return _build(data)

@@ -27,7 +27,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from routing.engines import Worker
+from routing.config import Worker
 from routing.index import WorkerId
 from routing.pair_health import TransferCounters
 

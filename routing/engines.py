@@ -1,7 +1,8 @@
 """The fleet as the router sees it, and the thread that feeds the index from it.
 
-:func:`fleet_from_config` turns the ``workers`` section of the router config
-into a validated :class:`Fleet` (errors name the worker and the field).
+:func:`fleet_from_config` checks the ``workers`` section of the router config
+(each :class:`~routing.config.Worker` checked itself when it was parsed) and groups
+it into a :class:`Fleet` (errors name the worker and the field).
 :func:`kv_events_config` is the ``--kv-events-config`` JSON an engine needs so
 that it publishes to the endpoint the router binds. :class:`IndexFeeder` owns
 one :class:`~routing.subscriber.EngineSubscriber` per worker with an events
@@ -11,37 +12,15 @@ shared :class:`~routing.index.KVIndex` under a lock the request path shares.
 
 from __future__ import annotations
 
-import enum
 import json
 import threading
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import zmq
 
-from routing.config import ConfigError, RouterConfig, WorkerConfig
+from routing.config import ConfigError, Role, RouterConfig, Worker
 from routing.index import KVIndex, WorkerId
 from routing.subscriber import EngineSubscriber
-
-
-class Role(str, enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"
-
-
-@dataclass(frozen=True, slots=True)
-class Worker:
-    """One engine: an OpenAI-compatible server at ``url`` with optional KV events."""
-
-    name: WorkerId
-    role: Role
-    url: str
-    kv_events_endpoint: str | None = None
-    replay_endpoint: str | None = None
-    topic: str = "kv"
-    kv_blocks: int = 0
-    """KV capacity in blocks (0 = unknown: the decode-busy guard reads usage 0)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,44 +44,16 @@ class Fleet:
         raise KeyError(name)
 
 
-def _worker(cfg: WorkerConfig, where: str) -> Worker:
-    try:
-        role = Role(cfg.role)
-    except ValueError:
-        raise ConfigError(f"{where}.role must be one of {[r.value for r in Role]}, got {cfg.role!r}") from None
-    parts = urlsplit(cfg.url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"{where}.url must be http(s)://host:port, got {cfg.url!r}")
-    for name in ("kv_events_endpoint", "replay_endpoint"):
-        endpoint = getattr(cfg, name)
-        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ConfigError(f"{where}.{name} must be a tcp://, ipc:// or inproc:// endpoint")
-    if cfg.replay_endpoint is not None and cfg.kv_events_endpoint is None:
-        raise ConfigError(f"{where}.replay_endpoint needs kv_events_endpoint")
-    return Worker(
-        WorkerId(cfg.name),
-        role,
-        cfg.url.rstrip("/"),
-        cfg.kv_events_endpoint,
-        cfg.replay_endpoint,
-        cfg.topic,
-        cfg.kv_blocks,
-    )
-
-
 def fleet_from_config(cfg: RouterConfig) -> Fleet:
     """Validate ``cfg.workers``; raises :class:`ConfigError` naming the worker and field."""
     workers: list[Worker] = []
     seen: set[str] = set()
     endpoints: set[str] = set()
-    for i, wcfg in enumerate(cfg.workers):
+    for i, worker in enumerate(cfg.workers):
         where = f"workers[{i}]"
-        if not wcfg.name:
-            raise ConfigError(f"{where}.name must be a non-empty string")
-        if wcfg.name in seen:
-            raise ConfigError(f"{where}.name {wcfg.name!r} is used twice")
-        seen.add(wcfg.name)
-        worker = _worker(wcfg, where)
+        if worker.name in seen:
+            raise ConfigError(f"{where}.name {worker.name!r} is used twice")
+        seen.add(worker.name)
         for endpoint in (worker.kv_events_endpoint, worker.replay_endpoint):
             if endpoint is not None:
                 if endpoint in endpoints:

@@ -48,9 +48,9 @@ from policies.presets import hardware_preset, kv_format_preset, link_preset, mod
 from policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
 from policies.specs import SpecError
 from routing.chain import PromptChain
-from routing.config import ConfigError, DisaggregationConfig, RouterConfig
+from routing.config import ConfigError, DisaggregationConfig, RouterConfig, Worker
 from routing.cost import Candidate, CostModel, Decision, TierOverlap, tier_overlap
-from routing.engines import Fleet, Worker
+from routing.engines import Fleet
 from routing.index import KVIndex, Match, Tier, WorkerId
 from routing.ledger import LoadLedger, WorkerLoad
 from routing.sessions import OFFER_MARGIN_S, OfferUse, SessionId, SessionOffer, SessionState, SessionStore

@@ -55,9 +55,9 @@ from routing.collectors import (
     LedgerCollector,
     PairHealthCollector,
 )
-from routing.config import ConfigError, IndexConfig, RouterConfig
+from routing.config import ConfigError, IndexConfig, RouterConfig, Worker
 from routing.engine_metrics import EngineLoadPoller
-from routing.engines import Fleet, IndexFeeder, Worker
+from routing.engines import Fleet, IndexFeeder
 from routing.event_watch import EventWatch
 from routing.health import CircuitBreaker
 from routing.index import BlockIndex, KVIndex, WorkerId

@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from routing.engines import Worker
+from routing.config import Worker
 
 
 class UpstreamError(Exception):

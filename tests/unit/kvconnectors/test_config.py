@@ -69,6 +69,7 @@ def test_another_inner_connector_takes_its_keys_explicitly() -> None:
         ({"peer_retry_after_s": 0}, "peer_retry_after_s"),
         ({"peer_retry_after_s": "30"}, "peer_retry_after_s"),
         ({"peer_retry_after_s": True}, "peer_retry_after_s"),
+        ({"peer_retry_after_s": float("inf")}, "peer_retry_after_s"),
         ([1, 2], "<root>"),
     ],
 )

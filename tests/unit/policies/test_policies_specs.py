@@ -157,6 +157,8 @@ GOOD_MODEL = {
             "num_layers",
         ),
         ({"colour": "blue"}, "colour"),
+        ({"num_layers": "32"}, "num_layers"),
+        ({"num_layers": 32.5}, "num_layers"),
     ],
 )
 def test_bad_model_documents_name_the_field(override: dict[str, Any], field: str) -> None:

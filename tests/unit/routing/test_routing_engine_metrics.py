@@ -10,8 +10,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from routing.config import Role, Worker
 from routing.engine_metrics import EngineLoadPoller, parse_engine_load, parse_samples
-from routing.engines import Role, Worker
 from routing.index import WorkerId
 
 EXPOSITION = """\

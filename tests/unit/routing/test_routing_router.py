@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from routing.chain import PromptChain
-from routing.config import ConfigError, RouterConfig, load_config
-from routing.engines import Role, fleet_from_config, kv_events_config
+from routing.config import ConfigError, Role, RouterConfig, load_config
+from routing.engines import fleet_from_config, kv_events_config
 from routing.events import BlockStored
 from routing.index import BlockIndex, WorkerId
 from routing.ledger import LoadLedger
@@ -240,6 +240,7 @@ def test_workers_section_parses_and_renders_the_engine_flag(tmp_path):
     assert [w.name for w in fleet.prefill] == ["prefill-0"] and fleet.decode[0].kv_blocks == 2048
     assert fleet.prefill[0].role is Role.PREFILL and fleet.prefill[0].url == "http://127.0.0.1:8100"
     assert cfg.disaggregation.max_local_tokens is None and cfg.disaggregation.compare_costs is True
+    assert fleet.prefill[0] is cfg.workers[0]  # one type: the parsed workers are the fleet's
     assert json.loads(kv_events_config(fleet.prefill[0])) == {
         "enable_kv_cache_events": True,
         "publisher": "zmq",

@@ -43,12 +43,13 @@ def model_dir(tmp_path):
 
 
 def _config(model_dir, ports: list[int]) -> RouterConfig:
-    from routing.config import IndexConfig, ServerConfig, WorkerConfig
+    from routing.config import IndexConfig, Role, ServerConfig, Worker
+    from routing.index import WorkerId
 
     workers = tuple(
-        WorkerConfig(
-            name,
-            "colocated",
+        Worker(
+            WorkerId(name),
+            Role.COLOCATED,
             "http://127.0.0.1:9",  # never called: /debug/route sends nothing
             kv_events_endpoint=f"tcp://127.0.0.1:{ports[2 * i]}",
             replay_endpoint=f"tcp://127.0.0.1:{ports[2 * i + 1]}",

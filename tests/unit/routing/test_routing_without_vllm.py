@@ -19,11 +19,12 @@ class NoVllm:
             raise ImportError(name + " is not installed here")
 sys.meta_path.insert(0, NoVllm())
 import routing.chain, routing.cli, routing.dynamo_index, routing.engine_metrics, routing.ledger, routing.server
-from routing.config import IndexConfig, RouterConfig, ServerConfig, WorkerConfig
+from routing.config import IndexConfig, Role, RouterConfig, ServerConfig, Worker
+from routing.index import WorkerId
 from routing.engines import fleet_from_config
 for backend in ("kvpilot", "dynamo"):
     cfg = RouterConfig(index=IndexConfig(backend=backend), server=ServerConfig(model_dir={str(tmp_path)!r}),
-                       workers=(WorkerConfig("w", "colocated", "http://127.0.0.1:9"),))
+                       workers=(Worker(WorkerId("w"), Role.COLOCATED, "http://127.0.0.1:9"),))
     routing.server.build_server(cfg, fleet_from_config(cfg), feed_index=False)
 print("ok")
 """
