@@ -19,7 +19,7 @@ from pathlib import Path
 from deploy import fleet as fleet_io
 from deploy.client import complete
 from deploy.fleet_spec import FleetSpec
-from deploy.metrics import Samples, delta, scrape
+from deploy.metrics import delta, scrape, settled
 from deploy.tiny_model import ensure_tiny_model
 from routing.tokenizer import PromptTokenizer
 
@@ -72,11 +72,6 @@ class DemoRow:
     max_logprob_diff: float
 
 
-def _settled_scrape(url: str) -> Samples:
-    time.sleep(0.5)  # vLLM's stats loop publishes a finished request's counts on its next tick
-    return scrape(url)
-
-
 def run_requests(started: fleet_io.Fleet, tokenizer: PromptTokenizer) -> list[DemoRow]:
     prefill, decode = started.by_role("prefill")[0], started.by_role("decode")[0]
     # Co-located reference: the same token ids, request after request, on D alone under
@@ -88,7 +83,7 @@ def run_requests(started: fleet_io.Fleet, tokenizer: PromptTokenizer) -> list[De
         token_ids = tokenizer.prompt_token_ids(prompt)
         p0, d0 = scrape(prefill.url), scrape(decode.url)
         disagg = complete(started.router.url, token_ids, stream=True)
-        p1, d1 = _settled_scrape(prefill.url), _settled_scrape(decode.url)
+        p1, d1 = settled(prefill.url, p0), settled(decode.url, d0)
         reference = complete(decode.url, token_ids, cache_salt=reference_salt)
         rows.append(
             DemoRow(

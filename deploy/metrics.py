@@ -61,3 +61,19 @@ def wait_for_metric(
         if predicate(total(samples, name, **labels)) or time.monotonic() >= deadline:
             return samples
         time.sleep(interval)
+
+
+FINISHED = "vllm:request_success_total"
+"""Requests vLLM counts finished; it records them with the prompt-token, KV-transfer
+and kvpilot counts of every batch up to them."""
+
+
+def settled(base_url: str, before: Samples, finished: int = 1, *, timeout: float = 10.0) -> Samples:
+    """An engine's metrics once vLLM counts ``finished`` more finished requests than
+    in ``before`` (a scrape from before the requests).
+
+    vLLM answers a request before its stats loop publishes the batch that finished
+    it, so a scrape right after the answer can miss that batch's counts.
+    """
+    start = total(before, FINISHED)
+    return wait_for_metric(base_url, FINISHED, lambda n: n >= start + finished, timeout=timeout)

@@ -3,12 +3,11 @@ prompt X while its own prompt is X' (history edits of section 5.2 of the article
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass
 
 from deploy.client import Completion, complete
-from deploy.metrics import Samples, scrape, total, wait_for_metric
+from deploy.metrics import scrape, settled
 from deploy.prompts import filler_text
 
 BLOCK_SIZE = 32
@@ -16,7 +15,6 @@ PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
 REJECTED = "vllm:kvpilot_rejected_blocks_total"
 RECOMPUTED = "vllm:kvpilot_recomputed_tokens_total"
 VERIFIED = "vllm:kvpilot_verified_blocks_total"
-FINISHED = "vllm:request_success_total"
 
 
 @dataclass(frozen=True)
@@ -57,22 +55,6 @@ def prefill_on(engine_url: str, token_ids: list[int], salt: str | None) -> dict:
     return out.kv_transfer_params
 
 
-def settle(url: str, before: Samples | None = None) -> Samples:
-    """``url``'s metrics once the requests it answered are counted.
-
-    vLLM answers a request before it records the batch that finished it, so a scrape
-    right after the answer can miss that batch. With ``before`` (a scrape of this
-    engine from before the requests), wait until vLLM counts a request finished since
-    (``FINISHED``, recorded with the prompt-token and kvpilot counts of every batch up
-    to it); without it (the router, callers that kept no scrape), wait a fixed 0.5 s.
-    """
-    if before is None:
-        time.sleep(0.5)
-        return scrape(url)
-    finished = total(before, FINISHED)
-    return wait_for_metric(url, FINISHED, lambda n: n > finished)
-
-
 def common_full_blocks(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -94,4 +76,4 @@ def run_case(p_url: str, d_url: str, x: list[int], x_prime: list[int], p_salt: s
     before = scrape(d_url)
     extra = {"cache_salt": d_salt} if d_salt else {}
     out = complete(d_url, x_prime, max_tokens=10, kv_transfer_params=params, **extra)
-    return out, before, settle(d_url, before)
+    return out, before, settled(d_url, before)

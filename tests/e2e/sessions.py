@@ -13,11 +13,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scenarios import BLOCK_SIZE, settle
+from scenarios import BLOCK_SIZE
 
 from deploy.agent_session import decoded_turn, prefill_next_turn
 from deploy.client import Completion, complete
-from deploy.metrics import Samples, scrape
+from deploy.metrics import Samples, scrape, settled
 from deploy.prompts import filler_text
 from routing.tokenizer import PromptTokenizer
 
@@ -102,7 +102,7 @@ def run_session(
     extra = {"cache_salt": turn2_salt} if turn2_salt else {}
     before = scrape(p_url)
     p2 = prefill_next_turn(p_url, x2, mutate_params(turn.d_params), timeout=timeout, **extra)
-    after = settle(p_url)
+    after = settled(p_url, before)
     d2 = complete(d_url, x2, max_tokens=8, kv_transfer_params=p2.kv_transfer_params, timeout=timeout, **extra)
     return Turn2(x, turn.generated, turn.d_params, turn.d_params_at, x2, p2, d2, before, after)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from fleets import running_fleet
-from scenarios import PROMPT_TOKENS, RECOMPUTED, REJECTED, settle
+from scenarios import PROMPT_TOKENS, RECOMPUTED, REJECTED
 from sessions import GENERATED, block_count, colocated, history
 
 from deploy import fleet as fleet_io
@@ -29,7 +29,7 @@ from deploy.agent_session import decoded_turn, prefill_next_turn
 from deploy.client import Completion, complete
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape, total, wait_for_metric
+from deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from deploy.prompts import filler_text
 from routing.tokenizer import PromptTokenizer
 
@@ -81,7 +81,7 @@ def test_a_dead_holder_is_recomputed_with_correct_output(fleet: Fleet, tokenizer
         x, x2 = turn.prompt, turn.prompt + turn.generated + tokenizer.prompt_token_ids(" tool: ok")
         before = scrape(prefill.url)
         out = prefill_next_turn(prefill.url, x2, turn.d_params, timeout=120)
-        served.append((x, x2, out, before, settle(prefill.url)))
+        served.append((x, x2, out, before, settled(prefill.url, before)))
     for (x, x2, out, before, after), reason in zip(served, ("load_failed", "peer_failed"), strict=True):
         # P keeps its own blocks of x from turn 1 and prefills the rest, as a
         # co-located engine that computed x first would.
@@ -151,7 +151,7 @@ def test_p_killed_after_returning_params_is_recomputed_on_d(
     os.killpg(prefill.pid, signal.SIGKILL)
     before = scrape(decode.url)
     out = complete(decode.url, x, max_tokens=6, kv_transfer_params=params, timeout=P_DEATH_BOUND_S)
-    after = settle(decode.url, before)
+    after = settled(decode.url, before)
     reference = complete(decode.url, x, max_tokens=6, cache_salt=uuid.uuid4().hex)
     # as for the dead D above: the first token's logprob, and the same tokens
     assert out.logprobs[0] == reference.logprobs[0] and out.tokens == reference.tokens

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import psutil
@@ -10,7 +9,7 @@ import pytest
 
 from deploy.client import complete
 from deploy.fleet import Fleet
-from deploy.metrics import delta, scrape, total
+from deploy.metrics import delta, scrape, settled, total
 from routing.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
@@ -40,17 +39,12 @@ def _words(n: int, seed: int) -> str:
     return " ".join(vocab[(seed * 7 + i * 13 + i // 5) % len(vocab)] for i in range(n))
 
 
-def _settle(url: str):
-    time.sleep(0.5)  # a finished request's counts reach /metrics on the stats loop's next tick
-    return scrape(url)
-
-
 def test_disaggregated_output_equals_colocated(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
     prefill, decode = pd_fleet.by_role("prefill")[0], pd_fleet.by_role("decode")[0]
     token_ids = tokenizer.prompt_token_ids(_words(400, seed=1))
     d0 = scrape(decode.url)
     disagg = complete(pd_fleet.router.url, token_ids, max_tokens=12)
-    d1 = _settle(decode.url)
+    d1 = settled(decode.url, d0)
     reference = complete(decode.url, token_ids, max_tokens=12, cache_salt=f"ref-{uuid.uuid4().hex}")
 
     assert disagg.tokens == reference.tokens
@@ -71,7 +65,7 @@ def test_decode_moves_only_blocks_beyond_its_local_hit(pd_fleet: Fleet, tokenize
     extended = first + tokenizer.prompt_token_ids(" " + _words(200, seed=3))
     d0 = scrape(decode.url)
     out = complete(pd_fleet.router.url, extended, max_tokens=8)
-    d1 = _settle(decode.url)
+    d1 = settled(decode.url, d0)
 
     new_tokens = len(extended) - cached_blocks * BLOCK_SIZE
     moved = delta(d1, d0, NIXL_BYTES)

@@ -21,7 +21,7 @@ from deploy import fleet as fleet_io
 from deploy.client import Completion, complete, debug_route, wait_for_overlap
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape, total, wait_for_metric
+from deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from deploy.prompts import filler_text
 from routing.request_fields import ENGINE_INTERNAL
 from routing.tokenizer import PromptTokenizer
@@ -81,8 +81,8 @@ def test_prefix_routing_beats_round_robin(
         complete(fleet.router.url, prompt, max_tokens=2).headers.get("X-KVPilot-Decode-Worker")
         for prompt, _ in extensions
     ]
-    time.sleep(0.5)
-    routed_hits = _hits(before, [scrape(e.url) for e in fleet.engines])
+    after = [settled(e.url, b, finished=placed.count(e.name)) for e, b in zip(fleet.engines, before, strict=True)]
+    routed_hits = _hits(before, after)
     assert placed == [want for _, want in extensions]
 
     # Round robin on the same engines, with the same prompts under a fresh salt (warmed
@@ -94,8 +94,9 @@ def test_prefix_routing_beats_round_robin(
     before = [scrape(e.url) for e in fleet.engines]
     for i, (prompt, _) in enumerate(extensions):
         complete(fleet.engines[(i // 2) % 2].url, prompt, max_tokens=2, cache_salt=salt)
-    time.sleep(0.5)
-    round_robin_hits = _hits(before, [scrape(e.url) for e in fleet.engines])
+    sent = [sum(1 for i in range(len(extensions)) if (i // 2) % 2 == k) for k in range(len(fleet.engines))]
+    after = [settled(e.url, b, finished=n) for e, b, n in zip(fleet.engines, before, sent, strict=True)]
+    round_robin_hits = _hits(before, after)
     full_prefix = len(a) // 32 * 32
     assert routed_hits >= len(extensions) * full_prefix
     assert round_robin_hits <= routed_hits - full_prefix

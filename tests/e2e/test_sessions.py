@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from fleets import running_fleet
-from scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED, settle
+from scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED
 from sessions import (
     EDITS,
     GENERATED,
@@ -181,7 +181,7 @@ def test_a_session_served_by_each_forced_option_answers_like_colocated(
     x = history(tokenizer, 600 + OPTIONS.index(option))
     router_before, p_before = scrape(router), scrape(prefill)
     steps = _agent_steps(router, x, tokenizer, f"forced-{option}")
-    router_after, p_after = settle(router), scrape(prefill)
+    router_after, p_after = scrape(router), scrape(prefill)  # the router counts before it answers
 
     assert delta(router_after, router_before, SESSION_OPTIONS, option=option) == 2  # steps 2 and 3
     routes = [out.headers["X-KVPilot-Route"] for _, out in steps]
@@ -215,6 +215,6 @@ def test_unforced_the_router_takes_the_cheapest_option_and_edits_stay_correct(
     assert {o["option"]: o["available"] for o in priced["options"]}["shared_tier"] is False
     before = scrape(router)
     complete(router, x4, max_tokens=8, conversation_id="by-cost")
-    assert delta(settle(router), before, SESSION_OPTIONS, option="local") == 1
+    assert delta(scrape(router), before, SESSION_OPTIONS, option="local") == 1
     for n, ((_, out), ref) in enumerate(zip(steps, _reference(decode, steps), strict=True), start=1):
         assert out.same_output(ref), f"step {n}: max logprob diff {out.max_logprob_diff(ref)}"

@@ -19,13 +19,12 @@ from scenarios import (
     common_full_blocks,
     prefill_on,
     run_case,
-    settle,
 )
 
 from deploy import fleet as fleet_io
 from deploy.client import complete
 from deploy.fleet import Fleet
-from deploy.metrics import delta, scrape
+from deploy.metrics import delta, scrape, settled
 from deploy.prompts import filler_text
 from routing.tokenizer import PromptTokenizer
 
@@ -87,7 +86,7 @@ def test_malformed_params_are_served_by_local_prefill(
     salt = f"fuzz-{uuid.uuid4().hex}"  # no local hit: D must prefill everything itself
     before = scrape(decode)
     out = complete(decode, x, max_tokens=6, kv_transfer_params=params, cache_salt=salt)
-    after = settle(decode)
+    after = settled(decode, before)
     reference = complete(decode, x, max_tokens=6, cache_salt=f"ref-{uuid.uuid4().hex}")
     assert out.same_output(reference)
     assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") == 0
