@@ -1,4 +1,5 @@
-"""Which fields of a client's request the router accepts and forwards. Pure.
+"""Which fields of a client's request the router accepts and forwards, and the
+checks a request body passes before it is routed. Pure.
 
 The router owns the data plane: ``kv_transfer_params`` names NIXL peers and block
 ids, ``request_id`` and ``priority`` steer an engine's scheduler, and so on. A
@@ -10,8 +11,20 @@ list. docs/router.md lists the fields.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
+
+
+class BadRequest(Exception):
+    """A request refused before routing: ``status`` is what the client gets;
+    ``reason``, when set, labels ``kvpilot_router_rejected_total``."""
+
+    def __init__(self, message: str, status: int = 400, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
 
 COMPLETION_FIELDS = frozenset(
     {
@@ -88,3 +101,40 @@ def refused_field(body: Mapping[str, Any], chat: bool) -> str | None:
             return f"'{name}' is set by the router, not by clients"
         return f"'{name}' is not a field the router accepts (docs/router.md lists them)"
     return None
+
+
+def checked_body(raw: bytes, chat: bool | None, *, model_name: str, max_output_tokens: int) -> dict[str, Any]:
+    """The parsed body of a completions (``chat=False``) or chat (``True``) request;
+    ``None``: either, as its fields say. Raises :class:`BadRequest` naming the problem:
+    not a JSON object, another model, a refused field, a value of the wrong type, or
+    ``max_tokens`` over ``max_output_tokens`` (0: no limit)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise BadRequest(f"'model' {model!r} is not served here (serving {model_name!r})", 404)
+    refused = refused_field(body, "messages" in body if chat is None else chat)
+    if refused is not None:
+        raise BadRequest(refused)
+    _optional(body, "stream", bool, "true or false")
+    _optional(body, "cache_salt", str, "a string")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = _optional(body, name, int, "a positive integer")
+        if value is not None and value <= 0:
+            raise BadRequest(f"'{name}' must be a positive integer")
+        if value is not None and max_output_tokens and value > max_output_tokens:
+            raise BadRequest(
+                f"'{name}' {value} is over server.max_output_tokens ({max_output_tokens})", reason="max_tokens"
+            )
+    return body
+
+
+def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+        raise BadRequest(f"'{name}' must be {what}")
+    return value

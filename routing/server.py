@@ -63,7 +63,7 @@ from routing.health import CircuitBreaker
 from routing.index import BlockIndex, KVIndex, WorkerId
 from routing.ledger import LoadLedger
 from routing.pair_health import PairHealth
-from routing.request_fields import refused_field
+from routing.request_fields import SESSION_FIELDS, BadRequest, checked_body
 from routing.router import NoHealthyWorker, Route, Router, pair_name, policy_from_config
 from routing.server_metrics import RouterMetrics
 from routing.sessions import InvalidSessionKey, SessionId, SessionStore, scoped, session_key
@@ -71,13 +71,6 @@ from routing.tokenizer import PromptError, PromptTokenizer
 from routing.upstream import EngineClient, UpstreamError
 
 log = logging.getLogger(__name__)
-ROUTER_ONLY_KEYS = ("conversation_id", "prompt_cache_key")
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -97,13 +90,6 @@ def _api_key(env_name: str, field: str = "server.api_key_env") -> str | None:
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
-
-
-def _optional(body: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
-    value = body.get(name)
-    if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
-        raise BadRequest(f"'{name}' must be {what}")
-    return value
 
 
 def make_index(cfg: IndexConfig) -> KVIndex:
@@ -257,7 +243,9 @@ class RouterServer:
     async def _debug_route(self, request: web.Request) -> web.Response:
         try:
             body = await self._body(request, chat=None)
-            route, _, _ = self._route(request, body, "messages" in body, dry_run=True)
+            chat = "messages" in body
+            token_ids, session = self._prompt(request, body, chat)
+            route = self._route(request, token_ids, body, chat, session, dry_run=True)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
         return web.json_response(
@@ -295,50 +283,24 @@ class RouterServer:
 
     # ---- parsing and routing -------------------------------------------------
     async def _body(self, request: web.Request, chat: bool | None) -> dict[str, Any]:
-        """The parsed, checked body of a completions (``chat=False``) or chat
-        (``True``) request; ``None``: either, as its fields say."""
+        """The request's body, checked (:func:`routing.request_fields.checked_body`);
+        a refusal with a reason is counted in ``kvpilot_router_rejected_total``."""
+        srv = self.config.server
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             self.metrics.rejected.labels("body_too_large").inc()
-            raise BadRequest(
-                f"request body is over server.max_body_bytes ({self.config.server.max_body_bytes})", 413
-            ) from None
+            raise BadRequest(f"request body is over server.max_body_bytes ({srv.max_body_bytes})", 413) from None
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.config.server.model_name:
-            served = self.config.server.model_name
-            raise BadRequest(f"'model' {model!r} is not served here (serving {served!r})", 404)
-        refused = refused_field(body, "messages" in body if chat is None else chat)
-        if refused is not None:
-            raise BadRequest(refused)
-        _optional(body, "stream", bool, "true or false")
-        _optional(body, "cache_salt", str, "a string")
-        limit = self.config.server.max_output_tokens
-        for name in ("max_tokens", "max_completion_tokens"):
-            value = _optional(body, name, int, "a positive integer")
-            if value is not None and value <= 0:
-                raise BadRequest(f"'{name}' must be a positive integer")
-            if value is not None and limit and value > limit:
-                self.metrics.rejected.labels("max_tokens").inc()
-                raise BadRequest(f"'{name}' {value} is over server.max_output_tokens ({limit})")
-        return body
+            return checked_body(raw, chat, model_name=srv.model_name, max_output_tokens=srv.max_output_tokens)
+        except BadRequest as exc:
+            if exc.reason is not None:
+                self.metrics.rejected.labels(exc.reason).inc()
+            raise
 
-    def _route(
-        self,
-        request: web.Request,
-        body: dict[str, Any],
-        chat: bool,
-        *,
-        dry_run: bool = False,
-        exclude: frozenset[WorkerId] = frozenset(),
-    ) -> tuple[Route, list[int], SessionId | None]:
-        """Tokenize and decide (under the index lock); raises :class:`BadRequest`."""
+    def _prompt(self, request: web.Request, body: dict[str, Any], chat: bool) -> tuple[list[int], SessionId | None]:
+        """The prompt's token ids (a chat rendered first) and the request's session;
+        raises :class:`BadRequest`."""
         try:
             if chat:
                 if self.chat_template is None:
@@ -356,12 +318,26 @@ class RouterServer:
         if limit and len(token_ids) > limit:
             self.metrics.rejected.labels("prompt_too_long").inc()
             raise BadRequest(f"the prompt has {len(token_ids)} tokens, over server.max_prompt_tokens ({limit})")
+        return token_ids, session
+
+    def _route(
+        self,
+        request: web.Request,
+        token_ids: list[int],
+        body: dict[str, Any],
+        chat: bool,
+        session: SessionId | None,
+        *,
+        dry_run: bool = False,
+        exclude: frozenset[WorkerId] = frozenset(),
+    ) -> Route:
+        """Decide where ``token_ids`` go (under the index lock); raises :class:`BadRequest`."""
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
         self.watch_events()
         with self.lock:
             try:
-                route = self.router.route(
+                return self.router.route(
                     token_ids,
                     request_id,
                     cache_salt=body.get("cache_salt"),
@@ -372,7 +348,6 @@ class RouterServer:
                 )
             except NoHealthyWorker as exc:
                 raise BadRequest(str(exc), 503) from None
-        return route, token_ids, session
 
     # ---- the proxy ---------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -400,11 +375,13 @@ class RouterServer:
         try:
             body = await self._body(request, chat)
             base = chat_to_completion_body(body) if chat else dict(body)
-            route, base["prompt"], session = self._route(request, body, chat)
+            token_ids, session = self._prompt(request, body, chat)
+            route = self._route(request, token_ids, body, chat, session)
         except (BadRequest, ChatError) as exc:
             return _error(getattr(exc, "status", 400), str(exc))
-        for key in ROUTER_ONLY_KEYS:
+        for key in SESSION_FIELDS:
             base.pop(key, None)
+        base["prompt"] = token_ids
         failed: set[WorkerId] = set()
         while True:
             try:
@@ -418,7 +395,7 @@ class RouterServer:
                     return _error(exc.status, str(exc), "upstream_error")
                 failed.add(exc.worker.name)
                 try:
-                    route, _, _ = self._route(request, body, chat, exclude=frozenset(failed))
+                    route = self._route(request, token_ids, body, chat, session, exclude=frozenset(failed))
                 except BadRequest:  # no other decode worker: the failure stands
                     return _error(exc.status, str(exc), "upstream_error")
                 self.metrics.retries.labels(exc.worker.name).inc()
