@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,13 +83,9 @@ class EngineClient:
 
     async def complete(self, worker: Worker, body: dict[str, Any]) -> dict[str, Any]:
         """D's whole completion, parsed."""
-        try:
+        with _reaching(worker):
             async with self._post(worker, body) as resp:
                 raw = await resp.read()
-        except asyncio.TimeoutError:
-            raise UpstreamError(worker, 504, "timed out") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamError(worker, 502, f"unreachable: {exc}") from None
         if resp.status != 200:
             raise _answered(worker, resp.status, raw)
         try:
@@ -107,18 +103,25 @@ class EngineClient:
         Raises :class:`UpstreamError` on entry (D unreachable, timed out, not 200);
         while iterating, a broken stream raises what aiohttp raises."""
         request = self._post(worker, body)
-        try:
+        with _reaching(worker):
             upstream = await request.__aenter__()
-        except asyncio.TimeoutError:
-            raise UpstreamError(worker, 504, "timed out") from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamError(worker, 502, f"unreachable: {exc}") from None
         try:
             if upstream.status != 200:
                 raise _answered(worker, upstream.status, await upstream.read())
             yield sse_data(upstream.content)
         finally:
             await request.__aexit__(None, None, None)
+
+
+@contextmanager
+def _reaching(worker: Worker) -> Iterator[None]:
+    """D not reached in time (504) or at all (502), as :class:`UpstreamError`."""
+    try:
+        yield
+    except asyncio.TimeoutError:
+        raise UpstreamError(worker, 504, "timed out") from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(worker, 502, f"unreachable: {exc}") from None
 
 
 def _answered(worker: Worker, status: int, raw: bytes) -> UpstreamError:
