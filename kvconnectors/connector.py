@@ -44,6 +44,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvconnectors import CONNECTOR_NAME
+from kvconnectors.attach_plan import apply_plan
 from kvconnectors.config import KVPilotConfig, KVPilotConfigError
 from kvconnectors.policy_setup import build_pull_policy
 from kvconnectors.pull_params import PULL_DONE_KEY
@@ -277,7 +278,7 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         pilot = self._scheduler_layer()
         plan = pilot.take_plan(request.request_id)
         if plan is not None and request.kv_transfer_params is not None:
-            pilot.apply(plan, request.kv_transfer_params)
+            apply_plan(plan, request.kv_transfer_params)
         if num_external_tokens > 0:
             unhashed = blocks.get_unhashed_block_ids_all_groups()
             pilot.pull_started(request, (b for group in unhashed for b in group), num_external_tokens)

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 from kvconnectors.attach_plan import (
     AttachPlan,
     PromptView,
-    apply_plan,
     external_tokens,
     is_session_pull,
     plan_attach,
@@ -239,7 +238,7 @@ class KVPilotScheduler:
             peer=str(params.get("remote_engine_id")),
             block_ids=frozenset(block_ids),
             external_tokens=external_tokens,
-            session_pull=not params.get("do_remote_prefill"),
+            session_pull=is_session_pull(params),
         )
 
     def has_pulls_in_flight(self) -> bool:
@@ -298,11 +297,6 @@ class KVPilotScheduler:
     def external_tokens(self, plan: AttachPlan, num_computed_tokens: int) -> int:
         """Tokens to load from the peer under a partial ``plan`` (may be <= 0: none)."""
         return external_tokens(plan, num_computed_tokens, self._block_size)
-
-    @staticmethod
-    def apply(plan: AttachPlan, params: dict[str, Any]) -> None:
-        """Cut ``params`` to what ``plan`` allows (:func:`kvconnectors.attach_plan.apply_plan`)."""
-        apply_plan(plan, params)
 
     def _plan(
         self, request: Request, params: dict[str, Any], num_computed_tokens: int, screened_out: str | None
