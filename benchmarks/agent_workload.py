@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass, field
 
 from deploy.prompts import filler_text
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 FIRST_ORDINARY_ID = 7
 """Ids below this are the tiny model's special tokens (``<s>``, ``</s>``, ...)."""

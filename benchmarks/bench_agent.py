@@ -96,7 +96,7 @@ from deploy.client import Completion, complete
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import Samples, delta, scrape
 from deploy.tiny_model import ensure_tiny_model
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")

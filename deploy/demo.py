@@ -21,7 +21,7 @@ from deploy.client import complete
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape, settled
 from deploy.tiny_model import ensure_tiny_model
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
 NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"

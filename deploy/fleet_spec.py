@@ -15,7 +15,7 @@ from pathlib import Path
 
 from deploy.env import HASH_SEED_ENV, NIXL_CPU_ENV
 from routing.config import INDEX_BACKENDS, Role, Worker
-from routing.engines import kv_events_config
+from routing.fleet import kv_events_config
 
 HOST = "127.0.0.1"
 ROUTER_CONFIG = "router.yaml"

@@ -7,7 +7,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Mapping
 
-from routing.engine_metrics import parse_samples
+from routing.ingest.engine_metrics import parse_samples
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -15,7 +15,7 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 def parse(text: str) -> Samples:
     """Samples by (name, labels), names as exposed (a counter's ``_total``).
 
-    A line the parser refuses is skipped (see :func:`routing.engine_metrics.parse_samples`):
+    A line the parser refuses is skipped (see :func:`routing.ingest.engine_metrics.parse_samples`):
     never raises; empty text gives ``{}``.
     """
     return {(s.name, frozenset(s.labels.items())): float(s.value) for s in parse_samples(text)}

@@ -2,23 +2,21 @@
 prefill engine, then a decode engine (or to one co-located engine), with token ids.
 Imports and runs without vLLM installed (no vLLM import anywhere in this package).
 
-Modules, pure first: ``events`` (vLLM KV-event wire format, tolerant decoding),
-``chain`` (block naming, a prompt's lazily named chain), ``index`` (the global
-block index), ``dynamo_index`` (Dynamo's RadixTree behind the same interface),
-``sessions`` (affinity keys, incremental chains, D's session offers), ``ledger``
-(the router's own load accounting), ``cost`` (Dynamo's cost, explainable
-decisions), ``router`` (the decision: pair, local or remote, the five session
-options), ``request_fields`` (what a client may send), ``admission``
-(concurrency limit and queue), ``health`` (per-worker circuit breaker),
-``event_watch`` (workers whose KV events stopped), ``pair_health`` (each (P, D)
-pair's recent transfer failures and transfer time, as a cost),
-``config`` (the typed config and its flags); then I/O: ``subscriber`` (the ZMQ
-edge: gaps, replay, restarts), ``engines`` (the fleet, the index feeder thread),
-``engine_metrics`` (polling each engine's ``/metrics``), ``tokenizer``, ``chat``
-(chat template rendering and answer conversion), ``upstream`` (the HTTP calls to
-the engines: P's prefill, D's answer or stream), ``server`` (the aiohttp front),
-``server_metrics`` (its Prometheus metrics), ``collectors`` (each component's
-scrape-time collector), ``cli`` (``kvpilot router``).
+Packages, pure first (nothing in a pure package imports an I/O one):
+
+- ``ids`` (worker, tier, session and pair names), ``config`` (the typed config and
+  its flags) and ``fleet`` (the workers by role): shared by everything below;
+- ``index/`` (pure): block naming, KV-event decoding, the ``KVIndex`` protocol,
+  kvpilot's backend and Dynamo's ``RadixTree`` behind it;
+- ``decide/`` (pure): Dynamo's cost, the load ledger, sessions and D's offers, the
+  decision (pair, local or remote prefill, the five session options);
+- ``health/`` (pure, the clock passed in): circuits, KV-event watch, pair health;
+- ``ingest/`` (I/O, threads and tasks): the ZMQ subscriber, the index feeder, the
+  engines' ``/metrics`` poller;
+- ``serve/`` (I/O): the aiohttp app, the P->D proxy behind the upstream interface,
+  the engines' HTTP calls, admission, request fields, tokenizer and chat;
+- ``metrics/``: the router's Prometheus series and each component's collector;
+- ``cli`` (``kvpilot router``).
 
 Block naming: llm-d style, not the engines' hashes
 --------------------------------------------------
@@ -26,7 +24,7 @@ The router recomputes its own chain from the ``token_ids`` in every
 ``BlockStored`` event and keeps, per worker, a map from the engine's block hash
 to its own key (and position) so ``BlockRemoved`` can be applied. Block ``i``
 of a chain is named ``key_i = key_{i-1} XOR mix(i, tokens_i)``
-(:mod:`routing.chain`: a per-process random multilinear hash with a 64-bit
+(:mod:`routing.index.chain`: a per-process random multilinear hash with a 64-bit
 finalizer, 60-bit keys, vectorized with numpy, never sent anywhere). Why:
 
 - speed: vLLM's own names (``kvconnectors.hash_contract``: pickle + SHA-256 or

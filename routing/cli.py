@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from routing.config import ConfigError, add_cli_flags, load_config
-from routing.engines import fleet_from_config
+from routing.fleet import fleet_from_config
 
 log = logging.getLogger("routing.cli")
 
@@ -36,7 +36,7 @@ def run_router(args: argparse.Namespace) -> int:
     """Serve until interrupted; returns the exit code."""
     from aiohttp import web
 
-    from routing.server import build_server
+    from routing.serve.app import build_server
 
     try:
         config = load_config(args.config, args)

@@ -26,7 +26,7 @@ user can paste them::
     sessions:
       max_sessions: 10000
       force_option: ""                   # reprefill | pull | affinity | shared_tier | local; "" = cheapest
-    server:                              # the HTTP front (routing.server)
+    server:                              # the HTTP front (routing.serve.app)
       host: 127.0.0.1
       port: 8000
       model_name: tiny
@@ -45,7 +45,7 @@ user can paste them::
       d_hardware: h100
       link_preset: rdma
       kv_format: bf16
-    workers:                             # Worker; routing.engines checks the fleet
+    workers:                             # Worker; routing.fleet checks the fleet
       - name: prefill-0
         role: prefill                    # prefill | decode | colocated
         url: http://127.0.0.1:8100
@@ -85,7 +85,7 @@ import yaml
 
 from policies.disaggregation import LocalPrefillConfig
 from policies.session_options import Option
-from routing.index import WorkerId
+from routing.ids import WorkerId
 
 TIER_CLASSES = ("gpu", "host", "disk", "shared")
 INDEX_BACKENDS = ("kvpilot", "dynamo")
@@ -119,7 +119,7 @@ class CostConfig:
     session_affinity_credit: float = 16.0
     router_seed: int = 0
     pair_failure_cost_blocks: float = 32.0
-    """kvpilot's own (``routing.pair_health``): blocks added to a (P, D) pair's cost per
+    """kvpilot's own (``routing.health.pair_health``): blocks added to a (P, D) pair's cost per
     recent transfer failure or expired lease, halved every ``pair_failure_half_life_s``."""
     pair_failure_half_life_s: float = 60.0
     pair_transfer_cost_blocks_per_s: float = 64.0
@@ -144,7 +144,7 @@ class IndexConfig:
     removal_log_capacity: int = 65536
     events_stale_after_s: float = 0.0
     """A worker that prefilled blocks its entries lacked and then published no KV
-    event for this long is routed on load alone (``routing.event_watch``); 0 = off
+    event for this long is routed on load alone (``routing.health.event_watch``); 0 = off
     (the default: right after a router restart the index can lack blocks an engine
     holds, and a prefill of those publishes nothing)."""
     tiers: Mapping[str, str] = field(default_factory=lambda: {"GPU": "gpu", "CPU": "host", "STORAGE": "disk"})
@@ -280,7 +280,7 @@ _EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 @dataclass(frozen=True, slots=True)
 class Worker:
     """One engine: an OpenAI-compatible server at ``url`` with optional KV events, as
-    written in YAML and as the router uses it (:mod:`routing.engines` checks the fleet)."""
+    written in YAML and as the router uses it (:mod:`routing.fleet` checks the fleet)."""
 
     name: WorkerId
     role: Role

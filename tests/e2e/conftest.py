@@ -17,7 +17,7 @@ from fleets import E2E_PORTS, running_fleet
 from deploy import fleet as fleet_io
 from deploy.fleet_spec import FleetSpec
 from deploy.tiny_model import ensure_tiny_model
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from deploy.agent_session import decoded_turn, prefill_next_turn
 from deploy.client import Completion, complete
 from deploy.metrics import Samples, scrape, settled
 from deploy.prompts import filler_text
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 GENERATED = 80  # D's tool call: spans blocks, so the session's newest KV is D's
 NEW_TOOL_OUTPUT = 60

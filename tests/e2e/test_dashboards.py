@@ -34,7 +34,7 @@ from deploy.fleet_spec import FleetSpec
 from deploy.metrics import scrape, total
 from deploy.observe import DEFAULT_RULES, ObserveSpec
 from deploy.prompts import filler_text
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 

@@ -31,7 +31,7 @@ from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from deploy.prompts import filler_text
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 

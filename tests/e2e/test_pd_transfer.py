@@ -10,7 +10,7 @@ import pytest
 from deploy.client import complete
 from deploy.fleet import Fleet
 from deploy.metrics import delta, scrape, settled, total
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 

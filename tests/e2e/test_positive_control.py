@@ -16,7 +16,7 @@ from sessions import EDITS, GENERATED, block_count, colocated, common_prefix, ha
 from deploy.client import complete
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ from sessions import EDITS, GENERATED, PULL_DECISIONS, block_count, handshake_bo
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 

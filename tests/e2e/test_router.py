@@ -23,8 +23,8 @@ from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from deploy.prompts import filler_text
-from routing.request_fields import ENGINE_INTERNAL
-from routing.tokenizer import PromptTokenizer
+from routing.serve.request_fields import ENGINE_INTERNAL
+from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 

@@ -31,7 +31,7 @@ from deploy.client import Completion, complete
 from deploy.fleet import Fleet, restart_router
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 

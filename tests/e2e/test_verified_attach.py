@@ -26,7 +26,7 @@ from deploy.client import complete
 from deploy.fleet import Fleet
 from deploy.metrics import delta, scrape, settled
 from deploy.prompts import filler_text
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 

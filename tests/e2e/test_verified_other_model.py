@@ -17,7 +17,7 @@ from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta
 from deploy.prompts import filler_text
 from deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
-from routing.tokenizer import PromptTokenizer
+from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 

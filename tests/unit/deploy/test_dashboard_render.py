@@ -59,8 +59,8 @@ def _router_families(tmp_path: Path) -> dict[str, str]:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from routing.config import load_config
-    from routing.engines import fleet_from_config
-    from routing.server import build_server
+    from routing.fleet import fleet_from_config
+    from routing.serve.app import build_server
 
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

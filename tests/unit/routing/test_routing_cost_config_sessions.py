@@ -1,4 +1,4 @@
-"""Table-driven tests of routing.cost, routing.config and routing.sessions."""
+"""Table-driven tests of routing.decide.cost, routing.config and routing.decide.sessions."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import random
 
 import pytest
 
-from routing.chain import PromptChain, first_difference
 from routing.config import ConfigError, CostConfig, add_cli_flags, load_config
-from routing.cost import Candidate, CostModel, TierOverlap, tier_overlap, worker_terms
-from routing.ledger import LoadLedger, WorkerLoad
-from routing.sessions import InvalidSessionKey, SessionId, SessionOffer, SessionStore, scoped, session_key
+from routing.decide.cost import Candidate, CostModel, TierOverlap, tier_overlap, worker_terms
+from routing.decide.ledger import LoadLedger, WorkerLoad
+from routing.decide.sessions import InvalidSessionKey, SessionOffer, SessionStore, scoped, session_key
+from routing.ids import SessionId
+from routing.index.chain import PromptChain, first_difference
 
 CFG = CostConfig()
 
@@ -242,7 +243,7 @@ def test_session_chain_names_only_new_blocks_and_rehashes_from_divergence():
     adv = s.advance(list(range(14)))
     assert adv == (10, 4, False) and s.chain.named_blocks == 5  # old names kept
     fresh = list(range(14))
-    assert s.chain.keys(7) == __import__("routing.chain", fromlist=["chain_keys"]).chain_keys(fresh, 2, 0, 0)
+    assert s.chain.keys(7) == __import__("routing.index.chain", fromlist=["chain_keys"]).chain_keys(fresh, 2, 0, 0)
     adv = s.advance([0, 1, 2, 99, 4, 5])
     assert adv == (3, 3, True) and s.chain.named_blocks == 1  # cut back to the block before token 3
     assert s.advance([0, 1], cache_salt="t").reused_tokens == 0  # another salt: fresh chain
@@ -308,7 +309,7 @@ def test_an_offer_without_a_wall_clock_hold_is_sent():
 
 
 def test_circuit_opens_after_consecutive_failures_and_closes_on_a_success():
-    from routing.health import CircuitBreaker
+    from routing.health.circuit import CircuitBreaker
 
     breaker = CircuitBreaker(failures_to_open=3, open_s=10.0)
     assert breaker.allows("d-0", now=0.0)

@@ -2,7 +2,7 @@
 
 Every scenario runs on both backends (the ``backend`` fixture) against the
 same expected matches; the last tests pin the differences the
-routing.dynamo_index docstring lists.
+routing.index.dynamo docstring lists.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import hashlib
 
 import pytest
 
-from routing.dynamo_index import DynamoIndex
-from routing.events import AllBlocksCleared, BlockRemoved, BlockStored
-from routing.index import BlockIndex, PromptChain
+from routing.index.block_index import BlockIndex, PromptChain
+from routing.index.dynamo import DynamoIndex
+from routing.index.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 2
 BASE = [list(range(1, 13)), [*list(range(1, 7)), 50, 51, 52, 53], [9, 9, 9, 9, 9, 9, 9, 9]]

@@ -11,8 +11,8 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from routing.config import Role, Worker
-from routing.engine_metrics import EngineLoadPoller, parse_engine_load, parse_samples
-from routing.index import WorkerId
+from routing.ids import WorkerId
+from routing.ingest.engine_metrics import EngineLoadPoller, parse_engine_load, parse_samples
 
 EXPOSITION = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -1,4 +1,4 @@
-"""routing.event_watch: a worker whose KV events stop after it prefilled new blocks is
+"""routing.health.event_watch: a worker whose KV events stop after it prefilled new blocks is
 flagged, routed on load alone, and cleared by its next batch."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ import random
 import pytest
 from test_routing_router import COLOCATED, _config, _prompt, _store
 
-from routing.engines import fleet_from_config
-from routing.event_watch import EventWatch
-from routing.index import BlockIndex, WorkerId
-from routing.ledger import LoadLedger
-from routing.router import Router
-from routing.sessions import SessionStore
+from routing.decide.ledger import LoadLedger
+from routing.decide.router import Router
+from routing.decide.sessions import SessionStore
+from routing.fleet import fleet_from_config
+from routing.health.event_watch import EventWatch
+from routing.ids import WorkerId
+from routing.index.block_index import BlockIndex
 
 W1, W2 = WorkerId("w1"), WorkerId("w2")
 

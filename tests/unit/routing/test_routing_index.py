@@ -1,4 +1,4 @@
-"""Tests of routing.index: table-driven cases and a model-based property test."""
+"""Tests of routing.index.block_index: table-driven cases and a model-based property test."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routing.chain import PromptChain, chain_keys
-from routing.events import AllBlocksCleared, BlockRemoved, BlockStored
-from routing.index import BlockIndex
+from routing.index.block_index import BlockIndex
+from routing.index.chain import PromptChain, chain_keys
+from routing.index.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 2
 BASE = [list(range(1, 13)), [*list(range(1, 7)), 50, 51, 52, 53], [9, 9, 9, 9, 9, 9, 9, 9]]

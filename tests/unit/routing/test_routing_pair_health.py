@@ -1,4 +1,4 @@
-"""routing.pair_health: a (P, D) pair's recent transfer failures and transfer time raise
+"""routing.health.pair_health: a (P, D) pair's recent transfer failures and transfer time raise
 its cost; failures age out; an engine's counters are shared among the pairs it served."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ import pytest
 from test_routing_router import _config, _prompt, _w
 
 from routing.config import ConfigError, CostConfig
-from routing.engine_metrics import parse_engine_load
-from routing.engines import fleet_from_config
-from routing.index import BlockIndex, WorkerId
-from routing.ledger import LoadLedger
-from routing.pair_health import ATTRIBUTION_WINDOW_S, PairHealth, TransferCounters
-from routing.router import Router, policy_from_config
-from routing.sessions import SessionStore
+from routing.decide.ledger import LoadLedger
+from routing.decide.router import Router, policy_from_config
+from routing.decide.sessions import SessionStore
+from routing.fleet import fleet_from_config
+from routing.health.pair_health import ATTRIBUTION_WINDOW_S, PairHealth, TransferCounters
+from routing.ids import WorkerId
+from routing.index.block_index import BlockIndex
+from routing.ingest.engine_metrics import parse_engine_load
 
 P1, P2, D = WorkerId("p1"), WorkerId("p2"), WorkerId("d")
 CFG = CostConfig(pair_failure_cost_blocks=32.0, pair_failure_half_life_s=60.0, pair_transfer_cost_blocks_per_s=64.0)

@@ -1,4 +1,4 @@
-"""Table-driven tests of routing.router (the decision glue) and routing.engines (the fleet)."""
+"""Table-driven tests of routing.decide.router (the decision glue) and routing.fleet (the fleet)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from routing.chain import PromptChain
 from routing.config import ConfigError, Role, RouterConfig, load_config
-from routing.engines import fleet_from_config, kv_events_config
-from routing.events import BlockStored
-from routing.index import BlockIndex, WorkerId
-from routing.ledger import LoadLedger
-from routing.router import Kind, Router, pair_name, policy_from_config
-from routing.sessions import SessionId, SessionOffer, SessionStore
+from routing.decide.ledger import LoadLedger
+from routing.decide.router import Kind, Router, policy_from_config
+from routing.decide.sessions import SessionOffer, SessionStore
+from routing.fleet import fleet_from_config, kv_events_config
+from routing.ids import SessionId, WorkerId, pair_name
+from routing.index.block_index import BlockIndex
+from routing.index.chain import PromptChain
+from routing.index.events import BlockStored
 
 BS = 4
 
@@ -192,7 +193,7 @@ def test_empty_prompt_is_refused():
         _router(_config(COLOCATED)).route([], "r")
 
 
-# ---- the fleet (routing.engines) and its config section --------------------------
+# ---- the fleet (routing.fleet) and its config section --------------------------
 @pytest.mark.parametrize(
     ("workers", "message"),
     [

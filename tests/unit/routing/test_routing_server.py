@@ -1,4 +1,4 @@
-"""The router's HTTP front (routing.server) against fake engines
+"""The router's HTTP front (routing.serve.app) against fake engines
 (:mod:`fake_engine`), with aiohttp's test client."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
 from routing.config import load_config
-from routing.engines import fleet_from_config
-from routing.events import BlockStored
-from routing.index import WorkerId
-from routing.ledger import WorkerLoad
-from routing.server import RouterServer, build_server
+from routing.decide.ledger import WorkerLoad
+from routing.fleet import fleet_from_config
+from routing.ids import WorkerId
+from routing.index.events import BlockStored
+from routing.serve.app import RouterServer, build_server
 
 from fake_engine import PROMPT_WORDS as WORDS
 from fake_engine import FakeEngine, word_model_dir
@@ -276,7 +276,7 @@ def test_no_field_outside_the_allow_list_reaches_an_engine(model_dir):
     """Fuzzed bodies: known fields, engine-internal ones and random names, on both
     endpoints. A refused body is a 400 naming the field and reaches no engine; an
     accepted one reaches the engines with allow-listed fields only."""
-    from routing.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, ENGINE_INTERNAL, SESSION_FIELDS
+    from routing.serve.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, ENGINE_INTERNAL, SESSION_FIELDS
 
     rng = random.Random(7)
     candidates = sorted(COMPLETION_FIELDS - {"model", "prompt", "stream", "stream_options"}) + sorted(ENGINE_INTERNAL)

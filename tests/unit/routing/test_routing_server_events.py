@@ -16,9 +16,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from routing.config import RouterConfig
-from routing.engines import fleet_from_config
-from routing.server import RouterServer
-from routing.tokenizer import PromptTokenizer
+from routing.fleet import fleet_from_config
+from routing.serve.app import RouterServer
+from routing.serve.tokenizer import PromptTokenizer
 
 from zmq_ports import free_ports
 
@@ -44,7 +44,7 @@ def model_dir(tmp_path):
 
 def _config(model_dir, ports: list[int]) -> RouterConfig:
     from routing.config import IndexConfig, Role, ServerConfig, Worker
-    from routing.index import WorkerId
+    from routing.ids import WorkerId
 
     workers = tuple(
         Worker(

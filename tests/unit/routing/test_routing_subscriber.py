@@ -9,9 +9,10 @@ import time
 import pytest
 import zmq
 
-from routing.chain import PromptChain
-from routing.index import BlockIndex, WorkerId
-from routing.subscriber import EngineSubscriber, subscriber_binds
+from routing.ids import WorkerId
+from routing.index.block_index import BlockIndex
+from routing.index.chain import PromptChain
+from routing.ingest.subscriber import EngineSubscriber, subscriber_binds
 
 from zmq_ports import free_ports
 

@@ -18,14 +18,15 @@ class NoVllm:
         if name.split(".")[0] in ("vllm", "torch"):
             raise ImportError(name + " is not installed here")
 sys.meta_path.insert(0, NoVllm())
-import routing.chain, routing.cli, routing.dynamo_index, routing.engine_metrics, routing.ledger, routing.server
+import routing.index.chain, routing.cli, routing.index.dynamo, routing.ingest.engine_metrics
+import routing.decide.ledger, routing.serve.app
 from routing.config import IndexConfig, Role, RouterConfig, ServerConfig, Worker
-from routing.index import WorkerId
-from routing.engines import fleet_from_config
+from routing.ids import WorkerId
+from routing.fleet import fleet_from_config
 for backend in ("kvpilot", "dynamo"):
     cfg = RouterConfig(index=IndexConfig(backend=backend), server=ServerConfig(model_dir={str(tmp_path)!r}),
                        workers=(Worker(WorkerId("w"), Role.COLOCATED, "http://127.0.0.1:9"),))
-    routing.server.build_server(cfg, fleet_from_config(cfg), feed_index=False)
+    routing.serve.app.build_server(cfg, fleet_from_config(cfg), feed_index=False)
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

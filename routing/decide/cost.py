@@ -14,10 +14,10 @@ For a request of ``prompt_blocks`` full blocks and a candidate worker (all in bl
          + decode_active_request_weight * active_requests
          - session_affinity_credit * [worker served this session last]
          + pair_penalty_blocks        # kvpilot's own: a (P, D) pair's recent transfer
-                                      # failures and transfer time (routing.pair_health)
+                                      # failures and transfer time (routing.health.pair_health)
 
 This is the formula of the article's section 4.4 (Dynamo's routing concepts).
-The load comes from :class:`routing.ledger.LoadLedger`; as in Dynamo, decode
+The load comes from :class:`routing.decide.ledger.LoadLedger`; as in Dynamo, decode
 blocks are unique blocks, so the prompt's leading blocks that the worker's
 active requests already hold (``shared_decode_blocks``) add nothing.
 The decay form is ours (Dynamo does not publish one): hyperbolic in the
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from routing.config import CostConfig
-from routing.index import Tier
-from routing.ledger import WorkerLoad
+from routing.decide.ledger import WorkerLoad
+from routing.ids import Tier
 
 
 class TierOverlap(NamedTuple):
@@ -56,7 +56,7 @@ class TierOverlap(NamedTuple):
 def tier_overlap(depths: Mapping[Tier, int], tier_classes: Mapping[str, str], shared_depth: int = 0) -> TierOverlap:
     """Fold a worker's per-tier prefix depths into :class:`TierOverlap`.
 
-    ``depths`` is one worker's entry of :attr:`routing.index.Match.blocks`;
+    ``depths`` is one worker's entry of :attr:`routing.index.kvindex.Match.blocks`;
     ``tier_classes`` maps a medium to ``gpu``/``host``/``disk``/``shared``
     (unknown media earn nothing). ``shared_depth`` is the deepest prefix any
     worker reported in a ``shared`` tier: a shared cache serves every worker.

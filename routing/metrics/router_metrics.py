@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from routing.index import WorkerId
+from routing.ids import WorkerId
 
 if TYPE_CHECKING:
-    from routing.router import Route
+    from routing.decide.router import Route
 
 REJECTION_REASONS = ("body_too_large", "prompt_too_long", "max_tokens", "queue_full", "queue_timeout", "unauthorized")
 """The ``reason`` label values of ``kvpilot_router_rejected_total``."""
@@ -38,7 +38,7 @@ class RouterMetrics:
     ``kvpilot_router_session_options_total{option}`` (the article's option per later step).
     Limits and admission: ``kvpilot_router_rejected_total{reason}``. Worker health:
     ``kvpilot_router_circuit_trips_total{worker}``, ``kvpilot_router_circuit_open{worker}``.
-    Read at scrape time by the components' own collectors (:mod:`routing.collectors`),
+    Read at scrape time by the components' own collectors (:mod:`routing.metrics.collectors`),
     which the server registers into :attr:`registry`: KV-event ingest, index blocks,
     the ledger's load, the engines' own gauges, stopped KV events, pair penalties.
     """

@@ -6,7 +6,7 @@ requests hold and the number of those requests. Unique, as in Dynamo's
 ``ActiveSequences``: requests sharing a prefix share its KV, so a request adds
 only the blocks no active request on that worker already holds. That is what
 lets a cache-rich worker keep winning a hot prefix (and what the decaying
-overlap credit counters, :mod:`routing.cost`).
+overlap credit counters, :mod:`routing.decide.cost`).
 
 Lifecycle: :meth:`LoadLedger.dispatch` (when the route is taken),
 :meth:`~LoadLedger.first_token` (the prefill is over; or
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from itertools import takewhile
 from typing import NamedTuple
 
-from routing.chain import BlockKey, Namespace, PromptChain
-from routing.index import WorkerId
+from routing.ids import WorkerId
+from routing.index.chain import BlockKey, Namespace, PromptChain
 
 
 class WorkerLoad(NamedTuple):

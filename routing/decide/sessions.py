@@ -1,7 +1,7 @@
 """Sessions: the affinity key, and each session's incremental block chain. Pure.
 
 An agent's step ``k+1`` prompt is step ``k``'s prompt plus a little more, so a
-session keeps its :class:`~routing.chain.PromptChain` (and the index's last
+session keeps its :class:`~routing.index.chain.PromptChain` (and the index's last
 match for it) and only names the new blocks. If the new prompt does not extend
 the old one (history edited, re-rendered, truncated), the chain is cut back to
 the last full block before the first differing token and renamed from there.
@@ -23,12 +23,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, NewType
+from typing import Any, Literal, NamedTuple
 
-from routing.chain import PromptChain, first_difference, pack_tokens
-from routing.index import WorkerId
-
-SessionId = NewType("SessionId", str)
+from routing.ids import SessionId, WorkerId
+from routing.index.chain import PromptChain, first_difference, pack_tokens
 
 BODY_KEYS = ("conversation_id", "prompt_cache_key")
 HEADER = "x-session-id"
@@ -216,7 +214,6 @@ __all__ = [
     "Advance",
     "InvalidSessionKey",
     "OfferUse",
-    "SessionId",
     "SessionOffer",
     "SessionState",
     "SessionStore",

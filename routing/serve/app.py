@@ -1,11 +1,11 @@
 """The router's HTTP front (aiohttp): OpenAI-compatible, token ids to the engines.
 
-Per request: admit it (:mod:`routing.admission`: a full queue is a 429, a queue
+Per request: admit it (:mod:`routing.serve.admission`: a full queue is a 429, a queue
 wait past its timeout a 503, both with ``Retry-After``), parse and validate the
-body (400 naming the field; only the fields of :mod:`routing.request_fields` are
+body (400 naming the field; only the fields of :mod:`routing.serve.request_fields` are
 accepted, so a client cannot set ``kv_transfer_params``), tokenize once
-(chat: render the model's chat template first), route (:mod:`routing.router`),
-count it in the :class:`~routing.cost.LoadLedger`, then
+(chat: render the model's chat template first), route (:mod:`routing.decide.router`),
+count it in the :class:`~routing.decide.cost.LoadLedger`, then
 
 - remote prefill: P gets the token ids with ``max_tokens=1``, ``stream=false``
   and ``kv_transfer_params={"do_remote_decode": true}`` (or, at a session's next
@@ -20,7 +20,7 @@ from the completions format. A decode worker that fails before anything reached
 the client is left out and the request routed again (``server.max_retries``).
 An upstream failure reaches the client as a JSON error naming the engine (the
 engine's 4xx status is kept, anything else is a 502); the router keeps serving,
-and counts the failure toward the engine's circuit (:mod:`routing.health`): a
+and counts the failure toward the engine's circuit (:mod:`routing.health.circuit`): a
 worker whose circuit is open is not routed to until it is tried again. Response
 headers ``X-Request-Id``, ``X-KVPilot-Route``, ``X-KVPilot-Prefill-Worker``,
 ``X-KVPilot-Decode-Worker`` say where it went. ``POST /debug/route`` explains a
@@ -45,9 +45,20 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from routing.admission import Admission, Rejected
-from routing.chat import ChatError, ChatTemplate, chat_chunk, chat_response, chat_to_completion_body
-from routing.collectors import (
+from routing.config import ConfigError, IndexConfig, RouterConfig, Worker
+from routing.decide.ledger import LoadLedger
+from routing.decide.router import NoHealthyWorker, Route, Router, policy_from_config
+from routing.decide.sessions import InvalidSessionKey, SessionStore, scoped, session_key
+from routing.fleet import Fleet
+from routing.health.circuit import CircuitBreaker
+from routing.health.event_watch import EventWatch
+from routing.health.pair_health import PairHealth
+from routing.ids import SessionId, WorkerId, pair_name
+from routing.index.block_index import BlockIndex
+from routing.index.kvindex import KVIndex
+from routing.ingest.engine_metrics import EngineLoadPoller
+from routing.ingest.feeder import IndexFeeder
+from routing.metrics.collectors import (
     EngineLoadCollector,
     EventWatchCollector,
     FeederCollector,
@@ -55,20 +66,12 @@ from routing.collectors import (
     LedgerCollector,
     PairHealthCollector,
 )
-from routing.config import ConfigError, IndexConfig, RouterConfig, Worker
-from routing.engine_metrics import EngineLoadPoller
-from routing.engines import Fleet, IndexFeeder
-from routing.event_watch import EventWatch
-from routing.health import CircuitBreaker
-from routing.index import BlockIndex, KVIndex, WorkerId
-from routing.ledger import LoadLedger
-from routing.pair_health import PairHealth
-from routing.request_fields import SESSION_FIELDS, BadRequest, checked_body
-from routing.router import NoHealthyWorker, Route, Router, pair_name, policy_from_config
-from routing.server_metrics import RouterMetrics
-from routing.sessions import InvalidSessionKey, SessionId, SessionStore, scoped, session_key
-from routing.tokenizer import PromptError, PromptTokenizer
-from routing.upstream import EngineClient, UpstreamError
+from routing.metrics.router_metrics import RouterMetrics
+from routing.serve.admission import Admission, Rejected
+from routing.serve.chat import ChatError, ChatTemplate, chat_chunk, chat_response, chat_to_completion_body
+from routing.serve.request_fields import SESSION_FIELDS, BadRequest, checked_body
+from routing.serve.tokenizer import PromptError, PromptTokenizer
+from routing.serve.upstream import EngineClient, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +97,10 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
 
 def make_index(cfg: IndexConfig) -> KVIndex:
     """The index ``cfg.backend`` names: kvpilot's :class:`BlockIndex` or Dynamo's
-    ``RadixTree`` (:mod:`routing.dynamo_index`, needs ``ai-dynamo-runtime``)."""
+    ``RadixTree`` (:mod:`routing.index.dynamo`, needs ``ai-dynamo-runtime``)."""
     if cfg.backend == "dynamo":
         try:
-            from routing.dynamo_index import DynamoIndex
+            from routing.index.dynamo import DynamoIndex
         except ImportError as exc:
             raise ConfigError(
                 f"index.backend 'dynamo' needs ai-dynamo-runtime (pip install 'kvpilot[dynamo]'): {exc}"
@@ -107,7 +110,7 @@ def make_index(cfg: IndexConfig) -> KVIndex:
 
 
 class RouterServer:
-    """Builds the aiohttp app around a :class:`~routing.router.Router`.
+    """Builds the aiohttp app around a :class:`~routing.decide.router.Router`.
 
     ``feed_index`` starts one subscriber per worker with a KV-events endpoint
     at app startup (bound then) and stops them at cleanup.
@@ -283,7 +286,7 @@ class RouterServer:
 
     # ---- parsing and routing -------------------------------------------------
     async def _body(self, request: web.Request, chat: bool | None) -> dict[str, Any]:
-        """The request's body, checked (:func:`routing.request_fields.checked_body`);
+        """The request's body, checked (:func:`routing.serve.request_fields.checked_body`);
         a refusal with a reason is counted in ``kvpilot_router_rejected_total``."""
         srv = self.config.server
         try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from routing.index import WorkerId
+from routing.ids import WorkerId
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The global block index: which worker holds which prefix, per tier. Pure.
 
-Block naming (:mod:`routing.chain`; the package docstring says why): the
+Block naming (:mod:`routing.index.chain`; the package docstring says why): the
 router names block ``i`` of a chain ``key_i = key_{i-1} XOR mix(i, tokens_i)``
 inside *one namespace* ``(lora_name?, cache_salt?)``. Engine hashes are mapped
 to these keys per worker (llm-d style), so the engines' hash algorithm and seed
@@ -12,7 +12,7 @@ another salt's (or LoRA's) blocks, whatever the hashes do.
 
 Worked example (block size 2, one worker ``"w1"``)::
 
-    >>> from routing.events import BlockStored, BlockRemoved
+    >>> from routing.index.events import BlockStored, BlockRemoved
     >>> idx = BlockIndex(block_size=2)
     >>> idx.apply("w1", BlockStored([b"e0", b"e1"], None, [1, 2, 3, 4], 2, medium="GPU"))
     'applied'
@@ -35,11 +35,12 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from itertools import accumulate, count, islice, repeat
 from operator import and_, neg, or_
-from typing import NamedTuple, NewType, Protocol
+from typing import NamedTuple
 
 import numpy as np
 
-from routing.chain import (
+from routing.ids import DEFAULT_TIER, Tier, WorkerId
+from routing.index.chain import (
     KEY_BITS,
     ROOT_KEY,
     BlockKey,
@@ -51,40 +52,11 @@ from routing.chain import (
     chain_keys,
     freeze,
 )
-from routing.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from routing.index.events import BlockRemoved, BlockStored
+from routing.index.kvindex import EventApplier, Match
 
-WorkerId = NewType("WorkerId", str)
-Tier = NewType("Tier", str)
-"""A KV event's ``medium`` (``"GPU"``, ``"CPU"``, ``"STORAGE"``...); ``None`` reads as ``"GPU"``."""
-
-DEFAULT_TIER = Tier("GPU")
 _NS_BITS = 20
 _NS_MASK = (1 << _NS_BITS) - 1
-
-
-class Match(NamedTuple):
-    """Longest cached prefix from block 0, in blocks, per worker and tier (zeros omitted)."""
-
-    blocks: dict[WorkerId, dict[Tier, int]]
-    prompt_blocks: int
-    named_blocks: int
-
-
-class KVIndex(Protocol):
-    """What the router needs of a block index: :class:`BlockIndex` (kvpilot's) or
-    :class:`routing.dynamo_index.DynamoIndex` (Dynamo's ``RadixTree``), chosen
-    with ``index.backend``. ``apply`` never raises; skips are counted."""
-
-    block_size: int
-    counters: Counter[str]
-
-    def apply(self, worker: WorkerId, event: KVEvent) -> str: ...
-    def apply_all(self, worker: WorkerId, events: Iterable[KVEvent]) -> None: ...
-    def clear_worker(self, worker: WorkerId) -> None: ...
-    def remove_worker(self, worker: WorkerId) -> None: ...
-    def workers(self) -> list[WorkerId]: ...
-    def block_count(self, worker: WorkerId, tier: Tier = DEFAULT_TIER) -> int: ...
-    def match(self, chain: PromptChain) -> Match: ...
 
 
 class _Removal(NamedTuple):
@@ -98,50 +70,6 @@ def _bits(mask: int) -> Iterable[int]:
         low = mask & -mask
         yield low.bit_length() - 1
         mask ^= low
-
-
-class EventApplier:
-    """Applies KV events to an index: the dispatch and counting both backends share.
-
-    A subclass sets ``kv_group`` and ``counters`` and implements ``clear_worker``,
-    ``_stored`` and ``_removed`` (each returns ``"applied"`` or a skip reason).
-    """
-
-    kv_group: int
-    counters: Counter[str]
-
-    def apply(self, worker: WorkerId, event: KVEvent) -> str:
-        """Apply one event from ``worker``; returns ``"applied"`` or why it was skipped.
-
-        Skips are counted in :attr:`counters`, never raised: ``other_group`` (a
-        KV cache group other than ``kv_group``) here, the rest per backend.
-        ``AllBlocksCleared`` clears every tier of the worker.
-        """
-        if isinstance(event, AllBlocksCleared):
-            self.clear_worker(worker)
-            outcome = "applied"
-        elif event.group_idx not in (None, self.kv_group):
-            outcome = "other_group"
-        elif isinstance(event, BlockStored):
-            outcome = self._stored(worker, event)
-        else:
-            outcome = self._removed(worker, event)
-        self.counters[outcome] += 1
-        return outcome
-
-    def apply_all(self, worker: WorkerId, events: Iterable[KVEvent]) -> None:
-        """Apply events in order (see :meth:`apply`)."""
-        for event in events:
-            self.apply(worker, event)
-
-    def clear_worker(self, worker: WorkerId) -> None:
-        raise NotImplementedError
-
-    def _stored(self, worker: WorkerId, ev: BlockStored) -> str:
-        raise NotImplementedError
-
-    def _removed(self, worker: WorkerId, ev: BlockRemoved) -> str:
-        raise NotImplementedError
 
 
 class BlockIndex(EventApplier):

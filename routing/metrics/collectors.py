@@ -2,7 +2,7 @@
 ``instrumented_index.go`` is the model: the component does not know about metrics;
 a collector beside it reads its public state when Prometheus scrapes).
 
-Each collector is registered into :class:`routing.server_metrics.RouterMetrics`'s
+Each collector is registered into :class:`routing.metrics.router_metrics.RouterMetrics`'s
 registry by the server that owns the component; none reaches into another.
 """
 
@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from routing.index import KVIndex, Tier, WorkerId
-from routing.ledger import LoadLedger
+from routing.decide.ledger import LoadLedger
+from routing.ids import Tier, WorkerId
+from routing.index.kvindex import KVIndex
 
 if TYPE_CHECKING:
-    from routing.engine_metrics import EngineLoadPoller
-    from routing.engines import IndexFeeder
-    from routing.event_watch import EventWatch
-    from routing.pair_health import Pair, PairHealth
+    from routing.health.event_watch import EventWatch
+    from routing.health.pair_health import Pair, PairHealth
+    from routing.ingest.engine_metrics import EngineLoadPoller
+    from routing.ingest.feeder import IndexFeeder
 
 P = "kvpilot_router_"
 SUBSCRIBER_STATS = ("batches", "replayed", "gaps", "unrecoverable_gaps", "restarts", "bad_frames")

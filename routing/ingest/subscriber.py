@@ -34,8 +34,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from routing.events import EventDecoder
-from routing.index import KVIndex, WorkerId
+from routing.ids import WorkerId
+from routing.index.events import EventDecoder
+from routing.index.kvindex import KVIndex
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 

@@ -2,17 +2,17 @@
 
 For one request the :class:`Router`:
 
-1. names the prompt's blocks: a fresh :class:`~routing.chain.PromptChain`, or
-   the session's incremental one (:class:`~routing.sessions.SessionStore`), so a
+1. names the prompt's blocks: a fresh :class:`~routing.index.chain.PromptChain`, or
+   the session's incremental one (:class:`~routing.decide.sessions.SessionStore`), so a
    session's next step names only its new blocks;
-2. matches it in the index (:class:`~routing.index.KVIndex`: per worker, per tier);
-3. builds one :class:`~routing.cost.Candidate` per (P, D) pair and per
+2. matches it in the index (:class:`~routing.index.kvindex.KVIndex`: per worker, per tier);
+3. builds one :class:`~routing.decide.cost.Candidate` per (P, D) pair and per
    co-located worker. A pair is named ``"P->D"``; it is credited with P's
    overlap (P prefills), loaded with P's active prefill blocks and D's decode
    blocks and requests, earns the session credit if D served the session
    last (after a step the newest KV lives on D, article section 9.2), and is
    charged its recent transfer failures and transfer time (``pair_penalty``);
-4. asks :class:`~routing.cost.CostModel` to pick one (seeded RNG);
+4. asks :class:`~routing.decide.cost.CostModel` to pick one (seeded RNG);
 5. for a pair, asks ``policies.disaggregation`` whether to prefill locally on D
    (D's cached prefix, P's cached prefix and queue, D's KV usage from the
    ledger or D's own ``/metrics``, the larger) or remotely on P (conditional
@@ -22,7 +22,7 @@ For one request the :class:`Router`:
    into P, the last P and D again, a shared tier, local on D) and takes the
    cheapest, or the one ``sessions.force_option`` names while it is available.
 
-:meth:`Router.route` does not touch the :class:`~routing.ledger.LoadLedger`; the
+:meth:`Router.route` does not touch the :class:`~routing.decide.ledger.LoadLedger`; the
 caller dispatches (:meth:`Route.prefill_worker` and :attr:`Route.cached_blocks`
 say what to count) and records the session's decode worker with
 :meth:`Router.served` once the request succeeded. Not thread-safe: callers
@@ -47,18 +47,17 @@ from policies.disaggregation import (
 from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
 from policies.specs import SpecError
-from routing.chain import PromptChain
 from routing.config import ConfigError, DisaggregationConfig, RouterConfig, Worker
-from routing.cost import Candidate, CostModel, Decision, TierOverlap, tier_overlap
-from routing.engines import Fleet
-from routing.index import KVIndex, Match, Tier, WorkerId
-from routing.ledger import LoadLedger, WorkerLoad
-from routing.sessions import OFFER_MARGIN_S, OfferUse, SessionId, SessionOffer, SessionState, SessionStore
+from routing.decide.cost import Candidate, CostModel, Decision, TierOverlap, tier_overlap
+from routing.decide.ledger import LoadLedger, WorkerLoad
+from routing.decide.sessions import OFFER_MARGIN_S, OfferUse, SessionOffer, SessionState, SessionStore
+from routing.fleet import Fleet
+from routing.ids import SessionId, Tier, WorkerId, pair_name
+from routing.index.chain import PromptChain
+from routing.index.kvindex import KVIndex, Match
 
 if TYPE_CHECKING:
-    from routing.engine_metrics import EngineLoad
-
-PAIR_SEPARATOR = "->"
+    from routing.ingest.engine_metrics import EngineLoad
 
 
 class NoHealthyWorker(Exception):
@@ -140,10 +139,6 @@ def policy_from_config(cfg: DisaggregationConfig) -> LocalVsRemotePolicy:
         raise ConfigError(f"disaggregation: {exc}") from None
 
 
-def pair_name(prefill: WorkerId, decode: WorkerId) -> str:
-    return f"{prefill}{PAIR_SEPARATOR}{decode}"
-
-
 class Router:
     """Decides (P, D) or the co-located worker for each request; see the module doc."""
 
@@ -163,11 +158,11 @@ class Router:
         pair_penalty: Callable[[WorkerId, WorkerId], float] | None = None,
     ) -> None:
         """``available(worker)``: False while the worker's circuit is open
-        (:class:`routing.health.CircuitBreaker`); such a worker is not routed to.
+        (:class:`routing.health.circuit.CircuitBreaker`); such a worker is not routed to.
         ``events_stale(worker)``: True while the worker's KV events have stopped
-        (:class:`routing.event_watch.EventWatch`); it gets no overlap credit (load only).
+        (:class:`routing.health.event_watch.EventWatch`); it gets no overlap credit (load only).
         ``pair_penalty(p, d)``: blocks added to the pair's cost for its recent transfer
-        failures and transfer time (:class:`routing.pair_health.PairHealth`)."""
+        failures and transfer time (:class:`routing.health.pair_health.PairHealth`)."""
         if fleet.prefill and policy is None:
             raise ValueError("a fleet with prefill workers needs a local-vs-remote policy")
         self.fleet = fleet

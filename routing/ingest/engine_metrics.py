@@ -1,12 +1,13 @@
 """What the engines report about their own load, read from their Prometheus ``/metrics``.
 
-The router's :class:`~routing.ledger.LoadLedger` only sees traffic that went
+The router's :class:`~routing.decide.ledger.LoadLedger` only sees traffic that went
 through this router. An engine's own gauges also count traffic that did not
 (a second router, direct clients), so the router polls them:
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
 ``vllm:kv_cache_usage_perc`` (vLLM 0.32; summed over label sets, KV usage is
 the maximum), and the NIXL transfer counters that rate each (P, D) pair
-(:data:`TRANSFER_COUNTERS`, :mod:`routing.pair_health`). :func:`parse_engine_load` is pure and hands only those lines to
+(:data:`TRANSFER_COUNTERS`, :mod:`routing.health.pair_health`). :func:`parse_engine_load`
+is pure and hands only those lines to
 ``prometheus_client``'s parser, so a large exposition costs little on the router's
 loop; :class:`EngineLoadPoller` is the asyncio loop.
 A sample older than ``max_age_s`` is ignored (an engine that stopped answering
@@ -28,8 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from routing.config import Worker
-from routing.index import WorkerId
-from routing.pair_health import TransferCounters
+from routing.health.pair_health import TransferCounters
+from routing.ids import WorkerId
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ TRANSFER_COUNTERS = {
     "vllm:nixl_xfer_time_seconds_sum": "transfer_seconds",
     "vllm:nixl_xfer_time_seconds_count": "transfers",
 }
-"""The counters behind :class:`~routing.pair_health.TransferCounters` (summed over label sets)."""
+"""The counters behind :class:`~routing.health.pair_health.TransferCounters` (summed over label sets)."""
 # A sample line of one of these starts with its name and then labels or a space.
 _WANTED_LINES = tuple(name + after for name in (RUNNING, WAITING, KV_USAGE, *TRANSFER_COUNTERS) for after in "{ \t")
 
