@@ -27,6 +27,19 @@ PULL_DONE_KEY = "_remote_blocks_processed"
 the request is allocated blocks); later passes over the request pull nothing."""
 
 
+def handoff_request() -> dict[str, Any]:
+    """The kv_transfer_params a router sends P with its one-token prefill so that P
+    keeps the prompt's KV for D (vLLM's P->D protocol); P answers with the params
+    D pulls with. A fresh dict each call: callers add to it."""
+    return {"do_remote_decode": True}
+
+
+def offers_blocks(params: object) -> TypeGuard[Mapping[str, Any]]:
+    """Whether an engine's returned kv_transfer_params offer blocks to a peer: D's
+    end-of-turn offer of a session's KV in bidirectional mode, or P's handoff."""
+    return isinstance(params, Mapping) and bool(params.get("do_remote_decode")) and bool(params.get("remote_block_ids"))
+
+
 def wants_remote_pull(params: Mapping[str, Any] | None) -> bool:
     """Whether the inner connector would try to load blocks from a peer for these
     params: a P->D handoff (``do_remote_prefill``), or a pull of the peer's blocks
@@ -94,10 +107,17 @@ def stamp_wall_clock_expiry(params: dict[str, Any], perf_now: float, wall_now: f
         params[EXPIRES_AT_KEY] = round(wall_now + (expiry - perf_now), 3)
 
 
-def lease_seconds_left(params: Mapping[str, Any], wall_now: float) -> float | None:
-    """Seconds left on the peer's hold of its blocks; ``None`` if the params state
-    no wall-clock expiry (a P->D handoff, held by heartbeats instead)."""
+def lease_expires_at(params: Mapping[str, Any]) -> float | None:
+    """The Unix time until which the peer holds the offered blocks (:data:`EXPIRES_AT_KEY`);
+    ``None`` if the params state no wall-clock expiry (a P->D handoff, held by
+    heartbeats instead)."""
     expires_at = params.get(EXPIRES_AT_KEY)
     if not isinstance(expires_at, (int, float)) or isinstance(expires_at, bool):
         return None
-    return float(expires_at) - wall_now
+    return float(expires_at)
+
+
+def lease_seconds_left(params: Mapping[str, Any], wall_now: float) -> float | None:
+    """Seconds left on the peer's hold of its blocks; ``None`` as :func:`lease_expires_at`."""
+    expires_at = lease_expires_at(params)
+    return None if expires_at is None else expires_at - wall_now

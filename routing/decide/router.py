@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvconnectors.pull_params import LEASE_MARGIN_S
 from policies.disaggregation import (
     DecodeState,
     LocalRemoteDecision,
@@ -50,7 +51,7 @@ from policies.specs import SpecError
 from routing.config import ConfigError, DisaggregationConfig, RouterConfig, Worker
 from routing.decide.cost import Candidate, CostModel, Decision, TierOverlap, tier_overlap
 from routing.decide.ledger import LoadLedger, WorkerLoad
-from routing.decide.sessions import OFFER_MARGIN_S, OfferUse, SessionOffer, SessionState, SessionStore
+from routing.decide.sessions import OfferUse, SessionOffer, SessionState, SessionStore
 from routing.fleet import Fleet
 from routing.ids import SessionId, Tier, WorkerId, pair_name
 from routing.index.chain import PromptChain
@@ -70,6 +71,7 @@ class Kind(str, enum.Enum):
     REMOTE_PREFILL = "remote_prefill"  # P prefills, D decodes with P's KV
     LOCAL_PREFILL = "local_prefill"  # a P/D fleet, but D prefills itself
     COLOCATED = "colocated"  # one worker does both
+    FALLBACK = "fallback"  # routed REMOTE_PREFILL, but P failed: D prefilled itself (set by the proxy)
 
 
 @dataclass(frozen=True)
@@ -320,7 +322,7 @@ class Router:
             last_d_chosen=d.name == state.last_worker,
             offer_tokens=offer_tokens,
             offer_time_left_s=time_left,
-            offer_margin_s=OFFER_MARGIN_S,
+            offer_margin_s=LEASE_MARGIN_S,
             shared_tokens=min(prompt_tokens, overlaps[p.name].shared * bs),
         )
         return self.pricer.price(step)

@@ -25,10 +25,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+from kvconnectors.pull_params import LEASE_MARGIN_S, lease_expires_at, offers_blocks
 from routing.ids import SessionId, WorkerId
 from routing.index.chain import PromptChain, first_difference, pack_tokens
 
-BODY_KEYS = ("conversation_id", "prompt_cache_key")
+SESSION_FIELDS = ("conversation_id", "prompt_cache_key")
+"""The body fields that name a session, by precedence (the router strips them before
+the engines see the body)."""
+
 HEADER = "x-session-id"
 MAX_KEY_LENGTH = 256
 
@@ -45,7 +49,7 @@ def session_key(body: Mapping[str, Any], headers: Mapping[str, str]) -> SessionI
     string of at most 256 characters, else :class:`InvalidSessionKey` naming the
     field. A ``None`` body value counts as absent.
     """
-    for field in BODY_KEYS:
+    for field in SESSION_FIELDS:
         value = body.get(field)
         if value is not None:
             return _checked(value, field)
@@ -68,10 +72,6 @@ def _checked(value: object, field: str) -> SessionId:
     return SessionId(value)
 
 
-OFFER_MARGIN_S = 5.0
-"""An offer whose hold ends within this many seconds is not sent: P would race D
-freeing its blocks (the engine-side connector uses the same margin)."""
-
 OfferUse = Literal["sent", "expired", "unused", "none"]
 
 
@@ -79,7 +79,7 @@ OfferUse = Literal["sent", "expired", "unused", "none"]
 class SessionOffer:
     """D's end-of-turn kv_transfer_params for a session (vLLM's bidirectional mode):
     the blocks of the whole session D holds for a peer to pull, until ``expires_at``
-    (Unix seconds, from KVPilotConnector's ``kvpilot_expires_at``; ``None`` when D
+    (Unix seconds, from KVPilotConnector's :data:`~kvconnectors.pull_params.EXPIRES_AT_KEY`; ``None`` when D
     stated no wall-clock hold)."""
 
     holder: WorkerId
@@ -89,13 +89,9 @@ class SessionOffer:
     @classmethod
     def from_response(cls, holder: WorkerId, params: object) -> SessionOffer | None:
         """The offer in D's returned params, or ``None`` if they offer no blocks."""
-        if not isinstance(params, Mapping) or not params.get("do_remote_decode"):
+        if not offers_blocks(params):
             return None
-        if not params.get("remote_block_ids"):
-            return None
-        expires_at = params.get("kvpilot_expires_at")
-        valid_expiry = isinstance(expires_at, (int, float)) and not isinstance(expires_at, bool)
-        return cls(holder, dict(params), float(expires_at) if valid_expiry and expires_at is not None else None)
+        return cls(holder, dict(params), lease_expires_at(params))
 
     @property
     def blocks(self) -> int:
@@ -104,8 +100,10 @@ class SessionOffer:
         first = ids[0] if ids else None
         return len(first) if isinstance(first, (list, tuple)) else len(ids)
 
-    def use(self, now: float, margin_s: float = OFFER_MARGIN_S) -> OfferUse:
-        """``sent`` if P may still pull it at ``now`` (Unix seconds), else ``expired``."""
+    def use(self, now: float, margin_s: float = LEASE_MARGIN_S) -> OfferUse:
+        """``sent`` if P may still pull it at ``now`` (Unix seconds), else ``expired``:
+        an offer whose hold ends within ``margin_s`` would race D freeing its blocks
+        (P's connector refuses it by the same margin)."""
         if self.expires_at is not None and self.expires_at - now < margin_s:
             return "expired"
         return "sent"

@@ -9,12 +9,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from routing.ids import WorkerId
+from routing.serve.refusals import RejectReason
 
 if TYPE_CHECKING:
     from routing.decide.router import Route
-
-REJECTION_REASONS = ("body_too_large", "prompt_too_long", "max_tokens", "queue_full", "queue_timeout", "unauthorized")
-"""The ``reason`` label values of ``kvpilot_router_rejected_total``."""
 
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -81,7 +79,7 @@ class RouterMetrics:
         )
         self.rejected = Counter(
             p + "rejected",
-            "Requests refused before routing: " + ", ".join(REJECTION_REASONS),
+            "Requests refused before routing: " + ", ".join(reason.value for reason in RejectReason),
             ["reason"],
             registry=r,
         )
@@ -109,8 +107,8 @@ class RouterMetrics:
             self.circuit_open.labels(worker).set(0)
             for per_worker in (self.circuit_trips, self.upstream_errors, self.retries):
                 per_worker.labels(worker)
-        for reason in REJECTION_REASONS:
-            self.rejected.labels(reason)
+        for reason in RejectReason:
+            self.rejected.labels(reason.value)
 
     def decided(self, route: Route, route_seconds: float) -> None:
         self.decisions.labels(route.kind.value, route.prefill_worker.name, route.decode.name).inc()

@@ -13,9 +13,8 @@ import asyncio
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Literal
 
-RejectReason = Literal["queue_full", "queue_timeout"]
+from routing.serve.refusals import RejectReason
 
 
 class Rejected(Exception):
@@ -57,7 +56,7 @@ class Admission:
         retry_after = max(1, math.ceil(self.queue_timeout_s))
         if self.queued >= self.max_queued:
             raise Rejected(
-                "queue_full",
+                RejectReason.QUEUE_FULL,
                 429,
                 retry_after,
                 f"the router is at capacity ({self.max_concurrent} in flight, {self.queued} queued)",
@@ -67,7 +66,7 @@ class Admission:
             await asyncio.wait_for(slots.acquire(), self.queue_timeout_s)
         except asyncio.TimeoutError:
             raise Rejected(
-                "queue_timeout",
+                RejectReason.QUEUE_TIMEOUT,
                 503,
                 retry_after,
                 f"no capacity within server.queue_timeout_s ({self.queue_timeout_s:g} s)",

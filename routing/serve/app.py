@@ -1,28 +1,18 @@
 """The router's HTTP front (aiohttp): OpenAI-compatible, token ids to the engines.
 
-Per request: admit it (:mod:`routing.serve.admission`: a full queue is a 429, a queue
-wait past its timeout a 503, both with ``Retry-After``), parse and validate the
-body (400 naming the field; only the fields of :mod:`routing.serve.request_fields` are
-accepted, so a client cannot set ``kv_transfer_params``), tokenize once
-(chat: render the model's chat template first), route (:mod:`routing.decide.router`),
-count it in the :class:`~routing.decide.cost.LoadLedger`, then
+:class:`RouterServer` is the composition root (index, ledger, sessions, health,
+router, proxy, metrics, pollers) and the HTTP handlers. Per request: admit it
+(:mod:`routing.serve.admission`: a full queue is a 429, a queue wait past its
+timeout a 503, both with ``Retry-After``), parse and validate the body (400 naming
+the field; only the fields of :mod:`routing.serve.request_fields` are accepted, so a
+client cannot set ``kv_transfer_params``), tokenize once (chat: render the model's
+chat template first), route (:mod:`routing.decide.router`) and hand the route to the
+proxy (:mod:`routing.serve.proxy`: P, fallback, retry, bookkeeping), whose answer is
+written here as JSON or as server-sent events.
 
-- remote prefill: P gets the token ids with ``max_tokens=1``, ``stream=false``
-  and ``kv_transfer_params={"do_remote_decode": true}`` (or, at a session's next
-  step, D's offer of the session's KV from its last step); D gets them with P's
-  returned ``kv_transfer_params``. If P errors, times out
-  (``server.prefill_timeout_s``) or returns no params, D prefills locally
-  (no params) and ``kvpilot_router_prefill_fallbacks_total`` counts it;
-- local prefill or co-located: one engine does both.
-
-D's answer is relayed (SSE when ``stream``); chat answers are converted back
-from the completions format. A decode worker that fails before anything reached
-the client is left out and the request routed again (``server.max_retries``).
 An upstream failure reaches the client as a JSON error naming the engine (the
-engine's 4xx status is kept, anything else is a 502); the router keeps serving,
-and counts the failure toward the engine's circuit (:mod:`routing.health.circuit`): a
-worker whose circuit is open is not routed to until it is tried again. Response
-headers ``X-Request-Id``, ``X-KVPilot-Route``, ``X-KVPilot-Prefill-Worker``,
+engine's 4xx status is kept, anything else is a 502); the router keeps serving.
+Response headers ``X-Request-Id``, ``X-KVPilot-Route``, ``X-KVPilot-Prefill-Worker``,
 ``X-KVPilot-Decode-Worker`` say where it went. ``POST /debug/route`` explains a
 decision without sending anything. Metrics: :class:`RouterMetrics` (listed in
 ``docs/router.md``).
@@ -32,12 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +35,10 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from routing.config import ConfigError, IndexConfig, RouterConfig, Worker
+from routing.config import ConfigError, IndexConfig, RouterConfig
 from routing.decide.ledger import LoadLedger
 from routing.decide.router import NoHealthyWorker, Route, Router, policy_from_config
-from routing.decide.sessions import InvalidSessionKey, SessionStore, scoped, session_key
+from routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, SessionStore, scoped, session_key
 from routing.fleet import Fleet
 from routing.health.circuit import CircuitBreaker
 from routing.health.event_watch import EventWatch
@@ -68,10 +58,13 @@ from routing.metrics.collectors import (
 )
 from routing.metrics.router_metrics import RouterMetrics
 from routing.serve.admission import Admission, Rejected
-from routing.serve.chat import ChatError, ChatTemplate, chat_chunk, chat_response, chat_to_completion_body
-from routing.serve.request_fields import SESSION_FIELDS, BadRequest, checked_body
+from routing.serve.chat import ChatError, ChatTemplate, chat_to_completion_body
+from routing.serve.proxy import Proxy, ProxyRequest, error_reply
+from routing.serve.refusals import BadRequest, RejectReason
+from routing.serve.request_fields import checked_body
+from routing.serve.sse import sse_event
 from routing.serve.tokenizer import PromptError, PromptTokenizer
-from routing.serve.upstream import EngineClient, UpstreamError
+from routing.serve.vllm_upstream import VllmUpstream
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +85,30 @@ def _api_key(env_name: str, field: str = "server.api_key_env") -> str | None:
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+    reply = error_reply(status, message, kind)
+    return web.json_response(reply.payload, status=reply.status)
+
+
+class _SSEResponse:
+    """The proxy's :class:`~routing.serve.proxy.ClientStream` over aiohttp: the
+    client's streamed response, prepared when the proxy opens it."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    async def open(self, headers: Mapping[str, str]) -> None:
+        sse = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        self.response = web.StreamResponse(headers={**headers, **sse})
+        await self.response.prepare(self._request)
+
+    async def send(self, data: str) -> None:
+        assert self.response is not None
+        await self.response.write(sse_event(data))
+
+    async def close(self) -> None:
+        assert self.response is not None
+        await self.response.write_eof()
 
 
 def make_index(cfg: IndexConfig) -> KVIndex:
@@ -179,7 +195,7 @@ class RouterServer:
         ):
             self.metrics.registry.register(collector)
         self._http: aiohttp.ClientSession | None = None
-        self._engines: EngineClient | None = None
+        self._proxy: Proxy | None = None
         self._api_key = _api_key(config.server.api_key_env)
         engine_key = _api_key(config.server.engine_api_key_env, "server.engine_api_key_env")
         self._engine_headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else {}
@@ -200,7 +216,18 @@ class RouterServer:
     async def _start(self, _: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.server.request_timeout_s)
         self._http = aiohttp.ClientSession(timeout=timeout)
-        self._engines = EngineClient(self._http, self._engine_headers, self.config.server.prefill_timeout_s)
+        self._proxy = Proxy(
+            VllmUpstream(self._http, self._engine_headers, self.config.server.prefill_timeout_s),
+            self.router,
+            self.lock,
+            self.ledger,
+            self.metrics,
+            self.breaker,
+            self.pair_health,
+            self.event_watch,
+            self.event_batches,
+            self.config.server.max_retries,
+        )
         if self._feed_index and any(w.kv_events_endpoint for w in self.fleet.workers):
             self.feeder = IndexFeeder(self.fleet, self.index, self.lock)
             self.feeder.start()
@@ -225,7 +252,7 @@ class RouterServer:
         assert self._api_key is not None
         sent = request.headers.get("Authorization", "")
         if not hmac.compare_digest(sent.encode(), f"Bearer {self._api_key}".encode()):
-            self.metrics.rejected.labels("unauthorized").inc()
+            self.metrics.rejected.labels(RejectReason.UNAUTHORIZED.value).inc()
             response = _error(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error")
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
@@ -292,13 +319,13 @@ class RouterServer:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            self.metrics.rejected.labels("body_too_large").inc()
+            self.metrics.rejected.labels(RejectReason.BODY_TOO_LARGE.value).inc()
             raise BadRequest(f"request body is over server.max_body_bytes ({srv.max_body_bytes})", 413) from None
         try:
             return checked_body(raw, chat, model_name=srv.model_name, max_output_tokens=srv.max_output_tokens)
         except BadRequest as exc:
             if exc.reason is not None:
-                self.metrics.rejected.labels(exc.reason).inc()
+                self.metrics.rejected.labels(exc.reason.value).inc()
             raise
 
     def _prompt(self, request: web.Request, body: dict[str, Any], chat: bool) -> tuple[list[int], SessionId | None]:
@@ -319,7 +346,7 @@ class RouterServer:
             raise BadRequest("the prompt renders to no tokens")
         limit = self.config.server.max_prompt_tokens
         if limit and len(token_ids) > limit:
-            self.metrics.rejected.labels("prompt_too_long").inc()
+            self.metrics.rejected.labels(RejectReason.PROMPT_TOO_LONG.value).inc()
             raise BadRequest(f"the prompt has {len(token_ids)} tokens, over server.max_prompt_tokens ({limit})")
         return token_ids, session
 
@@ -365,131 +392,38 @@ class RouterServer:
             async with self.admission.admit():
                 return await self._serve_admitted(request, chat)
         except Rejected as exc:
-            self.metrics.rejected.labels(exc.reason).inc()
+            self.metrics.rejected.labels(exc.reason.value).inc()
             response = _error(exc.status, str(exc), "overloaded")
             response.headers["Retry-After"] = str(exc.retry_after_s)
             return response
 
     async def _serve_admitted(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        """Parse, route and serve; a decode worker that fails before anything reached
-        the client (5xx, no answer, timeout) is left out and the request routed again,
-        up to ``server.max_retries`` times (counted in ``kvpilot_router_retries_total``)."""
+        """Parse, route and hand the route to the proxy."""
         started = time.perf_counter()
         try:
             body = await self._body(request, chat)
-            base = chat_to_completion_body(body) if chat else dict(body)
+            engine_body = chat_to_completion_body(body) if chat else dict(body)
             token_ids, session = self._prompt(request, body, chat)
             route = self._route(request, token_ids, body, chat, session)
         except (BadRequest, ChatError) as exc:
             return _error(getattr(exc, "status", 400), str(exc))
         for key in SESSION_FIELDS:
-            base.pop(key, None)
-        base["prompt"] = token_ids
-        failed: set[WorkerId] = set()
-        while True:
+            engine_body.pop(key, None)
+        engine_body["prompt"] = token_ids
+
+        def reroute(exclude: frozenset[WorkerId]) -> Route | None:
             try:
-                return await self._attempt(request, chat, route, dict(base), session, started)
-            except UpstreamError as exc:
-                self.metrics.upstream_errors.labels(exc.worker.name).inc()
-                if exc.status >= 500:
-                    self._worker_failed(exc.worker)
-                log.warning("request %s: %s", route.request_id, exc)
-                if exc.status < 500 or len(failed) >= self.config.server.max_retries:
-                    return _error(exc.status, str(exc), "upstream_error")
-                failed.add(exc.worker.name)
-                try:
-                    route = self._route(request, token_ids, body, chat, session, exclude=frozenset(failed))
-                except BadRequest:  # no other decode worker: the failure stands
-                    return _error(exc.status, str(exc), "upstream_error")
-                self.metrics.retries.labels(exc.worker.name).inc()
+                return self._route(request, token_ids, body, chat, session, exclude=exclude)
+            except BadRequest:
+                return None
 
-    async def _attempt(
-        self,
-        request: web.Request,
-        chat: bool,
-        route: Route,
-        engine_body: dict[str, Any],
-        session: SessionId | None,
-        started: float,
-    ) -> web.StreamResponse:
-        """Serve ``route`` once; raises :class:`UpstreamError` when D fails before
-        anything was sent to the client (a stream that breaks later ends with an
-        error event instead)."""
-        rid, p, d = route.request_id, route.prefill_worker.name, route.decode.name
-        try:
-            self.ledger.dispatch(rid, p, d, route.chain, route.cached_blocks)
-        except ValueError:  # the ledger's "already active"
-            return _error(409, f"X-Request-Id {rid!r} is already in flight")
-        self.metrics.decided(route, time.perf_counter() - started)
-        try:
-            kind = route.kind.value
-            offer = self._session_offer(session, route)
-            if route.prefill is not None:
-                self.pair_health.routed(route.prefill.name, route.decode.name, time.monotonic())
-                params = await self._prefill(route, engine_body, offer)
-                if params is None:
-                    kind, p = "fallback", d
-                else:
-                    engine_body["kv_transfer_params"] = params
-            headers = {
-                "X-Request-Id": rid,
-                "X-KVPilot-Route": kind,
-                "X-KVPilot-Prefill-Worker": p,
-                "X-KVPilot-Decode-Worker": d,
-            }
-            decode_params, answered = None, True
-            if engine_body.get("stream"):  # vLLM streams no kv_transfer_params: no offer to keep
-                response, answered = await self._stream(request, route, engine_body, chat, headers, started)
-            else:
-                response, decode_params = await self._unary(route, engine_body, chat, headers)
-            with self.lock:
-                self.router.served(session, route, decode_params)
-            if answered:
-                self._worker_answered(route.decode)
-            self._expect_events(route, p)
-            return response
-        finally:
-            self.ledger.complete(rid)
-
-    def _session_offer(self, session: SessionId | None, route: Route) -> dict[str, Any] | None:
-        """D's offer of the session's KV from its last step, when ``route`` pulls it and
-        P may still read it (counted either way); taken once."""
-        with self.lock:
-            offer, use = self.router.take_session_offer(session, route, time.time())
-        if use != "none":
-            self.metrics.session_offers.labels(use).inc()
-        return None if offer is None else dict(offer.params)
-
-    async def _prefill(self, route: Route, body: dict[str, Any], offer: dict[str, Any] | None) -> dict[str, Any] | None:
-        """P's kv_transfer_params, or None after a failure (then D prefills; counted).
-
-        With a session ``offer`` (D's params from the session's last step, vLLM's
-        bidirectional protocol) P may pull D's KV of the session: its connector
-        verifies the offer against its own tokens and loads only what matches."""
-        p = route.prefill
-        assert p is not None and self._engines is not None
-        started = time.perf_counter()
-        outcome = await self._engines.prefill(p, body, offer if offer is not None else {"do_remote_decode": True})
-        params, reason = outcome.params, outcome.failure
-        if params is None:
-            assert reason is not None
-            if outcome.engine_fault:
-                self._worker_failed(p)
-                self.pair_health.failed(p.name, route.decode.name, time.monotonic())
-            log.warning(
-                "request %s: prefill on %s failed (%s); local prefill on %s",
-                route.request_id,
-                p.name,
-                reason,
-                route.decode.name,
-            )
-            self.metrics.prefill_failed(p.name, reason)
-            self.ledger.move_prefill(route.request_id, route.decode.name, route.decode_cached_blocks)
-            return None
-        self._worker_answered(p)
-        self.ledger.first_token(route.request_id)
-        self.metrics.ttft_stage.labels("prefill").observe(time.perf_counter() - started)
-        return params
+        assert self._proxy is not None, "the app has not started"
+        client = _SSEResponse(request)
+        reply = await self._proxy.serve(ProxyRequest(route, engine_body, chat, session, started, reroute), client)
+        if reply is None:
+            assert client.response is not None
+            return client.response
+        return web.json_response(reply.payload, status=reply.status, headers=reply.headers)
 
     def event_batches(self) -> dict[WorkerId, int]:
         """Each subscribed worker's count of applied KV-event batches."""
@@ -499,86 +433,6 @@ class RouterServer:
         """Flag the workers whose KV events stopped, and clear the ones heard again."""
         if self.event_watch.enabled:
             self.event_watch.update(self.event_batches(), time.monotonic())
-
-    def _expect_events(self, route: Route, prefilled_on: WorkerId) -> None:
-        """``prefilled_on`` served ``route``'s prompt; blocks it did not hold must show up as events."""
-        if not self.event_watch.enabled:
-            return
-        cached = route.cached_blocks if prefilled_on == route.prefill_worker.name else route.decode_cached_blocks
-        batches = self.event_batches()
-        if route.prompt_blocks > cached and prefilled_on in batches:
-            self.event_watch.expect(prefilled_on, batches[prefilled_on], time.monotonic())
-
-    def _worker_failed(self, worker: Worker) -> None:
-        """An engine failed a request (no answer, timeout, 5xx): count it toward its circuit."""
-        if self.breaker.failed(worker.name, time.monotonic()):
-            self.metrics.circuit_trips.labels(worker.name).inc()
-            self.metrics.circuit_open.labels(worker.name).set(1)
-            log.warning(
-                "worker %s: circuit open for %.0f s; not routed to until then", worker.name, self.breaker.open_s
-            )
-
-    def _worker_answered(self, worker: Worker) -> None:
-        if self.breaker.succeeded(worker.name):
-            self.metrics.circuit_open.labels(worker.name).set(0)
-            log.info("worker %s: answered again; circuit closed", worker.name)
-
-    async def _unary(
-        self, route: Route, body: dict[str, Any], chat: bool, headers: dict[str, str]
-    ) -> tuple[web.Response, object]:
-        """D's answer relayed, and the kv_transfer_params D returned (its offer of the
-        session's KV in bidirectional mode; ``None`` when absent)."""
-        d = route.decode
-        assert self._engines is not None
-        payload = await self._engines.complete(d, body)
-        try:
-            decode_params = payload.get("kv_transfer_params")
-            if chat:
-                payload = chat_response(payload, route.request_id)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise UpstreamError(d, 502, f"sent an unreadable completion: {exc}") from None
-        return web.json_response(payload, headers=headers), decode_params
-
-    async def _stream(
-        self,
-        request: web.Request,
-        route: Route,
-        body: dict[str, Any],
-        chat: bool,
-        headers: dict[str, str],
-        started: float,
-    ) -> tuple[web.StreamResponse, bool]:
-        """D's stream relayed, and whether it ended normally (a break is sent to the
-        client as an error event and counted against D)."""
-        d = route.decode
-        assert self._engines is not None
-        sent_at = time.perf_counter()
-        async with self._engines.stream(d, body) as events:
-            sse = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-            out = web.StreamResponse(headers={**headers, **sse})
-            await out.prepare(request)
-            first = True
-            try:
-                async for data in events:
-                    if first:
-                        now = time.perf_counter()
-                        self.metrics.ttft_stage.labels("decode_first_token").observe(now - sent_at)
-                        self.metrics.ttft.observe(now - started)
-                        self.ledger.first_token(route.request_id)
-                    if chat and data != "[DONE]":
-                        data = json.dumps(chat_chunk(json.loads(data), route.request_id, first))
-                    first = False
-                    await out.write(f"data: {data}\n\n".encode())
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
-                self.metrics.upstream_errors.labels(d.name).inc()
-                self._worker_failed(d)
-                message = f"engine {d.name} ({d.url}): stream broke: {exc!r}"
-                error = {"error": {"message": message, "type": "upstream_error", "code": 502}}
-                await out.write(f"data: {json.dumps(error)}\n\n".encode())
-                await out.write_eof()
-                return out, False
-            await out.write_eof()
-            return out, True
 
 
 def build_server(config: RouterConfig, fleet: Fleet, *, feed_index: bool = True) -> RouterServer:

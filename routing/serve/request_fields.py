@@ -15,16 +15,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-
-class BadRequest(Exception):
-    """A request refused before routing: ``status`` is what the client gets;
-    ``reason``, when set, labels ``kvpilot_router_rejected_total``."""
-
-    def __init__(self, message: str, status: int = 400, reason: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-
+from routing.decide.sessions import SESSION_FIELDS
+from routing.serve.refusals import BadRequest, RejectReason
 
 COMPLETION_FIELDS = frozenset(
     {
@@ -69,9 +61,6 @@ COMPLETION_FIELDS = frozenset(
 CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"})
 """Read by the router to render a chat request as a completions one."""
 
-SESSION_FIELDS = frozenset({"conversation_id", "prompt_cache_key"})
-"""Read by the router for session affinity; never forwarded."""
-
 ENGINE_INTERNAL = frozenset(
     {
         "kv_transfer_params",
@@ -93,7 +82,7 @@ router (``kv_transfer_params``) or by no one."""
 def refused_field(body: Mapping[str, Any], chat: bool) -> str | None:
     """Why the first field ``body`` may not carry is refused, or ``None`` if every
     field is accepted (chat requests also take :data:`CHAT_FIELDS`)."""
-    accepted = COMPLETION_FIELDS | SESSION_FIELDS | (CHAT_FIELDS if chat else frozenset())
+    accepted = COMPLETION_FIELDS | frozenset(SESSION_FIELDS) | (CHAT_FIELDS if chat else frozenset())
     for name in body:
         if name in accepted:
             continue
@@ -128,7 +117,8 @@ def checked_body(raw: bytes, chat: bool | None, *, model_name: str, max_output_t
             raise BadRequest(f"'{name}' must be a positive integer")
         if value is not None and max_output_tokens and value > max_output_tokens:
             raise BadRequest(
-                f"'{name}' {value} is over server.max_output_tokens ({max_output_tokens})", reason="max_tokens"
+                f"'{name}' {value} is over server.max_output_tokens ({max_output_tokens})",
+                reason=RejectReason.MAX_TOKENS,
             )
     return body
 

@@ -276,7 +276,8 @@ def test_no_field_outside_the_allow_list_reaches_an_engine(model_dir):
     """Fuzzed bodies: known fields, engine-internal ones and random names, on both
     endpoints. A refused body is a 400 naming the field and reaches no engine; an
     accepted one reaches the engines with allow-listed fields only."""
-    from routing.serve.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, ENGINE_INTERNAL, SESSION_FIELDS
+    from routing.decide.sessions import SESSION_FIELDS
+    from routing.serve.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, ENGINE_INTERNAL
 
     rng = random.Random(7)
     candidates = sorted(COMPLETION_FIELDS - {"model", "prompt", "stream", "stream_options"}) + sorted(ENGINE_INTERNAL)
@@ -294,7 +295,7 @@ def test_no_field_outside_the_allow_list_reaches_an_engine(model_dir):
             sent_before = sum(len(e.bodies) for e in engines.values())
             resp = await client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
             reached = [b for e in engines.values() for b in e.bodies[sent_before:]]
-            bad = [k for k in extra if k not in COMPLETION_FIELDS | SESSION_FIELDS | CHAT_FIELDS]
+            bad = [k for k in extra if k not in COMPLETION_FIELDS | frozenset(SESSION_FIELDS) | CHAT_FIELDS]
             if bad:
                 assert resp.status == 400, (body, resp.status)
                 message = (await resp.json())["error"]["message"]

@@ -1,0 +1,295 @@
+"""Serves one routed request through an :class:`~routing.serve.upstream.Upstream`:
+the P->D path with its fallback and retry, and the bookkeeping of every step.
+
+For a :class:`~routing.decide.router.Route`:
+
+- remote prefill: P prefills with ``max_tokens=1`` and a handoff request
+  (:func:`kvconnectors.pull_params.handoff_request`), or, at a session's next step,
+  D's offer of the session's KV from its last step (vLLM's bidirectional protocol);
+  D then decodes with P's returned params. If P fails (an error, a timeout past
+  ``server.prefill_timeout_s``, no params), D prefills the prompt itself: the route
+  becomes :attr:`~routing.decide.router.Kind.FALLBACK`, counted in
+  ``kvpilot_router_prefill_fallbacks_total``;
+- local prefill or co-located: one engine does both.
+
+A decode worker that fails before anything reached the client is left out and the
+request routed again, up to ``server.max_retries`` times (counted in
+``kvpilot_router_retries_total``); a 4xx is the request's fault and is not retried.
+Every step is booked: the load ledger (dispatch, first token, a prefill moved to D,
+completion), each worker's circuit, each pair's health, the KV events the prefilling
+worker must publish, the session's new state and D's offer.
+
+No aiohttp.web here: the HTTP front hands in a :class:`ClientStream` for streamed
+answers and turns the returned :class:`Reply` into its response.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvconnectors.pull_params import handoff_request
+from routing.config import Worker
+from routing.decide.ledger import LoadLedger
+from routing.decide.router import Kind, Route, Router
+from routing.health.circuit import CircuitBreaker
+from routing.health.event_watch import EventWatch
+from routing.health.pair_health import PairHealth
+from routing.ids import SessionId, WorkerId
+from routing.metrics.router_metrics import RouterMetrics
+from routing.serve.chat import chat_chunk, chat_response
+from routing.serve.upstream import StreamBroke, Upstream, UpstreamError
+
+log = logging.getLogger(__name__)
+
+STREAM_BREAKS = (StreamBroke, ValueError, KeyError, TypeError)
+"""What relaying a stream raises when it breaks: the upstream's :class:`StreamBroke`,
+or an event that is not the JSON chunk it should be."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A whole answer for the client: ``status``, a JSON ``payload`` and ``headers``."""
+
+    status: int
+    payload: dict[str, Any]
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def error_reply(status: int, message: str, kind: str = "invalid_request_error") -> Reply:
+    """The OpenAI-style error body the router answers with."""
+    return Reply(status, {"error": {"message": message, "type": kind, "code": status}})
+
+
+class ClientStream(Protocol):
+    """The client's side of a streamed answer, written in order: ``open`` once, then
+    ``send`` per event, then ``close`` once."""
+
+    async def open(self, headers: Mapping[str, str]) -> None: ...
+    async def send(self, data: str) -> None: ...
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyRequest:
+    """A parsed, routed request. ``body`` is the engines' completions body (token ids
+    as ``prompt``, session fields stripped); ``started`` is ``time.perf_counter()`` at
+    arrival; ``reroute`` routes it again without the given decode workers (``None``
+    when no other worker can decode it)."""
+
+    route: Route
+    body: dict[str, Any]
+    chat: bool
+    session: SessionId | None
+    started: float
+    reroute: Callable[[frozenset[WorkerId]], Route | None]
+
+
+class Proxy:
+    """Serves :class:`ProxyRequest` s (see the module doc). ``lock`` guards ``router``
+    (the index and sessions it reads), as the index feeder's thread shares it;
+    ``event_batches`` gives each subscribed worker's count of applied KV-event batches."""
+
+    def __init__(
+        self,
+        upstream: Upstream,
+        router: Router,
+        lock: threading.Lock,
+        ledger: LoadLedger,
+        metrics: RouterMetrics,
+        breaker: CircuitBreaker,
+        pair_health: PairHealth,
+        event_watch: EventWatch,
+        event_batches: Callable[[], Mapping[WorkerId, int]],
+        max_retries: int,
+    ) -> None:
+        self.upstream = upstream
+        self.router = router
+        self.lock = lock
+        self.ledger = ledger
+        self.metrics = metrics
+        self.breaker = breaker
+        self.pair_health = pair_health
+        self.event_watch = event_watch
+        self.event_batches = event_batches
+        self.max_retries = max_retries
+
+    async def serve(self, request: ProxyRequest, client: ClientStream) -> Reply | None:
+        """Serve ``request``, retrying on another decode worker as the module doc says.
+        Returns the answer, or ``None`` when it was streamed to ``client``."""
+        route, failed = request.route, set[WorkerId]()
+        while True:
+            try:
+                return await self._attempt(request, route, client)
+            except UpstreamError as exc:
+                self.metrics.upstream_errors.labels(exc.worker.name).inc()
+                if exc.status >= 500:
+                    self.worker_failed(exc.worker)
+                log.warning("request %s: %s", route.request_id, exc)
+                if exc.status < 500 or len(failed) >= self.max_retries:
+                    return error_reply(exc.status, str(exc), "upstream_error")
+                failed.add(exc.worker.name)
+                rerouted = request.reroute(frozenset(failed))
+                if rerouted is None:  # no other decode worker: the failure stands
+                    return error_reply(exc.status, str(exc), "upstream_error")
+                route = rerouted
+                self.metrics.retries.labels(exc.worker.name).inc()
+
+    async def _attempt(self, request: ProxyRequest, route: Route, client: ClientStream) -> Reply | None:
+        """Serve ``route`` once; raises :class:`UpstreamError` when D fails before
+        anything was sent to the client (a stream that breaks later ends with an
+        error event instead)."""
+        rid, p, d = route.request_id, route.prefill_worker.name, route.decode.name
+        try:
+            self.ledger.dispatch(rid, p, d, route.chain, route.cached_blocks)
+        except ValueError:  # the ledger's "already active"
+            return error_reply(409, f"X-Request-Id {rid!r} is already in flight")
+        self.metrics.decided(route, time.perf_counter() - request.started)
+        try:
+            kind, handoff = route.kind, None
+            offer = self._session_offer(request.session, route)
+            if route.prefill is not None:
+                self.pair_health.routed(route.prefill.name, route.decode.name, time.monotonic())
+                handoff = await self._prefill(route, request.body, offer)
+                if handoff is None:
+                    kind, p = Kind.FALLBACK, d
+            headers = {
+                "X-Request-Id": rid,
+                "X-KVPilot-Route": kind.value,
+                "X-KVPilot-Prefill-Worker": p,
+                "X-KVPilot-Decode-Worker": d,
+            }
+            reply: Reply | None
+            if request.body.get("stream"):  # vLLM streams no kv_transfer_params: no offer to keep
+                decode_params = None
+                answered = await self._stream(request, route, handoff, headers, client)
+                reply = None
+            else:
+                reply, decode_params = await self._unary(request, route, handoff, headers)
+                answered = True
+            with self.lock:
+                self.router.served(request.session, route, decode_params)
+            if answered:
+                self.worker_answered(route.decode)
+            self._expect_events(route, p)
+            return reply
+        finally:
+            self.ledger.complete(rid)
+
+    def _session_offer(self, session: SessionId | None, route: Route) -> dict[str, Any] | None:
+        """D's offer of the session's KV from its last step, when ``route`` pulls it and
+        P may still read it (counted either way); taken once."""
+        with self.lock:
+            offer, use = self.router.take_session_offer(session, route, time.time())
+        if use != "none":
+            self.metrics.session_offers.labels(use).inc()
+        return None if offer is None else dict(offer.params)
+
+    async def _prefill(self, route: Route, body: dict[str, Any], offer: dict[str, Any] | None) -> dict[str, Any] | None:
+        """P's handoff params for D, or None after a failure (then D prefills; counted).
+
+        With a session ``offer`` (D's params from the session's last step, vLLM's
+        bidirectional protocol) P may pull D's KV of the session: its connector
+        verifies the offer against its own tokens and loads only what matches."""
+        p = route.prefill
+        assert p is not None
+        started = time.perf_counter()
+        outcome = await self.upstream.prefill(p, body, offer if offer is not None else handoff_request())
+        if outcome.params is None:
+            if outcome.engine_fault:
+                self.worker_failed(p)
+                self.pair_health.failed(p.name, route.decode.name, time.monotonic())
+            log.warning(
+                "request %s: prefill on %s failed (%s); local prefill on %s",
+                route.request_id,
+                p.name,
+                outcome.reason,
+                route.decode.name,
+            )
+            self.metrics.prefill_failed(p.name, outcome.reason)
+            self.ledger.move_prefill(route.request_id, route.decode.name, route.decode_cached_blocks)
+            return None
+        self.worker_answered(p)
+        self.ledger.first_token(route.request_id)
+        self.metrics.ttft_stage.labels("prefill").observe(time.perf_counter() - started)
+        return outcome.params
+
+    async def _unary(
+        self, request: ProxyRequest, route: Route, handoff: dict[str, Any] | None, headers: dict[str, str]
+    ) -> tuple[Reply, object]:
+        """D's answer, and the kv_transfer_params D returned (its offer of the
+        session's KV in bidirectional mode; ``None`` when absent)."""
+        d = route.decode
+        payload = await self.upstream.complete(d, request.body, handoff)
+        try:
+            decode_params = payload.get("kv_transfer_params")
+            if request.chat:
+                payload = chat_response(payload, route.request_id)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UpstreamError(d, 502, f"sent an unreadable completion: {exc}") from None
+        return Reply(200, payload, headers), decode_params
+
+    async def _stream(
+        self,
+        request: ProxyRequest,
+        route: Route,
+        handoff: dict[str, Any] | None,
+        headers: dict[str, str],
+        client: ClientStream,
+    ) -> bool:
+        """D's stream relayed to ``client``; whether it ended normally (a break is sent
+        to the client as an error event and counted against D)."""
+        d = route.decode
+        sent_at = time.perf_counter()
+        async with self.upstream.stream(d, request.body, handoff) as events:
+            await client.open(headers)
+            first = True
+            try:
+                async for data in events:
+                    if first:
+                        now = time.perf_counter()
+                        self.metrics.ttft_stage.labels("decode_first_token").observe(now - sent_at)
+                        self.metrics.ttft.observe(now - request.started)
+                        self.ledger.first_token(route.request_id)
+                    if request.chat and data != "[DONE]":
+                        data = json.dumps(chat_chunk(json.loads(data), route.request_id, first))
+                    first = False
+                    await client.send(data)
+            except STREAM_BREAKS as exc:
+                self.metrics.upstream_errors.labels(d.name).inc()
+                self.worker_failed(d)
+                detail = str(exc) if isinstance(exc, StreamBroke) else f"unreadable event: {exc!r}"
+                message = f"engine {d.name} ({d.url}): stream broke: {detail}"
+                await client.send(json.dumps(error_reply(502, message, "upstream_error").payload))
+                await client.close()
+                return False
+            await client.close()
+            return True
+
+    def _expect_events(self, route: Route, prefilled_on: WorkerId) -> None:
+        """``prefilled_on`` served ``route``'s prompt; blocks it did not hold must show up as events."""
+        if not self.event_watch.enabled:
+            return
+        cached = route.cached_blocks if prefilled_on == route.prefill_worker.name else route.decode_cached_blocks
+        batches = self.event_batches()
+        if route.prompt_blocks > cached and prefilled_on in batches:
+            self.event_watch.expect(prefilled_on, batches[prefilled_on], time.monotonic())
+
+    def worker_failed(self, worker: Worker) -> None:
+        """An engine failed a request (no answer, timeout, 5xx): count it toward its circuit."""
+        if self.breaker.failed(worker.name, time.monotonic()):
+            self.metrics.circuit_trips.labels(worker.name).inc()
+            self.metrics.circuit_open.labels(worker.name).set(1)
+            log.warning(
+                "worker %s: circuit open for %.0f s; not routed to until then", worker.name, self.breaker.open_s
+            )
+
+    def worker_answered(self, worker: Worker) -> None:
+        if self.breaker.succeeded(worker.name):
+            self.metrics.circuit_open.labels(worker.name).set(0)
+            log.info("worker %s: answered again; circuit closed", worker.name)

@@ -1,0 +1,240 @@
+"""routing.serve.proxy on its own: one routed request through an in-process
+Upstream (no HTTP, no aiohttp.web), its fallback, retry and bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from routing.config import Role, RouterConfig, Worker
+from routing.decide.ledger import LoadLedger
+from routing.decide.router import Kind, Route, Router, policy_from_config
+from routing.decide.sessions import SessionStore
+from routing.fleet import fleet_from_config
+from routing.health.circuit import CircuitBreaker
+from routing.health.event_watch import EventWatch
+from routing.health.pair_health import PairHealth
+from routing.ids import WorkerId
+from routing.index.block_index import BlockIndex
+from routing.metrics.router_metrics import RouterMetrics
+from routing.serve.proxy import Proxy, ProxyRequest
+from routing.serve.upstream import PrefillFailure, PrefillOutcome, StreamBroke, UpstreamError
+
+BS = 4
+HANDOFF = {"do_remote_decode": False, "remote_block_ids": [[0]], "remote_engine_id": "p"}
+
+
+class ScriptedUpstream:
+    """Answers as told, and records every call: ``(kind, worker, body, params)``."""
+
+    def __init__(
+        self,
+        prefill: PrefillOutcome | None = None,
+        failing_decoders: Mapping[str, int] | None = None,
+        stream_breaks_after: int | None = None,
+    ) -> None:
+        self.prefill_outcome = prefill or PrefillOutcome(HANDOFF)
+        self.failing_decoders = failing_decoders or {}
+        self.stream_breaks_after = stream_breaks_after
+        self.calls: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = []
+
+    async def prefill(self, worker: Worker, body: dict[str, Any], params: dict[str, Any]) -> PrefillOutcome:
+        self.calls.append(("prefill", worker.name, body, params))
+        return self.prefill_outcome
+
+    def _refuse(self, worker: Worker) -> None:
+        status = self.failing_decoders.get(worker.name)
+        if status is not None:
+            raise UpstreamError(worker, status, f"answered {status}")
+
+    async def complete(self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None) -> dict[str, Any]:
+        self.calls.append(("complete", worker.name, body, handoff))
+        self._refuse(worker)
+        return {"id": "x", "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+
+    @asynccontextmanager
+    async def stream(
+        self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None
+    ) -> AsyncIterator[AsyncIterator[str]]:
+        self.calls.append(("stream", worker.name, body, handoff))
+        self._refuse(worker)
+        breaks_after = self.stream_breaks_after
+
+        async def events() -> AsyncIterator[str]:
+            for i in range(3):
+                if breaks_after is not None and i == breaks_after:
+                    raise StreamBroke("connection reset")
+                yield '{"id": "x", "choices": [{"index": 0, "text": "t"}]}'
+            yield "[DONE]"
+
+        yield events()
+
+
+class RecordingClient:
+    def __init__(self) -> None:
+        self.headers: Mapping[str, str] | None = None
+        self.events: list[str] = []
+        self.closed = False
+
+    async def open(self, headers: Mapping[str, str]) -> None:
+        self.headers = headers
+
+    async def send(self, data: str) -> None:
+        self.events.append(data)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def _fleet_config(decoders: int = 2) -> RouterConfig:
+    workers = [Worker(WorkerId("p0"), Role.PREFILL, "http://127.0.0.1:1")]
+    workers += [Worker(WorkerId(f"d{i}"), Role.DECODE, f"http://127.0.0.1:{2 + i}") for i in range(decoders)]
+    return RouterConfig(workers=tuple(workers))
+
+
+def _remote(route: Route, router: Router) -> Route:
+    """``route`` as a remote prefill on the fleet's P, whatever the policy chose."""
+    return dataclasses.replace(route, kind=Kind.REMOTE_PREFILL, prefill=router.fleet.prefill[0])
+
+
+class Rig:
+    """A proxy over a real Router, ledger, breaker and metrics, with ``upstream``."""
+
+    def __init__(self, upstream: ScriptedUpstream, decoders: int = 2, max_retries: int = 1) -> None:
+        cfg = _fleet_config(decoders)
+        fleet = fleet_from_config(cfg)
+        self.ledger = LoadLedger()
+        self.breaker = CircuitBreaker(failures_to_open=1, open_s=60.0)
+        self.metrics = RouterMetrics([w.name for w in fleet.workers])
+        policy = policy_from_config(cfg.disaggregation)
+        self.router = Router(fleet, cfg, BlockIndex(BS), self.ledger, SessionStore(BS, 8), policy, random.Random(0))
+        self.upstream = upstream
+        self.proxy = Proxy(
+            upstream,
+            self.router,
+            threading.Lock(),
+            self.ledger,
+            self.metrics,
+            self.breaker,
+            PairHealth(cfg.cost),
+            EventWatch(0.0),
+            dict,
+            max_retries,
+        )
+
+    def request(self, body: dict[str, Any], exclude_calls: list[frozenset[WorkerId]] | None = None) -> ProxyRequest:
+        prompt = list(range(8 * BS))
+        route = self.router.route(prompt, "req-1", exclude=frozenset())
+        forced = _remote(route, self.router)
+
+        def reroute(exclude: frozenset[WorkerId]) -> Route | None:
+            if exclude_calls is not None:
+                exclude_calls.append(exclude)
+            try:
+                again = self.router.route(prompt, "req-1", exclude=exclude)
+            except Exception:  # noqa: BLE001 - the router's NoHealthyWorker: nothing left
+                return None
+            return _remote(again, self.router)
+
+        return ProxyRequest(forced, {"prompt": prompt, **body}, False, None, 0.0, reroute)
+
+    def value(self, name: str, **labels: str) -> float:
+        got = self.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if got is None else got
+
+
+def test_remote_prefill_hands_p_params_to_d_and_books_every_step():
+    rig = Rig(ScriptedUpstream())
+    reply = asyncio.run(rig.proxy.serve(rig.request({"max_tokens": 4}), RecordingClient()))
+    assert reply is not None and reply.status == 200
+    assert reply.headers["X-KVPilot-Route"] == "remote_prefill"
+    assert reply.headers["X-KVPilot-Prefill-Worker"] == "p0"
+    (kind, worker, _, params), (d_kind, d_worker, _, handoff) = rig.upstream.calls
+    assert (kind, worker, params) == ("prefill", "p0", {"do_remote_decode": True})
+    assert d_kind == "complete" and d_worker == reply.headers["X-KVPilot-Decode-Worker"] and handoff == HANDOFF
+    assert rig.ledger.load(WorkerId("p0")).active_requests == 0  # completed, nothing left in flight
+    assert rig.value("kvpilot_router_prefill_fallbacks_total") == 0
+
+
+@pytest.mark.parametrize(
+    ("outcome", "reason", "counts_against_p"),
+    [
+        (PrefillOutcome(None, PrefillFailure.ENGINE_ERROR, 500), "status_500", True),
+        (PrefillOutcome(None, PrefillFailure.REFUSED, 400), "status_400", False),
+        (PrefillOutcome(None, PrefillFailure.TIMEOUT), "timeout", True),
+        (PrefillOutcome(None, PrefillFailure.NO_KV_TRANSFER_PARAMS), "no_kv_transfer_params", False),
+    ],
+)
+def test_a_failed_prefill_falls_back_to_d_as_the_fallback_kind(outcome, reason, counts_against_p):
+    rig = Rig(ScriptedUpstream(prefill=outcome))
+    reply = asyncio.run(rig.proxy.serve(rig.request({}), RecordingClient()))
+    assert reply is not None and reply.status == 200
+    assert reply.headers["X-KVPilot-Route"] == Kind.FALLBACK.value
+    assert reply.headers["X-KVPilot-Prefill-Worker"] == reply.headers["X-KVPilot-Decode-Worker"]
+    assert rig.upstream.calls[-1][0] == "complete" and rig.upstream.calls[-1][3] is None  # D prefills itself
+    assert rig.value("kvpilot_router_prefill_failures_total", worker="p0", reason=reason) == 1
+    assert rig.value("kvpilot_router_prefill_fallbacks_total") == 1
+    assert rig.breaker.allows(WorkerId("p0"), time.monotonic()) is not counts_against_p
+
+
+def test_a_decoder_that_fails_before_answering_is_left_out_and_the_request_retried():
+    first = ScriptedUpstream()
+    rig = Rig(first)
+    d_first = rig.request({}).route.decode.name
+    rig.upstream.failing_decoders = {d_first: 502}
+    excluded: list[frozenset[WorkerId]] = []
+    reply = asyncio.run(rig.proxy.serve(rig.request({}, excluded), RecordingClient()))
+    assert reply is not None and reply.status == 200
+    assert excluded == [frozenset({d_first})]
+    assert reply.headers["X-KVPilot-Decode-Worker"] != d_first
+    assert rig.value("kvpilot_router_retries_total", worker=d_first) == 1
+    assert rig.value("kvpilot_router_circuit_open", worker=d_first) == 1
+
+
+def test_a_4xx_from_d_is_the_request_s_fault_and_not_retried():
+    rig = Rig(ScriptedUpstream())
+    d_first = rig.request({}).route.decode.name
+    rig.upstream.failing_decoders = {d_first: 400}
+    excluded: list[frozenset[WorkerId]] = []
+    reply = asyncio.run(rig.proxy.serve(rig.request({}, excluded), RecordingClient()))
+    assert reply is not None and reply.status == 400 and reply.payload["error"]["type"] == "upstream_error"
+    assert excluded == [] and rig.breaker.allows(WorkerId(d_first), time.monotonic())
+
+
+def test_retries_stop_at_max_retries():
+    rig = Rig(ScriptedUpstream(failing_decoders={"d0": 502, "d1": 502}), max_retries=1)
+    reply = asyncio.run(rig.proxy.serve(rig.request({}), RecordingClient()))
+    assert reply is not None and reply.status == 502
+    assert sorted(c[1] for c in rig.upstream.calls if c[0] == "complete") == ["d0", "d1"]  # one try, one retry
+
+
+def test_a_stream_is_relayed_and_a_break_ends_it_with_an_error_event_against_d():
+    rig = Rig(ScriptedUpstream(stream_breaks_after=2))
+    client = RecordingClient()
+    reply = asyncio.run(rig.proxy.serve(rig.request({"stream": True}), client))
+    d = rig.upstream.calls[-1][1]
+    assert reply is None and client.closed and client.headers is not None
+    assert client.headers["X-KVPilot-Route"] == "remote_prefill"
+    assert (
+        len(client.events) == 3
+        and "stream broke: connection reset" in client.events[-1]
+        and '"code": 502' in client.events[-1]
+    )
+    assert rig.value("kvpilot_router_upstream_errors_total", worker=d) == 1
+    assert not rig.breaker.allows(WorkerId(d), time.monotonic())
+
+
+def test_a_request_id_already_in_flight_is_refused():
+    rig = Rig(ScriptedUpstream())
+    request = rig.request({})
+    rig.ledger.dispatch(request.route.request_id, WorkerId("p0"), WorkerId("d0"), request.route.chain, 0)
+    reply = asyncio.run(rig.proxy.serve(request, RecordingClient()))
+    assert reply is not None and reply.status == 409 and rig.upstream.calls == []
