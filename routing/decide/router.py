@@ -58,7 +58,7 @@ from routing.index.chain import PromptChain
 from routing.index.kvindex import KVIndex, Match
 
 if TYPE_CHECKING:
-    from routing.ingest.engine_metrics import EngineLoad
+    from routing.health.engine_load import EngineLoad
 
 
 class NoHealthyWorker(Exception):

@@ -22,13 +22,13 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from routing.config import Worker
+from routing.health.engine_load import EngineLoad
 from routing.health.pair_health import TransferCounters
 from routing.ids import WorkerId
 
@@ -47,17 +47,6 @@ TRANSFER_COUNTERS = {
 """The counters behind :class:`~routing.health.pair_health.TransferCounters` (summed over label sets)."""
 # A sample line of one of these starts with its name and then labels or a space.
 _WANTED_LINES = tuple(name + after for name in (RUNNING, WAITING, KV_USAGE, *TRANSFER_COUNTERS) for after in "{ \t")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """One engine's self-reported load at ``at`` (``time.monotonic()``)."""
-
-    running: float
-    waiting: float
-    kv_usage: float
-    at: float
-    transfer: TransferCounters = field(default_factory=TransferCounters)
 
 
 def parse_samples(text: str) -> list[Sample]:
