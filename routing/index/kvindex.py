@@ -21,20 +21,52 @@ class Match(NamedTuple):
 
 
 class KVIndex(Protocol):
-    """What the router needs of a block index: :class:`BlockIndex` (kvpilot's) or
-    :class:`routing.index.dynamo.DynamoIndex` (Dynamo's ``RadixTree``), chosen
-    with ``index.backend``. ``apply`` never raises; skips are counted."""
+    """What the router needs of a block index: :class:`~routing.index.block_index.BlockIndex`
+    (kvpilot's) or :class:`~routing.index.dynamo.DynamoIndex` (Dynamo's ``RadixTree``),
+    chosen with ``index.backend``. Not thread-safe: callers serialize every call (the
+    router and the index feeder share one lock). Both backends run the same scenarios
+    against the same expected matches (tests/unit/routing/test_routing_dynamo_index.py)."""
 
     block_size: int
+    """Tokens per block; events of another block size are skipped."""
     counters: Counter[str]
+    """How many events were applied, and how many skipped by reason."""
 
-    def apply(self, worker: WorkerId, event: KVEvent) -> str: ...
-    def apply_all(self, worker: WorkerId, events: Iterable[KVEvent]) -> None: ...
-    def clear_worker(self, worker: WorkerId) -> None: ...
-    def remove_worker(self, worker: WorkerId) -> None: ...
-    def workers(self) -> list[WorkerId]: ...
-    def block_count(self, worker: WorkerId, tier: Tier = DEFAULT_TIER) -> int: ...
-    def match(self, chain: PromptChain) -> Match: ...
+    def apply(self, worker: WorkerId, event: KVEvent) -> str:
+        """Apply one event from ``worker``, in the order the worker published it.
+        Returns ``"applied"`` or why it was skipped (counted in :attr:`counters`);
+        never raises. An event that cannot be applied (a ``BlockStored`` whose parent
+        the index never saw, another block size, token ids that do not fill the
+        blocks, a removal for a tier the worker never stored in) is a skip."""
+        ...
+
+    def apply_all(self, worker: WorkerId, events: Iterable[KVEvent]) -> None:
+        """:meth:`apply` each event in order."""
+        ...
+
+    def clear_worker(self, worker: WorkerId) -> None:
+        """Forget every block ``worker`` holds, in every tier (an engine restart, a
+        cache reset, a gap in its events before a replay); the worker stays known."""
+        ...
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        """Forget ``worker`` entirely; a later event from it starts it afresh."""
+        ...
+
+    def workers(self) -> list[WorkerId]:
+        """Every worker the index has heard of and not removed, in no set order."""
+        ...
+
+    def block_count(self, worker: WorkerId, tier: Tier = DEFAULT_TIER) -> int:
+        """Blocks ``worker`` holds in ``tier``; 0 for an unknown worker or tier."""
+        ...
+
+    def match(self, chain: PromptChain) -> Match:
+        """Each worker's longest cached prefix of ``chain`` from block 0, in blocks,
+        per tier; workers and tiers with none are omitted. Does not modify the index.
+        Only blocks of ``chain``'s namespace (its LoRA and ``cache_salt``) count: a
+        prompt never earns credit for another namespace's blocks."""
+        ...
 
 
 class EventApplier:
