@@ -16,7 +16,14 @@ from typing import Any
 
 from kvconnectors.pull_policy import PullDecision
 from kvconnectors.reasons import Reason
-from kvconnectors.transfer_params import PARAMS_KEY, BlockOffer, ContractId, TransferParamsError, decode_offer
+from kvconnectors.transfer_params import (
+    PARAMS_KEY,
+    BlockOffer,
+    ContractId,
+    FieldDiff,
+    TransferParamsError,
+    decode_offer,
+)
 from kvconnectors.verify import verify_offer
 from policies.recompute_vs_transfer import Span
 
@@ -56,6 +63,8 @@ class AttachPlan:
     attached_blocks: int
     """Blocks loaded from the peer beyond the local hit."""
     explanation: str
+    contract_diffs: tuple[FieldDiff, ...] = ()
+    """On a contract mismatch: each contract field that differs from the peer's."""
     pull_decision: PullDecision | None = None
     """For a session pull: the policy's decision on the verified span."""
 
@@ -151,6 +160,7 @@ def _verified_plan(
         recomputed_tokens=recomputed,
         attached_blocks=len(verdict.attach_blocks),
         explanation=explanation,
+        contract_diffs=verdict.contract_diffs,
     )
 
 

@@ -348,8 +348,8 @@ class KVPilotScheduler:
         if plan.recomputed_tokens:
             self._stats.count("recomputed_tokens", plan.recomputed_tokens, reason=plan.reason.value)
         label = plan.reason.value
-        key = (label,) if plan.reason is not Reason.CONTRACT_MISMATCH else (label, plan.explanation)
-        if key not in self._logged:  # once per reason (per distinct contract diff)
+        key = (label, *(f"{d.field}={d.this!r}/{d.other!r}" for d in plan.contract_diffs))
+        if key not in self._logged:  # once per reason and distinct contract diff: bounded by the peers' configs
             self._logged.add(key)
             logger.warning("kvpilot %s: %s (further %s cases log at debug level)", request_id, plan.explanation, label)
         else:

@@ -111,6 +111,8 @@ def test_another_tenants_offer_is_a_contract_mismatch() -> None:
     params = {PARAMS_KEY: encode_offer(theirs, _hashes("abcd"), TAIL), "do_remote_prefill": True}
     plan = plan_attach(_prompt("abcd"), params, CONTRACT, 0, decide_pull=_never)
     assert (plan.attach_blocks, plan.reason, plan.recomputed_tokens) == (0, Reason.CONTRACT_MISMATCH, 69)
+    # the differing field, without this request's sizes: what the scheduler logs once per peer config
+    assert [d.field for d in plan.contract_diffs] == ["salt_id"]
 
 
 def test_screened_out_and_skipped_offers_load_nothing_and_say_why() -> None:
