@@ -56,10 +56,11 @@ def pull_fields_error(params: Mapping[str, Any]) -> str | None:
     """The name of the first malformed pull field, with what is wrong; ``None`` if
     every field the pull uses is well-formed."""
     block_ids = params.get("remote_block_ids")
-    if not isinstance(block_ids, list) or not block_ids:
+    # Lists once they crossed a process in JSON; tuples as NixlConnector builds them in-process.
+    if not isinstance(block_ids, (list, tuple)) or not block_ids:
         return "remote_block_ids (expected a non-empty list of per-group block id lists)"
     for group in block_ids:
-        if not isinstance(group, list) or not all(_is_int(b) and b >= 0 for b in group):
+        if not isinstance(group, (list, tuple)) or not all(_is_int(b) and b >= 0 for b in group):
             return "remote_block_ids (each group must be a list of non-negative ints)"
     if not any(block_ids):
         return "remote_block_ids (every group is empty)"

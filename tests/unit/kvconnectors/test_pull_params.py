@@ -36,6 +36,9 @@ def test_wants_remote_pull(params: object, wanted: bool) -> None:
 
 def test_well_formed_fields_pass() -> None:
     assert pull_fields_error(GOOD) is None
+    # NixlConnector's own params before any JSON round trip: block ids per group as tuples
+    assert pull_fields_error({**GOOD, "remote_block_ids": ([1, 2, 3],)}) is None
+    assert pull_fields_error({**GOOD, "remote_block_ids": [(1, 2, 3)]}) is None
 
 
 @pytest.mark.parametrize(
