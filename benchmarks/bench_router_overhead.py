@@ -24,6 +24,7 @@ from deploy import fleet as fleet_io
 from deploy.client import complete
 from deploy.fleet_spec import FleetSpec
 from deploy.tiny_model import ensure_tiny_model
+from routing.config import IndexBackend
 
 
 def _timed(url: str, prompt: list[int]) -> float:
@@ -49,7 +50,7 @@ def measure(backend: str, requests: int, tokens: int) -> tuple[list[float], list
         side_channel_port=6910,
         events_port=7010,
         router_port=8900,
-        index_backend=backend,
+        index_backend=IndexBackend(backend),
     )
     started = fleet_io.up(spec, progress=lambda _: None)
     try:
@@ -70,7 +71,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--backends", nargs="+", choices=["kvpilot", "dynamo"], default=["kvpilot", "dynamo"])
+    backends = [backend.value for backend in IndexBackend]
+    parser.add_argument("--backends", nargs="+", choices=backends, default=backends)
     args = parser.parse_args()
 
     print(f"{args.requests} requests each, {args.tokens}-token cached prompt, max_tokens=1\n")

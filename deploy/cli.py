@@ -31,6 +31,7 @@ def _tiny_model(args: argparse.Namespace) -> int:
 def _fleet_spec(args: argparse.Namespace):
     from deploy.fleet_spec import ENGINE_API_KEY_ENV, FleetSpec
     from deploy.tiny_model import ensure_tiny_model
+    from routing.config import IndexBackend
 
     extra = json.loads(args.connector_extra_config) if args.connector_extra_config else {}
     return FleetSpec(
@@ -46,7 +47,7 @@ def _fleet_spec(args: argparse.Namespace):
         connector=args.connector,
         connector_extra_config=extra,
         disaggregation=args.disaggregation,
-        index_backend=args.index_backend,
+        index_backend=IndexBackend(args.index_backend),
         engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None,
     )
 
@@ -91,6 +92,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from routing.config import IndexBackend
+
     parser = argparse.ArgumentParser(prog="kvpilot", description="KV, prefix and session caching for vLLM fleets")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -120,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fl.add_argument(
         "--index-backend",
-        choices=["kvpilot", "dynamo"],
-        default="kvpilot",
+        choices=[backend.value for backend in IndexBackend],
+        default=IndexBackend.KVPILOT.value,
         help="the router's block index: kvpilot's, or Dynamo's RadixTree (kvpilot[dynamo])",
     )
     fl.add_argument(

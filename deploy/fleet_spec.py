@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.env import HASH_SEED_ENV, NIXL_CPU_ENV
-from routing.config import INDEX_BACKENDS, Role, Worker
+from routing.config import IndexBackend, Role, Worker
 from routing.fleet import kv_events_config
 
 HOST = "127.0.0.1"
@@ -45,8 +45,8 @@ class FleetSpec:
     disaggregation: str = "conditional"
     """``conditional``: the router's policy picks local or remote prefill per request
     (Dynamo's default thresholds); ``always``: every request is prefilled on P."""
-    index_backend: str = "kvpilot"
-    """The router's block index: ``kvpilot`` or ``dynamo`` (Dynamo's RadixTree)."""
+    index_backend: IndexBackend = IndexBackend.KVPILOT
+    """The router's block index (``index.backend``): kvpilot's or Dynamo's RadixTree."""
     connector: str = "KVPilotConnector"
     connector_extra_config: dict[str, object] = field(default_factory=dict)
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
@@ -73,8 +73,8 @@ class FleetSpec:
             raise ValueError(f"block_size must be a multiple of 32 on CPU, got {self.block_size}")
         if self.disaggregation not in ("conditional", "always"):
             raise ValueError(f"disaggregation must be 'conditional' or 'always', got {self.disaggregation!r}")
-        if self.index_backend not in INDEX_BACKENDS:
-            raise ValueError(f"index_backend must be one of {INDEX_BACKENDS}, got {self.index_backend!r}")
+        if not isinstance(self.index_backend, IndexBackend):
+            raise ValueError(f"index_backend must be an IndexBackend, got {self.index_backend!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +164,7 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
             "max_prompt_tokens": spec.max_model_len,
             **({"engine_api_key_env": ENGINE_API_KEY_ENV} if spec.engine_api_key else {}),
         },
-        "index": {"block_size": spec.block_size, "backend": spec.index_backend},
+        "index": {"block_size": spec.block_size, "backend": spec.index_backend.value},
         "disaggregation": disaggregation,
         "workers": [
             {

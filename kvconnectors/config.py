@@ -32,16 +32,14 @@ checked where the registry is at hand (:mod:`kvconnectors.connector`).
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 
-from kvconnectors.pull_policy import PEER_RETRY_AFTER_S
+from kvconnectors.pull_policy import PEER_RETRY_AFTER_S, RecomputePolicy
+from policies.typed_config import TypedConfig, TypedConfigError, check_range, convert
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 
@@ -77,68 +75,65 @@ INNER_KEYS: Mapping[str, frozenset[str]] = MappingProxyType(
 takes its keys through ``inner_extra_config`` only."""
 
 RECOMPUTE_THRESHOLD_KEY = "kv_recompute_threshold"
-RecomputePolicyName = Literal["roofline", "threshold"]
 
 
-class KVPilotConfigError(ValueError):
+class KVPilotConfigError(TypedConfigError):
     """A bad ``kv_connector_extra_config``; ``key`` names the offending key."""
 
-    def __init__(self, key: str, problem: str) -> None:
-        self.key = key
-        super().__init__(f"KVPilotConnector: {EXTRA_CONFIG}.{key}: {problem}")
+    PREFIX = f"KVPilotConnector: {EXTRA_CONFIG}."
 
 
 PresetName = Annotated[str, msgspec.Meta(min_length=1)]
-Seconds = Annotated[float, msgspec.Meta(gt=0)]
-_MSGSPEC_ERROR = re.compile(r"^(?P<message>.*?)(?: - at `\$\.?(?P<key>[^`.\[]*)[^`]*`)?$", re.DOTALL)
 
 
-@dataclass(frozen=True, slots=True)
-class KVPilotConfig:
+class KVPilotConfig(TypedConfig, frozen=True):
     """What ``KVPilotConnector`` reads from its extra config. Unknown keys are errors."""
+
+    error_type = KVPilotConfigError
 
     inner_connector: Annotated[str, msgspec.Meta(min_length=1)] = DEFAULT_INNER_CONNECTOR
     """Name of the vLLM connector that moves the bytes (registered in vLLM's factory)."""
 
-    inner_extra_config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    inner_extra_config: Mapping[str, Any] = msgspec.field(default_factory=lambda: MappingProxyType({}))
     """The inner connector's own ``kv_connector_extra_config``, as the user gave it
     (top-level inner keys merged in). :meth:`inner_config_for_vllm` is what it gets."""
 
-    recompute_policy: RecomputePolicyName = "roofline"
+    recompute_policy: RecomputePolicy = RecomputePolicy.ROOFLINE
     policy_hardware: PresetName | None = None
     policy_model: PresetName | None = None
     policy_link: PresetName | None = None
-    peer_retry_after_s: Seconds = PEER_RETRY_AFTER_S
+    peer_retry_after_s: float = PEER_RETRY_AFTER_S
 
     def __post_init__(self) -> None:
         if self.inner_connector in _FORBIDDEN_INNER:
             problem = f"{self.inner_connector} cannot be wrapped by KVPilotConnector"
             raise KVPilotConfigError("inner_connector", problem)
-        if not math.isfinite(self.peer_retry_after_s):
-            raise KVPilotConfigError("peer_retry_after_s", f"expected finite seconds, got {self.peer_retry_after_s}")
+        check_range(self, "peer_retry_after_s", above=0)
         _check_presets({key: getattr(self, key) for key in _PRESET_KEYS})
-        object.__setattr__(self, "inner_extra_config", MappingProxyType(dict(self.inner_extra_config)))
+        msgspec.structs.force_setattr(self, "inner_extra_config", MappingProxyType(dict(self.inner_extra_config)))
 
     def inner_config_for_vllm(self) -> dict[str, Any]:
         """What the inner connector is built with. Under the roofline policy its fixed
         ``kv_recompute_threshold`` is switched off (0): kvpilot decides before it."""
         inner = dict(self.inner_extra_config)
-        if self.recompute_policy == "roofline" and self.inner_connector in INNER_KEYS:
+        if self.recompute_policy is RecomputePolicy.ROOFLINE and self.inner_connector in INNER_KEYS:
             inner[RECOMPUTE_THRESHOLD_KEY] = 0
         return inner
 
     @classmethod
     def parse(cls, raw: object) -> KVPilotConfig:
         """Parse and validate ``raw`` (the extra-config dict; ``None`` means defaults):
-        kvpilot's own keys through msgspec against this class's types and constraints,
-        the inner connector's keys merged into ``inner_extra_config``.
+        the inner connector's keys merged into ``inner_extra_config``, then
+        :func:`policies.typed_config.convert` against this class's types and checks.
 
+        The top-level keys are checked here, not by msgspec: which inner keys may
+        stand there depends on ``inner_connector``, and the message lists both kinds.
         Raises :class:`KVPilotConfigError` naming the first bad key.
         """
         if raw is None:
             return cls()
         if not isinstance(raw, Mapping):
-            raise KVPilotConfigError("<root>", f"expected a JSON object, got {type(raw).__name__}")
+            raise KVPilotConfigError(KVPilotConfigError.ROOT_KEY, f"expected a JSON object, got {type(raw).__name__}")
         own = {key: raw[key] for key in _OWN_KEYS & raw.keys()}
         inner = own.get("inner_connector", DEFAULT_INNER_CONNECTOR)
         inner_keys = INNER_KEYS.get(inner, frozenset()) if isinstance(inner, str) else frozenset()
@@ -154,18 +149,12 @@ class KVPilotConfig:
                     raise KVPilotConfigError(key, "given both at the top level and in inner_extra_config")
                 merged[key] = raw[key]
             own["inner_extra_config"] = merged
-            own.setdefault("recompute_policy", "threshold" if RECOMPUTE_THRESHOLD_KEY in merged else "roofline")
-        try:
-            return msgspec.convert(own, cls)
-        except msgspec.ValidationError as exc:
-            if isinstance(exc.__cause__, KVPilotConfigError):  # raised by __post_init__
-                raise exc.__cause__ from None
-            match = _MSGSPEC_ERROR.match(str(exc))
-            assert match is not None  # the pattern matches every string
-            raise KVPilotConfigError(match["key"] or "<root>", match["message"]) from None
+            implied = RecomputePolicy.THRESHOLD if RECOMPUTE_THRESHOLD_KEY in merged else RecomputePolicy.ROOFLINE
+            own.setdefault("recompute_policy", implied.value)
+        return convert(own, cls)
 
 
-_OWN_KEYS = frozenset(f.name for f in fields(KVPilotConfig))
+_OWN_KEYS = frozenset(f.name for f in msgspec.structs.fields(KVPilotConfig))
 _PRESET_KEYS = ("policy_hardware", "policy_model", "policy_link")
 
 

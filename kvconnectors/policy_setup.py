@@ -17,7 +17,7 @@ import os
 from typing import TYPE_CHECKING
 
 from kvconnectors.config import RECOMPUTE_THRESHOLD_KEY, KVPilotConfig
-from kvconnectors.pull_policy import PullPolicy, RooflinePullPolicy, ThresholdPullPolicy
+from kvconnectors.pull_policy import PullPolicy, RecomputePolicy, RooflinePullPolicy, ThresholdPullPolicy
 from policies.presets import GPUS, hardware_preset, kv_format_preset, link_preset, model_from_hf_config, model_preset
 from policies.recompute_vs_transfer import VLLM_RECOMPUTE_BELOW_TOKENS, RecomputeVsTransferPolicy
 from policies.specs import HardwareSpec
@@ -62,7 +62,7 @@ def engine_hardware(vllm_config: VllmConfig) -> HardwareSpec:
 
 def build_pull_policy(vllm_config: VllmConfig, config: KVPilotConfig) -> PullPolicy:
     """The policy that decides this engine's session pulls (see :mod:`kvconnectors.config`)."""
-    if config.recompute_policy == "threshold":
+    if config.recompute_policy is RecomputePolicy.THRESHOLD:
         threshold = config.inner_extra_config.get(RECOMPUTE_THRESHOLD_KEY, VLLM_RECOMPUTE_BELOW_TOKENS)
         return ThresholdPullPolicy(int(threshold))
     from vllm.platforms import current_platform

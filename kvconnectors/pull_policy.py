@@ -16,6 +16,7 @@ The live inputs are kept here as plain counters fed by the connector:
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -31,7 +32,16 @@ from policies.recompute_vs_transfer import (
 )
 
 PullChoice = Literal["pull", "recompute"]
-DecidedBy = Literal["roofline", "threshold"]
+
+
+class RecomputePolicy(str, enum.Enum):
+    """Who decides whether a span is pulled: the connector's ``recompute_policy``
+    (:mod:`kvconnectors.config`) and the ``reason`` of each :class:`PullDecision`."""
+
+    ROOFLINE = "roofline"
+    """:class:`RooflinePullPolicy`: :class:`policies.RecomputeVsTransferPolicy` on live inputs."""
+    THRESHOLD = "threshold"
+    """:class:`ThresholdPullPolicy`: vLLM's fixed ``kv_recompute_threshold``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +49,7 @@ class PullDecision:
     """Whether to pull ``span.tokens`` from the peer, who decided, and why."""
 
     choice: PullChoice
-    decided_by: DecidedBy
+    decided_by: RecomputePolicy
     span: Span
     explanation: str
 
@@ -50,7 +60,7 @@ class PullDecision:
     @property
     def label(self) -> str:
         """The ``decision/reason`` key of ``vllm:kvpilot_pull_decisions_total``."""
-        return f"{self.choice}/{self.decided_by}"
+        return f"{self.choice}/{self.decided_by.value}"
 
 
 class PullPolicy(Protocol):
@@ -70,7 +80,7 @@ class ThresholdPullPolicy:
         relation = ">=" if pull else "<"
         return PullDecision(
             "pull" if pull else "recompute",
-            "threshold",
+            RecomputePolicy.THRESHOLD,
             span,
             f"{span.tokens} tokens {relation} kv_recompute_threshold {self.threshold}",
         )
@@ -86,7 +96,7 @@ class RooflinePullPolicy:
         decision = self.policy.decide(span, load, telemetry)
         choice: PullChoice = "pull" if decision.choice is Choice.TRANSFER else "recompute"
         queued = f"; P load {load.queued_prefill_tokens} queued + {load.running_batch_tokens} running tokens"
-        return PullDecision(choice, "roofline", span, decision.explain() + queued)
+        return PullDecision(choice, RecomputePolicy.ROOFLINE, span, decision.explain() + queued)
 
 
 class PrefillBacklog:

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvconnectors import reasons
+from kvconnectors.pull_policy import RecomputePolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +44,7 @@ class CounterSpec:
 
 REASONS = tuple(reason.value for reason in reasons.REJECT_REASONS)
 RECOMPUTE_REASONS = tuple(reason.value for reason in reasons.RECOMPUTE_REASONS)
-PULL_DECISIONS = tuple(f"{choice}/{by}" for choice in ("pull", "recompute") for by in ("roofline", "threshold"))
+PULL_DECISIONS = tuple(f"{choice}/{by.value}" for choice in ("pull", "recompute") for by in RecomputePolicy)
 
 COUNTERS: tuple[CounterSpec, ...] = (
     CounterSpec(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from policies.roofline import kv_bytes, linear_flops, pass_seconds, prefill
 from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec
+from policies.typed_config import TypedConfig
 
 
 class Where(enum.Enum):
@@ -45,8 +46,7 @@ class DecodeState:
     running_streams: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class LocalPrefillConfig:
+class LocalPrefillConfig(TypedConfig, frozen=True):
     """Thresholds (None disables one), the decode-busy guard, and the cost check.
 
     ``max_stall_s``: the longest pause an unchunked local prefill may impose on

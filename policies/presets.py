@@ -9,19 +9,16 @@ dimensions, never typed in.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import yaml
 
 from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecError
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
+from policies.typed_config import TypedConfig, convert
 
 # --- models, as their config.json ---------------------------------------------------
 
@@ -217,26 +214,17 @@ def model_from_hf_config(cfg: Mapping[str, Any], name: str, source: str = "confi
     )
 
 
-_T = TypeVar("_T", bound="DataclassInstance")
+_T = TypeVar("_T", bound=TypedConfig)
 
 
 def _from_fields(cls: type[_T], data: Mapping[str, Any], source: str) -> _T:
-    """Convert a mapping to a spec dataclass (msgspec: types, then the spec's own
-    checks), refusing unknown and missing keys by name."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in known:
-            raise SpecError(str(key), f"unknown field in {source} (known: {', '.join(sorted(known))})")
-    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in data]
-    if required:
-        raise SpecError(required[0], f"missing from {source}")
+    """Convert a mapping to a spec (:func:`policies.typed_config.convert`: types,
+    unknown and missing keys, then the spec's own checks); the error names the key
+    and ``source``."""
     try:
-        return msgspec.convert(data, cls)
-    except msgspec.ValidationError as exc:
-        if isinstance(exc.__cause__, SpecError):  # the spec's own range checks
-            raise exc.__cause__ from None
-        message, _, path = str(exc).partition(" - at `$.")
-        raise SpecError(path.rstrip("`") or "<document>", f"{message} in {source}") from None
+        return convert(data, cls)
+    except SpecError as exc:
+        raise SpecError(exc.key, f"{exc.problem} in {source}") from None
 
 
 def parse_document(text: str, source: str) -> dict[str, Any]:
@@ -289,11 +277,7 @@ def link_from_mapping(data: Mapping[str, Any], source: str) -> LinkSpec:
 
 def _override(spec: _T, fields: Mapping[str, Any], source: str) -> _T:
     """``spec`` with ``fields`` replaced, converted and checked as :func:`_from_fields` does."""
-    base = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
-    for key in fields:
-        if key not in base:
-            raise SpecError(str(key), f"unknown field in {source}")
-    return _from_fields(type(spec), {**base, **fields}, source)
+    return _from_fields(type(spec), {**msgspec.structs.asdict(spec), **fields}, source)
 
 
 def model_preset(name: str) -> ModelSpec:

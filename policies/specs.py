@@ -1,57 +1,43 @@
 """Frozen, validated specs: a model, a KV format, an instance's hardware, a link.
 
-Every spec validates itself in ``__post_init__`` and raises :class:`SpecError`
-naming the offending field. Units are SI throughout: bytes, seconds, FLOP/s,
-bytes/s; link rates are given the way vendors quote them (Gbit/s per lane).
-Parsing from presets and files lives in :mod:`policies.presets`.
+Every spec is a :class:`~policies.typed_config.TypedConfig`: it validates itself
+in ``__post_init__`` and raises :class:`SpecError` naming the offending field.
+Units are SI throughout: bytes, seconds, FLOP/s, bytes/s; link rates are given
+the way vendors quote them (Gbit/s per lane). Parsing from presets and files
+lives in :mod:`policies.presets`.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import typing
 from typing import Literal
+
+from policies.typed_config import TypedConfig, TypedConfigError, check_range
 
 AttentionKind = Literal["gqa", "mla"]
 AttentionParallel = Literal["tp", "dp"]
 LinkKind = Literal["rdma", "tcp", "nvlink", "mnnvl", "pcie", "c2c", "nvme"]
 
 
-class SpecError(ValueError):
-    """A spec field is missing, unknown or out of range; ``field`` names it."""
+class SpecError(TypedConfigError):
+    """A spec field is missing, unknown or out of range; ``key`` names it."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+    ROOT_KEY = "<document>"
 
 
-def _require_positive(obj: object, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise SpecError(name, f"must be a number, got {value!r}")
-        if not math.isfinite(value) or value <= 0:
-            raise SpecError(name, f"must be > 0, got {value!r}")
+class _Spec(TypedConfig, frozen=True):
+    error_type = SpecError
 
 
-def _require_non_negative(obj: object, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise SpecError(name, f"must be a number, got {value!r}")
-        if not math.isfinite(value) or value < 0:
-            raise SpecError(name, f"must be >= 0, got {value!r}")
+def _require_one_of(spec: _Spec, name: str, allowed: object) -> None:
+    """``spec.<name>`` must be one of the ``Literal`` type ``allowed``'s values (msgspec
+    checks this when it converts; this is for direct construction)."""
+    values = typing.get_args(allowed)
+    if getattr(spec, name) not in values:
+        raise SpecError(name, f"must be one of {', '.join(map(repr, values))}, got {getattr(spec, name)!r}")
 
 
-def _require_fraction(obj: object, *names: str) -> None:
-    _require_positive(obj, *names)
-    for name in names:
-        if getattr(obj, name) > 1:
-            raise SpecError(name, f"must be in (0, 1], got {getattr(obj, name)!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
+class ModelSpec(_Spec, frozen=True):
     """A transformer's shape, as far as KV size, FLOPs and weight traffic need it.
 
     ``params_active`` drives FLOPs (2 per parameter per token); ``params_total``
@@ -87,7 +73,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not self.name:
             raise SpecError("name", "must be a non-empty string")
-        _require_positive(
+        check_range(
             self,
             "num_layers",
             "hidden_size",
@@ -97,8 +83,9 @@ class ModelSpec:
             "params_total",
             "params_active",
             "weight_bytes_per_param",
+            above=0,
         )
-        _require_non_negative(
+        check_range(
             self,
             "kv_lora_rank",
             "qk_rope_head_dim",
@@ -108,15 +95,15 @@ class ModelSpec:
             "sliding_window",
             "state_layers",
             "state_bytes_per_layer",
+            at_least=0,
         )
-        if self.attention not in ("gqa", "mla"):
-            raise SpecError("attention", f"must be 'gqa' or 'mla', got {self.attention!r}")
+        _require_one_of(self, "attention", AttentionKind)
         if self.num_attention_heads % self.num_kv_heads:
             raise SpecError("num_kv_heads", "must divide num_attention_heads")
         if self.params_active > self.params_total:
             raise SpecError("params_active", "must not exceed params_total")
         if self.attention == "mla":
-            _require_positive(self, "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+            check_range(self, "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", above=0)
         if self.sliding_window_layers and not self.sliding_window:
             raise SpecError("sliding_window", "must be > 0 when sliding_window_layers > 0")
         if self.state_layers and not self.state_bytes_per_layer:
@@ -160,8 +147,7 @@ class ModelSpec:
         return self.params_total * self.weight_bytes_per_param
 
 
-@dataclass(frozen=True, slots=True)
-class KVFormat:
+class KVFormat(_Spec, frozen=True):
     """How KV values are stored: ``value_bits`` each, plus one ``scale_bits`` scale
     per ``scale_block`` values (0 for none). Bytes per value include the scales."""
 
@@ -173,8 +159,8 @@ class KVFormat:
     def __post_init__(self) -> None:
         if not self.name:
             raise SpecError("name", "must be a non-empty string")
-        _require_positive(self, "value_bits")
-        _require_non_negative(self, "scale_bits", "scale_block")
+        check_range(self, "value_bits", above=0)
+        check_range(self, "scale_bits", "scale_block", at_least=0)
         if self.scale_bits and not self.scale_block:
             raise SpecError("scale_block", "must be > 0 when scale_bits > 0")
 
@@ -184,8 +170,7 @@ class KVFormat:
         return (self.value_bits + scale) / 8.0
 
 
-@dataclass(frozen=True, slots=True)
-class HardwareSpec:
+class HardwareSpec(_Spec, frozen=True):
     """One serving instance: ``gpus`` identical GPUs (per-GPU figures below).
 
     ``compute_efficiency`` scales peak dense FLOP/s (the article uses 60% for
@@ -209,10 +194,9 @@ class HardwareSpec:
     def __post_init__(self) -> None:
         if not self.name:
             raise SpecError("name", "must be a non-empty string")
-        _require_positive(self, "peak_flops", "hbm_bandwidth", "hbm_bytes", "gpus")
-        _require_fraction(self, "compute_efficiency", "bandwidth_efficiency", "memory_utilization")
-        if self.attention_parallel not in ("tp", "dp"):
-            raise SpecError("attention_parallel", f"must be 'tp' or 'dp', got {self.attention_parallel!r}")
+        check_range(self, "peak_flops", "hbm_bandwidth", "hbm_bytes", "gpus", above=0)
+        check_range(self, "compute_efficiency", "bandwidth_efficiency", "memory_utilization", above=0, at_most=1)
+        _require_one_of(self, "attention_parallel", AttentionParallel)
 
     @property
     def effective_flops(self) -> float:
@@ -227,8 +211,7 @@ class HardwareSpec:
         return self.peak_flops / self.hbm_bandwidth
 
 
-@dataclass(frozen=True, slots=True)
-class LinkSpec:
+class LinkSpec(_Spec, frozen=True):
     """A path KV can take: ``lanes`` x ``lane_gbps`` Gbit/s at ``efficiency``, plus
     ``setup_s`` fixed cost per transfer (posting, descriptor setup, handshake)."""
 
@@ -242,11 +225,10 @@ class LinkSpec:
     def __post_init__(self) -> None:
         if not self.name:
             raise SpecError("name", "must be a non-empty string")
-        if self.kind not in ("rdma", "tcp", "nvlink", "mnnvl", "pcie", "c2c", "nvme"):
-            raise SpecError("kind", f"unknown link kind {self.kind!r}")
-        _require_positive(self, "lanes", "lane_gbps")
-        _require_fraction(self, "efficiency")
-        _require_non_negative(self, "setup_s")
+        _require_one_of(self, "kind", LinkKind)
+        check_range(self, "lanes", "lane_gbps", above=0)
+        check_range(self, "efficiency", above=0, at_most=1)
+        check_range(self, "setup_s", at_least=0)
 
     @property
     def effective_bytes_per_s(self) -> float:

@@ -42,7 +42,7 @@ def run_router(args: argparse.Namespace) -> int:
         config = load_config(args.config, args)
         fleet = fleet_from_config(config)
         if not config.server.model_dir:
-            raise ConfigError("server.model_dir is required (the tokenizer lives there)")
+            raise ConfigError("server.model_dir", "required (the tokenizer lives there)")
         server = build_server(config, fleet)
     except (ConfigError, OSError, ValueError) as exc:
         print(f"kvpilot router: {exc}", file=sys.stderr)

@@ -21,7 +21,7 @@ user can paste them::
     index:
       backend: kvpilot                   # kvpilot | dynamo (Dynamo's RadixTree; needs kvpilot[dynamo])
       block_size: 16
-      tiers: {GPU: gpu, CPU: host, STORAGE: disk}
+      tiers: {GPU: gpu, CPU: host, STORAGE: disk}   # medium -> gpu | host | disk | shared
       events_stale_after_s: 0.0          # > 0: a worker silent this long after a prefill is routed on load alone
     sessions:
       max_sessions: 10000
@@ -55,26 +55,24 @@ user can paste them::
         kv_blocks: 0                     # the engine's KV capacity in blocks (0 = unknown)
 
 Every scalar leaf outside ``workers`` also has a flag (``--overlap-score-credit 0.5``,
-``--compare-costs true``, ``--max-local-tokens none``);
-flags override YAML, YAML overrides defaults. msgspec converts the merged mapping
-into these frozen dataclasses (the same approach as ``kvconnectors/config.py``,
-``kvconnectors/transfer_params.py`` and ``policies/presets.py``), running each
-section's own range checks; an unknown key is an error naming its path
-(``cost.overlap_score_credt``), and so is a value of the wrong type
-(``cost.router_seed: Expected `int`, got `float```) or out of range.
+``--compare-costs true``, ``--max-local-tokens none``, ``--backend dynamo``: an enum
+leaf's flag takes only its values); flags override YAML, YAML overrides defaults.
+:func:`policies.typed_config.convert` (the one converter, shared with
+``kvconnectors/config.py`` and ``policies/presets.py``) turns the merged mapping into
+these frozen structs, running each section's own range checks; an unknown key is a
+:class:`ConfigError` naming its path (``cost.overlap_score_credt``), and so is a value
+of the wrong type (``cost.router_seed: Expected `int`, got `float```), outside its
+enum (``index.backend``, ``index.tiers.GPU``, ``sessions.force_option``, a worker's
+``role``) or out of range.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import enum
-import math
-import re
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -85,28 +83,57 @@ import yaml
 
 from policies.disaggregation import LocalPrefillConfig
 from policies.session_options import Option
+from policies.typed_config import TypedConfig, TypedConfigError, check_range, convert
 from routing.ids import WorkerId
 
-TIER_CLASSES = ("gpu", "host", "disk", "shared")
-INDEX_BACKENDS = ("kvpilot", "dynamo")
-SESSION_OPTIONS = tuple(option.value for option in Option)
-"""What ``sessions.force_option`` may name."""
+
+class ConfigError(TypedConfigError):
+    """A router config value or key is wrong: ``key`` names it by its dotted path
+    (``cost.router_seed``, ``workers[0].url``), ``problem`` says what is wrong."""
+
+    ROOT_KEY = "top level"
 
 
-class ConfigError(ValueError):
-    """A configuration value or key is wrong; the message names it."""
+class IndexBackend(str, enum.Enum):
+    """``index.backend``: the block index the router keeps."""
+
+    KVPILOT = "kvpilot"
+    """:class:`routing.index.block_index.BlockIndex`."""
+    DYNAMO = "dynamo"
+    """Dynamo's ``RadixTree`` (:mod:`routing.index.dynamo`; needs ``kvpilot[dynamo]``)."""
 
 
-def _non_negative(obj: object, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not math.isfinite(value) or value < 0:
-            raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+class TierClass(str, enum.Enum):
+    """What a KV event's medium counts as in the cost (``index.tiers`` maps media to
+    these), best first: blocks are credited only beyond the better classes."""
+
+    GPU = "gpu"
+    HOST = "host"
+    DISK = "disk"
+    SHARED = "shared"
 
 
-@dataclass(frozen=True)
-class CostConfig:
+class ForcedOption(str, enum.Enum):
+    """``sessions.force_option``: a :class:`~policies.session_options.Option` by its
+    name, or ``""`` (:attr:`CHEAPEST`): the cheapest by the roofline."""
+
+    CHEAPEST = ""
+    REPREFILL = Option.REPREFILL.value
+    PULL = Option.PULL.value
+    AFFINITY = Option.AFFINITY.value
+    SHARED_TIER = Option.SHARED_TIER.value
+    LOCAL = Option.LOCAL.value
+
+    @property
+    def option(self) -> Option | None:
+        """The option a session's later steps take while it is available; ``None``: the cheapest."""
+        return None if self is ForcedOption.CHEAPEST else Option(self.value)
+
+
+class CostConfig(TypedConfig, frozen=True):
     """Dynamo's cost parameters (same names, same defaults) plus session affinity."""
+
+    error_type = ConfigError
 
     overlap_score_credit: float = 1.0
     overlap_score_credit_decay: float = 0.0
@@ -126,19 +153,17 @@ class CostConfig:
     """Blocks added per second of the pair's mean NIXL transfer time."""
 
     def __post_init__(self) -> None:
-        _non_negative(
-            self,
-            *(f.name for f in dataclasses.fields(self) if f.name != "router_seed"),
-        )
-        if not self.pair_failure_half_life_s > 0:
-            raise ConfigError(f"pair_failure_half_life_s must be > 0, got {self.pair_failure_half_life_s}")
+        weights = (f.name for f in msgspec.structs.fields(self) if f.name != "router_seed")
+        check_range(self, *weights, at_least=0)
+        check_range(self, "pair_failure_half_life_s", above=0)
 
 
-@dataclass(frozen=True)
-class IndexConfig:
+class IndexConfig(TypedConfig, frozen=True):
     """Which block index, and how it reads KV events."""
 
-    backend: str = "kvpilot"
+    error_type = ConfigError
+
+    backend: IndexBackend = IndexBackend.KVPILOT
     block_size: int = 16
     kv_group: int = 0
     removal_log_capacity: int = 65536
@@ -147,43 +172,34 @@ class IndexConfig:
     event for this long is routed on load alone (``routing.health.event_watch``); 0 = off
     (the default: right after a router restart the index can lack blocks an engine
     holds, and a prefill of those publishes nothing)."""
-    tiers: Mapping[str, str] = field(default_factory=lambda: {"GPU": "gpu", "CPU": "host", "STORAGE": "disk"})
+    tiers: Mapping[str, TierClass] = msgspec.field(
+        default_factory=lambda: {"GPU": TierClass.GPU, "CPU": TierClass.HOST, "STORAGE": TierClass.DISK}
+    )
+    """A KV event's medium -> its :class:`TierClass`; media not listed earn nothing."""
 
     def __post_init__(self) -> None:
-        if self.backend not in INDEX_BACKENDS:
-            raise ConfigError(f"backend must be one of {INDEX_BACKENDS}, got {self.backend!r}")
-        if self.block_size <= 0:
-            raise ConfigError(f"block_size must be positive, got {self.block_size}")
-        if self.kv_group < 0:
-            raise ConfigError(f"kv_group must be >= 0, got {self.kv_group}")
-        if self.removal_log_capacity <= 0:
-            raise ConfigError("removal_log_capacity must be positive")
-        if not self.events_stale_after_s >= 0:
-            raise ConfigError(f"events_stale_after_s must be >= 0, got {self.events_stale_after_s}")
-        for medium, klass in self.tiers.items():
-            if klass not in TIER_CLASSES:
-                raise ConfigError(f"tiers.{medium} must be one of {TIER_CLASSES}, got {klass!r}")
-        object.__setattr__(self, "tiers", MappingProxyType(dict(self.tiers)))
+        check_range(self, "block_size", "removal_log_capacity", above=0)
+        check_range(self, "kv_group", "events_stale_after_s", at_least=0)
+        msgspec.structs.force_setattr(self, "tiers", MappingProxyType(dict(self.tiers)))
 
 
-@dataclass(frozen=True)
-class SessionConfig:
+class SessionConfig(TypedConfig, frozen=True):
+    error_type = ConfigError
+
     max_sessions: int = 10000
-    force_option: str = ""
+    force_option: ForcedOption = ForcedOption.CHEAPEST
     """A session's later steps take this option of the article's section 9.2 while it
     is available (``reprefill``, ``pull``, ``affinity``, ``shared_tier``, ``local``);
     ``""``: the cheapest by the roofline."""
 
     def __post_init__(self) -> None:
-        if self.max_sessions <= 0:
-            raise ConfigError(f"max_sessions must be positive, got {self.max_sessions}")
-        if self.force_option and self.force_option not in SESSION_OPTIONS:
-            raise ConfigError(f"force_option must be one of {SESSION_OPTIONS} or empty, got {self.force_option!r}")
+        check_range(self, "max_sessions", above=0)
 
 
-@dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(TypedConfig, frozen=True):
     """The HTTP front: where it listens, the model it serves, upstream timeouts."""
+
+    error_type = ConfigError
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -223,9 +239,9 @@ class ServerConfig:
     sent to every engine as ``Authorization: Bearer <key>``; ``""``: none."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"port must be in [0, 65536), got {self.port}")
-        for name in (
+        check_range(self, "port", at_least=0, below=65536)
+        check_range(
+            self,
             "engine_metrics_interval_s",
             "max_prompt_tokens",
             "max_output_tokens",
@@ -233,26 +249,19 @@ class ServerConfig:
             "max_queued_requests",
             "circuit_failures",
             "max_retries",
-        ):
-            _non_negative(self, name)
-        if self.max_body_bytes < 1024:
-            raise ConfigError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
-        for name in ("queue_timeout_s", "circuit_open_s"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
-        for name in ("prefill_timeout_s", "request_timeout_s"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+            at_least=0,
+        )
+        check_range(self, "max_body_bytes", at_least=1024)
+        check_range(self, "queue_timeout_s", "circuit_open_s", "prefill_timeout_s", "request_timeout_s", above=0)
 
 
-@dataclass(frozen=True)
-class DisaggregationConfig(LocalPrefillConfig):
+class DisaggregationConfig(LocalPrefillConfig, frozen=True):
     """The policy's own :class:`~policies.disaggregation.LocalPrefillConfig` (one type:
     the router hands this section to the policy as it is) plus the preset names it
     costs with. One default differs from Dynamo's (:data:`~policies.disaggregation.DYNAMO_DEFAULT`):
     the decode-busy guard is on at 90% of D's KV."""
+
+    error_type = ConfigError
 
     decode_busy_kv_usage: float | None = 0.9
     model_preset: str = "llama-8b"
@@ -262,10 +271,7 @@ class DisaggregationConfig(LocalPrefillConfig):
     kv_format: str = "bf16"
 
     def __post_init__(self) -> None:
-        _non_negative(self, "max_stall_s")
-        for name in ("max_local_tokens", "max_local_fraction", "decode_busy_kv_usage"):
-            if getattr(self, name) is not None:
-                _non_negative(self, name)
+        check_range(self, "max_stall_s", "max_local_tokens", "max_local_fraction", "decode_busy_kv_usage", at_least=0)
 
 
 class Role(str, enum.Enum):
@@ -277,10 +283,11 @@ class Role(str, enum.Enum):
 _EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
-@dataclass(frozen=True, slots=True)
-class Worker:
+class Worker(TypedConfig, frozen=True):
     """One engine: an OpenAI-compatible server at ``url`` with optional KV events, as
     written in YAML and as the router uses it (:mod:`routing.fleet` checks the fleet)."""
+
+    error_type = ConfigError
 
     name: WorkerId
     role: Role
@@ -293,78 +300,29 @@ class Worker:
 
     def __post_init__(self) -> None:
         if not self.name:
-            raise ConfigError("name must be a non-empty string")
+            raise ConfigError("name", "must be a non-empty string")
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"url must be http(s)://host:port, got {self.url!r}")
-        object.__setattr__(self, "url", self.url.rstrip("/"))
+            raise ConfigError("url", f"must be http(s)://host:port, got {self.url!r}")
+        msgspec.structs.force_setattr(self, "url", self.url.rstrip("/"))
         for name in ("kv_events_endpoint", "replay_endpoint"):
             endpoint = getattr(self, name)
             if endpoint is not None and not endpoint.startswith(_EVENT_SCHEMES):
-                raise ConfigError(f"{name} must be a tcp://, ipc:// or inproc:// endpoint")
+                raise ConfigError(name, f"must be a tcp://, ipc:// or inproc:// endpoint, got {endpoint!r}")
         if self.replay_endpoint is not None and self.kv_events_endpoint is None:
-            raise ConfigError("replay_endpoint needs kv_events_endpoint")
-        if self.kv_blocks < 0:
-            raise ConfigError(f"kv_blocks must be >= 0, got {self.kv_blocks}")
+            raise ConfigError("replay_endpoint", "needs kv_events_endpoint")
+        check_range(self, "kv_blocks", at_least=0)
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    cost: CostConfig = field(default_factory=CostConfig)
-    index: IndexConfig = field(default_factory=IndexConfig)
-    sessions: SessionConfig = field(default_factory=SessionConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+class RouterConfig(TypedConfig, frozen=True):
+    error_type = ConfigError
+
+    cost: CostConfig = msgspec.field(default_factory=CostConfig)
+    index: IndexConfig = msgspec.field(default_factory=IndexConfig)
+    sessions: SessionConfig = msgspec.field(default_factory=SessionConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    disaggregation: DisaggregationConfig = msgspec.field(default_factory=DisaggregationConfig)
     workers: tuple[Worker, ...] = ()
-
-
-_MSGSPEC_ERROR = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
-
-
-def _dotted(error: msgspec.ValidationError) -> str:
-    """msgspec's ``"<message> - at `$.cost.router_seed`"`` as ``cost.router_seed: <message>``.
-
-    A message from a section's own check starts with its field name in lower case
-    (``"block_size must be positive"``) and joins the path with a dot instead."""
-    match = _MSGSPEC_ERROR.match(str(error))
-    assert match is not None  # the pattern matches every string
-    message, path = match["message"], (match["path"] or "").lstrip(".")
-    if not path:
-        return message
-    return f"{path}.{message}" if message[:1].islower() else f"{path}: {message}"
-
-
-def _check_keys(cls: type, data: object, prefix: str) -> None:
-    """Unknown and missing keys, named by path (msgspec ignores unknown dataclass fields)."""
-    if not isinstance(data, Mapping):
-        return  # msgspec names the wrong type
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in fields:
-            raise ConfigError(f"unknown config key {prefix + str(key)!r}")
-    for name, f in fields.items():
-        if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"missing config key {prefix + name!r}")
-            continue
-        kind, value = hints[name], data[name]
-        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
-            _check_keys(kind, value, f"{prefix}{name}.")
-        elif typing.get_origin(kind) is tuple and isinstance(value, list):
-            (item,) = [a for a in typing.get_args(kind) if a is not Ellipsis]
-            if isinstance(item, type) and dataclasses.is_dataclass(item):
-                for i, entry in enumerate(value):
-                    _check_keys(item, entry, f"{prefix}{name}[{i}].")
-
-
-def _build(data: Mapping[str, Any]) -> RouterConfig:
-    """``data`` as a :class:`RouterConfig`; msgspec converts and runs each section's checks."""
-    _check_keys(RouterConfig, data, "")
-    try:
-        return msgspec.convert(data, RouterConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(_dotted(exc)) from None
 
 
 _FLAG_KINDS = (int, float, str, bool)
@@ -373,30 +331,34 @@ _NULL = object()
 
 
 def _scalar(annotation: Any) -> tuple[type, bool] | None:
-    """(type, nullable) of a scalar leaf's annotation, or None for anything else."""
+    """(type, nullable) of a scalar leaf's annotation (a bool, number, string or
+    enum, maybe ``| None``), or None for anything else."""
+    nullable = False
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
-        (inner,) = [a for a in args if a is not type(None)]
-        return (inner, True) if inner in _FLAG_KINDS else None
-    return (annotation, False) if annotation in _FLAG_KINDS else None
+        (annotation,) = [a for a in args if a is not type(None)]
+        nullable = True
+    if annotation in _FLAG_KINDS or (isinstance(annotation, type) and issubclass(annotation, enum.Enum)):
+        return annotation, nullable
+    return None
 
 
 def _leaves() -> list[tuple[str, str, type, bool]]:
     """(section, field, type, nullable) of every scalar leaf of the mapping sections."""
     out = []
-    for section, cls in typing.get_type_hints(RouterConfig).items():
-        if not dataclasses.is_dataclass(cls):
+    for section in msgspec.structs.fields(RouterConfig):
+        if not (isinstance(section.type, type) and issubclass(section.type, TypedConfig)):
             continue
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            scalar = _scalar(hints[f.name])
+        for leaf in msgspec.structs.fields(section.type):
+            scalar = _scalar(leaf.type)
             if scalar is not None:
-                out.append((section, f.name, *scalar))
+                out.append((section.name, leaf.name, *scalar))
     return out
 
 
-def _flag_parser(kind: type, nullable: bool) -> Any:
-    """argparse's ``type=`` for a leaf: ``true``/``false`` for a bool, ``none`` for null."""
+def _flag_parser(kind: type[Any], nullable: bool) -> Any:
+    """argparse's ``type=`` for a leaf: ``true``/``false`` for a bool, ``none`` for
+    null, the text itself for an enum (its ``choices`` check it)."""
 
     def parse(text: str) -> Any:
         if nullable and text.lower() in ("none", "null"):
@@ -405,7 +367,7 @@ def _flag_parser(kind: type, nullable: bool) -> Any:
             if text.lower() not in ("true", "false"):
                 raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
             return text.lower() == "true"
-        return kind(text)
+        return text if issubclass(kind, enum.Enum) else kind(text)
 
     parse.__name__ = kind.__name__  # argparse names the type in its error
     return parse
@@ -413,25 +375,34 @@ def _flag_parser(kind: type, nullable: bool) -> Any:
 
 def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     """Add ``--<field-name>`` for every scalar leaf (default None = not given); a
-    nullable leaf takes ``none``, a boolean ``true`` or ``false``."""
+    nullable leaf takes ``none``, a boolean ``true`` or ``false``, an enum one of its
+    values (argparse's ``choices``)."""
     group = parser.add_argument_group("router config (overrides the YAML file)")
     for section, name, kind, nullable in _leaves():
+        choices: list[object] | None = None
+        metavar = kind.__name__.upper()
+        if issubclass(kind, enum.Enum):
+            values = [member.value for member in kind]
+            choices, metavar = [*values, *([_NULL] if nullable else [])], "{" + ",".join(values) + "}"
         group.add_argument(
             "--" + name.replace("_", "-"),
             dest=f"{section}__{name}",
             type=_flag_parser(kind, nullable),
+            choices=choices,
             default=None,
-            metavar=kind.__name__.upper() + ("|none" if nullable else ""),
+            metavar=metavar + ("|none" if nullable else ""),
         )
 
 
 def load_config(path: str | Path | None, args: argparse.Namespace | None = None) -> RouterConfig:
-    """Defaults, then the YAML file at ``path`` (if any), then flags set in ``args``."""
+    """Defaults, then the YAML file at ``path`` (if any), then flags set in ``args``,
+    converted by :func:`policies.typed_config.convert`. Raises :class:`ConfigError`
+    naming the first wrong key."""
     data: dict[str, Any] = {}
     if path is not None:
         loaded = yaml.safe_load(Path(path).read_text())
         if loaded is not None and not isinstance(loaded, Mapping):
-            raise ConfigError(f"{path}: top level must be a mapping")
+            raise ConfigError(ConfigError.ROOT_KEY, f"must be a mapping, got {type(loaded).__name__} ({path})")
         data = {k: dict(v) if isinstance(v, Mapping) else v for k, v in (loaded or {}).items()}
     if args is not None:
         for section, name, _, _ in _leaves():
@@ -439,6 +410,6 @@ def load_config(path: str | Path | None, args: argparse.Namespace | None = None)
             if value is not None:
                 target = data.setdefault(section, {})
                 if not isinstance(target, dict):
-                    raise ConfigError(f"{section} must be a mapping")
+                    raise ConfigError(section, "must be a mapping")
                 target[name] = None if value is _NULL else value
-    return _build(data)
+    return convert(data, RouterConfig)

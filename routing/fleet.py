@@ -48,12 +48,12 @@ def fleet_from_config(cfg: RouterConfig) -> Fleet:
     for i, worker in enumerate(cfg.workers):
         where = f"workers[{i}]"
         if worker.name in seen:
-            raise ConfigError(f"{where}.name {worker.name!r} is used twice")
+            raise ConfigError(f"{where}.name", f"{worker.name!r} is used twice")
         seen.add(worker.name)
         for endpoint in (worker.kv_events_endpoint, worker.replay_endpoint):
             if endpoint is not None:
                 if endpoint in endpoints:
-                    raise ConfigError(f"{where}: endpoint {endpoint} is used twice")
+                    raise ConfigError(where, f"endpoint {endpoint} is used twice")
                 endpoints.add(endpoint)
         workers.append(worker)
     fleet = Fleet(
@@ -62,9 +62,9 @@ def fleet_from_config(cfg: RouterConfig) -> Fleet:
         tuple(w for w in workers if w.role is Role.COLOCATED),
     )
     if fleet.prefill and not fleet.decode:
-        raise ConfigError("workers with role prefill need at least one decode worker")
+        raise ConfigError("workers", "with role prefill need at least one decode worker")
     if not (fleet.decode or fleet.colocated):
-        raise ConfigError("workers must include at least one decode or colocated worker")
+        raise ConfigError("workers", "must include at least one decode or colocated worker")
     return fleet
 
 

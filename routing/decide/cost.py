@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from routing.config import CostConfig
+from routing.config import CostConfig, TierClass
 from routing.decide.ledger import WorkerLoad
 from routing.ids import Tier
 
@@ -53,25 +53,27 @@ class TierOverlap(NamedTuple):
     shared: int = 0
 
 
-def tier_overlap(depths: Mapping[Tier, int], tier_classes: Mapping[str, str], shared_depth: int = 0) -> TierOverlap:
+def tier_overlap(
+    depths: Mapping[Tier, int], tier_classes: Mapping[str, TierClass], shared_depth: int = 0
+) -> TierOverlap:
     """Fold a worker's per-tier prefix depths into :class:`TierOverlap`.
 
     ``depths`` is one worker's entry of :attr:`routing.index.kvindex.Match.blocks`;
-    ``tier_classes`` maps a medium to ``gpu``/``host``/``disk``/``shared``
+    ``tier_classes`` maps a medium to its :class:`~routing.config.TierClass`
     (unknown media earn nothing). ``shared_depth`` is the deepest prefix any
     worker reported in a ``shared`` tier: a shared cache serves every worker.
 
-    >>> tier_overlap({"GPU": 10, "CPU": 25}, {"GPU": "gpu", "CPU": "host"})
+    >>> tier_overlap({"GPU": 10, "CPU": 25}, {"GPU": TierClass.GPU, "CPU": TierClass.HOST})
     TierOverlap(gpu=10, host=15, disk=0, shared=0)
     """
-    best = dict.fromkeys(("gpu", "host", "disk", "shared"), 0)
+    best = dict.fromkeys(TierClass, 0)
     for tier, depth in depths.items():
         klass = tier_classes.get(tier)
         if klass is not None:
             best[klass] = max(best[klass], depth)
-    best["shared"] = max(best["shared"], shared_depth)
+    best[TierClass.SHARED] = max(best[TierClass.SHARED], shared_depth)
     covered, out = 0, []
-    for klass in ("gpu", "host", "disk", "shared"):
+    for klass in TierClass:  # best first, as TierOverlap's fields
         out.append(max(0, best[klass] - covered))
         covered = max(covered, best[klass])
     return TierOverlap(*out)

@@ -48,7 +48,7 @@ from policies.disaggregation import (
 from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
 from policies.specs import SpecError
-from routing.config import ConfigError, DisaggregationConfig, RouterConfig, Worker
+from routing.config import ConfigError, DisaggregationConfig, RouterConfig, TierClass, Worker
 from routing.decide.cost import Candidate, CostModel, Decision, TierOverlap, tier_overlap
 from routing.decide.ledger import LoadLedger, WorkerLoad
 from routing.decide.sessions import OfferUse, SessionOffer, SessionState, SessionStore
@@ -138,7 +138,7 @@ def policy_from_config(cfg: DisaggregationConfig) -> LocalVsRemotePolicy:
             cfg,
         )
     except SpecError as exc:
-        raise ConfigError(f"disaggregation: {exc}") from None
+        raise ConfigError("disaggregation", str(exc)) from None
 
 
 class Router:
@@ -178,7 +178,7 @@ class Router:
         self.events_stale = events_stale if events_stale is not None else (lambda _: False)
         self.pair_penalty = pair_penalty if pair_penalty is not None else (lambda _p, _d: 0.0)
         self.pricer = SessionOptionPricer(policy) if policy is not None else None
-        self._forced = Option(config.sessions.force_option) if config.sessions.force_option else None
+        self._forced = config.sessions.force_option.option
         self.cost = CostModel(config.cost, rng if rng is not None else random.Random(config.cost.router_seed))
         self._tiers = config.index.tiers
         self._options: dict[str, tuple[Worker | None, Worker]] = {
@@ -365,7 +365,7 @@ class Router:
                 depth
                 for tiers in match.blocks.values()
                 for tier, depth in tiers.items()
-                if self._tiers.get(tier) == "shared"
+                if self._tiers.get(tier) is TierClass.SHARED
             ),
             default=0,
         )

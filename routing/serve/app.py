@@ -35,7 +35,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from routing.config import ConfigError, IndexConfig, RouterConfig
+from routing.config import ConfigError, IndexBackend, IndexConfig, RouterConfig
 from routing.decide.ledger import LoadLedger
 from routing.decide.router import NoHealthyWorker, Route, Router, policy_from_config
 from routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, SessionStore, scoped, session_key
@@ -80,7 +80,7 @@ def _api_key(env_name: str, field: str = "server.api_key_env") -> str | None:
         return None
     key = os.environ.get(env_name, "")
     if not key:
-        raise ConfigError(f"{field} names {env_name!r}, which is unset or empty")
+        raise ConfigError(field, f"names {env_name!r}, which is unset or empty")
     return key
 
 
@@ -114,12 +114,12 @@ class _SSEResponse:
 def make_index(cfg: IndexConfig) -> KVIndex:
     """The index ``cfg.backend`` names: kvpilot's :class:`BlockIndex` or Dynamo's
     ``RadixTree`` (:mod:`routing.index.dynamo`, needs ``ai-dynamo-runtime``)."""
-    if cfg.backend == "dynamo":
+    if cfg.backend is IndexBackend.DYNAMO:
         try:
             from routing.index.dynamo import DynamoIndex
         except ImportError as exc:
             raise ConfigError(
-                f"index.backend 'dynamo' needs ai-dynamo-runtime (pip install 'kvpilot[dynamo]'): {exc}"
+                "index.backend", f"'dynamo' needs ai-dynamo-runtime (pip install 'kvpilot[dynamo]'): {exc}"
             ) from None
         return DynamoIndex(cfg.block_size, kv_group=cfg.kv_group)
     return BlockIndex(cfg.block_size, kv_group=cfg.kv_group, log_capacity=cfg.removal_log_capacity)

@@ -23,6 +23,7 @@ from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from deploy.prompts import filler_text
+from routing.config import IndexBackend
 from routing.serve.request_fields import ENGINE_INTERNAL
 from routing.serve.tokenizer import PromptTokenizer
 
@@ -32,7 +33,7 @@ PORTS = {"engine_port": 8810, "side_channel_port": 6210, "events_port": 6810, "r
 CACHE_HIT = "vllm:prompt_tokens_by_source_total"
 
 
-@pytest.fixture(scope="module", params=["kvpilot", "dynamo"])
+@pytest.fixture(scope="module", params=list(IndexBackend), ids=lambda backend: backend.value)
 def spec(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FleetSpec:
     """The same fleet and tests with each index backend (kvpilot's, Dynamo's RadixTree)."""
     return FleetSpec(
@@ -182,7 +183,7 @@ def test_an_engine_whose_events_stop_is_flagged_and_routed_on_load_alone(
     Once it has prefilled a prompt through the router and stayed silent for
     ``index.events_stale_after_s``, it is flagged and gets no overlap credit; its
     answers stay correct. Runs last: it restarts the router, then restores it."""
-    if spec.index_backend != "kvpilot":
+    if spec.index_backend is not IndexBackend.KVPILOT:
         pytest.skip("the watch is the router's, whatever the index: once is enough")
     silenced = "colocated-1"
     config = yaml.safe_load((spec.run_dir / "router.yaml").read_text())

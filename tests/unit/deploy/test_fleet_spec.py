@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from deploy.fleet_spec import FleetSpec, Role, plan_fleet
+from routing.config import IndexBackend
 
 
 def _spec(**kw) -> FleetSpec:
@@ -46,11 +47,11 @@ def test_router_config_parses_and_always_disaggregates_on_request(tmp_path: Path
 
     from routing.config import load_config
 
-    _, _, config = plan_fleet(_spec(disaggregation="always", index_backend="dynamo"))
+    _, _, config = plan_fleet(_spec(disaggregation="always", index_backend=IndexBackend.DYNAMO))
     (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
     parsed = load_config(tmp_path / "router.yaml")
     assert parsed.disaggregation.max_local_tokens == 0
-    assert parsed.index.backend == "dynamo"
+    assert parsed.index.backend is IndexBackend.DYNAMO
     assert [w.name for w in parsed.workers] == ["prefill-0", "decode-0"]
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 import pytest
 
 from kvconnectors.config import KVPilotConfig, KVPilotConfigError
+from kvconnectors.pull_policy import RecomputePolicy
+from policies.typed_config import convert
 
 
 def test_defaults_wrap_nixl() -> None:
@@ -25,7 +27,7 @@ def test_nixl_keys_at_the_top_level_are_a_drop_in() -> None:
     config = KVPilotConfig.parse(raw)
     assert dict(config.inner_extra_config) == raw
     assert config.inner_extra_config["bidirectional_kv_xfer"] is True
-    assert config.recompute_policy == "roofline"
+    assert config.recompute_policy is RecomputePolicy.ROOFLINE
     # kvpilot decides session pulls: the inner connector's fixed threshold is off.
     assert config.inner_config_for_vllm() == {**raw, "kv_recompute_threshold": 0}
 
@@ -33,7 +35,7 @@ def test_nixl_keys_at_the_top_level_are_a_drop_in() -> None:
 def test_a_fixed_threshold_pins_vllms_rule() -> None:
     for raw in ({"kv_recompute_threshold": 16}, {"inner_extra_config": {"kv_recompute_threshold": 16}}):
         config = KVPilotConfig.parse(raw)
-        assert config.recompute_policy == "threshold"
+        assert config.recompute_policy is RecomputePolicy.THRESHOLD
         assert config.inner_config_for_vllm() == {"kv_recompute_threshold": 16}
     config = KVPilotConfig.parse({"kv_recompute_threshold": 16, "recompute_policy": "roofline"})
     assert config.inner_config_for_vllm() == {"kv_recompute_threshold": 0}
@@ -78,6 +80,31 @@ def test_bad_config_names_the_key(raw: object, key: str) -> None:
         KVPilotConfig.parse(raw)
     assert err.value.key == key
     assert f"kv_connector_extra_config.{key}" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "key", "problem"),
+    [
+        ({"bogus": 1}, "bogus", "unknown key (known: inner_connector, inner_extra_config, recompute_policy,"),
+        ({"peer_retry_after_s": "30"}, "peer_retry_after_s", "Expected `float`, got `str`"),
+        ({"policy_link": 3}, "policy_link", "Expected `str | null`, got `int`"),
+        ({"recompute_policy": "always"}, "recompute_policy", "must be one of 'roofline', 'threshold', got 'always'"),
+        ({"peer_retry_after_s": 0}, "peer_retry_after_s", "must be a finite number > 0, got 0"),
+    ],
+)
+def test_convert_names_the_key_of_the_extra_config(raw: dict[str, object], key: str, problem: str) -> None:
+    """policies.typed_config.convert on the connector's own keys (a flat struct: its keys
+    are the dotted keys), each error a KVPilotConfigError; ``parse`` adds the inner keys."""
+    with pytest.raises(KVPilotConfigError) as err:
+        convert(raw, KVPilotConfig)
+    assert err.value.key == key
+    assert problem in err.value.problem
+    assert str(err.value) == f"KVPilotConnector: kv_connector_extra_config.{key}: {err.value.problem}"
+
+
+def test_parse_lists_the_inner_connectors_keys_beside_its_own() -> None:
+    with pytest.raises(KVPilotConfigError, match=r"bogus: unknown key \(known keys: backends, .*recompute_policy"):
+        KVPilotConfig.parse({"bogus": 1})
 
 
 def test_unknown_inner_connector_is_refused_against_vllms_registry() -> None:

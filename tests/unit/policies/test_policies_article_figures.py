@@ -6,9 +6,9 @@ model from presets, the article's figure, and the relative tolerance (5%).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
 from policies.planner import Workload, plan, task_prefill
@@ -183,11 +183,11 @@ def test_session_counts_exact(fmt: KVFormat, dedup: bool, exact: int) -> None:
 
 def test_figures_follow_inputs_not_literals() -> None:
     """Halving compute efficiency doubles the first prefill; a 4-GPU instance halves the weight pass."""
-    slow = dataclasses.replace(HW, compute_efficiency=0.3)
+    slow = msgspec.structs.replace(HW, compute_efficiency=0.3)
     assert prefill(M, BF16, slow, FIRST).seconds == pytest.approx(2 * FIRST_PREFILL.seconds, rel=1e-9)
-    wide = dataclasses.replace(HW, gpus=4)
+    wide = msgspec.structs.replace(HW, gpus=4)
     assert weight_stream_seconds(M, wide) == pytest.approx(weight_stream_seconds(M, HW) / 2)
-    fewer_kv_heads = dataclasses.replace(M, num_kv_heads=4)
+    fewer_kv_heads = msgspec.structs.replace(M, num_kv_heads=4)
     assert kv_bytes_per_token(fewer_kv_heads, BF16) == kv_bytes_per_token(M, BF16) / 2
 
 
@@ -195,5 +195,5 @@ def test_mla_dp_attention_recovers_8x_sessions_on_8_gpus() -> None:
     """10.2: under TP every GPU stores every latent; DP attention recovers up to 8x."""
     node = hardware_preset("b200x8")
     tp = sessions_per_instance(MLA, BF16, node, STEP20)
-    dp = sessions_per_instance(MLA, BF16, dataclasses.replace(node, attention_parallel="dp"), STEP20)
+    dp = sessions_per_instance(MLA, BF16, msgspec.structs.replace(node, attention_parallel="dp"), STEP20)
     assert dp / tp == pytest.approx(8, rel=0.05)

@@ -88,7 +88,7 @@ def test_subset_of_regimes_has_no_lessons() -> None:
 def test_bad_workload_names_the_field(field: str, value: float) -> None:
     with pytest.raises(SpecError) as err:
         Workload(**{field: value})
-    assert err.value.field == field
+    assert err.value.key == field
 
 
 def test_session_that_does_not_fit_is_an_error() -> None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
 from policies.presets import hardware_preset, kv_format_preset, model_preset
@@ -44,7 +44,7 @@ def test_sliding_window_pairs_match_brute_force(new: int, context: int, window: 
 
 
 def test_sliding_window_layers_cap_attention_and_kv() -> None:
-    hybrid = dataclasses.replace(M, sliding_window_layers=40, sliding_window=4096)
+    hybrid = msgspec.structs.replace(M, sliding_window_layers=40, sliding_window=4096)
     assert attention_flops(hybrid, 1000, 60_000) < attention_flops(M, 1000, 60_000)
     assert kv_bytes(hybrid, BF16, 60_000) == pytest.approx(kv_bytes(M, BF16, 60_000) / 2 + kv_bytes(M, BF16, 4096) / 2)
     assert attention_flops(hybrid, 100, 0) == attention_flops(M, 100, 0)  # all within the window
@@ -100,7 +100,7 @@ def test_prefill_bound_switches_with_size() -> None:
     ],
 )
 def test_kv_replication(model: str, gpus: int, parallel: str, replication: float) -> None:
-    hw = dataclasses.replace(hardware_preset("b200"), gpus=gpus, attention_parallel=parallel)
+    hw = msgspec.structs.replace(hardware_preset("b200"), gpus=gpus, attention_parallel=parallel)
     assert kv_replication(model_preset(model), hw) == replication
 
 

@@ -22,6 +22,7 @@ from policies.presets import (
 )
 from policies.roofline import kv_bytes, kv_bytes_per_token
 from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecError
+from policies.typed_config import convert
 
 LLAMA_70B = HF_CONFIGS["llama-70b"]
 
@@ -126,7 +127,7 @@ def _drop(key: str) -> dict[str, Any]:
 def test_bad_hf_configs_name_the_field(cfg: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as err:
         model_from_mapping(cfg, "config.json")
-    assert err.value.field == field
+    assert err.value.key == field
     assert field in str(err.value)
 
 
@@ -164,12 +165,12 @@ GOOD_MODEL = {
 def test_bad_model_documents_name_the_field(override: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as err:
         model_from_mapping({**GOOD_MODEL, **override}, "model.yaml")
-    assert err.value.field == field
+    assert err.value.key == field
 
 
 def test_missing_required_model_field() -> None:
     doc = {k: v for k, v in GOOD_MODEL.items() if k != "head_dim"}
-    with pytest.raises(SpecError, match=r"head_dim: missing from model\.yaml"):
+    with pytest.raises(SpecError, match=r"head_dim: missing required key in model\.yaml"):
         model_from_mapping(doc, "model.yaml")
 
 
@@ -198,7 +199,7 @@ def test_model_document_yaml_and_json_agree() -> None:
 def test_bad_hardware_documents_name_the_field(doc: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as err:
         hardware_from_mapping(doc, "hw.yaml")
-    assert err.value.field == field
+    assert err.value.key == field
 
 
 def test_hardware_override_keeps_the_rest() -> None:
@@ -218,7 +219,41 @@ def test_hardware_override_keeps_the_rest() -> None:
 def test_bad_link_documents_name_the_field(doc: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as err:
         link_from_mapping(doc, "link.yaml")
-    assert err.value.field == field
+    assert err.value.key == field
+
+
+FULL_MODEL = {**GOOD_MODEL, "params_active": GOOD_MODEL["params_total"]}
+
+
+@pytest.mark.parametrize(
+    ("cls", "doc", "key", "problem"),
+    [
+        (ModelSpec, {**FULL_MODEL, "colour": "blue"}, "colour", "unknown key (known: name, num_layers, hidden_size,"),
+        (ModelSpec, {**FULL_MODEL, "num_layers": "32"}, "num_layers", "Expected `int`, got `str`"),
+        (ModelSpec, {**FULL_MODEL, "attention": "mha"}, "attention", "must be one of 'gqa', 'mla', got 'mha'"),
+        (ModelSpec, {**FULL_MODEL, "head_dim": 0}, "head_dim", "must be a finite number > 0, got 0"),
+        (
+            LinkSpec,
+            {"name": "l", "kind": "carrier-pigeon", "lanes": 1, "lane_gbps": 1},
+            "kind",
+            "must be one of 'rdma', 'tcp', 'nvlink', 'mnnvl', 'pcie', 'c2c', 'nvme', got 'carrier-pigeon'",
+        ),
+        (
+            HardwareSpec,
+            {"name": "x", "peak_flops": 1e15, "hbm_bandwidth": 1e12, "hbm_bytes": 8e10, "attention_parallel": "ep"},
+            "attention_parallel",
+            "must be one of 'tp', 'dp', got 'ep'",
+        ),
+        (KVFormat, {"name": "k", "value_bits": 4, "scale_block": "16"}, "scale_block", "Expected `int`, got `str`"),
+    ],
+)
+def test_convert_names_the_key_of_a_spec_document(cls: type, doc: dict[str, Any], key: str, problem: str) -> None:
+    """policies.typed_config.convert on the spec documents (flat structs: their keys are
+    the dotted keys), each error a SpecError."""
+    with pytest.raises(SpecError) as err:
+        convert(doc, cls)
+    assert err.value.key == key
+    assert problem in err.value.problem
 
 
 @pytest.mark.parametrize(("text", "source"), [("[1, 2]", "x.yaml"), ("{not json", "x.json"), ("a: [", "x.yaml")])
@@ -241,4 +276,4 @@ def test_unparseable_documents(text: str, source: str) -> None:
 def test_direct_construction_errors(make: Callable[[], object], field: str) -> None:
     with pytest.raises(SpecError) as err:
         make()
-    assert err.value.field == field
+    assert err.value.key == field

@@ -9,7 +9,7 @@ import pytest
 from policies.disaggregation import KVPILOT_DEFAULT, DecodeState, LocalPrefillConfig, LocalVsRemotePolicy
 from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from policies.session_options import Option, PrefillSite, SessionOptionPricer, SessionStep, choose
-from routing.config import SESSION_OPTIONS
+from routing.config import ForcedOption
 
 
 def pricer(link: str = "rdma", config: LocalPrefillConfig = KVPILOT_DEFAULT) -> SessionOptionPricer:
@@ -40,7 +40,8 @@ def by_option(step: SessionStep, **kw) -> dict[Option, object]:
 
 
 def test_the_config_names_are_the_options() -> None:
-    assert tuple(o.value for o in Option) == SESSION_OPTIONS
+    assert [forced.option for forced in ForcedOption] == [None, *Option]
+    assert all(forced.value == forced.option.value for forced in ForcedOption if forced.option is not None)
     assert [o.article_number for o in Option] == [1, 2, 3, 4, 5]
 
 

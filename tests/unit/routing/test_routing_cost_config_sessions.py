@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 
+import msgspec
 import pytest
 
-from routing.config import ConfigError, CostConfig, add_cli_flags, load_config
+from policies.session_options import Option
+from policies.typed_config import convert
+from routing.config import (
+    ConfigError,
+    CostConfig,
+    ForcedOption,
+    IndexBackend,
+    RouterConfig,
+    TierClass,
+    add_cli_flags,
+    load_config,
+)
 from routing.decide.cost import Candidate, CostModel, TierOverlap, tier_overlap, worker_terms
 from routing.decide.ledger import LoadLedger, WorkerLoad
 from routing.decide.sessions import InvalidSessionKey, SessionOffer, SessionStore, scoped, session_key
@@ -28,28 +39,32 @@ CFG = CostConfig()
         (CFG, TierOverlap(gpu=60), WorkerLoad(30, 50, 2), False, 70 + 150),
         (CFG, TierOverlap(gpu=100), WorkerLoad(), True, 0 + 100 - 16),
         (
-            dataclasses.replace(CFG, overlap_score_credit_decay=0.01),
+            msgspec.structs.replace(CFG, overlap_score_credit_decay=0.01),
             TierOverlap(gpu=100),
             WorkerLoad(100, 0, 0),
             False,
             150 + 100,
         ),  # credit halved at 100 active prefill blocks
         (
-            dataclasses.replace(CFG, prefill_load_scale=2.0, decode_active_request_weight=5.0),
+            msgspec.structs.replace(CFG, prefill_load_scale=2.0, decode_active_request_weight=5.0),
             TierOverlap(gpu=50),
             WorkerLoad(0, 0, 3),
             False,
             100 + 100 + 15,
         ),
-        (dataclasses.replace(CFG, overlap_score_credit=3.0), TierOverlap(gpu=50), WorkerLoad(), False, 0 + 100),
+        (msgspec.structs.replace(CFG, overlap_score_credit=3.0), TierOverlap(gpu=50), WorkerLoad(), False, 0 + 100),
     ],
 )
 def test_cost_table(cfg, overlap, load, affinity, cost):
     assert worker_terms(cfg, 100, Candidate("w", overlap, load, affinity)).cost == pytest.approx(cost)
 
 
+def test_tier_overlap_fields_are_the_tier_classes_best_first():
+    assert TierOverlap._fields == tuple(klass.value for klass in TierClass)
+
+
 def test_tier_overlap_counts_each_block_once():
-    classes = {"GPU": "gpu", "CPU": "host", "STORAGE": "disk"}
+    classes = {"GPU": TierClass.GPU, "CPU": TierClass.HOST, "STORAGE": TierClass.DISK}
     assert tier_overlap({"GPU": 30, "CPU": 10}, classes) == TierOverlap(30, 0, 0, 0)
     assert tier_overlap({"GPU": 10, "STORAGE": 40, "X": 99}, classes, shared_depth=50) == TierOverlap(10, 0, 30, 10)
 
@@ -63,9 +78,9 @@ def test_argmin_explain_and_seeded_sampling():
     assert d.chosen == "hot"
     text = d.explain()
     assert text.count("request=r1") == 3 and "worker=hot cost=190.00" in text and "<- chosen" in text
-    decayed = CostModel(dataclasses.replace(CFG, overlap_score_credit_decay=0.05)).decide("r2", 100, cands)
+    decayed = CostModel(msgspec.structs.replace(CFG, overlap_score_credit_decay=0.05)).decide("r2", 100, cands)
     assert decayed.chosen == "cold"
-    warm = dataclasses.replace(CFG, router_temperature=1.0)
+    warm = msgspec.structs.replace(CFG, router_temperature=1.0)
     picks = [CostModel(warm, random.Random(7)).decide("r", 100, cands).chosen for _ in range(5)]
     assert len(set(picks)) == 1  # same seed, same draw
     many = CostModel(warm, random.Random(1))
@@ -158,6 +173,17 @@ def test_load_ledger_moves_a_failed_prefill_to_decode():
             ["--max-local-tokens", "64", "--compare-costs", "false"],
             lambda c: c.disaggregation.max_local_tokens == 64 and c.disaggregation.compare_costs is False,
         ),
+        (
+            "index: {backend: kvpilot, tiers: {GPU: gpu, NET: shared}}\nsessions: {force_option: pull}",
+            ["--backend", "dynamo", "--force-option", ""],
+            lambda c: (
+                c.index.backend is IndexBackend.DYNAMO
+                and c.index.tiers["NET"] is TierClass.SHARED
+                and c.sessions.force_option is ForcedOption.CHEAPEST
+                and c.sessions.force_option.option is None
+            ),
+        ),
+        ("sessions: {force_option: shared_tier}", [], lambda c: c.sessions.force_option.option is Option.SHARED_TIER),
     ],
 )
 def test_config_layers(tmp_path, yaml_text, flags, check):
@@ -169,7 +195,14 @@ def test_config_layers(tmp_path, yaml_text, flags, check):
 
 
 @pytest.mark.parametrize(
-    "flags", [["--compare-costs", "yes"], ["--max-sessions", "none"], ["--max-local-tokens", "1.5"]]
+    "flags",
+    [
+        ["--compare-costs", "yes"],
+        ["--max-sessions", "none"],
+        ["--max-local-tokens", "1.5"],
+        ["--backend", "redis"],
+        ["--force-option", "teleport"],
+    ],
 )
 def test_a_bad_flag_value_is_refused_by_argparse(flags):
     parser = argparse.ArgumentParser()
@@ -181,7 +214,7 @@ def test_a_bad_flag_value_is_refused_by_argparse(flags):
 def test_an_unknown_forced_option_names_the_key(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("sessions: {force_option: teleport}")
-    with pytest.raises(ConfigError, match=r"sessions\.force_option must be one of"):
+    with pytest.raises(ConfigError, match=r"sessions\.force_option: must be one of '', 'reprefill', .*got 'teleport'"):
         load_config(path)
 
 
@@ -192,7 +225,7 @@ def test_an_unknown_forced_option_names_the_key(tmp_path):
         ("routerr: {}", "routerr"),
         ("cost: {router_temperature: -1}", "cost.router_temperature"),
         ("cost: {router_seed: 1.5}", "cost.router_seed: Expected `int`, got `float`"),
-        ("disaggregation: {max_local_fraction: -0.5}", "disaggregation.max_local_fraction must be"),
+        ("disaggregation: {max_local_fraction: -0.5}", "disaggregation.max_local_fraction: must be"),
         ("sessions: {max_sessions: many}", "sessions.max_sessions: Expected `int`, got `str`"),
         ("index: {block_size: 0}", "index.block_size"),
         ("index: {tiers: {GPU: vram}}", "index.tiers.GPU"),
@@ -205,6 +238,38 @@ def test_config_errors_name_the_key(tmp_path, yaml_text, message):
     path.write_text(yaml_text)
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         load_config(path)
+
+
+W = {"name": "d", "role": "decode", "url": "http://127.0.0.1:1"}
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "problem"),
+    [
+        ({"cost": {"overlap_score_credt": 1}}, "cost.overlap_score_credt", "unknown key (known: overlap_score_credit,"),
+        ({"workers": [W, {**W, "name": "e", "colour": 1}]}, "workers[1].colour", "unknown key (known: name, role,"),
+        ({"cost": {"router_seed": 1.5}}, "cost.router_seed", "Expected `int`, got `float`"),
+        ({"workers": [{**W, "kv_blocks": "many"}]}, "workers[0].kv_blocks", "Expected `int`, got `str`"),
+        ({"index": {"backend": "redis"}}, "index.backend", "must be one of 'kvpilot', 'dynamo', got 'redis'"),
+        (
+            {"index": {"tiers": {"GPU": "gpu", "CPU": "vram"}}},
+            "index.tiers.CPU",
+            "must be one of 'gpu', 'host', 'disk', 'shared', got 'vram'",
+        ),
+        ({"sessions": {"force_option": "teleport"}}, "sessions.force_option", "'shared_tier', 'local', got 'teleport'"),
+        ({"workers": [{**W, "role": "mixer"}]}, "workers[0].role", "'decode', 'colocated', got 'mixer'"),
+        ({"index": {"block_size": 0}}, "index.block_size", "must be a finite number > 0, got 0"),
+        ({"server": {"port": 65536}}, "server.port", "must be a finite number >= 0 and < 65536, got 65536"),
+        ({"workers": [{"name": "d", "role": "decode"}]}, "workers[0].url", "missing required key"),
+    ],
+)
+def test_convert_names_the_dotted_key_of_the_router_config(data, key, problem):
+    """policies.typed_config.convert on the router's config: unknown keys, types and
+    enums at depth, each error a ConfigError naming the key."""
+    with pytest.raises(ConfigError) as err:
+        convert(data, RouterConfig)
+    assert err.value.key == key
+    assert problem in err.value.problem
 
 
 @pytest.mark.parametrize(

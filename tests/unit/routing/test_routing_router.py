@@ -198,14 +198,17 @@ def test_empty_prompt_is_refused():
     ("workers", "message"),
     [
         ([{"name": "a", "role": "decode", "url": "http://h:1", "colour": 1}], "workers[0].colour"),
-        ([{"name": "a", "role": "decode"}], "missing config key 'workers[0].url'"),
+        ([{"name": "a", "role": "decode"}], "workers[0].url: missing required key"),
         ([_w("a", "mixer")], "workers[0].role"),
-        ([_w("a", "decode"), _w("a", "decode")], "workers[1].name 'a' is used twice"),
+        ([_w("a", "decode"), _w("a", "decode")], "workers[1].name: 'a' is used twice"),
         ([_w("a", "prefill")], "need at least one decode"),
         ([], "at least one decode or colocated"),
         ([{"name": "a", "role": "decode", "url": "ftp://h"}], "workers[0].url"),
         ([_w("a", "decode", kv_events_endpoint="udp://x")], "workers[0].kv_events_endpoint"),
-        ([_w("a", "decode", replay_endpoint="tcp://127.0.0.1:2")], "workers[0].replay_endpoint needs"),
+        (
+            [_w("a", "decode", replay_endpoint="tcp://127.0.0.1:2")],
+            "workers[0].replay_endpoint: needs kv_events_endpoint",
+        ),
         ([_w("a", "decode", kv_blocks="many")], "workers[0].kv_blocks"),
         (
             [

@@ -540,7 +540,7 @@ def test_ds_session_offer_goes_to_p_at_the_next_step_once_and_never_expired_or_a
     ("yaml_text", "message"),
     [
         ("workers:\n  - {name: a, role: decode, url: 'http://x:1', bogus: 1}\n", "workers[0].bogus"),
-        ("workers:\n  - {name: a, role: decode, url: 'http://x:1'}\n", "server.model_dir is required"),
+        ("workers:\n  - {name: a, role: decode, url: 'http://x:1'}\n", "server.model_dir: required"),
         ("cost: {overlap_score_credt: 1}\n", "cost.overlap_score_credt"),
     ],
 )
