@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fleets import E2E_PORTS, running_fleet
 
 from deploy import fleet as fleet_io
 from deploy.fleet_spec import FleetSpec
 from deploy.tiny_model import ensure_tiny_model
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.fleets import E2E_PORTS, running_fleet
 
 
 @pytest.fixture(scope="session")

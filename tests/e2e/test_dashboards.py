@@ -24,7 +24,6 @@ import msgspec
 import pytest
 import yaml
 import zmq
-from scenarios import BLOCK_SIZE, prefill_on
 
 from deploy import dashboards
 from deploy import fleet as fleet_io
@@ -35,6 +34,7 @@ from deploy.metrics import scrape, total
 from deploy.observe import DEFAULT_RULES, ObserveSpec
 from deploy.prompts import filler_text
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.scenarios import BLOCK_SIZE, prefill_on
 
 pytestmark = pytest.mark.e2e
 

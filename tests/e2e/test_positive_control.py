@@ -9,14 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fleets import running_fleet
-from scenarios import cases, colocated_reference, common_full_blocks
-from sessions import EDITS, GENERATED, block_count, colocated, common_prefix, handshake_both_ways, run_session
 
 from deploy.client import complete
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.fleets import running_fleet
+from tests.e2e.scenarios import cases, colocated_reference, common_full_blocks
+from tests.e2e.sessions import EDITS, GENERATED, block_count, colocated, common_prefix, handshake_both_ways, run_session
 
 pytestmark = pytest.mark.e2e
 

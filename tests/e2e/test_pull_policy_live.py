@@ -9,14 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fleets import running_fleet
-from scenarios import PROMPT_TOKENS, RECOMPUTED
-from sessions import EDITS, GENERATED, PULL_DECISIONS, block_count, handshake_both_ways, run_session
 
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.fleets import running_fleet
+from tests.e2e.scenarios import PROMPT_TOKENS, RECOMPUTED
+from tests.e2e.sessions import EDITS, GENERATED, PULL_DECISIONS, block_count, handshake_both_ways, run_session
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import yaml
 import zmq
-from fleets import running_fleet
 
 from deploy import fleet as fleet_io
 from deploy.client import Completion, complete, debug_route, wait_for_overlap
@@ -25,6 +24,7 @@ from deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from deploy.prompts import filler_text
 from routing.serve.request_fields import ENGINE_INTERNAL
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.fleets import running_fleet
 
 pytestmark = pytest.mark.e2e
 

@@ -12,9 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fleets import running_fleet
-from scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED
-from sessions import (
+
+from deploy.client import Completion, complete
+from deploy.fleet import Fleet, restart_router
+from deploy.fleet_spec import FleetSpec
+from deploy.metrics import delta, scrape
+from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.fleets import running_fleet
+from tests.e2e.scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED
+from tests.e2e.sessions import (
     EDITS,
     GENERATED,
     PULL_DECISIONS,
@@ -26,12 +32,6 @@ from sessions import (
     history,
     run_session,
 )
-
-from deploy.client import Completion, complete
-from deploy.fleet import Fleet, restart_router
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape
-from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 

@@ -9,8 +9,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from fleets import running_fleet
-from scenarios import BLOCK_SIZE, PROMPT_TOKENS, RECOMPUTED, REJECTED, colocated_reference, run_case
 
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
@@ -18,6 +16,8 @@ from deploy.metrics import delta
 from deploy.prompts import filler_text
 from deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.fleets import running_fleet
+from tests.e2e.scenarios import BLOCK_SIZE, PROMPT_TOKENS, RECOMPUTED, REJECTED, colocated_reference, run_case
 
 pytestmark = pytest.mark.e2e
 

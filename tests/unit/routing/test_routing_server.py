@@ -1,5 +1,5 @@
 """The router's HTTP front (routing.serve.app) against fake engines
-(:mod:`fake_engine`), with aiohttp's test client."""
+(:mod:`tests.fakes.engine`), with aiohttp's test client."""
 
 from __future__ import annotations
 
@@ -21,9 +21,8 @@ from routing.fleet import fleet_from_config
 from routing.ids import WorkerId
 from routing.index.events import BlockStored
 from routing.serve.app import RouterServer, build_server
-
-from fake_engine import PROMPT_WORDS as WORDS
-from fake_engine import FakeEngine, word_model_dir
+from tests.fakes.engine import PROMPT_WORDS as WORDS
+from tests.fakes.engine import FakeEngine, word_model_dir
 
 BS = 4
 

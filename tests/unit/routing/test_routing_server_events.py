@@ -19,8 +19,7 @@ from routing.config import RouterConfig
 from routing.fleet import fleet_from_config
 from routing.serve.app import RouterServer
 from routing.serve.tokenizer import PromptTokenizer
-
-from zmq_ports import free_ports
+from tests.fakes.ports import free_ports
 
 # vLLM only for its publisher (the router never imports it); these before its import.
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")

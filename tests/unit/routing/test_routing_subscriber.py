@@ -13,8 +13,7 @@ from routing.ids import WorkerId
 from routing.index.block_index import BlockIndex
 from routing.index.chain import PromptChain
 from routing.ingest.subscriber import EngineSubscriber, subscriber_binds
-
-from zmq_ports import free_ports
+from tests.fakes.ports import free_ports
 
 # vLLM only for its publisher (the router never imports it); these before its import.
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
