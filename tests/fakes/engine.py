@@ -33,6 +33,9 @@ PROMPT_WORDS = [
     "fix",
     "bug",
 ]
+VOCAB_SIZE = 2048
+"""Every token id below this is in :func:`word_model_dir`'s vocabulary: :data:`PROMPT_WORDS`
+first, then filler words ``w13`` ... ``w2047``, so that prompts of raw token ids fit too."""
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
@@ -40,9 +43,10 @@ TEMPLATE = (
 
 
 def word_model_dir(path: Path) -> Path:
-    """Write a word-level tokenizer.json (ids = :data:`PROMPT_WORDS`) and a
-    tokenizer_config.json with a chat template into ``path``; returns it."""
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(PROMPT_WORDS)}, unk_token="[UNK]"))
+    """Write a word-level tokenizer.json (:data:`VOCAB_SIZE` ids, :data:`PROMPT_WORDS`
+    first) and a tokenizer_config.json with a chat template into ``path``; returns it."""
+    words = [*PROMPT_WORDS, *(f"w{i}" for i in range(len(PROMPT_WORDS), VOCAB_SIZE))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "bos_token": "hello"}))

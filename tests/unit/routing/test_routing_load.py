@@ -23,7 +23,7 @@ import yaml
 from aiohttp import web
 
 from deploy.env import child_env
-from tests.fakes.engine import PROMPT_WORDS, FakeEngine, word_model_dir
+from tests.fakes.engine import PROMPT_WORDS, FakeEngine
 from tests.fakes.ports import free_ports
 
 STREAMS = 1_000
@@ -63,8 +63,7 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the router's RSS from /proc")
-def test_a_thousand_streams_through_the_router(tmp_path: Path) -> None:
-    model_dir = word_model_dir(tmp_path)
+def test_a_thousand_streams_through_the_router(model_dir: Path, tmp_path: Path) -> None:
     (router_port,) = free_ports(1)
     router_url = f"http://127.0.0.1:{router_port}"
     body = {"prompt": PROMPT, "max_tokens": 2, "stream": True}

@@ -22,14 +22,9 @@ from routing.ids import WorkerId
 from routing.index.events import BlockStored
 from routing.serve.app import RouterServer, build_server
 from tests.fakes.engine import PROMPT_WORDS as WORDS
-from tests.fakes.engine import FakeEngine, word_model_dir
+from tests.fakes.engine import FakeEngine
 
 BS = 4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return word_model_dir(tmp_path_factory.mktemp("model"))
 
 
 Scenario = Callable[[TestClient, RouterServer, dict[str, FakeEngine]], Awaitable[None]]

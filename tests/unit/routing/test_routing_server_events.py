@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from routing.config import RouterConfig
@@ -25,16 +24,6 @@ vllm_kv_events()  # its publisher: this module is skipped without vLLM
 
 BS = 4
 PROMPT = list(range(1000, 1040))  # 10 blocks
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    """A word-level tokenizer.json (prompts here are token ids; no chat template)."""
-    from tokenizers import Tokenizer, models
-
-    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 2048)}}  # ids up to 2047 are in the vocabulary
-    Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
-    return tmp_path
 
 
 def _config(model_dir, ports: list[int]) -> RouterConfig:

@@ -1,0 +1,17 @@
+"""Fixtures shared by the unit tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.engine import word_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model directory the router can read with no model in it: the fake engine's
+    word-level tokenizer and chat template (:func:`tests.fakes.engine.word_model_dir`).
+    One per module, so that a module may write its router.yaml beside it."""
+    return word_model_dir(tmp_path_factory.mktemp("model"))
