@@ -32,10 +32,11 @@ from routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
 from tests.e2e.scenarios import PROMPT_TOKENS, RECOMPUTED, REJECTED
 from tests.e2e.sessions import GENERATED, block_count, colocated, history
+from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
 
-PORTS = {"engine_port": 8810, "side_channel_port": 6210, "events_port": 7010, "router_port": 8800}
+PORTS = block_of(__name__).fleet()
 LOAD_FAILURES = "vllm:kvpilot_load_failures_total"
 
 

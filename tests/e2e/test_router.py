@@ -25,10 +25,11 @@ from deploy.prompts import filler_text
 from routing.serve.request_fields import ENGINE_INTERNAL
 from routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
+from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
 
-PORTS = {"engine_port": 8810, "side_channel_port": 6210, "events_port": 6810, "router_port": 8800}
+PORTS = block_of(__name__).fleet()
 CACHE_HIT = "vllm:prompt_tokens_by_source_total"
 
 

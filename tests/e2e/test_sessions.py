@@ -32,10 +32,11 @@ from tests.e2e.sessions import (
     history,
     run_session,
 )
+from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
 
-PORTS = {"engine_port": 8710, "side_channel_port": 6110, "events_port": 6710, "router_port": 8700}
+PORTS = block_of(__name__).fleet()
 # NixlConnector's own keys at the top level; the threshold pinned at 0 (always pull
 # what verifies) so that the co-located reference can split its prefill where P does.
 DROP_IN = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0}
