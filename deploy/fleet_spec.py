@@ -21,6 +21,8 @@ HOST = "127.0.0.1"
 ROUTER_CONFIG = "router.yaml"
 ENGINE_API_KEY_ENV = "KVPILOT_ENGINE_API_KEY"
 """Where the router finds the engines' API key; ``kvpilot fleet up`` reads it too."""
+REPLAY_PORT_OFFSET = 100
+"""Engine i serves KV-event replays on ``events_port + REPLAY_PORT_OFFSET + i``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,7 @@ class FleetSpec:
     side_channel_port: int = 5600
     events_port: int = 5700
     """Engine i publishes KV events to ``events_port + i`` (the router binds it) and
-    serves replays on ``events_port + 100 + i``."""
+    serves replays on ``events_port + REPLAY_PORT_OFFSET + i``."""
     router_port: int = 8000
     disaggregation: str = "conditional"
     """``conditional``: the router's policy picks local or remote prefill per request
@@ -101,7 +103,7 @@ def _worker(spec: FleetSpec, role: Role, index: int, ordinal: int) -> Worker:
         role=role,
         url=f"http://{HOST}:{spec.engine_port + ordinal}",
         kv_events_endpoint=f"tcp://{HOST}:{spec.events_port + ordinal}",
-        replay_endpoint=f"tcp://{HOST}:{spec.events_port + 100 + ordinal}",
+        replay_endpoint=f"tcp://{HOST}:{spec.events_port + REPLAY_PORT_OFFSET + ordinal}",
     )
 
 
@@ -146,7 +148,7 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
         **({"VLLM_API_KEY": spec.engine_api_key} if spec.engine_api_key else {}),
         **spec.engine_env,
     }
-    side_ports = (spec.side_channel_port + ordinal, spec.events_port + 100 + ordinal)
+    side_ports = (spec.side_channel_port + ordinal, spec.events_port + REPLAY_PORT_OFFSET + ordinal)
     return ProcessPlan(worker.name, worker.role, argv, env, spec.engine_port + ordinal, side_ports)
 
 

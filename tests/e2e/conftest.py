@@ -12,12 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fleets import E2E_PORTS, running_fleet
 
 from deploy import fleet as fleet_io
 from deploy.fleet_spec import FleetSpec
 from deploy.tiny_model import ensure_tiny_model
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.fleets import running_fleet
+from tests.fakes.ports import block_of
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +35,10 @@ def tokenizer(model_dir: Path) -> PromptTokenizer:
 def pd_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[fleet_io.Fleet]:
     """1 prefill + 1 decode engine with KVPilotConnector, behind the router (every request prefilled on P)."""
     spec = FleetSpec(
-        model_dir=model_dir, run_dir=tmp_path_factory.mktemp("pd-fleet"), disaggregation="always", **E2E_PORTS
+        model_dir=model_dir,
+        run_dir=tmp_path_factory.mktemp("pd-fleet"),
+        disaggregation="always",
+        **block_of(__name__).fleet(),
     )
     with running_fleet(spec) as f:
         yield f

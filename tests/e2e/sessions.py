@@ -13,13 +13,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scenarios import BLOCK_SIZE
-
 from deploy.agent_session import decoded_turn, prefill_next_turn
 from deploy.client import Completion, complete
 from deploy.metrics import Samples, scrape, settled
 from deploy.prompts import filler_text
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.scenarios import BLOCK_SIZE
 
 GENERATED = 80  # D's tool call: spans blocks, so the session's newest KV is D's
 NEW_TOOL_OUTPUT = 60

@@ -26,10 +26,11 @@ from deploy.client import HTTPStatusError, complete
 from deploy.env import child_env
 from deploy.fleet import is_healthy, stop_group
 from deploy.fleet_spec import FleetSpec, plan_fleet
+from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
 
-PORTS = {"engine_port": 9710, "side_channel_port": 7970, "events_port": 7980, "router_port": 9700}
+PORTS = block_of(__name__).fleet()
 
 
 def _has_amx() -> bool:

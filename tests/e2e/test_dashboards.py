@@ -24,7 +24,6 @@ import msgspec
 import pytest
 import yaml
 import zmq
-from scenarios import BLOCK_SIZE, prefill_on
 
 from deploy import dashboards
 from deploy import fleet as fleet_io
@@ -35,11 +34,13 @@ from deploy.metrics import scrape, total
 from deploy.observe import DEFAULT_RULES, ObserveSpec
 from deploy.prompts import filler_text
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.scenarios import BLOCK_SIZE, prefill_on
+from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
 
-PORTS = {"engine_port": 9610, "side_channel_port": 7910, "events_port": 7960, "router_port": 9600}
-PROMETHEUS_PORT = 9690
+PORTS = block_of(__name__).fleet()
+PROMETHEUS_PORT = block_of(__name__).spare(0)
 WINDOW = "10m"
 """``$__rate_interval`` in the checks: wider than the whole run, so each rate sees all of it."""
 FIRST_REQUEST_TIMEOUT_S = 900.0
@@ -197,7 +198,7 @@ def test_every_variable_finds_its_values(observed: tuple[Fleet, dashboards.Prome
         }
         assert values == {
             "model": ["tiny"],
-            "instance": ["127.0.0.1:9610", "127.0.0.1:9611"],
+            "instance": [f"127.0.0.1:{PORTS['engine_port'] + i}" for i in range(2)],
             "worker": ["decode-0", "prefill-0"],
         }, dash.uid
 

@@ -20,9 +20,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fleets import running_fleet
-from scenarios import PROMPT_TOKENS, RECOMPUTED, REJECTED
-from sessions import GENERATED, block_count, colocated, history
 
 from deploy import fleet as fleet_io
 from deploy.agent_session import decoded_turn, prefill_next_turn
@@ -32,10 +29,14 @@ from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from deploy.prompts import filler_text
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.fleets import running_fleet
+from tests.e2e.scenarios import PROMPT_TOKENS, RECOMPUTED, REJECTED
+from tests.e2e.sessions import GENERATED, block_count, colocated, history
+from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
 
-PORTS = {"engine_port": 8810, "side_channel_port": 6210, "events_port": 7010, "router_port": 8800}
+PORTS = block_of(__name__).fleet()
 LOAD_FAILURES = "vllm:kvpilot_load_failures_total"
 
 

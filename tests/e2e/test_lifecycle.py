@@ -16,10 +16,11 @@ from deploy import fleet as fleet_io
 from deploy.client import HTTPStatusError, complete
 from deploy.env import child_env
 from deploy.fleet_spec import ENGINE_API_KEY_ENV, FleetSpec, plan_fleet
+from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
 
-PORTS = {"engine_port": 8410, "side_channel_port": 5810, "events_port": 6410, "router_port": 8400}
+PORTS = block_of(__name__).fleet()
 
 
 def _port_flags() -> list[str]:

@@ -9,14 +9,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fleets import running_fleet
-from scenarios import cases, colocated_reference, common_full_blocks
-from sessions import EDITS, GENERATED, block_count, colocated, common_prefix, handshake_both_ways, run_session
 
 from deploy.client import complete
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.fleets import running_fleet
+from tests.e2e.scenarios import cases, colocated_reference, common_full_blocks
+from tests.e2e.sessions import EDITS, GENERATED, block_count, colocated, common_prefix, handshake_both_ways, run_session
+from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
 
@@ -28,10 +29,7 @@ def nixl_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         run_dir=tmp_path_factory.mktemp("nixl-fleet"),
         connector="NixlConnector",
         connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
-        engine_port=8610,
-        side_channel_port=6010,
-        events_port=6610,
-        router_port=8600,
+        **block_of(__name__).fleet(),
     )
     with running_fleet(spec) as started:
         yield started

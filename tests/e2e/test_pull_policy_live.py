@@ -9,18 +9,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fleets import running_fleet
-from scenarios import PROMPT_TOKENS, RECOMPUTED
-from sessions import EDITS, GENERATED, PULL_DECISIONS, block_count, handshake_both_ways, run_session
 
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.fleets import running_fleet
+from tests.e2e.scenarios import PROMPT_TOKENS, RECOMPUTED
+from tests.e2e.sessions import EDITS, GENERATED, PULL_DECISIONS, block_count, handshake_both_ways, run_session
+from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
 
-PORTS = {"engine_port": 8910, "side_channel_port": 7510, "events_port": 7210, "router_port": 8900}
+PORTS = block_of(__name__).fleet()
 
 
 @pytest.fixture(scope="module")

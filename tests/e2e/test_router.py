@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import yaml
 import zmq
-from fleets import running_fleet
 
 from deploy import fleet as fleet_io
 from deploy.client import Completion, complete, debug_route, wait_for_overlap
@@ -26,10 +25,12 @@ from deploy.prompts import filler_text
 from routing.config import IndexBackend
 from routing.serve.request_fields import ENGINE_INTERNAL
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.fleets import running_fleet
+from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
 
-PORTS = {"engine_port": 8810, "side_channel_port": 6210, "events_port": 6810, "router_port": 8800}
+PORTS = block_of(__name__).fleet()
 CACHE_HIT = "vllm:prompt_tokens_by_source_total"
 
 

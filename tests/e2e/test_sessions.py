@@ -12,9 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fleets import running_fleet
-from scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED
-from sessions import (
+
+from deploy.client import Completion, complete
+from deploy.fleet import Fleet, restart_router
+from deploy.fleet_spec import FleetSpec
+from deploy.metrics import delta, scrape
+from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.fleets import running_fleet
+from tests.e2e.scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED
+from tests.e2e.sessions import (
     EDITS,
     GENERATED,
     PULL_DECISIONS,
@@ -26,16 +32,11 @@ from sessions import (
     history,
     run_session,
 )
-
-from deploy.client import Completion, complete
-from deploy.fleet import Fleet, restart_router
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape
-from routing.serve.tokenizer import PromptTokenizer
+from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
 
-PORTS = {"engine_port": 8710, "side_channel_port": 6110, "events_port": 6710, "router_port": 8700}
+PORTS = block_of(__name__).fleet()
 # NixlConnector's own keys at the top level; the threshold pinned at 0 (always pull
 # what verifies) so that the co-located reference can split its prefill where P does.
 DROP_IN = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0}

@@ -7,7 +7,14 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from scenarios import (
+
+from deploy import fleet as fleet_io
+from deploy.client import complete
+from deploy.fleet import Fleet
+from deploy.metrics import delta, scrape, settled
+from deploy.prompts import filler_text
+from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.scenarios import (
     BLOCK_SIZE,
     PROMPT_TOKENS,
     RECOMPUTED,
@@ -20,13 +27,6 @@ from scenarios import (
     prefill_on,
     run_case,
 )
-
-from deploy import fleet as fleet_io
-from deploy.client import complete
-from deploy.fleet import Fleet
-from deploy.metrics import delta, scrape, settled
-from deploy.prompts import filler_text
-from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 

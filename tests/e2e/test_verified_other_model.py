@@ -9,8 +9,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from fleets import running_fleet
-from scenarios import BLOCK_SIZE, PROMPT_TOKENS, RECOMPUTED, REJECTED, colocated_reference, run_case
 
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
@@ -18,6 +16,9 @@ from deploy.metrics import delta
 from deploy.prompts import filler_text
 from deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.fleets import running_fleet
+from tests.e2e.scenarios import BLOCK_SIZE, PROMPT_TOKENS, RECOMPUTED, REJECTED, colocated_reference, run_case
+from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
 
@@ -30,10 +31,7 @@ def _single_engine(model_dir: Path, run_dir: Path, offset: int) -> FleetSpec:
         decode=0,
         colocated=1,
         first_core=offset,
-        engine_port=8510 + offset,
-        side_channel_port=5910 + offset,
-        events_port=6510 + offset,
-        router_port=8500 + offset,
+        **block_of(__name__).fleet(slot=offset),
     )
 
 

@@ -1,8 +1,6 @@
-"""The shared test doubles: one fake per external system that cannot run in a test,
-each with knobs and a record of the calls it got. Tests import them from here
-(``from fakes.inner_connector import ...``; pytest puts ``tests/`` on the path)
-rather than keeping copies of their own.
-
-A fake stands in only where nothing real can run: where the real thing runs on
-this box (vLLM's scheduler, NixlConnector's scheduler side), tests use the real one.
-"""
+"""What the tests share instead of writing it again: one fake per external system,
+each with knobs and a record of the calls it got, used only where the real one cannot
+run in a test (where it runs on this box, as vLLM's scheduler and NixlConnector's
+scheduler side do, tests use the real one); and the loopback ports the e2e modules
+divide between them. Tests import these as ``tests.fakes.<module>``; kvpilot itself
+never does."""

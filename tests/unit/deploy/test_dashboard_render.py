@@ -54,25 +54,20 @@ def _vllm_families() -> set[str]:
     return found
 
 
-def _router_families(tmp_path: Path) -> dict[str, str]:
+def _router_families(model_dir: Path) -> dict[str, str]:
     """The router's families (name -> type), from a real RouterServer's registry."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     from routing.config import load_config
     from routing.fleet import fleet_from_config
     from routing.serve.app import build_server
 
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
     workers = [
         {"name": "prefill-0", "role": "prefill", "url": "http://127.0.0.1:1"},
         {"name": "decode-0", "role": "decode", "url": "http://127.0.0.1:2"},
     ]
-    (tmp_path / "router.yaml").write_text(
-        yaml.safe_dump({"index": {"block_size": 4}, "server": {"model_dir": str(tmp_path)}, "workers": workers})
+    (model_dir / "router.yaml").write_text(
+        yaml.safe_dump({"index": {"block_size": 4}, "server": {"model_dir": str(model_dir)}, "workers": workers})
     )
-    config = load_config(tmp_path / "router.yaml")
+    config = load_config(model_dir / "router.yaml")
     server = build_server(config, fleet_from_config(config), feed_index=False)
     return {family.name: family.type for family in server.metrics.registry.collect()}
 
@@ -87,11 +82,11 @@ def _sample_names(family: str, kind: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def known_metrics(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+def known_metrics(model_dir: Path) -> set[str]:
     from kvconnectors.stats import COUNTERS
 
     known = {spec.metric + "_total" for spec in COUNTERS}
-    for name, kind in _router_families(tmp_path_factory.mktemp("router")).items():
+    for name, kind in _router_families(model_dir).items():
         known |= _sample_names(name, kind)
     for family in _vllm_families():  # counters and histograms alike: every suffix
         known |= {family, family + "_total", family + "_bucket", family + "_sum", family + "_count"}

@@ -2,48 +2,33 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from deploy.metrics import FINISHED, parse, settled, total
-
-
-class _Engine(BaseHTTPRequestHandler):
-    """/metrics whose finished count grows by one on every scrape."""
-
-    scrapes = 0
-
-    def do_GET(self) -> None:  # http.server's name
-        type(self).scrapes += 1
-        body = f'{FINISHED}{{finished_reason="length"}} {type(self).scrapes}\n'.encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+from tests.fakes.engine import FakeEngine, serving
 
 
 @pytest.fixture
-def engine() -> Iterator[str]:
-    _Engine.scrapes = 0
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Engine)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+def engine() -> FakeEngine:
+    """/metrics whose finished count grows by one on every scrape."""
+    return FakeEngine("d", metrics_text=lambda scrape: f'{FINISHED}{{finished_reason="length"}} {scrape}\n')
 
 
-def test_it_returns_the_first_scrape_that_counts_the_requests(engine: str) -> None:
+@pytest.fixture
+def url(engine: FakeEngine) -> Iterator[str]:
+    with serving(engine) as url:
+        yield url
+
+
+def test_it_returns_the_first_scrape_that_counts_the_requests(engine: FakeEngine, url: str) -> None:
     before = parse(f"{FINISHED} 0\n")
-    after = settled(engine, before, finished=3)
-    assert total(after, FINISHED) == 3 and _Engine.scrapes == 3
+    after = settled(url, before, finished=3)
+    assert total(after, FINISHED) == 3 and engine.scrapes == 3
 
 
-def test_past_its_timeout_it_returns_the_last_scrape_for_the_caller_to_assert_on(engine: str) -> None:
+def test_past_its_timeout_it_returns_the_last_scrape_for_the_caller_to_assert_on(url: str) -> None:
     before = parse(f"{FINISHED} 0\n")
-    after = settled(engine, before, finished=10**9, timeout=0.2)
+    after = settled(url, before, finished=10**9, timeout=0.2)
     assert 0 < total(after, FINISHED) < 10**9

@@ -14,8 +14,7 @@ from kvconnectors.pull_policy import PullDecision, RecomputePolicy
 from kvconnectors.reasons import Reason
 from kvconnectors.transfer_params import PARAMS_KEY, encode_offer
 from policies.recompute_vs_transfer import Span
-
-from offer_contract import CONTRACT
+from tests.unit.kvconnectors.offer_contract import CONTRACT
 
 BLOCK = CONTRACT.block_size  # 16
 TAIL = (7, 8, 9, 10, 11)

@@ -7,7 +7,7 @@ plays the model runner (one sampled token per scheduled request) and the NIXL wo
 (pulls received or failed, transfer telemetry). Offers are real too: a prefill
 engine's ``request_finished`` stamps them and they reach the next engine the way the
 router carries them, as JSON. Where only a record of the inner connector's calls can
-show the point, the inner connector is the shared fake (:mod:`fakes.inner_connector`).
+show the point, the inner connector is the shared fake (:mod:`tests.fakes.inner_connector`).
 
 Sizes: blocks of 16 tokens; the handoff prompt has 87 tokens (5 full blocks and a
 7-token tail), which the prefill engine keeps in 6 blocks.
@@ -57,9 +57,8 @@ from kvconnectors.pull_params import PULL_DONE_KEY
 from kvconnectors.reasons import Reason
 from kvconnectors.stats import KVPilotStats, counter_key
 from kvconnectors.transfer_params import DIGEST_BYTES, PARAMS_KEY
-
-from fakes.inner_connector import INNER_NAME, FakeInnerConnector
-from fakes.inner_connector import register as register_fake_inner
+from tests.fakes.inner_connector import INNER_NAME, FakeInnerConnector
+from tests.fakes.inner_connector import register as register_fake_inner
 
 BS = 16
 NUM_BLOCKS = 64
@@ -153,8 +152,8 @@ MakeEngine = Callable[..., Engine]
 
 
 @pytest.fixture(scope="module")
-def model_config(model_dir: Any) -> ModelConfig:
-    return ModelConfig(model=str(model_dir), dtype="bfloat16", seed=0, skip_tokenizer_init=True)
+def model_config(tiny_model_dir: Any) -> ModelConfig:
+    return ModelConfig(model=str(tiny_model_dir), dtype="bfloat16", seed=0, skip_tokenizer_init=True)
 
 
 @pytest.fixture

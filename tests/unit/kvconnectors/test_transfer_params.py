@@ -36,8 +36,7 @@ from kvconnectors.transfer_params import (
     encode_offer,
     pack_digests,
 )
-
-from offer_contract import CONTRACT
+from tests.unit.kvconnectors.offer_contract import CONTRACT
 
 TOP_FIELDS = ("version", "contract", "num_blocks", "block_digests")
 CONTRACT_FIELDS = ("model", "block_size", "hash_algo", "seed_id", "kv_dtype", "kv_layout")

@@ -27,8 +27,7 @@ from kvconnectors.transfer_params import (
     pack_digests,
 )
 from kvconnectors.verify import Reason, Verdict, verify_offer
-
-from offer_contract import CONTRACT
+from tests.unit.kvconnectors.offer_contract import CONTRACT
 
 
 def _hash(label: str) -> BlockHash:

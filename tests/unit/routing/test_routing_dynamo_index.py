@@ -7,39 +7,16 @@ routing.index.dynamo docstring lists.
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 
 from routing.index.block_index import BlockIndex, PromptChain
 from routing.index.dynamo import DynamoIndex
 from routing.index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.fakes.kv_events import BLOCK_SIZE as BS
+from tests.fakes.kv_events import PROMPTS as BASE
+from tests.fakes.kv_events import block_hash, removed, stored
 
-BS = 2
-BASE = [list(range(1, 13)), [*list(range(1, 7)), 50, 51, 52, 53], [9, 9, 9, 9, 9, 9, 9, 9]]
 BACKENDS = {"kvpilot": BlockIndex, "dynamo": DynamoIndex}
-
-
-def ehash(tokens, k, salt, as_int=False):
-    digest = hashlib.sha256(repr((salt, tuple(tokens[: (k + 1) * BS]))).encode()).digest()[:8]
-    return int.from_bytes(digest, "big") if as_int else digest
-
-
-def stored(tokens, a, b, salt=None, medium="GPU", as_int=False, **kw):
-    extra = [[salt] if (salt and i == 0) else None for i in range(a, b)]
-    return BlockStored(
-        [ehash(tokens, k, salt, as_int) for k in range(a, b)],
-        ehash(tokens, a - 1, salt, as_int) if a else None,
-        tokens[a * BS : b * BS],
-        BS,
-        medium=medium,
-        extra_keys=extra if salt else None,
-        **kw,
-    )
-
-
-def removed(tokens, ks, salt=None, medium="GPU"):
-    return BlockRemoved([ehash(tokens, k, salt) for k in ks], medium=medium)
 
 
 @pytest.fixture(params=sorted(BACKENDS))
@@ -101,11 +78,14 @@ def test_lora_and_salt_namespace(backend):
     """vLLM puts (lora, salt) in block 0's extra keys and the LoRA name in the others'."""
     index = backend(BS)
     extra = [["lora", "s"]] + [["lora"]] * 5
-    ev = BlockStored([ehash(BASE[0], k, "ls") for k in range(6)], None, BASE[0], BS, lora_name="lora", extra_keys=extra)
+    ev = BlockStored(
+        [block_hash(BASE[0], k, "ls") for k in range(6)], None, BASE[0], BS, lora_name="lora", extra_keys=extra
+    )
     assert index.apply("w", ev) == "applied"
     assert (
         index.apply(
-            "w", BlockStored([b"next"], ehash(BASE[0], 5, "ls"), [7, 8], BS, lora_name="lora", extra_keys=[["lora"]])
+            "w",
+            BlockStored([b"next"], block_hash(BASE[0], 5, "ls"), [7, 8], BS, lora_name="lora", extra_keys=[["lora"]]),
         )
         == "applied"
     )
@@ -123,7 +103,7 @@ def test_skips_are_counted_not_raised(backend):
     assert index.apply("v", removed(BASE[0], [0])) == "unknown_slot"
     assert index.apply("w", BlockStored([b"x"], None, [1, 2, 3], 3)) == "block_size"
     assert index.apply("w", stored(BASE[1], 0, 5, group_idx=1)) == "other_group"
-    assert index.apply("w", BlockRemoved([ehash(BASE[0], 0, None)], group_idx=2)) == "other_group"
+    assert index.apply("w", BlockRemoved([block_hash(BASE[0], 0, None)], group_idx=2)) == "other_group"
     assert index.apply("w", BlockStored([b"y"], None, [1, -2], BS)) == "bad_token_ids"
     assert index.apply("w", removed(BASE[1], [4, 0])) == "applied"  # 4 unknown, 0 removed
     assert index.counters == {
@@ -215,7 +195,11 @@ def outcomes(index, events):
 
 def test_multimodal_blocks_are_cut_but_the_prefix_matches():
     mm = BlockStored(
-        [ehash(BASE[0], k, None) for k in range(4)], None, BASE[0][:8], BS, extra_keys=[None, None, [["img", 0]], None]
+        [block_hash(BASE[0], k, None) for k in range(4)],
+        None,
+        BASE[0][:8],
+        BS,
+        extra_keys=[None, None, [["img", 0]], None],
     )
     child = stored(BASE[0], 4, 6)
     ours, dyn = BlockIndex(BS), DynamoIndex(BS)

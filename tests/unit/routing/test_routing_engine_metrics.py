@@ -6,13 +6,13 @@ import asyncio
 import math
 
 import aiohttp
-from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from routing.config import Role, Worker
 from routing.ids import WorkerId
 from routing.ingest.engine_metrics import EngineLoadPoller, parse_engine_load, parse_samples
+from tests.fakes.engine import FakeEngine
 
 EXPOSITION = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -65,9 +65,7 @@ def test_a_stale_sample_is_not_reported():
     """A real poll of an engine's ``/metrics``, then the clock moves past 3 intervals."""
 
     async def main() -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", lambda _: web.Response(text=EXPOSITION))
-        async with TestServer(app, host="127.0.0.1") as server:
+        async with TestServer(FakeEngine("w", metrics_text=EXPOSITION).app(), host="127.0.0.1") as server:
             worker = Worker(WorkerId("w"), Role.DECODE, str(server.make_url("")).rstrip("/"))
             now = [100.0]
             poller = EngineLoadPoller([worker], interval_s=1.0, clock=lambda: now[0])

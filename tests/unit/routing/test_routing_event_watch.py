@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_routing_router import COLOCATED, _config, _prompt, _store
 
 from routing.decide.ledger import LoadLedger
 from routing.decide.router import Router
@@ -15,6 +14,7 @@ from routing.fleet import fleet_from_config
 from routing.health.event_watch import EventWatch
 from routing.ids import WorkerId
 from routing.index.block_index import BlockIndex
+from tests.unit.routing.test_routing_router import COLOCATED, _config, _prompt, _store
 
 W1, W2 = WorkerId("w1"), WorkerId("w2")
 

@@ -2,40 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from routing.index.block_index import BlockIndex
 from routing.index.chain import PromptChain, chain_keys
-from routing.index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from routing.index.events import AllBlocksCleared, BlockStored
+from tests.fakes.kv_events import BLOCK_SIZE as BS
+from tests.fakes.kv_events import PROMPTS as BASE
+from tests.fakes.kv_events import block_hash, removed, stored
 
-BS = 2
-BASE = [list(range(1, 13)), [*list(range(1, 7)), 50, 51, 52, 53], [9, 9, 9, 9, 9, 9, 9, 9]]
 SALTS = [None, "s"]
-
-
-def ehash(tokens, k, salt):
-    return hashlib.sha256(repr((salt, tuple(tokens[: (k + 1) * BS]))).encode()).digest()[:8]
-
-
-def stored(tokens, a, b, salt=None, medium="GPU", **kw):
-    extra = [[salt] if (salt and i == 0) else None for i in range(a, b)]
-    return BlockStored(
-        [ehash(tokens, k, salt) for k in range(a, b)],
-        ehash(tokens, a - 1, salt) if a else None,
-        tokens[a * BS : b * BS],
-        BS,
-        medium=medium,
-        extra_keys=extra if salt else None,
-        **kw,
-    )
-
-
-def removed(tokens, ks, salt=None, medium="GPU"):
-    return BlockRemoved([ehash(tokens, k, salt) for k in ks], medium=medium)
 
 
 @pytest.mark.parametrize(
@@ -160,12 +138,12 @@ def test_full_and_incremental_match_equal_the_model(ops, which, salt, log_capaci
             toks, b = BASE[p], min(6 if p != 1 else 5, a + n)
             if a >= b:
                 continue
-            ok = a == 0 or ehash(toks, a - 1, s) in names.get(w, set())
+            ok = a == 0 or block_hash(toks, a - 1, s) in names.get(w, set())
             index.apply(w, stored(toks, a, b, salt=s, medium=tier))
             if ok:
                 for k in range(a, b):
                     held.setdefault((w, tier), set()).add((s, tuple(toks[: (k + 1) * BS])))
-                    names.setdefault(w, set()).add(ehash(toks, k, s))
+                    names.setdefault(w, set()).add(block_hash(toks, k, s))
         elif o[0] == "remove":
             _, w, tier, p, ks, s = o
             toks = BASE[p]
@@ -175,7 +153,7 @@ def test_full_and_incremental_match_equal_the_model(ops, which, salt, log_capaci
                 held.get((w, tier), set()).discard((s, tuple(toks[: (k + 1) * BS])))
                 still = any((s, tuple(toks[: (k + 1) * BS])) in held.get((w, t), ()) for t in ("GPU", "CPU"))
                 if not still:
-                    names.get(w, set()).discard(ehash(toks, k, s))
+                    names.get(w, set()).discard(block_hash(toks, k, s))
         else:
             w = o[1]
             index.clear_worker(w) if o[0] == "clear" else index.remove_worker(w)

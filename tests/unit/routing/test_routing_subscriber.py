@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -13,34 +12,24 @@ from routing.ids import WorkerId
 from routing.index.block_index import BlockIndex
 from routing.index.chain import PromptChain
 from routing.ingest.subscriber import EngineSubscriber, subscriber_binds
+from tests.fakes.kv_events import TOPIC, vllm_batch, vllm_block_stored, vllm_kv_events, vllm_publisher
+from tests.fakes.ports import free_ports
 
-from zmq_ports import free_ports
-
-# vLLM only for its publisher (the router never imports it); these before its import.
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-kv_events = pytest.importorskip("vllm.distributed.kv_events")
+kv_events = vllm_kv_events()
 
 BS = 4
 W = WorkerId("w1")
 
 
 def _stored(i: int, parent: int | None) -> object:
-    return kv_events.BlockStored(
-        block_hashes=[i.to_bytes(8, "big")],
-        parent_block_hash=None if parent is None else parent.to_bytes(8, "big"),
-        token_ids=[i * 10 + k for k in range(BS)],
-        block_size=BS,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
+    return vllm_block_stored(
+        i.to_bytes(8, "big"), None if parent is None else parent.to_bytes(8, "big"), [i * 10 + k for k in range(BS)]
     )
 
 
 def _publish_chain(pub: object, first: int, last: int) -> None:
     for i in range(first, last):
-        pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[_stored(i, i - 1 if i else None)]))
+        pub.publish(vllm_batch([_stored(i, i - 1 if i else None)]))
 
 
 def _prompt(n: int) -> list[int]:
@@ -48,7 +37,7 @@ def _prompt(n: int) -> list[int]:
 
 
 def _noop() -> object:
-    return kv_events.KVEventBatch(ts=time.time(), events=[kv_events.BlockRemoved(block_hashes=[b"none"], medium="GPU")])
+    return vllm_batch([kv_events.BlockRemoved(block_hashes=[b"none"], medium="GPU")])
 
 
 def _publish_until_seen(pub: object, sub: EngineSubscriber, timeout_s: float = 20.0) -> None:
@@ -81,12 +70,6 @@ def endpoints():
     return tuple(f"tcp://127.0.0.1:{port}" for port in free_ports(2))
 
 
-def _publisher(endpoint: str, replay: str, hwm: int = 100_000):
-    return kv_events.ZmqEventPublisher(
-        data_parallel_rank=0, endpoint=endpoint, replay_endpoint=replay, topic="kv", hwm=hwm
-    )
-
-
 def test_connecting_engine_means_binding_subscriber():
     assert subscriber_binds("tcp://127.0.0.1:5557")
     assert not subscriber_binds("tcp://*:5557")
@@ -97,12 +80,12 @@ def test_late_subscriber_catches_up_through_replay(endpoints, tmp_path):
     _, replay = endpoints
     endpoint = f"ipc://{tmp_path}/kv.sock"  # the engine binds ipc endpoints; the router connects
     index = BlockIndex(BS)
-    pub = _publisher(endpoint, replay)
+    pub = vllm_publisher(endpoint, replay)
     sub = None
     try:
         _publish_chain(pub, 0, 20)  # nobody bound yet: the router starts after the engine
         time.sleep(0.3)
-        sub = EngineSubscriber(W, endpoint, index, replay_endpoint=replay, topic="kv")
+        sub = EngineSubscriber(W, endpoint, index, replay_endpoint=replay, topic=TOPIC)
         _publish_until_seen(pub, sub)
         assert sub.stats.gaps >= 1 and sub.stats.replayed >= 20
         assert sub.stats.unrecoverable_gaps == 0
@@ -120,19 +103,19 @@ def test_engine_restart_clears_the_worker(endpoints):
     sent before its subscriber connects cannot lose the block under test.)"""
     endpoint, replay = endpoints
     index = BlockIndex(BS)
-    sub = EngineSubscriber(W, endpoint, index, replay_endpoint=replay, topic="kv")
-    pub = _publisher(endpoint, replay)
+    sub = EngineSubscriber(W, endpoint, index, replay_endpoint=replay, topic=TOPIC)
+    pub = vllm_publisher(endpoint, replay)
     _publish_chain(pub, 0, 6)
     _publish_until_seen(pub, sub)
     assert _depth_reaches(sub, index, 6) == 6
     pub.shutdown()
     time.sleep(0.3)
-    pub = _publisher(endpoint, replay)  # a restarted engine: seq starts at 0 again
+    pub = vllm_publisher(endpoint, replay)  # a restarted engine: seq starts at 0 again
     try:
         _publish_until_seen(pub, sub)
         assert sub.stats.restarts == 1
         assert index.block_count(W) == 0
-        pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[_stored(0, None)]))
+        pub.publish(vllm_batch([_stored(0, None)]))
         assert _depth_reaches(sub, index, 1) == 1
         assert index.match(PromptChain(_prompt(6), BS)).blocks == {W: {"GPU": 1}}
     finally:
@@ -143,7 +126,7 @@ def test_engine_restart_clears_the_worker(endpoints):
 def test_malformed_payload_is_counted_and_stream_continues(endpoints):
     endpoint, _ = endpoints
     index = BlockIndex(BS)
-    sub = EngineSubscriber(W, endpoint, index, topic="kv")
+    sub = EngineSubscriber(W, endpoint, index, topic=TOPIC)
     raw = zmq.Context.instance().socket(zmq.PUB)
     raw.connect(endpoint)
     good = kv_events.KVEventBatch(ts=1.0, events=[_stored(0, None)])
@@ -167,8 +150,8 @@ def test_malformed_payload_is_counted_and_stream_continues(endpoints):
 def test_forged_sequence_number_is_a_bad_frame_not_a_gap(endpoints):
     endpoint, replay = endpoints
     index = BlockIndex(BS)
-    sub = EngineSubscriber(W, endpoint, index, replay_endpoint=replay, topic="kv")
-    pub = _publisher(endpoint, replay)
+    sub = EngineSubscriber(W, endpoint, index, replay_endpoint=replay, topic=TOPIC)
+    pub = vllm_publisher(endpoint, replay)
     raw = zmq.Context.instance().socket(zmq.PUB)
     raw.connect(endpoint)
     try:

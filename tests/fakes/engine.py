@@ -1,12 +1,16 @@
-"""The one fake vLLM engine of the router's tests (vLLM itself is tested end to end in
+"""The one fake vLLM engine of the unit tests (vLLM itself is tested end to end in
 tests/e2e; these tests need engines that fail, hang or answer thousands at once on
-demand): an OpenAI completions server with knobs that records every body it gets,
-and a word-level tokenizer directory for the router."""
+demand): an OpenAI completions server with knobs that records every body it gets
+and counts its scrapes, :func:`serving` to run it beside blocking callers, and a
+word-level tokenizer directory for the router."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,9 @@ PROMPT_WORDS = [
     "fix",
     "bug",
 ]
+VOCAB_SIZE = 2048
+"""Every token id below this is in :func:`word_model_dir`'s vocabulary: :data:`PROMPT_WORDS`
+first, then filler words ``w13`` ... ``w2047``, so that prompts of raw token ids fit too."""
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
@@ -36,9 +43,10 @@ TEMPLATE = (
 
 
 def word_model_dir(path: Path) -> Path:
-    """Write a word-level tokenizer.json (ids = :data:`PROMPT_WORDS`) and a
-    tokenizer_config.json with a chat template into ``path``; returns it."""
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(PROMPT_WORDS)}, unk_token="[UNK]"))
+    """Write a word-level tokenizer.json (:data:`VOCAB_SIZE` ids, :data:`PROMPT_WORDS`
+    first) and a tokenizer_config.json with a chat template into ``path``; returns it."""
+    words = [*PROMPT_WORDS, *(f"w{i}" for i in range(len(PROMPT_WORDS), VOCAB_SIZE))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "bos_token": "hello"}))
@@ -47,7 +55,8 @@ def word_model_dir(path: Path) -> Path:
 
 @dataclass
 class FakeEngine:
-    """An OpenAI completions server with knobs; ``bodies`` records what it got."""
+    """An OpenAI completions server with knobs; ``bodies`` records what it got and
+    ``scrapes`` counts the GETs of its ``/metrics``."""
 
     name: str
     status: int = 200
@@ -55,12 +64,15 @@ class FakeEngine:
     token_delay_s: float = 0.0
     """Pause after each streamed chunk (a decode step)."""
     kv_params: bool = True
-    metrics_text: str | None = None  # None: /metrics answers 404
+    metrics_text: str | Callable[[int], str] | None = None
+    """What ``/metrics`` answers, or a function of the scrape's number (1, 2, ...)
+    for counters that move; ``None``: 404."""
     session_offer: dict[str, Any] | None = None
     """What a decode answer returns as kv_transfer_params (vLLM's bidirectional mode)."""
     api_key: str | None = None
     """Like vLLM's ``--api-key``: ``/v1`` requests without ``Bearer <key>`` get a 401."""
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    scrapes: int = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -69,9 +81,11 @@ class FakeEngine:
         return app
 
     async def _metrics(self, _: web.Request) -> web.Response:
+        self.scrapes += 1
         if self.metrics_text is None:
             return web.Response(status=404)
-        return web.Response(text=self.metrics_text)
+        text = self.metrics_text if isinstance(self.metrics_text, str) else self.metrics_text(self.scrapes)
+        return web.Response(text=text)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
@@ -117,3 +131,23 @@ class FakeEngine:
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
+
+
+@contextmanager
+def serving(engine: FakeEngine) -> Iterator[str]:
+    """Serve ``engine`` on a free 127.0.0.1 port from an event loop in a thread of its
+    own, for callers that block (urllib); yields its URL and stops it on exit."""
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(engine.app())
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    host, port = runner.addresses[0][:2]
+    thread = threading.Thread(target=loop.run_forever, name=f"fake-engine-{engine.name}", daemon=True)
+    thread.start()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
