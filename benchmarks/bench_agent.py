@@ -96,14 +96,12 @@ from deploy.client import Completion, complete
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import Samples, delta, scrape
 from deploy.tiny_model import ensure_tiny_model
+from kvconnectors import vllm_metrics as vm
 from routing.serve.tokenizer import PromptTokenizer
 
-PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
-SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-NIXL_BYTES = "vllm:nixl_bytes_transferred"
-TPOT = "vllm:request_time_per_output_token_seconds"
-PULL_DECISIONS = "vllm:kvpilot_pull_decisions_total"
-VERIFIED_BLOCKS = "vllm:kvpilot_verified_blocks_total"
+PROMPT_TOKENS = vm.PROMPT_TOKENS_BY_SOURCE.total
+NIXL_BYTES = vm.NIXL_BYTES_TRANSFERRED
+TPOT = vm.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS
 ARMS = {
     "a": "(a) no prefix cache",
     "b": "(b) prefix only (P re-prefills)",
@@ -198,19 +196,20 @@ def post_json(url: str, timeout: float = 60.0) -> dict[str, Any]:
 
 def counters(before: dict[str, Samples], after: dict[str, Samples], decode: str) -> StepCounters:
     """What the engines counted between two scrapes (``decode``: D's name)."""
-    compute = {n: delta(after[n], before[n], PROMPT_TOKENS, source="local_compute") for n in after}
-    cached = sum(delta(after[n], before[n], PROMPT_TOKENS, source="local_cache_hit") for n in after)
-    external = sum(delta(after[n], before[n], PROMPT_TOKENS, source="external_kv_transfer") for n in after)
-    kv_bytes = sum(delta(after[n], before[n], NIXL_BYTES + "_sum") for n in after)
-    transfers = sum(delta(after[n], before[n], NIXL_BYTES + "_count") for n in after)
-    count = delta(after[decode], before[decode], TPOT + "_count")
-    tpot = delta(after[decode], before[decode], TPOT + "_sum") / count if count else None
+    source = vm.PromptTokenSource
+    compute = {n: delta(after[n], before[n], PROMPT_TOKENS, source=source.LOCAL_COMPUTE.value) for n in after}
+    cached = sum(delta(after[n], before[n], PROMPT_TOKENS, source=source.LOCAL_CACHE_HIT.value) for n in after)
+    external = sum(delta(after[n], before[n], PROMPT_TOKENS, source=source.EXTERNAL_KV_TRANSFER.value) for n in after)
+    kv_bytes = sum(delta(after[n], before[n], NIXL_BYTES.sum) for n in after)
+    transfers = sum(delta(after[n], before[n], NIXL_BYTES.count) for n in after)
+    count = delta(after[decode], before[decode], TPOT.count)
+    tpot = delta(after[decode], before[decode], TPOT.sum) / count if count else None
     extra = {}
     for decision in ("pull", "recompute"):
         extra[f"pull_decisions_{decision}"] = sum(
-            delta(after[n], before[n], PULL_DECISIONS, decision=decision) for n in after
+            delta(after[n], before[n], vm.KVPILOT_PULL_DECISIONS.total, decision=decision) for n in after
         )
-    extra["verified_blocks"] = sum(delta(after[n], before[n], VERIFIED_BLOCKS) for n in after)
+    extra["verified_blocks"] = sum(delta(after[n], before[n], vm.KVPILOT_VERIFIED_BLOCKS.total) for n in after)
     return StepCounters(compute, cached, external, kv_bytes, transfers, tpot, extra)
 
 
@@ -866,7 +865,7 @@ def main() -> None:
         f"- goodput = correct requests with TTFT <= {ttft_slo:.3f} s and their step's D TPOT <= "
         f"{tpot_slo * 1e3:.1f} ms (1.5x arm (a)'s TTFT p50 at step 1 and 1.5x its median step TPOT, unless "
         f"given). TTFT of a non-streaming request = latency - (G-1) x D's mean TPOT over that step "
-        f"(D's vllm:request_time_per_output_token_seconds)"
+        f"(D's {TPOT.name})"
     )
     print(
         f"- wrong = max |logprob diff| against the no-cache reference > {args.tolerance}, over the generated "

@@ -68,11 +68,11 @@ from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape
 from deploy.prompts import filler_text
 from deploy.tiny_model import ensure_tiny_model
+from kvconnectors.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, PromptTokenSource
 from routing.serve.tokenizer import PromptTokenizer
 
 PORTS = {"engine_port": 8910, "side_channel_port": 6410, "events_port": 6910, "router_port": 8900}
 HOT = "colocated-0"
-PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
 REQUEST_TIMEOUT_S = 600.0  # the first request on a fresh engine can stall for tens of seconds
 ROUTER_START_TIMEOUT_S = 120.0
 INDEX_WAIT_S = 120.0
@@ -164,8 +164,11 @@ def burst(
 
 def cache_tokens(before: list, after: list) -> tuple[float, float]:
     """(prompt tokens served from the prefix cache, all prompt tokens) across engines."""
-    hit = sum(delta(a, b, PROMPT_TOKENS, source="local_cache_hit") for a, b in zip(after, before, strict=True))
-    return hit, sum(delta(a, b, PROMPT_TOKENS) for a, b in zip(after, before, strict=True))
+    hit = sum(
+        delta(a, b, PROMPT_TOKENS_BY_SOURCE.total, source=PromptTokenSource.LOCAL_CACHE_HIT.value)
+        for a, b in zip(after, before, strict=True)
+    )
+    return hit, sum(delta(a, b, PROMPT_TOKENS_BY_SOURCE.total) for a, b in zip(after, before, strict=True))
 
 
 def first_spill(order: str) -> str:

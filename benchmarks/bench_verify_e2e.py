@@ -30,8 +30,7 @@ from deploy.client import complete
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape
 from deploy.tiny_model import ensure_tiny_model
-
-VERIFY_SECONDS = "vllm:kvpilot_verify_seconds_total"
+from kvconnectors.vllm_metrics import KVPILOT_VERIFY_SECONDS
 
 
 def main() -> None:
@@ -57,7 +56,7 @@ def main() -> None:
             before = scrape(decode)
             out = complete(started.router.url, prompt, max_tokens=2, stream=True, cache_salt=uuid.uuid4().hex)
             time.sleep(0.5)  # counts reach /metrics on the stats loop's next tick
-            verify = delta(scrape(decode), before, VERIFY_SECONDS)
+            verify = delta(scrape(decode), before, KVPILOT_VERIFY_SECONDS.total)
             rows.append((out.ttft_seconds, verify))
     finally:
         fleet_io.down(run_dir)

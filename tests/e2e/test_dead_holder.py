@@ -31,12 +31,13 @@ from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from deploy.prompts import filler_text
+from kvconnectors.vllm_metrics import KVPILOT_LOAD_FAILURES
 from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 
 PORTS = {"engine_port": 8810, "side_channel_port": 6210, "events_port": 7010, "router_port": 8800}
-LOAD_FAILURES = "vllm:kvpilot_load_failures_total"
+LOAD_FAILURES = KVPILOT_LOAD_FAILURES.total
 
 
 @pytest.fixture(scope="module")

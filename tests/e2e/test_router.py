@@ -23,13 +23,14 @@ from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from deploy.prompts import filler_text
+from kvconnectors.vllm_metrics import PROMPT_TOKENS_BY_SOURCE
 from routing.serve.request_fields import ENGINE_INTERNAL
 from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 
 PORTS = {"engine_port": 8810, "side_channel_port": 6210, "events_port": 6810, "router_port": 8800}
-CACHE_HIT = "vllm:prompt_tokens_by_source_total"
+CACHE_HIT = PROMPT_TOKENS_BY_SOURCE.total
 
 
 @pytest.fixture(scope="module", params=["kvpilot", "dynamo"])

@@ -8,7 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from deploy.metrics import FINISHED, parse, settled, total
+from deploy.metrics import parse, settled, total
+from kvconnectors.vllm_metrics import REQUEST_SUCCESS
 
 
 class _Engine(BaseHTTPRequestHandler):
@@ -18,7 +19,7 @@ class _Engine(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # http.server's name
         type(self).scrapes += 1
-        body = f'{FINISHED}{{finished_reason="length"}} {type(self).scrapes}\n'.encode()
+        body = f'{REQUEST_SUCCESS.total}{{finished_reason="length"}} {type(self).scrapes}\n'.encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain")
         self.end_headers()
@@ -38,12 +39,12 @@ def engine() -> Iterator[str]:
 
 
 def test_it_returns_the_first_scrape_that_counts_the_requests(engine: str) -> None:
-    before = parse(f"{FINISHED} 0\n")
+    before = parse(f"{REQUEST_SUCCESS.total} 0\n")
     after = settled(engine, before, finished=3)
-    assert total(after, FINISHED) == 3 and _Engine.scrapes == 3
+    assert total(after, REQUEST_SUCCESS.total) == 3 and _Engine.scrapes == 3
 
 
 def test_past_its_timeout_it_returns_the_last_scrape_for_the_caller_to_assert_on(engine: str) -> None:
-    before = parse(f"{FINISHED} 0\n")
+    before = parse(f"{REQUEST_SUCCESS.total} 0\n")
     after = settled(engine, before, finished=10**9, timeout=0.2)
-    assert 0 < total(after, FINISHED) < 10**9
+    assert 0 < total(after, REQUEST_SUCCESS.total) < 10**9
