@@ -49,6 +49,8 @@ def main() -> None:
         params = complete(
             prefill, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, cache_salt="size"
         ).kv_transfer_params
+        if params is None:
+            raise RuntimeError("P returned no kv_transfer_params (is it a KVPilotConnector engine?)")
         added_bytes = len(json.dumps({"kvpilot": params["kvpilot"]}))
         complete(started.router.url, prompt[:64], max_tokens=1)  # warm-up: the one-time NIXL handshake
         rows = []
