@@ -13,7 +13,8 @@ test: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider
 
 # Lint and types (after `make setup`; run by `make test`): ruff (rules in pyproject.toml) on
-# LINT_PATHS, mypy strict on the packages [tool.mypy] names (kvconnectors, routing, policies).
+# LINT_PATHS, mypy strict on what [tool.mypy] names (kvconnectors, routing, policies, deploy,
+# benchmarks, grafana).
 LINT_PATHS = .
 lint:
 	.venv/bin/ruff check $(LINT_PATHS)

@@ -61,18 +61,29 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypedDict
 
 from deploy import fleet as fleet_io
 from deploy.client import complete, debug_route, gpu_overlap, wait_for_overlap
 from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape
+from deploy.metrics import Samples, delta, scrape
 from deploy.prompts import filler_text
 from deploy.tiny_model import ensure_tiny_model
+from kvconnectors.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, PromptTokenSource
 from routing.serve.tokenizer import PromptTokenizer
 
-PORTS = {"engine_port": 8910, "side_channel_port": 6410, "events_port": 6910, "router_port": 8900}
+
+class Ports(TypedDict):
+    """The fleet's base ports (:class:`~deploy.fleet_spec.FleetSpec`'s fields of those names)."""
+
+    engine_port: int
+    side_channel_port: int
+    events_port: int
+    router_port: int
+
+
+PORTS: Ports = {"engine_port": 8910, "side_channel_port": 6410, "events_port": 6910, "router_port": 8900}
 HOT = "colocated-0"
-PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
 REQUEST_TIMEOUT_S = 600.0  # the first request on a fresh engine can stall for tens of seconds
 ROUTER_START_TIMEOUT_S = 120.0
 INDEX_WAIT_S = 120.0
@@ -90,12 +101,13 @@ def tokens(tokenizer: PromptTokenizer, n: int, seed: int, lead: str = "") -> lis
 
 
 # ---- HTTP helpers ------------------------------------------------------------
-def get_json(url: str, timeout: float = 10.0) -> dict:
+def get_json(url: str, timeout: float = 10.0) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return json.load(resp)
+        doc: dict[str, Any] = json.load(resp)
+    return doc
 
 
-def wait_for_prefix(router_url: str, prefix: list[int], salt: str, blocks: int) -> dict:
+def wait_for_prefix(router_url: str, prefix: list[int], salt: str, blocks: int) -> dict[str, Any]:
     """Wait until the router's index shows HOT holding ``blocks`` of ``prefix``; raise if it never does."""
     route = wait_for_overlap(router_url, prefix, HOT, blocks, INDEX_WAIT_S, cache_salt=salt)
     if gpu_overlap(route, HOT) < blocks:
@@ -162,10 +174,13 @@ def burst(
     return results, (max(explain)[1] if explain else None)
 
 
-def cache_tokens(before: list, after: list) -> tuple[float, float]:
+def cache_tokens(before: list[Samples], after: list[Samples]) -> tuple[float, float]:
     """(prompt tokens served from the prefix cache, all prompt tokens) across engines."""
-    hit = sum(delta(a, b, PROMPT_TOKENS, source="local_cache_hit") for a, b in zip(after, before, strict=True))
-    return hit, sum(delta(a, b, PROMPT_TOKENS) for a, b in zip(after, before, strict=True))
+    hit = sum(
+        delta(a, b, PROMPT_TOKENS_BY_SOURCE.total, source=PromptTokenSource.LOCAL_CACHE_HIT.value)
+        for a, b in zip(after, before, strict=True)
+    )
+    return hit, sum(delta(a, b, PROMPT_TOKENS_BY_SOURCE.total) for a, b in zip(after, before, strict=True))
 
 
 def first_spill(order: str) -> str:

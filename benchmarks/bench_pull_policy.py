@@ -41,11 +41,11 @@ from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape
 from deploy.prompts import filler_text
 from deploy.tiny_model import ensure_tiny_model
+from kvconnectors.vllm_metrics import KVPILOT_PULL_DECISIONS
 from policies.recompute_vs_transfer import VLLM_RECOMPUTE_BELOW_TOKENS
 from routing.serve.tokenizer import PromptTokenizer
 
 BLOCK = 32
-DECISIONS = "vllm:kvpilot_pull_decisions_total"
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def main() -> None:
                 turn_two_ttft(p_url, d_url, tokenizer, case, 1000 * (CASES.index(case) + 1) + rep, pull=True)
                 after = scrape(p_url)
                 for choice in ("pull", "recompute"):
-                    n = int(delta(after, before, DECISIONS, decision=choice, reason="roofline"))
+                    n = int(delta(after, before, KVPILOT_PULL_DECISIONS.total, decision=choice, reason="roofline"))
                     chosen.setdefault(case.name, {"pull": 0, "recompute": 0})[choice] += n
 
     print(f"{args.reps} sessions per case and choice; P's turn-2 TTFT (median s), measured at P")

@@ -36,6 +36,7 @@ import random
 import sys
 import time
 from array import array
+from typing import Any
 
 import msgspec
 
@@ -43,10 +44,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dynamo.llm import RadixTree, compute_block_hash_for_seq
 
-from routing.config import CostConfig
+from routing.config import CostConfig, TierClass
 from routing.decide.cost import Candidate, CostModel, tier_overlap
 from routing.decide.ledger import WorkerLoad
 from routing.decide.sessions import SessionState
+from routing.ids import DEFAULT_TIER, WorkerId
 from routing.index.block_index import BlockIndex
 from routing.index.chain import PromptChain
 from routing.index.events import BlockRemoved, BlockStored, EventDecoder
@@ -93,7 +95,7 @@ def ours_msg(chain: list[int], cid: int, a: int, b: int) -> bytes:
     return msgspec.msgpack.encode([time.time(), [ev]])
 
 
-def dyn_event(msg: dict, eid: int) -> bytes:
+def dyn_event(msg: dict[str, Any], eid: int) -> bytes:
     local = compute_block_hash_for_seq(msg["token_ids"], BS)
     blocks = [{"block_hash": h, "tokens_hash": t} for h, t in zip(msg["block_hashes"], local, strict=False)]
     return json.dumps(
@@ -111,7 +113,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def ingest(stream: Stream) -> tuple[BlockIndex, RadixTree, dict[str, float]]:
-    msgs = [(f"w{w}", w, ours_msg(stream.chains[c], c, a, b)) for w, c, a, b in stream.spans]
+    msgs = [(WorkerId(f"w{w}"), w, ours_msg(stream.chains[c], c, a, b)) for w, c, a, b in stream.spans]
     results: dict[str, list[float]] = {"ours": [], "dyn_same": [], "dyn_apply": []}
     for _ in range(3):
         gc.collect()
@@ -145,9 +147,10 @@ def ingest(stream: Stream) -> tuple[BlockIndex, RadixTree, dict[str, float]]:
 
 def decide_all(index: BlockIndex, model: CostModel, chain: PromptChain) -> str:
     match = index.match(chain)
-    tiers = {"GPU": "gpu"}
+    tiers = {"GPU": TierClass.GPU}
     cands = [
-        Candidate(f"w{w}", tier_overlap(match.blocks.get(f"w{w}", {}), tiers), WorkerLoad()) for w in range(WORKERS)
+        Candidate(f"w{w}", tier_overlap(match.blocks.get(WorkerId(f"w{w}"), {}), tiers), WorkerLoad())
+        for w in range(WORKERS)
     ]
     return model.decide("bench", chain.num_blocks, cands).chosen
 
@@ -177,6 +180,13 @@ def cold(index: BlockIndex, tree: RadixTree, stream: Stream) -> list[tuple[str, 
     return rows
 
 
+def chain_of(state: SessionState) -> PromptChain:
+    """The session's chain, which its first ``advance`` or ``extend`` made."""
+    if state.chain is None:
+        raise RuntimeError("the session has no prompt yet")
+    return state.chain
+
+
 def session(index: BlockIndex, tree: RadixTree, stream: Stream) -> list[tuple[str, list[float], list[float]]]:
     seq = tokens(63000)
     lengths = [63000 - (20 - k) * 1650 for k in range(1, 21)]
@@ -196,7 +206,7 @@ def session(index: BlockIndex, tree: RadixTree, stream: Stream) -> list[tuple[st
         for a in range(done, nb, EVENT_BLOCKS):
             b = min(nb, a + EVENT_BLOCKS)
             raw = ours_msg(seq, sid, a, b)
-            index.apply_all(f"w{worker}", EventDecoder().decode(raw).events)
+            index.apply_all(WorkerId(f"w{worker}"), EventDecoder().decode(raw).events)
             tree.apply_event(worker, dyn_event(msgspec.msgpack.decode(raw)[1][0], eid))
             eid += 1
         return nb
@@ -207,7 +217,7 @@ def session(index: BlockIndex, tree: RadixTree, stream: Stream) -> list[tuple[st
             w = churn_rng.randrange(WORKERS)
             _, c, _a, b = by_worker[w].pop(churn_rng.randrange(len(by_worker[w])))
             gone = [ehash(c, k) for k in range(b - 4, b)]
-            index.apply(f"w{w}", BlockRemoved(gone, medium="GPU"))
+            index.apply(WorkerId(f"w{w}"), BlockRemoved(list(gone), medium="GPU"))
             try:
                 tree.apply_event(w, dyn_remove(gone, eid))
             except RuntimeError:  # Dynamo refuses removing a block that still has children
@@ -218,10 +228,10 @@ def session(index: BlockIndex, tree: RadixTree, stream: Stream) -> list[tuple[st
     for step, n in enumerate(lengths[:-1]):
         for s in sessions:
             s.advance(seq[:n])
-            index.match(s.chain)
+            index.match(chain_of(s))
         for s in extenders:
             s.extend(seq[lengths[step - 1] if step else 0 : n])
-            index.match(s.chain)
+            index.match(chain_of(s))
         done = store_prompt(n, done)
         churn()
     # Each step's prompt arrives as freshly parsed ints (JSON body or tokenizer), not
@@ -233,16 +243,16 @@ def session(index: BlockIndex, tree: RadixTree, stream: Stream) -> list[tuple[st
         prompt20, new = msgspec.json.decode(raw20), msgspec.json.decode(raw_new)
         t = time.perf_counter()
         s.advance(prompt20)
-        index.match(s.chain)
+        index.match(chain_of(s))
         adv.append(time.perf_counter() - t)
         t = time.perf_counter()
         e.extend(new)
-        index.match(e.chain)
+        index.match(chain_of(e))
         ext.append(time.perf_counter() - t)
         t = time.perf_counter()
         tree.find_matches(compute_block_hash_for_seq(prompt20, BS))
         dyn.append(time.perf_counter() - t)
-    check = index.match(sessions[0].chain).blocks.get(f"w{worker}", {}).get("GPU")
+    check = index.match(chain_of(sessions[0])).blocks.get(WorkerId(f"w{worker}"), {}).get(DEFAULT_TIER)
     assert check == lengths[-2] // BS, check
     print(f"session churn: {stats}")
     return [("session step 20, advance(full prompt)", adv, dyn), ("session step 20, extend(new tokens)", ext, dyn)]

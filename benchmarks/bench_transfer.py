@@ -34,12 +34,9 @@ from deploy.fleet_spec import FleetSpec
 from deploy.metrics import Samples, delta, scrape
 from deploy.prompts import filler_text
 from deploy.tiny_model import ensure_tiny_model
+from kvconnectors.vllm_metrics import NIXL_BYTES_TRANSFERRED, NIXL_NUM_DESCRIPTORS, NIXL_XFER_TIME_SECONDS
 from routing.serve.tokenizer import PromptTokenizer
 
-BYTES = "vllm:nixl_bytes_transferred_sum"
-SECONDS = "vllm:nixl_xfer_time_seconds_sum"
-TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
-DESCRIPTORS = "vllm:nixl_num_descriptors_sum"
 CONNECTORS = ("NixlConnector", "KVPilotConnector")
 
 
@@ -68,10 +65,10 @@ class Moved:
 
 def throughput(after: Samples, before: Samples) -> Moved:
     return Moved(
-        delta(after, before, BYTES),
-        delta(after, before, SECONDS),
-        int(delta(after, before, TRANSFERS)),
-        int(delta(after, before, DESCRIPTORS)),
+        delta(after, before, NIXL_BYTES_TRANSFERRED.sum),
+        delta(after, before, NIXL_XFER_TIME_SECONDS.sum),
+        int(delta(after, before, NIXL_XFER_TIME_SECONDS.count)),
+        int(delta(after, before, NIXL_NUM_DESCRIPTORS.sum)),
     )
 
 

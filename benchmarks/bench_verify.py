@@ -25,10 +25,11 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import BlockHash as VllmBlockHash
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
 from kvconnectors.hash_contract import (
@@ -38,13 +39,14 @@ from kvconnectors.hash_contract import (
     none_hash,
     seed_identity,
 )
+from kvconnectors.reasons import Reason
 from kvconnectors.transfer_params import PARAMS_KEY, ContractId, decode_offer, encode_offer
-from kvconnectors.verify import Reason, verify_offer
+from kvconnectors.verify import verify_offer
 
 BLOCK_SIZES = (16, 128)
 
 
-def _decode_and_verify(received: object, contract: ContractId, hashes: list[bytes]) -> None:
+def _decode_and_verify(received: object, contract: ContractId, hashes: Sequence[bytes]) -> None:
     """What D does with an offer on the wire: decode it, then verify every block."""
     verdict = verify_offer(decode_offer(received), contract, hashes, 0)
     assert verdict.reason is Reason.VERIFIED_ALL
@@ -62,7 +64,7 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def _vllm_hash_chain(tokens: list[int], block_size: int, algo: str, seed: BlockHash) -> None:
     hash_fn = get_hash_fn_by_name(algo)
-    parent = seed
+    parent = VllmBlockHash(seed)  # the same bytes: kvpilot's chain is vLLM's
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = hash_block_tokens(hash_fn, parent, tokens[start : start + block_size])
 

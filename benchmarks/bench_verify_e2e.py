@@ -30,8 +30,7 @@ from deploy.client import complete
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape
 from deploy.tiny_model import ensure_tiny_model
-
-VERIFY_SECONDS = "vllm:kvpilot_verify_seconds_total"
+from kvconnectors.vllm_metrics import KVPILOT_VERIFY_SECONDS
 
 
 def main() -> None:
@@ -50,6 +49,8 @@ def main() -> None:
         params = complete(
             prefill, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, cache_salt="size"
         ).kv_transfer_params
+        if params is None:
+            raise RuntimeError("P returned no kv_transfer_params (is it a KVPilotConnector engine?)")
         added_bytes = len(json.dumps({"kvpilot": params["kvpilot"]}))
         complete(started.router.url, prompt[:64], max_tokens=1)  # warm-up: the one-time NIXL handshake
         rows = []
@@ -57,7 +58,7 @@ def main() -> None:
             before = scrape(decode)
             out = complete(started.router.url, prompt, max_tokens=2, stream=True, cache_salt=uuid.uuid4().hex)
             time.sleep(0.5)  # counts reach /metrics on the stats loop's next tick
-            verify = delta(scrape(decode), before, VERIFY_SECONDS)
+            verify = delta(scrape(decode), before, KVPILOT_VERIFY_SECONDS.total)
             rows.append((out.ttft_seconds, verify))
     finally:
         fleet_io.down(run_dir)

@@ -22,6 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 
@@ -39,8 +40,9 @@ class RawResult:
         return self.nbytes / self.seconds if self.seconds else 0.0
 
 
-def _agent(name: str):
-    from nixl._api import nixl_agent, nixl_agent_config
+def _agent(name: str) -> Any:
+    """A ``nixl._api.nixl_agent`` (nixl ships no type information)."""
+    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[import-untyped]  # no py.typed
 
     return nixl_agent(name, nixl_agent_config(num_threads=4, capture_telemetry=True))
 
@@ -102,7 +104,7 @@ def measure(descriptor_bytes: int, descriptors: int, transfers: int) -> RawResul
     reader = ctx.Process(target=_reader, args=(reader_end, results_in, descriptor_bytes, descriptors, transfers))
     reader.start()
     try:
-        result = results.recv()
+        result: RawResult | BaseException = results.recv()
     finally:
         reader.join(60)
         holder.join(60)

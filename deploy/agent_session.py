@@ -5,7 +5,8 @@ Turn k: P prefills the history and hands it to D (P's params carry the handoff);
 D generates the next tool call and returns its end-of-turn kv_transfer_params,
 which in vLLM's bidirectional mode offer D's KV of the whole session. Turn k+1
 starts on P with the history as the client resends it and D's params: P may pull
-D's KV back. Used by the e2e tests and the benchmarks; talks HTTP only.
+D's KV back. :func:`prefill_then_decode` is the P->D proxy itself, the one the
+e2e tests and every benchmark use; talks HTTP only.
 """
 
 from __future__ import annotations
@@ -28,22 +29,48 @@ class DecodedTurn:
     """Unix time at which D returned ``d_params``."""
 
 
+_HANDOFF = {"do_remote_decode": True}
+"""What P is sent to prefill a prompt for a D: vLLM's plain P->D handoff (never mutated)."""
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """One prompt through the P->D proxy: P's prefill answer, then D's."""
+
+    p: Completion
+    d: Completion
+
+
+def prefill_then_decode(
+    p_url: str,
+    d_url: str,
+    prompt: list[int],
+    generated: int,
+    timeout: float = 300.0,
+    p_params: dict[str, Any] | None = None,
+    **extra: Any,
+) -> Handoff:
+    """The P->D proxy: P prefills ``prompt`` (``max_tokens=1``) with ``p_params``
+    (default: vLLM's plain handoff; D's end-of-turn params let P pull D's KV first); D
+    generates ``generated`` tokens (greedy, ``ignore_eos``, token ids returned) with
+    the params P returned, or prefills the prompt itself if P returned none.
+    ``extra`` (e.g. ``cache_salt``) goes into both requests. Raises what
+    :func:`~deploy.client.complete` raises."""
+    params = _HANDOFF if p_params is None else p_params
+    p = complete(p_url, prompt, max_tokens=1, kv_transfer_params=params, timeout=timeout, **extra)
+    d_extra = {**extra, "kv_transfer_params": p.kv_transfer_params} if p.kv_transfer_params else extra
+    d = complete(
+        d_url, prompt, max_tokens=generated, ignore_eos=True, return_token_ids=True, timeout=timeout, **d_extra
+    )
+    return Handoff(p, d)
+
+
 def decoded_turn(
     p_url: str, d_url: str, prompt: list[int], generated: int, timeout: float = 300.0, **extra: Any
 ) -> DecodedTurn:
-    """P prefills ``prompt`` for D (``max_tokens=1``); D pulls it and generates
-    ``generated`` tokens (``ignore_eos``). Raises if D returns no session offer."""
-    p = complete(p_url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, timeout=timeout, **extra)
-    d = complete(
-        d_url,
-        prompt,
-        max_tokens=generated,
-        ignore_eos=True,
-        return_token_ids=True,
-        kv_transfer_params=p.kv_transfer_params,
-        timeout=timeout,
-        **extra,
-    )
+    """P prefills ``prompt`` for D; D pulls it and generates ``generated`` tokens
+    (:func:`prefill_then_decode`). Raises if D returns no session offer."""
+    d = prefill_then_decode(p_url, d_url, prompt, generated, timeout, **extra).d
     at = time.time()
     if not (d.kv_transfer_params and d.kv_transfer_params.get("do_remote_decode")):
         raise RuntimeError(f"D returned no session offer (is bidirectional_kv_xfer on?): {d.kv_transfer_params}")
@@ -58,5 +85,5 @@ def prefill_next_turn(
     """The next turn's prefill on P: with D's params P may pull D's KV of the
     session; with ``None`` it prefills beyond its own cache. ``max_tokens=1``, so the
     completion's latency is P's time to first token."""
-    params = {"do_remote_decode": True} if d_params is None else d_params
+    params = _HANDOFF if d_params is None else d_params
     return complete(p_url, prompt, max_tokens=1, kv_transfer_params=params, timeout=timeout, **extra)

@@ -8,6 +8,10 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: the console script starts without them
+    from deploy.fleet_spec import FleetSpec
 
 DEFAULT_RUN_DIR = Path(".kvpilot") / "fleet"
 
@@ -28,7 +32,7 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fleet_spec(args: argparse.Namespace):
+def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
     from deploy.fleet_spec import ENGINE_API_KEY_ENV, FleetSpec
     from deploy.tiny_model import ensure_tiny_model
     from routing.config import IndexBackend

@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from http.client import HTTPResponse
 from typing import Any
 
 
@@ -44,10 +45,12 @@ class HTTPStatusError(RuntimeError):
         super().__init__(f"HTTP {status}: {body[:500]}")
 
 
-def _post(url: str, body: dict[str, Any], timeout: float):
+def _post(url: str, body: dict[str, Any], timeout: float) -> HTTPResponse:
+    """The open response to a JSON POST (close it); raises :class:`HTTPStatusError` on 4xx/5xx."""
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
-        return urllib.request.urlopen(request, timeout=timeout)
+        response: HTTPResponse = urllib.request.urlopen(request, timeout=timeout)
+        return response
     except urllib.error.HTTPError as exc:
         raise HTTPStatusError(exc.code, exc.read().decode(errors="replace")) from None
 
@@ -107,7 +110,8 @@ def complete(
 def debug_route(router_url: str, prompt: list[int], *, timeout: float = 60.0, **extra: object) -> dict[str, Any]:
     """The router's ``POST /debug/route`` answer for ``prompt`` (nothing is sent to an engine)."""
     with _post(f"{router_url}/debug/route", {"prompt": prompt, **extra}, timeout) as resp:
-        return json.load(resp)  # type: ignore[no-any-return]
+        route: dict[str, Any] = json.load(resp)
+    return route
 
 
 def gpu_overlap(route: dict[str, Any], worker: str) -> int:
@@ -116,7 +120,7 @@ def gpu_overlap(route: dict[str, Any], worker: str) -> int:
 
 
 def wait_for_overlap(
-    router_url: str, prompt: list[int], worker: str, blocks: int, timeout: float = 30.0, **extra: object
+    router_url: str, prompt: list[int], worker: str, blocks: int, timeout: float = 30.0, **extra: Any
 ) -> dict[str, Any]:
     """Poll :func:`debug_route` until the router's index shows ``worker`` holding ``blocks``
     of ``prompt``, or ``timeout`` passes; returns the last answer either way."""

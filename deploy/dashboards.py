@@ -143,10 +143,13 @@ class Prometheus:
 
     def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
         """An instant query's vector (``[{"metric": {...}, "value": [t, "v"]}, ...]``)."""
-        return self._get("/api/v1/query", query=expr, time=at)["result"]  # type: ignore[no-any-return]
+        vector: list[dict[str, Any]] = self._get("/api/v1/query", query=expr, time=at)["result"]
+        return vector
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
-        return self._get("/api/v1/query_range", query=expr, start=start, end=end, step=step)["result"]  # type: ignore[no-any-return]
+        answer = self._get("/api/v1/query_range", query=expr, start=start, end=end, step=step)
+        matrix: list[dict[str, Any]] = answer["result"]
+        return matrix
 
     def label_values(self, variable_query: str) -> list[str]:
         """The values of a Grafana ``label_values([selector,] label)`` variable query."""
@@ -154,16 +157,18 @@ class Prometheus:
         if match is None:
             raise ValueError(f"not a label_values() query: {variable_query!r}")
         selector = match["selector"]
-        return self._get(
-            f"/api/v1/label/{match['label']}/values",  # type: ignore[no-any-return]
-            **({"match[]": selector} if selector else {}),
+        values: list[str] = self._get(
+            f"/api/v1/label/{match['label']}/values", **({"match[]": selector} if selector else {})
         )
+        return values
 
     def targets(self) -> list[dict[str, Any]]:
-        return self._get("/api/v1/targets")["activeTargets"]  # type: ignore[no-any-return]
+        targets: list[dict[str, Any]] = self._get("/api/v1/targets")["activeTargets"]
+        return targets
 
     def alerts(self) -> list[dict[str, Any]]:
-        return self._get("/api/v1/alerts")["alerts"]  # type: ignore[no-any-return]
+        alerts: list[dict[str, Any]] = self._get("/api/v1/alerts")["alerts"]
+        return alerts
 
     def rules(self) -> list[dict[str, Any]]:
         return [r for g in self._get("/api/v1/rules")["groups"] for r in g["rules"]]

@@ -21,10 +21,11 @@ from deploy.client import complete
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape, settled
 from deploy.tiny_model import ensure_tiny_model
+from kvconnectors.vllm_metrics import NIXL_BYTES_TRANSFERRED, PROMPT_TOKENS_BY_SOURCE, PromptTokenSource
 from routing.serve.tokenizer import PromptTokenizer
 
-PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
-NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
+PROMPT_TOKENS = PROMPT_TOKENS_BY_SOURCE.total
+COMPUTED, RECEIVED = PromptTokenSource.LOCAL_COMPUTE.value, PromptTokenSource.EXTERNAL_KV_TRANSFER.value
 
 
 def demo_prompts(seed: int = 7) -> list[tuple[str, str]]:
@@ -91,10 +92,10 @@ def run_requests(started: fleet_io.Fleet, tokenizer: PromptTokenizer) -> list[De
                 route=disagg.headers.get("X-KVPilot-Route", "?"),
                 prompt_tokens=len(token_ids),
                 ttft_ms=disagg.ttft_seconds * 1e3,
-                prefilled_on_p=int(delta(p1, p0, PROMPT_TOKENS, source="local_compute")),
-                prefilled_on_d=int(delta(d1, d0, PROMPT_TOKENS, source="local_compute")),
-                received_by_d=int(delta(d1, d0, PROMPT_TOKENS, source="external_kv_transfer")),
-                nixl_bytes=int(delta(d1, d0, NIXL_BYTES)),
+                prefilled_on_p=int(delta(p1, p0, PROMPT_TOKENS, source=COMPUTED)),
+                prefilled_on_d=int(delta(d1, d0, PROMPT_TOKENS, source=COMPUTED)),
+                received_by_d=int(delta(d1, d0, PROMPT_TOKENS, source=RECEIVED)),
+                nixl_bytes=int(delta(d1, d0, NIXL_BYTES_TRANSFERRED.sum)),
                 same_as_colocated=disagg.same_output(reference),
                 max_logprob_diff=disagg.max_logprob_diff(reference),
             )

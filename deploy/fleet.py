@@ -23,10 +23,11 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -114,8 +115,9 @@ def vars_of(proc: RunningProcess) -> dict[str, object]:
     }
 
 
-def _process_from(state: dict[str, object]) -> RunningProcess:
-    return RunningProcess(**{**state, "side_ports": tuple(state["side_ports"])})  # type: ignore[arg-type]
+def _process_from(state: dict[str, Any]) -> RunningProcess:
+    """A process as :func:`vars_of` recorded it in ``fleet.json``."""
+    return RunningProcess(**{**state, "side_ports": tuple(state["side_ports"])})
 
 
 def port_is_free(port: int) -> bool:
@@ -131,9 +133,10 @@ def port_is_free(port: int) -> bool:
 def is_healthy(url: str, timeout: float = 2.0, path: str = "/health") -> bool:
     try:
         with urllib.request.urlopen(f"{url}{path}", timeout=timeout) as resp:
-            return resp.status == 200
+            status: int = resp.status
     except (urllib.error.URLError, OSError):
         return False
+    return status == 200
 
 
 def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -256,7 +259,12 @@ def warm_up(url: str, model: str, api_key: str | None = None) -> None:
         resp.read()
 
 
-def up(spec: FleetSpec, timeout: float = 600.0, progress=print, observe: ObserveSpec | None = None) -> Fleet:
+def up(
+    spec: FleetSpec,
+    timeout: float = 600.0,
+    progress: Callable[[str], object] = print,
+    observe: ObserveSpec | None = None,
+) -> Fleet:
     """Start the fleet and return it once every process is healthy; with ``observe``,
     then Prometheus scraping it (and NIXL's exporter in every engine, if asked).
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from deploy.env import HASH_SEED_ENV, NIXL_CPU_ENV
 from routing.config import IndexBackend, Role, Worker
 from routing.fleet import kv_events_config
+from routing.ids import WorkerId
 
 HOST = "127.0.0.1"
 ROUTER_CONFIG = "router.yaml"
@@ -99,7 +100,7 @@ class ProcessPlan:
 def _worker(spec: FleetSpec, role: Role, index: int, ordinal: int) -> Worker:
     """How the router sees engine ``ordinal``."""
     return Worker(
-        name=f"{role.value}-{index}",  # type: ignore[arg-type]
+        name=WorkerId(f"{role.value}-{index}"),
         role=role,
         url=f"http://{HOST}:{spec.engine_port + ordinal}",
         kv_events_endpoint=f"tcp://{HOST}:{spec.events_port + ordinal}",

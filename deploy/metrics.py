@@ -7,6 +7,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Mapping
 
+from kvconnectors import vllm_metrics
 from routing.ingest.engine_metrics import parse_samples
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -63,17 +64,15 @@ def wait_for_metric(
         time.sleep(interval)
 
 
-FINISHED = "vllm:request_success_total"
-"""Requests vLLM counts finished; it records them with the prompt-token, KV-transfer
-and kvpilot counts of every batch up to them."""
-
-
 def settled(base_url: str, before: Samples, finished: int = 1, *, timeout: float = 10.0) -> Samples:
-    """An engine's metrics once vLLM counts ``finished`` more finished requests than
-    in ``before`` (a scrape from before the requests).
+    """An engine's metrics once vLLM counts ``finished`` more finished requests
+    (:data:`~kvconnectors.vllm_metrics.REQUEST_SUCCESS`) than in ``before`` (a scrape
+    from before the requests).
 
     vLLM answers a request before its stats loop publishes the batch that finished
-    it, so a scrape right after the answer can miss that batch's counts.
+    it, so a scrape right after the answer can miss that batch's counts; it counts a
+    finished request with the counts of every batch up to it.
     """
-    start = total(before, FINISHED)
-    return wait_for_metric(base_url, FINISHED, lambda n: n >= start + finished, timeout=timeout)
+    finished_requests = vllm_metrics.REQUEST_SUCCESS.total
+    start = total(before, finished_requests)
+    return wait_for_metric(base_url, finished_requests, lambda n: n >= start + finished, timeout=timeout)

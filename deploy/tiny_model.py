@@ -250,10 +250,10 @@ def _write_weights(spec: TinyModelSpec, out: Path, vocab_size: int) -> None:
         eos_token_id=1,
         pad_token_id=2,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config)  # float32: the config's dtype, torch's default
     model.save_pretrained(out, safe_serialization=True)
 
 

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvconnectors import vllm_metrics as vm
+from kvconnectors.vllm_metrics import HistogramFamily
+
 ENGINE = 'model_name=~"$model", instance=~"$instance"'
 """Selects the engines the dashboard's ``model`` and ``instance`` variables name."""
 WORKER = 'worker=~"$worker"'
@@ -71,33 +74,34 @@ def _vec(metric: str, sel: str) -> str:
     return f"{metric}{{{sel}}}" if sel else metric
 
 
-def _quantiles(metric: str, sel: str, qs: tuple[float, ...] = (0.5, 0.95, 0.99)) -> tuple[Query, ...]:
+def _quantiles(metric: HistogramFamily, sel: str, qs: tuple[float, ...] = (0.5, 0.95, 0.99)) -> tuple[Query, ...]:
     return tuple(
         Query(
-            f"histogram_quantile({q}, sum by (le) (rate({_vec(metric + '_bucket', sel)}[{RATE}])))",
+            f"histogram_quantile({q}, sum by (le) (rate({_vec(metric.bucket, sel)}[{RATE}])))",
             f"p{round(q * 100)}",
         )
         for q in qs
     )
 
 
-def _mean(metric: str, sel: str, by: str = "") -> str:
+def _mean(metric: HistogramFamily, sel: str, by: str = "") -> str:
     group = f" by ({by})" if by else ""
-    total, count = _vec(metric + "_sum", sel), _vec(metric + "_count", sel)
+    total, count = _vec(metric.sum, sel), _vec(metric.count, sel)
     return f"sum{group} (rate({total}[{RATE}])) / sum{group} (rate({count}[{RATE}]))"
 
 
-def _per_interval(metric: str, sel: str, by: str) -> str:
-    return f"sum by ({by}) (increase({_vec(metric, sel)}[{RATE}]))"
+def _per_interval(series: str, sel: str, by: str) -> str:
+    return f"sum by ({by}) (increase({_vec(series, sel)}[{RATE}]))"
 
 
 DATASOURCE = Variable("datasource", "Data source", "")
-MODEL = Variable("model", "Model", "label_values(vllm:num_requests_running, model_name)")
-INSTANCE = Variable("instance", "Engine", 'label_values(vllm:num_requests_running{model_name=~"$model"}, instance)')
+RUNNING = vm.NUM_REQUESTS_RUNNING.sample
+MODEL = Variable("model", "Model", f"label_values({RUNNING}, model_name)")
+INSTANCE = Variable("instance", "Engine", f'label_values({RUNNING}{{model_name=~"$model"}}, instance)')
 WORKER_VAR = Variable("worker", "Worker (router)", "label_values(kvpilot_router_active_requests, worker)")
 
-XFER, POST = "vllm:nixl_xfer_time_seconds", "vllm:nixl_post_time_seconds"
-BYTES, DESCS = "vllm:nixl_bytes_transferred", "vllm:nixl_num_descriptors"
+XFER, POST = vm.NIXL_XFER_TIME_SECONDS, vm.NIXL_POST_TIME_SECONDS
+BYTES, DESCS = vm.NIXL_BYTES_TRANSFERRED, vm.NIXL_NUM_DESCRIPTORS
 
 NIXL_ROW = Row(
     "NIXL transfers (vLLM's vllm:nixl_* on the engine that reads the KV)",
@@ -125,9 +129,9 @@ NIXL_ROW = Row(
             "Bytes read per second by each engine, and bytes over transfer time (the link speed one transfer sees).",
             "Bps",
             (
-                Query(f"sum by (instance) (rate({BYTES}_sum{{{ENGINE}}}[{RATE}]))", "{{instance}} throughput"),
+                Query(f"sum by (instance) (rate({BYTES.sum}{{{ENGINE}}}[{RATE}]))", "{{instance}} throughput"),
                 Query(
-                    f"sum(rate({BYTES}_sum{{{ENGINE}}}[{RATE}])) / sum(rate({XFER}_sum{{{ENGINE}}}[{RATE}]))",
+                    f"sum(rate({BYTES.sum}{{{ENGINE}}}[{RATE}])) / sum(rate({XFER.sum}{{{ENGINE}}}[{RATE}]))",
                     "per-transfer bandwidth",
                 ),
             ),
@@ -136,7 +140,7 @@ NIXL_ROW = Row(
             "Transfers per second",
             "NIXL transfers completed per second, per engine.",
             "ops",
-            (Query(f"sum by (instance) (rate({XFER}_count{{{ENGINE}}}[{RATE}]))", "{{instance}}"),),
+            (Query(f"sum by (instance) (rate({XFER.count}{{{ENGINE}}}[{RATE}]))", "{{instance}}"),),
         ),
         Panel(
             "Descriptors per transfer",
@@ -149,11 +153,9 @@ NIXL_ROW = Row(
             "Transfers that failed (handshake, transfer or notification) and failed notifications, per interval.",
             "short",
             (
+                Query(_per_interval(vm.NIXL_NUM_FAILED_TRANSFERS.total, ENGINE, "instance"), "{{instance}} transfers"),
                 Query(
-                    _per_interval("vllm:nixl_num_failed_transfers_total", ENGINE, "instance"), "{{instance}} transfers"
-                ),
-                Query(
-                    _per_interval("vllm:nixl_num_failed_notifications_total", ENGINE, "instance"),
+                    _per_interval(vm.NIXL_NUM_FAILED_NOTIFICATIONS.total, ENGINE, "instance"),
                     "{{instance}} notifications",
                 ),
             ),
@@ -164,9 +166,9 @@ NIXL_ROW = Row(
             "notifications that arrived after that.",
             "short",
             (
-                Query(_per_interval("vllm:nixl_num_kv_expired_reqs_total", ENGINE, "instance"), "{{instance}} expired"),
+                Query(_per_interval(vm.NIXL_NUM_KV_EXPIRED_REQS.total, ENGINE, "instance"), "{{instance}} expired"),
                 Query(
-                    _per_interval("vllm:nixl_num_notifications_after_expiry_total", ENGINE, "instance"),
+                    _per_interval(vm.NIXL_NUM_NOTIFICATIONS_AFTER_EXPIRY.total, ENGINE, "instance"),
                     "{{instance}} notified after expiry",
                 ),
             ),
@@ -174,7 +176,8 @@ NIXL_ROW = Row(
     ),
 )
 
-BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+BY_SOURCE = vm.PROMPT_TOKENS_BY_SOURCE.total
+TRANSFERRED = vm.PromptTokenSource.EXTERNAL_KV_TRANSFER.value
 SOURCES_ROW = Row(
     "Prompt tokens by source",
     (
@@ -191,7 +194,7 @@ SOURCES_ROW = Row(
             "percentunit",
             (
                 Query(
-                    f'sum(rate({BY_SOURCE}{{{ENGINE}, source="external_kv_transfer"}}[{RATE}])) '
+                    f'sum(rate({BY_SOURCE}{{{ENGINE}, source="{TRANSFERRED}"}}[{RATE}])) '
                     f"/ sum(rate({BY_SOURCE}{{{ENGINE}}}[{RATE}]))",
                     "transferred",
                 ),
@@ -209,10 +212,10 @@ KVPILOT_ROW = Row(
             "ops",
             (
                 Query(
-                    f"sum by (instance) (rate(vllm:kvpilot_offers_total{{{ENGINE}}}[{RATE}]))", "{{instance}} offers"
+                    f"sum by (instance) (rate({vm.KVPILOT_OFFERS.total}{{{ENGINE}}}[{RATE}]))", "{{instance}} offers"
                 ),
                 Query(
-                    f"sum by (instance) (rate(vllm:kvpilot_verified_blocks_total{{{ENGINE}}}[{RATE}]))",
+                    f"sum by (instance) (rate({vm.KVPILOT_VERIFIED_BLOCKS.total}{{{ENGINE}}}[{RATE}]))",
                     "{{instance}} verified blocks",
                 ),
             ),
@@ -222,14 +225,14 @@ KVPILOT_ROW = Row(
             "Offered blocks a reader needed but did not load: token or contract mismatch, malformed params, a partial "
             "tail, an expired lease, a failed peer.",
             "short",
-            (Query(_per_interval("vllm:kvpilot_rejected_blocks_total", ENGINE, "reason"), "{{reason}}"),),
+            (Query(_per_interval(vm.KVPILOT_REJECTED_BLOCKS.total, ENGINE, "reason"), "{{reason}}"),),
             stacked=True,
         ),
         Panel(
             "Recomputed tokens by reason",
             "Prompt tokens prefilled here although a peer offered their KV, by reason.",
             "short",
-            (Query(_per_interval("vllm:kvpilot_recomputed_tokens_total", ENGINE, "reason"), "{{reason}}"),),
+            (Query(_per_interval(vm.KVPILOT_RECOMPUTED_TOKENS.total, ENGINE, "reason"), "{{reason}}"),),
             stacked=True,
         ),
         Panel(
@@ -238,7 +241,7 @@ KVPILOT_ROW = Row(
             "percentunit",
             (
                 Query(
-                    f"sum by (instance) (rate(vllm:kvpilot_verify_seconds_total{{{ENGINE}}}[{RATE}]))", "{{instance}}"
+                    f"sum by (instance) (rate({vm.KVPILOT_VERIFY_SECONDS.total}{{{ENGINE}}}[{RATE}]))", "{{instance}}"
                 ),
             ),
         ),
@@ -248,7 +251,7 @@ KVPILOT_ROW = Row(
             "short",
             (
                 Query(
-                    _per_interval("vllm:kvpilot_pull_decisions_total", ENGINE, "decision, reason"),
+                    _per_interval(vm.KVPILOT_PULL_DECISIONS.total, ENGINE, "decision, reason"),
                     "{{decision}} ({{reason}})",
                 ),
             ),
@@ -257,7 +260,7 @@ KVPILOT_ROW = Row(
             "Failed pulls",
             "Pulls that failed in flight, by what vLLM did with the request.",
             "short",
-            (Query(_per_interval("vllm:kvpilot_load_failures_total", ENGINE, "action"), "{{action}}"),),
+            (Query(_per_interval(vm.KVPILOT_LOAD_FAILURES.total, ENGINE, "action"), "{{action}}"),),
         ),
     ),
 )
@@ -307,7 +310,8 @@ TRANSFERS = DashboardSpec(
 )
 
 DECISIONS = "kvpilot_router_decisions_total"
-STAGE = "kvpilot_router_ttft_stage_seconds"
+STAGE = HistogramFamily("kvpilot_router_ttft_stage_seconds")
+ROUTER_TTFT = HistogramFamily("kvpilot_router_ttft_seconds")
 DECISIONS_ROW = Row(
     "Routing decisions",
     (
@@ -355,20 +359,20 @@ TTFT_ROW = Row(
             (
                 Query(_mean(STAGE, "", "stage"), "{{stage}}"),
                 Query(_mean(XFER, ENGINE), "transfer (NIXL read)"),
-                Query(_mean("kvpilot_router_ttft_seconds", ""), "client TTFT (streams)"),
+                Query(_mean(ROUTER_TTFT, ""), "client TTFT (streams)"),
             ),
         ),
         Panel(
             "TTFT p50 / p95 / p99",
             "Time to first token as a streaming client sees it, through the router.",
             "s",
-            _quantiles("kvpilot_router_ttft_seconds", ""),
+            _quantiles(ROUTER_TTFT, ""),
         ),
         Panel(
             "TTFT stage p95",
             "p95 of each stage.",
             "s",
-            (Query(f"histogram_quantile(0.95, sum by (le, stage) (rate({STAGE}_bucket[{RATE}])))", "{{stage}}"),),
+            (Query(f"histogram_quantile(0.95, sum by (le, stage) (rate({STAGE.bucket}[{RATE}])))", "{{stage}}"),),
         ),
     ),
 )
@@ -389,8 +393,8 @@ HITS_ROW = Row(
                     "predicted (router)",
                 ),
                 Query(
-                    f'sum(rate(vllm:prefix_cache_hits_total{{{ENGINE}, role!="decode"}}[{RATE}])) '
-                    f'/ sum(rate(vllm:prefix_cache_queries_total{{{ENGINE}, role!="decode"}}[{RATE}]))',
+                    f'sum(rate({vm.PREFIX_CACHE_HITS.total}{{{ENGINE}, role!="decode"}}[{RATE}])) '
+                    f'/ sum(rate({vm.PREFIX_CACHE_QUERIES.total}{{{ENGINE}, role!="decode"}}[{RATE}]))',
                     "measured (engines)",
                 ),
                 Query("kvpilot_router_cache_hit_ratio", "predicted since router start"),

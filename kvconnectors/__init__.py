@@ -3,8 +3,9 @@
 ``KVPilotConnector`` (in :mod:`kvconnectors.connector`) wraps an inner vLLM connector
 (``NixlConnector`` by default) and adds kvpilot's layers at the scheduler-side seams.
 The pure modules (the hash contract, the kv_transfer_params schema, verification,
-attach planning, the pull policy, the thread binding) never import vLLM at module level,
-so they are tested without it; only :mod:`kvconnectors.connector`,
+attach planning, the pull policy, the thread binding, the engine's metric names in
+:mod:`kvconnectors.vllm_metrics`) never import vLLM at module level, so they are
+tested without it; only :mod:`kvconnectors.connector`,
 :mod:`kvconnectors.scheduler` (through :mod:`kvconnectors.stats`) and
 :mod:`kvconnectors.plugin`'s ``register()`` do.
 

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from kvconnectors import reasons
+from kvconnectors import reasons, vllm_metrics
 from kvconnectors.pull_policy import RecomputePolicy
 
 
@@ -35,7 +35,7 @@ class CounterSpec:
     """One kvpilot counter family. ``reasons`` non-empty means a ``reason`` label."""
 
     key: str
-    metric: str
+    metric: vllm_metrics.CounterFamily
     doc: str
     reasons: tuple[str, ...] = ()
     label_names: tuple[str, ...] = ("reason",)
@@ -49,35 +49,35 @@ PULL_DECISIONS = tuple(f"{choice}/{by.value}" for choice in ("pull", "recompute"
 COUNTERS: tuple[CounterSpec, ...] = (
     CounterSpec(
         "offers",
-        "vllm:kvpilot_offers",
+        vllm_metrics.KVPILOT_OFFERS,
         "Requests whose kv_transfer_params kvpilot stamped with a verifiable block offer for a peer.",
     ),
     CounterSpec(
         "verified_blocks",
-        "vllm:kvpilot_verified_blocks",
+        vllm_metrics.KVPILOT_VERIFIED_BLOCKS,
         "Remote blocks whose token hashes matched this engine's and that it loaded (beyond its local hit).",
     ),
     CounterSpec(
         "rejected_blocks",
-        "vllm:kvpilot_rejected_blocks",
+        vllm_metrics.KVPILOT_REJECTED_BLOCKS,
         "Remote blocks offered and needed but not loaded, by reason.",
         REASONS,
     ),
     CounterSpec(
         "verify_seconds",
-        "vllm:kvpilot_verify_seconds",
+        vllm_metrics.KVPILOT_VERIFY_SECONDS,
         "Scheduler time spent checking peers' offers against this engine's block hashes.",
     ),
     CounterSpec(
         "recomputed_tokens",
-        "vllm:kvpilot_recomputed_tokens",
+        vllm_metrics.KVPILOT_RECOMPUTED_TOKENS,
         "Prompt tokens prefilled locally although a peer offered their KV, by reason (rejected, a partial "
         "last block, or the pull policy chose to recompute).",
         RECOMPUTE_REASONS,
     ),
     CounterSpec(
         "pull_decisions",
-        "vllm:kvpilot_pull_decisions",
+        vllm_metrics.KVPILOT_PULL_DECISIONS,
         "Session pulls (a peer's verified KV beyond the local hit) decided, by decision and by what decided "
         "(the roofline policy on live load and link, or a fixed kv_recompute_threshold).",
         PULL_DECISIONS,
@@ -85,7 +85,7 @@ COUNTERS: tuple[CounterSpec, ...] = (
     ),
     CounterSpec(
         "load_failures",
-        "vllm:kvpilot_load_failures",
+        vllm_metrics.KVPILOT_LOAD_FAILURES,
         "Pulls that failed in flight (dead holder, broken link, expired hold), by what vLLM's "
         "kv_load_failure_policy did with the request: recompute it here, or fail it.",
         ("fail", "recompute"),
@@ -197,7 +197,7 @@ class KVPilotPromMetrics(KVConnectorPromMetrics):
         counter_cls = cast("type[Counter]", self._counter_cls)
         for spec in COUNTERS:
             names = labelnames + (list(spec.label_names) if spec.reasons else [])
-            family = counter_cls(name=spec.metric, documentation=spec.doc, labelnames=names)
+            family = counter_cls(name=spec.metric.name, documentation=spec.doc, labelnames=names)
             for reason in spec.reasons or (None,):
                 extra = [] if reason is None else reason.split("/")
                 self._children[counter_key(spec.key, reason)] = {

@@ -27,6 +27,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from kvconnectors import vllm_metrics
 from routing.config import Worker
 from routing.health.engine_load import EngineLoad
 from routing.health.pair_health import TransferCounters
@@ -34,19 +35,19 @@ from routing.ids import WorkerId
 
 log = logging.getLogger(__name__)
 
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_USAGE = "vllm:kv_cache_usage_perc"
+_RUNNING = vllm_metrics.NUM_REQUESTS_RUNNING.sample
+_WAITING = vllm_metrics.NUM_REQUESTS_WAITING.sample
+_KV_USAGE = vllm_metrics.KV_CACHE_USAGE_PERC.sample
 TRANSFER_COUNTERS = {
-    "vllm:nixl_num_failed_transfers_total": "failures",
-    "vllm:kvpilot_load_failures_total": "failures",
-    "vllm:nixl_num_kv_expired_reqs_total": "expired_leases",
-    "vllm:nixl_xfer_time_seconds_sum": "transfer_seconds",
-    "vllm:nixl_xfer_time_seconds_count": "transfers",
+    vllm_metrics.NIXL_NUM_FAILED_TRANSFERS.total: "failures",
+    vllm_metrics.KVPILOT_LOAD_FAILURES.total: "failures",
+    vllm_metrics.NIXL_NUM_KV_EXPIRED_REQS.total: "expired_leases",
+    vllm_metrics.NIXL_XFER_TIME_SECONDS.sum: "transfer_seconds",
+    vllm_metrics.NIXL_XFER_TIME_SECONDS.count: "transfers",
 }
-"""The counters behind :class:`~routing.health.pair_health.TransferCounters` (summed over label sets)."""
+"""The series behind :class:`~routing.health.pair_health.TransferCounters` (summed over label sets)."""
 # A sample line of one of these starts with its name and then labels or a space.
-_WANTED_LINES = tuple(name + after for name in (RUNNING, WAITING, KV_USAGE, *TRANSFER_COUNTERS) for after in "{ \t")
+_WANTED_LINES = tuple(name + after for name in (_RUNNING, _WAITING, _KV_USAGE, *TRANSFER_COUNTERS) for after in "{ \t")
 
 
 def parse_samples(text: str) -> list[Sample]:
@@ -79,20 +80,20 @@ def _parses(line: str) -> bool:
 
 def parse_engine_load(text: str, at: float) -> EngineLoad | None:
     """The three gauges and the transfer counters from a Prometheus text exposition;
-    None if ``KV_USAGE`` is absent (a counter that is absent reads 0).
+    None if KV usage is absent (a counter that is absent reads 0).
 
     Only those sample lines are parsed; a line the parser refuses or a
     non-finite value is ignored. Never raises.
     """
     wanted = "\n".join(line for line in text.split("\n") if line.lstrip().startswith(_WANTED_LINES))
-    sums = {RUNNING: 0.0, WAITING: 0.0}
+    sums = {_RUNNING: 0.0, _WAITING: 0.0}
     transfer = dict.fromkeys(TRANSFER_COUNTERS.values(), 0.0)
     usage: float | None = None
     for sample in parse_samples(wanted):
         value = float(sample.value)
         if not math.isfinite(value):
             continue
-        if sample.name == KV_USAGE:
+        if sample.name == _KV_USAGE:
             usage = value if usage is None else max(usage, value)
         elif sample.name in sums:
             sums[sample.name] += value
@@ -100,7 +101,7 @@ def parse_engine_load(text: str, at: float) -> EngineLoad | None:
             transfer[TRANSFER_COUNTERS[sample.name]] += value
     if usage is None:
         return None
-    return EngineLoad(sums[RUNNING], sums[WAITING], usage, at, TransferCounters(**transfer))
+    return EngineLoad(sums[_RUNNING], sums[_WAITING], usage, at, TransferCounters(**transfer))
 
 
 class EngineLoadPoller:

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from deploy.client import Completion, complete
 from deploy.metrics import scrape, settled
 from deploy.prompts import filler_text
+from kvconnectors import vllm_metrics as vm
 
 BLOCK_SIZE = 32
-PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
-REJECTED = "vllm:kvpilot_rejected_blocks_total"
-RECOMPUTED = "vllm:kvpilot_recomputed_tokens_total"
-VERIFIED = "vllm:kvpilot_verified_blocks_total"
+PROMPT_TOKENS = vm.PROMPT_TOKENS_BY_SOURCE.total
+REJECTED = vm.KVPILOT_REJECTED_BLOCKS.total
+RECOMPUTED = vm.KVPILOT_RECOMPUTED_TOKENS.total
+VERIFIED = vm.KVPILOT_VERIFIED_BLOCKS.total
 
 
 @dataclass(frozen=True)

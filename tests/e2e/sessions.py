@@ -17,12 +17,13 @@ from deploy.agent_session import decoded_turn, prefill_next_turn
 from deploy.client import Completion, complete
 from deploy.metrics import Samples, scrape, settled
 from deploy.prompts import filler_text
+from kvconnectors.vllm_metrics import KVPILOT_PULL_DECISIONS
 from routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.scenarios import BLOCK_SIZE
 
 GENERATED = 80  # D's tool call: spans blocks, so the session's newest KV is D's
 NEW_TOOL_OUTPUT = 60
-PULL_DECISIONS = "vllm:kvpilot_pull_decisions_total"
+PULL_DECISIONS = KVPILOT_PULL_DECISIONS.total
 
 Edit = Callable[[list[int], list[int]], list[int]]
 """(turn-1 history x, D's generated ids) -> the history as the client resends it."""

@@ -28,6 +28,7 @@ from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from deploy.prompts import filler_text
+from kvconnectors.vllm_metrics import KVPILOT_LOAD_FAILURES
 from routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
 from tests.e2e.scenarios import PROMPT_TOKENS, RECOMPUTED, REJECTED
@@ -37,7 +38,7 @@ from tests.fakes.ports import block_of
 pytestmark = pytest.mark.e2e
 
 PORTS = block_of(__name__).fleet()
-LOAD_FAILURES = "vllm:kvpilot_load_failures_total"
+LOAD_FAILURES = KVPILOT_LOAD_FAILURES.total
 
 
 @pytest.fixture(scope="module")

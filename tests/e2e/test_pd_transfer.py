@@ -10,12 +10,13 @@ import pytest
 from deploy.client import complete
 from deploy.fleet import Fleet
 from deploy.metrics import delta, scrape, settled, total
+from kvconnectors import vllm_metrics as vm
 from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 
-PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
-NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
+PROMPT_TOKENS = vm.PROMPT_TOKENS_BY_SOURCE.total
+NIXL_BYTES = vm.NIXL_BYTES_TRANSFERRED.sum
 BLOCK_SIZE = 32
 # 4 layers x (K + V) x 2 KV heads x head_dim 64 x 2 bytes (vLLM CPU runs the model in bf16)
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2
@@ -53,7 +54,7 @@ def test_disaggregated_output_equals_colocated(pd_fleet: Fleet, tokenizer: Promp
     assert delta(d1, d0, PROMPT_TOKENS, source="external_kv_transfer") == len(token_ids)
     assert delta(d1, d0, PROMPT_TOKENS, source="local_compute") == 0
     # P computed the prompt and stamped kvpilot's offer into its kv_transfer_params.
-    assert total(scrape(prefill.url), "vllm:kvpilot_offers_total") >= 1
+    assert total(scrape(prefill.url), vm.KVPILOT_OFFERS.total) >= 1
 
 
 def test_decode_moves_only_blocks_beyond_its_local_hit(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:

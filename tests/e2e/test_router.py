@@ -22,6 +22,7 @@ from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from deploy.prompts import filler_text
+from kvconnectors.vllm_metrics import PROMPT_TOKENS_BY_SOURCE
 from routing.config import IndexBackend
 from routing.serve.request_fields import ENGINE_INTERNAL
 from routing.serve.tokenizer import PromptTokenizer
@@ -31,7 +32,7 @@ from tests.fakes.ports import block_of
 pytestmark = pytest.mark.e2e
 
 PORTS = block_of(__name__).fleet()
-CACHE_HIT = "vllm:prompt_tokens_by_source_total"
+CACHE_HIT = PROMPT_TOKENS_BY_SOURCE.total
 
 
 @pytest.fixture(scope="module", params=list(IndexBackend), ids=lambda backend: backend.value)

@@ -85,7 +85,7 @@ def _sample_names(family: str, kind: str) -> set[str]:
 def known_metrics(model_dir: Path) -> set[str]:
     from kvconnectors.stats import COUNTERS
 
-    known = {spec.metric + "_total" for spec in COUNTERS}
+    known = {spec.metric.total for spec in COUNTERS}
     for name, kind in _router_families(model_dir).items():
         known |= _sample_names(name, kind)
     for family in _vllm_families():  # counters and histograms alike: every suffix

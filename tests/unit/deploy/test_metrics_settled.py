@@ -6,14 +6,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from deploy.metrics import FINISHED, parse, settled, total
+from deploy.metrics import parse, settled, total
+from kvconnectors.vllm_metrics import REQUEST_SUCCESS
 from tests.fakes.engine import FakeEngine, serving
 
 
 @pytest.fixture
 def engine() -> FakeEngine:
     """/metrics whose finished count grows by one on every scrape."""
-    return FakeEngine("d", metrics_text=lambda scrape: f'{FINISHED}{{finished_reason="length"}} {scrape}\n')
+    return FakeEngine(
+        "d", metrics_text=lambda scrape: f'{REQUEST_SUCCESS.total}{{finished_reason="length"}} {scrape}\n'
+    )
 
 
 @pytest.fixture
@@ -23,12 +26,12 @@ def url(engine: FakeEngine) -> Iterator[str]:
 
 
 def test_it_returns_the_first_scrape_that_counts_the_requests(engine: FakeEngine, url: str) -> None:
-    before = parse(f"{FINISHED} 0\n")
+    before = parse(f"{REQUEST_SUCCESS.total} 0\n")
     after = settled(url, before, finished=3)
-    assert total(after, FINISHED) == 3 and engine.scrapes == 3
+    assert total(after, REQUEST_SUCCESS.total) == 3 and engine.scrapes == 3
 
 
 def test_past_its_timeout_it_returns_the_last_scrape_for_the_caller_to_assert_on(url: str) -> None:
-    before = parse(f"{FINISHED} 0\n")
+    before = parse(f"{REQUEST_SUCCESS.total} 0\n")
     after = settled(url, before, finished=10**9, timeout=0.2)
-    assert 0 < total(after, FINISHED) < 10**9
+    assert 0 < total(after, REQUEST_SUCCESS.total) < 10**9

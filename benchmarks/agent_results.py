@@ -1,0 +1,320 @@
+"""The agent benchmark's results: what each request and each lockstep step of an
+arm measured, judged against the reference, and summarized per arm. Pure but for
+:func:`counters`' inputs (two scrapes of the engines' ``/metrics``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import agent_workload as aw
+
+from deploy.client import Completion
+from deploy.metrics import Samples, delta
+from kvconnectors import vllm_metrics as vm
+
+PROMPT_TOKENS = vm.PROMPT_TOKENS_BY_SOURCE.total
+NIXL_BYTES = vm.NIXL_BYTES_TRANSFERRED
+TPOT = vm.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS
+STALL_S = 25.0
+"""A request this slow is counted as stalled (P's NIXL lease on blocks for D is 30 s)."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """The command line's flags (``bench_agent.py --help``), by their dest names."""
+
+    sessions: int
+    steps: int
+    prefix_tokens: int
+    tool_tokens: int
+    generated: int
+    editing_sessions: int
+    edit_steps: tuple[int, ...] | None
+    seed: int
+    arms: str
+    tolerance: float
+    ttft_slo: float | None
+    tpot_slo: float | None
+    request_timeout: float
+    warm_up_timeout: float
+    settle: float
+    out: Path
+    plot: Path
+
+    @property
+    def workload(self) -> aw.WorkloadSpec:
+        return aw.WorkloadSpec(
+            self.sessions,
+            self.steps,
+            self.prefix_tokens,
+            self.tool_tokens,
+            self.generated,
+            self.editing_sessions,
+            self.edit_steps,
+            self.seed,
+        )
+
+
+@dataclass
+class Outcome:
+    """One request of one arm."""
+
+    session: int
+    step: int
+    latency: float
+    completion: Completion | None
+    error: str | None = None
+    tokens_match: bool = False
+    max_diff: float = math.inf
+    route: str | None = None
+    ttft: float | None = None
+    wrong: bool = False
+    p_seconds: float | None = None
+    """P's half of the latency (the arms that proxy P->D themselves)."""
+    first_mismatch: int | None = None
+    """Index of the first generated token that differs from the reference (None: all equal)."""
+
+
+@dataclass
+class StepCounters:
+    compute: dict[str, float]
+    """Prompt tokens computed per engine (``local_compute``)."""
+    cached: float
+    external: float
+    kv_bytes: float
+    transfers: float
+    tpot: float | None
+    """D's mean time per output token over the step's requests."""
+    extra: dict[str, float] = field(default_factory=dict)
+    wall: float = 0.0
+
+    @property
+    def computed(self) -> float:
+        return sum(self.compute.values())
+
+
+@dataclass
+class ArmResult:
+    key: str
+    title: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    steps: dict[int, StepCounters] = field(default_factory=dict)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+Key = tuple[int, int]
+"""(session, step)."""
+
+
+@dataclass
+class Run:
+    """One run of the benchmark, filled in as it goes."""
+
+    config: BenchConfig
+    root: Path
+    """Where the fleets' run directories and logs go."""
+    run_id: str
+    """Part of every arm's ``cache_salt``: no run inherits another's cache."""
+    prompts: dict[Key, list[int]] = field(default_factory=dict)
+    reference: dict[Key, Completion] = field(default_factory=dict)
+    edited_steps: list[int] = field(default_factory=list)
+    """Steps whose prompt resends an edited history."""
+    results: dict[str, ArmResult] = field(default_factory=dict)
+    noise: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    warm_ups: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The judged run: per arm summaries, the SLOs they were judged by, the ratios."""
+
+    summaries: dict[str, dict[str, Any]]
+    report_steps: list[int]
+    ttft_slo: float
+    tpot_slo: float
+    ratios: dict[str, float] = field(default_factory=dict)
+    """Filled by :func:`judge_run`: kvpilot's prefill tokens, TTFT and goodput against the baselines'."""
+
+    def get(self, key: str, f: Callable[[dict[str, Any]], float]) -> float:
+        """``f`` of arm ``key``'s summary; NaN if the arm did not run."""
+        return f(self.summaries[key]) if key in self.summaries else math.nan
+
+
+def counters(before: dict[str, Samples], after: dict[str, Samples], decode: str) -> StepCounters:
+    """What the engines counted between two scrapes (``decode``: D's name)."""
+    source = vm.PromptTokenSource
+    compute = {n: delta(after[n], before[n], PROMPT_TOKENS, source=source.LOCAL_COMPUTE.value) for n in after}
+    cached = sum(delta(after[n], before[n], PROMPT_TOKENS, source=source.LOCAL_CACHE_HIT.value) for n in after)
+    external = sum(delta(after[n], before[n], PROMPT_TOKENS, source=source.EXTERNAL_KV_TRANSFER.value) for n in after)
+    kv_bytes = sum(delta(after[n], before[n], NIXL_BYTES.sum) for n in after)
+    transfers = sum(delta(after[n], before[n], NIXL_BYTES.count) for n in after)
+    count = delta(after[decode], before[decode], TPOT.count)
+    tpot = delta(after[decode], before[decode], TPOT.sum) / count if count else None
+    extra: dict[str, float] = {}
+    for decision in ("pull", "recompute"):
+        extra[f"pull_decisions_{decision}"] = sum(
+            delta(after[n], before[n], vm.KVPILOT_PULL_DECISIONS.total, decision=decision) for n in after
+        )
+    extra["verified_blocks"] = sum(delta(after[n], before[n], vm.KVPILOT_VERIFIED_BLOCKS.total) for n in after)
+    return StepCounters(compute, cached, external, kv_bytes, transfers, tpot, extra)
+
+
+def compare(out: Completion, ref: Completion) -> tuple[int | None, float]:
+    """(index of the first generated token that differs from the reference or None,
+    max |logprob diff| over the tokens up to and including it).
+
+    After the first differing token the two sequences have different contexts, so
+    their logprobs are not comparable. A greedy choice between two near-tied tokens
+    can flip on numeric noise alone (random weights give flat distributions): then
+    both chosen tokens have about the same logprob and the diff at the flip stays
+    within the noise; wrong KV shows a larger diff at or before it."""
+    ids = out.token_ids if out.token_ids and ref.token_ids else None
+    a, b = (ids, ref.token_ids) if ids else (out.tokens, ref.tokens)
+    if len(out.logprobs) != len(ref.logprobs) or len(a) != len(b):
+        return 0, math.inf
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+    end = len(a) if first is None else first + 1
+    return first, max((abs(x - y) for x, y in zip(out.logprobs[:end], ref.logprobs[:end], strict=True)), default=0.0)
+
+
+def judge(result: ArmResult, reference: dict[Key, Completion], generated: int, tol: float) -> None:
+    """Correctness against the reference and the TTFT estimate of each outcome."""
+    tpots = [c.tpot for c in result.steps.values() if c.tpot is not None]
+    arm_tpot = statistics.fmean(tpots) if tpots else 0.0
+    for o in result.outcomes:
+        if o.completion is None:
+            continue
+        o.first_mismatch, o.max_diff = compare(o.completion, reference[(o.session, o.step)])
+        o.tokens_match = o.first_mismatch is None
+        o.wrong = o.max_diff > tol
+        tpot = result.steps[o.step].tpot
+        o.ttft = max(0.0, o.latency - (generated - 1) * (tpot if tpot is not None else arm_tpot))
+
+
+def pct(values: list[float], q: float) -> float:
+    """Percentile ``q`` (0-100), linear interpolation; NaN for no values."""
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def at_step(result: ArmResult, step: int, what: str) -> list[float]:
+    return [
+        getattr(o, what)
+        for o in result.outcomes
+        if o.step == step and o.completion is not None and getattr(o, what) is not None
+    ]
+
+
+def summarize(result: ArmResult, report_steps: list[int], ttft_slo: float, tpot_slo: float) -> dict[str, Any]:
+    steps = result.steps.values()
+    good = [
+        o
+        for o in result.outcomes
+        if o.completion is not None
+        and not o.wrong
+        and o.ttft is not None
+        and o.ttft <= ttft_slo
+        and (result.steps[o.step].tpot or 0.0) <= tpot_slo
+    ]
+    tpots = [c.tpot for c in steps if c.tpot is not None]
+    per_engine: dict[str, float] = {}
+    for c in steps:
+        for name, v in c.compute.items():
+            per_engine[name] = per_engine.get(name, 0.0) + v
+    routes: dict[str, int] = {}
+    for o in result.outcomes:
+        if o.route:
+            routes[o.route] = routes.get(o.route, 0) + 1
+    wrong = [o for o in result.outcomes if o.completion is not None and o.wrong]
+    return {
+        "arm": result.title,
+        "requests": len(result.outcomes),
+        "prefill_computed": sum(c.computed for c in steps),
+        "prefill_computed_by_engine": per_engine,
+        "local_cache_hit": sum(c.cached for c in steps),
+        "external_kv_transfer": sum(c.external for c in steps),
+        "kv_bytes": sum(c.kv_bytes for c in steps),
+        "nixl_transfers": sum(c.transfers for c in steps),
+        "latency": {
+            k: {"p50": pct(at_step(result, k, "latency"), 50), "p99": pct(at_step(result, k, "latency"), 99)}
+            for k in report_steps
+        },
+        "ttft": {
+            k: {"p50": pct(at_step(result, k, "ttft"), 50), "p99": pct(at_step(result, k, "ttft"), 99)}
+            for k in report_steps
+        },
+        "tpot_mean": statistics.fmean(tpots) if tpots else math.nan,
+        "goodput": len(good),
+        "wrong": len(wrong),
+        "token_flips": sum(o.completion is not None and not o.wrong and not o.tokens_match for o in result.outcomes),
+        "stalled": sum(o.latency >= STALL_S for o in result.outcomes),
+        "slowest": max(((o.latency, o.p_seconds) for o in result.outcomes), default=(math.nan, None)),
+        "wrong_at": sorted({(o.session, o.step) for o in wrong}),
+        "failed": sum(o.error is not None for o in result.outcomes),
+        "errors": sorted({o.error for o in result.outcomes if o.error})[:5],
+        "max_logprob_diff_correct": max(
+            (o.max_diff for o in result.outcomes if o.completion is not None and not o.wrong), default=0.0
+        ),
+        "routes": routes,
+        "extra": {k: sum(c.extra.get(k, 0.0) for c in steps) for k in next(iter(steps)).extra} if steps else {},
+        "seconds": result.seconds,
+        "notes": result.notes,
+    }
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else math.inf
+
+
+def judge_run(run: Run) -> RunSummary:
+    """Judge every arm against the reference (sets each outcome's verdict and TTFT),
+    add the noise of arm (a) and of the wrong outputs to ``run.noise``, and summarize.
+    Unless given, the SLOs are 1.5x the base arm's (arm (a), else the first) TTFT p50
+    at step 1 and 1.5x its median step TPOT."""
+    config, results = run.config, run.results
+    for r in results.values():
+        judge(r, run.reference, config.generated, config.tolerance)
+    if "a" in results:
+        a = results["a"]
+        run.noise["arm_a"] = {
+            "max": max((o.max_diff for o in a.outcomes if o.completion), default=math.nan),
+            "token_flips": sum(o.completion is not None and not o.tokens_match for o in a.outcomes),
+        }
+    wrong_diffs = [o.max_diff for r in results.values() for o in r.outcomes if o.completion is not None and o.wrong]
+    run.noise["smallest_diff_among_wrong"] = min(wrong_diffs, default=math.nan)
+    run.noise["largest_diff_among_wrong"] = max(wrong_diffs, default=math.nan)
+    base = results.get("a") or next(iter(results.values()), None)
+    base_ttft1 = pct(at_step(base, 1, "ttft"), 50) if base else math.nan
+    base_tpot = statistics.median([c.tpot for c in base.steps.values() if c.tpot]) if base else math.nan
+    ttft_slo = config.ttft_slo if config.ttft_slo is not None else 1.5 * base_ttft1
+    tpot_slo = config.tpot_slo if config.tpot_slo is not None else 1.5 * base_tpot
+    report_steps = sorted({1, max(1, config.steps // 2), config.steps})
+    summaries = {key: summarize(r, report_steps, ttft_slo, tpot_slo) for key, r in results.items()}
+    judged = RunSummary(summaries, report_steps, ttft_slo, tpot_slo)
+    last = config.steps
+
+    def of(a: str, b: str, f: Callable[[dict[str, Any]], float]) -> float:
+        return ratio(judged.get(a, f), judged.get(b, f))
+
+    judged.ratios.update(
+        {
+            "prefill_a_over_e": of("a", "e", lambda s: s["prefill_computed"]),
+            "prefill_b_over_e": of("b", "e", lambda s: s["prefill_computed"]),
+            f"ttft_p50_step{last}_b_over_e": of("b", "e", lambda s: s["ttft"][last]["p50"]),
+            "goodput_e_over_c": of("e", "c", lambda s: s["goodput"]),
+            "goodput_e_over_d": of("e", "d", lambda s: s["goodput"]),
+        }
+    )
+    return judged
