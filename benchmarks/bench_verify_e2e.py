@@ -30,6 +30,7 @@ from deploy.client import complete
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape
 from deploy.tiny_model import ensure_tiny_model
+from kvconnectors.pull_params import handoff_request
 from kvconnectors.vllm_metrics import KVPILOT_VERIFY_SECONDS
 
 
@@ -47,7 +48,7 @@ def main() -> None:
         prefill, decode = started.by_role("prefill")[0].url, started.by_role("decode")[0].url
         prompt = [(i * 7919) % 2000 + 7 for i in range(args.tokens)]  # ids of ordinary tokens
         params = complete(
-            prefill, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, cache_salt="size"
+            prefill, prompt, max_tokens=1, kv_transfer_params=handoff_request(), cache_salt="size"
         ).kv_transfer_params
         if params is None:
             raise RuntimeError("P returned no kv_transfer_params (is it a KVPilotConnector engine?)")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deploy.client import Completion, complete
+from kvconnectors.pull_params import handoff_request
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,6 @@ class DecodedTurn:
     d_params: dict[str, Any]
     d_params_at: float
     """Unix time at which D returned ``d_params``."""
-
-
-_HANDOFF = {"do_remote_decode": True}
-"""What P is sent to prefill a prompt for a D: vLLM's plain P->D handoff (never mutated)."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +53,7 @@ def prefill_then_decode(
     the params P returned, or prefills the prompt itself if P returned none.
     ``extra`` (e.g. ``cache_salt``) goes into both requests. Raises what
     :func:`~deploy.client.complete` raises."""
-    params = _HANDOFF if p_params is None else p_params
+    params = handoff_request() if p_params is None else p_params
     p = complete(p_url, prompt, max_tokens=1, kv_transfer_params=params, timeout=timeout, **extra)
     d_extra = {**extra, "kv_transfer_params": p.kv_transfer_params} if p.kv_transfer_params else extra
     d = complete(
@@ -85,5 +82,5 @@ def prefill_next_turn(
     """The next turn's prefill on P: with D's params P may pull D's KV of the
     session; with ``None`` it prefills beyond its own cache. ``max_tokens=1``, so the
     completion's latency is P's time to first token."""
-    params = _HANDOFF if d_params is None else d_params
+    params = handoff_request() if d_params is None else d_params
     return complete(p_url, prompt, max_tokens=1, kv_transfer_params=params, timeout=timeout, **extra)

@@ -10,6 +10,7 @@ from deploy.client import Completion, complete
 from deploy.metrics import scrape, settled
 from deploy.prompts import filler_text
 from kvconnectors import vllm_metrics as vm
+from kvconnectors.pull_params import handoff_request
 
 BLOCK_SIZE = 32
 PROMPT_TOKENS = vm.PROMPT_TOKENS_BY_SOURCE.total
@@ -51,7 +52,7 @@ def cases() -> list[Case]:
 def prefill_on(engine_url: str, token_ids: list[int], salt: str | None) -> dict:
     """P's side of a handoff: prefill with max_tokens=1, return kv_transfer_params."""
     extra = {"cache_salt": salt} if salt else {}
-    out = complete(engine_url, token_ids, max_tokens=1, kv_transfer_params={"do_remote_decode": True}, **extra)
+    out = complete(engine_url, token_ids, max_tokens=1, kv_transfer_params=handoff_request(), **extra)
     assert out.kv_transfer_params is not None and "kvpilot" in out.kv_transfer_params
     return out.kv_transfer_params
 

@@ -26,6 +26,7 @@ from deploy.client import HTTPStatusError, complete
 from deploy.env import child_env
 from deploy.fleet import is_healthy, stop_group
 from deploy.fleet_spec import FleetSpec, plan_fleet
+from kvconnectors.pull_params import handoff_request
 from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
@@ -63,7 +64,7 @@ def test_an_unwarmed_decode_engine_still_dies_on_its_first_pulled_decode(
                 time.sleep(1)
             (p_plan, _), (d_plan, _) = procs["prefill-0"], procs["decode-0"]
             prompt = tokenizer.prompt_token_ids("the first forward of D is a decode over pulled KV " * 8)
-            handoff = complete(p_plan.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            handoff = complete(p_plan.url, prompt, max_tokens=1, kv_transfer_params=handoff_request())
             with pytest.raises((HTTPStatusError, OSError)):
                 complete(d_plan.url, prompt, max_tokens=4, kv_transfer_params=handoff.kv_transfer_params, timeout=300)
             log_text = (tmp_path / "decode-0.log").read_text(errors="replace")

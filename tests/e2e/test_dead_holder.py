@@ -28,6 +28,7 @@ from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from deploy.prompts import filler_text
+from kvconnectors.pull_params import handoff_request
 from kvconnectors.vllm_metrics import KVPILOT_LOAD_FAILURES
 from routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
@@ -148,7 +149,7 @@ def test_p_killed_after_returning_params_is_recomputed_on_d(
     restarted = fleet_io.restart_engine(spec, "prefill-0")
     prefill, decode = restarted.by_role("prefill")[0], restarted.by_role("decode")[0]
     x = tokenizer.prompt_token_ids(filler_text(600, 43))
-    params = complete(prefill.url, x, max_tokens=1, kv_transfer_params={"do_remote_decode": True}).kv_transfer_params
+    params = complete(prefill.url, x, max_tokens=1, kv_transfer_params=handoff_request()).kv_transfer_params
     assert params and params.get("do_remote_prefill"), params
     os.killpg(prefill.pid, signal.SIGKILL)
     before = scrape(decode.url)

@@ -13,6 +13,7 @@ import pytest
 from deploy.client import complete
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
+from kvconnectors.pull_params import handoff_request
 from routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
 from tests.e2e.scenarios import cases, colocated_reference, common_full_blocks
@@ -39,7 +40,7 @@ def test_plain_nixl_attaches_by_position_and_answers_wrong(nixl_fleet: Fleet, to
     case = cases()[0]  # a reasoning trace stripped from the middle of history
     prefill, decode = nixl_fleet.by_role("prefill")[0].url, nixl_fleet.by_role("decode")[0].url
     x, x_prime = tokenizer.prompt_token_ids(case.x), tokenizer.prompt_token_ids(case.x_prime)
-    params = complete(prefill, x, max_tokens=1, kv_transfer_params={"do_remote_decode": True}).kv_transfer_params
+    params = complete(prefill, x, max_tokens=1, kv_transfer_params=handoff_request()).kv_transfer_params
     out = complete(decode, x_prime, max_tokens=10, kv_transfer_params=params)
     reference = colocated_reference(decode, x, x_prime, common_full_blocks(x, x_prime))
     assert out.logprobs != reference.logprobs

@@ -53,7 +53,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvconnectors.connector import KVPilotConnector
 from kvconnectors.plugin import register
-from kvconnectors.pull_params import PULL_DONE_KEY
+from kvconnectors.pull_params import PULL_DONE_KEY, handoff_request
 from kvconnectors.reasons import Reason
 from kvconnectors.stats import KVPilotStats, counter_key
 from kvconnectors.transfer_params import DIGEST_BYTES, PARAMS_KEY
@@ -198,7 +198,7 @@ def make_engine(model_config: ModelConfig) -> Iterator[MakeEngine]:
 
 def hand_off(prefill: Engine, prompt: list[int] = PROMPT, request_id: str = "p-1") -> dict[str, Any]:
     """``prefill`` prefills ``prompt`` for a decode engine; the params it hands over."""
-    prefill.add(request_id, prompt, {"do_remote_decode": True})
+    prefill.add(request_id, prompt, handoff_request())
     prefill.step()
     return wire(prefill.finished[request_id])
 

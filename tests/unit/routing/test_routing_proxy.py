@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvconnectors.pull_params import handoff_request
 from routing.config import Role, RouterConfig, Worker
 from routing.decide.ledger import LoadLedger
 from routing.decide.router import Kind, Route, Router, policy_from_config
@@ -158,7 +159,7 @@ def test_remote_prefill_hands_p_params_to_d_and_books_every_step():
     assert reply.headers["X-KVPilot-Route"] == "remote_prefill"
     assert reply.headers["X-KVPilot-Prefill-Worker"] == "p0"
     (kind, worker, _, params), (d_kind, d_worker, _, handoff) = rig.upstream.calls
-    assert (kind, worker, params) == ("prefill", "p0", {"do_remote_decode": True})
+    assert (kind, worker, params) == ("prefill", "p0", handoff_request())
     assert d_kind == "complete" and d_worker == reply.headers["X-KVPilot-Decode-Worker"] and handoff == HANDOFF
     assert rig.ledger.load(WorkerId("p0")).active_requests == 0  # completed, nothing left in flight
     assert rig.value("kvpilot_router_prefill_fallbacks_total") == 0

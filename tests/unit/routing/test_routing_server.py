@@ -15,6 +15,7 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
+from kvconnectors.pull_params import handoff_request
 from routing.config import load_config
 from routing.decide.ledger import WorkerLoad
 from routing.fleet import fleet_from_config
@@ -82,7 +83,7 @@ def test_remote_prefill_then_decode_with_p_params(model_dir):
         (p_body,), (d_body,) = engines["prefill-0"].bodies, engines["decode-0"].bodies
         assert p_body["prompt"] == PROMPT == d_body["prompt"]
         assert p_body["max_tokens"] == 1 and p_body["stream"] is False
-        assert p_body["kv_transfer_params"] == {"do_remote_decode": True}
+        assert p_body["kv_transfer_params"] == handoff_request()
         assert d_body["kv_transfer_params"] == {"remote_engine_id": "prefill-0", "remote_block_ids": [1, 2]}
         assert d_body["max_tokens"] == 5 and d_body["temperature"] == 0
         assert _idle(router)
@@ -514,15 +515,15 @@ def test_ds_session_offer_goes_to_p_at_the_next_step_once_and_never_expired_or_a
         p, d = engines["prefill-0"], engines["decode-0"]
         d.session_offer = {**offer, "kvpilot_expires_at": time.time() + 300}
         await step(client, 4)
-        assert p.bodies[-1]["kv_transfer_params"] == {"do_remote_decode": True}  # step 1: nothing offered yet
+        assert p.bodies[-1]["kv_transfer_params"] == handoff_request()  # step 1: nothing offered yet
         await step(client, 8)
         assert p.bodies[-1]["kv_transfer_params"] == d.session_offer  # step 2: D's offer of step 1
         await step(client, 12, cache_salt="tenant-b")  # the same id in another tenant: another session
-        assert p.bodies[-1]["kv_transfer_params"] == {"do_remote_decode": True}
+        assert p.bodies[-1]["kv_transfer_params"] == handoff_request()
         d.session_offer = {**offer, "kvpilot_expires_at": time.time() + 2}  # D's hold ends before P could read
         await step(client, 16)
         await step(client, 20)
-        assert p.bodies[-1]["kv_transfer_params"] == {"do_remote_decode": True}
+        assert p.bodies[-1]["kv_transfer_params"] == handoff_request()
         metrics = await (await client.get("/metrics")).text()
         assert 'kvpilot_router_session_offers_total{outcome="sent"} 2.0' in metrics
         assert 'kvpilot_router_session_offers_total{outcome="expired"} 1.0' in metrics
