@@ -11,7 +11,11 @@ from deploy.metrics import scrape, settled
 from deploy.prompts import filler_text
 
 BLOCK_SIZE = 32
+KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2
+"""The tiny model's KV per token: 4 layers x (K + V) x 2 KV heads x head_dim 64 x 2
+bytes (vLLM CPU runs the model in bf16)."""
 PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
+NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 REJECTED = "vllm:kvpilot_rejected_blocks_total"
 RECOMPUTED = "vllm:kvpilot_recomputed_tokens_total"
 VERIFIED = "vllm:kvpilot_verified_blocks_total"

@@ -6,6 +6,7 @@ import uuid
 
 import psutil
 import pytest
+from scenarios import BLOCK_SIZE, KV_BYTES_PER_TOKEN, NIXL_BYTES, PROMPT_TOKENS
 
 from deploy.client import complete
 from deploy.fleet import Fleet
@@ -13,12 +14,6 @@ from deploy.metrics import delta, scrape, settled, total
 from routing.serve.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
-
-PROMPT_TOKENS = "vllm:prompt_tokens_by_source_total"
-NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
-BLOCK_SIZE = 32
-# 4 layers x (K + V) x 2 KV heads x head_dim 64 x 2 bytes (vLLM CPU runs the model in bf16)
-KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2
 
 
 def _words(n: int, seed: int) -> str:
