@@ -113,8 +113,10 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
         "kv_connector": spec.connector,
         "kv_role": "kv_both",
         "kv_buffer_device": "cpu",
-        # A failed pull (dead holder, broken link) is prefilled here: the router
-        # does not retry a request that an engine failed.
+        # A failed pull (dead holder, broken link) is prefilled where it failed. Under
+        # vLLM's default ("fail") the engine answers 500: the router retries that only
+        # on another decode worker (server.max_retries), and P's 500 falls back to D's
+        # local prefill; a fleet of one D would hand D's 500 to the client.
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": spec.connector_extra_config,
     }

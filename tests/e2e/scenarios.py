@@ -13,7 +13,11 @@ from kvconnectors import vllm_metrics as vm
 from kvconnectors.pull_params import handoff_request
 
 BLOCK_SIZE = 32
+KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2
+"""The tiny model's KV per token: 4 layers x (K + V) x 2 KV heads x head_dim 64 x 2
+bytes (vLLM CPU runs the model in bf16)."""
 PROMPT_TOKENS = vm.PROMPT_TOKENS_BY_SOURCE.total
+NIXL_BYTES = vm.NIXL_BYTES_TRANSFERRED.sum
 REJECTED = vm.KVPILOT_REJECTED_BLOCKS.total
 RECOMPUTED = vm.KVPILOT_RECOMPUTED_TOKENS.total
 VERIFIED = vm.KVPILOT_VERIFIED_BLOCKS.total

@@ -117,13 +117,17 @@ def _drive(fleet: Fleet, prom: dashboards.Prometheus, tokenizer: PromptTokenizer
     complete(router, ids(3), max_tokens=6, stream=True)
     _wait_scraped(prom, 'kvpilot_router_ttft_stage_seconds_count{stage="decode_first_token"}')
     complete(router, ids(7), max_tokens=6, stream=True)
-    # A three-step session: the router picks an option at steps 2 and 3, D's offers go unused.
+    # A three-step session: the router picks an option at steps 2 and 3, D's offers go
+    # unused. Step 2 creates both series: an increase needs step 3 after they were scraped.
     prompt = ids(4)
     for step in range(3):
         out = complete(
             router, prompt, max_tokens=8, ignore_eos=True, return_token_ids=True, conversation_id="dash-session"
         )
         prompt = prompt + list(out.token_ids) + tokenizer.prompt_token_ids(f" tool: step {step} ok")
+        if step == 1:
+            _wait_scraped(prom, 'kvpilot_router_session_options_total{option="reprefill"}')
+            _wait_scraped(prom, 'kvpilot_router_session_offers_total{outcome="unused"}')
     # Offers D rejects: P's KV of x on D's edited prompt, and under another contract.
     edited = x[: 4 * BLOCK_SIZE] + [t + 1 for t in x[4 * BLOCK_SIZE :]]
     complete(decode, edited, max_tokens=2, kv_transfer_params=prefill_on(prefill, x, salt=None))
@@ -231,15 +235,22 @@ def test_panels_show_what_the_fleet_did(observed: tuple[Fleet, dashboards.Promet
     stages = {s["metric"]["stage"]: float(s["value"][1]) for s in r[f"{rt} / Mean TTFT by stage / A"]}
     assert set(stages) == {"route", "prefill", "decode_first_token"} and min(stages.values()) > 0
     assert max(_values(r[f"{rt} / Decisions by kind / A"], kind="remote_prefill")) > 0
-    assert _values(r[f"{rt} / Session steps by option / A"], option="reprefill")
-    assert _values(r[f"{rt} / Session offers by outcome / A"], outcome="unused")
+    assert max(_values(r[f"{rt} / Session steps by option / A"], option="reprefill")) > 0
+    assert max(_values(r[f"{rt} / Session offers by outcome / A"], outcome="unused")) > 0
     assert max(_values(r[f"{rt} / Predicted vs measured prefix-cache hit ratio / A"])) > 0
     assert max(_values(r[f"{rt} / Predicted vs measured prefix-cache hit ratio / B"])) > 0
     assert max(_values(r[f"{rt} / Prefill fallbacks / A"])) > 0
-    assert _values(r[f"{rt} / Prefill failures (since router start) / A"], worker="prefill-0", reason="status_400")
-    assert _values(r[f"{rt} / Engine errors passed to clients (since router start) / A"], worker="decode-0")
-    assert _values(r[f"{rt} / Requests refused before routing (since router start) / A"], reason="prompt_too_long")
-    assert _values(r[f"{rt} / KV events rejected (since router start) / A"], worker="decode-0", reason="unknown_tag")
+    # Counters since the router's restart: P refused the fallback's and the engine error's
+    # min_tokens (two 400s), D refused the second, the router refused the 9,000-token prompt.
+    since_start = {
+        panel: r[f"{rt} / {panel} (since router start) / A"]
+        for panel in ("Prefill failures", "Engine errors passed to clients", "Requests refused before routing")
+    }
+    assert _values(since_start["Prefill failures"], worker="prefill-0", reason="status_400") == [2]
+    assert _values(since_start["Engine errors passed to clients"], worker="decode-0") == [1]
+    assert _values(since_start["Requests refused before routing"], reason="prompt_too_long") == [1]
+    rejected = r[f"{rt} / KV events rejected (since router start) / A"]
+    assert max(_values(rejected, worker="decode-0", reason="unknown_tag")) > 0  # one per forged frame that arrived
     assert max(_values(r[f"{rt} / KV-event gaps, replays and restarts / C"], worker="decode-0")) > 0
     assert max(_values(r[f"{rt} / Index blocks per worker and tier / A"], worker="prefill-0")) > 0
 

@@ -12,14 +12,9 @@ from deploy.fleet import Fleet
 from deploy.metrics import delta, scrape, settled, total
 from kvconnectors import vllm_metrics as vm
 from routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.scenarios import BLOCK_SIZE, KV_BYTES_PER_TOKEN, NIXL_BYTES, PROMPT_TOKENS
 
 pytestmark = pytest.mark.e2e
-
-PROMPT_TOKENS = vm.PROMPT_TOKENS_BY_SOURCE.total
-NIXL_BYTES = vm.NIXL_BYTES_TRANSFERRED.sum
-BLOCK_SIZE = 32
-# 4 layers x (K + V) x 2 KV heads x head_dim 64 x 2 bytes (vLLM CPU runs the model in bf16)
-KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2
 
 
 def _words(n: int, seed: int) -> str:

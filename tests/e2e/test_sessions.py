@@ -5,18 +5,21 @@ directly, as vLLM's multi-turn proxy does, and through kvpilot's router."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
+import argparse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from deploy.client import Completion, complete
+from deploy.client import Completion, complete, wait_for_overlap
 from deploy.fleet import Fleet, restart_router
-from deploy.fleet_spec import FleetSpec
+from deploy.fleet_spec import ROUTER_CONFIG, FleetSpec
 from deploy.metrics import delta, scrape
+from policies.disaggregation import DecodeState
+from policies.session_options import Option, PrefillSite, SessionOptionPricer, SessionStep
+from routing.config import add_cli_flags, load_config
+from routing.decide.router import policy_from_config
 from routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
 from tests.e2e.scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED
@@ -60,14 +63,6 @@ def fleet(spec: FleetSpec, tokenizer: PromptTokenizer) -> Iterator[Fleet]:
     with running_fleet(spec) as started:
         handshake_both_ways(*_urls(started), tokenizer)
         yield started
-
-
-def debug_route(router: str, prompt: list[int], **body: object) -> dict:
-    """``POST /debug/route``: the router's decision for ``prompt``, sending nothing."""
-    data = json.dumps({"prompt": prompt, **body}).encode()
-    request = urllib.request.Request(f"{router}/debug/route", data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as resp:
-        return json.load(resp)
 
 
 def _urls(fleet: Fleet) -> tuple[str, str]:
@@ -199,20 +194,55 @@ def test_a_session_served_by_each_forced_option_answers_like_colocated(
         assert out.same_output(ref), f"step {n}: max logprob diff {out.max_logprob_diff(ref)}"
 
 
+def _priced_independently(spec: FleetSpec, flags: list[str], step: SessionStep) -> dict[str, float]:
+    """``step``'s options priced by :mod:`policies.session_options` under the router's
+    config as the fleet wrote it (its YAML, then ``flags``), not read back from it."""
+    parser = argparse.ArgumentParser()
+    add_cli_flags(parser)
+    config = load_config(spec.run_dir / ROUTER_CONFIG, parser.parse_args(flags))
+    pricer = SessionOptionPricer(policy_from_config(config.disaggregation))
+    return {p.option.value: p.seconds for p in pricer.price(step) if p.available}
+
+
 def test_unforced_the_router_takes_the_cheapest_option_and_edits_stay_correct(
     spec: FleetSpec, fleet: Fleet, tokenizer: PromptTokenizer
 ) -> None:
-    """By cost: ``/debug/route`` prices every option and the request takes the one it
-    calls cheapest; a truncated history (section 5) is still answered correctly."""
-    router = _router_choosing(spec, ["--max-local-tokens", "2048"])
+    """By cost, on a setup where one option must win at each step: a truncated history
+    (section 5) at step 3 is still answered correctly.
+
+    Step 2 and step 4 go local: D holds every block of the prompt that any P holds or
+    D offers, plus its own generated ones, on the same hardware, and every other option
+    adds a handoff to D. Step 3 is re-prefilled: the truncated history matches no cached
+    block, so local prefill fails the 70% share guard, D's offer holds none of it, and
+    step 2 had no P for affinity. Step 4's prices are recomputed here from the fleet's
+    config and the blocks each engine must hold."""
+    flags = ["--max-local-tokens", "2048"]
+    router = _router_choosing(spec, flags)
     decode = _urls(fleet)[1]
     x = history(tokenizer, 700)
+    before = scrape(router)
     steps = _agent_steps(router, x, tokenizer, "by-cost", edit_step3=EDITS["history truncated"])
-    x4 = steps[-1][0] + list(steps[-1][1].token_ids)
-    priced = debug_route(router, x4, conversation_id="by-cost")
-    available = [o for o in priced["options"] if o["available"]]
-    cheapest = min(available, key=lambda o: o["ttft_s"])
-    assert priced["session_option"] == cheapest["option"] == "local"  # D holds all but the new tokens
+    after = scrape(router)
+    assert [out.headers["X-KVPilot-Route"] for _, out in steps] == ["remote_prefill", "local_prefill", "remote_prefill"]
+    assert delta(after, before, SESSION_OPTIONS, option="local") == 1
+    assert delta(after, before, SESSION_OPTIONS, option="reprefill") == 1
+
+    (x3, out3) = steps[-1]
+    x4 = x3 + list(out3.token_ids)
+    p_cached = block_count(len(x3)) * 32  # P prefilled step 3's prompt
+    d_cached = block_count(len(x3) + len(out3.tokens) - 1) * 32  # D: that prompt and its generated KV
+    priced = wait_for_overlap(router, x4, "decode-0", d_cached // 32, conversation_id="by-cost")
+    assert priced["overlap"]["decode-0"]["GPU"] == d_cached // 32 and priced["overlap"]["prefill-0"]["GPU"] == (
+        p_cached // 32
+    )
+    prefill_0 = PrefillSite("prefill-0", p_cached)
+    step4 = SessionStep(len(x4), prefill_0, "decode-0", d_cached, DecodeState(), last_p=prefill_0, last_d_chosen=True)
+    expected = _priced_independently(spec, flags, step4)
+    assert min(expected, key=expected.__getitem__) == Option.LOCAL.value
+    reported = {o["option"]: o["ttft_s"] for o in priced["options"] if o["available"]}
+    for option in ("local", "reprefill", "affinity"):
+        assert reported[option] == pytest.approx(expected[option], rel=1e-9), option
+    assert priced["session_option"] == "local"
     assert {o["option"]: o["available"] for o in priced["options"]}["shared_tier"] is False
     before = scrape(router)
     complete(router, x4, max_tokens=8, conversation_id="by-cost")

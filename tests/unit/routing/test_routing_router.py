@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from policies.roofline import kv_bytes, prefill
+from policies.session_options import Option
 from routing.config import ConfigError, Role, RouterConfig, load_config
 from routing.decide.ledger import LoadLedger
 from routing.decide.router import Kind, Router, policy_from_config
@@ -263,37 +266,76 @@ def test_unknown_policy_preset_names_the_section():
 
 # ---- a session's later step: the five options (reference article, section 9.2) ----
 
-OFFER = {"do_remote_decode": True, "remote_block_ids": [list(range(12))], "remote_engine_id": "d1"}
+
+def _offer(blocks: int) -> dict:
+    """d1's end-of-turn params holding ``blocks`` blocks (vLLM's bidirectional protocol)."""
+    return {"do_remote_decode": True, "remote_block_ids": [list(range(blocks))], "remote_engine_id": "d1"}
 
 
-def _session_after_step_one(force: str = "", **disaggregation: object) -> tuple[Router, SessionId, list[int]]:
-    """Step 1 prefilled on a P and decoded on d1, which now caches the prompt and 3
-    generated blocks and offers them; returns step 2's prompt (2 blocks more)."""
+OFFER = _offer(12)
+STEP1_BLOCKS = 8
+
+
+def _session_after_step_one(
+    force: str = "", generated_blocks: int = 3, **disaggregation: object
+) -> tuple[Router, SessionId, list[int]]:
+    """Step 1 (8 blocks) prefilled on a P and decoded on d1, which now caches the
+    prompt and ``generated_blocks`` generated blocks and offers them; returns step 2's
+    prompt (the generated blocks and 2 blocks more)."""
     cfg = _config(PD, disaggregation={"max_local_tokens": 0, **disaggregation}, sessions={"force_option": force})
     router = _router(cfg)
     session = SessionId("agent")
-    step1 = _prompt(8, base=100)
+    step1 = _prompt(STEP1_BLOCKS, base=100)
     first = router.route(step1, "s1", session=session, now=0.0)
     assert first.option is None and first.kind is Kind.REMOTE_PREFILL  # a first step: the pair's policy
-    router.served(session, first, OFFER)
+    router.served(session, first, _offer(STEP1_BLOCKS + generated_blocks + 1))
     assert router.sessions.get(session).last_prefill == first.prefill.name
-    step2 = step1 + _prompt(3, base=900) + _prompt(2, base=950)
-    _store(router.index, "d1", step2[: 11 * BS])  # d1 holds the prompt and its generated blocks
+    step2 = step1 + _prompt(generated_blocks, base=900) + _prompt(2, base=950)
+    _store(router.index, "d1", step2[: (STEP1_BLOCKS + generated_blocks) * BS])  # the prompt and its generated blocks
     _store(router.index, first.prefill.name, step1)
     return router, session, step2
 
 
-@pytest.mark.parametrize("force", ["", "reprefill", "pull", "affinity"])
-def test_a_later_step_prices_every_option_and_takes_the_forced_or_cheapest(force):
+# Unforced, step 2 goes to affinity: the session's last P is the cost model's P (it
+# caches step 1), so re-prefill and affinity do the same work at the same price and
+# the tie goes to affinity (TIE_ORDER: it moves the least data); pulling d1's three
+# blocks adds a transfer for 12 tokens that an idle P recomputes for free (its pass
+# is weight-bound). Forced, the named option is taken.
+@pytest.mark.parametrize(
+    ("force", "expected"), [("", "affinity"), ("reprefill", "reprefill"), ("pull", "pull"), ("affinity", "affinity")]
+)
+def test_a_later_step_prices_every_option_and_takes_the_forced_or_cheapest(force, expected):
     router, session, step2 = _session_after_step_one(force)
     route = router.route(step2, "s2", session=session, now=0.0)
     assert [p.option.value for p in route.options] == ["reprefill", "pull", "affinity", "shared_tier", "local"]
-    assert route.option is not None and route.option.value == (force or route.option.value)
+    price = {p.option.value: p for p in route.options}
+    assert price["reprefill"].seconds == price["affinity"].seconds < price["pull"].seconds
+    assert route.option is not None and route.option.value == expected
     assert route.kind is Kind.REMOTE_PREFILL  # max_local_tokens 0: D never prefills here
-    assert not {p.option.value: p for p in route.options}["local"].available
-    assert f"{route.option.value}: " in route.explain() and "<- chosen" in route.explain()
+    assert not price["local"].available
+    assert f"{expected}: " in route.explain() and "<- chosen" in route.explain()
     offer, use = router.take_session_offer(session, route, now=0.0)
-    assert (use == "sent") == (route.option.value == "pull") and (offer is not None) == (use == "sent")
+    assert (use == "sent") == (expected == "pull") and (offer is not None) == (use == "sent")
+
+
+def test_unforced_a_long_generated_span_is_pulled_not_recomputed():
+    """d1 generated 1,200 tokens: recomputing them on P is compute-bound and costs
+    several times what pulling their KV over RDMA does (checked here on the roofline
+    the router's default disaggregation section names), so the cheapest option is
+    the pull, not the tie of re-prefill and affinity."""
+    generated = 300  # blocks of BS tokens
+    cfg = _config(PD).disaggregation
+    model, fmt = model_preset(cfg.model_preset), kv_format_preset(cfg.kv_format)
+    hw, link = hardware_preset(cfg.p_hardware), link_preset(cfg.link_preset)
+    span = generated * BS
+    assert prefill(model, fmt, hw, span, STEP1_BLOCKS * BS).seconds > 5 * link.transfer_seconds(
+        kv_bytes(model, fmt, span)
+    )
+    router, session, step2 = _session_after_step_one("", generated_blocks=generated)
+    route = router.route(step2, "s2", session=session, now=0.0)
+    assert route.option is Option.PULL and route.kind is Kind.REMOTE_PREFILL
+    offer, use = router.take_session_offer(session, route, now=0.0)
+    assert use == "sent" and offer is not None
 
 
 def test_an_idle_d_holding_the_session_prefills_the_increment_itself():
