@@ -45,7 +45,15 @@ user can paste them::
       d_hardware: h100
       link_preset: rdma
       kv_format: bf16
-    workers:                             # Worker; routing.fleet checks the fleet
+    dynamo:                              # beside NVIDIA Dynamo (docs/dynamo.md); off while frontend_url is ""
+      frontend_url: http://127.0.0.1:8090   # Dynamo's frontend in direct mode: every request goes there
+      discovery_backend: file            # file ($DYN_FILE_KV) | etcd | kubernetes: Dynamo's own client reads it
+      decode_endpoint: dynamo.backend.generate
+      prefill_endpoint: dynamo.prefill.generate
+      discovery_interval_s: 1.0          # how often joins and departures are picked up
+      kv_events_port_offset: 0           # a worker's vLLM KV events: its request-plane port + this, or
+      kv_events_port: 0                  #   this same port on every worker's host (one worker per host)
+    workers:                             # Worker; routing.fleet checks the fleet (empty beside Dynamo)
       - name: prefill-0
         role: prefill                    # prefill | decode | colocated
         url: http://127.0.0.1:8100
@@ -268,6 +276,61 @@ class DisaggregationConfig(LocalPrefillConfig):
                 _non_negative(self, name)
 
 
+class DiscoveryBackend(str, enum.Enum):
+    """Where Dynamo's own discovery client finds the workers (its ``--discovery-backend``)."""
+
+    FILE = "file"  # the directory in $DYN_FILE_KV
+    ETCD = "etcd"  # ETCD_ENDPOINTS
+    KUBERNETES = "kubernetes"
+
+
+@dataclass(frozen=True)
+class DynamoConfig:
+    """Routing a Dynamo deployment through its frontend in direct mode
+    (:mod:`routing.ingest.dynamo_discovery`, :mod:`routing.serve.dynamo_upstream`).
+
+    The workers are the instances of ``decode_endpoint`` (decode, or aggregated when
+    no prefill instance exists) and ``prefill_endpoint``, read through Dynamo's own
+    discovery client every ``discovery_interval_s``. Each worker's vLLM-format KV events
+    are read at ``tcp://<its request-plane host>:<port>``, the port being its
+    request-plane port plus ``kv_events_port_offset`` (many workers on one host, each
+    started with its own ``DYN_TCP_RPC_PORT``) or ``kv_events_port`` (the same port on
+    every host); both 0: no KV events (routed on load alone)."""
+
+    frontend_url: str = ""
+    discovery_backend: str = DiscoveryBackend.FILE.value
+    decode_endpoint: str = "dynamo.backend.generate"
+    prefill_endpoint: str = "dynamo.prefill.generate"
+    discovery_interval_s: float = 1.0
+    kv_events_port_offset: int = 0
+    kv_events_port: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.frontend_url)
+
+    def __post_init__(self) -> None:
+        if self.frontend_url:
+            parts = urlsplit(self.frontend_url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ConfigError(f"frontend_url must be http(s)://host:port, got {self.frontend_url!r}")
+            object.__setattr__(self, "frontend_url", self.frontend_url.rstrip("/"))
+        backends = tuple(b.value for b in DiscoveryBackend)
+        if self.discovery_backend not in backends:
+            raise ConfigError(f"discovery_backend must be one of {backends}, got {self.discovery_backend!r}")
+        for name in ("decode_endpoint", "prefill_endpoint"):
+            if len(getattr(self, name).split(".")) != 3:
+                raise ConfigError(f"{name} must be namespace.component.endpoint, got {getattr(self, name)!r}")
+        if not (math.isfinite(self.discovery_interval_s) and self.discovery_interval_s > 0):
+            raise ConfigError(f"discovery_interval_s must be a finite number > 0, got {self.discovery_interval_s!r}")
+        if self.kv_events_port and self.kv_events_port_offset:
+            raise ConfigError("set kv_events_port or kv_events_port_offset, not both")
+        if not 0 <= self.kv_events_port < 65536:
+            raise ConfigError(f"kv_events_port must be in [0, 65536), got {self.kv_events_port}")
+        if abs(self.kv_events_port_offset) >= 65536:
+            raise ConfigError(f"kv_events_port_offset must be within (-65536, 65536), got {self.kv_events_port_offset}")
+
+
 class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -315,6 +378,7 @@ class RouterConfig:
     sessions: SessionConfig = field(default_factory=SessionConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+    dynamo: DynamoConfig = field(default_factory=DynamoConfig)
     workers: tuple[Worker, ...] = ()
 
 

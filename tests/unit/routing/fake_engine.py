@@ -61,6 +61,8 @@ class FakeEngine:
     api_key: str | None = None
     """Like vLLM's ``--api-key``: ``/v1`` requests without ``Bearer <key>`` get a 401."""
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    """The headers of each completions request, in order."""
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -78,6 +80,7 @@ class FakeEngine:
             return web.json_response({"error": "Unauthorized"}, status=401)
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         await asyncio.sleep(self.delay_s)
         if self.status != 200:
             return web.json_response({"error": {"message": f"{self.name} is broken"}}, status=self.status)
