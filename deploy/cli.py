@@ -56,9 +56,38 @@ def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
     )
 
 
+def _dynamo_fleet_up(args: argparse.Namespace) -> int:
+    """``fleet up --dynamo``: Dynamo's frontend and mocker workers beside the router."""
+    from deploy import dynamo_fleet
+    from deploy.dynamo_spec import DynamoFleetSpec
+    from deploy.fleet import FleetStartError
+    from deploy.tiny_model import ensure_tiny_model
+
+    counts = {"workers": args.workers} if args.workers else {"prefill": args.prefill, "decode": args.decode}
+    spec = DynamoFleetSpec(
+        model_dir=args.model or ensure_tiny_model(),
+        run_dir=args.run_dir,
+        speedup_ratio=args.speedup_ratio,
+        worker_port=args.worker_port,
+        frontend_port=args.frontend_port,
+        router_port=args.router_port,
+        **counts,
+    )
+    print(f"kvpilot fleet up --dynamo: {', '.join(f'{n} {k}' for k, n in counts.items())} (dynamo.mocker)")
+    try:
+        started = dynamo_fleet.up(spec, timeout=args.timeout)
+    except FleetStartError as exc:
+        print(f"kvpilot fleet up failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"router: {started.router.url}   frontend: {spec.frontend_url}   (state in {args.run_dir})")
+    return 0
+
+
 def _fleet(args: argparse.Namespace) -> int:
     from deploy import fleet
 
+    if args.action == "up" and args.dynamo:
+        return _dynamo_fleet_up(args)
     if args.action == "up":
         spec = _fleet_spec(args)
         print(f"kvpilot fleet up: {spec.prefill} prefill, {spec.decode} decode, {spec.colocated} co-located")
@@ -146,6 +175,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-nixl-telemetry", action="store_true", help="with --observe: leave NIXL's own Prometheus exporter off"
     )
     fl.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
+    dyn = fl.add_argument_group("beside NVIDIA Dynamo (docs/dynamo.md)")
+    dyn.add_argument(
+        "--dynamo",
+        action="store_true",
+        help="Dynamo's frontend (direct mode) and dynamo.mocker workers behind the router, instead of vLLM engines",
+    )
+    dyn.add_argument(
+        "--workers", type=int, default=0, help="with --dynamo: N aggregated workers (else --prefill/--decode)"
+    )
+    dyn.add_argument("--speedup-ratio", type=float, default=10.0, help="with --dynamo: the mocker's simulated speedup")
+    dyn.add_argument("--worker-port", type=int, default=20000, help="with --dynamo: worker 0's request-plane port")
+    dyn.add_argument("--frontend-port", type=int, default=8090, help="with --dynamo: the frontend's HTTP port")
     fl.set_defaults(func=_fleet)
 
     from policies.cli import add_subcommands as add_policy_subcommands

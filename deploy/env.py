@@ -37,3 +37,13 @@ def child_env(*layers: Mapping[str, str]) -> dict[str, str]:
     for layer in layers:
         env.update(layer)
     return env
+
+
+# Dynamo's processes advertise and connect on loopback only: without these, workers put
+# the machine's external address in discovery and the frontend connects to it.
+DYNAMO_LOOPBACK_ENV: Mapping[str, str] = {
+    "DYN_TCP_RPC_HOST": "127.0.0.1",
+    "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+    "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+    "DYN_SYSTEM_HOST": "127.0.0.1",
+}

@@ -45,7 +45,15 @@ user can paste them::
       d_hardware: h100
       link_preset: rdma
       kv_format: bf16
-    workers:                             # Worker; routing.fleet checks the fleet
+    dynamo:                              # beside NVIDIA Dynamo (docs/dynamo.md); off while frontend_url is ""
+      frontend_url: http://127.0.0.1:8090   # Dynamo's frontend in direct mode: every request goes there
+      discovery_backend: file            # file ($DYN_FILE_KV) | etcd | kubernetes: Dynamo's own client reads it
+      decode_endpoint: dynamo.backend.generate
+      prefill_endpoint: dynamo.prefill.generate
+      discovery_interval_s: 1.0          # how often joins and departures are picked up
+      kv_events_port_offset: 0           # a worker's vLLM KV events: its request-plane port + this, or
+      kv_events_port: 0                  #   this same port on every worker's host (one worker per host)
+    workers:                             # Worker; routing.fleet checks the fleet (empty beside Dynamo)
       - name: prefill-0
         role: prefill                    # prefill | decode | colocated
         url: http://127.0.0.1:8100
@@ -274,6 +282,56 @@ class DisaggregationConfig(LocalPrefillConfig, frozen=True):
         check_range(self, "max_stall_s", "max_local_tokens", "max_local_fraction", "decode_busy_kv_usage", at_least=0)
 
 
+class DiscoveryBackend(str, enum.Enum):
+    """Where Dynamo's own discovery client finds the workers (its ``--discovery-backend``)."""
+
+    FILE = "file"  # the directory in $DYN_FILE_KV
+    ETCD = "etcd"  # ETCD_ENDPOINTS
+    KUBERNETES = "kubernetes"
+
+
+class DynamoConfig(TypedConfig, frozen=True):
+    """Routing a Dynamo deployment through its frontend in direct mode
+    (:mod:`routing.ingest.dynamo_discovery`, :mod:`routing.serve.dynamo_upstream`).
+
+    The workers are the instances of ``decode_endpoint`` (decode, or aggregated when
+    no prefill instance exists) and ``prefill_endpoint``, read through Dynamo's own
+    discovery client every ``discovery_interval_s``. Each worker's vLLM-format KV events
+    are read at ``tcp://<its request-plane host>:<port>``, the port being its
+    request-plane port plus ``kv_events_port_offset`` (many workers on one host, each
+    started with its own ``DYN_TCP_RPC_PORT``) or ``kv_events_port`` (the same port on
+    every host); both 0: no KV events (routed on load alone)."""
+
+    error_type = ConfigError
+
+    frontend_url: str = ""
+    discovery_backend: DiscoveryBackend = DiscoveryBackend.FILE
+    decode_endpoint: str = "dynamo.backend.generate"
+    prefill_endpoint: str = "dynamo.prefill.generate"
+    discovery_interval_s: float = 1.0
+    kv_events_port_offset: int = 0
+    kv_events_port: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.frontend_url)
+
+    def __post_init__(self) -> None:
+        if self.frontend_url:
+            parts = urlsplit(self.frontend_url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ConfigError("frontend_url", f"must be http(s)://host:port, got {self.frontend_url!r}")
+            msgspec.structs.force_setattr(self, "frontend_url", self.frontend_url.rstrip("/"))
+        for name in ("decode_endpoint", "prefill_endpoint"):
+            if len(getattr(self, name).split(".")) != 3:
+                raise ConfigError(name, f"must be namespace.component.endpoint, got {getattr(self, name)!r}")
+        check_range(self, "discovery_interval_s", above=0)
+        if self.kv_events_port and self.kv_events_port_offset:
+            raise ConfigError("kv_events_port", "set kv_events_port or kv_events_port_offset, not both")
+        check_range(self, "kv_events_port", at_least=0, below=65536)
+        check_range(self, "kv_events_port_offset", above=-65536, below=65536)
+
+
 class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -322,6 +380,7 @@ class RouterConfig(TypedConfig, frozen=True):
     sessions: SessionConfig = msgspec.field(default_factory=SessionConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     disaggregation: DisaggregationConfig = msgspec.field(default_factory=DisaggregationConfig)
+    dynamo: DynamoConfig = msgspec.field(default_factory=DynamoConfig)
     workers: tuple[Worker, ...] = ()
 
 

@@ -2,7 +2,9 @@
 
 :func:`fleet_from_config` checks the ``workers`` section of the router config
 (each :class:`~routing.config.Worker` checked itself when it was parsed) and groups
-it into a :class:`Fleet` (errors name the worker and the field).
+it into a :class:`Fleet` (errors name the worker and the field). A fleet that changes
+while the router runs (Dynamo's discovery) is a new :class:`Fleet` each time
+(:func:`fleet_of`); :func:`fleet_changes` says who joined and who left.
 :func:`kv_events_config` is the ``--kv-events-config`` JSON an engine needs so
 that it publishes to the endpoint the router binds. :class:`IndexFeeder` owns
 one :class:`~routing.ingest.subscriber.EngineSubscriber` per worker with an events
@@ -13,6 +15,7 @@ shared :class:`~routing.index.kvindex.KVIndex` under a lock the request path sha
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from routing.config import ConfigError, Role, RouterConfig, Worker
@@ -21,8 +24,9 @@ from routing.ids import WorkerId
 
 @dataclass(frozen=True, slots=True)
 class Fleet:
-    """Workers by role, in config order. At least one decode or co-located worker;
-    prefill workers only beside decode workers."""
+    """Workers by role, in config order. From the config (:func:`fleet_from_config`):
+    at least one decode or co-located worker, prefill workers only beside decode
+    workers; a discovered fleet (:func:`fleet_of`) may lack either for a while."""
 
     prefill: tuple[Worker, ...]
     decode: tuple[Worker, ...]
@@ -40,8 +44,39 @@ class Fleet:
         raise KeyError(name)
 
 
+def fleet_of(workers: Iterable[Worker]) -> Fleet:
+    """``workers`` grouped by role, in order, unchecked: a fleet discovered live
+    (:mod:`routing.ingest.dynamo_discovery`) may for a while have no decode worker, or
+    none at all; the router then answers 503 (no worker can decode)."""
+    listed = tuple(workers)
+    return Fleet(
+        tuple(w for w in listed if w.role is Role.PREFILL),
+        tuple(w for w in listed if w.role is Role.DECODE),
+        tuple(w for w in listed if w.role is Role.COLOCATED),
+    )
+
+
+def fleet_changes(old: Fleet, new: Fleet) -> tuple[tuple[Worker, ...], tuple[Worker, ...]]:
+    """(joined, left): the workers of ``new`` that ``old`` lacks, and those of ``old``
+    that ``new`` lacks, by name; a worker whose description changed (its role, url or
+    endpoints) has left and joined again."""
+    before, after = {w.name: w for w in old.workers}, {w.name: w for w in new.workers}
+    joined = tuple(w for name, w in after.items() if before.get(name) != w)
+    left = tuple(w for name, w in before.items() if after.get(name) != w)
+    return joined, left
+
+
 def fleet_from_config(cfg: RouterConfig) -> Fleet:
-    """Validate ``cfg.workers``; raises :class:`ConfigError` naming the worker and field."""
+    """Validate ``cfg.workers``; raises :class:`ConfigError` naming the worker and field.
+
+    Beside Dynamo (``dynamo.frontend_url`` set) the workers come from Dynamo's discovery
+    instead: ``workers`` must be empty, and the fleet starts empty."""
+    if cfg.dynamo.enabled:
+        if cfg.workers:
+            raise ConfigError(
+                "workers", "must be empty when dynamo.frontend_url is set: the workers come from Dynamo's discovery"
+            )
+        return fleet_of(())
     workers: list[Worker] = []
     seen: set[str] = set()
     endpoints: set[str] = set()
@@ -56,11 +91,7 @@ def fleet_from_config(cfg: RouterConfig) -> Fleet:
                     raise ConfigError(where, f"endpoint {endpoint} is used twice")
                 endpoints.add(endpoint)
         workers.append(worker)
-    fleet = Fleet(
-        tuple(w for w in workers if w.role is Role.PREFILL),
-        tuple(w for w in workers if w.role is Role.DECODE),
-        tuple(w for w in workers if w.role is Role.COLOCATED),
-    )
+    fleet = fleet_of(workers)
     if fleet.prefill and not fleet.decode:
         raise ConfigError("workers", "with role prefill need at least one decode worker")
     if not (fleet.decode or fleet.colocated):

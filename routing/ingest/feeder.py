@@ -1,7 +1,9 @@
 """The thread that feeds the index: :class:`IndexFeeder` owns one
 :class:`~routing.ingest.subscriber.EngineSubscriber` per worker with an events
 endpoint and polls them in one background thread, applying events to the shared
-:class:`~routing.index.kvindex.KVIndex` under a lock the request path shares."""
+:class:`~routing.index.kvindex.KVIndex` under a lock the request path shares.
+Workers may join (:meth:`IndexFeeder.add`) and leave (:meth:`IndexFeeder.remove`)
+while it runs."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import threading
 
 import zmq
 
+from routing.config import Worker
 from routing.fleet import Fleet
+from routing.ids import WorkerId
 from routing.index.kvindex import KVIndex
 from routing.ingest.subscriber import EngineSubscriber
 
@@ -21,8 +25,13 @@ class IndexFeeder:
     may connect as soon as it returns. Every change to ``index`` is made while
     holding ``lock``, and only the change: socket waits and replay fetches run
     without it, so a reader holding it (the router's event loop) never waits on
-    I/O. Readers of ``index`` must hold it too. :meth:`stop` joins the
-    thread and closes the sockets; it is idempotent.
+    I/O. Readers of ``index`` must hold it too, and so must readers of
+    :attr:`subscribers` (joins and departures change it under ``lock``). :meth:`stop`
+    joins the thread and closes the sockets; it is idempotent.
+
+    ``bind``: whether each subscriber binds its endpoint (``None``: vLLM's rule,
+    :func:`~routing.ingest.subscriber.subscriber_binds`; ``False`` for publishers that
+    bind, as Dynamo's workers do).
     """
 
     def __init__(
@@ -33,34 +42,65 @@ class IndexFeeder:
         *,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         poll_ms: int = 100,
+        bind: bool | None = None,
     ) -> None:
         self.index = index
         self.lock = lock
         self.poll_ms = poll_ms
+        self._context = context
+        self._bind = bind
         self.subscribers: list[EngineSubscriber] = []
         try:
             for worker in fleet.workers:
                 if worker.kv_events_endpoint is not None:
-                    self.subscribers.append(
-                        EngineSubscriber(
-                            worker.name,
-                            worker.kv_events_endpoint,
-                            index,
-                            replay_endpoint=worker.replay_endpoint,
-                            topic=worker.topic,
-                            context=context,
-                            guard=lock,
-                        )
-                    )
+                    self.subscribers.append(self._subscriber(worker))
         except zmq.ZMQError:
             for sub in self.subscribers:
                 sub.close()
             raise
+        self._pending: list[EngineSubscriber | WorkerId] = []
+        """Joins (a new subscriber) and departures (a name), in call order, for the
+        thread's next turn."""
+        self._changed = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _subscriber(self, worker: Worker) -> EngineSubscriber:
+        assert worker.kv_events_endpoint is not None
+        return EngineSubscriber(
+            worker.name,
+            worker.kv_events_endpoint,
+            self.index,
+            replay_endpoint=worker.replay_endpoint,
+            topic=worker.topic,
+            bind=self._bind,
+            context=self._context,
+            guard=self.lock,
+        )
+
+    def add(self, worker: Worker) -> None:
+        """Read ``worker``'s KV events from the thread's next turn on (nothing without an
+        events endpoint; a worker of that name still subscribed then keeps its
+        subscriber). Raises ``zmq.ZMQError`` when its endpoint cannot be bound or
+        connected."""
+        if worker.kv_events_endpoint is not None:
+            self._queue(self._subscriber(worker))
+
+    def remove(self, worker: WorkerId) -> None:
+        """Stop reading ``worker``'s events and forget its blocks in the index, at the
+        thread's next turn, so no batch of the worker is applied after its entries are
+        gone. Unknown workers: nothing to do."""
+        self._queue(worker)
+
+    def _queue(self, change: EngineSubscriber | WorkerId) -> None:
+        with self.lock:
+            self._pending.append(change)
+        self._changed.set()
+        if self._thread is None:  # nobody polls yet: apply it now
+            self._apply_pending()
+
     def start(self) -> None:
-        if self._thread is None and self.subscribers:
+        if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvpilot-index-feeder", daemon=True)
             self._thread.start()
 
@@ -73,12 +113,40 @@ class IndexFeeder:
             sub.close()
         self.subscribers = []
 
+    def _apply_pending(self) -> None:
+        """Apply the queued joins and departures in order (the thread's, between polls)."""
+        closing: list[EngineSubscriber] = []
+        with self.lock:
+            pending, self._pending = self._pending, []
+            for change in pending:
+                if isinstance(change, EngineSubscriber):
+                    if any(s.worker == change.worker for s in self.subscribers):
+                        closing.append(change)
+                    else:
+                        self.subscribers.append(change)
+                else:
+                    closing += [s for s in self.subscribers if s.worker == change]
+                    self.subscribers = [s for s in self.subscribers if s.worker != change]
+                    self.index.remove_worker(change)
+        for sub in closing:
+            sub.close()
+
     def _run(self) -> None:
+        by_socket: dict[zmq.Socket[bytes], EngineSubscriber] = {}
         poller = zmq.Poller()
-        by_socket = {}
-        for sub in self.subscribers:
-            poller.register(sub.socket, zmq.POLLIN)
-            by_socket[sub.socket] = sub
+        self._changed.set()
         while not self._stop.is_set():
+            if self._changed.is_set():
+                self._changed.clear()
+                self._apply_pending()
+                with self.lock:
+                    current = list(self.subscribers)
+                poller, by_socket = zmq.Poller(), {}
+                for sub in current:
+                    poller.register(sub.socket, zmq.POLLIN)
+                    by_socket[sub.socket] = sub
+            if not by_socket:  # nothing to poll: wait for a join (or the stop) instead
+                self._changed.wait(self.poll_ms / 1000)
+                continue
             for sock, _ in poller.poll(self.poll_ms):
                 by_socket[sock].poll(0)  # takes the lock around each apply

@@ -3,7 +3,9 @@
 a collector beside it reads its public state when Prometheus scrapes).
 
 Each collector is registered into :class:`routing.metrics.router_metrics.RouterMetrics`'s
-registry by the server that owns the component; none reaches into another.
+registry by the server that owns the component; none reaches into another. The
+per-worker ones ask for the workers at each scrape (``workers()``), so workers that
+join or leave a live fleet are listed as they are.
 """
 
 from __future__ import annotations
@@ -36,15 +38,15 @@ class LedgerCollector(Collector):
 
     FIELDS = ("active_prefill_blocks", "active_decode_blocks", "active_requests")
 
-    def __init__(self, ledger: LoadLedger, workers: Sequence[WorkerId]) -> None:
-        self.ledger, self.workers = ledger, tuple(workers)
+    def __init__(self, ledger: LoadLedger, workers: Callable[[], Sequence[WorkerId]]) -> None:
+        self.ledger, self.workers = ledger, workers
 
     def collect(self) -> Iterator[Metric]:
         families = {
             f: GaugeMetricFamily(P + f, f"The router's own count of {f.replace('_', ' ')}", labels=["worker"])
             for f in self.FIELDS
         }
-        for worker in self.workers:
+        for worker in self.workers():
             load = self.ledger.load(worker)
             for f, family in families.items():
                 family.add_metric([worker], getattr(load, f))
@@ -57,17 +59,17 @@ class IndexCollector(Collector):
     def __init__(
         self,
         index: KVIndex,
-        workers: Sequence[WorkerId],
+        workers: Callable[[], Sequence[WorkerId]],
         tiers: Sequence[str],
         lock: AbstractContextManager[object] | None = None,
     ) -> None:
-        self.index, self.workers, self.tiers = index, tuple(workers), tuple(tiers)
+        self.index, self.workers, self.tiers = index, workers, tuple(tiers)
         self.lock = lock if lock is not None else contextlib.nullcontext()
 
     def collect(self) -> Iterator[Metric]:
         blocks = GaugeMetricFamily(P + "index_blocks", "Blocks in the index", labels=["worker", "tier"])
         with self.lock:
-            for worker in self.workers:
+            for worker in self.workers():
                 for tier in self.tiers:
                     blocks.add_metric([worker, tier], self.index.block_count(worker, Tier(tier)))
         yield blocks
@@ -107,8 +109,8 @@ class EngineLoadCollector(Collector):
 
     FIELDS = ("running", "waiting", "kv_usage")
 
-    def __init__(self, poller: EngineLoadPoller, workers: Sequence[WorkerId]) -> None:
-        self.poller, self.workers = poller, tuple(workers)
+    def __init__(self, poller: EngineLoadPoller, workers: Callable[[], Sequence[WorkerId]]) -> None:
+        self.poller, self.workers = poller, workers
 
     def collect(self) -> Iterator[Metric]:
         families = {
@@ -118,7 +120,7 @@ class EngineLoadCollector(Collector):
         failures = CounterMetricFamily(
             P + "engine_metrics_failures", "Unreadable engine /metrics polls", labels=["worker", "reason"]
         )
-        for worker in self.workers:
+        for worker in self.workers():
             reported = self.poller.latest(worker)
             if reported is not None:
                 for f, family in families.items():
@@ -132,8 +134,8 @@ class EngineLoadCollector(Collector):
 class EventWatchCollector(Collector):
     """``kvpilot_router_kv_events_stale{worker}`` and ``_went_stale_total{worker}``."""
 
-    def __init__(self, watch: EventWatch, workers: Sequence[WorkerId]) -> None:
-        self.watch, self.workers = watch, tuple(workers)
+    def __init__(self, watch: EventWatch, workers: Callable[[], Sequence[WorkerId]]) -> None:
+        self.watch, self.workers = watch, workers
 
     def collect(self) -> Iterator[Metric]:
         stale = GaugeMetricFamily(
@@ -144,7 +146,7 @@ class EventWatchCollector(Collector):
         went_stale = CounterMetricFamily(
             P + "kv_events_went_stale", "Times a worker's KV events were found stopped", labels=["worker"]
         )
-        for worker in self.workers:
+        for worker in self.workers():
             stale.add_metric([worker], float(self.watch.is_stale(worker)))
             went_stale.add_metric([worker], self.watch.went_stale.get(worker, 0))
         yield stale
@@ -154,9 +156,9 @@ class EventWatchCollector(Collector):
 class PairHealthCollector(Collector):
     """``kvpilot_router_pair_penalty_blocks{pair}`` for every (P, D) pair of the fleet."""
 
-    def __init__(self, health: PairHealth, pairs: Sequence[tuple[str, Pair]]) -> None:
-        """``pairs``: (the pair's name, (P, D)) for each pair."""
-        self.health, self.pairs = health, tuple(pairs)
+    def __init__(self, health: PairHealth, pairs: Callable[[], Sequence[tuple[str, Pair]]]) -> None:
+        """``pairs()``: (the pair's name, (P, D)) for each pair."""
+        self.health, self.pairs = health, pairs
 
     def collect(self) -> Iterator[Metric]:
         penalty = GaugeMetricFamily(
@@ -165,6 +167,6 @@ class PairHealthCollector(Collector):
             labels=["pair"],
         )
         now = time.monotonic()
-        for name, (prefill, decode) in self.pairs:
+        for name, (prefill, decode) in self.pairs():
             penalty.add_metric([name], self.health.penalty_blocks(prefill, decode, now))
         yield penalty

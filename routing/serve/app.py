@@ -16,6 +16,10 @@ Response headers ``X-Request-Id``, ``X-KVPilot-Route``, ``X-KVPilot-Prefill-Work
 ``X-KVPilot-Decode-Worker`` say where it went. ``POST /debug/route`` explains a
 decision without sending anything. Metrics: :class:`RouterMetrics` (listed in
 ``docs/router.md``).
+
+Beside Dynamo (``dynamo.frontend_url`` set, docs/dynamo.md) the engines are Dynamo's
+frontend in direct mode (:mod:`routing.serve.dynamo_upstream`) and the fleet is Dynamo's
+discovery, followed live (:mod:`routing.ingest.dynamo_discovery`, :meth:`RouterServer.set_fleet`).
 """
 
 from __future__ import annotations
@@ -39,13 +43,14 @@ from routing.config import ConfigError, IndexBackend, IndexConfig, RouterConfig
 from routing.decide.ledger import LoadLedger
 from routing.decide.router import NoHealthyWorker, Route, Router, policy_from_config
 from routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, SessionStore, scoped, session_key
-from routing.fleet import Fleet
+from routing.fleet import Fleet, fleet_changes, fleet_of
 from routing.health.circuit import CircuitBreaker
 from routing.health.event_watch import EventWatch
 from routing.health.pair_health import PairHealth
 from routing.ids import SessionId, WorkerId, pair_name
 from routing.index.block_index import BlockIndex
 from routing.index.kvindex import KVIndex
+from routing.ingest.dynamo_discovery import DynamoDiscovery
 from routing.ingest.engine_metrics import EngineLoadPoller
 from routing.ingest.feeder import IndexFeeder
 from routing.metrics.collectors import (
@@ -64,6 +69,7 @@ from routing.serve.refusals import BadRequest, RejectReason
 from routing.serve.request_fields import checked_body
 from routing.serve.sse import sse_event
 from routing.serve.tokenizer import PromptError, PromptTokenizer
+from routing.serve.upstream import Upstream
 from routing.serve.vllm_upstream import VllmUpstream
 
 log = logging.getLogger(__name__)
@@ -150,9 +156,10 @@ class RouterServer:
         self.ledger = LoadLedger()
         srv = config.server
         self.admission = Admission(srv.max_concurrent_requests, srv.max_queued_requests, srv.queue_timeout_s)
-        policy = policy_from_config(config.disaggregation) if fleet.prefill else None
+        dynamo = config.dynamo.enabled  # prefill workers may join at any time
+        policy = policy_from_config(config.disaggregation) if fleet.prefill or dynamo else None
         sessions = SessionStore(config.index.block_size, config.sessions.max_sessions)
-        interval = config.server.engine_metrics_interval_s
+        interval = 0.0 if dynamo else config.server.engine_metrics_interval_s  # Dynamo's workers have no vLLM /metrics
         self.breaker = CircuitBreaker(srv.circuit_failures, srv.circuit_open_s)
         self.event_watch = EventWatch(config.index.events_stale_after_s)
         self.pair_health = PairHealth(config.cost)
@@ -180,22 +187,22 @@ class RouterServer:
         self._background: list[asyncio.Task[None]] = []
         self.feeder: IndexFeeder | None = None
         self._feed_index = feed_index
-        names = [w.name for w in fleet.workers]
-        self.metrics = RouterMetrics(names)
+        self.metrics = RouterMetrics(self.worker_names())
         for collector in (
-            LedgerCollector(self.ledger, names),
+            LedgerCollector(self.ledger, self.worker_names),
             FeederCollector(lambda: self.feeder),
-            IndexCollector(self.index, names, list(config.index.tiers), self.lock),
-            EventWatchCollector(self.event_watch, names),
+            IndexCollector(self.index, self.worker_names, list(config.index.tiers), self.lock),
+            EventWatchCollector(self.event_watch, self.worker_names),
             PairHealthCollector(
                 self.pair_health,
-                [(pair_name(p.name, d.name), (p.name, d.name)) for p in fleet.prefill for d in fleet.decode],
+                lambda: [(pair_name(p, d), (p, d)) for p, d in self.pairs()],
             ),
-            *([EngineLoadCollector(self.engine_load, names)] if self.engine_load is not None else []),
+            *([EngineLoadCollector(self.engine_load, self.worker_names)] if self.engine_load is not None else []),
         ):
             self.metrics.registry.register(collector)
         self._http: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
+        self.discovery: DynamoDiscovery | None = None
         self._api_key = _api_key(config.server.api_key_env)
         engine_key = _api_key(config.server.engine_api_key_env, "server.engine_api_key_env")
         self._engine_headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else {}
@@ -217,7 +224,7 @@ class RouterServer:
         timeout = aiohttp.ClientTimeout(total=self.config.server.request_timeout_s)
         self._http = aiohttp.ClientSession(timeout=timeout)
         self._proxy = Proxy(
-            VllmUpstream(self._http, self._engine_headers, self.config.server.prefill_timeout_s),
+            await self._upstream(self._http),
             self.router,
             self.lock,
             self.ledger,
@@ -228,9 +235,13 @@ class RouterServer:
             self.event_batches,
             self.config.server.max_retries,
         )
-        if self._feed_index and any(w.kv_events_endpoint for w in self.fleet.workers):
-            self.feeder = IndexFeeder(self.fleet, self.index, self.lock)
+        if self._feed_index and (self.discovery is not None or any(w.kv_events_endpoint for w in self.fleet.workers)):
+            # Dynamo's workers bind their event sockets: the feeder connects to them
+            self.feeder = IndexFeeder(self.fleet, self.index, self.lock, bind=False if self.discovery else None)
             self.feeder.start()
+        if self.discovery is not None:
+            self.set_fleet(fleet_of(self.discovery.workers()))
+            self._background.append(asyncio.create_task(self.discovery.watch(self.set_fleet)))
         if self.engine_load is not None:
             self._background.append(asyncio.create_task(self.engine_load.run(self._http)))
 
@@ -242,6 +253,46 @@ class RouterServer:
             await self._http.close()
         if self.feeder is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.feeder.stop)
+        if self.discovery is not None:
+            self.discovery.close()
+
+    async def _upstream(self, http: aiohttp.ClientSession) -> Upstream:
+        """vLLM's engines, or Dynamo's frontend (its discovery opened here)."""
+        if not self.config.dynamo.enabled:
+            return VllmUpstream(http, self._engine_headers, self.config.server.prefill_timeout_s)
+        from routing.serve.dynamo_upstream import DynamoUpstream
+
+        self.discovery = await DynamoDiscovery.open(self.config.dynamo)
+        return DynamoUpstream(http, self._engine_headers, self.discovery.instance_id)
+
+    def set_fleet(self, fleet: Fleet) -> None:
+        """Serve ``fleet`` from the next request on: workers that joined are routed to and
+        their KV events read; those that left are no longer routed to, their events no
+        longer read and their blocks dropped from the index (requests in flight on them
+        finish or fail as they would)."""
+        joined, left = fleet_changes(self.fleet, fleet)
+        with self.lock:
+            self.router.set_fleet(fleet)
+        self.fleet = fleet
+        if self.feeder is not None:
+            for worker in left:
+                self.feeder.remove(worker.name)
+            for worker in joined:
+                self.feeder.add(worker)
+        if joined or left:
+            log.info(
+                "fleet: joined %s; left %s",
+                ", ".join(w.name for w in joined) or "none",
+                ", ".join(w.name for w in left) or "none",
+            )
+
+    def worker_names(self) -> list[WorkerId]:
+        """Every worker's name, in the fleet as it is now."""
+        return [w.name for w in self.fleet.workers]
+
+    def pairs(self) -> list[tuple[WorkerId, WorkerId]]:
+        """Every (P, D) pair's names, in the fleet as it is now."""
+        return [(p.name, d.name) for p in self.fleet.prefill for d in self.fleet.decode]
 
     # ---- small endpoints ---------------------------------------------------
     @web.middleware
@@ -290,9 +341,7 @@ class RouterServer:
                 "overlap": route.match.blocks,
                 "events_stale": sorted(self.event_watch.stale),
                 "pair_penalty_blocks": {
-                    pair_name(p.name, d.name): self.pair_health.penalty_blocks(p.name, d.name, time.monotonic())
-                    for p in self.fleet.prefill
-                    for d in self.fleet.decode
+                    pair_name(p, d): self.pair_health.penalty_blocks(p, d, time.monotonic()) for p, d in self.pairs()
                 },
                 "session_option": route.option.value if route.option is not None else None,
                 "options": [

@@ -6,7 +6,10 @@ For a :class:`~routing.decide.router.Route`:
 - remote prefill: P prefills with ``max_tokens=1`` and a handoff request
   (:func:`kvconnectors.pull_params.handoff_request`), or, at a session's next step,
   D's offer of the session's KV from its last step (vLLM's bidirectional protocol);
-  D then decodes with P's returned params. If P fails (an error, a timeout past
+  D then decodes with P's returned params. An upstream whose deployment does the
+  handoff itself answers P's step at once with a deferred handoff that names P for D's
+  call (:attr:`~routing.serve.upstream.PrefillOutcome.deferred`): P is then counted
+  as prefilling until D's first token. If P fails (an error, a timeout past
   ``server.prefill_timeout_s``, no params), D prefills the prompt itself: the route
   becomes :attr:`~routing.decide.router.Kind.FALLBACK`, counted in
   ``kvpilot_router_prefill_fallbacks_total``;
@@ -214,6 +217,8 @@ class Proxy:
             self.metrics.prefill_failed(p.name, outcome.reason)
             self.ledger.move_prefill(route.request_id, route.decode.name, route.decode_cached_blocks)
             return None
+        if outcome.deferred:  # P prefills within D's call: its prefill ends at D's first token
+            return outcome.params
         self.worker_answered(p)
         self.ledger.first_token(route.request_id)
         self.metrics.ttft_stage.labels("prefill").observe(time.perf_counter() - started)

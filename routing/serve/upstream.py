@@ -2,15 +2,18 @@
 :class:`Upstream` interface, and how an engine's failure reaches the proxy.
 
 - :meth:`Upstream.prefill` never raises: P's handoff params for D, or why there are
-  none (:class:`PrefillFailure`), after which D prefills the prompt itself;
+  none (:class:`PrefillFailure`), after which D prefills the prompt itself; or, where
+  the deployment does the P->D handoff itself, a *deferred* handoff that only names
+  P for D's call (:attr:`PrefillOutcome.deferred`);
 - :meth:`Upstream.complete` and :meth:`Upstream.stream` raise :class:`UpstreamError`
   when D fails before anything could reach the client (its 4xx kept, a timeout a
   504, anything else a 502); a stream that breaks later raises :class:`StreamBroke`
   while iterating.
 
 One implementation per kind of deployment, each a module of its own: vLLM engines
-reached directly (:mod:`routing.serve.vllm_upstream`). The proxy never branches on
-which one it has.
+reached directly (:mod:`routing.serve.vllm_upstream`), and NVIDIA Dynamo's frontend in
+direct mode (:mod:`routing.serve.dynamo_upstream`). The proxy never branches on which
+one it has.
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ class PrefillOutcome:
     failure: PrefillFailure | None = None
     status: int | None = None
     """P's HTTP status when it answered with anything but 200."""
+    deferred: bool = False
+    """P has not prefilled yet: ``params`` only name P for D's call, in which the
+    deployment prefills on P and hands the KV to D itself (Dynamo's frontend does). P's
+    prefill then ends with D's first token, not with this answer."""
 
     @property
     def engine_fault(self) -> bool:
@@ -84,7 +91,9 @@ class Upstream(Protocol):
     async def prefill(self, worker: Worker, body: dict[str, Any], params: dict[str, Any]) -> PrefillOutcome:
         """P computes ``body``'s prompt for a peer to pull, with ``params`` as its
         ``kv_transfer_params`` (a fresh handoff request, or D's offer of the session's
-        KV for P to pull first); never raises."""
+        KV for P to pull first), or a deferred outcome naming P for D's call (an
+        upstream whose deployment hands P's KV to D itself may ignore ``params``);
+        never raises."""
         ...
 
     async def complete(self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None) -> dict[str, Any]:

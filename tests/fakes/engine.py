@@ -73,6 +73,8 @@ class FakeEngine:
     """Like vLLM's ``--api-key``: ``/v1`` requests without ``Bearer <key>`` get a 401."""
     bodies: list[dict[str, Any]] = field(default_factory=list)
     scrapes: int = 0
+    headers: list[dict[str, str]] = field(default_factory=list)
+    """The headers of each completions request, in order."""
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -92,6 +94,7 @@ class FakeEngine:
             return web.json_response({"error": "Unauthorized"}, status=401)
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         await asyncio.sleep(self.delay_s)
         if self.status != 200:
             return web.json_response({"error": {"message": f"{self.name} is broken"}}, status=self.status)

@@ -239,3 +239,35 @@ def test_a_request_id_already_in_flight_is_refused():
     rig.ledger.dispatch(request.route.request_id, WorkerId("p0"), WorkerId("d0"), request.route.chain, 0)
     reply = asyncio.run(rig.proxy.serve(request, RecordingClient()))
     assert reply is not None and reply.status == 409 and rig.upstream.calls == []
+
+
+class DeferringUpstream(ScriptedUpstream):
+    """Names P for D's call instead of prefilling (as Dynamo's frontend does the
+    handoff itself), and records P's booked prefill while D is called."""
+
+    def __init__(self, ledger_of: Any) -> None:
+        super().__init__(prefill=PrefillOutcome({"x-prefill": "p0"}, deferred=True))
+        self.ledger_of = ledger_of
+        self.p_prefill_blocks_during_d: list[int] = []
+
+    async def complete(self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None) -> dict[str, Any]:
+        self.p_prefill_blocks_during_d.append(self.ledger_of().load(WorkerId("p0")).active_prefill_blocks)
+        return await super().complete(worker, body, handoff)
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_a_deferred_prefill_goes_with_d_s_call_and_p_prefills_until_d_answers(deferred):
+    rig = Rig(ScriptedUpstream())
+    upstream = DeferringUpstream(lambda: rig.ledger)
+    if not deferred:
+        upstream.prefill_outcome = PrefillOutcome(HANDOFF)
+    rig.proxy.upstream = upstream
+    reply = asyncio.run(rig.proxy.serve(rig.request({}), RecordingClient()))
+    assert reply is not None and reply.status == 200
+    assert reply.headers["X-KVPilot-Route"] == Kind.REMOTE_PREFILL.value
+    assert upstream.calls[-1][3] == ({"x-prefill": "p0"} if deferred else HANDOFF)  # D's call carries it
+    (during,) = upstream.p_prefill_blocks_during_d
+    assert (during > 0) is deferred  # a deferred P is still prefilling while D is called
+    prefill_stage = rig.value("kvpilot_router_ttft_stage_seconds_count", stage="prefill")
+    assert prefill_stage == (0 if deferred else 1)  # no answer of P's to time when it is deferred
+    assert rig.ledger.load(WorkerId("p0")) == rig.ledger.load(WorkerId("nobody"))  # all released at the end

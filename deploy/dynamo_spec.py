@@ -1,0 +1,187 @@
+"""What a Dynamo fleet beside kvpilot's router is made of: pure planning, no processes.
+
+:func:`plan_dynamo_fleet` turns a :class:`DynamoFleetSpec` into the exact argv,
+environment and ports of every ``dynamo.mocker`` worker (one simulated vLLM worker per
+process, so that each can leave on its own), of Dynamo's frontend in direct mode and of
+the router, and the router's config. Everything runs on 127.0.0.1 with Dynamo's file
+discovery in ``<run_dir>/discovery``, the TCP request plane and the ZMQ event plane: no
+etcd, no NATS.
+
+Ports of worker ``i`` (its ordinal among all workers), with ``s = port_stride``:
+``worker_port + i`` its request plane (``DYN_TCP_RPC_PORT``, so discovery shows it),
+``+ s`` its vLLM-format KV events (``--zmq-kv-events-ports``; the router maps an
+instance to them by ``kv_events_port_offset = s``), ``+ 2s`` its system server
+(``/metrics``), ``+ 3s`` its bootstrap port (prefill workers: the P->D rendezvous).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from deploy.env import DYNAMO_LOOPBACK_ENV
+from deploy.fleet_spec import HOST, ROUTER_CONFIG, ProcessPlan
+from routing.config import Role
+
+DISCOVERY_DIR = "discovery"
+DYNAMO_PLANES = ("--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq")
+"""Every Dynamo process's flags: file discovery, TCP requests, ZMQ events."""
+WORKER_HEALTH = "/metrics"
+"""What answers 200 once a worker's system server is up. Its ``/health`` stays 503
+("notready", every endpoint "ready") in Dynamo 1.6.1's mocker: the fleet is ready when
+the router's discovery lists every worker instead (:func:`deploy.dynamo_fleet.up`)."""
+FRONTEND_HEALTH = "/v1/models"
+"""What answers 200 once the frontend serves."""
+
+
+@dataclass(frozen=True, slots=True)
+class DynamoFleetSpec:
+    """A one-machine Dynamo fleet: ``workers`` aggregated ones, or ``prefill`` and
+    ``decode`` ones (disaggregated), simulated by ``dynamo.mocker`` on the tiny model."""
+
+    model_dir: Path
+    run_dir: Path
+    workers: int = 0
+    prefill: int = 0
+    decode: int = 0
+    served_model_name: str = "tiny"
+    block_size: int = 32
+    speedup_ratio: float = 10.0
+    """The mocker's simulated time runs this much faster than a real GPU's."""
+    worker_port: int = 20000
+    port_stride: int = 1000
+    frontend_port: int = 8090
+    router_port: int = 8000
+    discovery_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if min(self.workers, self.prefill, self.decode) < 0:
+            raise ValueError("worker counts must be >= 0")
+        if self.workers and (self.prefill or self.decode):
+            raise ValueError("a fleet is aggregated (workers) or disaggregated (prefill and decode), not both")
+        if not self.workers and not (self.prefill and self.decode):
+            raise ValueError("a fleet needs workers, or both prefill and decode workers")
+        if self.workers + self.prefill + self.decode > self.port_stride:
+            raise ValueError(f"at most port_stride ({self.port_stride}) workers")
+        if self.block_size <= 0 or self.speedup_ratio <= 0:
+            raise ValueError("block_size and speedup_ratio must be positive")
+
+    @property
+    def discovery_dir(self) -> Path:
+        """Dynamo's file discovery (``DYN_FILE_KV``) for every process of the fleet."""
+        return self.run_dir / DISCOVERY_DIR
+
+    @property
+    def dynamo_env(self) -> dict[str, str]:
+        """What every Dynamo process (and the router's discovery client) gets."""
+        return {**DYNAMO_LOOPBACK_ENV, "DYN_FILE_KV": str(self.discovery_dir)}
+
+    @property
+    def roles(self) -> list[Role]:
+        """Each worker's role, by ordinal: prefill, then decode; or co-located."""
+        if self.workers:
+            return [Role.COLOCATED] * self.workers
+        return [Role.PREFILL] * self.prefill + [Role.DECODE] * self.decode
+
+    @property
+    def frontend_url(self) -> str:
+        return f"http://{HOST}:{self.frontend_port}"
+
+
+MOCKER_MODES = {Role.PREFILL: "prefill", Role.DECODE: "decode", Role.COLOCATED: "agg"}
+
+
+def worker_name(role: Role, index: int) -> str:
+    return f"{'worker' if role is Role.COLOCATED else role.value}-{index}"
+
+
+def worker_plan(spec: DynamoFleetSpec, role: Role, index: int, ordinal: int) -> ProcessPlan:
+    """Worker ``index`` of its role, ``ordinal`` among all workers (its ports)."""
+    rpc = spec.worker_port + ordinal
+    events, system, bootstrap = (rpc + k * spec.port_stride for k in (1, 2, 3))
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo.mocker",
+        "--model-path",
+        str(spec.model_dir),
+        "--model-name",
+        spec.served_model_name,
+        "--num-workers",
+        "1",
+        *DYNAMO_PLANES,
+        "--zmq-kv-events-ports",
+        str(events),
+        "--block-size",
+        str(spec.block_size),
+        "--speedup-ratio",
+        str(spec.speedup_ratio),
+        "--disaggregation-mode",
+        MOCKER_MODES[role],
+    ]
+    if role is Role.PREFILL:
+        argv += ["--bootstrap-ports", str(bootstrap)]
+    env = {**spec.dynamo_env, "DYN_TCP_RPC_PORT": str(rpc), "DYN_SYSTEM_PORT": str(system)}
+    side = (rpc, events, *((bootstrap,) if role is Role.PREFILL else ()))
+    return ProcessPlan(worker_name(role, index), role, tuple(argv), env, system, side)
+
+
+def frontend_plan(spec: DynamoFleetSpec) -> ProcessPlan:
+    """Dynamo's frontend in direct mode: each request goes to the instances it names."""
+    argv = (
+        sys.executable,
+        "-m",
+        "dynamo.frontend",
+        *DYNAMO_PLANES,
+        "--router-mode",
+        "direct",
+        "--http-host",
+        HOST,
+        "--http-port",
+        str(spec.frontend_port),
+        "--model-path",
+        str(spec.model_dir),
+        "--model-name",
+        spec.served_model_name,
+    )
+    return ProcessPlan("frontend", None, argv, spec.dynamo_env, spec.frontend_port)
+
+
+def router_config(spec: DynamoFleetSpec) -> dict[str, object]:
+    """The router's config: no workers (discovery finds them), every request to the
+    frontend, each worker's KV events at its request-plane port + ``port_stride``."""
+    return {
+        "server": {
+            "host": HOST,
+            "port": spec.router_port,
+            "model_name": spec.served_model_name,
+            "model_dir": str(spec.model_dir),
+        },
+        "index": {"block_size": spec.block_size},
+        # Dynamo 1.6.1's direct mode needs a prefill instance on every request of a
+        # disaggregated deployment (a decode-only request is a 500): always prefill on P.
+        "disaggregation": {"max_local_tokens": 0} if spec.prefill else {},
+        "dynamo": {
+            "frontend_url": spec.frontend_url,
+            "discovery_backend": "file",
+            "discovery_interval_s": spec.discovery_interval_s,
+            "kv_events_port_offset": spec.port_stride,
+        },
+    }
+
+
+def router_plan(spec: DynamoFleetSpec) -> ProcessPlan:
+    argv = (sys.executable, "-m", "routing.cli", "router", "--config", str(spec.run_dir / ROUTER_CONFIG))
+    return ProcessPlan("router", None, argv, spec.dynamo_env, spec.router_port)
+
+
+def plan_dynamo_fleet(spec: DynamoFleetSpec) -> tuple[list[ProcessPlan], ProcessPlan, ProcessPlan, dict[str, object]]:
+    """The workers (by ordinal), the frontend, the router, and the router's config (to be
+    written to ``<run_dir>/router.yaml``)."""
+    counts: dict[Role, int] = {}
+    workers = []
+    for ordinal, role in enumerate(spec.roles):
+        workers.append(worker_plan(spec, role, counts.get(role, 0), ordinal))
+        counts[role] = counts.get(role, 0) + 1
+    return workers, frontend_plan(spec), router_plan(spec), router_config(spec)

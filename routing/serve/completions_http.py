@@ -1,0 +1,102 @@
+"""D's side of an OpenAI completions call over HTTP, for the upstreams that speak it
+(:mod:`routing.serve.vllm_upstream`, :mod:`routing.serve.dynamo_upstream`): the whole
+completion or its stream, with an engine's failures mapped to
+:class:`~routing.serve.upstream.UpstreamError` and
+:class:`~routing.serve.upstream.StreamBroke` in this one place. I/O only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import aiohttp
+
+from routing.config import Worker
+from routing.serve.sse import sse_data
+from routing.serve.upstream import StreamBroke, UpstreamError
+
+
+class CompletionsHttp:
+    """``POST {worker.url}/v1/completions`` with ``headers`` (the engines' API key, when
+    one is configured) plus each call's own."""
+
+    def __init__(self, http: aiohttp.ClientSession, headers: Mapping[str, str]) -> None:
+        self._http = http
+        self._headers = dict(headers)
+
+    def post(
+        self,
+        worker: Worker,
+        body: dict[str, Any],
+        headers: Mapping[str, str] | None = None,
+        timeout: aiohttp.ClientTimeout | None = None,
+    ) -> Any:
+        """The request, to be entered with ``async with`` (aiohttp's errors propagate)."""
+        url = f"{worker.url}/v1/completions"
+        sent = {**self._headers, **(headers or {})}
+        return self._http.post(url, json=body, timeout=timeout or self._http.timeout, headers=sent)
+
+    async def complete(
+        self, worker: Worker, body: dict[str, Any], headers: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
+        """D's whole completion, parsed; raises :class:`UpstreamError`."""
+        with _reaching(worker):
+            async with self.post(worker, body, headers) as resp:
+                raw = await resp.read()
+        if resp.status != 200:
+            raise _answered(worker, resp.status, raw)
+        try:
+            payload = json.loads(raw)
+        except ValueError as exc:
+            raise UpstreamError(worker, 502, f"sent an unreadable completion: {exc}") from None
+        if not isinstance(payload, dict):
+            raise UpstreamError(worker, 502, "sent an unreadable completion: not a JSON object")
+        return payload
+
+    @asynccontextmanager
+    async def stream(
+        self, worker: Worker, body: dict[str, Any], headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[AsyncIterator[str]]:
+        """D's stream, once D answered 200: the ``data`` of each server-sent event.
+
+        Raises :class:`UpstreamError` on entry (D unreachable, timed out, not 200);
+        while iterating, :class:`StreamBroke` when the stream breaks."""
+        request = self.post(worker, body, headers)
+        with _reaching(worker):
+            upstream = await request.__aenter__()
+        try:
+            if upstream.status != 200:
+                raise _answered(worker, upstream.status, await upstream.read())
+            yield _unbroken(sse_data(upstream.content))
+        finally:
+            await request.__aexit__(None, None, None)
+
+
+async def _unbroken(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``events``, with aiohttp's errors and timeouts while reading raised as :class:`StreamBroke`."""
+    try:
+        async for data in events:
+            yield data
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise StreamBroke(repr(exc)) from exc
+
+
+@contextmanager
+def _reaching(worker: Worker) -> Iterator[None]:
+    """D not reached in time (504) or at all (502), as :class:`UpstreamError`."""
+    try:
+        yield
+    except asyncio.TimeoutError:
+        raise UpstreamError(worker, 504, "timed out") from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(worker, 502, f"unreachable: {exc}") from None
+
+
+def _answered(worker: Worker, status: int, raw: bytes) -> UpstreamError:
+    """An engine's non-200 answer: its 4xx kept for the client, anything else a 502."""
+    detail = f"answered {status}: {raw[:500].decode(errors='replace')}"
+    return UpstreamError(worker, status if 400 <= status < 500 else 502, detail)

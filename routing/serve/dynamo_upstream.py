@@ -1,0 +1,71 @@
+"""The :class:`~routing.serve.upstream.Upstream` of a Dynamo deployment: NVIDIA
+Dynamo's frontend in direct mode (``python -m dynamo.frontend --router-mode direct``).
+
+Every request goes to the frontend (each Dynamo worker's ``url`` is the frontend's)
+with the router's choice in headers: :data:`WORKER_INSTANCE_HEADER` names the decode
+(or aggregated) instance, and, for a remote prefill, :data:`PREFILL_INSTANCE_HEADER`
+the prefill instance. The frontend then prefills on that instance and hands its KV to
+the decode instance itself (Dynamo's bootstrap rendezvous, NIXL on GPUs), so P's step
+here makes no call: it returns a deferred handoff holding P's header, which D's call
+carries. The body's ``prompt`` is the router's token ids, so the frontend does not
+tokenize again. I/O only: no routing, no ledger, no metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import aiohttp
+
+from routing.config import Worker
+from routing.ids import WorkerId
+from routing.serve.completions_http import CompletionsHttp
+from routing.serve.upstream import PrefillFailure, PrefillOutcome, UpstreamError
+
+WORKER_INSTANCE_HEADER = "x-worker-instance-id"
+"""The decode (or aggregated) instance Dynamo's frontend sends the request to."""
+PREFILL_INSTANCE_HEADER = "x-prefill-instance-id"
+"""The prefill instance, beside :data:`WORKER_INSTANCE_HEADER`, in a disaggregated deployment."""
+
+
+class DynamoUpstream:
+    """Dynamo's frontend in direct mode (see the module doc). ``instance_id(worker)``
+    is the worker's Dynamo instance id, ``None`` once it left the deployment."""
+
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        headers: dict[str, str],
+        instance_id: Callable[[WorkerId], int | None],
+    ) -> None:
+        self._completions = CompletionsHttp(http, headers)
+        self._instance_id = instance_id
+
+    async def prefill(self, worker: Worker, body: dict[str, Any], params: dict[str, Any]) -> PrefillOutcome:
+        """P's header for D's call, deferred (no call is made; ``params`` are not used:
+        Dynamo hands P's KV to D itself). A prefill worker that left: a connection
+        failure, after which D prefills the prompt itself."""
+        instance = self._instance_id(worker.name)
+        if instance is None:
+            return PrefillOutcome(None, PrefillFailure.CONNECTION)
+        return PrefillOutcome({PREFILL_INSTANCE_HEADER: str(instance)}, deferred=True)
+
+    async def complete(self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None) -> dict[str, Any]:
+        """The whole completion from ``worker`` (prefilled first on the instance that
+        ``handoff`` names, if any), parsed; raises :class:`UpstreamError`."""
+        return await self._completions.complete(worker, body, self._headers(worker, handoff))
+
+    def stream(
+        self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None
+    ) -> AbstractAsyncContextManager[AsyncIterator[str]]:
+        """The stream from ``worker``, as :meth:`complete` routes it."""
+        return self._completions.stream(worker, body, self._headers(worker, handoff))
+
+    def _headers(self, worker: Worker, handoff: dict[str, Any] | None) -> dict[str, str]:
+        """The instance headers; raises :class:`UpstreamError` (502) for a worker that left."""
+        instance = self._instance_id(worker.name)
+        if instance is None:
+            raise UpstreamError(worker, 502, "left the Dynamo deployment")
+        return {WORKER_INSTANCE_HEADER: str(instance), **(handoff or {})}

@@ -1,0 +1,226 @@
+"""The router beside Dynamo, on Dynamo 1.6.1's real frontend (direct mode) and
+``dynamo.mocker`` workers: 2 prefill and 2 decode mockers, one process each, on the
+tiny model, all on 127.0.0.1 (``kvpilot fleet up --dynamo``'s own launcher).
+
+What each test shows comes from the workers themselves, not from the router's own
+headers alone: a prefill worker's vLLM-format KV events (read here on its port, beside
+the router) and a decode worker's request counter (its system server's ``/metrics``).
+Ports: 19000-19499 (no other e2e module uses them).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import zmq
+
+from deploy import dynamo_fleet
+from deploy.dynamo_spec import DynamoFleetSpec
+from deploy.fleet import Fleet, down
+from routing.config import Role
+from routing.index.events import BlockStored, EventDecoder
+
+pytest.importorskip("dynamo.mocker", reason="needs ai-dynamo (scripts/bootstrap.sh installs it)")
+pytestmark = pytest.mark.e2e
+
+STRIDE = 100
+BS = 32
+PORTS = {"worker_port": 19000, "port_stride": STRIDE, "frontend_port": 19490, "router_port": 19480}
+VOCAB = 2048  # the tiny model's: the frontend refuses larger token ids
+
+
+@pytest.fixture(scope="module")
+def spec(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> DynamoFleetSpec:
+    return DynamoFleetSpec(model_dir, tmp_path_factory.mktemp("dynamo-fleet"), prefill=2, decode=2, **PORTS)
+
+
+@pytest.fixture(scope="module")
+def fleet(spec: DynamoFleetSpec) -> Iterator[Fleet]:
+    started = dynamo_fleet.up(spec, timeout=120)
+    try:
+        yield started
+    finally:
+        down(spec.run_dir)
+
+
+class Events:
+    """Every worker's vLLM-format KV events, read here (the router reads them too)."""
+
+    def __init__(self, ports: dict[str, int]) -> None:
+        self.ctx = zmq.Context()
+        self.socks = {}
+        for name, port in ports.items():
+            sock = self.ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            self.socks[name] = sock
+        time.sleep(0.5)  # a SUB that connects misses what comes before its subscription
+        self.decoder = EventDecoder()
+
+    def stored(self, wait_s: float = 1.0) -> dict[str, list[int]]:
+        """The token ids of every block stored since the last call, per worker."""
+        time.sleep(wait_s)
+        out: dict[str, list[int]] = {name: [] for name in self.socks}
+        for name, sock in self.socks.items():
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                for event in self.decoder.decode(frames[-1]).events:
+                    if isinstance(event, BlockStored):
+                        out[name] += event.token_ids
+        return out
+
+    def close(self) -> None:
+        for sock in self.socks.values():
+            sock.close()
+        self.ctx.term()
+
+
+def _events_port(proc: Any) -> int:
+    return int(proc.side_ports[1])  # (request plane, KV events, bootstrap)
+
+
+@pytest.fixture(scope="module")
+def events(fleet: Fleet) -> Iterator[Events]:
+    reader = Events({e.name: _events_port(e) for e in fleet.engines if e.role})
+    yield reader
+    reader.close()
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str, Any]]:
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read() or b"{}")
+
+
+def _complete(fleet: Fleet, prompt: list[int], **body: Any) -> dict[str, str]:
+    status, headers, payload = _post(
+        f"{fleet.router.url}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 3, **body}
+    )
+    assert status == 200, payload
+    return headers
+
+
+def _prompt(seed: int, blocks: int = 4) -> list[int]:
+    """``blocks`` full blocks of token ids no other test uses, below the vocabulary."""
+    return [(seed * 997 + i * 7) % (VOCAB - 1) + 1 for i in range(blocks * BS)]
+
+
+def _requests_served(proc: Any) -> float:
+    """A worker's own count of requests it served (its system server's /metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{proc.port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("dynamo_component_requests_total") and 'dynamo_endpoint="generate"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _instance(router_name: str) -> str:
+    return router_name.split("-", 1)[1]
+
+
+def _worker_of(spec: DynamoFleetSpec, router_name: str) -> Any:
+    """The launched process behind the router's worker name (by its instance id in discovery)."""
+    fleet = Fleet.load(spec.run_dir)
+    assert fleet is not None
+    instance = int(_instance(router_name), 16)
+    for path in (spec.discovery_dir / "v1" / "instances").iterdir():
+        entry = json.loads(path.read_text())
+        if entry.get("instance_id") == instance and entry.get("endpoint") == "generate":
+            rpc = int(entry["transport"]["tcp"].split("/")[0].rsplit(":", 1)[1])
+            return next(e for e in fleet.engines if e.role and e.side_ports[0] == rpc)
+    raise KeyError(router_name)
+
+
+def test_a_request_is_prefilled_and_decoded_on_the_instances_the_router_chose(fleet, spec, events):
+    events.stored(0.0)
+    served = {e.name: _requests_served(e) for e in fleet.engines if e.role == Role.DECODE.value}
+    prompt = _prompt(1)
+    headers = _complete(fleet, prompt)
+    assert headers["X-KVPilot-Route"] == "remote_prefill"
+    p = _worker_of(spec, headers["X-KVPilot-Prefill-Worker"])
+    d = _worker_of(spec, headers["X-KVPilot-Decode-Worker"])
+    stored = events.stored()
+    assert stored[p.name][: len(prompt)] == prompt  # P computed the prompt's blocks: its own events say so
+    others = [name for name, tokens in stored.items() if name != p.name and prompt[:BS] in _blocks(tokens)]
+    assert others == []  # no other worker prefilled it
+    after = {e.name: _requests_served(e) for e in fleet.engines if e.role == Role.DECODE.value}
+    assert {name: after[name] - served[name] for name in served} == {
+        name: (1.0 if name == d.name else 0.0) for name in served
+    }  # the chosen D served it, by its own counter
+
+
+def _blocks(tokens: list[int]) -> list[list[int]]:
+    return [tokens[i : i + BS] for i in range(0, len(tokens), BS)]
+
+
+def test_the_router_reads_each_worker_s_events_from_its_own_port(fleet, spec, events):
+    prompt = _prompt(2)
+    first = _complete(fleet, prompt)
+    events.stored()
+    status, _, explained = _post(f"{fleet.router.url}/debug/route", {"model": "tiny", "prompt": [*prompt, 5, 6]})
+    assert status == 200
+    p = first["X-KVPilot-Prefill-Worker"]
+    assert explained["overlap"].get(p, {}).get("GPU") == 4  # the index holds the prompt on P, and only there
+    assert [w for w, tiers in explained["overlap"].items() if tiers.get("GPU")] == [p]
+    assert _complete(fleet, [*prompt, 5, 6])["X-KVPilot-Prefill-Worker"] == p  # and routes its next step there
+
+
+def test_a_worker_that_leaves_is_dropped_and_one_that_joins_is_used(fleet, spec, events):
+    names = dynamo_fleet.router_workers(fleet.router.url)
+    decoders = [n for n in names if n.startswith("decode-")]
+    assert len(decoders) == 2
+    leaving = _worker_of(spec, decoders[1])
+    dynamo_fleet.leave_worker(spec.run_dir, leaving.name)
+    left = dynamo_fleet.wait_for_workers(fleet.router.url, lambda now: decoders[1] not in now, 15)
+    assert sorted(left) == sorted(n for n in names if n != decoders[1])
+    for seed in range(10, 16):  # the departed worker is never chosen again, and nothing fails
+        assert _complete(fleet, _prompt(seed, 2))["X-KVPilot-Decode-Worker"] == decoders[0]
+
+    joined = dynamo_fleet.join_worker(spec, Role.DECODE)
+    now = dynamo_fleet.wait_for_workers(fleet.router.url, lambda now: len(now) == len(names), 15)
+    (new,) = set(now) - set(names) - {decoders[1]}
+    assert _worker_of(spec, new).name == joined.name
+    before = _requests_served(joined)
+    chosen = [_complete(fleet, _prompt(seed, 2))["X-KVPilot-Decode-Worker"] for seed in range(20, 40)]
+    assert new in chosen  # the cost model breaks ties at random: 20 requests all elsewhere is 1e-6
+    assert _requests_served(joined) - before == chosen.count(new)  # by the new worker's own counter
+
+
+def _loopback(host: str) -> bool:
+    return ipaddress.ip_address(host.strip("[]")).is_loopback
+
+
+def test_every_discovery_address_and_every_connection_is_loopback(fleet, spec):
+    _complete(fleet, _prompt(50))  # connections of a request in the fleet's recent past
+    texts = [p.read_text() for p in spec.discovery_dir.rglob("*") if p.is_file()]
+    hosts = [h for text in texts for h in re.findall(r"(?<![\d.])(\d{1,3}(?:\.\d{1,3}){3})(?![\d.])", text)]
+    assert hosts and all(_loopback(h) for h in hosts), sorted(set(hosts))
+    assert not re.search(r"tcp://(?!127\.0\.0\.1|\[::1\]|localhost)", "\n".join(texts))
+    recorded = Fleet.load(spec.run_dir)  # as it is now: one worker left, one joined
+    assert recorded is not None
+    procs = [psutil.Process(p.pid) for p in recorded.processes]
+    procs += [child for proc in list(procs) for child in proc.children(recursive=True)]
+    assert len(procs) >= 6  # 4 workers, the frontend, the router
+    peers = [c for proc in procs for c in proc.net_connections("inet") if c.raddr]
+    assert peers, "no connection at all: nothing was checked"
+    outside = [(c.laddr, c.raddr) for c in peers if not (_loopback(c.laddr.ip) and _loopback(c.raddr.ip))]
+    assert outside == []

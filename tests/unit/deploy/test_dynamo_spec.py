@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.dynamo_spec import DynamoFleetSpec, plan_dynamo_fleet
+from deploy.env import DYNAMO_LOOPBACK_ENV
+from routing.config import Role, load_config
+from routing.fleet import fleet_from_config
+from routing.ingest.dynamo_discovery import kv_events_endpoint
+
+
+def _spec(**kw) -> DynamoFleetSpec:
+    return DynamoFleetSpec(model_dir=Path("/m"), run_dir=Path("/r"), **kw)
+
+
+def _flag(argv: tuple[str, ...], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_each_worker_gets_its_own_process_ports_and_mode():
+    workers, frontend, router, _ = plan_dynamo_fleet(_spec(prefill=1, decode=2))
+    assert [(w.name, w.role) for w in workers] == [
+        ("prefill-0", Role.PREFILL),
+        ("decode-0", Role.DECODE),
+        ("decode-1", Role.DECODE),
+    ]
+    assert [w.env["DYN_TCP_RPC_PORT"] for w in workers] == ["20000", "20001", "20002"]
+    assert [_flag(w.argv, "--zmq-kv-events-ports") for w in workers] == ["21000", "21001", "21002"]
+    assert [w.port for w in workers] == [22000, 22001, 22002]  # the system server: /health, /metrics
+    assert [_flag(w.argv, "--disaggregation-mode") for w in workers] == ["prefill", "decode", "decode"]
+    assert _flag(workers[0].argv, "--bootstrap-ports") == "23000"
+    assert "--bootstrap-ports" not in workers[1].argv
+    assert all(_flag(w.argv, "--num-workers") == "1" for w in workers)  # one process each: each can leave alone
+    assert _flag(frontend.argv, "--router-mode") == "direct" and _flag(frontend.argv, "--http-host") == "127.0.0.1"
+    assert router.argv[-2:] == ("--config", "/r/router.yaml")
+
+
+def test_every_dynamo_process_and_the_router_stay_on_loopback_with_file_discovery():
+    workers, frontend, router, _ = plan_dynamo_fleet(_spec(workers=2))
+    for plan in (*workers, frontend, router):
+        assert {k: plan.env[k] for k in DYNAMO_LOOPBACK_ENV} == dict(DYNAMO_LOOPBACK_ENV)
+        assert plan.env["DYN_FILE_KV"] == "/r/discovery"
+    for plan in (*workers, frontend):
+        argv = plan.argv
+        assert (_flag(argv, "--discovery-backend"), _flag(argv, "--request-plane")) == ("file", "tcp")
+        assert _flag(argv, "--event-plane") == "zmq"
+    assert [_flag(w.argv, "--disaggregation-mode") for w in workers] == ["agg", "agg"]
+
+
+def test_the_router_config_parses_and_maps_each_worker_to_its_events_port(tmp_path):
+    workers, _, _, config = plan_dynamo_fleet(_spec(prefill=1, decode=1, port_stride=100, worker_port=19000))
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    parsed = load_config(tmp_path / "router.yaml")
+    assert parsed.dynamo.frontend_url == "http://127.0.0.1:8090" and parsed.workers == ()
+    assert fleet_from_config(parsed).workers == ()  # discovery fills it
+    assert parsed.disaggregation.max_local_tokens == 0  # direct mode needs a prefill instance per request
+    assert parsed.index.block_size == 32
+    for plan in workers:  # the instance at 127.0.0.1:<rpc port> publishes where the worker was told to
+        address = f"127.0.0.1:{plan.env['DYN_TCP_RPC_PORT']}/abc/dynamo/backend/generate"
+        expected = f"tcp://127.0.0.1:{_flag(plan.argv, '--zmq-kv-events-ports')}"
+        assert kv_events_endpoint(parsed.dynamo, address) == expected
+    _, _, _, aggregated = plan_dynamo_fleet(_spec(workers=1))
+    assert aggregated["disaggregation"] == {}
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({}, "needs workers, or both"),
+        ({"prefill": 1}, "needs workers, or both"),
+        ({"workers": 1, "decode": 1}, "not both"),
+        ({"workers": 11, "port_stride": 10}, "at most port_stride"),
+        ({"workers": -1}, ">= 0"),
+    ],
+)
+def test_bad_specs_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _spec(**kw)
