@@ -46,7 +46,7 @@ from routing.health.pair_health import PairHealth
 from routing.ids import SessionId, WorkerId
 from routing.metrics.router_metrics import RouterMetrics
 from routing.serve.chat import chat_chunk, chat_response
-from routing.serve.upstream import StreamBroke, Upstream, UpstreamError
+from routing.serve.upstream import PrefillFailure, StreamBroke, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -207,13 +207,23 @@ class Proxy:
             if outcome.engine_fault:
                 self.worker_failed(p)
                 self.pair_health.failed(p.name, route.decode.name, time.monotonic())
-            log.warning(
-                "request %s: prefill on %s failed (%s); local prefill on %s",
-                route.request_id,
-                p.name,
-                outcome.reason,
-                route.decode.name,
-            )
+            if outcome.failure is PrefillFailure.REFUSED:  # what the router sent P is at fault: a router bug
+                log.error(
+                    "request %s: %s refused the router's prefill request (%s: %s); local prefill on %s",
+                    route.request_id,
+                    p.name,
+                    outcome.reason,
+                    outcome.detail,
+                    route.decode.name,
+                )
+            else:
+                log.warning(
+                    "request %s: prefill on %s failed (%s); local prefill on %s",
+                    route.request_id,
+                    p.name,
+                    outcome.reason,
+                    route.decode.name,
+                )
             self.metrics.prefill_failed(p.name, outcome.reason)
             self.ledger.move_prefill(route.request_id, route.decode.name, route.decode_cached_blocks)
             return None

@@ -66,6 +66,8 @@ class PrefillOutcome:
     failure: PrefillFailure | None = None
     status: int | None = None
     """P's HTTP status when it answered with anything but 200."""
+    detail: str = ""
+    """The start of P's answer when it answered with anything but 200."""
     deferred: bool = False
     """P has not prefilled yet: ``params`` only name P for D's call, in which the
     deployment prefills on P and hands the KV to D itself (Dynamo's frontend does). P's

@@ -21,6 +21,10 @@ from routing.config import Worker
 from routing.serve.completions_http import CompletionsHttp
 from routing.serve.upstream import PrefillFailure, PrefillOutcome
 
+NOT_FOR_PREFILL = ("stream_options", "min_tokens")
+"""Client fields P's one-token prefill must not carry: vLLM refuses ``min_tokens`` above
+``max_tokens`` (400), and P's answer is not streamed. D gets them as sent."""
+
 
 class VllmUpstream:
     """vLLM's OpenAI completions endpoint on each engine (see the module doc)."""
@@ -32,14 +36,14 @@ class VllmUpstream:
     async def prefill(self, worker: Worker, body: dict[str, Any], params: dict[str, Any]) -> PrefillOutcome:
         """P computes ``body``'s prompt (one token, not streamed) with ``params`` as its
         ``kv_transfer_params``; within ``prefill_timeout_s``."""
-        pbody = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": params}
-        pbody.pop("stream_options", None)
+        pbody = {k: v for k, v in body.items() if k not in NOT_FOR_PREFILL}
+        pbody.update(max_tokens=1, stream=False, kv_transfer_params=params)
         try:
             async with self._completions.post(worker, pbody, timeout=self._prefill_timeout) as resp:
                 raw = await resp.read()
             if resp.status != 200:
                 failure = PrefillFailure.REFUSED if 400 <= resp.status < 500 else PrefillFailure.ENGINE_ERROR
-                return PrefillOutcome(None, failure, resp.status)
+                return PrefillOutcome(None, failure, resp.status, raw[:300].decode(errors="replace"))
             returned = json.loads(raw).get("kv_transfer_params")
         except asyncio.TimeoutError:
             return PrefillOutcome(None, PrefillFailure.TIMEOUT)

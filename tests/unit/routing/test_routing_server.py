@@ -91,6 +91,20 @@ def test_remote_prefill_then_decode_with_p_params(model_dir):
     run(model_dir, PD, scenario)
 
 
+def test_p_s_one_token_prefill_carries_no_field_it_must_refuse(model_dir):
+    """min_tokens above P's max_tokens=1 is a 400 from vLLM: P never gets it, D does."""
+
+    async def scenario(client, router, engines):
+        body = {"prompt": PROMPT, "max_tokens": 48, "min_tokens": 24, "ignore_eos": True}
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200 and resp.headers["X-KVPilot-Route"] == "remote_prefill"
+        (p_body,), (d_body,) = engines["prefill-0"].bodies, engines["decode-0"].bodies
+        assert "min_tokens" not in p_body and p_body["ignore_eos"] is True
+        assert d_body["min_tokens"] == 24 and d_body["max_tokens"] == 48
+
+    run(model_dir, PD, scenario)
+
+
 @pytest.mark.parametrize(
     ("knob", "value", "reason"),
     [("status", 500, "status_500"), ("delay_s", 2.0, "timeout"), ("kv_params", False, "no_kv_transfer_params")],
