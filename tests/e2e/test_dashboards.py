@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -40,6 +41,9 @@ from tests.fakes.ports import block_of
 pytestmark = pytest.mark.e2e
 
 PORTS = block_of(__name__).fleet()
+PREFILL_TIMEOUT_S = 20
+"""The router's wait for P: the fallback's stopped P times out after it; P's prefills of
+these prompts take well under a second here, so no other request falls back."""
 PROMETHEUS_PORT = block_of(__name__).spare(0)
 WINDOW = "10m"
 """``$__rate_interval`` in the checks: wider than the whole run, so each rate sees all of it."""
@@ -133,10 +137,17 @@ def _drive(fleet: Fleet, prom: dashboards.Prometheus, tokenizer: PromptTokenizer
     complete(decode, edited, max_tokens=2, kv_transfer_params=prefill_on(prefill, x, salt=None))
     salt = uuid.uuid4().hex[:8]
     complete(decode, x, max_tokens=2, kv_transfer_params=prefill_on(prefill, x, f"a-{salt}"), cache_salt=f"b-{salt}")
-    # A prefill fallback: P refuses min_tokens above its max_tokens=1, D serves the request.
-    fallback = complete(router, ids(5), max_tokens=3, min_tokens=2)
+    # A prefill fallback: P stops answering, its prefill times out (PREFILL_TIMEOUT_S), and
+    # D serves the request; P runs on again afterwards.
+    p_group = fleet.by_role("prefill")[0].pid
+    os.killpg(p_group, signal.SIGSTOP)
+    try:
+        fallback = complete(router, ids(5), max_tokens=3)
+    finally:
+        os.killpg(p_group, signal.SIGCONT)
     assert fallback.headers["X-KVPilot-Route"] == "fallback"
-    # An engine error passed to the client (D refuses it too), and a prompt refused before routing.
+    # An engine error passed to the client (D refuses min_tokens above max_tokens; P's
+    # one-token prefill does not carry it), and a prompt refused before routing.
     for body in ({"prompt": ids(6), "max_tokens": 2, "min_tokens": 3}, {"prompt": [1] * 9000, "max_tokens": 2}):
         with pytest.raises(HTTPStatusError) as refused:
             complete(router, **body)
@@ -165,9 +176,9 @@ def observed(
     started = fleet_io.up(spec, timeout=600, observe=observe)
     try:
         # Later session steps re-prefill on P: D's offers are counted (unused) and no
-        # P-from-D pull pays a second NIXL handshake on this small box. P's prefills may
-        # take minutes on a loaded 2-core box: no timeout, so the one fallback is ours.
-        started = fleet_io.restart_router(spec, ["--force-option", "reprefill", "--prefill-timeout-s", "900"])
+        # P-from-D pull pays a second NIXL handshake on this small box.
+        flags = ["--force-option", "reprefill", "--prefill-timeout-s", str(PREFILL_TIMEOUT_S)]
+        started = fleet_io.restart_router(spec, flags)
         prom = dashboards.Prometheus(observe.url)
         _wait_first_scrapes(prom, expected=2 * 2 + 1)  # engines, their NIXL agents, the router
         _drive(started, prom, tokenizer)
@@ -240,13 +251,13 @@ def test_panels_show_what_the_fleet_did(observed: tuple[Fleet, dashboards.Promet
     assert max(_values(r[f"{rt} / Predicted vs measured prefix-cache hit ratio / A"])) > 0
     assert max(_values(r[f"{rt} / Predicted vs measured prefix-cache hit ratio / B"])) > 0
     assert max(_values(r[f"{rt} / Prefill fallbacks / A"])) > 0
-    # Counters since the router's restart: P refused the fallback's and the engine error's
-    # min_tokens (two 400s), D refused the second, the router refused the 9,000-token prompt.
+    # Counters since the router's restart: P's prefill timed out once (the fallback), D
+    # refused the engine error's min_tokens, the router refused the 9,000-token prompt.
     since_start = {
         panel: r[f"{rt} / {panel} (since router start) / A"]
         for panel in ("Prefill failures", "Engine errors passed to clients", "Requests refused before routing")
     }
-    assert _values(since_start["Prefill failures"], worker="prefill-0", reason="status_400") == [2]
+    assert _values(since_start["Prefill failures"], worker="prefill-0", reason="timeout") == [1]
     assert _values(since_start["Engine errors passed to clients"], worker="decode-0") == [1]
     assert _values(since_start["Requests refused before routing"], reason="prompt_too_long") == [1]
     rejected = r[f"{rt} / KV events rejected (since router start) / A"]
