@@ -1,0 +1,133 @@
+"""An example: Dynamo's operator runs the workers and its frontend in direct mode, and
+kvpilot's router routes in front of it (docs/dynamo.md, deploy/gpu.md).
+
+The ``DynamoGraphDeployment`` (``nvidia.com/v1alpha1``) has a frontend and
+``dynamo.vllm`` prefill and decode workers whose ``--kv-transfer-config`` is the P/D
+fleet's engines' (KVPilotConnector, :func:`deploy.k8s.plan.plan_cluster`) and whose KV
+events bind :data:`KV_EVENTS_PORT` on every worker pod; beside it, the router's
+Deployment, Service and config, reading the workers from Dynamo's Kubernetes discovery.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import cast
+
+from deploy.dynamo_spec import DynamoFleetSpec, router_config, router_plan
+from deploy.env import HASH_SEED_ENV
+from deploy.k8s.objects import SIDE_CHANNEL_HOST_FROM_POD, Obj, env_list, meta, obj
+from deploy.k8s.plan import (
+    ALL_ADDRESSES,
+    CONFIG_MOUNT,
+    MODELS_MOUNT,
+    NAME,
+    PYTHON,
+    ROUTER_API_KEY_ENV,
+    ClusterPlan,
+    RouterPod,
+)
+from deploy.k8s.workloads import router_config_map, router_deployment, router_service
+
+GRAPH = NAME
+"""The DynamoGraphDeployment's name; the operator names the frontend's Service after it."""
+FRONTEND_PORT = 8000
+"""The port Dynamo's operator gives the frontend's Service."""
+KV_EVENTS_PORT = 20080
+"""Every worker's vLLM KV events (one worker per pod): ``dynamo.kv_events_port``."""
+WORKER_ROLES = {"VllmPrefillWorker": "prefill", "VllmDecodeWorker": "decode"}
+"""Each worker service of the graph and its ``--disaggregation-mode``."""
+
+
+def frontend_url() -> str:
+    return f"http://{GRAPH}-frontend:{FRONTEND_PORT}"
+
+
+def worker_args(plan: ClusterPlan, mode: str) -> list[str]:
+    """``dynamo.vllm``'s flags: the P/D engines' model, block size and KV connector."""
+    engine = plan.engines[0].command
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}", "topic": ""}
+    return [
+        "--model",
+        engine[engine.index("--model") + 1],
+        "--served-model-name",
+        plan.spec.served_model_name,
+        "--disaggregation-mode",
+        mode,
+        "--block-size",
+        str(plan.spec.block_size),
+        "--kv-transfer-config",
+        engine[engine.index("--kv-transfer-config") + 1],
+        "--kv-events-config",
+        json.dumps(events),
+    ]
+
+
+def _container(plan: ClusterPlan, module: str, args: list[str], env: list[Obj]) -> Obj:
+    return {
+        "image": plan.spec.dynamo_image,
+        "command": [PYTHON, "-m", module],
+        "args": args,
+        **({"env": env} if env else {}),
+        "volumeMounts": [{"name": "models", "mountPath": str(MODELS_MOUNT), "readOnly": True}],
+    }
+
+
+def _pod(plan: ClusterPlan, container: Obj) -> Obj:
+    volume = {"name": "models", "persistentVolumeClaim": {"claimName": plan.spec.models_claim, "readOnly": True}}
+    return {"mainContainer": container, "volumes": [volume]}
+
+
+def graph(plan: ClusterPlan) -> Obj:
+    model = str(MODELS_MOUNT / plan.spec.served_model_name)
+    frontend_args = ["--router-mode", "direct", "--http-port", str(FRONTEND_PORT), "--model-path", model]
+    services: Obj = {
+        "Frontend": {
+            "componentType": "frontend",
+            "replicas": 1,
+            "extraPodSpec": _pod(plan, _container(plan, "dynamo.frontend", frontend_args, [])),
+        }
+    }
+    literal = {**HASH_SEED_ENV, **plan.engines[0].env}
+    literal.pop("VLLM_NIXL_SIDE_CHANNEL_PORT")  # one worker per pod: NIXL's default port
+    env = [SIDE_CHANNEL_HOST_FROM_POD, *env_list(literal, {}, "")]
+    for service, mode in WORKER_ROLES.items():
+        services[service] = {
+            "componentType": "worker",
+            "subComponentType": mode,
+            "replicas": 1,
+            "resources": {"limits": {"gpu": str(plan.spec.tensor_parallel_size)}},
+            "extraPodSpec": _pod(plan, _container(plan, "dynamo.vllm", worker_args(plan, mode), env)),
+        }
+    return obj(
+        "nvidia.com/v1alpha1",
+        "DynamoGraphDeployment",
+        meta(GRAPH),
+        spec={"backendFramework": "vllm", "services": services},
+    )
+
+
+def dynamo_router(plan: ClusterPlan) -> RouterPod:
+    """The router in front of the frontend: the Dynamo fleet's router config, with
+    Kubernetes discovery and the workers' fixed KV event port."""
+    spec = DynamoFleetSpec(
+        model_dir=MODELS_MOUNT / plan.spec.served_model_name,
+        run_dir=CONFIG_MOUNT,
+        prefill=1,
+        decode=1,
+        served_model_name=plan.spec.served_model_name,
+        block_size=plan.spec.block_size,
+    )
+    config = router_config(spec)
+    server = dict(cast(Mapping[str, object], config["server"]))
+    config["server"] = {**server, "host": ALL_ADDRESSES, "api_key_env": ROUTER_API_KEY_ENV}
+    dynamo = {k: v for k, v in cast(Mapping[str, object], config["dynamo"]).items() if k != "kv_events_port_offset"}
+    dynamo |= {"frontend_url": frontend_url(), "discovery_backend": "kubernetes", "kv_events_port": KV_EVENTS_PORT}
+    config["dynamo"] = dynamo
+    local = router_plan(spec)
+    return RouterPod(local, (PYTHON, *local.argv[1:]), (ROUTER_API_KEY_ENV,), (), config)
+
+
+def dynamo_example(plan: ClusterPlan) -> list[Obj]:
+    router = dynamo_router(plan)
+    return [graph(plan), router_config_map(router), router_deployment(plan.spec, router), router_service(router)]

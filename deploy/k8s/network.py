@@ -1,0 +1,77 @@
+"""NetworkPolicies that close the engines' data plane to everything but the fleet.
+
+- Engines' HTTP ports (``/v1``, ``/health``, ``/metrics``) and KV replay sockets: the
+  router only, and Prometheus's namespace on HTTP (``/metrics``).
+- Engines' NIXL side channels: other engines only.
+- The router's HTTP port: anyone (its clients; its own API key guards ``/v1``); its KV
+  event ports: engines only.
+
+Egress is left open. UCX's RDMA and NVLink traffic does not cross the pod network, so
+no NetworkPolicy sees it; UCX over TCP (``UCX_TLS=tcp``, debugging) needs its data
+ports opened besides these.
+"""
+
+from __future__ import annotations
+
+from deploy.k8s.objects import (
+    COMPONENT_LABEL,
+    ENGINE,
+    HTTP_PORT_NAME,
+    NAME_LABEL,
+    NIXL_PORT_NAME,
+    REPLAY_PORT_NAME,
+    ROUTER,
+    Obj,
+    meta,
+    obj,
+)
+from deploy.k8s.plan import NAME, ClusterPlan, service_name
+from deploy.k8s.workloads import events_port_name
+
+
+def pods_of(component: str) -> Obj:
+    """The label selector of one component's pods."""
+    return {"matchLabels": {NAME_LABEL: NAME, COMPONENT_LABEL: component}}
+
+
+def _tcp(port: str) -> Obj:
+    return {"protocol": "TCP", "port": port}
+
+
+def engines_policy(plan: ClusterPlan) -> Obj:
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": plan.spec.monitoring_namespace}}}
+    return obj(
+        "networking.k8s.io/v1",
+        "NetworkPolicy",
+        meta(service_name("engines")),
+        spec={
+            "podSelector": pods_of(ENGINE),
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": pods_of(ROUTER)}], "ports": [_tcp(HTTP_PORT_NAME), _tcp(REPLAY_PORT_NAME)]},
+                {"from": [{"podSelector": pods_of(ENGINE)}], "ports": [_tcp(NIXL_PORT_NAME)]},
+                {"from": [prometheus], "ports": [_tcp(HTTP_PORT_NAME)]},
+            ],
+        },
+    )
+
+
+def router_policy(plan: ClusterPlan) -> Obj:
+    events = [_tcp(events_port_name(i)) for i in range(len(plan.router.events_ports))]
+    return obj(
+        "networking.k8s.io/v1",
+        "NetworkPolicy",
+        meta(service_name(ROUTER)),
+        spec={
+            "podSelector": pods_of(ROUTER),
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [_tcp(HTTP_PORT_NAME)]},
+                {"from": [{"podSelector": pods_of(ENGINE)}], "ports": events},
+            ],
+        },
+    )
+
+
+def network_policies(plan: ClusterPlan) -> list[Obj]:
+    return [engines_policy(plan), router_policy(plan)]

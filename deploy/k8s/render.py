@@ -1,0 +1,104 @@
+"""Render the manifests: ``python -m deploy.k8s.render`` writes the committed defaults to
+``deploy/k8s/manifests/``; with counts, image or model it writes a fleet of one's own
+to ``--out``; ``--check`` says whether the committed files are what the code renders.
+
+Files: ``base.yaml`` (namespace, API-key Secret, ServiceMonitor, PrometheusRule,
+dashboards), one per :class:`~deploy.k8s.plan.Transport` (the P/D engines, the router,
+the NetworkPolicies), and ``dynamo.yaml`` (the DynamoGraphDeployment example with the
+router). Apply ``base.yaml`` and one of the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import yaml
+
+from deploy.k8s.dynamo import dynamo_example
+from deploy.k8s.network import network_policies
+from deploy.k8s.objects import Obj
+from deploy.k8s.observability import observability
+from deploy.k8s.plan import ClusterSpec, Transport, plan_cluster
+from deploy.k8s.workloads import api_keys_secret, namespace, workloads
+
+MANIFEST_DIR = Path(__file__).resolve().parent / "manifests"
+BASE = "base"
+DEFAULT = ClusterSpec(Transport.RDMA)
+DYNAMO = "dynamo"
+
+
+def overlays(spec: ClusterSpec) -> dict[str, list[Obj]]:
+    """Each file's objects, by file stem: the base, one per transport, Dynamo's example.
+    ``spec.transport`` is replaced by each transport in turn."""
+    out = {BASE: [namespace(), api_keys_secret(), *observability(spec)]}
+    for transport in Transport:
+        plan = plan_cluster(dataclasses.replace(spec, transport=transport))
+        out[transport.value] = [*workloads(plan), *network_policies(plan)]
+    out[DYNAMO] = dynamo_example(plan_cluster(spec))
+    return out
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the router's config, dashboards) as literal blocks; no
+    anchors (each object reads alone); long lines (JSON flags) unfolded."""
+
+    def ignore_aliases(self, data: object) -> bool:
+        return True
+
+
+def _str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def to_yaml(objects: list[Obj]) -> str:
+    return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, width=4096)
+
+
+def render(spec: ClusterSpec) -> dict[str, str]:
+    """Each file's text, by file name."""
+    return {f"{stem}.yaml": to_yaml(objects) for stem, objects in overlays(spec).items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.k8s.render", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=MANIFEST_DIR)
+    parser.add_argument("--check", action="store_true", help="exit 1 if --out differs from what is rendered")
+    parser.add_argument("--prefill", type=int, default=1)
+    parser.add_argument("--decode", type=int, default=1)
+    parser.add_argument("--image", default=DEFAULT.image)
+    parser.add_argument("--served-model-name", default=DEFAULT.served_model_name)
+    parser.add_argument("--tensor-parallel-size", type=int, default=DEFAULT.tensor_parallel_size)
+    args = parser.parse_args(argv)
+    spec = dataclasses.replace(
+        DEFAULT,
+        prefill=args.prefill,
+        decode=args.decode,
+        image=args.image,
+        served_model_name=args.served_model_name,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    files = render(spec)
+    if args.check:
+        stale = [
+            name
+            for name, text in files.items()
+            if not (args.out / name).is_file() or (args.out / name).read_text() != text
+        ]
+        for name in stale:
+            print(f"{args.out / name} is not what deploy.k8s.render renders", file=sys.stderr)
+        return 1 if stale else 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (args.out / name).write_text(text)
+        print(args.out / name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
