@@ -137,7 +137,8 @@ def service_name(process: str) -> str:
     return f"{NAME}-{process}"
 
 
-ROUTER = service_name("router")
+ROUTER_SERVICE = service_name("router")
+"""The router's Service: its HTTP port, and the KV event ports engines publish to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +169,9 @@ class EnginePod:
 
 @dataclass(frozen=True, slots=True)
 class RouterPod:
+    """The router as a pod: its plan, its command, the API-key variables it reads from
+    the Secret, the KV event ports it binds, and its config (the ConfigMap's YAML)."""
+
     cpu_plan: ProcessPlan
     command: tuple[str, ...]
     secret_env: tuple[str, ...]
@@ -177,6 +181,8 @@ class RouterPod:
 
 @dataclass(frozen=True, slots=True)
 class ClusterPlan:
+    """Everything :mod:`deploy.k8s.workloads` and :mod:`deploy.k8s.network` render."""
+
     spec: ClusterSpec
     engines: tuple[EnginePod, ...]
     router: RouterPod
@@ -204,7 +210,7 @@ def engine_worker(worker: Worker) -> Worker:
         name=worker.name,
         role=worker.role,
         url=worker.url,
-        kv_events_endpoint=f"tcp://{ROUTER}:{_port(worker.kv_events_endpoint)}",
+        kv_events_endpoint=f"tcp://{ROUTER_SERVICE}:{_port(worker.kv_events_endpoint)}",
         replay_endpoint=f"tcp://*:{_port(worker.replay_endpoint)}",
     )
 

@@ -211,6 +211,8 @@ def test_the_image_is_built_on_the_gpu_extras_vllm() -> None:
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     (vllm,) = [Requirement(r) for r in extras["gpu"] if Requirement(r).name == "vllm"]
     assert Version(base.split(":v", 1)[1]) in vllm.specifier
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert DEFAULT.image == f"kvpilot:{project['version']}"
 
 
 @pytest.mark.parametrize("transport", list(Transport))
