@@ -1,12 +1,12 @@
-"""deploy/k8s: every manifest renders, validates against Kubernetes' schemas (and the
-vendored CRD schemas, tests/unit/deploy/crds/README.md), carries the CPU fleet's flags
-and environment, and its NetworkPolicies select the pods they name. No cluster, no network."""
+"""deploy/k8s: every manifest renders, validates against Kubernetes' schemas (and, where
+the CRDs are laid in shared/crds/, the custom resources against their CRDs), carries the
+CPU fleet's flags and environment, and its NetworkPolicies select the pods they name. No
+cluster, no network."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import gzip
 import json
 import re
 import tomllib
@@ -38,7 +38,12 @@ from deploy.observe import DEFAULT_RULES
 from routing.config import load_config
 
 ROOT = Path(__file__).resolve().parents[3]
-CRDS = Path(__file__).with_name("crds")
+CRDS = Path(__file__).resolve().parents[4] / "shared" / "crds"
+"""Third-party CRDs are not committed here (only the steering repo's shared/ may hold
+fetched data): prometheus-operator's ``monitoring.coreos.com_servicemonitors.yaml`` and
+``monitoring.coreos.com_prometheusrules.yaml`` (v0.93.0, ``example/prometheus-operator-crd/``)
+and ai-dynamo/dynamo's ``nvidia.com_dynamographdeployments.yaml``
+(``deploy/cloud/operator/config/crd/bases/``), laid there as they are."""
 K8S_VERSIONS = ("1.29", "1.33", "1.37")
 """The supported range's ends and middle: kubernetes-validate 1.37.0 ships 1.25-1.37."""
 CUSTOM_GROUPS = ("monitoring.coreos.com/", "nvidia.com/")
@@ -125,6 +130,11 @@ def _crd_schema(path: Path, version: str) -> dict[str, Any]:
     return _strict(served["schema"]["openAPIV3Schema"])
 
 
+CRD_FILES = (
+    "monitoring.coreos.com_servicemonitors.yaml",
+    "monitoring.coreos.com_prometheusrules.yaml",
+    "nvidia.com_dynamographdeployments.yaml",
+)
 VALIDATORS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): lambda: _crd_schema(
         CRDS / "monitoring.coreos.com_servicemonitors.yaml", "v1"
@@ -132,13 +142,16 @@ VALIDATORS = {
     ("monitoring.coreos.com/v1", "PrometheusRule"): lambda: _crd_schema(
         CRDS / "monitoring.coreos.com_prometheusrules.yaml", "v1"
     ),
-    ("nvidia.com/v1alpha1", "DynamoGraphDeployment"): lambda: _strict(
-        json.loads(gzip.decompress((CRDS / "nvidia.com_dynamographdeployments.v1alpha1.json.gz").read_bytes()))
+    ("nvidia.com/v1alpha1", "DynamoGraphDeployment"): lambda: _crd_schema(
+        CRDS / "nvidia.com_dynamographdeployments.yaml", "v1alpha1"
     ),
 }
 
 
-def test_custom_resources_validate_against_the_vendored_crd_schemas() -> None:
+def test_custom_resources_validate_against_their_crd_schemas() -> None:
+    missing = [name for name in CRD_FILES if not (CRDS / name).is_file()]
+    if missing:
+        pytest.skip(f"CRD schemas not laid in {CRDS}: {', '.join(missing)} (see CRDS)")
     schemas = {key: load() for key, load in VALIDATORS.items()}
     custom = [obj for _, obj in _all() if obj["apiVersion"].startswith(CUSTOM_GROUPS)]
     assert {(o["apiVersion"], o["kind"]) for o in custom} == set(schemas)
