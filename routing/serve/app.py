@@ -39,12 +39,14 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from routing.config import ConfigError, IndexBackend, IndexConfig, RouterConfig
+from routing.config import ConfigError, IndexBackend, IndexConfig, Role, RouterConfig
 from routing.decide.ledger import LoadLedger
+from routing.decide.rates import RateEstimator, RolePriors
 from routing.decide.router import NoHealthyWorker, Route, Router, policy_from_config
 from routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, SessionStore, scoped, session_key
 from routing.fleet import Fleet, fleet_changes, fleet_of
 from routing.health.circuit import CircuitBreaker
+from routing.health.engine_load import EngineLoad
 from routing.health.event_watch import EventWatch
 from routing.health.pair_health import PairHealth
 from routing.ids import SessionId, WorkerId, pair_name
@@ -163,14 +165,10 @@ class RouterServer:
         self.breaker = CircuitBreaker(srv.circuit_failures, srv.circuit_open_s)
         self.event_watch = EventWatch(config.index.events_stale_after_s)
         self.pair_health = PairHealth(config.cost)
+        priors = RolePriors.from_config(config.disaggregation)
+        self.rates = RateEstimator(lambda engine: priors.of(self._role(engine)))
         self.engine_load = (
-            EngineLoadPoller(
-                fleet.workers,
-                interval,
-                on_sample=lambda worker, sample: self.pair_health.observe(worker, sample.transfer, sample.at),
-            )
-            if interval > 0
-            else None
+            EngineLoadPoller(fleet.workers, interval, on_sample=self._engine_sample) if interval > 0 else None
         )
         self.router = Router(
             fleet,
@@ -234,6 +232,7 @@ class RouterServer:
             self.event_watch,
             self.event_batches,
             self.config.server.max_retries,
+            self.rates,
         )
         if self._feed_index and (self.discovery is not None or any(w.kv_events_endpoint for w in self.fleet.workers)):
             # Dynamo's workers bind their event sockets: the feeder connects to them
@@ -264,6 +263,19 @@ class RouterServer:
 
         self.discovery = await DynamoDiscovery.open(self.config.dynamo)
         return DynamoUpstream(http, self._engine_headers, self.discovery.instance_id)
+
+    def _role(self, worker: str) -> Role | None:
+        """``worker``'s role, ``None`` once it left the fleet."""
+        try:
+            return self.fleet.by_name(WorkerId(worker)).role
+        except KeyError:
+            return None
+
+    def _engine_sample(self, worker: WorkerId, sample: EngineLoad) -> None:
+        """A worker's polled ``/metrics``: its pair health and its measured rates (P's
+        prefills are timed by the proxy, not taken from P's histogram)."""
+        self.pair_health.observe(worker, sample.transfer, sample.at)
+        self.rates.observe_sample(worker, sample, prefill=self._role(worker) is not Role.PREFILL)
 
     def set_fleet(self, fleet: Fleet) -> None:
         """Serve ``fleet`` from the next request on: workers that joined are routed to and

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 from kvconnectors.pull_params import handoff_request
 from routing.config import Worker
 from routing.decide.ledger import LoadLedger
+from routing.decide.rates import RateEstimator
 from routing.decide.router import Kind, Route, Router
 from routing.health.circuit import CircuitBreaker
 from routing.health.event_watch import EventWatch
@@ -110,7 +111,9 @@ class Proxy:
         event_watch: EventWatch,
         event_batches: Callable[[], Mapping[WorkerId, int]],
         max_retries: int,
+        rates: RateEstimator | None = None,
     ) -> None:
+        """``rates``: learns P's prefill from how long P took to answer (queue included)."""
         self.upstream = upstream
         self.router = router
         self.lock = lock
@@ -121,6 +124,7 @@ class Proxy:
         self.event_watch = event_watch
         self.event_batches = event_batches
         self.max_retries = max_retries
+        self.rates = rates
 
     async def serve(self, request: ProxyRequest, client: ClientStream) -> Reply | None:
         """Serve ``request``, retrying on another decode worker as the module doc says.
@@ -231,7 +235,11 @@ class Proxy:
             return outcome.params
         self.worker_answered(p)
         self.ledger.first_token(route.request_id)
-        self.metrics.ttft_stage.labels("prefill").observe(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.metrics.ttft_stage.labels("prefill").observe(elapsed)
+        if self.rates is not None and offer is None:  # a pull's time is not a prefill's
+            cached = min(route.prompt_tokens, route.cached_blocks * self.router.index.block_size)
+            self.rates.observe_prefill(p.name, route.prompt_tokens - cached, cached, elapsed)
         return outcome.params
 
     async def _unary(

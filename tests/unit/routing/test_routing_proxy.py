@@ -17,6 +17,7 @@ import pytest
 from kvconnectors.pull_params import handoff_request
 from routing.config import Role, RouterConfig, Worker
 from routing.decide.ledger import LoadLedger
+from routing.decide.rates import RateEstimator, RolePriors
 from routing.decide.router import Kind, Route, Router, policy_from_config
 from routing.decide.sessions import SessionStore
 from routing.fleet import fleet_from_config
@@ -118,6 +119,8 @@ class Rig:
         policy = policy_from_config(cfg.disaggregation)
         self.router = Router(fleet, cfg, BlockIndex(BS), self.ledger, SessionStore(BS, 8), policy, random.Random(0))
         self.upstream = upstream
+        priors = RolePriors.from_config(cfg.disaggregation)
+        self.rates = RateEstimator(lambda engine: priors.of(fleet.by_name(WorkerId(engine)).role))
         self.proxy = Proxy(
             upstream,
             self.router,
@@ -129,6 +132,7 @@ class Rig:
             EventWatch(0.0),
             dict,
             max_retries,
+            self.rates,
         )
 
     def request(self, body: dict[str, Any], exclude_calls: list[frozenset[WorkerId]] | None = None) -> ProxyRequest:
@@ -163,6 +167,7 @@ def test_remote_prefill_hands_p_params_to_d_and_books_every_step():
     assert d_kind == "complete" and d_worker == reply.headers["X-KVPilot-Decode-Worker"] and handoff == HANDOFF
     assert rig.ledger.load(WorkerId("p0")).active_requests == 0  # completed, nothing left in flight
     assert rig.value("kvpilot_router_prefill_fallbacks_total") == 0
+    assert rig.rates.prefill("p0", 8 * BS, 0).samples == 1  # P's answer timed: the estimator learns P's prefill
 
 
 @pytest.mark.parametrize(
