@@ -317,3 +317,75 @@ def observe_interval(
     if prefill and d["prefill_requests"] > 0 and d["external_tokens"] == 0:
         n = d["prefill_requests"]
         estimator.observe_prefill(engine, d["computed_tokens"] / n, d["cached_tokens"] / n, d["prefill_seconds"] / n)
+
+
+PREFILL_TIMEOUT_FACTOR = 3.0
+"""k in the router's timeout for P's prefill: ``max(floor, k * predicted queue + prefill)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class TTFTPrediction:
+    """A request's predicted time to first token, term by term (article section 7 and
+    issue 20): the prefill queue ahead of it on the prefilling worker, the prefill of
+    its uncached tokens, the KV read into D (0 for a local prefill), D's first decode
+    step. Each term is an :class:`Estimate` (prior and measured)."""
+
+    queue: Estimate
+    prefill: Estimate
+    transfer: Estimate
+    first_step: Estimate
+
+    def _terms(self) -> tuple[Estimate, ...]:
+        return (self.queue, self.prefill, self.transfer, self.first_step)
+
+    @property
+    def seconds(self) -> float:
+        """The prediction: each term measured where it can be, else its prior."""
+        return sum(term.seconds for term in self._terms())
+
+    @property
+    def prior_s(self) -> float:
+        """The roofline's prediction alone."""
+        return sum(term.prior_s for term in self._terms())
+
+    @property
+    def prefill_s(self) -> float:
+        """Until the prefilling worker is done: its queue and the prefill."""
+        return self.queue.seconds + self.prefill.seconds
+
+    def prefill_timeout_s(self, floor_s: float, factor: float = PREFILL_TIMEOUT_FACTOR) -> float:
+        """How long to wait for P: ``max(floor_s, factor * prefill_s)``."""
+        return max(floor_s, factor * self.prefill_s)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "ttft_s": self.seconds,
+            "prior_ttft_s": self.prior_s,
+            "queue": self.queue.as_dict(),
+            "prefill": self.prefill.as_dict(),
+            "transfer": self.transfer.as_dict(),
+            "first_step": self.first_step.as_dict(),
+        }
+
+
+def predict_ttft(
+    rates: RateEstimator,
+    prefill_worker: str,
+    decode_worker: str,
+    *,
+    new: int,
+    cached: int,
+    queued: int,
+    transfer_tokens: int,
+    streams: int,
+) -> TTFTPrediction:
+    """The TTFT of a request whose ``new`` tokens (after ``cached``) ``prefill_worker``
+    prefills behind ``queued`` tokens of prefill (taken as one prefill from scratch),
+    after which ``decode_worker`` reads ``transfer_tokens`` of KV (0: local prefill,
+    no read) and runs its first step with ``streams`` others running."""
+    return TTFTPrediction(
+        queue=rates.prefill(prefill_worker, queued, 0),
+        prefill=rates.prefill(prefill_worker, new, cached),
+        transfer=rates.transfer(decode_worker, transfer_tokens),
+        first_step=rates.decode_step(decode_worker, streams + 1),
+    )

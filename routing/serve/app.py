@@ -232,7 +232,8 @@ class RouterServer:
             self.event_watch,
             self.event_batches,
             self.config.server.max_retries,
-            self.rates,
+            prefill_timeout_s=self.config.server.prefill_timeout_s,
+            rates=self.rates,
         )
         if self._feed_index and (self.discovery is not None or any(w.kv_events_endpoint for w in self.fleet.workers)):
             # Dynamo's workers bind their event sockets: the feeder connects to them
@@ -258,7 +259,7 @@ class RouterServer:
     async def _upstream(self, http: aiohttp.ClientSession) -> Upstream:
         """vLLM's engines, or Dynamo's frontend (its discovery opened here)."""
         if not self.config.dynamo.enabled:
-            return VllmUpstream(http, self._engine_headers, self.config.server.prefill_timeout_s)
+            return VllmUpstream(http, self._engine_headers)
         from routing.serve.dynamo_upstream import DynamoUpstream
 
         self.discovery = await DynamoDiscovery.open(self.config.dynamo)

@@ -8,12 +8,14 @@ from policies.presets import hardware_preset, kv_format_preset, link_preset, mod
 from routing.config import ConfigError, DisaggregationConfig, Role
 from routing.decide.rates import (
     MIN_SAMPLES,
+    PREFILL_TIMEOUT_FACTOR,
     WINDOW,
     Prior,
     RateEstimator,
     RolePriors,
     attention_pairs,
     observe_interval,
+    predict_ttft,
 )
 from routing.health.engine_load import EngineLoad, RateCounters
 from routing.health.pair_health import TransferCounters
@@ -191,3 +193,44 @@ def test_role_priors_come_from_the_disaggregation_presets():
     assert priors.of(Role.DECODE).hardware == priors.of(None).hardware == hardware_preset("h100")
     with pytest.raises(ConfigError, match="disaggregation"):
         RolePriors.from_config(DisaggregationConfig(d_hardware="abacus"))
+
+
+@pytest.mark.parametrize(
+    ("transfer_tokens", "expect_transfer"),
+    [(0, 0.0), (1000, 0.005 + 1e-5 * 1000)],  # a local prefill reads nothing
+)
+def test_predicted_ttft_sums_queue_prefill_transfer_and_first_step(transfer_tokens, expect_transfer):
+    rates = estimator()
+    for new in (10, 20, 40, 80):
+        rates.observe_prefill("p", new, 0, 0.01 + 0.001 * new)
+    for b in (1, 2, 3, 4):
+        rates.observe_decode("d", b, 0.02 + 0.01 * b)
+    for reads, n in ((1, 100), (2, 400), (1, 1000), (3, 3000)):
+        rates.observe_transfer("d", reads, n, 0.005 * reads + 1e-5 * n)
+    got = predict_ttft(rates, "p", "d", new=100, cached=0, queued=50, transfer_tokens=transfer_tokens, streams=2)
+    assert got.queue.seconds == pytest.approx(0.06)
+    assert got.prefill.seconds == pytest.approx(0.11)
+    assert got.transfer.seconds == pytest.approx(expect_transfer)
+    assert got.first_step.seconds == pytest.approx(0.05)  # 3 streams: the 2 running and this one
+    assert got.seconds == pytest.approx(0.06 + 0.11 + expect_transfer + 0.05)
+    assert got.prior_s == pytest.approx(
+        PRIOR.prefill_s(50, 0) + PRIOR.prefill_s(100, 0) + PRIOR.transfer_s(transfer_tokens) + PRIOR.decode_step_s(3)
+    )
+
+
+@pytest.mark.parametrize(
+    ("measured", "floor", "expect"),
+    [
+        (False, 30.0, 30.0),  # the prior of an H100 is far below the floor: today's timeout
+        (True, 30.0, 3 * 17.0),  # a slow box measured: 3 x (queue 0 + prefill 17 s)
+        (True, 60.0, 60.0),
+    ],
+)
+def test_prefill_timeout_is_k_times_the_predicted_prefill_with_a_floor(measured, floor, expect):
+    rates = estimator()
+    if measured:
+        for new in (100, 200, 400, 800):
+            rates.observe_prefill("p", new, 0, 0.01 * new)
+    got = predict_ttft(rates, "p", "d", new=1700, cached=0, queued=0, transfer_tokens=1700, streams=0)
+    assert got.prefill_timeout_s(floor) == pytest.approx(expect)
+    assert PREFILL_TIMEOUT_FACTOR == 3.0
