@@ -270,11 +270,13 @@ class RateEstimator:
         return nbytes / seconds if nbytes > 0 and seconds > 0 else None
 
     def learned(self) -> dict[str, dict[str, dict[str, float] | None]]:
-        """Per engine, each model's fitted coefficients (``None`` while on the prior);
+        """Per engine with samples, each model's fitted coefficients (``None`` while on the prior);
         the KV-read model also gives ``bytes_per_s`` when the reads' bytes are known."""
         names = ("prefill", "decode_step", "kv_read")
         labels = (("fixed_s", "per_token_s", "per_pair_s"), ("fixed_s", "per_stream_s"), ("setup_s", "per_token_s"))
-        engines = sorted({*self._prefill, *self._decode, *self._transfer})
+        engines = sorted(
+            {e for fits in (self._prefill, self._decode, self._transfer) for e, fit in fits.items() if fit}
+        )
         out: dict[str, dict[str, dict[str, float] | None]] = {}
         for engine in engines:
             fits = (self._prefill.get(engine), self._decode.get(engine), self._transfer.get(engine))

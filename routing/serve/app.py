@@ -41,7 +41,7 @@ from aiohttp.typedefs import Handler
 
 from routing.config import ConfigError, IndexBackend, IndexConfig, Role, RouterConfig
 from routing.decide.ledger import LoadLedger
-from routing.decide.rates import RateEstimator, RolePriors
+from routing.decide.rates import RateEstimator, RolePriors, TTFTPrediction
 from routing.decide.router import NoHealthyWorker, Route, Router, policy_from_config
 from routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, SessionStore, scoped, session_key
 from routing.fleet import Fleet, fleet_changes, fleet_of
@@ -90,6 +90,12 @@ def _api_key(env_name: str, field: str = "server.api_key_env") -> str | None:
     if not key:
         raise ConfigError(field, f"names {env_name!r}, which is unset or empty")
     return key
+
+
+def _as_dict(prediction: TTFTPrediction | None) -> dict[str, object] | None:
+    """A prediction for ``/debug/route``: the TTFT, the prior's, each term's prior and
+    measured seconds."""
+    return None if prediction is None else prediction.as_dict()
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
@@ -342,6 +348,8 @@ class RouterServer:
             route = self._route(request, token_ids, body, chat, session, dry_run=True)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
+        assert self._proxy is not None
+        predicted = self._proxy.predict(route)
         return web.json_response(
             {
                 "request_id": route.request_id,
@@ -366,9 +374,12 @@ class RouterServer:
                         "prefill_worker": price.prefill_worker,
                         "why": price.explain(),
                         "chosen": price.option is route.option,
+                        "predicted": _as_dict(self._proxy.predict_option(route, price)),
                     }
                     for price in route.options
                 ],
+                "predicted": _as_dict(predicted),
+                "learned_rates": self.rates.learned(),
                 "explain": route.explain(),
             }
         )

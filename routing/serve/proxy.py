@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvconnectors.pull_params import handoff_request
+from policies.session_options import OptionPrice
 from routing.config import Worker
 from routing.decide.ledger import LoadLedger
 from routing.decide.rates import RateEstimator, TTFTPrediction, predict_ttft
@@ -211,21 +212,32 @@ class Proxy:
         """``route``'s predicted TTFT with the load booked now (``None`` without a rate
         estimator): the prefilling worker's booked prefill blocks queue ahead of it, D
         reads what it lacks (nothing for a local prefill), D's booked requests run."""
-        if self.rates is None:
-            return None
         bs = self.router.index.block_size
-        prefiller = route.prefill_worker.name
         cached = min(route.prompt_tokens, route.cached_blocks * bs)
         lacks = route.prompt_tokens - min(route.prompt_tokens, route.decode_cached_blocks * bs)
+        return self._predict(route, route.prefill_worker.name, route.prompt_tokens - cached, lacks)
+
+    def predict_option(self, route: Route, price: OptionPrice) -> TTFTPrediction | None:
+        """A session option's predicted TTFT, as :meth:`predict` (``None`` for an
+        unavailable option): its prefill worker prefills its ``prefill_tokens`` after the
+        rest of the prompt, and a remote one moves its ``moved_tokens`` into D."""
+        if price.prefill_worker is None or not price.available:
+            return None
+        return self._predict(route, WorkerId(price.prefill_worker), price.prefill_tokens, price.moved_tokens)
+
+    def _predict(self, route: Route, prefiller: WorkerId, new: int, moved: int) -> TTFTPrediction | None:
+        if self.rates is None:
+            return None
+        d = route.decode.name
         return predict_ttft(
             self.rates,
             prefiller,
-            route.decode.name,
-            new=route.prompt_tokens - cached,
-            cached=cached,
-            queued=self.ledger.load(prefiller).active_prefill_blocks * bs,
-            transfer_tokens=lacks if route.prefill is not None else 0,
-            streams=self.ledger.load(route.decode.name).active_requests,
+            d,
+            new=new,
+            cached=route.prompt_tokens - new,
+            queued=self.ledger.load(prefiller).active_prefill_blocks * self.router.index.block_size,
+            transfer_tokens=moved if prefiller != d else 0,
+            streams=self.ledger.load(d).active_requests,
         )
 
     async def _prefill(
