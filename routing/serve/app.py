@@ -187,6 +187,7 @@ class RouterServer:
             available=lambda worker: self.breaker.allows(worker, time.monotonic()),
             events_stale=self.event_watch.is_stale,
             pair_penalty=lambda p, d: self.pair_health.penalty_blocks(p, d, time.monotonic()),
+            rates=self.rates,
         )
         self._background: list[asyncio.Task[None]] = []
         self.feeder: IndexFeeder | None = None
