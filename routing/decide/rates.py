@@ -21,8 +21,11 @@ and the rest refitted, in the order listed last to first):
       seconds = setup * transfers + per_token * T
 
 Until a model holds :data:`MIN_SAMPLES` samples (and they span at least two
-distinct values of the leading variable) it answers with the roofline prior (the
-``disaggregation`` presets: :class:`Prior`); from then on with the fit. Every
+distinct values of the leading variable) it answers with the fit of the same model
+on the engine with the most samples (the fleet serves one model: a P not yet timed
+is predicted from D's measured prefills, so the first long prompt through a slow
+box gets a timeout from a measurement), and while no engine has one with the
+roofline prior (the ``disaggregation`` presets: :class:`Prior`). Every
 answer is an :class:`Estimate` carrying both, so a caller can show the prior next
 to the measurement.
 """
@@ -54,20 +57,27 @@ router does not know the streams' lengths)."""
 @dataclass(frozen=True, slots=True)
 class Estimate:
     """A predicted duration: the roofline prior's, the measured fit's (``None`` while
-    the model has fewer than :data:`MIN_SAMPLES` usable samples) and how many samples
-    the fit saw."""
+    no engine's model has :data:`MIN_SAMPLES` usable samples), how many samples the
+    fit saw and whose fit it is (``measured_by``: the engine asked about, or, while its
+    own model is on the prior, the engine with the most samples)."""
 
     prior_s: float
     measured_s: float | None
     samples: int
+    measured_by: str | None = None
 
     @property
     def seconds(self) -> float:
         """The measured value where there is one, else the prior."""
         return self.measured_s if self.measured_s is not None else self.prior_s
 
-    def as_dict(self) -> dict[str, float | int | None]:
-        return {"prior_s": self.prior_s, "measured_s": self.measured_s, "samples": self.samples}
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "prior_s": self.prior_s,
+            "measured_s": self.measured_s,
+            "samples": self.samples,
+            "measured_by": self.measured_by,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,27 +252,37 @@ class RateEstimator:
             self._read[reader] = (read[0] + nbytes, read[1] + seconds)
 
     # ---- predictions -------------------------------------------------------------
+    @staticmethod
+    def _estimate(
+        fits: dict[str, LinearFit], engine: str, prior_s: float, features: Sequence[float] | None
+    ) -> Estimate:
+        """From ``engine``'s fit, else from the fitted engine with the most samples (the
+        fleet's engines serve one model: a measured neighbour beats the roofline of a
+        preset), else the prior alone. ``features`` None: no work, 0 s once measured."""
+        fitted = [(len(fit), name) for name, fit in fits.items() if fit.coefficients() is not None]
+        if not fitted:
+            return Estimate(prior_s, None, len(fits[engine]) if engine in fits else 0)
+        own = fits.get(engine)
+        name = engine if own is not None and own.coefficients() is not None else max(fitted)[1]
+        fit = fits[name]
+        measured = 0.0 if features is None else fit.predict(features)
+        return Estimate(prior_s, measured, len(fit), name)
+
     def prefill(self, engine: str, new: int, cached: int) -> Estimate:
         """``engine``'s prefill of ``new`` tokens after ``cached`` ones (0 s for none)."""
-        prior = self._prior(engine).prefill_s(new, cached)
-        fit = self._prefill_fit(engine)
-        if new <= 0:
-            return Estimate(prior, None if fit.coefficients() is None else 0.0, len(fit))
-        return Estimate(prior, fit.predict(_prefill_features(new, cached)), len(fit))
+        features = _prefill_features(new, cached) if new > 0 else None
+        return self._estimate(self._prefill, engine, self._prior(engine).prefill_s(new, cached), features)
 
     def decode_step(self, engine: str, streams: int) -> Estimate:
         """One decode step of ``engine`` with ``streams`` running (at least one: the new request)."""
         streams = max(1, streams)
-        fit = self._decode_fit(engine)
-        return Estimate(self._prior(engine).decode_step_s(streams), fit.predict(_decode_features(streams)), len(fit))
+        prior = self._prior(engine).decode_step_s(streams)
+        return self._estimate(self._decode, engine, prior, _decode_features(streams))
 
     def transfer(self, reader: str, tokens: int) -> Estimate:
         """One read of ``tokens`` of KV by ``reader`` (0 s for none)."""
-        prior = self._prior(reader).transfer_s(tokens)
-        fit = self._transfer_fit(reader)
-        if tokens <= 0:
-            return Estimate(prior, None if fit.coefficients() is None else 0.0, len(fit))
-        return Estimate(prior, fit.predict(_transfer_features(1, tokens)), len(fit))
+        features = _transfer_features(1, tokens) if tokens > 0 else None
+        return self._estimate(self._transfer, reader, self._prior(reader).transfer_s(tokens), features)
 
     def read_bytes_per_s(self, reader: str) -> float | None:
         """The mean rate of ``reader``'s sampled KV reads in bytes/s (``None``: none yet)."""

@@ -118,7 +118,8 @@ def test_kv_read_rate_per_reader(rows, tokens, expect):
     got = rates.transfer("d", tokens)
     assert got.prior_s == pytest.approx(PRIOR.transfer_s(tokens))
     assert got.measured_s == (None if expect is None else pytest.approx(expect))
-    assert rates.transfer("p", tokens).measured_s is None  # another reader learned nothing
+    borrowed = rates.transfer("p", tokens)  # a reader not yet measured: the measured one's fit
+    assert borrowed.measured_s == got.measured_s and borrowed.measured_by == ("d" if expect is not None else None)
 
 
 def load(at: float, running: float = 0, reads: float = 0, read_s: float = 0, **rates: float) -> EngineLoad:
@@ -234,3 +235,18 @@ def test_prefill_timeout_is_k_times_the_predicted_prefill_with_a_floor(measured,
     got = predict_ttft(rates, "p", "d", new=1700, cached=0, queued=0, transfer_tokens=1700, streams=0)
     assert got.prefill_timeout_s(floor) == pytest.approx(expect)
     assert PREFILL_TIMEOUT_FACTOR == 3.0
+
+
+def test_an_engine_not_yet_measured_borrows_the_most_measured_engine_s_fit():
+    """P never answered in time; D's local prefills were measured: P is predicted from D's."""
+    rates = estimator()
+    assert rates.prefill("p", 100, 0).measured_by is None
+    for new in (10, 20, 40, 80):
+        rates.observe_prefill("d", new, 0, 0.01 * new)
+    for new in (10, 20, 40):  # too few of its own
+        rates.observe_prefill("p", new, 0, 0.002 * new)
+    got = rates.prefill("p", 100, 0)
+    assert (got.measured_by, got.samples) == ("d", 4) and got.measured_s == pytest.approx(1.0)
+    rates.observe_prefill("p", 80, 0, 0.16)
+    got = rates.prefill("p", 100, 0)
+    assert (got.measured_by, got.measured_s) == ("p", pytest.approx(0.2))  # its own fit from the fourth sample
