@@ -316,8 +316,9 @@ def observe_interval(
 ) -> None:
     """Feed ``estimator`` what ``engine`` did between two polls of its counters.
 
-    - a decode-step sample: the mean inter-token latency of the interval, at the
-      running streams of the later poll;
+    - a decode-step sample: the mean inter-token latency of the interval, at the mean
+      of the two polls' running streams, at least one (steps ran: a stream ran; a
+      poll often finds an engine idle between short requests);
     - a KV-read sample: the interval's reads, their seconds and bytes, and the
       tokens the connector loaded (``external_kv_transfer``);
     - with ``prefill``, a prefill sample: the interval's mean request (its new tokens
@@ -333,7 +334,8 @@ def observe_interval(
     if any(v < 0 for v in d.values()):
         return
     if d["decode_steps"] > 0:
-        estimator.observe_decode(engine, after.running, d["decode_step_seconds"] / d["decode_steps"])
+        streams = max(1.0, (before.running + after.running) / 2)
+        estimator.observe_decode(engine, streams, d["decode_step_seconds"] / d["decode_steps"])
     if d["reads"] > 0:
         estimator.observe_transfer(engine, d["reads"], d["external_tokens"], d["read_seconds"], d["read_bytes"])
     if prefill and d["prefill_requests"] > 0 and d["external_tokens"] == 0:

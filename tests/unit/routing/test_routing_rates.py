@@ -183,8 +183,10 @@ def test_the_first_poll_is_a_baseline():
     rates.observe_sample("d", load(5.0, running=2, decode_step_seconds=9.0, decode_steps=100))
     assert rates.decode_step("d", 2).samples == 0  # counters since the engine started are not one interval
     rates.observe_sample("d", load(10.0, running=2, decode_step_seconds=9.5, decode_steps=110))
-    rates.observe_sample("d", load(15.0, running=4, decode_step_seconds=10.2, decode_steps=120))
-    assert rates.decode_step("d", 3).measured_s == pytest.approx(0.06)  # 50 ms at 2 streams, 70 ms at 4
+    rates.observe_sample("d", load(15.0, running=6, decode_step_seconds=10.2, decode_steps=120))
+    assert rates.decode_step("d", 3).measured_s == pytest.approx(0.06)  # 50 ms at 2 streams, 70 ms at (2 + 6) / 2
+    rates.observe_sample("d", load(20.0, running=0, decode_step_seconds=10.5, decode_steps=130))
+    assert rates.decode_step("d", 3).samples == 3  # idle at the poll: 30 ms a step at 3 streams, the polls' mean
 
 
 def test_role_priors_come_from_the_disaggregation_presets():
