@@ -78,6 +78,10 @@ PROMPT_TOKENS_BY_SOURCE = CounterFamily("vllm:prompt_tokens_by_source")
 PREFIX_CACHE_QUERIES = CounterFamily("vllm:prefix_cache_queries")
 PREFIX_CACHE_HITS = CounterFamily("vllm:prefix_cache_hits")
 REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS = HistogramFamily("vllm:request_time_per_output_token_seconds")
+REQUEST_PREFILL_TIME_SECONDS = HistogramFamily("vllm:request_prefill_time_seconds")
+"""Per request, the time it spent in its prefill phase (scheduled to first token)."""
+INTER_TOKEN_LATENCY_SECONDS = HistogramFamily("vllm:inter_token_latency_seconds")
+"""Per output token after the first, the time since the previous one: a decode step."""
 
 
 class PromptTokenSource(enum.Enum):
@@ -100,6 +104,8 @@ VLLM_FAMILIES: tuple[Family, ...] = (
     PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS,
     REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
+    REQUEST_PREFILL_TIME_SECONDS,
+    INTER_TOKEN_LATENCY_SECONDS,
 )
 
 # ---- NIXL's, as vLLM exports them (NixlPromMetrics; on the engine that reads the KV) ----

@@ -64,6 +64,15 @@ KVPILOT_DEFAULT = LocalPrefillConfig(decode_busy_kv_usage=0.9, compare_costs=Tru
 
 
 @dataclass(frozen=True, slots=True)
+class MeasuredTimes:
+    """Measured seconds of the local prefill on D and of the remote path (P's queue,
+    P's prefill, D's read), which replace the roofline's in :meth:`LocalVsRemotePolicy.decide`."""
+
+    local_s: float
+    remote_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class LocalRemoteDecision:
     where: Where
     local_s: float
@@ -104,12 +113,18 @@ class LocalVsRemotePolicy:
         self.model, self.fmt, self.p_hw, self.d_hw, self.link = model, fmt, p_hardware, d_hardware, link
         self.config = config
 
-    def decide(self, prompt: PromptState, decode: DecodeState = DecodeState()) -> LocalRemoteDecision:
-        """Local only if every enabled check passes; reasons list each check's verdict."""
+    def decide(
+        self, prompt: PromptState, decode: DecodeState = DecodeState(), measured: MeasuredTimes | None = None
+    ) -> LocalRemoteDecision:
+        """Local only if every enabled check passes; reasons list each check's verdict.
+        ``measured``: the local and remote seconds to use instead of the roofline's."""
         c = self.config
         eff = prompt.effective_tokens
-        local_s = prefill(self.model, self.fmt, self.d_hw, eff, prompt.d_cached_tokens).seconds
-        remote_s = remote_prefill_seconds(self.model, self.fmt, self.p_hw, self.link, prompt)
+        if measured is not None:
+            local_s, remote_s = measured.local_s, measured.remote_s
+        else:
+            local_s = prefill(self.model, self.fmt, self.d_hw, eff, prompt.d_cached_tokens).seconds
+            remote_s = remote_prefill_seconds(self.model, self.fmt, self.p_hw, self.link, prompt)
         stall_s = local_s if decode.running_streams else 0.0
         checks: list[tuple[bool, str]] = []
         if c.max_local_tokens is not None:

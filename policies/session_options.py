@@ -30,7 +30,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from policies.disaggregation import DecodeState, LocalVsRemotePolicy, PromptState, Where
+from policies.disaggregation import DecodeState, LocalVsRemotePolicy, MeasuredTimes, PromptState, Where
 from policies.roofline import kv_bytes, linear_flops, pass_seconds, prefill
 
 
@@ -87,6 +87,8 @@ class SessionStep:
     offer_time_left_s: float | None = None
     offer_margin_s: float = 5.0
     shared_tokens: int = 0
+    measured: MeasuredTimes | None = None
+    """Measured local and remote seconds for the local option's verdict (``None``: the roofline's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +201,7 @@ class SessionOptionPricer:
         p_cached = step.p.cached_tokens if step.p is not None else 0
         p_queued = step.p.queued_tokens if step.p is not None else 0
         prompt = PromptState(step.prompt_tokens, step.d_cached_tokens, p_cached, p_queued)
-        verdict = self.policy.decide(prompt, step.decode)
+        verdict = self.policy.decide(prompt, step.decode, step.measured)
         why = f"D={step.d_name} prefills {prompt.effective_tokens} tokens; " + "; ".join(verdict.reasons)
         if verdict.where is not Where.LOCAL and step.p is not None:
             return _unavailable(Option.LOCAL, why)

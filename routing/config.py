@@ -45,6 +45,7 @@ user can paste them::
       d_hardware: h100
       link_preset: rdma
       kv_format: bf16
+      measured_rates: false              # true: price with the measured rates (routing/decide/rates.py)
     dynamo:                              # beside NVIDIA Dynamo (docs/dynamo.md); off while frontend_url is ""
       frontend_url: http://127.0.0.1:8090   # Dynamo's frontend in direct mode: every request goes there
       discovery_backend: file            # file ($DYN_FILE_KV) | etcd | kubernetes: Dynamo's own client reads it
@@ -277,6 +278,10 @@ class DisaggregationConfig(LocalPrefillConfig, frozen=True):
     d_hardware: str = "h100"
     link_preset: str = "rdma"
     kv_format: str = "bf16"
+    measured_rates: bool = False
+    """True: the local-vs-remote verdict and the session options are priced with the
+    measured rates (:mod:`routing.decide.rates`) where they exist, the presets' roofline
+    otherwise; False (the default, today's decisions): the roofline alone."""
 
     def __post_init__(self) -> None:
         check_range(self, "max_stall_s", "max_local_tokens", "max_local_fraction", "decode_busy_kv_usage", at_least=0)

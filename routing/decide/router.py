@@ -31,6 +31,7 @@ serialize calls with the lock that guards the index.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +43,7 @@ from policies.disaggregation import (
     DecodeState,
     LocalRemoteDecision,
     LocalVsRemotePolicy,
+    MeasuredTimes,
     PromptState,
     Where,
 )
@@ -51,6 +53,7 @@ from policies.specs import SpecError
 from routing.config import ConfigError, DisaggregationConfig, RouterConfig, TierClass, Worker
 from routing.decide.cost import Candidate, CostModel, Decision, TierOverlap, tier_overlap
 from routing.decide.ledger import LoadLedger, WorkerLoad
+from routing.decide.rates import RateEstimator, predict_ttft
 from routing.decide.sessions import OfferUse, SessionOffer, SessionState, SessionStore
 from routing.fleet import Fleet
 from routing.ids import SessionId, Tier, WorkerId, pair_name
@@ -172,13 +175,16 @@ class Router:
         available: Callable[[WorkerId], bool] | None = None,
         events_stale: Callable[[WorkerId], bool] | None = None,
         pair_penalty: Callable[[WorkerId, WorkerId], float] | None = None,
+        rates: RateEstimator | None = None,
     ) -> None:
         """``available(worker)``: False while the worker's circuit is open
         (:class:`routing.health.circuit.CircuitBreaker`); such a worker is not routed to.
         ``events_stale(worker)``: True while the worker's KV events have stopped
         (:class:`routing.health.event_watch.EventWatch`); it gets no overlap credit (load only).
         ``pair_penalty(p, d)``: blocks added to the pair's cost for its recent transfer
-        failures and transfer time (:class:`routing.health.pair_health.PairHealth`)."""
+        failures and transfer time (:class:`routing.health.pair_health.PairHealth`).
+        ``rates``: the measured rates the policy and the session options price with when
+        ``disaggregation.measured_rates`` is on."""
         if fleet.prefill and policy is None:
             raise ValueError("a fleet with prefill workers needs a local-vs-remote policy")
         self.fleet = fleet
@@ -192,6 +198,7 @@ class Router:
         self.events_stale = events_stale if events_stale is not None else (lambda _: False)
         self.pair_penalty = pair_penalty if pair_penalty is not None else (lambda _p, _d: 0.0)
         self.pricer = SessionOptionPricer(policy) if policy is not None else None
+        self.rates = rates if config.disaggregation.measured_rates else None
         self._forced = config.sessions.force_option.option
         self.cost = CostModel(config.cost, rng if rng is not None else random.Random(config.cost.router_seed))
         self._tiers = config.index.tiers
@@ -271,7 +278,8 @@ class Router:
             p, kind = None, Kind.LOCAL_PREFILL
         elif p is not None:
             assert self.policy is not None
-            local_remote = self.policy.decide(*self._policy_inputs(len(token_ids), p, d, overlaps, loads))
+            prompt, decode = self._policy_inputs(len(token_ids), p, d, overlaps, loads)
+            local_remote = self.policy.decide(prompt, decode, self._measured(p, d, prompt, decode))
             kind = Kind.REMOTE_PREFILL if local_remote.where is Where.REMOTE else Kind.LOCAL_PREFILL
             if kind is Kind.LOCAL_PREFILL:
                 p = None
@@ -340,8 +348,63 @@ class Router:
             offer_time_left_s=time_left,
             offer_margin_s=LEASE_MARGIN_S,
             shared_tokens=min(prompt_tokens, overlaps[p.name].shared * bs),
+            measured=self._measured(p, d, prompt, decode),
         )
-        return self.pricer.price(step)
+        return tuple(self._measured_price(price, prompt_tokens, d, loads, decode) for price in self.pricer.price(step))
+
+    def _measured(self, p: Worker, d: Worker, prompt: PromptState, decode: DecodeState) -> MeasuredTimes | None:
+        """The local prefill on D and the remote path through P, from the measured rates
+        (each term measured where it can be, else its prior); ``None`` while they are off."""
+        if self.rates is None:
+            return None
+        local = predict_ttft(
+            self.rates,
+            d.name,
+            d.name,
+            new=prompt.effective_tokens,
+            cached=prompt.d_cached_tokens,
+            queued=0,
+            transfer_tokens=0,
+            streams=decode.running_streams,
+        )
+        remote = predict_ttft(
+            self.rates,
+            p.name,
+            d.name,
+            new=prompt.prompt_tokens - prompt.p_cached_tokens,
+            cached=prompt.p_cached_tokens,
+            queued=prompt.p_queued_tokens,
+            transfer_tokens=prompt.effective_tokens,
+            streams=decode.running_streams,
+        )
+        return MeasuredTimes(local.prefill_s, remote.prefill_s + remote.transfer.seconds)
+
+    def _measured_price(
+        self,
+        price: OptionPrice,
+        prompt_tokens: int,
+        d: Worker,
+        loads: Mapping[WorkerId, WorkerLoad],
+        decode: DecodeState,
+    ) -> OptionPrice:
+        """``price`` with its seconds from the measured rates (queue, prefill, D's read of the
+        KV it moves), or as it is while they are off or the option is unavailable."""
+        if self.rates is None or not price.available or price.prefill_worker is None:
+            return price
+        worker = WorkerId(price.prefill_worker)
+        predicted = predict_ttft(
+            self.rates,
+            worker,
+            d.name,
+            new=price.prefill_tokens,
+            cached=prompt_tokens - price.prefill_tokens,
+            queued=loads[worker].active_prefill_blocks * self.index.block_size if worker in loads else 0,
+            transfer_tokens=price.moved_tokens if worker != d.name else 0,
+            streams=decode.running_streams,
+        )
+        seconds = predicted.seconds - predicted.first_step.seconds
+        why = f"{price.why}; measured rates: {seconds * 1e3:.2f} ms"
+        return dataclasses.replace(price, seconds=seconds, why=why)
 
     def served(self, session: SessionId | None, route: Route, decode_params: object = None) -> None:
         """Record that ``route``'s decode worker now holds the session's newest KV,

@@ -29,7 +29,7 @@ from prometheus_client.samples import Sample
 
 from kvconnectors import vllm_metrics
 from routing.config import Worker
-from routing.health.engine_load import EngineLoad
+from routing.health.engine_load import EngineLoad, RateCounters
 from routing.health.pair_health import TransferCounters
 from routing.ids import WorkerId
 
@@ -46,8 +46,29 @@ TRANSFER_COUNTERS = {
     vllm_metrics.NIXL_XFER_TIME_SECONDS.count: "transfers",
 }
 """The series behind :class:`~routing.health.pair_health.TransferCounters` (summed over label sets)."""
+RATE_COUNTERS = {
+    vllm_metrics.REQUEST_PREFILL_TIME_SECONDS.sum: "prefill_seconds",
+    vllm_metrics.REQUEST_PREFILL_TIME_SECONDS.count: "prefill_requests",
+    vllm_metrics.INTER_TOKEN_LATENCY_SECONDS.sum: "decode_step_seconds",
+    vllm_metrics.INTER_TOKEN_LATENCY_SECONDS.count: "decode_steps",
+    vllm_metrics.NIXL_BYTES_TRANSFERRED.sum: "read_bytes",
+}
+"""The series behind :class:`~routing.health.engine_load.RateCounters` (summed over label sets),
+besides the prompt tokens by source (:data:`TOKENS_BY_SOURCE`)."""
+_BY_SOURCE = vllm_metrics.PROMPT_TOKENS_BY_SOURCE.total
+TOKENS_BY_SOURCE = {
+    vllm_metrics.PromptTokenSource.LOCAL_COMPUTE.value: "computed_tokens",
+    vllm_metrics.PromptTokenSource.LOCAL_CACHE_HIT.value: "cached_tokens",
+    vllm_metrics.PromptTokenSource.EXTERNAL_KV_TRANSFER.value: "external_tokens",
+}
+"""``vllm:prompt_tokens_by_source_total``'s ``source`` label -> its
+:class:`~routing.health.engine_load.RateCounters` field."""
 # A sample line of one of these starts with its name and then labels or a space.
-_WANTED_LINES = tuple(name + after for name in (_RUNNING, _WAITING, _KV_USAGE, *TRANSFER_COUNTERS) for after in "{ \t")
+_WANTED_LINES = tuple(
+    name + after
+    for name in (_RUNNING, _WAITING, _KV_USAGE, *TRANSFER_COUNTERS, *RATE_COUNTERS, _BY_SOURCE)
+    for after in "{ \t"
+)
 
 
 def parse_samples(text: str) -> list[Sample]:
@@ -79,8 +100,8 @@ def _parses(line: str) -> bool:
 
 
 def parse_engine_load(text: str, at: float) -> EngineLoad | None:
-    """The three gauges and the transfer counters from a Prometheus text exposition;
-    None if KV usage is absent (a counter that is absent reads 0).
+    """The three gauges, the transfer counters and the rate counters from a Prometheus
+    text exposition; None if KV usage is absent (a counter that is absent reads 0).
 
     Only those sample lines are parsed; a line the parser refuses or a
     non-finite value is ignored. Never raises.
@@ -88,6 +109,7 @@ def parse_engine_load(text: str, at: float) -> EngineLoad | None:
     wanted = "\n".join(line for line in text.split("\n") if line.lstrip().startswith(_WANTED_LINES))
     sums = {_RUNNING: 0.0, _WAITING: 0.0}
     transfer = dict.fromkeys(TRANSFER_COUNTERS.values(), 0.0)
+    rates = dict.fromkeys((*RATE_COUNTERS.values(), *TOKENS_BY_SOURCE.values()), 0.0)
     usage: float | None = None
     for sample in parse_samples(wanted):
         value = float(sample.value)
@@ -97,11 +119,17 @@ def parse_engine_load(text: str, at: float) -> EngineLoad | None:
             usage = value if usage is None else max(usage, value)
         elif sample.name in sums:
             sums[sample.name] += value
-        elif sample.name in TRANSFER_COUNTERS:
+        elif sample.name == _BY_SOURCE:
+            source = TOKENS_BY_SOURCE.get(sample.labels.get("source", ""))
+            if source is not None:
+                rates[source] += value
+        if sample.name in TRANSFER_COUNTERS:
             transfer[TRANSFER_COUNTERS[sample.name]] += value
+        if sample.name in RATE_COUNTERS:
+            rates[RATE_COUNTERS[sample.name]] += value
     if usage is None:
         return None
-    return EngineLoad(sums[_RUNNING], sums[_WAITING], usage, at, TransferCounters(**transfer))
+    return EngineLoad(sums[_RUNNING], sums[_WAITING], usage, at, TransferCounters(**transfer), RateCounters(**rates))
 
 
 class EngineLoadPoller:

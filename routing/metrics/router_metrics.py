@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_RATIO_BUCKETS = (0.125, 0.25, 0.5, 0.8, 1.25, 2, 4, 8, 16, 64, 256, 1024)
+"""Observed over predicted: within 2x is (0.5, 2]; the roofline prior of an H100 on a CPU box is far above 8."""
 
 
 class RouterMetrics:
@@ -63,6 +65,15 @@ class RouterMetrics:
         )
         self.ttft = Histogram(
             p + "ttft_seconds", "Time to first token seen by the client (streams)", buckets=_SECONDS_BUCKETS, registry=r
+        )
+        self.predicted_ratio = Histogram(
+            p + "ttft_observed_over_predicted",
+            "Observed over predicted (measured rates, else the roofline prior), per decision: "
+            "stage prefill = P's answer against its predicted queue + prefill; ttft = the client's "
+            "first token (streams) against the predicted TTFT",
+            ["stage"],
+            buckets=_RATIO_BUCKETS,
+            registry=r,
         )
         self.prefill_failures = Counter(
             p + "prefill_failures", "Remote prefills that failed", ["worker", "reason"], registry=r

@@ -39,12 +39,14 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from routing.config import ConfigError, IndexBackend, IndexConfig, RouterConfig
+from routing.config import ConfigError, IndexBackend, IndexConfig, Role, RouterConfig
 from routing.decide.ledger import LoadLedger
+from routing.decide.rates import RateEstimator, RolePriors, TTFTPrediction
 from routing.decide.router import NoHealthyWorker, Route, Router, policy_from_config
 from routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, SessionStore, scoped, session_key
 from routing.fleet import Fleet, fleet_changes, fleet_of
 from routing.health.circuit import CircuitBreaker
+from routing.health.engine_load import EngineLoad
 from routing.health.event_watch import EventWatch
 from routing.health.pair_health import PairHealth
 from routing.ids import SessionId, WorkerId, pair_name
@@ -88,6 +90,12 @@ def _api_key(env_name: str, field: str = "server.api_key_env") -> str | None:
     if not key:
         raise ConfigError(field, f"names {env_name!r}, which is unset or empty")
     return key
+
+
+def _as_dict(prediction: TTFTPrediction | None) -> dict[str, object] | None:
+    """A prediction for ``/debug/route``: the TTFT, the prior's, each term's prior and
+    measured seconds."""
+    return None if prediction is None else prediction.as_dict()
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
@@ -163,14 +171,10 @@ class RouterServer:
         self.breaker = CircuitBreaker(srv.circuit_failures, srv.circuit_open_s)
         self.event_watch = EventWatch(config.index.events_stale_after_s)
         self.pair_health = PairHealth(config.cost)
+        priors = RolePriors.from_config(config.disaggregation)
+        self.rates = RateEstimator(lambda engine: priors.of(self._role(engine)))
         self.engine_load = (
-            EngineLoadPoller(
-                fleet.workers,
-                interval,
-                on_sample=lambda worker, sample: self.pair_health.observe(worker, sample.transfer, sample.at),
-            )
-            if interval > 0
-            else None
+            EngineLoadPoller(fleet.workers, interval, on_sample=self._engine_sample) if interval > 0 else None
         )
         self.router = Router(
             fleet,
@@ -183,6 +187,7 @@ class RouterServer:
             available=lambda worker: self.breaker.allows(worker, time.monotonic()),
             events_stale=self.event_watch.is_stale,
             pair_penalty=lambda p, d: self.pair_health.penalty_blocks(p, d, time.monotonic()),
+            rates=self.rates,
         )
         self._background: list[asyncio.Task[None]] = []
         self.feeder: IndexFeeder | None = None
@@ -234,6 +239,8 @@ class RouterServer:
             self.event_watch,
             self.event_batches,
             self.config.server.max_retries,
+            prefill_timeout_s=self.config.server.prefill_timeout_s,
+            rates=self.rates,
         )
         if self._feed_index and (self.discovery is not None or any(w.kv_events_endpoint for w in self.fleet.workers)):
             # Dynamo's workers bind their event sockets: the feeder connects to them
@@ -259,11 +266,24 @@ class RouterServer:
     async def _upstream(self, http: aiohttp.ClientSession) -> Upstream:
         """vLLM's engines, or Dynamo's frontend (its discovery opened here)."""
         if not self.config.dynamo.enabled:
-            return VllmUpstream(http, self._engine_headers, self.config.server.prefill_timeout_s)
+            return VllmUpstream(http, self._engine_headers)
         from routing.serve.dynamo_upstream import DynamoUpstream
 
         self.discovery = await DynamoDiscovery.open(self.config.dynamo)
         return DynamoUpstream(http, self._engine_headers, self.discovery.instance_id)
+
+    def _role(self, worker: str) -> Role | None:
+        """``worker``'s role, ``None`` once it left the fleet."""
+        try:
+            return self.fleet.by_name(WorkerId(worker)).role
+        except KeyError:
+            return None
+
+    def _engine_sample(self, worker: WorkerId, sample: EngineLoad) -> None:
+        """A worker's polled ``/metrics``: its pair health and its measured rates (P's
+        prefills are timed by the proxy, not taken from P's histogram)."""
+        self.pair_health.observe(worker, sample.transfer, sample.at)
+        self.rates.observe_sample(worker, sample, prefill=self._role(worker) is not Role.PREFILL)
 
     def set_fleet(self, fleet: Fleet) -> None:
         """Serve ``fleet`` from the next request on: workers that joined are routed to and
@@ -329,6 +349,8 @@ class RouterServer:
             route = self._route(request, token_ids, body, chat, session, dry_run=True)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
+        assert self._proxy is not None
+        predicted = self._proxy.predict(route)
         return web.json_response(
             {
                 "request_id": route.request_id,
@@ -353,9 +375,12 @@ class RouterServer:
                         "prefill_worker": price.prefill_worker,
                         "why": price.explain(),
                         "chosen": price.option is route.option,
+                        "predicted": _as_dict(self._proxy.predict_option(route, price)),
                     }
                     for price in route.options
                 ],
+                "predicted": _as_dict(predicted),
+                "learned_rates": self.rates.learned(),
                 "explain": route.explain(),
             }
         )

@@ -43,7 +43,9 @@ class DynamoUpstream:
         self._completions = CompletionsHttp(http, headers)
         self._instance_id = instance_id
 
-    async def prefill(self, worker: Worker, body: dict[str, Any], params: dict[str, Any]) -> PrefillOutcome:
+    async def prefill(
+        self, worker: Worker, body: dict[str, Any], params: dict[str, Any], timeout_s: float
+    ) -> PrefillOutcome:
         """P's header for D's call, deferred (no call is made; ``params`` are not used:
         Dynamo hands P's KV to D itself). A prefill worker that left: a connection
         failure, after which D prefills the prompt itself."""

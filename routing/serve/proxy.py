@@ -9,8 +9,10 @@ For a :class:`~routing.decide.router.Route`:
   D then decodes with P's returned params. An upstream whose deployment does the
   handoff itself answers P's step at once with a deferred handoff that names P for D's
   call (:attr:`~routing.serve.upstream.PrefillOutcome.deferred`): P is then counted
-  as prefilling until D's first token. If P fails (an error, a timeout past
-  ``server.prefill_timeout_s``, no params), D prefills the prompt itself: the route
+  as prefilling until D's first token. P is given ``max(server.prefill_timeout_s,
+  k x its predicted queue + prefill)`` (:meth:`~routing.decide.rates.TTFTPrediction.prefill_timeout_s`,
+  k = :data:`~routing.decide.rates.PREFILL_TIMEOUT_FACTOR`), so a box measured slow
+  waits for P. If P fails (an error, that timeout, no params), D prefills the prompt itself: the route
   becomes :attr:`~routing.decide.router.Kind.FALLBACK`, counted in
   ``kvpilot_router_prefill_fallbacks_total``;
 - local prefill or co-located: one engine does both.
@@ -20,7 +22,9 @@ request routed again, up to ``server.max_retries`` times (counted in
 ``kvpilot_router_retries_total``); a 4xx is the request's fault and is not retried.
 Every step is booked: the load ledger (dispatch, first token, a prefill moved to D,
 completion), each worker's circuit, each pair's health, the KV events the prefilling
-worker must publish, the session's new state and D's offer.
+worker must publish, the session's new state and D's offer; with a rate estimator,
+P's answer time (what it learns of P's prefill) and the observed over predicted
+prefill and TTFT (``kvpilot_router_ttft_observed_over_predicted``).
 
 No aiohttp.web here: the HTTP front hands in a :class:`ClientStream` for streamed
 answers and turns the returned :class:`Reply` into its response.
@@ -37,8 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvconnectors.pull_params import handoff_request
+from policies.session_options import OptionPrice
 from routing.config import Worker
 from routing.decide.ledger import LoadLedger
+from routing.decide.rates import RateEstimator, TTFTPrediction, predict_ttft
 from routing.decide.router import Kind, Route, Router
 from routing.health.circuit import CircuitBreaker
 from routing.health.event_watch import EventWatch
@@ -110,7 +116,13 @@ class Proxy:
         event_watch: EventWatch,
         event_batches: Callable[[], Mapping[WorkerId, int]],
         max_retries: int,
+        *,
+        prefill_timeout_s: float,
+        rates: RateEstimator | None = None,
     ) -> None:
+        """``prefill_timeout_s``: the floor of P's timeout (the whole of it without
+        ``rates``). ``rates``: predicts each route's TTFT; learns P's prefill from how
+        long P took to answer (queue included)."""
         self.upstream = upstream
         self.router = router
         self.lock = lock
@@ -121,6 +133,8 @@ class Proxy:
         self.event_watch = event_watch
         self.event_batches = event_batches
         self.max_retries = max_retries
+        self.prefill_timeout_s = prefill_timeout_s
+        self.rates = rates
 
     async def serve(self, request: ProxyRequest, client: ClientStream) -> Reply | None:
         """Serve ``request``, retrying on another decode worker as the module doc says.
@@ -148,6 +162,7 @@ class Proxy:
         anything was sent to the client (a stream that breaks later ends with an
         error event instead)."""
         rid, p, d = route.request_id, route.prefill_worker.name, route.decode.name
+        prediction = self.predict(route)
         try:
             self.ledger.dispatch(rid, p, d, route.chain, route.cached_blocks)
         except ValueError:  # the ledger's "already active"
@@ -158,7 +173,7 @@ class Proxy:
             offer = self._session_offer(request.session, route)
             if route.prefill is not None:
                 self.pair_health.routed(route.prefill.name, route.decode.name, time.monotonic())
-                handoff = await self._prefill(route, request.body, offer)
+                handoff = await self._prefill(route, request.body, offer, prediction)
                 if handoff is None:
                     kind, p = Kind.FALLBACK, d
             headers = {
@@ -170,7 +185,7 @@ class Proxy:
             reply: Reply | None
             if request.body.get("stream"):  # vLLM streams no kv_transfer_params: no offer to keep
                 decode_params = None
-                answered = await self._stream(request, route, handoff, headers, client)
+                answered = await self._stream(request, route, handoff, headers, client, prediction)
                 reply = None
             else:
                 reply, decode_params = await self._unary(request, route, handoff, headers)
@@ -193,7 +208,41 @@ class Proxy:
             self.metrics.session_offers.labels(use).inc()
         return None if offer is None else dict(offer.params)
 
-    async def _prefill(self, route: Route, body: dict[str, Any], offer: dict[str, Any] | None) -> dict[str, Any] | None:
+    def predict(self, route: Route) -> TTFTPrediction | None:
+        """``route``'s predicted TTFT with the load booked now (``None`` without a rate
+        estimator): the prefilling worker's booked prefill blocks queue ahead of it, D
+        reads what it lacks (nothing for a local prefill), D's booked requests run."""
+        bs = self.router.index.block_size
+        cached = min(route.prompt_tokens, route.cached_blocks * bs)
+        lacks = route.prompt_tokens - min(route.prompt_tokens, route.decode_cached_blocks * bs)
+        return self._predict(route, route.prefill_worker.name, route.prompt_tokens - cached, lacks)
+
+    def predict_option(self, route: Route, price: OptionPrice) -> TTFTPrediction | None:
+        """A session option's predicted TTFT, as :meth:`predict` (``None`` for an
+        unavailable option): its prefill worker prefills its ``prefill_tokens`` after the
+        rest of the prompt, and a remote one moves its ``moved_tokens`` into D."""
+        if price.prefill_worker is None or not price.available:
+            return None
+        return self._predict(route, WorkerId(price.prefill_worker), price.prefill_tokens, price.moved_tokens)
+
+    def _predict(self, route: Route, prefiller: WorkerId, new: int, moved: int) -> TTFTPrediction | None:
+        if self.rates is None:
+            return None
+        d = route.decode.name
+        return predict_ttft(
+            self.rates,
+            prefiller,
+            d,
+            new=new,
+            cached=route.prompt_tokens - new,
+            queued=self.ledger.load(prefiller).active_prefill_blocks * self.router.index.block_size,
+            transfer_tokens=moved if prefiller != d else 0,
+            streams=self.ledger.load(d).active_requests,
+        )
+
+    async def _prefill(
+        self, route: Route, body: dict[str, Any], offer: dict[str, Any] | None, prediction: TTFTPrediction | None
+    ) -> dict[str, Any] | None:
         """P's handoff params for D, or None after a failure (then D prefills; counted).
 
         With a session ``offer`` (D's params from the session's last step, vLLM's
@@ -202,7 +251,10 @@ class Proxy:
         p = route.prefill
         assert p is not None
         started = time.perf_counter()
-        outcome = await self.upstream.prefill(p, body, offer if offer is not None else handoff_request())
+        timeout_s = (
+            self.prefill_timeout_s if prediction is None else prediction.prefill_timeout_s(self.prefill_timeout_s)
+        )
+        outcome = await self.upstream.prefill(p, body, offer if offer is not None else handoff_request(), timeout_s)
         if outcome.params is None:
             if outcome.engine_fault:
                 self.worker_failed(p)
@@ -231,7 +283,13 @@ class Proxy:
             return outcome.params
         self.worker_answered(p)
         self.ledger.first_token(route.request_id)
-        self.metrics.ttft_stage.labels("prefill").observe(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.metrics.ttft_stage.labels("prefill").observe(elapsed)
+        if prediction is not None and prediction.prefill_s > 0:
+            self.metrics.predicted_ratio.labels("prefill").observe(elapsed / prediction.prefill_s)
+        if self.rates is not None and offer is None:  # a pull's time is not a prefill's
+            cached = min(route.prompt_tokens, route.cached_blocks * self.router.index.block_size)
+            self.rates.observe_prefill(p.name, route.prompt_tokens - cached, cached, elapsed)
         return outcome.params
 
     async def _unary(
@@ -256,6 +314,7 @@ class Proxy:
         handoff: dict[str, Any] | None,
         headers: dict[str, str],
         client: ClientStream,
+        prediction: TTFTPrediction | None,
     ) -> bool:
         """D's stream relayed to ``client``; whether it ended normally (a break is sent
         to the client as an error event and counted against D)."""
@@ -270,6 +329,10 @@ class Proxy:
                         now = time.perf_counter()
                         self.metrics.ttft_stage.labels("decode_first_token").observe(now - sent_at)
                         self.metrics.ttft.observe(now - request.started)
+                        if prediction is not None and prediction.seconds > 0:
+                            self.metrics.predicted_ratio.labels("ttft").observe(
+                                (now - request.started) / prediction.seconds
+                            )
                         self.ledger.first_token(route.request_id)
                     if request.chat and data != "[DONE]":
                         data = json.dumps(chat_chunk(json.loads(data), route.request_id, first))

@@ -45,7 +45,7 @@ class PrefillFailure(str, enum.Enum):
 
     REFUSED = "refused"  # P answered 4xx: the router sent P something it cannot serve
     ENGINE_ERROR = "engine_error"  # P answered 5xx (or any other non-200, non-4xx)
-    TIMEOUT = "timeout"  # no answer within server.prefill_timeout_s
+    TIMEOUT = "timeout"  # no answer within the prefill timeout (server.prefill_timeout_s or k x predicted)
     CONNECTION = "connection"  # P could not be reached, or dropped the connection
     BAD_RESPONSE = "bad_response"  # P's 200 was not a readable completion
     NO_KV_TRANSFER_PARAMS = "no_kv_transfer_params"  # P's completion carried no handoff
@@ -90,12 +90,14 @@ class Upstream(Protocol):
     body (token ids as ``prompt``); ``handoff`` is what P's prefill returned for D
     (``None``: D prefills the prompt itself)."""
 
-    async def prefill(self, worker: Worker, body: dict[str, Any], params: dict[str, Any]) -> PrefillOutcome:
+    async def prefill(
+        self, worker: Worker, body: dict[str, Any], params: dict[str, Any], timeout_s: float
+    ) -> PrefillOutcome:
         """P computes ``body``'s prompt for a peer to pull, with ``params`` as its
         ``kv_transfer_params`` (a fresh handoff request, or D's offer of the session's
-        KV for P to pull first), or a deferred outcome naming P for D's call (an
-        upstream whose deployment hands P's KV to D itself may ignore ``params``);
-        never raises."""
+        KV for P to pull first), within ``timeout_s``, or a deferred outcome naming P
+        for D's call (an upstream whose deployment hands P's KV to D itself may ignore
+        ``params`` and ``timeout_s``); never raises."""
         ...
 
     async def complete(self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None) -> dict[str, Any]:

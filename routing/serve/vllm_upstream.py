@@ -29,17 +29,18 @@ NOT_FOR_PREFILL = ("stream_options", "min_tokens")
 class VllmUpstream:
     """vLLM's OpenAI completions endpoint on each engine (see the module doc)."""
 
-    def __init__(self, http: aiohttp.ClientSession, headers: dict[str, str], prefill_timeout_s: float) -> None:
+    def __init__(self, http: aiohttp.ClientSession, headers: dict[str, str]) -> None:
         self._completions = CompletionsHttp(http, headers)
-        self._prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s)
 
-    async def prefill(self, worker: Worker, body: dict[str, Any], params: dict[str, Any]) -> PrefillOutcome:
+    async def prefill(
+        self, worker: Worker, body: dict[str, Any], params: dict[str, Any], timeout_s: float
+    ) -> PrefillOutcome:
         """P computes ``body``'s prompt (one token, not streamed) with ``params`` as its
-        ``kv_transfer_params``; within ``prefill_timeout_s``."""
+        ``kv_transfer_params``; within ``timeout_s``."""
         pbody = {k: v for k, v in body.items() if k not in NOT_FOR_PREFILL}
         pbody.update(max_tokens=1, stream=False, kv_transfer_params=params)
         try:
-            async with self._completions.post(worker, pbody, timeout=self._prefill_timeout) as resp:
+            async with self._completions.post(worker, pbody, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 raw = await resp.read()
             if resp.status != 200:
                 failure = PrefillFailure.REFUSED if 400 <= resp.status < 500 else PrefillFailure.ENGINE_ERROR

@@ -257,7 +257,7 @@ def _frontend_run(scenario: Any) -> tuple[FakeEngine, Any]:
 def test_dynamo_s_prefill_is_deferred_and_d_s_call_names_both_instances():
     async def scenario(upstream: DynamoUpstream, url: str) -> Any:
         p, d = Worker(WorkerId("p0"), Role.PREFILL, url), Worker(WorkerId("d0"), Role.DECODE, url)
-        outcome = await upstream.prefill(p, {"prompt": [1, 2]}, {"do_remote_decode": True})
+        outcome = await upstream.prefill(p, {"prompt": [1, 2]}, {"do_remote_decode": True}, 30.0)
         payload = await upstream.complete(d, {"model": "tiny", "prompt": [1, 2]}, outcome.params)
         async with upstream.stream(d, {"model": "tiny", "prompt": [1, 2, 3], "stream": True}, None) as events:
             streamed = [e async for e in events]
@@ -277,7 +277,7 @@ def test_dynamo_s_prefill_is_deferred_and_d_s_call_names_both_instances():
 def test_a_worker_that_left_dynamo_fails_before_any_call():
     async def scenario(upstream: DynamoUpstream, url: str) -> Any:
         gone = Worker(WorkerId("d9"), Role.DECODE, url)
-        outcome = await upstream.prefill(Worker(WorkerId("p9"), Role.PREFILL, url), {}, {})
+        outcome = await upstream.prefill(Worker(WorkerId("p9"), Role.PREFILL, url), {}, {}, 30.0)
         with pytest.raises(UpstreamError) as raised:
             await upstream.complete(gone, {"prompt": [1]}, None)
         return outcome, raised.value

@@ -10,6 +10,7 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from routing.config import Role, Worker
+from routing.health.engine_load import RateCounters
 from routing.ids import WorkerId
 from routing.ingest.engine_metrics import EngineLoadPoller, parse_engine_load, parse_samples
 from tests.fakes.engine import FakeEngine
@@ -39,6 +40,37 @@ def test_unlabelled_lines_and_junk_are_handled():
     assert load is not None and (load.kv_usage, load.running, load.waiting) == (0.125, 0.0, 0.0)
     assert parse_engine_load("vllm:num_requests_running 1\n", at=0.0) is None  # no KV usage: not an engine we know
     assert parse_engine_load("", at=0.0) is None
+
+
+def test_rate_counters_are_read_from_what_vllm_exports():
+    """The prefill-time and inter-token histograms, prompt tokens by source and NIXL's
+    bytes, as prometheus_client writes them, summed over engines; an unknown source is
+    ignored."""
+    registry = CollectorRegistry()
+    Gauge("vllm:kv_cache_usage_perc", "", registry=registry).set(0.1)
+    prefill = Histogram("vllm:request_prefill_time_seconds", "", ["engine"], registry=registry)
+    prefill.labels("0").observe(0.5)
+    prefill.labels("1").observe(0.25)
+    Histogram("vllm:inter_token_latency_seconds", "", registry=registry).observe(0.02)
+    by_source = Counter("vllm:prompt_tokens_by_source", "", ["source"], registry=registry)
+    for source, tokens in (("local_compute", 100), ("local_cache_hit", 64), ("external_kv_transfer", 32), ("x", 9)):
+        by_source.labels(source).inc(tokens)
+    Histogram("vllm:nixl_bytes_transferred", "", registry=registry).observe(4096)
+    xfer = Histogram("vllm:nixl_xfer_time_seconds", "", registry=registry)
+    xfer.observe(0.01)
+    load = parse_engine_load(generate_latest(registry).decode(), at=1.0)
+    assert load is not None
+    assert load.rates == RateCounters(
+        prefill_seconds=0.75,
+        prefill_requests=2,
+        computed_tokens=100,
+        cached_tokens=64,
+        external_tokens=32,
+        decode_step_seconds=0.02,
+        decode_steps=1,
+        read_bytes=4096,
+    )
+    assert (load.transfer.transfers, load.transfer.transfer_seconds) == (1, 0.01)
 
 
 def test_samples_keep_their_exposed_names_and_a_refused_line_drops_alone():

@@ -17,6 +17,7 @@ import pytest
 from kvconnectors.pull_params import handoff_request
 from routing.config import Role, RouterConfig, Worker
 from routing.decide.ledger import LoadLedger
+from routing.decide.rates import PREFILL_TIMEOUT_FACTOR, RateEstimator, RolePriors
 from routing.decide.router import Kind, Route, Router, policy_from_config
 from routing.decide.sessions import SessionStore
 from routing.fleet import fleet_from_config
@@ -46,8 +47,12 @@ class ScriptedUpstream:
         self.failing_decoders = failing_decoders or {}
         self.stream_breaks_after = stream_breaks_after
         self.calls: list[tuple[str, str, dict[str, Any], dict[str, Any] | None]] = []
+        self.timeouts: list[float] = []
 
-    async def prefill(self, worker: Worker, body: dict[str, Any], params: dict[str, Any]) -> PrefillOutcome:
+    async def prefill(
+        self, worker: Worker, body: dict[str, Any], params: dict[str, Any], timeout_s: float
+    ) -> PrefillOutcome:
+        self.timeouts.append(timeout_s)
         self.calls.append(("prefill", worker.name, body, params))
         return self.prefill_outcome
 
@@ -118,6 +123,8 @@ class Rig:
         policy = policy_from_config(cfg.disaggregation)
         self.router = Router(fleet, cfg, BlockIndex(BS), self.ledger, SessionStore(BS, 8), policy, random.Random(0))
         self.upstream = upstream
+        priors = RolePriors.from_config(cfg.disaggregation)
+        self.rates = RateEstimator(lambda engine: priors.of(fleet.by_name(WorkerId(engine)).role))
         self.proxy = Proxy(
             upstream,
             self.router,
@@ -129,6 +136,8 @@ class Rig:
             EventWatch(0.0),
             dict,
             max_retries,
+            prefill_timeout_s=30.0,
+            rates=self.rates,
         )
 
     def request(self, body: dict[str, Any], exclude_calls: list[frozenset[WorkerId]] | None = None) -> ProxyRequest:
@@ -163,6 +172,24 @@ def test_remote_prefill_hands_p_params_to_d_and_books_every_step():
     assert d_kind == "complete" and d_worker == reply.headers["X-KVPilot-Decode-Worker"] and handoff == HANDOFF
     assert rig.ledger.load(WorkerId("p0")).active_requests == 0  # completed, nothing left in flight
     assert rig.value("kvpilot_router_prefill_fallbacks_total") == 0
+    assert rig.rates.prefill("p0", 8 * BS, 0).samples == 1  # P's answer timed: the estimator learns P's prefill
+    assert rig.upstream.timeouts == [30.0]  # the H100 prior predicts milliseconds: the floor
+    assert (
+        rig.metrics.registry.get_sample_value("kvpilot_router_ttft_observed_over_predicted_count", {"stage": "prefill"})
+        == 1
+    )
+
+
+def test_p_s_timeout_is_k_times_its_measured_prefill_above_the_floor():
+    """A box measured slow (0.5 s a token) gives P 3 x its predicted prefill, not the floor."""
+    rig = Rig(ScriptedUpstream())
+    for new in (32, 64, 128, 256):
+        rig.rates.observe_prefill("p0", new, 0, 0.5 * new)
+    reply = asyncio.run(rig.proxy.serve(rig.request({"max_tokens": 4}), RecordingClient()))
+    assert reply is not None and reply.status == 200
+    (timeout,) = rig.upstream.timeouts
+    assert timeout == pytest.approx(PREFILL_TIMEOUT_FACTOR * 0.5 * 8 * BS)
+    assert timeout > 30.0
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from policies.roofline import kv_bytes, prefill
 from policies.session_options import Option
 from routing.config import ConfigError, Role, RouterConfig, load_config
 from routing.decide.ledger import LoadLedger
+from routing.decide.rates import RateEstimator, RolePriors
 from routing.decide.router import Kind, Router, policy_from_config
 from routing.decide.sessions import SessionOffer, SessionStore
 from routing.fleet import fleet_from_config, kv_events_config
@@ -343,6 +344,64 @@ def test_an_idle_d_holding_the_session_prefills_the_increment_itself():
     route = router.route(step2, "s2", session=session, now=0.0)
     assert route.option.value == "local" and route.kind is Kind.LOCAL_PREFILL and route.prefill is None
     assert router.take_session_offer(session, route, now=0.0) == (None, "unused")
+
+
+@pytest.mark.parametrize(
+    ("measured_rates", "expected"),
+    [
+        (False, Kind.LOCAL_PREFILL),  # the roofline of an H100: the idle D prefills the increment itself
+        (True, Kind.REMOTE_PREFILL),  # D measured at 1 s a token, P at 1 ms: the increment goes to P
+    ],
+)
+def test_measured_rates_price_the_session_options_only_when_switched_on(measured_rates, expected):
+    router, session, step2 = _session_after_step_one("", max_local_tokens=2048, measured_rates=measured_rates)
+    rates = RateEstimator(lambda _engine: RolePriors.from_config(router.config.disaggregation).other)
+    for new in (4, 8, 16, 32):
+        rates.observe_prefill("d1", new, 0, 1.0 * new)
+        for p in router.fleet.prefill:
+            rates.observe_prefill(p.name, new, 0, 0.001 * new)
+    router.rates = rates if measured_rates else None  # as Router.__init__ sets it from the switch
+    route = router.route(step2, "s2", session=session, now=0.0)
+    assert route.kind is expected and (route.option is Option.LOCAL) is (expected is Kind.LOCAL_PREFILL)
+    price = {p.option.value: p for p in route.options}
+    assert ("measured rates:" in price["local"].why) is measured_rates
+    if measured_rates:
+        assert price["local"].seconds == pytest.approx(1.0 * 2 * BS)  # D prefills the 2 new blocks at 1 s a token
+
+
+@pytest.mark.parametrize(("measured_rates", "expected"), [(False, Kind.LOCAL_PREFILL), (True, Kind.REMOTE_PREFILL)])
+def test_measured_rates_decide_local_vs_remote_when_switched_on(measured_rates, expected):
+    """D holds 9 of 10 blocks; with the cost comparison on, the roofline keeps the last
+    block on D, a D measured at 1 s a token (P at 1 ms) sends it to P."""
+    router = _router(_config(PD, disaggregation={"compare_costs": True, "measured_rates": measured_rates}))
+    rates = RateEstimator(lambda _engine: RolePriors.from_config(router.config.disaggregation).other)
+    for new in (4, 8, 16, 32):
+        rates.observe_prefill("d1", new, 0, 1.0 * new)
+        for p in ("p1", "p2"):
+            rates.observe_prefill(p, new, 0, 0.001 * new)
+    router.rates = rates if measured_rates else None  # as Router.__init__ sets it from the switch
+    prompt = _prompt(10)
+    _store(router.index, "d1", prompt[: 9 * BS])
+    route = router.route(prompt, "r1")
+    assert route.kind is expected, route.explain()
+    assert route.local_remote is not None
+    if measured_rates:
+        assert route.local_remote.local_s == pytest.approx(BS * 1.0)  # D's one block at 1 s a token
+
+
+def test_the_measured_rates_switch_is_off_by_default():
+    cfg = _config(PD)
+    assert cfg.disaggregation.measured_rates is False
+    router = Router(
+        fleet_from_config(cfg),
+        cfg,
+        BlockIndex(BS),
+        LoadLedger(),
+        SessionStore(BS, 16),
+        policy_from_config(cfg.disaggregation),
+        rates=RateEstimator(lambda _engine: RolePriors.from_config(cfg.disaggregation).other),
+    )
+    assert router.rates is None
 
 
 def test_an_offer_expiring_before_p_could_read_it_is_never_sent():

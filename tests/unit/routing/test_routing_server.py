@@ -247,6 +247,10 @@ def test_debug_route_explains_without_sending_and_metrics_count_decisions(model_
         assert info["decode_worker"] == "co-1" and info["cached_blocks"] == 6
         assert info["overlap"] == {"co-1": {"GPU": 6}} and info["prompt_blocks"] == 10
         assert info["explain"].startswith("request=dbg-1 kind=colocated")
+        predicted = info["predicted"]  # no samples yet: every term on the prior
+        assert predicted["ttft_s"] == predicted["prior_ttft_s"] > 0
+        assert predicted["transfer"] == {"prior_s": 0.0, "measured_s": None, "samples": 0, "measured_by": None}
+        assert predicted["prefill"]["measured_s"] is None and info["learned_rates"] == {}
         assert all(e.bodies == [] for e in engines.values())
         resp = await client.post("/v1/completions", json={"prompt": PROMPT})
         assert resp.headers["X-KVPilot-Decode-Worker"] == "co-1"

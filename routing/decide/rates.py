@@ -1,0 +1,415 @@
+"""Measured rates: how long each engine's prefill and decode step, and each KV read,
+really take, learned from samples and starting from the roofline prior. Pure: no
+I/O, no clock (a sample's window is a count, not a time).
+
+Three models, each fitted by least squares over the last ``window`` samples with
+non-negative coefficients (a term whose coefficient comes out negative is dropped
+and the rest refitted, in the order listed last to first):
+
+- **prefill** of ``n`` new (uncached) tokens after ``C`` cached ones, per engine::
+
+      seconds = a + b * n + c * (n * C + n * (n + 1) / 2)
+
+  (a fixed cost, the linear layers, attention over the (query, key) pairs);
+- **decode step** with ``B`` running streams, per engine::
+
+      seconds = a + b * B
+
+- **KV read** of ``T`` tokens, per reading engine (the engine whose NIXL counters
+  count the read: D for P's handoff, P for a pull of D's session)::
+
+      seconds = setup * transfers + per_token * T
+
+Until a model holds :data:`MIN_SAMPLES` samples (and they span at least two
+distinct values of the leading variable) it answers with the fit of the same model
+on the engine with the most samples (the fleet serves one model: a P not yet timed
+is predicted from D's measured prefills, so the first long prompt through a slow
+box gets a timeout from a measurement), and while no engine has one with the
+roofline prior (the ``disaggregation`` presets: :class:`Prior`). Every
+answer is an :class:`Estimate` carrying both, so a caller can show the prior next
+to the measurement.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from policies.roofline import decode_step, kv_bytes, prefill
+from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecError
+from routing.config import ConfigError, DisaggregationConfig, Role
+from routing.health.engine_load import EngineLoad, RateCounters
+
+MIN_SAMPLES = 4
+"""Samples a model needs before its fit replaces the prior."""
+WINDOW = 64
+"""The newest samples each model fits (older ones are forgotten: the engine's load and
+build may change)."""
+DECODE_PRIOR_CONTEXT = 1024
+"""The context each running stream is taken to have in the prior's decode step (the
+router does not know the streams' lengths)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """A predicted duration: the roofline prior's, the measured fit's (``None`` while
+    no engine's model has :data:`MIN_SAMPLES` usable samples), how many samples the
+    fit saw and whose fit it is (``measured_by``: the engine asked about, or, while its
+    own model is on the prior, the engine with the most samples)."""
+
+    prior_s: float
+    measured_s: float | None
+    samples: int
+    measured_by: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        """The measured value where there is one, else the prior."""
+        return self.measured_s if self.measured_s is not None else self.prior_s
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "prior_s": self.prior_s,
+            "measured_s": self.measured_s,
+            "samples": self.samples,
+            "measured_by": self.measured_by,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Prior:
+    """The roofline's rates for one engine: its model, KV format, hardware and the link
+    it reads KV over."""
+
+    model: ModelSpec
+    fmt: KVFormat
+    hardware: HardwareSpec
+    link: LinkSpec
+
+    def prefill_s(self, new: int, cached: int) -> float:
+        return prefill(self.model, self.fmt, self.hardware, new, cached).seconds
+
+    def decode_step_s(self, streams: int) -> float:
+        return decode_step(self.model, self.fmt, self.hardware, [DECODE_PRIOR_CONTEXT] * max(1, streams)).seconds
+
+    def transfer_s(self, tokens: int) -> float:
+        return self.link.transfer_seconds(kv_bytes(self.model, self.fmt, tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class RolePriors:
+    """The prior of a prefill worker and of every other worker (decode, co-located):
+    the ``disaggregation`` section's presets (``p_hardware``, ``d_hardware``)."""
+
+    prefill: Prior
+    other: Prior
+
+    @classmethod
+    def from_config(cls, cfg: DisaggregationConfig) -> RolePriors:
+        """Raises :class:`~routing.config.ConfigError` naming the section for an unknown preset."""
+        try:
+            model, fmt = model_preset(cfg.model_preset), kv_format_preset(cfg.kv_format)
+            link, p_hw, d_hw = (
+                link_preset(cfg.link_preset),
+                hardware_preset(cfg.p_hardware),
+                hardware_preset(cfg.d_hardware),
+            )
+        except SpecError as exc:
+            raise ConfigError("disaggregation", str(exc)) from None
+        return cls(Prior(model, fmt, p_hw, link), Prior(model, fmt, d_hw, link))
+
+    def of(self, role: Role | None) -> Prior:
+        """The prior of a worker in ``role`` (``None``: a worker no longer in the fleet)."""
+        return self.prefill if role is Role.PREFILL else self.other
+
+
+def attention_pairs(new: int, cached: int) -> float:
+    """The (query, key) pairs ``new`` tokens attend to after ``cached`` ones (causal)."""
+    return new * cached + new * (new + 1) / 2
+
+
+@dataclass
+class LinearFit:
+    """``y ~ features . coef`` over the newest ``window`` samples, coefficients >= 0.
+
+    ``drop_order``: the feature indices to drop, first to last, while a coefficient
+    is negative. :meth:`coefficients` is ``None`` with fewer than ``min_samples``
+    samples or when the first varying feature (``spread_feature``) takes one value only."""
+
+    drop_order: tuple[int, ...]
+    spread_feature: int
+    window: int = WINDOW
+    min_samples: int = MIN_SAMPLES
+    _rows: deque[tuple[tuple[float, ...], float]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rows = deque(maxlen=self.window)
+
+    def add(self, features: Sequence[float], y: float) -> None:
+        self._rows.append((tuple(float(f) for f in features), float(y)))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def coefficients(self) -> tuple[float, ...] | None:
+        if len(self._rows) < self.min_samples:
+            return None
+        x = np.array([row for row, _ in self._rows])
+        y = np.array([value for _, value in self._rows])
+        if np.ptp(x[:, self.spread_feature]) == 0:
+            return None
+        keep = list(range(x.shape[1]))
+        for drop in (None, *self.drop_order):
+            if drop is not None:
+                keep.remove(drop)
+            coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+            if (coef >= 0).all():
+                out = [0.0] * x.shape[1]
+                for i, c in zip(keep, coef, strict=True):
+                    out[i] = float(c)
+                return tuple(out)
+        return None
+
+    def predict(self, features: Sequence[float]) -> float | None:
+        coef = self.coefficients()
+        if coef is None:
+            return None
+        return sum(c * f for c, f in zip(coef, features, strict=True))
+
+
+def _prefill_features(new: int, cached: int) -> tuple[float, float, float]:
+    return (1.0, float(new), attention_pairs(new, cached))
+
+
+def _decode_features(streams: float) -> tuple[float, float]:
+    return (1.0, float(streams))
+
+
+def _transfer_features(transfers: float, tokens: float) -> tuple[float, float]:
+    return (float(transfers), float(tokens))
+
+
+class RateEstimator:
+    """Per engine: prefill and decode-step models; per reading engine: the KV-read model.
+    See the module doc. ``prior(engine)`` gives an engine's roofline :class:`Prior`."""
+
+    def __init__(self, prior: Callable[[str], Prior], *, window: int = WINDOW, min_samples: int = MIN_SAMPLES) -> None:
+        self._prior = prior
+        self._window, self._min = window, min_samples
+        self._prefill: dict[str, LinearFit] = {}
+        self._decode: dict[str, LinearFit] = {}
+        self._transfer: dict[str, LinearFit] = {}
+        self._read: dict[str, tuple[float, float]] = {}  # per reader: bytes, seconds of its sampled reads
+        self._last: dict[str, EngineLoad] = {}
+
+    def _fit(self, fits: dict[str, LinearFit], engine: str, drop: tuple[int, ...], spread: int) -> LinearFit:
+        fit = fits.get(engine)
+        if fit is None:
+            fit = fits[engine] = LinearFit(drop, spread, self._window, self._min)
+        return fit
+
+    def _prefill_fit(self, engine: str) -> LinearFit:
+        return self._fit(self._prefill, engine, drop=(2, 0), spread=1)  # drop attention, then the fixed cost
+
+    def _decode_fit(self, engine: str) -> LinearFit:
+        return self._fit(self._decode, engine, drop=(0,), spread=1)
+
+    def _transfer_fit(self, engine: str) -> LinearFit:
+        return self._fit(self._transfer, engine, drop=(0,), spread=1)
+
+    # ---- samples -----------------------------------------------------------------
+    def observe_prefill(self, engine: str, new: float, cached: float, seconds: float) -> None:
+        """``engine`` prefilled ``new`` tokens after ``cached`` ones in ``seconds`` (a
+        request, or the mean request of a poll interval). Non-positive ``new`` or
+        ``seconds`` is ignored."""
+        if new > 0 and seconds > 0:
+            self._prefill_fit(engine).add(_prefill_features(round(new), round(cached)), seconds)
+
+    def observe_decode(self, engine: str, streams: float, step_s: float) -> None:
+        """``engine`` took ``step_s`` per decode step with ``streams`` running."""
+        if streams > 0 and step_s > 0:
+            self._decode_fit(engine).add(_decode_features(streams), step_s)
+
+    def observe_sample(self, engine: str, sample: EngineLoad, *, prefill: bool = True) -> None:
+        """``engine``'s newest poll: the interval since its previous one becomes samples
+        (:func:`observe_interval`); the first poll only sets the baseline."""
+        before, self._last[engine] = self._last.get(engine), sample
+        if before is not None:
+            observe_interval(self, engine, before, sample, prefill=prefill)
+
+    def observe_transfer(
+        self, reader: str, transfers: float, tokens: float, seconds: float, nbytes: float = 0.0
+    ) -> None:
+        """``reader`` read ``tokens`` of KV (``nbytes``) in ``transfers`` reads taking
+        ``seconds`` in all."""
+        if transfers > 0 and tokens > 0 and seconds > 0:
+            self._transfer_fit(reader).add(_transfer_features(transfers, tokens), seconds)
+            read = self._read.get(reader, (0.0, 0.0))
+            self._read[reader] = (read[0] + nbytes, read[1] + seconds)
+
+    # ---- predictions -------------------------------------------------------------
+    @staticmethod
+    def _estimate(
+        fits: dict[str, LinearFit], engine: str, prior_s: float, features: Sequence[float] | None
+    ) -> Estimate:
+        """From ``engine``'s fit, else from the fitted engine with the most samples (the
+        fleet's engines serve one model: a measured neighbour beats the roofline of a
+        preset), else the prior alone. ``features`` None: no work, 0 s once measured."""
+        fitted = [(len(fit), name) for name, fit in fits.items() if fit.coefficients() is not None]
+        if not fitted:
+            return Estimate(prior_s, None, len(fits[engine]) if engine in fits else 0)
+        own = fits.get(engine)
+        name = engine if own is not None and own.coefficients() is not None else max(fitted)[1]
+        fit = fits[name]
+        measured = 0.0 if features is None else fit.predict(features)
+        return Estimate(prior_s, measured, len(fit), name)
+
+    def prefill(self, engine: str, new: int, cached: int) -> Estimate:
+        """``engine``'s prefill of ``new`` tokens after ``cached`` ones (0 s for none)."""
+        features = _prefill_features(new, cached) if new > 0 else None
+        return self._estimate(self._prefill, engine, self._prior(engine).prefill_s(new, cached), features)
+
+    def decode_step(self, engine: str, streams: int) -> Estimate:
+        """One decode step of ``engine`` with ``streams`` running (at least one: the new request)."""
+        streams = max(1, streams)
+        prior = self._prior(engine).decode_step_s(streams)
+        return self._estimate(self._decode, engine, prior, _decode_features(streams))
+
+    def transfer(self, reader: str, tokens: int) -> Estimate:
+        """One read of ``tokens`` of KV by ``reader`` (0 s for none)."""
+        features = _transfer_features(1, tokens) if tokens > 0 else None
+        return self._estimate(self._transfer, reader, self._prior(reader).transfer_s(tokens), features)
+
+    def read_bytes_per_s(self, reader: str) -> float | None:
+        """The mean rate of ``reader``'s sampled KV reads in bytes/s (``None``: none yet)."""
+        nbytes, seconds = self._read.get(reader, (0.0, 0.0))
+        return nbytes / seconds if nbytes > 0 and seconds > 0 else None
+
+    def learned(self) -> dict[str, dict[str, dict[str, float] | None]]:
+        """Per engine with samples, each model's fitted coefficients (``None`` while on the prior);
+        the KV-read model also gives ``bytes_per_s`` when the reads' bytes are known."""
+        names = ("prefill", "decode_step", "kv_read")
+        labels = (("fixed_s", "per_token_s", "per_pair_s"), ("fixed_s", "per_stream_s"), ("setup_s", "per_token_s"))
+        engines = sorted(
+            {e for fits in (self._prefill, self._decode, self._transfer) for e, fit in fits.items() if fit}
+        )
+        out: dict[str, dict[str, dict[str, float] | None]] = {}
+        for engine in engines:
+            fits = (self._prefill.get(engine), self._decode.get(engine), self._transfer.get(engine))
+            out[engine] = {}
+            for name, keys, fit in zip(names, labels, fits, strict=True):
+                coef = fit.coefficients() if fit is not None else None
+                out[engine][name] = None if coef is None else dict(zip(keys, coef, strict=True))
+            read = out[engine]["kv_read"]
+            rate = self.read_bytes_per_s(engine)
+            if read is not None and rate is not None:
+                read["bytes_per_s"] = rate
+        return out
+
+
+def observe_interval(
+    estimator: RateEstimator, engine: str, before: EngineLoad, after: EngineLoad, *, prefill: bool = True
+) -> None:
+    """Feed ``estimator`` what ``engine`` did between two polls of its counters.
+
+    - a decode-step sample: the mean inter-token latency of the interval, at the mean
+      of the two polls' running streams, at least one (steps ran: a stream ran; a
+      poll often finds an engine idle between short requests);
+    - a KV-read sample: the interval's reads, their seconds and bytes, and the
+      tokens the connector loaded (``external_kv_transfer``);
+    - with ``prefill``, a prefill sample: the interval's mean request (its new tokens
+      ``local_compute``, its cached ``local_cache_hit``, its prefill seconds), only
+      when the interval loaded no KV over the connector (a request waiting for its KV
+      would count the wait as prefill). Pass ``prefill=False`` for an engine whose
+      prefills the router times itself (P: :meth:`RateEstimator.observe_prefill`).
+
+    Any counter that went down (the engine restarted) skips the interval."""
+    d = {name: getattr(after.rates, name) - getattr(before.rates, name) for name in RateCounters.__dataclass_fields__}
+    d["reads"] = after.transfer.transfers - before.transfer.transfers
+    d["read_seconds"] = after.transfer.transfer_seconds - before.transfer.transfer_seconds
+    if any(v < 0 for v in d.values()):
+        return
+    if d["decode_steps"] > 0:
+        streams = max(1.0, (before.running + after.running) / 2)
+        estimator.observe_decode(engine, streams, d["decode_step_seconds"] / d["decode_steps"])
+    if d["reads"] > 0:
+        estimator.observe_transfer(engine, d["reads"], d["external_tokens"], d["read_seconds"], d["read_bytes"])
+    if prefill and d["prefill_requests"] > 0 and d["external_tokens"] == 0:
+        n = d["prefill_requests"]
+        estimator.observe_prefill(engine, d["computed_tokens"] / n, d["cached_tokens"] / n, d["prefill_seconds"] / n)
+
+
+PREFILL_TIMEOUT_FACTOR = 3.0
+"""k in the router's timeout for P's prefill: ``max(floor, k * predicted queue + prefill)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class TTFTPrediction:
+    """A request's predicted time to first token, term by term (article section 7 and
+    issue 20): the prefill queue ahead of it on the prefilling worker, the prefill of
+    its uncached tokens, the KV read into D (0 for a local prefill), D's first decode
+    step. Each term is an :class:`Estimate` (prior and measured)."""
+
+    queue: Estimate
+    prefill: Estimate
+    transfer: Estimate
+    first_step: Estimate
+
+    def _terms(self) -> tuple[Estimate, ...]:
+        return (self.queue, self.prefill, self.transfer, self.first_step)
+
+    @property
+    def seconds(self) -> float:
+        """The prediction: each term measured where it can be, else its prior."""
+        return sum(term.seconds for term in self._terms())
+
+    @property
+    def prior_s(self) -> float:
+        """The roofline's prediction alone."""
+        return sum(term.prior_s for term in self._terms())
+
+    @property
+    def prefill_s(self) -> float:
+        """Until the prefilling worker is done: its queue and the prefill."""
+        return self.queue.seconds + self.prefill.seconds
+
+    def prefill_timeout_s(self, floor_s: float, factor: float = PREFILL_TIMEOUT_FACTOR) -> float:
+        """How long to wait for P: ``max(floor_s, factor * prefill_s)``."""
+        return max(floor_s, factor * self.prefill_s)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "ttft_s": self.seconds,
+            "prior_ttft_s": self.prior_s,
+            "queue": self.queue.as_dict(),
+            "prefill": self.prefill.as_dict(),
+            "transfer": self.transfer.as_dict(),
+            "first_step": self.first_step.as_dict(),
+        }
+
+
+def predict_ttft(
+    rates: RateEstimator,
+    prefill_worker: str,
+    decode_worker: str,
+    *,
+    new: int,
+    cached: int,
+    queued: int,
+    transfer_tokens: int,
+    streams: int,
+) -> TTFTPrediction:
+    """The TTFT of a request whose ``new`` tokens (after ``cached``) ``prefill_worker``
+    prefills behind ``queued`` tokens of prefill (taken as one prefill from scratch),
+    after which ``decode_worker`` reads ``transfer_tokens`` of KV (0: local prefill,
+    no read) and runs its first step with ``streams`` others running."""
+    return TTFTPrediction(
+        queue=rates.prefill(prefill_worker, queued, 0),
+        prefill=rates.prefill(prefill_worker, new, cached),
+        transfer=rates.transfer(decode_worker, transfer_tokens),
+        first_step=rates.decode_step(decode_worker, streams + 1),
+    )
