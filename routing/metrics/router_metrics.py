@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from policies.session_options import Option
+from routing.decide.sessions import OfferUse
 from routing.ids import WorkerId
 from routing.serve.refusals import RejectReason
 
@@ -120,6 +122,11 @@ class RouterMetrics:
                 per_worker.labels(worker)
         for reason in RejectReason:
             self.rejected.labels(reason.value)
+        for option in Option:
+            self.session_options.labels(option.value)
+        for outcome in get_args(OfferUse):
+            if outcome != "none":  # no offer at all is not counted
+                self.session_offers.labels(outcome)
 
     def decided(self, route: Route, route_seconds: float) -> None:
         self.decisions.labels(route.kind.value, route.prefill_worker.name, route.decode.name).inc()

@@ -298,3 +298,12 @@ def test_a_deferred_prefill_goes_with_d_s_call_and_p_prefills_until_d_answers(de
     prefill_stage = rig.value("kvpilot_router_ttft_stage_seconds_count", stage="prefill")
     assert prefill_stage == (0 if deferred else 1)  # no answer of P's to time when it is deferred
     assert rig.ledger.load(WorkerId("p0")) == rig.ledger.load(WorkerId("nobody"))  # all released at the end
+
+
+def test_every_known_label_set_exists_at_zero_from_the_start():
+    """A dashboard's increase() sees the first event only if the series existed before it."""
+    metrics = Rig(ScriptedUpstream()).metrics
+    for option in ("reprefill", "pull", "affinity", "shared_tier", "local"):
+        assert metrics.registry.get_sample_value("kvpilot_router_session_options_total", {"option": option}) == 0
+    for outcome in ("sent", "expired", "unused"):
+        assert metrics.registry.get_sample_value("kvpilot_router_session_offers_total", {"outcome": outcome}) == 0
