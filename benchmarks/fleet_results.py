@@ -48,6 +48,10 @@ class Outcome:
     output_tokens: int
     queued_s: float = 0.0
     """How long the request waited for a free client slot (``--concurrency``) after its arrival time."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """The prompt tokens the worker served from its prefix cache (its usage block's
+    ``prompt_tokens_details.cached_tokens``)."""
     error: str | None = None
 
     @property
@@ -77,6 +81,13 @@ class ReuseCounts:
     def reuse(self) -> float:
         """Cached over prompt tokens; NaN when no prompt token was counted."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else math.nan
+
+
+def reuse_from_computed(input_tokens: int, full_blocks: int, computed_blocks: int, block_size: int) -> ReuseCounts:
+    """Reuse from the workers' KV events: of the prompts' ``full_blocks``, those not
+    computed (stored) by any worker came from a cache. A partial last block is always
+    computed, so it only counts in ``input_tokens``."""
+    return ReuseCounts(float(input_tokens), float((full_blocks - computed_blocks) * block_size))
 
 
 def _mean(xs: Sequence[float]) -> float:

@@ -213,3 +213,25 @@ def reuse_ceiling(shape: PromptShape, requests: Sequence[TraceRequest]) -> Ceili
         reused += shape.block_size * sum(key in seen for key in keys)
         seen.update(keys)
     return Ceiling(total, reused, len(seen))
+
+
+def block_digest(tokens: Sequence[int]) -> int:
+    """A block's identity by its token ids (Python's tuple hash: the same in every run
+    for ints); two prompts' blocks collide only if their tokens are equal."""
+    return hash(tuple(tokens))
+
+
+def prompt_block_digests(synth: PromptSynth, requests: Sequence[TraceRequest]) -> set[int]:
+    """The digests of every full engine block of every request's prompt: what tells a
+    worker's stored prompt block from a block of generated tokens."""
+    size = synth.shape.block_size
+    digests: set[int] = set()
+    for request in requests:
+        prompt = synth.prompt(request)
+        digests.update(block_digest(prompt[i : i + size]) for i in range(0, len(prompt) - size + 1, size))
+    return digests
+
+
+def full_blocks(shape: PromptShape, requests: Sequence[TraceRequest]) -> int:
+    """Full engine blocks over all the requests' prompts (each worker can reuse only these)."""
+    return sum(shape.input_tokens(r) // shape.block_size for r in requests)

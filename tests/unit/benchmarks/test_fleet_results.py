@@ -3,7 +3,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from fleet_results import REQUIRED_KEYS, Outcome, ReuseCounts, summarize
+from fleet_results import REQUIRED_KEYS, Outcome, ReuseCounts, reuse_from_computed, summarize
 
 
 def test_ttft_and_itl_of_one_request():
@@ -41,3 +41,10 @@ def test_the_p99_is_the_tail_and_no_counts_give_nan():
     assert summary["ttft_p99_s"] == pytest.approx(0.01 + 0.01 * 0.99)  # interpolated towards the one slow request
     assert summary["ttft_p50_s"] == pytest.approx(0.01)
     assert math.isnan(summary["prefix_reuse"])
+
+
+def test_reuse_from_the_workers_kv_events_counts_the_full_blocks_no_worker_computed():
+    # 3 requests of 100 tokens, block size 32: 3 full blocks each (9), 4-token tails always computed
+    counts = reuse_from_computed(input_tokens=300, full_blocks=9, computed_blocks=5, block_size=32)
+    assert counts.cached_tokens == 4 * 32 and counts.reuse == pytest.approx(128 / 300)
+    assert reuse_from_computed(300, 9, 9, 32).reuse == 0.0
