@@ -60,7 +60,7 @@ from deploy import dynamo_fleet
 from deploy.dynamo_spec import DynamoFleetSpec
 from deploy.fleet import Fleet, down
 from deploy.fleet_spec import HOST
-from deploy.metrics import scrape, total
+from deploy.metrics import Samples, scrape, total
 from deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,6 +74,9 @@ SUBSCRIBE_S = 1.0
 after the last answer (its events)."""
 STAGE = "kvpilot_router_ttft_stage_seconds"
 ROUTER_TTFT = "kvpilot_router_ttft_seconds"
+FRONTEND_TTFT = "dynamo_frontend_time_to_first_token_seconds"
+"""Dynamo's frontend's own TTFT, from its receiving a request to its first token out: the
+same stage in every arm (in kvpilot's, after the router's hop)."""
 
 
 def log(msg: str) -> None:
@@ -122,18 +125,21 @@ def usage_reuse(outcomes: list[Outcome]) -> ReuseCounts:
     return ReuseCounts(float(sum(o.prompt_tokens for o in outcomes)), float(sum(o.cached_tokens for o in outcomes)))
 
 
+def histogram_mean(samples: Samples, name: str, **labels: str) -> float:
+    """``name``'s mean observation (``_sum / _count``); NaN without one."""
+    count = total(samples, f"{name}_count", **labels)
+    return total(samples, f"{name}_sum", **labels) / count if count else math.nan
+
+
 def router_stages(router_url: str) -> dict[str, float]:
-    """kvpilot's router's own TTFT by stage, as its ``/metrics`` counts them (means, seconds)."""
+    """kvpilot's router's own TTFT by stage, as its ``/metrics`` counts them (means, seconds):
+    its route stage (parse, tokenize, decide), the frontend's first token as the router
+    waits for it, and the router's TTFT (from reading the request to that first token)."""
     samples = scrape(router_url)
-
-    def mean(name: str, **labels: str) -> float:
-        count = total(samples, f"{name}_count", **labels)
-        return total(samples, f"{name}_sum", **labels) / count if count else math.nan
-
     stages = {
-        "route_mean_s": mean(STAGE, stage="route"),
-        "frontend_first_token_mean_s": mean(STAGE, stage="decode_first_token"),
-        "router_ttft_mean_s": mean(ROUTER_TTFT),
+        "route_mean_s": histogram_mean(samples, STAGE, stage="route"),
+        "frontend_first_token_mean_s": histogram_mean(samples, STAGE, stage="decode_first_token"),
+        "router_ttft_mean_s": histogram_mean(samples, ROUTER_TTFT),
     }
     stages["router_added_ttft_mean_s"] = stages["router_ttft_mean_s"] - stages["frontend_first_token_mean_s"]
     return stages
@@ -165,7 +171,12 @@ def run_arm(arm: Arm, base: DynamoFleetSpec, workload: Workload, args: argparse.
         cpu = {k: v - cpu_before[k] for k, v in fleet_cpu(fleet, spec).items()}
         time.sleep(SUBSCRIBE_S)  # the last requests' events
         tap.stop()
-        extra: dict[str, Any] = {"arm": arm.title, "frontend_flags": list(arm.frontend_flags), "fleet_up_s": up_s}
+        extra: dict[str, Any] = {
+            "arm": arm.title,
+            "frontend_flags": list(arm.frontend_flags),
+            "fleet_up_s": up_s,
+            "frontend_ttft_mean_s": histogram_mean(scrape(spec.frontend_url), FRONTEND_TTFT),
+        }
         if spec.kvpilot_routes:
             extra["kvpilot_router_stages"] = router_stages(fleet.router.url)
     events = reuse_from_computed(workload.input_tokens, workload.full_blocks, stored.total, spec.block_size)
@@ -187,15 +198,16 @@ def run_arm(arm: Arm, base: DynamoFleetSpec, workload: Workload, args: argparse.
 
 def table(results: dict[str, dict[str, Any]], ceiling: float) -> str:
     head = (
-        "| arm | TTFT mean s | p50 | p99 | ITL mean ms | req/s | prefix reuse (ceiling) | completed | failed "
-        "| frontend CPU ms/req | kvpilot router CPU ms/req |"
+        "| arm | TTFT mean s | p50 | p99 | frontend's TTFT mean s | ITL mean ms | req/s | prefix reuse (ceiling) "
+        "| completed | failed | frontend CPU ms/req | kvpilot router CPU ms/req |"
     )
-    lines = [head, "|---|" + "---:|" * 10]
+    lines = [head, "|---|" + "---:|" * 11]
     for key, s in results.items():
         cpu = s["cpu_s_per_request"]
         router_cpu = cpu.get("kvpilot_router")
         lines.append(
             f"| {key} | {s['ttft_mean_s']:.3f} | {s['ttft_p50_s']:.3f} | {s['ttft_p99_s']:.3f} "
+            f"| {s['frontend_ttft_mean_s']:.3f} "
             f"| {s['itl_mean_s'] * 1e3:.2f} | {s['throughput_rps']:.2f} | {s['prefix_reuse']:.3f} ({ceiling:.3f}) "
             f"| {s['completed']} | {s['failed']} | {cpu['frontend'] * 1e3:.1f} "
             f"| {'-' if router_cpu is None else f'{router_cpu * 1e3:.1f}'} |"
@@ -280,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{counts}, speedup {args.speedup}, rate x{args.rate_scale}, {len(requests)} requests of {args.trace.name}")
     print(table(results, ceiling.reuse))
+    for key, summary in results.items():
+        if "kvpilot_router_stages" in summary:
+            stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in summary["kvpilot_router_stages"].items())
+            print(f"\n{key}: the router's own TTFT stages: {stages}")
     print(f"\nJSON: {args.json}")
     return 0
 
