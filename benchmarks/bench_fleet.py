@@ -35,7 +35,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ import psutil  # type: ignore[import-untyped]  # ships no stubs; its types are n
 from agent_output import finite
 from fleet_arms import TUNED_FLAGS, Arm, ArmName, arms
 from fleet_events import EventTap, StoredPromptBlocks
-from fleet_replay import Send, replay
+from fleet_replay import Send, body, replay
 from fleet_results import Outcome, ReuseCounts, reuse_from_computed, summarize
 from fleet_trace import (
     PromptShape,
@@ -253,10 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     synth = PromptSynth(shape)
     ceiling = reuse_ceiling(shape, requests)
     times = arrivals(requests, args.rate_scale)
-    sends = [
-        Send(i, t, partial(synth.prompt, r), r.output_length)
-        for i, (r, t) in enumerate(zip(requests, times, strict=True))
-    ]
+    timed = enumerate(zip(requests, times, strict=True))
+    sends = [Send(i, t, body(synth.prompt(r), r.output_length)) for i, (r, t) in timed]
     digests = prompt_block_digests(synth, requests)
     workload = Workload(sends, ceiling.input_tokens, full_blocks(shape, requests), digests)
     counts = {"workers": args.workers} if args.workers else {"prefill": args.prefill, "decode": args.decode}

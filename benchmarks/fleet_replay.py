@@ -5,7 +5,10 @@ measured goes to :mod:`fleet_results`).
 Request ``i`` is sent at ``arrivals[i]`` seconds after the replay starts (or as soon as
 one of ``concurrency`` slots frees up, the wait recorded), with its prompt as token ids,
 ``max_tokens`` = its trace output length, ``ignore_eos`` (every arm generates exactly
-the trace's tokens) and the usage block requested at the end of the stream. A stream's
+the trace's tokens) and the usage block requested at the end of the stream. Every body
+is encoded before the replay starts, so that the client's own work at send time is a
+socket write (a burst of 14K-token prompts encoded on the fly delays the timers of
+the requests in flight). A stream's
 first and last chunk with a choice give its TTFT and decode time; its token count is the
 usage block's ``completion_tokens``.
 """
@@ -15,39 +18,45 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
 from fleet_results import Outcome
 
+JSON = {"Content-Type": "application/json"}
+
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """One request to send: its trace index, arrival time, prompt and output length."""
+    """One request to send: its trace index, arrival time and encoded body (:func:`body`)."""
 
     index: int
     at: float
-    prompt: Callable[[], list[int]]
-    """Built when sent (a long trace's prompts are not all held at once)."""
-    max_tokens: int
+    body: bytes
 
 
-async def _one(http: aiohttp.ClientSession, url: str, model: str, send: Send, t0: float, queued: float) -> Outcome:
-    body = {
-        "model": model,
-        "prompt": send.prompt(),
-        "max_tokens": send.max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+def body(prompt: list[int], max_tokens: int, model: str = "tiny") -> bytes:
+    """The JSON body of one streamed completion of exactly ``max_tokens`` tokens."""
+    return json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+
+
+async def _one(http: aiohttp.ClientSession, url: str, send: Send, t0: float, queued: float) -> Outcome:
     sent = time.perf_counter() - t0
     first = last = None
     tokens = prompt_tokens = cached = 0
     try:
-        async with http.post(f"{url}/v1/completions", json=body) as resp:
+        async with http.post(f"{url}/v1/completions", data=send.body, headers=JSON) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:200]
                 return Outcome(send.index, sent, None, None, 0, queued, error=f"HTTP {resp.status}: {text}")
@@ -75,7 +84,6 @@ async def replay(
     url: str,
     sends: Sequence[Send],
     *,
-    model: str = "tiny",
     concurrency: int = 256,
     timeout_s: float = 300.0,
 ) -> list[Outcome]:
@@ -91,6 +99,6 @@ async def replay(
             await asyncio.sleep(max(0.0, send.at - (time.perf_counter() - t0)))
             due = time.perf_counter()
             async with limit:
-                return await _one(http, url, model, send, t0, time.perf_counter() - due)
+                return await _one(http, url, send, t0, time.perf_counter() - due)
 
         return list(await asyncio.gather(*(scheduled(s) for s in sends)))
