@@ -32,3 +32,4 @@ bench: setup
 	.venv/bin/python benchmarks/bench_transfer.py
 	.venv/bin/python benchmarks/bench_pull_policy.py
 	.venv/bin/python benchmarks/bench_agent.py
+	.venv/bin/python benchmarks/bench_fleet.py

@@ -4,7 +4,9 @@ process side of :mod:`deploy.dynamo_spec`.
 ``up`` clears ``<run_dir>/discovery``, starts the workers (each in its own process
 group, logs in ``<run_dir>/logs``), waits for their system servers, then the frontend, then
 the router, and waits until the router's ``/health`` lists every worker (its discovery
-has found them); it records everything in ``<run_dir>/fleet.json`` as
+has found them). When the frontend routes on its own (``spec.frontend_routing`` not
+direct: the fleet benchmark's Dynamo arms) no kvpilot router starts: the frontend waits
+for every worker itself and is recorded as the fleet's router. It records everything in ``<run_dir>/fleet.json`` as
 :func:`deploy.fleet.up` does, so ``kvpilot fleet status`` and ``kvpilot fleet down``
 (:func:`deploy.fleet.down`) work unchanged. On any failure it stops what it started and
 raises :class:`~deploy.fleet.FleetStartError`. :func:`join_worker` and
@@ -62,6 +64,26 @@ def wait_for_workers(router_url: str, done: Callable[[list[str]], bool], timeout
         time.sleep(0.2)
 
 
+def frontend_models(frontend_url: str) -> list[str]:
+    """The models the frontend serves now (its ``/v1/models``); empty when unreachable."""
+    try:
+        with urllib.request.urlopen(f"{frontend_url}/v1/models", timeout=2) as resp:
+            return [str(m["id"]) for m in json.loads(resp.read())["data"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def wait_for_frontend(frontend_url: str, model: str, timeout: float) -> None:
+    """Until the frontend serves ``model``: its router is up over the workers it waited
+    for (``--router-min-initial-workers``, :func:`deploy.dynamo_spec.frontend_plan`).
+    Raises TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while model not in frontend_models(frontend_url):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the frontend did not serve {model!r} within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
 def up(spec: DynamoFleetSpec, timeout: float = 120.0, progress: Callable[[str], object] = print) -> Fleet:
     """Start the fleet (see the module doc) and return it once the router serves every
     worker. Raises :class:`FleetStartError` if a fleet is recorded in ``spec.run_dir``, a
@@ -86,14 +108,18 @@ def up(spec: DynamoFleetSpec, timeout: float = 120.0, progress: Callable[[str], 
             progress(f"  {len(workers)} mocker workers healthy after {time.monotonic() - t0:.1f} s")
             started.append(_spawn(frontend, logs, FRONTEND_HEALTH))
             _wait_healthy(started[-1:], time.monotonic() + timeout)
-            progress(f"  Dynamo frontend (direct mode) on {frontend.url}")
-            started.append(_spawn(router, logs))
-            _wait_healthy(started[-1:], time.monotonic() + timeout)
-            wait_for_workers(router.url, lambda names: len(names) == len(workers), timeout)
-            progress(f"  router on {router.url}, serving {len(workers)} workers from Dynamo's discovery")
+            progress(f"  Dynamo frontend ({spec.frontend_routing.value} mode) on {frontend.url}")
+            if spec.kvpilot_routes:
+                started.append(_spawn(router, logs))
+                _wait_healthy(started[-1:], time.monotonic() + timeout)
+                wait_for_workers(router.url, lambda names: len(names) == len(workers), timeout)
+                progress(f"  router on {router.url}, serving {len(workers)} workers from Dynamo's discovery")
+            else:
+                wait_for_frontend(frontend.url, spec.served_model_name, timeout)
+                progress(f"  the frontend routes over its {len(workers)} workers (no kvpilot router)")
         except TimeoutError as exc:
             _stop_all(started)
-            raise FleetStartError(f"the router did not find every worker: {exc}") from None
+            raise FleetStartError(f"the fleet's router did not find every worker: {exc}") from None
         except BaseException as exc:
             _stop_all(started)
             if isinstance(exc, KeyboardInterrupt):

@@ -16,6 +16,7 @@ instance to them by ``kv_events_port_offset = s``), ``+ 2s`` its system server
 
 from __future__ import annotations
 
+import enum
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,17 @@ WORKER_HEALTH = "/metrics"
 the router's discovery lists every worker instead (:func:`deploy.dynamo_fleet.up`)."""
 FRONTEND_HEALTH = "/v1/models"
 """What answers 200 once the frontend serves."""
+
+
+class FrontendRouting(str, enum.Enum):
+    """Who picks each request's workers: Dynamo's frontend's ``--router-mode``."""
+
+    DIRECT = "direct"
+    """The instances each request names: kvpilot's router in front of the frontend."""
+    ROUND_ROBIN = "round-robin"
+    """Dynamo's frontend, in turn (no kvpilot router)."""
+    KV = "kv"
+    """Dynamo's own KV router in the frontend (no kvpilot router)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +66,11 @@ class DynamoFleetSpec:
     frontend_port: int = 8090
     router_port: int = 8000
     discovery_interval_s: float = 0.5
+    frontend_routing: FrontendRouting = FrontendRouting.DIRECT
+    frontend_flags: tuple[str, ...] = ()
+    """More flags for the frontend (Dynamo's KV router options, ``--router-temperature 0.1``)."""
+    mocker_flags: tuple[str, ...] = ()
+    """More flags for every mocker worker (``--num-gpu-blocks-override 4096``)."""
 
     def __post_init__(self) -> None:
         if min(self.workers, self.prefill, self.decode) < 0:
@@ -88,6 +105,12 @@ class DynamoFleetSpec:
     def frontend_url(self) -> str:
         return f"http://{HOST}:{self.frontend_port}"
 
+    @property
+    def kvpilot_routes(self) -> bool:
+        """Whether kvpilot's router runs in front (direct mode); otherwise clients send
+        to the frontend, which routes on its own."""
+        return self.frontend_routing is FrontendRouting.DIRECT
+
 
 MOCKER_MODES = {Role.PREFILL: "prefill", Role.DECODE: "decode", Role.COLOCATED: "agg"}
 
@@ -119,6 +142,7 @@ def worker_plan(spec: DynamoFleetSpec, role: Role, index: int, ordinal: int) -> 
         str(spec.speedup_ratio),
         "--disaggregation-mode",
         MOCKER_MODES[role],
+        *spec.mocker_flags,
     ]
     if role is Role.PREFILL:
         argv += ["--bootstrap-ports", str(bootstrap)]
@@ -128,14 +152,16 @@ def worker_plan(spec: DynamoFleetSpec, role: Role, index: int, ordinal: int) -> 
 
 
 def frontend_plan(spec: DynamoFleetSpec) -> ProcessPlan:
-    """Dynamo's frontend in direct mode: each request goes to the instances it names."""
+    """Dynamo's frontend: in direct mode each request goes to the instances it names;
+    otherwise the frontend routes (``spec.frontend_routing``, ``spec.frontend_flags``), once
+    it has seen every worker of the spec (``--router-min-initial-workers``)."""
     argv = (
         sys.executable,
         "-m",
         "dynamo.frontend",
         *DYNAMO_PLANES,
         "--router-mode",
-        "direct",
+        spec.frontend_routing.value,
         "--http-host",
         HOST,
         "--http-port",
@@ -144,6 +170,8 @@ def frontend_plan(spec: DynamoFleetSpec) -> ProcessPlan:
         str(spec.model_dir),
         "--model-name",
         spec.served_model_name,
+        *(() if spec.kvpilot_routes else ("--router-min-initial-workers", str(len(spec.roles)))),
+        *spec.frontend_flags,
     )
     return ProcessPlan("frontend", None, argv, spec.dynamo_env, spec.frontend_port)
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.dynamo_spec import DynamoFleetSpec, plan_dynamo_fleet
+from deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting, plan_dynamo_fleet
 from deploy.env import DYNAMO_LOOPBACK_ENV
 from routing.config import Role, load_config
 from routing.fleet import fleet_from_config
@@ -79,3 +79,22 @@ def test_the_router_config_parses_and_maps_each_worker_to_its_events_port(tmp_pa
 def test_bad_specs_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
         _spec(**kw)
+
+
+def test_the_frontend_routes_as_the_spec_says_and_takes_extra_flags():
+    _, frontend, _, _ = plan_dynamo_fleet(_spec(workers=2))
+    assert _flag(frontend.argv, "--router-mode") == "direct" and _spec(workers=2).kvpilot_routes
+    assert "--router-min-initial-workers" not in frontend.argv  # kvpilot's router waits for them instead
+    spec = _spec(workers=2, frontend_routing=FrontendRouting.KV, frontend_flags=("--router-temperature", "0.5"))
+    _, frontend, _, _ = plan_dynamo_fleet(spec)
+    assert _flag(frontend.argv, "--router-mode") == "kv" and not spec.kvpilot_routes
+    assert _flag(frontend.argv, "--router-min-initial-workers") == "2"  # it routes once it has seen them all
+    assert frontend.argv[-2:] == ("--router-temperature", "0.5")
+    _, frontend, _, _ = plan_dynamo_fleet(_spec(workers=1, frontend_routing=FrontendRouting.ROUND_ROBIN))
+    assert _flag(frontend.argv, "--router-mode") == "round-robin"
+
+
+def test_every_mocker_gets_the_extra_mocker_flags():
+    workers, _, _, _ = plan_dynamo_fleet(_spec(prefill=1, decode=1, mocker_flags=("--num-gpu-blocks-override", "512")))
+    assert all(_flag(w.argv, "--num-gpu-blocks-override") == "512" for w in workers)
+    assert all("--num-gpu-blocks-override" not in w.argv for w in plan_dynamo_fleet(_spec(workers=1))[0])

@@ -1,0 +1,301 @@
+"""Fleet benchmark (issue 19, part 3): kvpilot's router against Dynamo's own routers on
+the same Dynamo mocker fleet and the same Mooncake trace requests, in one run.
+
+Four arms (:mod:`fleet_arms`), one at a time, each on a fresh fleet (the same
+``dynamo.mocker`` workers restarted: no arm inherits another's cache, launched by
+:mod:`deploy.dynamo_fleet`): (a) Dynamo round robin, (b) Dynamo's KV router with its
+defaults, (c) Dynamo's KV router tuned, (d) kvpilot's router in front of Dynamo's frontend
+in direct mode.
+
+Requests (:mod:`fleet_trace`): the first ``--max-requests`` of ``--trace`` (Mooncake
+JSONL), each hash id a fixed seeded run of ``--tokens-per-hash`` token ids below the
+tiny model's vocabulary; sent at the trace's timestamps divided by ``--rate-scale``,
+at most ``--concurrency`` in flight, every one streamed (:mod:`fleet_replay`).
+
+Per arm (:mod:`fleet_results`): TTFT mean, p50, p99; ITL; throughput; prefix reuse from
+the workers' own counts (the ``cached_tokens`` each worker reports in the request's
+usage block; see :func:`worker_reuse`) against the trace's ceiling; each process's CPU
+seconds per request (the frontend's, the kvpilot router's, the workers'); for kvpilot,
+the router's own TTFT stages (its hop: the time from a request's arrival to its first
+token, less the frontend's own first token).
+
+    python benchmarks/bench_fleet.py --workers 4 --max-requests 200
+    python benchmarks/bench_fleet.py --prefill 16 --decode 48 --rate-scale 4 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import psutil  # type: ignore[import-untyped]  # ships no stubs; its types are not installed here
+from agent_output import finite
+from fleet_arms import TUNED_FLAGS, Arm, ArmName, arms
+from fleet_events import EventTap, StoredPromptBlocks
+from fleet_replay import Send, body, replay
+from fleet_results import Outcome, ReuseCounts, reuse_from_computed, summarize
+from fleet_trace import (
+    PromptShape,
+    PromptSynth,
+    TraceRequest,
+    arrivals,
+    full_blocks,
+    load_trace,
+    prompt_block_digests,
+    reuse_ceiling,
+)
+
+from deploy import dynamo_fleet
+from deploy.dynamo_spec import DynamoFleetSpec
+from deploy.fleet import Fleet, down
+from deploy.fleet_spec import HOST
+from deploy.metrics import Samples, scrape, total
+from deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+PORTS = {"worker_port": 24000, "port_stride": 500, "frontend_port": 23990, "router_port": 23980}
+"""This benchmark's ports (no e2e test or other benchmark uses 23980-25999)."""
+EVENTS_PORT = 1
+"""A worker's vLLM-format KV-event port among its recorded side ports (request plane, events, ...)."""
+SUBSCRIBE_S = 1.0
+"""Wait after subscribing to the workers' events (a SUB misses what comes before), and
+after the last answer (its events)."""
+STAGE = "kvpilot_router_ttft_stage_seconds"
+ROUTER_TTFT = "kvpilot_router_ttft_seconds"
+FRONTEND_TTFT = "dynamo_frontend_time_to_first_token_seconds"
+"""Dynamo's frontend's own TTFT, from its receiving a request to its first token out: the
+same stage in every arm (in kvpilot's, after the router's hop)."""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+@contextmanager
+def running(spec: DynamoFleetSpec) -> Iterator[Fleet]:
+    started = dynamo_fleet.up(spec, timeout=600, progress=lambda m: log(m.strip()))
+    try:
+        yield started
+    finally:
+        down(spec.run_dir)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its children so far (0 if gone)."""
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    used = 0.0
+    for p in procs:
+        try:
+            times = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        used += times.user + times.system
+    return used
+
+
+def fleet_cpu(fleet: Fleet, spec: DynamoFleetSpec) -> dict[str, float]:
+    """CPU seconds so far of the frontend, the kvpilot router (if it runs) and all workers."""
+    workers = [e for e in fleet.engines if e.role]
+    frontend = fleet.router if not spec.kvpilot_routes else next(e for e in fleet.engines if not e.role)
+    out = {"frontend": cpu_seconds(frontend.pid), "workers": sum(cpu_seconds(w.pid) for w in workers)}
+    if spec.kvpilot_routes:
+        out["kvpilot_router"] = cpu_seconds(fleet.router.pid)
+    return out
+
+
+def usage_reuse(outcomes: list[Outcome]) -> ReuseCounts:
+    """Prompt tokens and cached prompt tokens, as the serving workers reported them per
+    request (the usage block: in a disaggregated fleet, D's count, not P's)."""
+    return ReuseCounts(float(sum(o.prompt_tokens for o in outcomes)), float(sum(o.cached_tokens for o in outcomes)))
+
+
+def histogram_mean(samples: Samples, name: str, **labels: str) -> float:
+    """``name``'s mean observation (``_sum / _count``); NaN without one."""
+    count = total(samples, f"{name}_count", **labels)
+    return total(samples, f"{name}_sum", **labels) / count if count else math.nan
+
+
+def router_stages(router_url: str) -> dict[str, float]:
+    """kvpilot's router's own TTFT by stage, as its ``/metrics`` counts them (means, seconds):
+    its route stage (parse, tokenize, decide), the frontend's first token as the router
+    waits for it, and the router's TTFT (from reading the request to that first token)."""
+    samples = scrape(router_url)
+    stages = {
+        "route_mean_s": histogram_mean(samples, STAGE, stage="route"),
+        "frontend_first_token_mean_s": histogram_mean(samples, STAGE, stage="decode_first_token"),
+        "router_ttft_mean_s": histogram_mean(samples, ROUTER_TTFT),
+    }
+    stages["router_added_ttft_mean_s"] = stages["router_ttft_mean_s"] - stages["frontend_first_token_mean_s"]
+    return stages
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every arm is sent, and what its reuse is judged against."""
+
+    sends: list[Send]
+    input_tokens: int
+    full_blocks: int
+    prompt_digests: set[int]
+
+
+def run_arm(arm: Arm, base: DynamoFleetSpec, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    spec = arm.spec(base)
+    log(f"arm {arm.name.value}: {arm.title} {' '.join(arm.frontend_flags)}")
+    started = time.perf_counter()
+    with running(spec) as fleet:
+        up_s = time.perf_counter() - started
+        workers = [e for e in fleet.engines if e.role]
+        stored = StoredPromptBlocks(workload.prompt_digests, spec.block_size)
+        tap = EventTap({w.name: f"tcp://{HOST}:{w.side_ports[EVENTS_PORT]}" for w in workers}, stored)
+        tap.start()
+        time.sleep(SUBSCRIBE_S)
+        cpu_before = fleet_cpu(fleet, spec)
+        outcomes = asyncio.run(replay(fleet.router.url, workload.sends, concurrency=args.concurrency))
+        cpu = {k: v - cpu_before[k] for k, v in fleet_cpu(fleet, spec).items()}
+        time.sleep(SUBSCRIBE_S)  # the last requests' events
+        tap.stop()
+        extra: dict[str, Any] = {
+            "arm": arm.title,
+            "frontend_flags": list(arm.frontend_flags),
+            "fleet_up_s": up_s,
+            "frontend_ttft_mean_s": histogram_mean(scrape(spec.frontend_url), FRONTEND_TTFT),
+        }
+        if spec.kvpilot_routes:
+            extra["kvpilot_router_stages"] = router_stages(fleet.router.url)
+    events = reuse_from_computed(workload.input_tokens, workload.full_blocks, stored.total, spec.block_size)
+    usage = usage_reuse(outcomes)
+    extra |= {
+        "prefix_reuse_kv_events": events.reuse,
+        "prefix_reuse_usage": usage.reuse,
+        "prefix_reuse_source": "kv_events" if spec.prefill else "usage",
+        "computed_prompt_blocks_by_worker": dict(stored.prompt_blocks),
+        "kv_event_rejections": tap.rejected,
+    }
+    summary = summarize(outcomes, events if spec.prefill else usage, cpu, extra)
+    log(
+        f"  {summary['completed']} completed, {summary['failed']} failed, TTFT mean {summary['ttft_mean_s']:.3f} s, "
+        f"reuse {summary['prefix_reuse']:.3f} (KV events {events.reuse:.3f}, usage {usage.reuse:.3f})"
+    )
+    return summary
+
+
+def table(results: dict[str, dict[str, Any]], ceiling: float) -> str:
+    head = (
+        "| arm | TTFT mean s | p50 | p99 | frontend's TTFT mean s | ITL mean ms | req/s | prefix reuse (ceiling) "
+        "| completed | failed | frontend CPU ms/req | kvpilot router CPU ms/req |"
+    )
+    lines = [head, "|---|" + "---:|" * 11]
+    for key, s in results.items():
+        cpu = s["cpu_s_per_request"]
+        router_cpu = cpu.get("kvpilot_router")
+        lines.append(
+            f"| {key} | {s['ttft_mean_s']:.3f} | {s['ttft_p50_s']:.3f} | {s['ttft_p99_s']:.3f} "
+            f"| {s['frontend_ttft_mean_s']:.3f} "
+            f"| {s['itl_mean_s'] * 1e3:.2f} | {s['throughput_rps']:.2f} | {s['prefix_reuse']:.3f} ({ceiling:.3f}) "
+            f"| {s['completed']} | {s['failed']} | {cpu['frontend'] * 1e3:.1f} "
+            f"| {'-' if router_cpu is None else f'{router_cpu * 1e3:.1f}'} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
+    parser.add_argument("--workers", type=int, default=0, help="aggregated workers (default 4 without --prefill)")
+    parser.add_argument("--prefill", type=int, default=0)
+    parser.add_argument("--decode", type=int, default=0)
+    parser.add_argument("--speedup", type=float, default=10.0, help="the mocker's --speedup-ratio")
+    parser.add_argument("--rate-scale", type=float, default=1.0, help="arrival rate over the trace's")
+    parser.add_argument("--max-requests", type=int, default=200)
+    parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-bench-fleet.json"))
+    parser.add_argument("--tokens-per-hash", type=int, default=512, help="prompt tokens per trace hash id")
+    parser.add_argument("--block-size", type=int, default=32, help="the mockers' KV block size")
+    parser.add_argument(
+        "--max-input-tokens", type=int, default=None, help="cap each prompt to its first N tokens (default: none)"
+    )
+    parser.add_argument("--concurrency", type=int, default=256, help="most requests in flight")
+    parser.add_argument("--arms", default=",".join(a.value for a in ArmName), help="comma-separated arm names")
+    parser.add_argument(
+        "--tuned-flags", default=" ".join(TUNED_FLAGS), help="Dynamo KV router flags of arm dynamo_kv_tuned"
+    )
+    parser.add_argument("--mocker-flags", default="", help="more flags for every mocker worker")
+    parser.add_argument("--seed", type=int, default=20261201)
+    args = parser.parse_args(argv)
+    if not args.workers and not (args.prefill and args.decode):
+        if args.prefill or args.decode:
+            parser.error("--prefill and --decode go together")
+        args.workers = 4
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    requests: list[TraceRequest] = load_trace(args.trace, args.max_requests)
+    vocab = TINY_MODEL_SPEC.vocab_size
+    shape = PromptShape(args.tokens_per_hash, args.block_size, vocab, args.max_input_tokens, args.seed)
+    synth = PromptSynth(shape)
+    ceiling = reuse_ceiling(shape, requests)
+    times = arrivals(requests, args.rate_scale)
+    timed = enumerate(zip(requests, times, strict=True))
+    sends = [Send(i, t, body(synth.prompt(r), r.output_length)) for i, (r, t) in timed]
+    digests = prompt_block_digests(synth, requests)
+    workload = Workload(sends, ceiling.input_tokens, full_blocks(shape, requests), digests)
+    counts = {"workers": args.workers} if args.workers else {"prefill": args.prefill, "decode": args.decode}
+    base = DynamoFleetSpec(
+        model_dir=ensure_tiny_model(),
+        run_dir=Path(tempfile.mkdtemp(prefix="kvpilot-bench-fleet-")),
+        block_size=args.block_size,
+        speedup_ratio=args.speedup,
+        mocker_flags=tuple(args.mocker_flags.split()),
+        **PORTS,  # type: ignore[arg-type]
+        **counts,
+    )
+    described = {
+        "trace": str(args.trace),
+        "requests": len(requests),
+        "arrival_span_s": times[-1] if times else 0.0,
+        "tokens_per_hash": shape.tokens_per_hash,
+        "prompts_scaled": shape.tokens_per_hash != 512,
+        "prompts_capped": sum(shape.capped(r) for r in requests),
+        "input_tokens": ceiling.input_tokens,
+        "mean_input_tokens": ceiling.input_tokens / max(1, len(requests)),
+        "output_tokens": sum(r.output_length for r in requests),
+        "reuse_ceiling": ceiling.reuse,
+        "block_size": shape.block_size,
+    }
+    log(f"workload: {json.dumps(described)}")
+    chosen = [a for a in arms(bool(args.prefill), tuple(args.tuned_flags.split())) if a.name.value in args.arms]
+    results: dict[str, dict[str, Any]] = {}
+    for arm in chosen:
+        results[arm.name.value] = run_arm(arm, replace(base, run_dir=base.run_dir / arm.name.value), workload, args)
+    out = {**results, "run": {"argv": sys.argv, "workload": described, "fleet": counts, "speedup": args.speedup}}
+    args.json.write_text(json.dumps(finite(out), indent=2))
+    print()
+    print(f"{counts}, speedup {args.speedup}, rate x{args.rate_scale}, {len(requests)} requests of {args.trace.name}")
+    print(table(results, ceiling.reuse))
+    for key, summary in results.items():
+        if "kvpilot_router_stages" in summary:
+            stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in summary["kvpilot_router_stages"].items())
+            print(f"\n{key}: the router's own TTFT stages: {stages}")
+    print(f"\nJSON: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The fleet benchmark's four arms: who routes, with which options, on the same Dynamo
+mocker fleet (:class:`deploy.dynamo_spec.DynamoFleetSpec`, restarted per arm). Pure.
+
+* ``dynamo_round_robin``: Dynamo's frontend, ``--router-mode round-robin``.
+* ``dynamo_kv``: Dynamo's own KV router in the frontend, ``--router-mode kv``, its defaults.
+* ``dynamo_kv_tuned``: the same KV router with :data:`TUNED_FLAGS`, the documented
+  options (``python -m dynamo.frontend --help``) that fit this workload.
+* ``kvpilot``: kvpilot's router in front of the frontend in direct mode
+  (``kvpilot fleet up --dynamo``'s fleet): it names each request's instances, the
+  frontend only forwards. Its handicap: one more HTTP hop (client -> router ->
+  frontend) and a Python process relaying every streamed token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+from deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting
+
+
+class ArmName(str, enum.Enum):
+    """The arms, as the JSON keys them."""
+
+    DYNAMO_ROUND_ROBIN = "dynamo_round_robin"
+    DYNAMO_KV = "dynamo_kv"
+    DYNAMO_KV_TUNED = "dynamo_kv_tuned"
+    KVPILOT = "kvpilot"
+
+
+TUNED_FLAGS = (
+    "--router-track-output-blocks",
+    "--router-kv-overlap-score-credit-decay",
+    "1.0",
+)
+"""Dynamo 1.6.1's KV router options for this workload (long prompts, a few hundred
+output tokens, bursts of arrivals on many workers), each documented in
+``dynamo.frontend --help``:
+
+* ``--router-track-output-blocks``: count the blocks a request's output adds to its
+  worker's load as it decodes (off by default: a worker decoding long answers looks
+  idle to the default router);
+* ``--router-kv-overlap-score-credit-decay 1.0``: halve a worker's overlap credit at one
+  request's worth of excess prefill load (0 by default: every request sharing a prefix
+  herds onto the worker that holds it, however busy).
+
+Not used: session affinity (the traces carry no session ids), ``--router-prefill-load-model
+ais`` (needs aisimulate, which does not install here), router queueing (the fleets are
+not saturated at these rates: a queue only adds its wait), conditional disaggregation
+(Dynamo's alone: kvpilot's arm cannot prefill on D in direct mode, see docs/dynamo.md;
+:data:`TUNED_DISAGG_FLAGS` adds it for a disaggregated fleet, so arm c is Dynamo at its best)."""
+
+TUNED_DISAGG_FLAGS = ("--router-conditional-disagg",)
+"""Also for a disaggregated fleet: Dynamo's router may prefill a request on its decode
+worker when its policy (default thresholds) finds that cheaper."""
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    name: ArmName
+    title: str
+    routing: FrontendRouting
+    frontend_flags: tuple[str, ...] = ()
+
+    def spec(self, fleet: DynamoFleetSpec) -> DynamoFleetSpec:
+        """``fleet`` (workers, ports, mocker options) with this arm's routing."""
+        return dataclasses.replace(fleet, frontend_routing=self.routing, frontend_flags=self.frontend_flags)
+
+
+def arms(disaggregated: bool, tuned_flags: tuple[str, ...] = TUNED_FLAGS) -> list[Arm]:
+    """The four arms in the order they run."""
+    tuned = (*tuned_flags, *(TUNED_DISAGG_FLAGS if disaggregated else ()))
+    return [
+        Arm(ArmName.DYNAMO_ROUND_ROBIN, "Dynamo round robin", FrontendRouting.ROUND_ROBIN),
+        Arm(ArmName.DYNAMO_KV, "Dynamo KV router (defaults)", FrontendRouting.KV),
+        Arm(ArmName.DYNAMO_KV_TUNED, "Dynamo KV router (tuned)", FrontendRouting.KV, tuned),
+        Arm(ArmName.KVPILOT, "kvpilot router -> Dynamo frontend (direct)", FrontendRouting.DIRECT),
+    ]

@@ -1,0 +1,104 @@
+"""Replay trace requests against one OpenAI completions endpoint, streamed: the fleet
+benchmark's client (I/O only: what to send comes from :mod:`fleet_trace`, what it
+measured goes to :mod:`fleet_results`).
+
+Request ``i`` is sent at ``arrivals[i]`` seconds after the replay starts (or as soon as
+one of ``concurrency`` slots frees up, the wait recorded), with its prompt as token ids,
+``max_tokens`` = its trace output length, ``ignore_eos`` (every arm generates exactly
+the trace's tokens) and the usage block requested at the end of the stream. Every body
+is encoded before the replay starts, so that the client's own work at send time is a
+socket write (a burst of 14K-token prompts encoded on the fly delays the timers of
+the requests in flight). A stream's
+first and last chunk with a choice give its TTFT and decode time; its token count is the
+usage block's ``completion_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from fleet_results import Outcome
+
+JSON = {"Content-Type": "application/json"}
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """One request to send: its trace index, arrival time and encoded body (:func:`body`)."""
+
+    index: int
+    at: float
+    body: bytes
+
+
+def body(prompt: list[int], max_tokens: int, model: str = "tiny") -> bytes:
+    """The JSON body of one streamed completion of exactly ``max_tokens`` tokens."""
+    return json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+
+
+async def _one(http: aiohttp.ClientSession, url: str, send: Send, t0: float, queued: float) -> Outcome:
+    sent = time.perf_counter() - t0
+    first = last = None
+    tokens = prompt_tokens = cached = 0
+    try:
+        async with http.post(f"{url}/v1/completions", data=send.body, headers=JSON) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:200]
+                return Outcome(send.index, sent, None, None, 0, queued, error=f"HTTP {resp.status}: {text}")
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if chunk.get("choices"):  # a token (its text may be empty: a partial UTF-8 character)
+                    last = time.perf_counter() - t0
+                    first = last if first is None else first
+                usage = chunk.get("usage")
+                if usage:
+                    tokens = int(usage.get("completion_tokens") or 0)
+                    prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        return Outcome(send.index, sent, first, last, tokens, queued, prompt_tokens, cached, error)
+    missing = None if first is not None else "no token streamed"
+    return Outcome(send.index, sent, first, last, tokens, queued, prompt_tokens, cached, missing)
+
+
+async def replay(
+    url: str,
+    sends: Sequence[Send],
+    *,
+    concurrency: int = 256,
+    timeout_s: float = 300.0,
+) -> list[Outcome]:
+    """Every request of ``sends`` (in ``at`` order) against ``url``; their outcomes in
+    the same order. Never raises for a failed request: its outcome holds the error."""
+    limit = asyncio.Semaphore(concurrency)
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        t0 = time.perf_counter()
+
+        async def scheduled(send: Send) -> Outcome:
+            await asyncio.sleep(max(0.0, send.at - (time.perf_counter() - t0)))
+            due = time.perf_counter()
+            async with limit:
+                return await _one(http, url, send, t0, time.perf_counter() - due)
+
+        return list(await asyncio.gather(*(scheduled(s) for s in sends)))

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from fleet_arms import TUNED_DISAGG_FLAGS, TUNED_FLAGS, ArmName, arms
+
+from deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting
+
+
+def test_the_four_arms_in_order_each_on_the_same_fleet_with_its_own_routing():
+    base = DynamoFleetSpec(Path("/m"), Path("/r"), workers=4, speedup_ratio=3.0)
+    chosen = arms(disaggregated=False)
+    assert [a.name for a in chosen] == list(ArmName)
+    specs = {a.name: a.spec(base) for a in chosen}
+    assert {n: s.frontend_routing for n, s in specs.items()} == {
+        ArmName.DYNAMO_ROUND_ROBIN: FrontendRouting.ROUND_ROBIN,
+        ArmName.DYNAMO_KV: FrontendRouting.KV,
+        ArmName.DYNAMO_KV_TUNED: FrontendRouting.KV,
+        ArmName.KVPILOT: FrontendRouting.DIRECT,
+    }
+    assert all((s.workers, s.speedup_ratio) == (4, 3.0) for s in specs.values())  # the same workers
+    assert specs[ArmName.DYNAMO_KV].frontend_flags == ()  # Dynamo's defaults
+    assert specs[ArmName.DYNAMO_KV_TUNED].frontend_flags == TUNED_FLAGS
+    assert [n for n, s in specs.items() if s.kvpilot_routes] == [ArmName.KVPILOT]
+
+
+def test_a_disaggregated_fleet_lets_dynamo_s_tuned_router_prefill_on_d():
+    tuned = next(a for a in arms(disaggregated=True) if a.name is ArmName.DYNAMO_KV_TUNED)
+    assert tuned.frontend_flags == (*TUNED_FLAGS, *TUNED_DISAGG_FLAGS)
+    assert next(a for a in arms(True, ("--x",)) if a.name is ArmName.DYNAMO_KV_TUNED).frontend_flags[0] == "--x"
