@@ -22,7 +22,7 @@ from routing.config import add_cli_flags, load_config
 from routing.decide.router import policy_from_config
 from routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
-from tests.e2e.scenarios import PROMPT_TOKENS, RECOMPUTED, VERIFIED
+from tests.e2e.scenarios import BLOCK_SIZE, PROMPT_TOKENS, RECOMPUTED, VERIFIED
 from tests.e2e.sessions import (
     EDITS,
     GENERATED,
@@ -149,6 +149,9 @@ def _agent_steps(
             router, prompt, max_tokens=max_tokens, ignore_eos=True, return_token_ids=True, conversation_id=session
         )
         steps.append((prompt, out))
+        # D holds the step's prompt now: the next step is routed once the router's index
+        # shows it (D's KV events lag on a loaded box, and a stale index prices D cold).
+        wait_for_overlap(router, prompt, "decode-0", len(prompt) // BLOCK_SIZE)
         tool = tokenizer.prompt_token_ids(f" tool: step {n} ok, {n + 3} tests pass")
         edit = edit_step3 if n == 1 else EDITS["unedited"]
         prompt = edit(prompt, list(out.token_ids)) + tool
