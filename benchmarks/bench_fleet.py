@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil  # type: ignore[import-untyped]  # ships no stubs; its types are not installed here
 from agent_output import finite
-from fleet_arms import TUNED_FLAGS, Arm, ArmName, arms
+from fleet_arms import TUNED_DISAGG_FLAGS, TUNED_FLAGS, Arm, ArmName, arms
 from fleet_events import EventTap, StoredPromptBlocks
 from fleet_replay import Send, body, replay
 from fleet_results import Outcome, ReuseCounts, reuse_from_computed, summarize
@@ -232,7 +232,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=256, help="most requests in flight")
     parser.add_argument("--arms", default=",".join(a.value for a in ArmName), help="comma-separated arm names")
     parser.add_argument(
-        "--tuned-flags", default=" ".join(TUNED_FLAGS), help="Dynamo KV router flags of arm dynamo_kv_tuned"
+        "--tuned-flags",
+        default=None,
+        help=f"Dynamo KV router flags of arm dynamo_kv_tuned (default: {' '.join(TUNED_FLAGS)}; "
+        f"disaggregated: {' '.join(TUNED_DISAGG_FLAGS)})",
     )
     parser.add_argument("--mocker-flags", default="", help="more flags for every mocker worker")
     parser.add_argument("--seed", type=int, default=20261201)
@@ -280,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": shape.block_size,
     }
     log(f"workload: {json.dumps(described)}")
-    chosen = [a for a in arms(bool(args.prefill), tuple(args.tuned_flags.split())) if a.name.value in args.arms]
+    tuned = None if args.tuned_flags is None else tuple(args.tuned_flags.split())
+    chosen = [a for a in arms(bool(args.prefill), tuned) if a.name.value in args.arms]
     results: dict[str, dict[str, Any]] = {}
     for arm in chosen:
         results[arm.name.value] = run_arm(arm, replace(base, run_dir=base.run_dir / arm.name.value), workload, args)
