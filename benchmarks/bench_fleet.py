@@ -8,16 +8,23 @@ defaults, (c) Dynamo's KV router tuned, (d) kvpilot's router in front of Dynamo'
 in direct mode.
 
 Requests (:mod:`fleet_trace`): the first ``--max-requests`` of ``--trace`` (Mooncake
-JSONL), each hash id a fixed seeded run of ``--tokens-per-hash`` token ids below the
-tiny model's vocabulary; sent at the trace's timestamps divided by ``--rate-scale``,
-at most ``--concurrency`` in flight, every one streamed (:mod:`fleet_replay`).
+JSONL), each hash id a fixed seeded run of ``--tokens-per-hash`` token ids (512: no
+scaling by default) below the tiny model's vocabulary, the mockers' block size
+``--block-size`` dividing it; sent at the trace's timestamps divided by ``--rate-scale``,
+at most ``--concurrency`` in flight, every one streamed (:mod:`fleet_replay`). Prompts
+are not cut to the tiny model's 16,384 positions: neither the mocker (no
+``--max-model-len``) nor the frontend (``context_window`` 0) limits them, and 20,000
+tokens were served here; the JSON counts those longer (``prompts_over_model_positions``).
 
-Per arm (:mod:`fleet_results`): TTFT mean, p50, p99; ITL; throughput; prefix reuse from
-the workers' own counts (the ``cached_tokens`` each worker reports in the request's
-usage block; see :func:`worker_reuse`) against the trace's ceiling; each process's CPU
-seconds per request (the frontend's, the kvpilot router's, the workers'); for kvpilot,
-the router's own TTFT stages (its hop: the time from a request's arrival to its first
-token, less the frontend's own first token).
+Per arm (:mod:`fleet_results`): TTFT mean, p50, p99 at the client; the frontend's own
+TTFT (``dynamo_frontend_time_to_first_token_seconds``: the same stage in every arm, after
+kvpilot's hop in its arm); ITL; throughput; prefix reuse from the workers' own counts
+against the trace's ceiling: the ``cached_tokens`` the serving worker reports in each
+request's usage block (aggregated fleets), or the prompt blocks the workers computed by
+their own KV events (:mod:`fleet_events`; disaggregated fleets, where the usage block is
+D's and P did the prefill; both are in the JSON); each process's CPU seconds per request
+(the frontend's, the kvpilot router's, all workers'); for kvpilot, the router's own TTFT
+stages (:func:`router_stages`).
 
     python benchmarks/bench_fleet.py --workers 4 --max-requests 200
     python benchmarks/bench_fleet.py --prefill 16 --decode 48 --rate-scale 4 --json out.json
@@ -49,7 +56,6 @@ from fleet_trace import (
     PromptSynth,
     TraceRequest,
     arrivals,
-    full_blocks,
     load_trace,
     prompt_block_digests,
     reuse_ceiling,
@@ -149,8 +155,10 @@ class Workload:
     """What every arm is sent, and what its reuse is judged against."""
 
     sends: list[Send]
-    input_tokens: int
-    full_blocks: int
+    input_tokens: list[int]
+    """Each request's prompt length, by trace index."""
+    full_blocks: list[int]
+    """Each request's full engine blocks, by trace index."""
     prompt_digests: set[int]
 
 
@@ -178,7 +186,13 @@ def run_arm(arm: Arm, base: DynamoFleetSpec, workload: Workload, args: argparse.
         }
         if spec.kvpilot_routes:
             extra["kvpilot_router_stages"] = router_stages(fleet.router.url)
-    events = reuse_from_computed(workload.input_tokens, workload.full_blocks, stored.total, spec.block_size)
+    done = [o.index for o in outcomes if o.ok]  # a failed request's prompt may never have reached a worker
+    events = reuse_from_computed(
+        sum(workload.input_tokens[i] for i in done),
+        sum(workload.full_blocks[i] for i in done),
+        stored.total,
+        spec.block_size,
+    )
     usage = usage_reuse(outcomes)
     extra |= {
         "prefix_reuse_kv_events": events.reuse,
@@ -258,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     timed = enumerate(zip(requests, times, strict=True))
     sends = [Send(i, t, body(synth.prompt(r), r.output_length)) for i, (r, t) in timed]
     digests = prompt_block_digests(synth, requests)
-    workload = Workload(sends, ceiling.input_tokens, full_blocks(shape, requests), digests)
+    lengths = [shape.input_tokens(r) for r in requests]
+    workload = Workload(sends, lengths, [n // shape.block_size for n in lengths], digests)
     counts = {"workers": args.workers} if args.workers else {"prefill": args.prefill, "decode": args.decode}
     base = DynamoFleetSpec(
         model_dir=ensure_tiny_model(),
@@ -276,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_hash": shape.tokens_per_hash,
         "prompts_scaled": shape.tokens_per_hash != 512,
         "prompts_capped": sum(shape.capped(r) for r in requests),
+        "prompts_over_model_positions": sum(n > TINY_MODEL_SPEC.max_position_embeddings for n in lengths),
         "input_tokens": ceiling.input_tokens,
         "mean_input_tokens": ceiling.input_tokens / max(1, len(requests)),
         "output_tokens": sum(r.output_length for r in requests),
