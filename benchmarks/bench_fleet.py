@@ -8,16 +8,23 @@ defaults, (c) Dynamo's KV router tuned, (d) kvpilot's router in front of Dynamo'
 in direct mode.
 
 Requests (:mod:`fleet_trace`): the first ``--max-requests`` of ``--trace`` (Mooncake
-JSONL), each hash id a fixed seeded run of ``--tokens-per-hash`` token ids below the
-tiny model's vocabulary; sent at the trace's timestamps divided by ``--rate-scale``,
-at most ``--concurrency`` in flight, every one streamed (:mod:`fleet_replay`).
+JSONL), each hash id a fixed seeded run of ``--tokens-per-hash`` token ids (512: no
+scaling by default) below the tiny model's vocabulary, the mockers' block size
+``--block-size`` dividing it; sent at the trace's timestamps divided by ``--rate-scale``,
+at most ``--concurrency`` in flight, every one streamed (:mod:`fleet_replay`). Prompts
+are not cut to the tiny model's 16,384 positions: neither the mocker (no
+``--max-model-len``) nor the frontend (``context_window`` 0) limits them, and 20,000
+tokens were served here; the JSON counts those longer (``prompts_over_model_positions``).
 
-Per arm (:mod:`fleet_results`): TTFT mean, p50, p99; ITL; throughput; prefix reuse from
-the workers' own counts (the ``cached_tokens`` each worker reports in the request's
-usage block; see :func:`worker_reuse`) against the trace's ceiling; each process's CPU
-seconds per request (the frontend's, the kvpilot router's, the workers'); for kvpilot,
-the router's own TTFT stages (its hop: the time from a request's arrival to its first
-token, less the frontend's own first token).
+Per arm (:mod:`fleet_results`): TTFT mean, p50, p99 at the client; the frontend's own
+TTFT (``dynamo_frontend_time_to_first_token_seconds``: the same stage in every arm, after
+kvpilot's hop in its arm); ITL; throughput; prefix reuse from the workers' own counts
+against the trace's ceiling: the ``cached_tokens`` the serving worker reports in each
+request's usage block (aggregated fleets), or the prompt blocks the workers computed by
+their own KV events (:mod:`fleet_events`; disaggregated fleets, where the usage block is
+D's and P did the prefill; both are in the JSON); each process's CPU seconds per request
+(the frontend's, the kvpilot router's, all workers'); for kvpilot, the router's own TTFT
+stages (:func:`router_stages`).
 
     python benchmarks/bench_fleet.py --workers 4 --max-requests 200
     python benchmarks/bench_fleet.py --prefill 16 --decode 48 --rate-scale 4 --json out.json
@@ -40,7 +47,7 @@ from typing import Any
 
 import psutil  # type: ignore[import-untyped]  # ships no stubs; its types are not installed here
 from agent_output import finite
-from fleet_arms import TUNED_FLAGS, Arm, ArmName, arms
+from fleet_arms import TUNED_DISAGG_FLAGS, TUNED_FLAGS, Arm, ArmName, arms
 from fleet_events import EventTap, StoredPromptBlocks
 from fleet_replay import Send, body, replay
 from fleet_results import Outcome, ReuseCounts, reuse_from_computed, summarize
@@ -49,7 +56,6 @@ from fleet_trace import (
     PromptSynth,
     TraceRequest,
     arrivals,
-    full_blocks,
     load_trace,
     prompt_block_digests,
     reuse_ceiling,
@@ -149,8 +155,10 @@ class Workload:
     """What every arm is sent, and what its reuse is judged against."""
 
     sends: list[Send]
-    input_tokens: int
-    full_blocks: int
+    input_tokens: list[int]
+    """Each request's prompt length, by trace index."""
+    full_blocks: list[int]
+    """Each request's full engine blocks, by trace index."""
     prompt_digests: set[int]
 
 
@@ -178,7 +186,13 @@ def run_arm(arm: Arm, base: DynamoFleetSpec, workload: Workload, args: argparse.
         }
         if spec.kvpilot_routes:
             extra["kvpilot_router_stages"] = router_stages(fleet.router.url)
-    events = reuse_from_computed(workload.input_tokens, workload.full_blocks, stored.total, spec.block_size)
+    done = [o.index for o in outcomes if o.ok]  # a failed request's prompt may never have reached a worker
+    events = reuse_from_computed(
+        sum(workload.input_tokens[i] for i in done),
+        sum(workload.full_blocks[i] for i in done),
+        stored.total,
+        spec.block_size,
+    )
     usage = usage_reuse(outcomes)
     extra |= {
         "prefix_reuse_kv_events": events.reuse,
@@ -232,7 +246,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=256, help="most requests in flight")
     parser.add_argument("--arms", default=",".join(a.value for a in ArmName), help="comma-separated arm names")
     parser.add_argument(
-        "--tuned-flags", default=" ".join(TUNED_FLAGS), help="Dynamo KV router flags of arm dynamo_kv_tuned"
+        "--tuned-flags",
+        default=None,
+        help=f"Dynamo KV router flags of arm dynamo_kv_tuned (default: {' '.join(TUNED_FLAGS)}; "
+        f"disaggregated: {' '.join(TUNED_DISAGG_FLAGS)})",
     )
     parser.add_argument("--mocker-flags", default="", help="more flags for every mocker worker")
     parser.add_argument("--seed", type=int, default=20261201)
@@ -255,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     timed = enumerate(zip(requests, times, strict=True))
     sends = [Send(i, t, body(synth.prompt(r), r.output_length)) for i, (r, t) in timed]
     digests = prompt_block_digests(synth, requests)
-    workload = Workload(sends, ceiling.input_tokens, full_blocks(shape, requests), digests)
+    lengths = [shape.input_tokens(r) for r in requests]
+    workload = Workload(sends, lengths, [n // shape.block_size for n in lengths], digests)
     counts = {"workers": args.workers} if args.workers else {"prefill": args.prefill, "decode": args.decode}
     base = DynamoFleetSpec(
         model_dir=ensure_tiny_model(),
@@ -273,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_hash": shape.tokens_per_hash,
         "prompts_scaled": shape.tokens_per_hash != 512,
         "prompts_capped": sum(shape.capped(r) for r in requests),
+        "prompts_over_model_positions": sum(n > TINY_MODEL_SPEC.max_position_embeddings for n in lengths),
         "input_tokens": ceiling.input_tokens,
         "mean_input_tokens": ceiling.input_tokens / max(1, len(requests)),
         "output_tokens": sum(r.output_length for r in requests),
@@ -280,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": shape.block_size,
     }
     log(f"workload: {json.dumps(described)}")
-    chosen = [a for a in arms(bool(args.prefill), tuple(args.tuned_flags.split())) if a.name.value in args.arms]
+    tuned = None if args.tuned_flags is None else tuple(args.tuned_flags.split())
+    chosen = [a for a in arms(bool(args.prefill), tuned) if a.name.value in args.arms]
     results: dict[str, dict[str, Any]] = {}
     for arm in chosen:
         results[arm.name.value] = run_arm(arm, replace(base, run_dir=base.run_dir / arm.name.value), workload, args)

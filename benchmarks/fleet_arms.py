@@ -3,8 +3,9 @@ mocker fleet (:class:`deploy.dynamo_spec.DynamoFleetSpec`, restarted per arm). P
 
 * ``dynamo_round_robin``: Dynamo's frontend, ``--router-mode round-robin``.
 * ``dynamo_kv``: Dynamo's own KV router in the frontend, ``--router-mode kv``, its defaults.
-* ``dynamo_kv_tuned``: the same KV router with :data:`TUNED_FLAGS`, the documented
-  options (``python -m dynamo.frontend --help``) that fit this workload.
+* ``dynamo_kv_tuned``: the same KV router with :data:`TUNED_FLAGS` (aggregated) or
+  :data:`TUNED_DISAGG_FLAGS` (disaggregated), the documented options
+  (``python -m dynamo.frontend --help``) that fit this workload.
 * ``kvpilot``: kvpilot's router in front of the frontend in direct mode
   (``kvpilot fleet up --dynamo``'s fleet): it names each request's instances, the
   frontend only forwards. Its handicap: one more HTTP hop (client -> router ->
@@ -47,13 +48,16 @@ output tokens, bursts of arrivals on many workers), each documented in
 
 Not used: session affinity (the traces carry no session ids), ``--router-prefill-load-model
 ais`` (needs aisimulate, which does not install here), router queueing (the fleets are
-not saturated at these rates: a queue only adds its wait), conditional disaggregation
-(Dynamo's alone: kvpilot's arm cannot prefill on D in direct mode, see docs/dynamo.md;
-:data:`TUNED_DISAGG_FLAGS` adds it for a disaggregated fleet, so arm c is Dynamo at its best)."""
+not saturated at these rates: a queue only adds its wait), and conditional
+disaggregation (``--router-conditional-disagg``): with it every request of a 2 P + 3 D
+mocker fleet was a 503, the frontend warning that the decode workers publish no KV
+events, which its conditional disaggregation requires (``dynamo.mocker`` decode workers
+do not)."""
 
-TUNED_DISAGG_FLAGS = ("--router-conditional-disagg",)
-"""Also for a disaggregated fleet: Dynamo's router may prefill a request on its decode
-worker when its policy (default thresholds) finds that cheaper."""
+TUNED_DISAGG_FLAGS = ("--router-kv-overlap-score-credit-decay", "1.0")
+""":data:`TUNED_FLAGS` for a disaggregated fleet, less ``--router-track-output-blocks``: with
+it Dynamo 1.6.1's frontend fails to start its prefill router ("router_track_output_blocks
+requires router_track_active_blocks=true", measured) and answers every request with a 503."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +72,13 @@ class Arm:
         return dataclasses.replace(fleet, frontend_routing=self.routing, frontend_flags=self.frontend_flags)
 
 
-def arms(disaggregated: bool, tuned_flags: tuple[str, ...] = TUNED_FLAGS) -> list[Arm]:
-    """The four arms in the order they run."""
-    tuned = (*tuned_flags, *(TUNED_DISAGG_FLAGS if disaggregated else ()))
+def arms(disaggregated: bool, tuned_flags: tuple[str, ...] | None = None) -> list[Arm]:
+    """The four arms in the order they run; ``tuned_flags`` replaces the tuned arm's flags."""
+    if tuned_flags is None:
+        tuned_flags = TUNED_DISAGG_FLAGS if disaggregated else TUNED_FLAGS
     return [
         Arm(ArmName.DYNAMO_ROUND_ROBIN, "Dynamo round robin", FrontendRouting.ROUND_ROBIN),
         Arm(ArmName.DYNAMO_KV, "Dynamo KV router (defaults)", FrontendRouting.KV),
-        Arm(ArmName.DYNAMO_KV_TUNED, "Dynamo KV router (tuned)", FrontendRouting.KV, tuned),
+        Arm(ArmName.DYNAMO_KV_TUNED, "Dynamo KV router (tuned)", FrontendRouting.KV, tuned_flags),
         Arm(ArmName.KVPILOT, "kvpilot router -> Dynamo frontend (direct)", FrontendRouting.DIRECT),
     ]

@@ -86,7 +86,9 @@ class ReuseCounts:
 def reuse_from_computed(input_tokens: int, full_blocks: int, computed_blocks: int, block_size: int) -> ReuseCounts:
     """Reuse from the workers' KV events: of the prompts' ``full_blocks``, those not
     computed (stored) by any worker came from a cache. A partial last block is always
-    computed, so it only counts in ``input_tokens``."""
+    computed, so it only counts in ``input_tokens``. No input: NaN reuse."""
+    if not input_tokens:
+        return ReuseCounts(0.0, 0.0)
     return ReuseCounts(float(input_tokens), float((full_blocks - computed_blocks) * block_size))
 
 

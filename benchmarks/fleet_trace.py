@@ -230,8 +230,3 @@ def prompt_block_digests(synth: PromptSynth, requests: Sequence[TraceRequest]) -
         prompt = synth.prompt(request)
         digests.update(block_digest(prompt[i : i + size]) for i in range(0, len(prompt) - size + 1, size))
     return digests
-
-
-def full_blocks(shape: PromptShape, requests: Sequence[TraceRequest]) -> int:
-    """Full engine blocks over all the requests' prompts (each worker can reuse only these)."""
-    return sum(shape.input_tokens(r) // shape.block_size for r in requests)

@@ -106,6 +106,13 @@ class DynamoFleetSpec:
         return f"http://{HOST}:{self.frontend_port}"
 
     @property
+    def smallest_pool(self) -> int:
+        """Workers of the smaller pool (prefill or decode; all of them when aggregated): the
+        frontend's ``--router-min-initial-workers``. With the whole fleet's count (16 P + 48 D:
+        64) Dynamo 1.6.1's frontend never served the model (measured): it counts a pool, not the fleet."""
+        return self.workers or min(self.prefill, self.decode)
+
+    @property
     def kvpilot_routes(self) -> bool:
         """Whether kvpilot's router runs in front (direct mode); otherwise clients send
         to the frontend, which routes on its own."""
@@ -154,7 +161,8 @@ def worker_plan(spec: DynamoFleetSpec, role: Role, index: int, ordinal: int) -> 
 def frontend_plan(spec: DynamoFleetSpec) -> ProcessPlan:
     """Dynamo's frontend: in direct mode each request goes to the instances it names;
     otherwise the frontend routes (``spec.frontend_routing``, ``spec.frontend_flags``), once
-    it has seen every worker of the spec (``--router-min-initial-workers``)."""
+    it has seen enough workers (``--router-min-initial-workers``: :attr:`DynamoFleetSpec.smallest_pool`;
+    the workers start and register first, so its first look at discovery finds them all)."""
     argv = (
         sys.executable,
         "-m",
@@ -170,7 +178,7 @@ def frontend_plan(spec: DynamoFleetSpec) -> ProcessPlan:
         str(spec.model_dir),
         "--model-name",
         spec.served_model_name,
-        *(() if spec.kvpilot_routes else ("--router-min-initial-workers", str(len(spec.roles)))),
+        *(() if spec.kvpilot_routes else ("--router-min-initial-workers", str(spec.smallest_pool))),
         *spec.frontend_flags,
     )
     return ProcessPlan("frontend", None, argv, spec.dynamo_env, spec.frontend_port)

@@ -24,7 +24,10 @@ def test_the_four_arms_in_order_each_on_the_same_fleet_with_its_own_routing():
     assert [n for n, s in specs.items() if s.kvpilot_routes] == [ArmName.KVPILOT]
 
 
-def test_a_disaggregated_fleet_lets_dynamo_s_tuned_router_prefill_on_d():
-    tuned = next(a for a in arms(disaggregated=True) if a.name is ArmName.DYNAMO_KV_TUNED)
-    assert tuned.frontend_flags == (*TUNED_FLAGS, *TUNED_DISAGG_FLAGS)
-    assert next(a for a in arms(True, ("--x",)) if a.name is ArmName.DYNAMO_KV_TUNED).frontend_flags[0] == "--x"
+def test_the_tuned_arm_has_the_flags_of_its_fleet_or_those_it_is_given():
+    def tuned(disaggregated: bool, flags: tuple[str, ...] | None = None) -> tuple[str, ...]:
+        return next(a for a in arms(disaggregated, flags) if a.name is ArmName.DYNAMO_KV_TUNED).frontend_flags
+
+    assert tuned(True) == TUNED_DISAGG_FLAGS and "--router-track-output-blocks" not in tuned(True)
+    assert tuned(False) == TUNED_FLAGS
+    assert tuned(True, ("--router-temperature", "0.1")) == ("--router-temperature", "0.1")

@@ -48,3 +48,4 @@ def test_reuse_from_the_workers_kv_events_counts_the_full_blocks_no_worker_compu
     counts = reuse_from_computed(input_tokens=300, full_blocks=9, computed_blocks=5, block_size=32)
     assert counts.cached_tokens == 4 * 32 and counts.reuse == pytest.approx(128 / 300)
     assert reuse_from_computed(300, 9, 9, 32).reuse == 0.0
+    assert math.isnan(reuse_from_computed(0, 0, 0, 32).reuse)  # nothing completed: no reuse to speak of

@@ -90,8 +90,9 @@ def test_the_frontend_routes_as_the_spec_says_and_takes_extra_flags():
     assert _flag(frontend.argv, "--router-mode") == "kv" and not spec.kvpilot_routes
     assert _flag(frontend.argv, "--router-min-initial-workers") == "2"  # it routes once it has seen them all
     assert frontend.argv[-2:] == ("--router-temperature", "0.5")
-    _, frontend, _, _ = plan_dynamo_fleet(_spec(workers=1, frontend_routing=FrontendRouting.ROUND_ROBIN))
+    _, frontend, _, _ = plan_dynamo_fleet(_spec(prefill=2, decode=6, frontend_routing=FrontendRouting.ROUND_ROBIN))
     assert _flag(frontend.argv, "--router-mode") == "round-robin"
+    assert _flag(frontend.argv, "--router-min-initial-workers") == "2"  # each pool is held to it: never 8
 
 
 def test_every_mocker_gets_the_extra_mocker_flags():
