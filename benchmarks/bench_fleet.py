@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -49,7 +50,7 @@ import psutil  # type: ignore[import-untyped]  # ships no stubs; its types are n
 from agent_output import finite
 from fleet_arms import TUNED_DISAGG_FLAGS, TUNED_FLAGS, Arm, ArmName, arms
 from fleet_events import EventTap, StoredPromptBlocks
-from fleet_replay import Send, body, replay
+from fleet_replay import Connections, Send, body, replay
 from fleet_results import Outcome, ReuseCounts, reuse_from_computed, summarize
 from fleet_trace import (
     PromptShape,
@@ -124,6 +125,21 @@ def fleet_cpu(fleet: Fleet, spec: DynamoFleetSpec) -> dict[str, float]:
     return out
 
 
+def serving_path(fleet: Fleet, spec: DynamoFleetSpec) -> list[int]:
+    """Pids on the requests' path that are not workers: the frontend, and kvpilot's router if it runs."""
+    return [e.pid for e in fleet.engines if not e.role] + ([fleet.router.pid] if spec.kvpilot_routes else [])
+
+
+def renice(pids: list[int], niceness: int) -> None:
+    """Every thread of ``pids`` (and their children) at ``niceness``: on Linux a nice value
+    is a thread's, and the frontend's and the router's threads exist by now."""
+    for pid in pids:
+        proc = psutil.Process(pid)
+        for p in (proc, *proc.children(recursive=True)):
+            for thread in p.threads():
+                os.setpriority(os.PRIO_PROCESS, thread.id, niceness)
+
+
 def usage_reuse(outcomes: list[Outcome]) -> ReuseCounts:
     """Prompt tokens and cached prompt tokens, as the serving workers reported them per
     request (the usage block: in a disaggregated fleet, D's count, not P's)."""
@@ -172,9 +188,13 @@ def run_arm(arm: Arm, base: DynamoFleetSpec, workload: Workload, args: argparse.
         stored = StoredPromptBlocks(workload.prompt_digests, spec.block_size)
         tap = EventTap({w.name: f"tcp://{HOST}:{w.side_ports[EVENTS_PORT]}" for w in workers}, stored)
         tap.start()
+        if args.serving_niceness:
+            renice(serving_path(fleet, spec), args.serving_niceness)
         time.sleep(SUBSCRIBE_S)
         cpu_before = fleet_cpu(fleet, spec)
-        outcomes = asyncio.run(replay(fleet.router.url, workload.sends, concurrency=args.concurrency))
+        outcomes = asyncio.run(
+            replay(fleet.router.url, workload.sends, concurrency=args.concurrency, connections=args.client_connections)
+        )
         cpu = {k: v - cpu_before[k] for k, v in fleet_cpu(fleet, spec).items()}
         time.sleep(SUBSCRIBE_S)  # the last requests' events
         tap.stop()
@@ -244,6 +264,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-input-tokens", type=int, default=None, help="cap each prompt to its first N tokens (default: none)"
     )
     parser.add_argument("--concurrency", type=int, default=256, help="most requests in flight")
+    parser.add_argument(
+        "--serving-niceness",
+        type=int,
+        default=0,
+        help="nice value for the frontend and kvpilot's router (e.g. -10, as root): the serving path ahead of "
+        "the simulated workers, which on this box share its cores and on a real deployment do not",
+    )
+    parser.add_argument(
+        "--client-connections",
+        type=Connections,
+        choices=list(Connections),
+        default=Connections.KEPT_ALIVE,
+        help="the client's connections: pooled (kept-alive) or one per request (fresh)",
+    )
     parser.add_argument("--arms", default=",".join(a.value for a in ArmName), help="comma-separated arm names")
     parser.add_argument(
         "--tuned-flags",
@@ -304,10 +338,23 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     for arm in chosen:
         results[arm.name.value] = run_arm(arm, replace(base, run_dir=base.run_dir / arm.name.value), workload, args)
-    out = {**results, "run": {"argv": sys.argv, "workload": described, "fleet": counts, "speedup": args.speedup}}
+    out = {
+        **results,
+        "run": {
+            "argv": sys.argv,
+            "workload": described,
+            "fleet": counts,
+            "speedup": args.speedup,
+            "client_connections": args.client_connections.value,
+            "serving_niceness": args.serving_niceness,
+        },
+    }
     args.json.write_text(json.dumps(finite(out), indent=2))
     print()
-    print(f"{counts}, speedup {args.speedup}, rate x{args.rate_scale}, {len(requests)} requests of {args.trace.name}")
+    print(
+        f"{counts}, speedup {args.speedup}, rate x{args.rate_scale}, {len(requests)} requests of {args.trace.name}, "
+        f"client connections {args.client_connections.value}, serving niceness {args.serving_niceness}"
+    )
     print(table(results, ceiling.reuse))
     for key, summary in results.items():
         if "kvpilot_router_stages" in summary:

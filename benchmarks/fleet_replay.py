@@ -16,6 +16,7 @@ usage block's ``completion_tokens``.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import time
 from collections.abc import Sequence
@@ -25,6 +26,18 @@ import aiohttp
 from fleet_results import Outcome
 
 JSON = {"Content-Type": "application/json"}
+
+
+class Connections(str, enum.Enum):
+    """How the client holds its connections to the endpoint it sends to."""
+
+    KEPT_ALIVE = "kept-alive"
+    """Pooled and reused, as OpenAI's SDK (httpx) and most clients do. Against Dynamo
+    1.6.1's frontend this pays its Nagle delay (dynamo#14643: ~40 ms on the first token
+    of a request on a reused connection, measured here); against kvpilot's router, whose
+    own connections to the frontend are fresh, it does not."""
+    FRESH = "fresh"
+    """A new connection per request: no arm pays the frontend's Nagle delay at the client."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,11 +99,12 @@ async def replay(
     *,
     concurrency: int = 256,
     timeout_s: float = 300.0,
+    connections: Connections = Connections.KEPT_ALIVE,
 ) -> list[Outcome]:
     """Every request of ``sends`` (in ``at`` order) against ``url``; their outcomes in
     the same order. Never raises for a failed request: its outcome holds the error."""
     limit = asyncio.Semaphore(concurrency)
-    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=connections is Connections.FRESH)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         t0 = time.perf_counter()

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from routing.config import Worker
-from routing.serve.sse import sse_data
+from routing.serve.sse import sse_batches
 from routing.serve.upstream import StreamBroke, UpstreamError
 
 
@@ -60,8 +60,9 @@ class CompletionsHttp:
     @asynccontextmanager
     async def stream(
         self, worker: Worker, body: dict[str, Any], headers: Mapping[str, str] | None = None
-    ) -> AsyncIterator[AsyncIterator[str]]:
-        """D's stream, once D answered 200: the ``data`` of each server-sent event.
+    ) -> AsyncIterator[AsyncIterator[list[str]]]:
+        """D's stream, once D answered 200: the ``data`` of its server-sent events, in the
+        batches they arrived in (:func:`~routing.serve.sse.sse_batches`).
 
         Raises :class:`UpstreamError` on entry (D unreachable, timed out, not 200);
         while iterating, :class:`StreamBroke` when the stream breaks."""
@@ -71,16 +72,16 @@ class CompletionsHttp:
         try:
             if upstream.status != 200:
                 raise _answered(worker, upstream.status, await upstream.read())
-            yield _unbroken(sse_data(upstream.content))
+            yield _unbroken(sse_batches(upstream.content.iter_any()))
         finally:
             await request.__aexit__(None, None, None)
 
 
-async def _unbroken(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _unbroken(events: AsyncIterator[list[str]]) -> AsyncIterator[list[str]]:
     """``events``, with aiohttp's errors and timeouts while reading raised as :class:`StreamBroke`."""
     try:
-        async for data in events:
-            yield data
+        async for batch in events:
+            yield batch
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise StreamBroke(repr(exc)) from exc
 

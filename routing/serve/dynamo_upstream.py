@@ -61,7 +61,7 @@ class DynamoUpstream:
 
     def stream(
         self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None
-    ) -> AbstractAsyncContextManager[AsyncIterator[str]]:
+    ) -> AbstractAsyncContextManager[AsyncIterator[list[str]]]:
         """The stream from ``worker``, as :meth:`complete` routes it."""
         return self._completions.stream(worker, body, self._headers(worker, handoff))
 

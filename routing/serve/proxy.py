@@ -36,7 +36,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -77,10 +77,10 @@ def error_reply(status: int, message: str, kind: str = "invalid_request_error") 
 
 class ClientStream(Protocol):
     """The client's side of a streamed answer, written in order: ``open`` once, then
-    ``send`` per event, then ``close`` once."""
+    ``send`` per batch of events (each batch one write), then ``close`` once."""
 
     async def open(self, headers: Mapping[str, str]) -> None: ...
-    async def send(self, data: str) -> None: ...
+    async def send(self, events: Sequence[str]) -> None: ...
     async def close(self) -> None: ...
 
 
@@ -324,7 +324,7 @@ class Proxy:
             await client.open(headers)
             first = True
             try:
-                async for data in events:
+                async for batch in events:
                     if first:
                         now = time.perf_counter()
                         self.metrics.ttft_stage.labels("decode_first_token").observe(now - sent_at)
@@ -334,16 +334,21 @@ class Proxy:
                                 (now - request.started) / prediction.seconds
                             )
                         self.ledger.first_token(route.request_id)
-                    if request.chat and data != "[DONE]":
-                        data = json.dumps(chat_chunk(json.loads(data), route.request_id, first))
+                    if request.chat:
+                        batch = [
+                            data
+                            if data == "[DONE]"
+                            else json.dumps(chat_chunk(json.loads(data), route.request_id, first and i == 0))
+                            for i, data in enumerate(batch)
+                        ]
                     first = False
-                    await client.send(data)
+                    await client.send(batch)
             except STREAM_BREAKS as exc:
                 self.metrics.upstream_errors.labels(d.name).inc()
                 self.worker_failed(d)
                 detail = str(exc) if isinstance(exc, StreamBroke) else f"unreadable event: {exc!r}"
                 message = f"engine {d.name} ({d.url}): stream broke: {detail}"
-                await client.send(json.dumps(error_reply(502, message, "upstream_error").payload))
+                await client.send([json.dumps(error_reply(502, message, "upstream_error").payload)])
                 await client.close()
                 return False
             await client.close()

@@ -106,7 +106,8 @@ class Upstream(Protocol):
 
     def stream(
         self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None
-    ) -> AbstractAsyncContextManager[AsyncIterator[str]]:
-        """D's stream, entered once D answered: the ``data`` of each server-sent event.
+    ) -> AbstractAsyncContextManager[AsyncIterator[list[str]]]:
+        """D's stream, entered once D answered: the ``data`` of its server-sent events, in
+        batches (each batch what one read delivered, never empty).
         Raises :class:`UpstreamError` on entry, :class:`StreamBroke` while iterating."""
         ...

@@ -62,8 +62,8 @@ class VllmUpstream:
 
     def stream(
         self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None
-    ) -> AbstractAsyncContextManager[AsyncIterator[str]]:
-        """D's stream, once D answered 200: the ``data`` of each server-sent event."""
+    ) -> AbstractAsyncContextManager[AsyncIterator[list[str]]]:
+        """D's stream, once D answered 200: its events' ``data``, in batches."""
         return self._completions.stream(worker, _decode_body(body, handoff))
 
 

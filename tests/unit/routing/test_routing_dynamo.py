@@ -260,7 +260,7 @@ def test_dynamo_s_prefill_is_deferred_and_d_s_call_names_both_instances():
         outcome = await upstream.prefill(p, {"prompt": [1, 2]}, {"do_remote_decode": True}, 30.0)
         payload = await upstream.complete(d, {"model": "tiny", "prompt": [1, 2]}, outcome.params)
         async with upstream.stream(d, {"model": "tiny", "prompt": [1, 2, 3], "stream": True}, None) as events:
-            streamed = [e async for e in events]
+            streamed = [data async for batch in events for data in batch]
         return outcome, payload, streamed
 
     frontend, (outcome, payload, streamed) = _frontend_run(scenario)

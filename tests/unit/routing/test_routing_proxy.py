@@ -8,7 +8,7 @@ import dataclasses
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -69,17 +69,17 @@ class ScriptedUpstream:
     @asynccontextmanager
     async def stream(
         self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None
-    ) -> AsyncIterator[AsyncIterator[str]]:
+    ) -> AsyncIterator[AsyncIterator[list[str]]]:
         self.calls.append(("stream", worker.name, body, handoff))
         self._refuse(worker)
         breaks_after = self.stream_breaks_after
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[list[str]]:
             for i in range(3):
                 if breaks_after is not None and i == breaks_after:
                     raise StreamBroke("connection reset")
-                yield '{"id": "x", "choices": [{"index": 0, "text": "t"}]}'
-            yield "[DONE]"
+                yield ['{"id": "x", "choices": [{"index": 0, "text": "t"}]}']
+            yield ["[DONE]"]
 
         yield events()
 
@@ -93,8 +93,8 @@ class RecordingClient:
     async def open(self, headers: Mapping[str, str]) -> None:
         self.headers = headers
 
-    async def send(self, data: str) -> None:
-        self.events.append(data)
+    async def send(self, events: Sequence[str]) -> None:
+        self.events.extend(events)
 
     async def close(self) -> None:
         self.closed = True
