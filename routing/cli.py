@@ -55,8 +55,8 @@ def run_router(args: argparse.Namespace) -> int:
             config.server.host,
             "" if config.server.api_key_env else ", with no API key (set server.api_key_env)",
         )
-    # uvloop's event loop (libuv): the router's loop relays every streamed token, and
-    # asyncio's own loop spent about twice as long per relayed event (docs/dynamo.md).
+    # uvloop's event loop (libuv), as vLLM's API server runs under uvicorn: the router's one
+    # loop relays every streamed token of every request.
     loop = uvloop.new_event_loop()
     web.run_app(server.app(), host=config.server.host, port=config.server.port, print=None, loop=loop)
     return 0
