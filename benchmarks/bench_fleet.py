@@ -50,6 +50,7 @@ import psutil  # type: ignore[import-untyped]  # ships no stubs; its types are n
 from agent_output import finite
 from fleet_arms import TUNED_DISAGG_FLAGS, TUNED_FLAGS, Arm, ArmName, arms
 from fleet_events import EventTap, StoredPromptBlocks
+from fleet_goodput import Slo, SweepPoint, attainment, goodput
 from fleet_replay import Connections, Send, body, replay
 from fleet_results import Outcome, ReuseCounts, reuse_from_computed, summarize
 from fleet_trace import (
@@ -177,6 +178,12 @@ class Workload:
     """Each request's full engine blocks, by trace index."""
     prompt_digests: set[int]
 
+    @property
+    def offered_rps(self) -> float:
+        """Requests over their arrival span (NaN for fewer than two)."""
+        span = self.sends[-1].at - self.sends[0].at if len(self.sends) > 1 else 0.0
+        return len(self.sends) / span if span > 0 else math.nan
+
 
 def run_arm(arm: Arm, base: DynamoFleetSpec, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
     spec = arm.spec(base)
@@ -221,12 +228,68 @@ def run_arm(arm: Arm, base: DynamoFleetSpec, workload: Workload, args: argparse.
         "computed_prompt_blocks_by_worker": dict(stored.prompt_blocks),
         "kv_event_rejections": tap.rejected,
     }
+    extra["offered_rps"] = workload.offered_rps
+    extra["slo_attainment"] = attainment(outcomes, Slo(args.ttft_slo, args.itl_slo))
     summary = summarize(outcomes, events if spec.prefill else usage, cpu, extra)
     log(
         f"  {summary['completed']} completed, {summary['failed']} failed, TTFT mean {summary['ttft_mean_s']:.3f} s, "
         f"reuse {summary['prefix_reuse']:.3f} (KV events {events.reuse:.3f}, usage {usage.reuse:.3f})"
     )
     return summary
+
+
+SWEEP_KEYS = (
+    "offered_rps",
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_mean_s",
+    "throughput_rps",
+    "slo_attainment",
+)
+
+
+def sweep_point(summary: dict[str, Any]) -> dict[str, Any]:
+    """What the sweep keeps of one run's summary."""
+    return {key: summary[key] for key in (*SWEEP_KEYS, "prefix_reuse", "completed", "failed")}
+
+
+def plot_ttft_vs_rate(results: dict[str, dict[str, Any]], path: Path, slo: Slo) -> None:
+    """Mean and p99 TTFT against the offered rate, one line per arm, the TTFT SLO drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, summary in results.items():
+        points = summary["sweep"]
+        rates = [p["offered_rps"] for p in points]
+        (line,) = ax.plot(rates, [p["ttft_mean_s"] * 1e3 for p in points], marker="o", label=f"{name} mean")
+        ax.plot(rates, [p["ttft_p99_s"] * 1e3 for p in points], ls="--", color=line.get_color(), alpha=0.6)
+    ax.axhline(slo.ttft_s * 1e3, color="grey", lw=0.8, ls=":", label=f"TTFT SLO {slo.ttft_s * 1e3:g} ms")
+    ax.set_xlabel("offered requests/s")
+    ax.set_ylabel("TTFT ms (solid: mean, dashed: p99)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def sweep_table(results: dict[str, dict[str, Any]]) -> str:
+    """Each arm's sweep (offered rate: TTFT mean / p99 ms, SLO attainment) and its goodput."""
+    lines = ["| arm | goodput req/s | offered req/s: TTFT mean / p99 ms, SLO attainment |", "|---|---:|---|"]
+    for key, s in results.items():
+        points = "; ".join(
+            f"{p['offered_rps']:.1f}: {p['ttft_mean_s'] * 1e3:.0f} / {p['ttft_p99_s'] * 1e3:.0f}, "
+            f"{p['slo_attainment']:.2f}"
+            for p in s["sweep"]
+        )
+        lines.append(f"| {key} | {s['goodput_rps']:.1f} | {points} |")
+    return "\n".join(lines)
 
 
 def table(results: dict[str, dict[str, Any]], ceiling: float) -> str:
@@ -264,6 +327,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-input-tokens", type=int, default=None, help="cap each prompt to its first N tokens (default: none)"
     )
     parser.add_argument("--concurrency", type=int, default=256, help="most requests in flight")
+    parser.add_argument(
+        "--rate-sweep",
+        default="",
+        help="comma-separated --rate-scale values to run every arm at as well (goodput and the plot), e.g. 1,2,4,8",
+    )
+    parser.add_argument("--ttft-slo", type=float, default=0.2, help="TTFT SLO in seconds, for goodput")
+    parser.add_argument("--itl-slo", type=float, default=0.005, help="ITL SLO in seconds, for goodput")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG: TTFT against the offered rate (--rate-sweep)")
     parser.add_argument(
         "--serving-niceness",
         type=int,
@@ -303,11 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     synth = PromptSynth(shape)
     ceiling = reuse_ceiling(shape, requests)
     times = arrivals(requests, args.rate_scale)
-    timed = enumerate(zip(requests, times, strict=True))
-    sends = [Send(i, t, body(synth.prompt(r), r.output_length)) for i, (r, t) in timed]
+    bodies = [body(synth.prompt(r), r.output_length) for r in requests]
     digests = prompt_block_digests(synth, requests)
     lengths = [shape.input_tokens(r) for r in requests]
-    workload = Workload(sends, lengths, [n // shape.block_size for n in lengths], digests)
+
+    def at_rate(rate_scale: float) -> Workload:
+        timed = enumerate(zip(bodies, arrivals(requests, rate_scale), strict=True))
+        sends = [Send(i, t, b) for i, (b, t) in timed]
+        return Workload(sends, lengths, [n // shape.block_size for n in lengths], digests)
+
+    workload = at_rate(args.rate_scale)
     counts = {"workers": args.workers} if args.workers else {"prefill": args.prefill, "decode": args.decode}
     base = DynamoFleetSpec(
         model_dir=ensure_tiny_model(),
@@ -338,6 +414,20 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     for arm in chosen:
         results[arm.name.value] = run_arm(arm, replace(base, run_dir=base.run_dir / arm.name.value), workload, args)
+    sweep_rates = sorted({float(x) for x in args.rate_sweep.split(",") if x.strip()} - {args.rate_scale})
+    for rate_scale in sweep_rates:  # rate by rate, every arm at one rate before the next rate
+        for arm in chosen:
+            run_dir = base.run_dir / f"{arm.name.value}-x{rate_scale:g}"
+            point = run_arm(arm, replace(base, run_dir=run_dir), at_rate(rate_scale), args)
+            results[arm.name.value].setdefault("sweep", []).append({"rate_scale": rate_scale, **sweep_point(point)})
+    if sweep_rates:
+        for summary in results.values():
+            main_point = {"rate_scale": args.rate_scale, **sweep_point(summary)}
+            summary["sweep"] = sorted([main_point, *summary["sweep"]], key=lambda p: p["offered_rps"])
+            points = [SweepPoint(p["offered_rps"], p["slo_attainment"]) for p in summary["sweep"]]
+            summary["goodput_rps"] = goodput(points)
+        if args.plot:
+            plot_ttft_vs_rate(results, args.plot, Slo(args.ttft_slo, args.itl_slo))
     out = {
         **results,
         "run": {
@@ -360,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
         if "kvpilot_router_stages" in summary:
             stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in summary["kvpilot_router_stages"].items())
             print(f"\n{key}: the router's own TTFT stages: {stages}")
+    if sweep_rates:
+        print(f"\nSLOs: TTFT {args.ttft_slo * 1e3:g} ms, ITL {args.itl_slo * 1e3:g} ms, met by 90% of requests")
+        print(sweep_table(results))
     print(f"\nJSON: {args.json}")
     return 0
 

@@ -1,0 +1,24 @@
+"""Goodput from a sweep: SLO attainment per run, and the highest rate that met it."""
+
+from __future__ import annotations
+
+from fleet_goodput import Slo, SweepPoint, attainment, goodput
+from fleet_results import Outcome
+
+SLO = Slo(ttft_s=0.1, itl_s=0.01)
+
+
+def test_a_request_meets_the_slos_only_when_both_hold_and_it_completed() -> None:
+    fast = Outcome(0, sent=0.0, first_token=0.05, last_token=0.15, output_tokens=11)  # itl 0.01
+    slow_first = Outcome(1, sent=0.0, first_token=0.2, last_token=0.3, output_tokens=11)
+    slow_decode = Outcome(2, sent=0.0, first_token=0.05, last_token=1.05, output_tokens=11)
+    one_token = Outcome(3, sent=0.0, first_token=0.05, last_token=0.05, output_tokens=1)
+    failed = Outcome(4, sent=0.0, first_token=None, last_token=None, output_tokens=0, error="503")
+    assert attainment([fast, slow_first, slow_decode, one_token, failed], SLO) == 2 / 5
+    assert attainment([], SLO) == 0.0
+
+
+def test_goodput_is_the_highest_rate_below_the_first_that_failed() -> None:
+    points = [SweepPoint(4.0, 0.95), SweepPoint(1.0, 1.0), SweepPoint(8.0, 0.5), SweepPoint(16.0, 0.92)]
+    assert goodput(points) == 4.0
+    assert goodput([SweepPoint(1.0, 0.89)]) == 0.0
