@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from deploy.env import child_env
-from deploy.fleet_spec import HOST, ROUTER_CONFIG, FleetSpec, ProcessPlan, plan_fleet
+from deploy.fleet_spec import HOST, ROUTER_CONFIG, FleetSpec, PortCollision, ProcessPlan, plan_fleet
 from deploy.observe import PROMETHEUS_CONFIG, ObserveSpec, PrometheusMissing, plan_observe, prometheus_binary
 
 STATE_FILE = "fleet.json"
@@ -146,25 +146,40 @@ def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
-# A traceback's last line, bare or after a vLLM log prefix ("... [core.py:1510] ").
-_EXCEPTION_LINE = re.compile(r"(?:^|\] )((?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception): .+)$", re.MULTILINE)
+# A traceback's last line: bare, after a vLLM log prefix ("... [core.py:1510] "), or
+# after a child process's own ("(EngineCore pid=42) ").
+_EXCEPTION_LINE = re.compile(
+    r"(?:^|\] |^\([\w.]+ pid=\d+\) )((?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception): .+)$", re.MULTILINE
+)
+_NOISE_LINE = re.compile(r"resource_tracker|^\s+warnings\.warn\(")
+"""Log lines that say nothing about why a process died: Python's ``resource_tracker``
+warning at exit (and the source line it quotes) follows every vLLM start failure."""
+ERROR_LINES = 3
+"""How many of a log's distinct exception lines a start failure ends with."""
 
 
-def root_cause(path: str | Path) -> str | None:
-    """The first exception line in a log (``SomeError: message``): in vLLM's logs the
-    engine core's traceback comes before the API server's generic one."""
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
-        return None
-    match = _EXCEPTION_LINE.search(text)
-    return match.group(1) if match else None
+def error_lines(text: str) -> list[str]:
+    """A log's distinct exception lines (``SomeError: message``), in order of first
+    appearance: in vLLM's logs the engine core's traceback (the root cause) comes
+    before the API server's generic one. Empty when there is none."""
+    return list(dict.fromkeys(match.group(1) for match in _EXCEPTION_LINE.finditer(text)))
 
 
 def _start_failure(what: str, info: RunningProcess) -> FleetStartError:
-    cause = root_cause(info.log)
-    headline = f"{what}: {cause}" if cause else what
-    return FleetStartError(f"{headline}\nlast lines of {info.log}:\n{log_tail(info.log)}")
+    """``what`` happened to ``info`` while starting: the message is ``what`` with the
+    root cause, the log's last lines (less the exit noise), and ends with the process's
+    own error lines, root cause first, so that the last lines printed say why."""
+    try:
+        text = Path(info.log).read_text(errors="replace")
+    except OSError:
+        text = ""
+    errors = error_lines(text)
+    tail = [line for line in text.splitlines() if not _NOISE_LINE.search(line)][-LOG_TAIL_LINES:]
+    message = f"{what}: {errors[0]}" if errors else what
+    message += f"\nlast lines of {info.log}:\n" + ("\n".join(tail) or "(empty log)")
+    if errors:
+        message += f"\n{info.name}'s errors, root cause first:\n" + "\n".join(f"  {e}" for e in errors[:ERROR_LINES])
+    return FleetStartError(message)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -269,21 +284,23 @@ def up(
     then Prometheus scraping it (and NIXL's exporter in every engine, if asked).
 
     Raises :class:`FleetStartError` (after stopping everything it started) if a port
-    is taken, an engine dies or is not healthy within ``timeout`` seconds, or the
-    caller is interrupted; and before starting anything when ``observe`` is given
-    but Prometheus is not installed. A fleet already recorded in ``spec.run_dir`` is
+    is taken, a process dies (the message ends with its log's own error lines) or is
+    not healthy within ``timeout`` seconds, or the caller is interrupted; and before
+    starting anything when two planned ports collide (naming both users), or
+    ``observe`` is given but Prometheus is not installed. A fleet already recorded in ``spec.run_dir`` is
     an error.
     """
     if Fleet.load(spec.run_dir) is not None:
         raise FleetStartError(f"a fleet is already recorded in {spec.run_dir}; run `kvpilot fleet down` first")
-    engines, router, router_config = plan_fleet(spec)
-    prometheus: ProcessPlan | None = None
-    if observe is not None:
-        try:
-            binary = prometheus_binary()
-        except PrometheusMissing as exc:
-            raise FleetStartError(str(exc)) from None
-        engines, prometheus, prometheus_config = plan_observe(observe, spec.run_dir, engines, router, binary)
+    try:
+        engines, router, router_config = plan_fleet(spec)
+        prometheus: ProcessPlan | None = None
+        if observe is not None:
+            engines, prometheus, prometheus_config = plan_observe(
+                observe, spec.run_dir, engines, router, prometheus_binary()
+            )
+    except (PortCollision, PrometheusMissing) as exc:
+        raise FleetStartError(str(exc)) from None
     planned = [*engines, router, *([prometheus] if prometheus else [])]
     busy = [port for p in planned for port in (p.port, *p.side_ports) if not port_is_free(port)]
     if busy:
@@ -390,7 +407,14 @@ def _replace(old: RunningProcess, plan: ProcessPlan, logs: Path, timeout: float)
     """Stop ``old``, start ``plan`` in its place and wait for its health."""
     stop_group(old.pid)
     _wait_ports_free(old.ports)
-    proc, new = _spawn(plan, logs, old.health)
+    return start(plan, logs, timeout, old.health)
+
+
+def start(plan: ProcessPlan, logs: Path, timeout: float, health: str = "/health") -> RunningProcess:
+    """Start ``plan`` alone (its log in ``logs``) and return it once ``health`` answers.
+    Raises :class:`FleetStartError` after stopping it if it exits first (the message
+    ends with its log's own error lines) or is not healthy within ``timeout`` seconds."""
+    proc, new = _spawn(plan, logs, health)
     try:
         _wait_healthy([(proc, new)], time.monotonic() + timeout)
     except BaseException:
