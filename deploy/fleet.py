@@ -1,8 +1,9 @@
 """Start, inspect and stop a local fleet: the process side of :mod:`deploy.fleet_spec`.
 
 ``up`` starts every engine in its own process group, with its log in
-``<run_dir>/logs/<name>.log``, waits until all answer ``/health``, then starts the
-router (and, when observed, Prometheus: :mod:`deploy.observe`) and writes
+``<run_dir>/logs/<name>.log``, waits until all answer ``/health``, hands KV from
+every P to every D once (NIXL's handshake, before any client request:
+:mod:`deploy.pair_warmup`), then starts the router (and, when observed, Prometheus: :mod:`deploy.observe`) and writes
 ``<run_dir>/fleet.json``. If an engine dies while starting, or
 the wait times out, or the caller is interrupted (Ctrl-C, SIGTERM), ``up`` stops
 everything it started and raises :class:`FleetStartError` naming the engine, with
@@ -34,6 +35,8 @@ import yaml
 from deploy.env import child_env
 from deploy.fleet_spec import HOST, ROUTER_CONFIG, FleetSpec, PortCollision, ProcessPlan, plan_fleet
 from deploy.observe import PROMETHEUS_CONFIG, ObserveSpec, PrometheusMissing, plan_observe, prometheus_binary
+from deploy.pair_warmup import PairWarmUpError, warm_up_pair
+from routing.config import Role
 
 STATE_FILE = "fleet.json"
 LOG_TAIL_LINES = 40
@@ -274,18 +277,46 @@ def warm_up(url: str, model: str, api_key: str | None = None) -> None:
         resp.read()
 
 
+def _warm_up_pairs(
+    engines: list[RunningProcess], spec: FleetSpec, deadline: float, progress: Callable[[str], object]
+) -> None:
+    """Every (P, D) pair's first KV handoff (:mod:`deploy.pair_warmup`: NIXL's
+    handshake), so that no client request pays it; raises :class:`FleetStartError`
+    naming the pair when one does not succeed by ``deadline``."""
+    for p in (e for e in engines if e.role == Role.PREFILL.value):
+        for d in (e for e in engines if e.role == Role.DECODE.value):
+            started = time.monotonic()
+            try:
+                tries = warm_up_pair(
+                    p.name,
+                    p.url,
+                    d.name,
+                    d.url,
+                    model=spec.served_model_name,
+                    block_size=spec.block_size,
+                    deadline=deadline,
+                    api_key=spec.engine_api_key,
+                )
+            except PairWarmUpError as exc:
+                raise FleetStartError(f"{exc}\nlogs: {p.log}, {d.log}") from None
+            progress(f"  {p.name} -> {d.name}: first KV handoff in {time.monotonic() - started:.1f} s ({tries} tries)")
+
+
 def up(
     spec: FleetSpec,
     timeout: float = 600.0,
     progress: Callable[[str], object] = print,
     observe: ObserveSpec | None = None,
 ) -> Fleet:
-    """Start the fleet and return it once every process is healthy; with ``observe``,
-    then Prometheus scraping it (and NIXL's exporter in every engine, if asked).
+    """Start the fleet and return it once every process is healthy and every (P, D)
+    pair has handed KV over once (its NIXL handshake done: :mod:`deploy.pair_warmup`);
+    with ``observe``, then Prometheus scraping it (and NIXL's exporter in every engine,
+    if asked).
 
     Raises :class:`FleetStartError` (after stopping everything it started) if a port
     is taken, a process dies (the message ends with its log's own error lines) or is
-    not healthy within ``timeout`` seconds, or the caller is interrupted; and before
+    not healthy within ``timeout`` seconds, a pair's first handoff does not succeed
+    within it, or the caller is interrupted; and before
     starting anything when two planned ports collide (naming both users), or
     ``observe`` is given but Prometheus is not installed. A fleet already recorded in ``spec.run_dir`` is
     an error.
@@ -321,6 +352,7 @@ def up(
             for _, info in started:
                 warm_up(info.url, spec.served_model_name, spec.engine_api_key)
             progress(f"  engines healthy and warmed up after {time.monotonic() - t0:.0f} s")
+            _warm_up_pairs([r for _, r in started], spec, t0 + timeout, progress)
             started.append(_spawn(router, logs))
             _wait_healthy(started[-1:], time.monotonic() + 60)
             progress(f"  router on {router.url}")
