@@ -26,6 +26,8 @@ ENGINE_API_KEY_ENV = "KVPILOT_ENGINE_API_KEY"
 """Where the router finds the engines' API key; ``kvpilot fleet up`` reads it too."""
 REPLAY_PORT_OFFSET = 100
 """Engine i serves KV-event replays on ``events_port + REPLAY_PORT_OFFSET + i``."""
+FLEET_TTFT_SLO_S = 60.0
+"""The router's ``server.ttft_slo_s`` in a local fleet (docs/policies.md says why 60 s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,9 @@ class FleetSpec:
     (Dynamo's default thresholds); ``always``: every request is prefilled on P."""
     index_backend: IndexBackend = IndexBackend.KVPILOT
     """The router's block index (``index.backend``): kvpilot's or Dynamo's RadixTree."""
+    ttft_slo_s: float = FLEET_TTFT_SLO_S
+    """The router refuses a request whose predicted TTFT is over this (``server.ttft_slo_s``;
+    0: no SLO)."""
     connector: str = "KVPilotConnector"
     connector_extra_config: dict[str, object] = field(default_factory=dict)
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
@@ -78,6 +83,8 @@ class FleetSpec:
             raise ValueError(f"block_size must be a multiple of 32 on CPU, got {self.block_size}")
         if self.disaggregation not in ("conditional", "always"):
             raise ValueError(f"disaggregation must be 'conditional' or 'always', got {self.disaggregation!r}")
+        if self.ttft_slo_s < 0:
+            raise ValueError(f"ttft_slo_s must be >= 0, got {self.ttft_slo_s}")
         if not isinstance(self.index_backend, IndexBackend):
             raise ValueError(f"index_backend must be an IndexBackend, got {self.index_backend!r}")
 
@@ -221,6 +228,7 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
             "model_name": spec.served_model_name,
             "model_dir": str(spec.model_dir),
             "max_prompt_tokens": spec.max_model_len,
+            "ttft_slo_s": spec.ttft_slo_s,
             **({"engine_api_key_env": ENGINE_API_KEY_ENV} if spec.engine_api_key else {}),
         },
         "index": {"block_size": spec.block_size, "backend": spec.index_backend.value},

@@ -35,6 +35,7 @@ def test_plan_gives_each_engine_its_ports_core_and_connector() -> None:
         "model_name": "tiny",
         "model_dir": "/m",
         "max_prompt_tokens": 8192,
+        "ttft_slo_s": 60.0,  # admission by predicted TTFT is on in a fleet
     }
     assert router.side_ports == (5700, 5701, 5702)  # the router binds the event endpoints
     workers = config["workers"]  # type: ignore[index]  # plan_fleet types the config dict[str, object]
@@ -64,6 +65,7 @@ def test_router_config_parses_and_always_disaggregates_on_request(tmp_path: Path
         ({"prefill": -1}, ">= 0"),
         ({"disaggregation": "sometimes"}, "conditional"),
         ({"index_backend": "redis"}, "index_backend"),
+        ({"ttft_slo_s": -1.0}, "ttft_slo_s"),
     ],
 )
 def test_invalid_fleets_are_refused(kw: dict, message: str) -> None:
