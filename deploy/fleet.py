@@ -1,13 +1,14 @@
 """Start, inspect and stop a local fleet: the process side of :mod:`deploy.fleet_spec`.
 
-``up`` starts every engine in its own process group, with its log in
-``<run_dir>/logs/<name>.log``, waits until all answer ``/health``, hands KV from
-every P to every D once (NIXL's handshake, before any client request:
-:mod:`deploy.pair_warmup`), then starts the router (and, when observed, Prometheus: :mod:`deploy.observe`) and writes
-``<run_dir>/fleet.json``. If an engine dies while starting, or
-the wait times out, or the caller is interrupted (Ctrl-C, SIGTERM), ``up`` stops
-everything it started and raises :class:`FleetStartError` naming the engine, with
-the tail of its log. ``down`` stops every process group listed in ``fleet.json``,
+``up`` refuses a plan whose ports collide, starts every engine in its own process
+group, with its log in ``<run_dir>/logs/<name>.log``, waits until all answer
+``/health``, hands KV from every P to every D once (NIXL's handshake, before any
+client request: :mod:`deploy.pair_warmup`), then starts the router (and, when
+observed, Prometheus: :mod:`deploy.observe`) and writes ``<run_dir>/fleet.json``. If
+a process dies while starting, or the wait times out, or the caller is interrupted
+(Ctrl-C, SIGTERM), ``up`` stops everything it started and raises
+:class:`FleetStartError` naming the process, with the tail of its log and, last,
+its own error lines. ``down`` stops every process group listed in ``fleet.json``,
 escalating from SIGTERM to SIGKILL, and waits until their ports are free.
 """
 
