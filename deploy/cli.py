@@ -52,6 +52,7 @@ def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
         connector_extra_config=extra,
         disaggregation=args.disaggregation,
         index_backend=IndexBackend(args.index_backend),
+        ttft_slo_s=args.ttft_slo,
         engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None,
     )
 
@@ -125,6 +126,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from deploy.fleet_spec import FLEET_TTFT_SLO_S
     from routing.config import IndexBackend
 
     parser = argparse.ArgumentParser(prog="kvpilot", description="KV, prefix and session caching for vLLM fleets")
@@ -159,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[backend.value for backend in IndexBackend],
         default=IndexBackend.KVPILOT.value,
         help="the router's block index: kvpilot's, or Dynamo's RadixTree (kvpilot[dynamo])",
+    )
+    fl.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=FLEET_TTFT_SLO_S,
+        help="seconds: the router refuses (429/503, Retry-After) a request whose predicted TTFT is over this; 0: off",
     )
     fl.add_argument(
         "--observe",

@@ -39,9 +39,10 @@ class Completion:
 
 
 class HTTPStatusError(RuntimeError):
-    def __init__(self, status: int, body: str) -> None:
+    def __init__(self, status: int, body: str, headers: dict[str, str] | None = None) -> None:
         self.status = status
         self.body = body
+        self.headers = headers or {}
         super().__init__(f"HTTP {status}: {body[:500]}")
 
 
@@ -52,7 +53,7 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> HTTPResponse:
         response: HTTPResponse = urllib.request.urlopen(request, timeout=timeout)
         return response
     except urllib.error.HTTPError as exc:
-        raise HTTPStatusError(exc.code, exc.read().decode(errors="replace")) from None
+        raise HTTPStatusError(exc.code, exc.read().decode(errors="replace"), dict(exc.headers.items())) from None
 
 
 def complete(

@@ -29,8 +29,8 @@ COMPUTED, RECEIVED = PromptTokenSource.LOCAL_COMPUTE.value, PromptTokenSource.EX
 
 
 def demo_prompts(seed: int = 7) -> list[tuple[str, str]]:
-    """(label, prompt): a warm-up (its TTFT includes the one-time NIXL handshake
-    between P and D), a shared prefix with two tasks, and an agent's next step."""
+    """(label, prompt): a first request (``fleet up`` already did the one-time NIXL
+    handshake between P and D), a shared prefix with two tasks, and an agent's next step."""
     rng = random.Random(seed)
     words = [
         "cache",
@@ -52,7 +52,7 @@ def demo_prompts(seed: int = 7) -> list[tuple[str, str]]:
     step_2 = task_a + "\nTool output: " + " ".join(rng.choice(words) for _ in range(300))
     warm_up = "Warm-up: " + " ".join(rng.choice(words) for _ in range(60))
     return [
-        ("warm-up (NIXL handshake)", warm_up),
+        ("first request", warm_up),
         ("task A (cold)", task_a),
         ("task B (shares A's prefix)", task_b),
         ("A, step 2 (extends A)", step_2),

@@ -37,7 +37,7 @@ from deploy.fleet import (
     port_is_free,
     stop_group,
 )
-from deploy.fleet_spec import HOST, ROUTER_CONFIG, ProcessPlan
+from deploy.fleet_spec import HOST, ROUTER_CONFIG, PortCollision, ProcessPlan
 from routing.config import Role
 
 Started = tuple[subprocess.Popen[bytes], RunningProcess]
@@ -90,7 +90,10 @@ def up(spec: DynamoFleetSpec, timeout: float = 120.0, progress: Callable[[str], 
     port is taken, a process dies or is not ready within ``timeout`` seconds."""
     if Fleet.load(spec.run_dir) is not None:
         raise FleetStartError(f"a fleet is already recorded in {spec.run_dir}; run `kvpilot fleet down` first")
-    workers, frontend, router, config = plan_dynamo_fleet(spec)
+    try:
+        workers, frontend, router, config = plan_dynamo_fleet(spec)
+    except PortCollision as exc:
+        raise FleetStartError(str(exc)) from None
     busy = [port for p in (*workers, frontend, router) for port in (p.port, *p.side_ports) if not port_is_free(port)]
     if busy:
         raise FleetStartError(f"ports already in use on {HOST}: {busy}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.env import DYNAMO_LOOPBACK_ENV
-from deploy.fleet_spec import HOST, ROUTER_CONFIG, ProcessPlan
+from deploy.fleet_spec import HOST, ROUTER_CONFIG, ProcessPlan, check_ports
 from routing.config import Role
 
 DISCOVERY_DIR = "discovery"
@@ -155,7 +155,8 @@ def worker_plan(spec: DynamoFleetSpec, role: Role, index: int, ordinal: int) -> 
         argv += ["--bootstrap-ports", str(bootstrap)]
     env = {**spec.dynamo_env, "DYN_TCP_RPC_PORT": str(rpc), "DYN_SYSTEM_PORT": str(system)}
     side = (rpc, events, *((bootstrap,) if role is Role.PREFILL else ()))
-    return ProcessPlan(worker_name(role, index), role, tuple(argv), env, system, side)
+    uses = ("request plane", "KV events", "bootstrap")[: len(side)]
+    return ProcessPlan(worker_name(role, index), role, tuple(argv), env, system, side, uses, "system HTTP")
 
 
 def frontend_plan(spec: DynamoFleetSpec) -> ProcessPlan:
@@ -214,10 +215,13 @@ def router_plan(spec: DynamoFleetSpec) -> ProcessPlan:
 
 def plan_dynamo_fleet(spec: DynamoFleetSpec) -> tuple[list[ProcessPlan], ProcessPlan, ProcessPlan, dict[str, object]]:
     """The workers (by ordinal), the frontend, the router, and the router's config (to be
-    written to ``<run_dir>/router.yaml``)."""
+    written to ``<run_dir>/router.yaml``). Raises :class:`~deploy.fleet_spec.PortCollision`
+    when two of their ports meet."""
     counts: dict[Role, int] = {}
     workers = []
     for ordinal, role in enumerate(spec.roles):
         workers.append(worker_plan(spec, role, counts.get(role, 0), ordinal))
         counts[role] = counts.get(role, 0) + 1
-    return workers, frontend_plan(spec), router_plan(spec), router_config(spec)
+    frontend, router = frontend_plan(spec), router_plan(spec)
+    check_ports([*workers, frontend, router])
+    return workers, frontend, router, router_config(spec)

@@ -1,12 +1,14 @@
 """Start, inspect and stop a local fleet: the process side of :mod:`deploy.fleet_spec`.
 
-``up`` starts every engine in its own process group, with its log in
-``<run_dir>/logs/<name>.log``, waits until all answer ``/health``, then starts the
-router (and, when observed, Prometheus: :mod:`deploy.observe`) and writes
-``<run_dir>/fleet.json``. If an engine dies while starting, or
-the wait times out, or the caller is interrupted (Ctrl-C, SIGTERM), ``up`` stops
-everything it started and raises :class:`FleetStartError` naming the engine, with
-the tail of its log. ``down`` stops every process group listed in ``fleet.json``,
+``up`` refuses a plan whose ports collide, starts every engine in its own process
+group, with its log in ``<run_dir>/logs/<name>.log``, waits until all answer
+``/health``, hands KV from every P to every D once (NIXL's handshake, before any
+client request: :mod:`deploy.pair_warmup`), then starts the router (and, when
+observed, Prometheus: :mod:`deploy.observe`) and writes ``<run_dir>/fleet.json``. If
+a process dies while starting, or the wait times out, or the caller is interrupted
+(Ctrl-C, SIGTERM), ``up`` stops everything it started and raises
+:class:`FleetStartError` naming the process, with the tail of its log and, last,
+its own error lines. ``down`` stops every process group listed in ``fleet.json``,
 escalating from SIGTERM to SIGKILL, and waits until their ports are free.
 """
 
@@ -32,8 +34,10 @@ from typing import Any
 import yaml
 
 from deploy.env import child_env
-from deploy.fleet_spec import HOST, ROUTER_CONFIG, FleetSpec, ProcessPlan, plan_fleet
+from deploy.fleet_spec import HOST, ROUTER_CONFIG, FleetSpec, PortCollision, ProcessPlan, plan_fleet
 from deploy.observe import PROMETHEUS_CONFIG, ObserveSpec, PrometheusMissing, plan_observe, prometheus_binary
+from deploy.pair_warmup import PairWarmUpError, warm_up_pair
+from routing.config import Role
 
 STATE_FILE = "fleet.json"
 LOG_TAIL_LINES = 40
@@ -146,25 +150,40 @@ def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
-# A traceback's last line, bare or after a vLLM log prefix ("... [core.py:1510] ").
-_EXCEPTION_LINE = re.compile(r"(?:^|\] )((?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception): .+)$", re.MULTILINE)
+# A traceback's last line: bare, after a vLLM log prefix ("... [core.py:1510] "), or
+# after a child process's own ("(EngineCore pid=42) ").
+_EXCEPTION_LINE = re.compile(
+    r"(?:^|\] |^\([\w.]+ pid=\d+\) )((?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception): .+)$", re.MULTILINE
+)
+_NOISE_LINE = re.compile(r"resource_tracker|^\s+warnings\.warn\(")
+"""Log lines that say nothing about why a process died: Python's ``resource_tracker``
+warning at exit (and the source line it quotes) follows every vLLM start failure."""
+ERROR_LINES = 3
+"""How many of a log's distinct exception lines a start failure ends with."""
 
 
-def root_cause(path: str | Path) -> str | None:
-    """The first exception line in a log (``SomeError: message``): in vLLM's logs the
-    engine core's traceback comes before the API server's generic one."""
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
-        return None
-    match = _EXCEPTION_LINE.search(text)
-    return match.group(1) if match else None
+def error_lines(text: str) -> list[str]:
+    """A log's distinct exception lines (``SomeError: message``), in order of first
+    appearance: in vLLM's logs the engine core's traceback (the root cause) comes
+    before the API server's generic one. Empty when there is none."""
+    return list(dict.fromkeys(match.group(1) for match in _EXCEPTION_LINE.finditer(text)))
 
 
 def _start_failure(what: str, info: RunningProcess) -> FleetStartError:
-    cause = root_cause(info.log)
-    headline = f"{what}: {cause}" if cause else what
-    return FleetStartError(f"{headline}\nlast lines of {info.log}:\n{log_tail(info.log)}")
+    """``what`` happened to ``info`` while starting: the message is ``what`` with the
+    root cause, the log's last lines (less the exit noise), and ends with the process's
+    own error lines, root cause first, so that the last lines printed say why."""
+    try:
+        text = Path(info.log).read_text(errors="replace")
+    except OSError:
+        text = ""
+    errors = error_lines(text)
+    tail = [line for line in text.splitlines() if not _NOISE_LINE.search(line)][-LOG_TAIL_LINES:]
+    message = f"{what}: {errors[0]}" if errors else what
+    message += f"\nlast lines of {info.log}:\n" + ("\n".join(tail) or "(empty log)")
+    if errors:
+        message += f"\n{info.name}'s errors, root cause first:\n" + "\n".join(f"  {e}" for e in errors[:ERROR_LINES])
+    return FleetStartError(message)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -259,31 +278,61 @@ def warm_up(url: str, model: str, api_key: str | None = None) -> None:
         resp.read()
 
 
+def _warm_up_pairs(
+    engines: list[RunningProcess], spec: FleetSpec, deadline: float, progress: Callable[[str], object]
+) -> None:
+    """Every (P, D) pair's first KV handoff (:mod:`deploy.pair_warmup`: NIXL's
+    handshake), so that no client request pays it; raises :class:`FleetStartError`
+    naming the pair when one does not succeed by ``deadline``."""
+    for p in (e for e in engines if e.role == Role.PREFILL.value):
+        for d in (e for e in engines if e.role == Role.DECODE.value):
+            started = time.monotonic()
+            try:
+                tries = warm_up_pair(
+                    p.name,
+                    p.url,
+                    d.name,
+                    d.url,
+                    model=spec.served_model_name,
+                    block_size=spec.block_size,
+                    deadline=deadline,
+                    api_key=spec.engine_api_key,
+                )
+            except PairWarmUpError as exc:
+                raise FleetStartError(f"{exc}\nlogs: {p.log}, {d.log}") from None
+            progress(f"  {p.name} -> {d.name}: first KV handoff in {time.monotonic() - started:.1f} s ({tries} tries)")
+
+
 def up(
     spec: FleetSpec,
     timeout: float = 600.0,
     progress: Callable[[str], object] = print,
     observe: ObserveSpec | None = None,
 ) -> Fleet:
-    """Start the fleet and return it once every process is healthy; with ``observe``,
-    then Prometheus scraping it (and NIXL's exporter in every engine, if asked).
+    """Start the fleet and return it once every process is healthy and every (P, D)
+    pair has handed KV over once (its NIXL handshake done: :mod:`deploy.pair_warmup`);
+    with ``observe``, then Prometheus scraping it (and NIXL's exporter in every engine,
+    if asked).
 
     Raises :class:`FleetStartError` (after stopping everything it started) if a port
-    is taken, an engine dies or is not healthy within ``timeout`` seconds, or the
-    caller is interrupted; and before starting anything when ``observe`` is given
-    but Prometheus is not installed. A fleet already recorded in ``spec.run_dir`` is
+    is taken, a process dies (the message ends with its log's own error lines) or is
+    not healthy within ``timeout`` seconds, a pair's first handoff does not succeed
+    within it, or the caller is interrupted; and before
+    starting anything when two planned ports collide (naming both users), or
+    ``observe`` is given but Prometheus is not installed. A fleet already recorded in ``spec.run_dir`` is
     an error.
     """
     if Fleet.load(spec.run_dir) is not None:
         raise FleetStartError(f"a fleet is already recorded in {spec.run_dir}; run `kvpilot fleet down` first")
-    engines, router, router_config = plan_fleet(spec)
-    prometheus: ProcessPlan | None = None
-    if observe is not None:
-        try:
-            binary = prometheus_binary()
-        except PrometheusMissing as exc:
-            raise FleetStartError(str(exc)) from None
-        engines, prometheus, prometheus_config = plan_observe(observe, spec.run_dir, engines, router, binary)
+    try:
+        engines, router, router_config = plan_fleet(spec)
+        prometheus: ProcessPlan | None = None
+        if observe is not None:
+            engines, prometheus, prometheus_config = plan_observe(
+                observe, spec.run_dir, engines, router, prometheus_binary()
+            )
+    except (PortCollision, PrometheusMissing) as exc:
+        raise FleetStartError(str(exc)) from None
     planned = [*engines, router, *([prometheus] if prometheus else [])]
     busy = [port for p in planned for port in (p.port, *p.side_ports) if not port_is_free(port)]
     if busy:
@@ -304,6 +353,7 @@ def up(
             for _, info in started:
                 warm_up(info.url, spec.served_model_name, spec.engine_api_key)
             progress(f"  engines healthy and warmed up after {time.monotonic() - t0:.0f} s")
+            _warm_up_pairs([r for _, r in started], spec, t0 + timeout, progress)
             started.append(_spawn(router, logs))
             _wait_healthy(started[-1:], time.monotonic() + 60)
             progress(f"  router on {router.url}")
@@ -390,7 +440,14 @@ def _replace(old: RunningProcess, plan: ProcessPlan, logs: Path, timeout: float)
     """Stop ``old``, start ``plan`` in its place and wait for its health."""
     stop_group(old.pid)
     _wait_ports_free(old.ports)
-    proc, new = _spawn(plan, logs, old.health)
+    return start(plan, logs, timeout, old.health)
+
+
+def start(plan: ProcessPlan, logs: Path, timeout: float, health: str = "/health") -> RunningProcess:
+    """Start ``plan`` alone (its log in ``logs``) and return it once ``health`` answers.
+    Raises :class:`FleetStartError` after stopping it if it exits first (the message
+    ends with its log's own error lines) or is not healthy within ``timeout`` seconds."""
+    proc, new = _spawn(plan, logs, health)
     try:
         _wait_healthy([(proc, new)], time.monotonic() + timeout)
     except BaseException:

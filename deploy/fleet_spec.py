@@ -7,9 +7,11 @@ check the plan without starting anything.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +26,8 @@ ENGINE_API_KEY_ENV = "KVPILOT_ENGINE_API_KEY"
 """Where the router finds the engines' API key; ``kvpilot fleet up`` reads it too."""
 REPLAY_PORT_OFFSET = 100
 """Engine i serves KV-event replays on ``events_port + REPLAY_PORT_OFFSET + i``."""
+FLEET_TTFT_SLO_S = 60.0
+"""The router's ``server.ttft_slo_s`` in a local fleet (docs/policies.md says why 60 s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,9 @@ class FleetSpec:
     (Dynamo's default thresholds); ``always``: every request is prefilled on P."""
     index_backend: IndexBackend = IndexBackend.KVPILOT
     """The router's block index (``index.backend``): kvpilot's or Dynamo's RadixTree."""
+    ttft_slo_s: float = FLEET_TTFT_SLO_S
+    """The router refuses a request whose predicted TTFT is over this (``server.ttft_slo_s``;
+    0: no SLO)."""
     connector: str = "KVPilotConnector"
     connector_extra_config: dict[str, object] = field(default_factory=dict)
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
@@ -76,6 +83,8 @@ class FleetSpec:
             raise ValueError(f"block_size must be a multiple of 32 on CPU, got {self.block_size}")
         if self.disaggregation not in ("conditional", "always"):
             raise ValueError(f"disaggregation must be 'conditional' or 'always', got {self.disaggregation!r}")
+        if self.ttft_slo_s < 0:
+            raise ValueError(f"ttft_slo_s must be >= 0, got {self.ttft_slo_s}")
         if not isinstance(self.index_backend, IndexBackend):
             raise ValueError(f"index_backend must be an IndexBackend, got {self.index_backend!r}")
 
@@ -91,10 +100,49 @@ class ProcessPlan:
     port: int
     side_ports: tuple[int, ...] = ()
     """Other ports it listens on (NIXL's side channel)."""
+    side_port_uses: tuple[str, ...] = ()
+    """What each of ``side_ports`` is for, in order (a collision names it); empty: unnamed."""
+    port_use: str = "HTTP"
+    """What ``port`` is for."""
+
+    def __post_init__(self) -> None:
+        if self.side_port_uses and len(self.side_port_uses) != len(self.side_ports):
+            raise ValueError(f"{self.name}: {len(self.side_ports)} side ports, {len(self.side_port_uses)} uses")
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
+
+    def with_side_port(self, port: int, use: str, env: dict[str, str]) -> ProcessPlan:
+        """This plan listening on ``port`` too (for ``use``), with ``env`` added."""
+        uses = self.side_port_uses or ("side port",) * len(self.side_ports)
+        return dataclasses.replace(
+            self, env={**self.env, **env}, side_ports=(*self.side_ports, port), side_port_uses=(*uses, use)
+        )
+
+    def bound_ports(self) -> list[tuple[int, str]]:
+        """Every port this process binds, with what it is for: ``port`` first."""
+        uses = self.side_port_uses or ("side port",) * len(self.side_ports)
+        return [(self.port, self.port_use), *zip(self.side_ports, uses, strict=True)]
+
+
+class PortCollision(ValueError):
+    """A plan binds one port twice, or a port that is no TCP port; the message names
+    each such port and every user of it."""
+
+
+def check_ports(plans: Iterable[ProcessPlan]) -> None:
+    """Refuse a plan before anything starts: raises :class:`PortCollision` listing
+    every port two processes (or two uses in one) would bind, with both users, and
+    every port outside 1..65535. Returns ``None`` when every port is bound once."""
+    users: dict[int, list[str]] = {}
+    for plan in plans:
+        for port, use in plan.bound_ports():
+            users.setdefault(port, []).append(f"{plan.name}'s {use}")
+    problems = [f"port {port} is planned for {' and '.join(who)}" for port, who in users.items() if len(who) > 1]
+    problems += [f"port {port} ({who[0]}) is not in 1..65535" for port, who in users.items() if not 0 < port < 65536]
+    if problems:
+        raise PortCollision("the fleet's ports collide; move a base port:\n  " + "\n  ".join(problems))
 
 
 def _worker(spec: FleetSpec, role: Role, index: int, ordinal: int) -> Worker:
@@ -152,7 +200,20 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
         **spec.engine_env,
     }
     side_ports = (spec.side_channel_port + ordinal, spec.events_port + REPLAY_PORT_OFFSET + ordinal)
-    return ProcessPlan(worker.name, worker.role, argv, env, spec.engine_port + ordinal, side_ports)
+    uses = (
+        f"NIXL side channel (side channel port + {ordinal})",
+        f"KV-event replay (events port + {REPLAY_PORT_OFFSET} + {ordinal})",
+    )
+    return ProcessPlan(
+        worker.name,
+        worker.role,
+        argv,
+        env,
+        spec.engine_port + ordinal,
+        side_ports,
+        uses,
+        f"HTTP (engine port + {ordinal})",
+    )
 
 
 def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
@@ -167,6 +228,7 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
             "model_name": spec.served_model_name,
             "model_dir": str(spec.model_dir),
             "max_prompt_tokens": spec.max_model_len,
+            "ttft_slo_s": spec.ttft_slo_s,
             **({"engine_api_key_env": ENGINE_API_KEY_ENV} if spec.engine_api_key else {}),
         },
         "index": {"block_size": spec.block_size, "backend": spec.index_backend.value},
@@ -186,7 +248,8 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
 
 def plan_fleet(spec: FleetSpec) -> tuple[list[ProcessPlan], ProcessPlan, dict[str, object]]:
     """The engines (prefill, then decode, then co-located), the router, and the
-    router's config (to be written to ``<run_dir>/router.yaml``)."""
+    router's config (to be written to ``<run_dir>/router.yaml``). Raises
+    :class:`PortCollision` when two of their ports meet (:func:`check_ports`)."""
     workers: list[Worker] = []
     for role, count in ((Role.PREFILL, spec.prefill), (Role.DECODE, spec.decode), (Role.COLOCATED, spec.colocated)):
         workers += [_worker(spec, role, i, len(workers) + i) for i in range(count)]
@@ -195,5 +258,7 @@ def plan_fleet(spec: FleetSpec) -> tuple[list[ProcessPlan], ProcessPlan, dict[st
     argv = (sys.executable, "-m", "routing.cli", "router", "--config", str(config_path))
     events_ports = tuple(spec.events_port + i for i in range(len(workers)))
     router_env = {ENGINE_API_KEY_ENV: spec.engine_api_key} if spec.engine_api_key else {}
-    router = ProcessPlan("router", None, argv, router_env, spec.router_port, events_ports)
+    events_uses = tuple(f"KV events of {w.name} (events port + {i})" for i, w in enumerate(workers))
+    router = ProcessPlan("router", None, argv, router_env, spec.router_port, events_ports, events_uses)
+    check_ports([*engines, router])
     return engines, router, router_config(spec, workers)

@@ -13,13 +13,12 @@ where apt works); :func:`prometheus_binary` says what to do when it is missing.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.fleet_spec import HOST, ProcessPlan
+from deploy.fleet_spec import HOST, ProcessPlan, check_ports
 
 PROMETHEUS_CONFIG = "prometheus.yml"
 DEFAULT_RULES = Path(__file__).resolve().parents[1] / "grafana" / "alerts.yml"
@@ -101,13 +100,15 @@ def plan_observe(
     spec: ObserveSpec, run_dir: Path, engines: list[ProcessPlan], router: ProcessPlan, binary: str = "prometheus"
 ) -> tuple[list[ProcessPlan], ProcessPlan, dict[str, object]]:
     """The engines (with NIXL's exporter when on), the Prometheus process, and its config
-    (to be written to ``<run_dir>/prometheus.yml``)."""
+    (to be written to ``<run_dir>/prometheus.yml``). Raises
+    :class:`~deploy.fleet_spec.PortCollision` when a port of Prometheus or of an exporter
+    meets another of the fleet's (the router's too)."""
     if spec.nixl_telemetry:
         engines = [
-            dataclasses.replace(
-                e,
-                env={**e.env, **nixl_telemetry_env(spec.nixl_port_of(i))},
-                side_ports=(*e.side_ports, spec.nixl_port_of(i)),
+            e.with_side_port(
+                spec.nixl_port_of(i),
+                f"NIXL Prometheus exporter ({'Prometheus port + 1' if spec.nixl_port is None else 'NIXL port'} + {i})",
+                nixl_telemetry_env(spec.nixl_port_of(i)),
             )
             for i, e in enumerate(engines)
         ]
@@ -118,5 +119,6 @@ def plan_observe(
         "--storage.tsdb.retention.time=2d",
         f"--web.listen-address={HOST}:{spec.port}",
     )
-    process = ProcessPlan("prometheus", None, argv, {}, spec.port)
+    process = ProcessPlan("prometheus", None, argv, {}, spec.port, port_use="HTTP (--prometheus-port)")
+    check_ports([*engines, router, process])
     return engines, process, prometheus_config(spec, engines, router)

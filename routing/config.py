@@ -230,6 +230,12 @@ class ServerConfig(TypedConfig, frozen=True):
     """Requests waiting for a slot; more are refused at once (429)."""
     queue_timeout_s: float = 30.0
     """A queued request not admitted within this is refused (503)."""
+    ttft_slo_s: float = 0.0
+    """A routed request whose predicted TTFT (:mod:`routing.decide.rates`: queue,
+    prefill, transfer, first decode step) is over this is refused before any engine
+    sees it: 429 when the queue ahead of it is what puts it over, else 503, both with
+    ``Retry-After`` (:func:`routing.serve.admission.check_ttft_slo`). 0: no SLO (the
+    router's default; ``kvpilot fleet up`` sets one, docs/policies.md)."""
     max_retries: int = 1
     """A request whose decode worker failed before anything reached the client
     (no answer, 5xx, timeout) is tried again this many times on other decode workers."""
@@ -258,6 +264,7 @@ class ServerConfig(TypedConfig, frozen=True):
             "max_queued_requests",
             "circuit_failures",
             "max_retries",
+            "ttft_slo_s",
             at_least=0,
         )
         check_range(self, "max_body_bytes", at_least=1024)

@@ -1,10 +1,12 @@
 """Admission control: at most ``max_concurrent`` requests in flight, at most
-``max_queued`` waiting, none waiting longer than ``queue_timeout_s``.
+``max_queued`` waiting, none waiting longer than ``queue_timeout_s``; and none whose
+predicted TTFT is over the SLO (:func:`check_ttft_slo`).
 
 Under overload the router answers early instead of letting every request slow
 down (Mooncake's early rejection; Dynamo answers 529 past its queue threshold):
 a full queue is refused at once (429), a request that waited its whole timeout is
-refused then (503); both carry ``Retry-After``. Runs on the event loop only.
+refused then (503); both carry ``Retry-After``. :class:`Admission` runs on the event
+loop only; :func:`check_ttft_slo` is pure.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from routing.decide.rates import TTFTPrediction
 from routing.serve.refusals import RejectReason
 
 
@@ -73,3 +76,30 @@ class Admission:
             ) from None
         finally:
             self.queued -= 1
+
+
+def check_ttft_slo(prediction: TTFTPrediction, slo_s: float) -> None:
+    """Refuse a routed request whose predicted TTFT (:class:`~routing.decide.rates.TTFTPrediction`:
+    queue + prefill + transfer + first decode step) is over ``slo_s`` seconds, before
+    anything is sent to an engine (Mooncake's early rejection). Returns ``None`` when it
+    meets the SLO, or when ``slo_s`` is 0 (no SLO).
+
+    Raises :class:`Rejected` with reason :attr:`~RejectReason.TTFT_SLO`: 429 when it is
+    load (without the prefill queue ahead of it the request would meet the SLO;
+    ``Retry-After``: that queue's predicted seconds), else 503 (even alone it would not;
+    ``Retry-After``: its predicted TTFT, after which the measured rates may differ). The
+    message names the predicted TTFT, the SLO and each term.
+    """
+    ttft = prediction.seconds
+    if not slo_s or ttft <= slo_s:
+        return
+    queue = prediction.queue.seconds
+    terms = (
+        f"queue {queue:.3f} s, prefill {prediction.prefill.seconds:.3f} s, "
+        f"transfer {prediction.transfer.seconds:.3f} s, first decode step {prediction.first_step.seconds:.3f} s"
+    )
+    if ttft - queue <= slo_s:
+        message = f"predicted TTFT {ttft:.3f} s is over server.ttft_slo_s ({slo_s:g} s) for the load ahead ({terms})"
+        raise Rejected(RejectReason.TTFT_SLO, 429, max(1, math.ceil(queue)), message)
+    message = f"predicted TTFT {ttft:.3f} s is over server.ttft_slo_s ({slo_s:g} s) even without a queue ({terms})"
+    raise Rejected(RejectReason.TTFT_SLO, 503, max(1, math.ceil(ttft)), message)

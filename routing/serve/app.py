@@ -6,7 +6,9 @@ router, proxy, metrics, pollers) and the HTTP handlers. Per request: admit it
 timeout a 503, both with ``Retry-After``), parse and validate the body (400 naming
 the field; only the fields of :mod:`routing.serve.request_fields` are accepted, so a
 client cannot set ``kv_transfer_params``), tokenize once (chat: render the model's
-chat template first), route (:mod:`routing.decide.router`) and hand the route to the
+chat template first), route (:mod:`routing.decide.router`), refuse a route whose
+predicted TTFT is over ``server.ttft_slo_s`` (429 for load, else 503, with
+``Retry-After``) and hand the route to the
 proxy (:mod:`routing.serve.proxy`: P, fallback, retry, bookkeeping), whose answer is
 written here as JSON or as server-sent events.
 
@@ -64,7 +66,7 @@ from routing.metrics.collectors import (
     PairHealthCollector,
 )
 from routing.metrics.router_metrics import RouterMetrics
-from routing.serve.admission import Admission, Rejected
+from routing.serve.admission import Admission, Rejected, check_ttft_slo
 from routing.serve.chat import ChatError, ChatTemplate, chat_to_completion_body
 from routing.serve.proxy import Proxy, ProxyRequest, error_reply
 from routing.serve.refusals import BadRequest, RejectReason
@@ -479,11 +481,21 @@ class RouterServer:
     async def _serve_admitted(self, request: web.Request, chat: bool) -> web.StreamResponse:
         """Parse, route and hand the route to the proxy."""
         started = time.perf_counter()
+        assert self._proxy is not None, "the app has not started"
+        slo_s = self.config.server.ttft_slo_s
         try:
             body = await self._body(request, chat)
             engine_body = chat_to_completion_body(body) if chat else dict(body)
             token_ids, session = self._prompt(request, body, chat)
-            route = self._route(request, token_ids, body, chat, session)
+            # a session's chain advances with its route: priced on a dry run first, so
+            # that a refused step leaves the session as it was
+            checked_first = bool(slo_s) and session is not None
+            route = self._route(request, token_ids, body, chat, session, dry_run=checked_first)
+            prediction = self._proxy.predict(route) if slo_s else None
+            if prediction is not None:
+                check_ttft_slo(prediction, slo_s)  # raises Rejected: answered by _serve
+            if checked_first:
+                route = self._route(request, token_ids, body, chat, session)
         except (BadRequest, ChatError) as exc:
             return _error(getattr(exc, "status", 400), str(exc))
         for key in SESSION_FIELDS:
@@ -496,7 +508,6 @@ class RouterServer:
             except BadRequest:
                 return None
 
-        assert self._proxy is not None, "the app has not started"
         client = _SSEResponse(request)
         reply = await self._proxy.serve(ProxyRequest(route, engine_body, chat, session, started, reroute), client)
         if reply is None:

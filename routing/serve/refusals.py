@@ -15,6 +15,7 @@ class RejectReason(str, enum.Enum):
     MAX_TOKENS = "max_tokens"  # max_tokens over server.max_output_tokens (400)
     QUEUE_FULL = "queue_full"  # admission: the queue is full (429)
     QUEUE_TIMEOUT = "queue_timeout"  # admission: waited past server.queue_timeout_s (503)
+    TTFT_SLO = "ttft_slo"  # admission: predicted TTFT over server.ttft_slo_s (429 for load, else 503)
     UNAUTHORIZED = "unauthorized"  # missing or wrong API key (401)
 
 

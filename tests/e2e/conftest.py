@@ -32,13 +32,18 @@ def tokenizer(model_dir: Path) -> PromptTokenizer:
 
 
 @pytest.fixture(scope="module")
-def pd_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[fleet_io.Fleet]:
-    """1 prefill + 1 decode engine with KVPilotConnector, behind the router (every request prefilled on P)."""
-    spec = FleetSpec(
+def pd_spec(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FleetSpec:
+    """What :func:`pd_fleet` runs (for restarting its router or an engine)."""
+    return FleetSpec(
         model_dir=model_dir,
         run_dir=tmp_path_factory.mktemp("pd-fleet"),
         disaggregation="always",
         **block_of(__name__).fleet(),
     )
-    with running_fleet(spec) as f:
+
+
+@pytest.fixture(scope="module")
+def pd_fleet(pd_spec: FleetSpec) -> Iterator[fleet_io.Fleet]:
+    """1 prefill + 1 decode engine with KVPilotConnector, behind the router (every request prefilled on P)."""
+    with running_fleet(pd_spec) as f:
         yield f

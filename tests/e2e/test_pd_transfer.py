@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import psutil
@@ -9,7 +10,8 @@ import pytest
 
 from deploy.client import complete
 from deploy.fleet import Fleet
-from deploy.metrics import delta, scrape, settled, total
+from deploy.fleet_spec import FleetSpec
+from deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from kvconnectors import vllm_metrics as vm
 from routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.scenarios import BLOCK_SIZE, KV_BYTES_PER_TOKEN, NIXL_BYTES, PROMPT_TOKENS
@@ -33,6 +35,24 @@ def _words(n: int, seed: int) -> str:
         "session",
     ]
     return " ".join(vocab[(seed * 7 + i * 13 + i // 5) % len(vocab)] for i in range(n))
+
+
+def test_the_first_request_after_ready_is_not_a_fallback(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
+    """First in this module. `fleet up` handed KV from P to D once before it returned
+    (deploy.pair_warmup: NIXL's handshake), so the first client request pays no handshake:
+    it goes P -> D and D receives the prompt's KV over NIXL (issue 20: `make demo`'s
+    first request went `fallback` at 38.5 s TTFT)."""
+    decode = pd_fleet.by_role("decode")[0]
+    before_d, before_router = scrape(decode.url), scrape(pd_fleet.router.url)
+    assert total(before_router, "kvpilot_router_decisions_total") == 0  # nothing routed before this one
+    assert delta(before_d, {}, PROMPT_TOKENS, source="external_kv_transfer") > 0  # the warm-up's handoff
+    token_ids = tokenizer.prompt_token_ids(_words(300, seed=11))
+    out = complete(pd_fleet.router.url, token_ids, max_tokens=4)
+    after_d = settled(decode.url, before_d)
+    assert out.headers.get("X-KVPilot-Route") == "remote_prefill", out.headers
+    assert delta(scrape(pd_fleet.router.url), before_router, "kvpilot_router_prefill_fallbacks_total") == 0
+    received = delta(after_d, before_d, PROMPT_TOKENS, source="external_kv_transfer")
+    assert received >= len(token_ids) // BLOCK_SIZE * BLOCK_SIZE, received
 
 
 def test_disaggregated_output_equals_colocated(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
@@ -116,7 +136,6 @@ print("RESULT " + json.dumps({"completed": result["completed"], "failed": result
 def test_vllm_bench_serve_drives_the_router(pd_fleet: Fleet, model_dir, tmp_path) -> None:
     """The client vLLM ships (``vllm bench serve``, streaming completions with
     ``stream_options``) through the router's P->D path: every request completes."""
-    import json
     import subprocess
     import sys
 
@@ -162,6 +181,33 @@ def test_vllm_bench_serve_drives_the_router(pd_fleet: Fleet, model_dir, tmp_path
     assert json.loads(lines[-1][7:]) == {"completed": 6, "failed": 0}
     # each prompt went P->D (and vllm bench serve's own single-prompt test run, when it sends one)
     assert delta(scrape(router), before, "kvpilot_router_decisions_total", kind="remote_prefill") >= 6
+
+
+def test_an_impossible_ttft_slo_is_refused_and_the_fleet_serves_the_next_request(
+    pd_spec: FleetSpec, pd_fleet: Fleet, tokenizer: PromptTokenizer
+) -> None:
+    """With an SLO no prediction meets, the router refuses at once (503, Retry-After, a
+    message naming the predicted TTFT and the SLO) and sends the engines nothing; with the
+    fleet's own SLO back, the next request is served P -> D."""
+    from deploy.client import HTTPStatusError
+    from deploy.fleet import restart_router
+
+    token_ids = tokenizer.prompt_token_ids(_words(200, seed=12))
+    strict = restart_router(pd_spec, ["--ttft-slo-s", "1e-9"])
+    finished = {e.url: total(scrape(e.url), vm.REQUEST_SUCCESS.total) for e in pd_fleet.engines}
+    with pytest.raises(HTTPStatusError) as refused:
+        complete(strict.router.url, token_ids, max_tokens=4)
+    assert refused.value.status == 503, refused.value
+    message = json.loads(refused.value.body)["error"]["message"]
+    assert "predicted TTFT" in message and "server.ttft_slo_s (1e-09 s)" in message, message
+    assert int(refused.value.headers["Retry-After"]) >= 1
+    assert total(scrape(strict.router.url), "kvpilot_router_rejected_total", reason="ttft_slo") == 1
+    for url, count in finished.items():  # no engine saw it (vLLM counts a finished request late: wait a little)
+        later = wait_for_metric(url, vm.REQUEST_SUCCESS.total, lambda n, count=count: n > count, timeout=3.0)
+        assert total(later, vm.REQUEST_SUCCESS.total) == count, url
+    served = restart_router(pd_spec)
+    out = complete(served.router.url, token_ids, max_tokens=4)
+    assert out.headers.get("X-KVPilot-Route") == "remote_prefill" and out.tokens
 
 
 def test_prefill_failure_falls_back_to_local_prefill_on_decode(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:

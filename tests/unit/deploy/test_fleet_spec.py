@@ -35,6 +35,7 @@ def test_plan_gives_each_engine_its_ports_core_and_connector() -> None:
         "model_name": "tiny",
         "model_dir": "/m",
         "max_prompt_tokens": 8192,
+        "ttft_slo_s": 60.0,  # admission by predicted TTFT is on in a fleet
     }
     assert router.side_ports == (5700, 5701, 5702)  # the router binds the event endpoints
     workers = config["workers"]  # type: ignore[index]  # plan_fleet types the config dict[str, object]
@@ -64,6 +65,7 @@ def test_router_config_parses_and_always_disaggregates_on_request(tmp_path: Path
         ({"prefill": -1}, ">= 0"),
         ({"disaggregation": "sometimes"}, "conditional"),
         ({"index_backend": "redis"}, "index_backend"),
+        ({"ttft_slo_s": -1.0}, "ttft_slo_s"),
     ],
 )
 def test_invalid_fleets_are_refused(kw: dict, message: str) -> None:
@@ -87,3 +89,61 @@ def test_an_engine_api_key_reaches_engines_and_router_by_environment_only() -> N
     engines, router, config = plan_fleet(_spec())
     assert all("VLLM_API_KEY" not in e.env for e in engines) and router.env == {}
     assert "engine_api_key_env" not in config["server"]  # type: ignore[operator]  # dict[str, object]
+
+
+def test_the_measured_collision_is_refused_before_anything_starts_naming_both_users() -> None:
+    """`kvpilot fleet up --observe --prometheus-port 18820 --events-port 18720` put NIXL's
+    exporter of the first engine on the second engine's replay port (18721 + 100), and
+    the first engine's replay port on Prometheus' own."""
+    from deploy.fleet_spec import PortCollision
+    from deploy.observe import ObserveSpec, plan_observe
+
+    spec = _spec(events_port=18720)
+    engines, router, _ = plan_fleet(spec)  # the fleet alone does not collide
+    with pytest.raises(PortCollision) as refused:
+        plan_observe(ObserveSpec(port=18820), spec.run_dir, engines, router)
+    message = str(refused.value)
+    assert (
+        "port 18821 is planned for prefill-0's NIXL Prometheus exporter (Prometheus port + 1 + 0) and "
+        "decode-0's KV-event replay (events port + 100 + 1)" in message
+    )
+    assert (
+        "port 18820 is planned for prefill-0's KV-event replay (events port + 100 + 0) and prometheus's HTTP" in message
+    )
+    engines, router, _ = plan_fleet(_spec(events_port=18720))
+    plan_observe(ObserveSpec(port=18900), spec.run_dir, engines, router)  # moved: no collision
+
+
+@pytest.mark.parametrize(
+    ("kw", "port", "users"),
+    [
+        # engine 1's HTTP port is the router's
+        (
+            {"prefill": 1, "decode": 1, "engine_port": 7999, "router_port": 8000},
+            8000,
+            ("decode-0's HTTP", "router's HTTP"),
+        ),
+        # the side channels run into the first KV-event port the router binds
+        (
+            {"prefill": 1, "decode": 2, "side_channel_port": 5698},
+            5700,
+            ("decode-1's NIXL", "router's KV events of prefill-0"),
+        ),
+        # one process twice: engine 0's replay port (events port + 100) is its side channel
+        ({"events_port": 5500, "side_channel_port": 5600}, 5600, ("prefill-0's NIXL", "prefill-0's KV-event replay")),
+    ],
+)
+def test_colliding_fleet_ports_are_refused(kw: dict, port: int, users: tuple[str, str]) -> None:
+    from deploy.fleet_spec import PortCollision
+
+    with pytest.raises(PortCollision, match=f"port {port} is planned for ") as refused:
+        plan_fleet(_spec(**kw))
+    line = next(line for line in str(refused.value).splitlines() if f"port {port} " in line)
+    assert all(user in line for user in users), line
+
+
+def test_a_port_beyond_tcp_is_refused() -> None:
+    from deploy.fleet_spec import PortCollision
+
+    with pytest.raises(PortCollision, match=r"port 65536 \(prefill-0's KV-event replay .*\) is not in 1..65535"):
+        plan_fleet(_spec(events_port=65436))

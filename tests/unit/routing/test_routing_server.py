@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
@@ -352,6 +353,32 @@ def test_overload_is_refused_early_with_retry_after(model_dir):
         scenario,
         server_extra={"max_concurrent_requests": 1, "max_queued_requests": 1, "queue_timeout_s": 1.0},
     )
+
+
+def test_a_request_predicted_over_the_ttft_slo_is_refused_before_any_engine_sees_it(model_dir):
+    """An SLO no prediction can meet: every request, with or without a session, is a 503
+    with ``Retry-After`` naming the predicted TTFT and the SLO, counted, and no engine
+    sees it; the session is left as it was, and the router keeps answering."""
+
+    async def scenario(client, router, engines):
+        for headers in ({}, {"X-Session-ID": "s1"}):
+            resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers=headers)
+            message = (await resp.json())["error"]["message"]
+            assert resp.status == 503 and int(resp.headers["Retry-After"]) >= 1, (resp.status, message)
+            assert "predicted TTFT" in message and "server.ttft_slo_s (1e-09 s)" in message
+        assert not engines["prefill-0"].bodies and not engines["decode-0"].bodies
+        state = router.router.sessions.get("s1")
+        assert state is None or state.chain is None  # the refused step did not advance it
+        metrics = await (await client.get("/metrics")).text()
+        assert 'kvpilot_router_rejected_total{reason="ttft_slo"} 2.0' in metrics
+        assert (await client.get("/health")).status == 200 and _idle(router)
+        # the same router with the SLO off serves the next request
+        off = msgspec.structs.replace(router.config.server, ttft_slo_s=0.0)
+        router.config = msgspec.structs.replace(router.config, server=off)
+        resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert resp.status == 200 and engines["decode-0"].bodies
+
+    run(model_dir, PD, scenario, server_extra={"ttft_slo_s": 1e-9})
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,64 @@
+"""A process that cannot start: ``fleet up`` says why, with the process's own error
+lines last (a real router process whose KV-event port this test holds)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy import fleet as fleet_io
+from deploy.fleet_spec import ROUTER_CONFIG, FleetSpec, plan_fleet
+from tests.fakes.ports import free_ports
+
+
+def test_a_router_that_cannot_bind_its_event_port_is_stopped_and_its_own_error_printed_last(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    router_port, engine_port, side, events = free_ports(4)
+    spec = FleetSpec(
+        model_dir=tiny_model_dir,
+        run_dir=tmp_path,
+        prefill=0,
+        decode=1,
+        engine_port=engine_port,
+        side_channel_port=side,
+        events_port=events,
+        router_port=router_port,
+    )
+    _, router, config = plan_fleet(spec)
+    (tmp_path / ROUTER_CONFIG).write_text(yaml.safe_dump(config))
+    (tmp_path / "logs").mkdir()
+    with socket.socket() as held:  # the port the router must bind for decode-0's KV events
+        held.bind(("127.0.0.1", events))
+        held.listen()
+        with pytest.raises(fleet_io.FleetStartError) as failed:
+            fleet_io.start(router, tmp_path / "logs", timeout=60)
+    message = str(failed.value).splitlines()
+    assert message[0].startswith("router exited with code ")
+    in_use = f"Address already in use (addr='tcp://127.0.0.1:{events}')"
+    assert in_use in message[0], message[0]
+    assert message[-2] == "router's errors, root cause first:", message[-4:]
+    assert in_use in message[-1] and "resource_tracker" not in "\n".join(message)
+    assert fleet_io.port_is_free(router_port)  # it was stopped
+
+
+def test_error_lines_take_exception_lines_from_every_prefix_and_skip_the_rest() -> None:
+    log = "\n".join(
+        [
+            "(APIServer pid=1) WARNING ... like `OSError: [Errno 24] Too many open files`. Consider ulimit",
+            "(EngineCore pid=2) ERROR 12-01 16:14:39 [core.py:1510] zmq.error.ZMQError: Address already in use",
+            "(EngineCore pid=2) ValueError: raw, from a child's stderr",
+            "RuntimeError: Engine core initialization failed. See root cause above.",
+            "RuntimeError: Engine core initialization failed. See root cause above.",
+            "/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: leaked",
+        ]
+    )
+    assert fleet_io.error_lines(log) == [
+        "zmq.error.ZMQError: Address already in use",
+        "ValueError: raw, from a child's stderr",
+        "RuntimeError: Engine core initialization failed. See root cause above.",
+    ]
+    assert fleet_io.error_lines("INFO all good\n") == []
