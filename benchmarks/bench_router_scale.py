@@ -351,15 +351,15 @@ class ThreadedProfile:
 def index_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
     log("index memory per (block, worker) entry")
     rows = []
-    for backend in IndexBackend:
+    for backend in (*(b.value for b in IndexBackend), "radix-tree"):
         for shape in ("distinct", "shared"):
             for how in ("rss", "tracemalloc"):
-                cmd = [sys.executable, str(REPO / "scale_memory.py"), "--backend", backend.value, "--shape", shape]
+                cmd = [sys.executable, str(REPO / "scale_memory.py"), "--backend", backend, "--shape", shape]
                 cmd += ["--measure", how, "--workers", str(args.memory_workers), "--blocks", str(args.memory_blocks)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
                 rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
                 r = rows[-1]
-                log(f"  memory {backend.value} {shape} {how}: {r['bytes_per_entry']:.1f} B per entry ({r['entries']})")
+                log(f"  memory {backend} {shape} {how}: {r['bytes_per_entry']:.1f} B per entry ({r['entries']})")
     return rows
 
 

@@ -9,7 +9,12 @@ distinct blocks) and ``shared`` (every worker holds the same chains: one block, 
 workers, as a prefix cached fleet-wide). Ways of measuring: ``rss`` (the process's
 resident set after building, less before, after a GC: everything, Rust's RadixTree
 included, and what the allocators keep) and ``tracemalloc`` (Python objects still
-allocated: not Dynamo's RadixTree, which lives in Rust). Prints one JSON object.
+allocated: not Dynamo's RadixTree, which lives in Rust). ``--backend radix-tree`` is
+Dynamo's ``RadixTree`` alone, fed Dynamo's own events (``apply_event``, its block and
+token hashes precomputed as a Dynamo worker's publisher sends them): Dynamo's index
+without kvpilot's wrapper (:mod:`routing.index.dynamo` keeps, per worker, the engine
+hashes it holds and their namespaces), the control for Dynamo's own figure. Prints one
+JSON object.
 
     python benchmarks/scale_memory.py --backend kvpilot --shape shared --measure rss
 """
@@ -63,7 +68,31 @@ def ehash(chain: int, k: int) -> int:
     return (chain * 1_000_003 + k + 1) & ((1 << 63) - 1)
 
 
-def build(index: KVIndex, workers: int, blocks: int, shared: bool) -> int:
+RADIX_TREE = "radix-tree"
+
+
+class BareRadixTree:
+    """Dynamo's ``RadixTree`` fed Dynamo's own stored events (see the module doc)."""
+
+    def __init__(self) -> None:
+        from dynamo.llm import RadixTree, compute_block_hash_for_seq
+
+        self.tree = RadixTree()
+        self.local = compute_block_hash_for_seq
+        self.counters = {"applied": 0}
+        self._ids: dict[str, int] = {}
+
+    def apply(self, worker: WorkerId, ev: BlockStored) -> str:
+        wid = self._ids.setdefault(worker, len(self._ids))
+        local = self.local(ev.token_ids, BLOCK_SIZE)
+        blocks = [{"block_hash": h, "tokens_hash": t} for h, t in zip(ev.block_hashes, local, strict=True)]
+        self.counters["applied"] += 1
+        event = {"event_id": self.counters["applied"], "data": {"stored": {"parent_hash": None, "blocks": blocks}}}
+        self.tree.apply_event(wid, json.dumps(event).encode())
+        return "applied"
+
+
+def build(index: KVIndex | BareRadixTree, workers: int, blocks: int, shared: bool) -> int:
     """Every worker stores ``blocks`` blocks (chains of one event each); returns entries."""
     chains = blocks // EVENT_BLOCKS
     for w in range(workers):
@@ -77,13 +106,14 @@ def build(index: KVIndex, workers: int, blocks: int, shared: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=[b.value for b in IndexBackend], default=IndexBackend.KVPILOT.value)
+    backends = [*(b.value for b in IndexBackend), RADIX_TREE]
+    parser.add_argument("--backend", choices=backends, default=IndexBackend.KVPILOT.value)
     parser.add_argument("--shape", choices=["distinct", "shared"], default="distinct")
     parser.add_argument("--measure", choices=["rss", "tracemalloc"], default="rss")
     parser.add_argument("--workers", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=8192, help="blocks per worker (a multiple of 32)")
     args = parser.parse_args(argv)
-    index = make_index(IndexBackend(args.backend))
+    index = BareRadixTree() if args.backend == RADIX_TREE else make_index(IndexBackend(args.backend))
     chain_tokens(0)  # warm the harness's own code paths before the baseline
     gc.collect()
     if args.measure == "tracemalloc":
