@@ -38,6 +38,7 @@ shape and way of measuring), against Dynamo's figure (dynamo#11225: about 17 B a
 floor, 31 B in RSS).
 
     python benchmarks/bench_router_scale.py --workers 16,64,256 --json /tmp/kvpilot-bench-scale.json
+    python benchmarks/bench_router_scale.py --workers 256 --backend dynamo --memory-blocks 0
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -69,7 +71,7 @@ from deploy.metrics import scrape
 from deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
 from routing.config import IndexBackend
 
-REPO = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent
 PORTS = {"worker_port": 28000, "port_stride": 500, "frontend_port": 27990, "router_port": 27980}
 """This benchmark's ports: the mocker 28000-29499 (its request plane, its workers' KV
 events from 28500, its system server 29000), the frontends 27990 and KV_FRONTEND_PORT,
@@ -212,7 +214,8 @@ def profile(pid: int, seconds: float, out: Path) -> dict[str, Any]:
             idle += int(count)
             continue
         own[frames[-1]] += int(count)
-        for frame in {f.split(":")[0] + ")" for f in frames if "(routing/" in f}:  # a function, not a line
+        # a function, not a line; not the entry point, which is in every stack
+        for frame in {f.split(":")[0] + ")" for f in frames if "(routing/" in f and "(routing/cli.py" not in f}:
             inclusive[frame] += int(count)
     busy = sum(own.values())
     return {
@@ -331,8 +334,6 @@ class ThreadedProfile:
     """Runs :func:`profile` on a thread for the duration of a ``with`` block."""
 
     def __init__(self, pid: int, seconds: float, out: Path) -> None:
-        import threading
-
         self.result: dict[str, Any] = {}
         self._thread = threading.Thread(target=lambda: self.result.update(profile(pid, seconds, out)), daemon=True)
 
@@ -354,7 +355,7 @@ def index_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
     for backend in (*(b.value for b in IndexBackend), "radix-tree"):
         for shape in ("distinct", "shared"):
             for how in ("rss", "tracemalloc"):
-                cmd = [sys.executable, str(REPO / "scale_memory.py"), "--backend", backend, "--shape", shape]
+                cmd = [sys.executable, str(HERE / "scale_memory.py"), "--backend", backend, "--shape", shape]
                 cmd += ["--measure", how, "--workers", str(args.memory_workers), "--blocks", str(args.memory_blocks)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
                 rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
