@@ -11,6 +11,12 @@ for every worker itself and is recorded as the fleet's router. It records everyt
 (:func:`deploy.fleet.down`) work unchanged. On any failure it stops what it started and
 raises :class:`~deploy.fleet.FleetStartError`. :func:`join_worker` and
 :func:`leave_worker` start one more worker or stop one, live.
+
+:func:`up_one_process` is the scale benchmark's fleet: every aggregated worker in one
+``dynamo.mocker`` process (:func:`deploy.dynamo_spec.mocker_group_plan`), the frontend
+in direct mode, optionally a second frontend running Dynamo's own router on the same
+workers, and the router, told each instance's KV-event endpoint by
+:func:`map_kv_events` (the workers share one request-plane port, so no port rule can).
 """
 
 from __future__ import annotations
@@ -20,13 +26,26 @@ import json
 import shutil
 import subprocess
 import time
+import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import yaml
+import zmq
 
-from deploy.dynamo_spec import FRONTEND_HEALTH, WORKER_HEALTH, DynamoFleetSpec, plan_dynamo_fleet, worker_plan
+from deploy.dynamo_spec import (
+    FRONTEND_HEALTH,
+    WORKER_HEALTH,
+    DynamoFleetSpec,
+    FrontendRouting,
+    frontend_plan,
+    mocker_group_plan,
+    plan_dynamo_fleet,
+    router_config,
+    router_plan,
+    worker_plan,
+)
 from deploy.fleet import (
     Fleet,
     FleetStartError,
@@ -39,6 +58,7 @@ from deploy.fleet import (
 )
 from deploy.fleet_spec import HOST, ROUTER_CONFIG, PortCollision, ProcessPlan
 from routing.config import Role
+from routing.index.events import BlockStored, EventDecoder
 
 Started = tuple[subprocess.Popen[bytes], RunningProcess]
 
@@ -177,4 +197,152 @@ def _recorded(run_dir: Path) -> Fleet:
     fleet = Fleet.load(run_dir)
     if fleet is None:
         raise FleetStartError(f"no fleet recorded in {run_dir}")
+    return fleet
+
+
+GENERATE_PREFIX = "dynamo%2Fbackend%2Fgenerate%2F"
+"""Dynamo's file discovery names an instance of ``dynamo.backend.generate``
+``$DYN_FILE_KV/v1/instances/<this><instance id in hex>`` (Dynamo 1.6.1)."""
+
+
+def generate_instances(discovery_dir: Path) -> list[int]:
+    """The instance ids of ``dynamo.backend.generate`` in a file discovery directory."""
+    folder = discovery_dir / "v1" / "instances"
+    if not folder.is_dir():
+        return []
+    return sorted(
+        int(json.loads(p.read_text())["instance_id"]) for p in folder.iterdir() if p.name.startswith(GENERATE_PREFIX)
+    )
+
+
+def probe_prompt(k: int) -> list[int]:
+    """Probe ``k``'s prompt: one 32-token block no other probe shares (ids in [7, 2048))."""
+    return [7 + k % 1000, 1007 + k // 1000, *range(100, 130)]
+
+
+def map_kv_events(
+    frontend_url: str, instances: Sequence[int], endpoints: Sequence[str], timeout: float = 30.0
+) -> dict[str, str]:
+    """Which of ``endpoints`` (vLLM-format KV-event PUB sockets) each instance publishes
+    on: subscribes to all, sends instance ``k`` probe ``k``'s prompt through the frontend
+    in direct mode (``x-worker-instance-id``), and maps it to the socket that stores that
+    prompt's block. Returns instance id (hex) -> endpoint; raises TimeoutError naming
+    the instances not heard from within ``timeout`` seconds."""
+    ctx = zmq.Context()
+    socks: dict[zmq.Socket[bytes], str] = {}
+    poller = zmq.Poller()
+    try:
+        for endpoint in endpoints:
+            sock: zmq.Socket[bytes] = ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            socks[sock] = endpoint
+            poller.register(sock, zmq.POLLIN)
+        time.sleep(1.0)  # a SUB misses what is published before it is connected
+        by_first_block = {tuple(probe_prompt(k)): f"{iid:x}" for k, iid in enumerate(instances)}
+        for k, iid in enumerate(instances):
+            body = {"model": "tiny", "prompt": probe_prompt(k), "max_tokens": 1}
+            req = urllib.request.Request(
+                f"{frontend_url}/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json", "x-worker-instance-id": str(iid)},
+            )
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                resp.read()
+        found: dict[str, str] = {}
+        decoder = EventDecoder()
+        deadline = time.monotonic() + timeout
+        while len(found) < len(instances) and time.monotonic() < deadline:
+            for sock, _ in poller.poll(200):
+                frames = sock.recv_multipart()
+                for event in decoder.decode(frames[-1]).events:
+                    if isinstance(event, BlockStored):
+                        instance = by_first_block.get(tuple(event.token_ids[:32]))
+                        if instance is not None:
+                            found[instance] = socks[sock]
+        missing = [f"{iid:x}" for iid in instances if f"{iid:x}" not in found]
+        if missing:
+            raise TimeoutError(f"no KV events within {timeout:.0f} s from instances {missing[:8]} (+{len(missing)})")
+        return found
+    finally:
+        for sock in socks:
+            sock.close()
+        ctx.term()
+
+
+def up_one_process(
+    spec: DynamoFleetSpec,
+    *,
+    kv_frontend_port: int | None = None,
+    kv_frontend_flags: tuple[str, ...] = (),
+    router_overrides: dict[str, dict[str, object]] | None = None,
+    timeout: float = 300.0,
+    progress: Callable[[str], object] = print,
+) -> Fleet:
+    """Start the scale benchmark's fleet (see the module doc) in ``spec.run_dir``: one
+    mocker process of ``spec.workers`` workers, the direct frontend on
+    ``spec.frontend_port``, Dynamo's KV router in a second frontend on
+    ``kv_frontend_port`` (with ``kv_frontend_flags``) when given, and the router
+    (its config's sections updated by ``router_overrides``). Recorded in ``fleet.json``
+    (the mocker, then the frontends, as engines): :func:`deploy.fleet.down` stops it.
+    Raises :class:`FleetStartError` as :func:`up` does."""
+    if Fleet.load(spec.run_dir) is not None:
+        raise FleetStartError(f"a fleet is already recorded in {spec.run_dir}; run `kvpilot fleet down` first")
+    mocker, frontend, router = mocker_group_plan(spec), frontend_plan(spec), router_plan(spec)
+    plans = [mocker, frontend]
+    if kv_frontend_port is not None:
+        kv_spec = dataclasses.replace(
+            spec, frontend_routing=FrontendRouting.KV, frontend_port=kv_frontend_port, frontend_flags=kv_frontend_flags
+        )
+        plans.append(dataclasses.replace(frontend_plan(kv_spec), name="frontend-kv"))
+    busy = [port for p in (*plans, router) for port in (p.port, *p.side_ports) if not port_is_free(port)]
+    if busy:
+        raise FleetStartError(f"ports already in use on {HOST}: {busy}")
+    shutil.rmtree(spec.discovery_dir, ignore_errors=True)
+    spec.discovery_dir.mkdir(parents=True)
+    logs = spec.run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started: list[Started] = []
+    with _sigterm_as_interrupt():
+        try:
+            t0 = time.monotonic()
+            started.append(_spawn(mocker, logs, WORKER_HEALTH))
+            _wait_healthy(started, t0 + timeout)
+            while len(generate_instances(spec.discovery_dir)) < spec.workers:
+                if time.monotonic() > t0 + timeout:
+                    raise TimeoutError(f"{len(generate_instances(spec.discovery_dir))} of {spec.workers} in discovery")
+                time.sleep(0.5)
+            progress(f"  {spec.workers} mocker workers in one process after {time.monotonic() - t0:.1f} s")
+            started += [_spawn(plan, logs, FRONTEND_HEALTH) for plan in plans[1:]]
+            _wait_healthy(started[1:], time.monotonic() + timeout)
+            if kv_frontend_port is not None:
+                wait_for_frontend(f"http://{HOST}:{kv_frontend_port}", spec.served_model_name, timeout)
+            wait_for_frontend(spec.frontend_url, spec.served_model_name, timeout)
+            instances = generate_instances(spec.discovery_dir)
+            endpoints = [f"tcp://{HOST}:{port}" for port in mocker.side_ports[1:]]
+            mapping = map_kv_events(spec.frontend_url, instances, endpoints)
+            progress(f"  frontends up; each instance's KV-event port found after {time.monotonic() - t0:.1f} s")
+            config = router_config(spec)
+            dynamo = dict(config["dynamo"])  # type: ignore[call-overload]
+            dynamo.pop("kv_events_port_offset")
+            config["dynamo"] = {**dynamo, "kv_events_endpoints": mapping}
+            for section, values in (router_overrides or {}).items():
+                config[section] = {**dict(config.get(section) or {}), **values}  # type: ignore[call-overload]
+            (spec.run_dir / ROUTER_CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
+            started.append(_spawn(router, logs))
+            _wait_healthy(started[-1:], time.monotonic() + timeout)
+            wait_for_workers(router.url, lambda names: len(names) == spec.workers, timeout)
+            progress(f"  router on {router.url}, serving {spec.workers} workers, after {time.monotonic() - t0:.1f} s")
+        except TimeoutError as exc:
+            _stop_all(started)
+            raise FleetStartError(f"the scale fleet did not come up: {exc}") from None
+        except BaseException as exc:
+            _stop_all(started)
+            if isinstance(exc, KeyboardInterrupt):
+                raise FleetStartError("interrupted while starting; every process started was stopped") from None
+            raise
+    running = [r for _, r in started]
+    fleet = Fleet(spec.run_dir, tuple(running[:-1]), running[-1])
+    fleet.save()
     return fleet

@@ -159,6 +159,44 @@ def worker_plan(spec: DynamoFleetSpec, role: Role, index: int, ordinal: int) -> 
     return ProcessPlan(worker_name(role, index), role, tuple(argv), env, system, side, uses, "system HTTP")
 
 
+def mocker_group_plan(spec: DynamoFleetSpec, name: str = "mockers") -> ProcessPlan:
+    """All of an aggregated spec's ``workers`` in ONE ``dynamo.mocker`` process
+    (``--num-workers``; the scale benchmark's 256 workers on 2 cores: one process each
+    would not fit). They share its request plane (``DYN_TCP_RPC_PORT`` = ``worker_port``)
+    and its system server (``worker_port + 2s``; the first worker binds it, the others
+    log that it is taken); worker ``i`` publishes its KV events on ``worker_port + s + i``.
+    A shared request-plane port tells no worker apart, so the router needs each
+    instance's events endpoint by id (``dynamo.kv_events_endpoints``), and no worker can
+    leave alone. Raises ValueError for a disaggregated spec."""
+    if not spec.workers:
+        raise ValueError("one mocker process holds aggregated workers only")
+    events = [spec.worker_port + spec.port_stride + i for i in range(spec.workers)]
+    system = spec.worker_port + 2 * spec.port_stride
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo.mocker",
+        "--model-path",
+        str(spec.model_dir),
+        "--model-name",
+        spec.served_model_name,
+        "--num-workers",
+        str(spec.workers),
+        *DYNAMO_PLANES,
+        "--zmq-kv-events-ports",
+        ",".join(map(str, events)),
+        "--block-size",
+        str(spec.block_size),
+        "--speedup-ratio",
+        str(spec.speedup_ratio),
+        "--disaggregation-mode",
+        MOCKER_MODES[Role.COLOCATED],
+        *spec.mocker_flags,
+    ]
+    env = {**spec.dynamo_env, "DYN_TCP_RPC_PORT": str(spec.worker_port), "DYN_SYSTEM_PORT": str(system)}
+    return ProcessPlan(name, Role.COLOCATED, tuple(argv), env, system, (spec.worker_port, *events))
+
+
 def frontend_plan(spec: DynamoFleetSpec) -> ProcessPlan:
     """Dynamo's frontend: in direct mode each request goes to the instances it names;
     otherwise the frontend routes (``spec.frontend_routing``, ``spec.frontend_flags``), once

@@ -54,6 +54,8 @@ user can paste them::
       discovery_interval_s: 1.0          # how often joins and departures are picked up
       kv_events_port_offset: 0           # a worker's vLLM KV events: its request-plane port + this, or
       kv_events_port: 0                  #   this same port on every worker's host (one worker per host)
+      kv_events_endpoints: {}            # instance id (hex) -> tcp://host:port, before both rules (several
+                                         #   workers in one process share a request-plane port)
     workers:                             # Worker; routing.fleet checks the fleet (empty beside Dynamo)
       - name: prefill-0
         role: prefill                    # prefill | decode | colocated
@@ -312,7 +314,10 @@ class DynamoConfig(TypedConfig, frozen=True):
     are read at ``tcp://<its request-plane host>:<port>``, the port being its
     request-plane port plus ``kv_events_port_offset`` (many workers on one host, each
     started with its own ``DYN_TCP_RPC_PORT``) or ``kv_events_port`` (the same port on
-    every host); both 0: no KV events (routed on load alone)."""
+    every host); both 0: no KV events (routed on load alone). ``kv_events_endpoints``
+    names the endpoint of an instance by its id in hex (``40c4d0cf81efebb0``) and comes
+    before both rules: workers that share one process (``dynamo.mocker --num-workers``)
+    share its request-plane port, so no port rule tells them apart."""
 
     error_type = ConfigError
 
@@ -323,6 +328,7 @@ class DynamoConfig(TypedConfig, frozen=True):
     discovery_interval_s: float = 1.0
     kv_events_port_offset: int = 0
     kv_events_port: int = 0
+    kv_events_endpoints: Mapping[str, str] = msgspec.field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
@@ -342,6 +348,15 @@ class DynamoConfig(TypedConfig, frozen=True):
             raise ConfigError("kv_events_port", "set kv_events_port or kv_events_port_offset, not both")
         check_range(self, "kv_events_port", at_least=0, below=65536)
         check_range(self, "kv_events_port_offset", above=-65536, below=65536)
+        for instance, endpoint in self.kv_events_endpoints.items():
+            try:
+                int(instance, 16)
+            except ValueError:
+                raise ConfigError("kv_events_endpoints", f"keys are instance ids in hex, got {instance!r}") from None
+            if not endpoint.startswith("tcp://"):
+                raise ConfigError("kv_events_endpoints", f"{instance}: must be tcp://host:port, got {endpoint!r}")
+        endpoints = {instance.lower(): endpoint for instance, endpoint in self.kv_events_endpoints.items()}
+        msgspec.structs.force_setattr(self, "kv_events_endpoints", MappingProxyType(endpoints))
 
 
 class Role(str, enum.Enum):

@@ -25,7 +25,9 @@ How an instance becomes a worker (:func:`worker_of`, pure):
   (``127.0.0.1:36559/40c4d0cf81efebb0/dynamo/backend/generate``) and the port given by
   :class:`~routing.config.DynamoConfig`: that request-plane port plus
   ``kv_events_port_offset`` (``kvpilot fleet up --dynamo`` starts each worker with
-  ``DYN_TCP_RPC_PORT`` pinned for this), or ``kv_events_port`` on every host. An
+  ``DYN_TCP_RPC_PORT`` pinned for this), or ``kv_events_port`` on every host; or, before
+  both rules, the endpoint ``kv_events_endpoints`` names for the instance's id (workers
+  in one process share its request-plane port: ``dynamo.mocker --num-workers``). An
   address that does not read as ``host:port`` (Dynamo does not promise its format;
   a NATS request plane has none) leaves the worker without events: it is routed on
   load alone.
@@ -76,11 +78,12 @@ def kv_events_endpoint(cfg: DynamoConfig, address: str) -> str | None:
 
 def worker_of(cfg: DynamoConfig, role: Role, instance_id: int, address: str) -> Worker:
     """The router's worker for one Dynamo instance (see the module doc)."""
+    named = cfg.kv_events_endpoints.get(f"{instance_id:x}")
     return Worker(
         name=worker_name(role, instance_id),
         role=role,
         url=cfg.frontend_url,
-        kv_events_endpoint=kv_events_endpoint(cfg, address),
+        kv_events_endpoint=named if named is not None else kv_events_endpoint(cfg, address),
         topic=EVENTS_TOPIC,
     )
 
@@ -119,7 +122,7 @@ class DynamoDiscovery:
             for instance in self._clients[role].instances()
         ]
         workers = [worker_of(self.cfg, role, iid, address) for role, iid, address in found]
-        rule = self.cfg.kv_events_port or self.cfg.kv_events_port_offset
+        rule = self.cfg.kv_events_port or self.cfg.kv_events_port_offset or self.cfg.kv_events_endpoints
         for worker, (_, _, address) in zip(workers, found, strict=True):
             if rule and worker.kv_events_endpoint is None and worker.name not in self._ids:
                 log.warning("worker %s: no KV-events endpoint from %r: routed on load alone", worker.name, address)

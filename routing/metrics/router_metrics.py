@@ -18,6 +18,11 @@ if TYPE_CHECKING:
 
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_DECISION_BUCKETS = (
+    *(25e-6, 50e-6, 100e-6, 150e-6, 200e-6, 300e-6, 400e-6, 500e-6, 750e-6),
+    *(0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1),
+)
+"""The decision alone takes tens of microseconds to milliseconds: finer than the TTFT buckets."""
 _RATIO_BUCKETS = (0.125, 0.25, 0.5, 0.8, 1.25, 2, 4, 8, 16, 64, 256, 1024)
 """Observed over predicted: within 2x is (0.5, 2]; the roofline prior of an H100 on a CPU box is far above 8."""
 
@@ -33,7 +38,10 @@ class RouterMetrics:
     (article section 10.4): ``kvpilot_router_ttft_stage_seconds{stage}`` with
     ``route`` (parse, tokenize, queue for the index lock, decide), ``prefill``
     (P's answer), ``decode_first_token`` (D's first SSE event; streams only),
-    and the client's ``kvpilot_router_ttft_seconds``. Failures:
+    and the client's ``kvpilot_router_ttft_seconds``. The decision alone (the prompt's
+    chain, the index match, the cost of every candidate: ``Router.route`` under the
+    index lock, the wait for the lock excluded; dry runs not counted):
+    ``kvpilot_router_decision_seconds``. Failures:
     ``kvpilot_router_prefill_failures_total{worker,reason}``,
     ``kvpilot_router_prefill_fallbacks_total``, ``kvpilot_router_upstream_errors_total{worker}``.
     Sessions across pools: ``kvpilot_router_session_offers_total{outcome="sent"|"expired"|"unused"}``,
@@ -67,6 +75,12 @@ class RouterMetrics:
         )
         self.ttft = Histogram(
             p + "ttft_seconds", "Time to first token seen by the client (streams)", buckets=_SECONDS_BUCKETS, registry=r
+        )
+        self.decision = Histogram(
+            p + "decision_seconds",
+            "Time of one routing decision (chain, index match, cost of every candidate), under the index lock",
+            buckets=_DECISION_BUCKETS,
+            registry=r,
         )
         self.predicted_ratio = Histogram(
             p + "ttft_observed_over_predicted",

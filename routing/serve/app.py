@@ -447,8 +447,9 @@ class RouterServer:
         request_id = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
         self.watch_events()
         with self.lock:
+            started = time.perf_counter()
             try:
-                return self.router.route(
+                route = self.router.route(
                     token_ids,
                     request_id,
                     cache_salt=body.get("cache_salt"),
@@ -459,6 +460,9 @@ class RouterServer:
                 )
             except NoHealthyWorker as exc:
                 raise BadRequest(str(exc), 503) from None
+            if not dry_run:
+                self.metrics.decision.observe(time.perf_counter() - started)
+            return route
 
     # ---- the proxy ---------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting, plan_dynamo_fleet
+from deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting, mocker_group_plan, plan_dynamo_fleet
 from deploy.env import DYNAMO_LOOPBACK_ENV
 from routing.config import Role, load_config
 from routing.fleet import fleet_from_config
@@ -99,3 +99,13 @@ def test_every_mocker_gets_the_extra_mocker_flags():
     workers, _, _, _ = plan_dynamo_fleet(_spec(prefill=1, decode=1, mocker_flags=("--num-gpu-blocks-override", "512")))
     assert all(_flag(w.argv, "--num-gpu-blocks-override") == "512" for w in workers)
     assert all("--num-gpu-blocks-override" not in w.argv for w in plan_dynamo_fleet(_spec(workers=1))[0])
+
+
+def test_one_mocker_process_holds_every_aggregated_worker_each_with_its_own_events_port():
+    plan = mocker_group_plan(_spec(workers=3, worker_port=28000, port_stride=500, mocker_flags=("--x", "1")))
+    assert _flag(plan.argv, "--num-workers") == "3" and _flag(plan.argv, "--disaggregation-mode") == "agg"
+    assert _flag(plan.argv, "--zmq-kv-events-ports") == "28500,28501,28502"
+    assert plan.env["DYN_TCP_RPC_PORT"] == "28000" and plan.port == 29000  # shared: one request plane
+    assert plan.side_ports == (28000, 28500, 28501, 28502) and plan.argv[-2:] == ("--x", "1")
+    with pytest.raises(ValueError, match="aggregated workers only"):
+        mocker_group_plan(_spec(prefill=1, decode=1))

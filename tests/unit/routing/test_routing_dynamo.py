@@ -74,6 +74,15 @@ def test_an_instance_is_a_worker_named_by_role_and_id_reached_through_the_fronte
     assert worker_of(cfg, Role.DECODE, 7, "nats-subject").kv_events_endpoint is None
 
 
+def test_an_instance_named_in_kv_events_endpoints_is_read_there_before_any_port_rule():
+    # workers in one process share its request-plane port: only their ids tell them apart
+    named = {"588FBDBD1E911894": "tcp://127.0.0.1:28500"}
+    cfg = DynamoConfig(frontend_url=FRONTEND, kv_events_port_offset=100, kv_events_endpoints=named)
+    assert dict(cfg.kv_events_endpoints) == {"588fbdbd1e911894": "tcp://127.0.0.1:28500"}
+    assert worker_of(cfg, Role.DECODE, 0x588FBDBD1E911894, ADDRESS).kv_events_endpoint == "tcp://127.0.0.1:28500"
+    assert worker_of(cfg, Role.DECODE, 7, ADDRESS).kv_events_endpoint == "tcp://127.0.0.1:19271"  # the rule
+
+
 @pytest.mark.parametrize(
     ("section", "message"),
     [
@@ -83,6 +92,8 @@ def test_an_instance_is_a_worker_named_by_role_and_id_reached_through_the_fronte
         ({"discovery_interval_s": 0}, "dynamo.discovery_interval_s: must be a finite number > 0"),
         ({"kv_events_port": 20080, "kv_events_port_offset": 100}, "not both"),
         ({"kv_events_port": 70000}, "dynamo.kv_events_port: must be a finite number >= 0 and < 65536"),
+        ({"kv_events_endpoints": {"decode-1": "tcp://127.0.0.1:1"}}, "keys are instance ids in hex"),
+        ({"kv_events_endpoints": {"1f": "127.0.0.1:1"}}, "1f: must be tcp://host:port"),
     ],
 )
 def test_the_dynamo_section_is_checked_naming_the_field(tmp_path, section, message):

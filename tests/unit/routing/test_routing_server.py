@@ -257,6 +257,7 @@ def test_debug_route_explains_without_sending_and_metrics_count_decisions(model_
         assert resp.headers["X-KVPilot-Decode-Worker"] == "co-1"
         metrics = await (await client.get("/metrics")).text()
         assert 'kvpilot_router_decisions_total{decode="co-1",kind="colocated",prefill="co-1"} 1.0' in metrics
+        assert "kvpilot_router_decision_seconds_count 1.0" in metrics  # the dry run is not counted
         assert "kvpilot_router_prompt_blocks_total 10.0" in metrics
         assert 'kvpilot_router_cached_blocks_total{tier="gpu"} 6.0' in metrics
         assert "kvpilot_router_cache_hit_ratio 0.6" in metrics
