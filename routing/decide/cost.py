@@ -53,6 +53,10 @@ class TierOverlap(NamedTuple):
     shared: int = 0
 
 
+_TIER_ORDER = tuple(TierClass)
+"""TierClass's members, best first (iterating the enum itself is slow on a per-worker path)."""
+
+
 def tier_overlap(
     depths: Mapping[Tier, int], tier_classes: Mapping[str, TierClass], shared_depth: int = 0
 ) -> TierOverlap:
@@ -66,14 +70,14 @@ def tier_overlap(
     >>> tier_overlap({"GPU": 10, "CPU": 25}, {"GPU": TierClass.GPU, "CPU": TierClass.HOST})
     TierOverlap(gpu=10, host=15, disk=0, shared=0)
     """
-    best = dict.fromkeys(TierClass, 0)
+    best = dict.fromkeys(_TIER_ORDER, 0)
     for tier, depth in depths.items():
         klass = tier_classes.get(tier)
         if klass is not None:
             best[klass] = max(best[klass], depth)
     best[TierClass.SHARED] = max(best[TierClass.SHARED], shared_depth)
     covered, out = 0, []
-    for klass in TierClass:  # best first, as TierOverlap's fields
+    for klass in _TIER_ORDER:  # best first, as TierOverlap's fields
         out.append(max(0, best[klass] - covered))
         covered = max(covered, best[klass])
     return TierOverlap(*out)

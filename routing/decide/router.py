@@ -56,7 +56,7 @@ from routing.decide.ledger import LoadLedger, WorkerLoad
 from routing.decide.rates import RateEstimator, predict_ttft
 from routing.decide.sessions import OfferUse, SessionOffer, SessionState, SessionStore
 from routing.fleet import Fleet
-from routing.ids import SessionId, Tier, WorkerId, pair_name
+from routing.ids import SessionId, WorkerId, pair_name
 from routing.index.chain import PromptChain
 from routing.index.kvindex import KVIndex, Match
 
@@ -448,11 +448,12 @@ class Router:
             ),
             default=0,
         )
-        empty: Mapping[Tier, int] = {}
+        idle = tier_overlap({}, self._tiers, shared)  # a worker the match did not name (most of a large fleet)
+        blocks = match.blocks
         return {
-            w.name: tier_overlap(
-                empty if self.events_stale(w.name) else match.blocks.get(w.name, empty), self._tiers, shared
-            )
+            w.name: idle
+            if w.name not in blocks or self.events_stale(w.name)
+            else tier_overlap(blocks[w.name], self._tiers, shared)
             for w in self.fleet.workers
         }
 
