@@ -77,6 +77,10 @@ from routing.serve.vllm_upstream import VllmUpstream
 log = logging.getLogger(__name__)
 
 
+CATCH_UP_WAIT_S = 2.0
+"""How long startup waits per engine for the index to be caught up from its replay buffer
+(each replay fetch gives up after 1 s); then the router serves whatever it has."""
+
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Endpoints that need no API key: liveness probes and Prometheus scrapes."""
 
@@ -246,6 +250,9 @@ class RouterServer:
             # Dynamo's workers bind their event sockets: the feeder connects to them
             self.feeder = IndexFeeder(self.fleet, self.index, self.lock, bind=False if self.discovery else None)
             self.feeder.start()
+            # serve once the index holds what the engines' replay buffers hold (a restart mid-session)
+            wait_s = CATCH_UP_WAIT_S * (1 + len(self.feeder.subscribers))
+            await asyncio.get_running_loop().run_in_executor(None, self.feeder.caught_up.wait, wait_s)
         if self.discovery is not None:
             self.set_fleet(fleet_of(self.discovery.workers()))
             self._background.append(asyncio.create_task(self.discovery.watch(self.set_fleet)))
