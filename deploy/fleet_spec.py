@@ -59,6 +59,11 @@ class FleetSpec:
     engine_env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every engine (e.g. ``{"VLLM_SERVER_DEV_MODE": "1"}``);
     it overrides the planned variables of the same name."""
+    session_store_url: str | None = None
+    """Redis at this URL keeps the router's sessions (``sessions.store: redis``), so a
+    restarted router, or another replica, routes a session's next step as the last one
+    would (docs/sessions.md); ``None``: the router's memory only. The fleet does not start
+    Redis."""
     engine_api_key: str | None = field(default=None, repr=False)
     """vLLM's API key for every engine (its ``/v1`` endpoints answer 401 without it):
     given in the engines' environment (``VLLM_API_KEY``, never on a command line) and
@@ -171,6 +176,7 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
         },
         "index": {"block_size": spec.block_size, "backend": spec.index_backend.value},
         "disaggregation": disaggregation,
+        **({"sessions": {"store": "redis", "redis_url": spec.session_store_url}} if spec.session_store_url else {}),
         "workers": [
             {
                 "name": w.name,

@@ -1,12 +1,13 @@
 """The router's HTTP front (aiohttp): OpenAI-compatible, token ids to the engines.
 
 :class:`RouterServer` is the composition root (index, ledger, sessions, health,
-router, proxy, metrics, pollers) and the HTTP handlers. Per request: admit it
+router, proxy, metrics, pollers, the shared session store) and the HTTP handlers. Per request: admit it
 (:mod:`routing.serve.admission`: a full queue is a 429, a queue wait past its
 timeout a 503, both with ``Retry-After``), parse and validate the body (400 naming
 the field; only the fields of :mod:`routing.serve.request_fields` are accepted, so a
 client cannot set ``kv_transfer_params``), tokenize once (chat: render the model's
-chat template first), route (:mod:`routing.decide.router`) and hand the route to the
+chat template first), take the session's record from the shared store when one is
+configured (:mod:`routing.state.sync`), route (:mod:`routing.decide.router`) and hand the route to the
 proxy (:mod:`routing.serve.proxy`: P, fallback, retry, bookkeeping), whose answer is
 written here as JSON or as server-sent events.
 
@@ -39,10 +40,11 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from routing.config import ConfigError, IndexBackend, IndexConfig, Role, RouterConfig
+from routing.config import ConfigError, IndexBackend, IndexConfig, Role, RouterConfig, SessionConfig, SessionStoreKind
 from routing.decide.ledger import LoadLedger
 from routing.decide.rates import RateEstimator, RolePriors, TTFTPrediction
 from routing.decide.router import NoHealthyWorker, Route, Router, policy_from_config
+from routing.decide.session_record import SessionStateStore
 from routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, SessionStore, scoped, session_key
 from routing.fleet import Fleet, fleet_changes, fleet_of
 from routing.health.circuit import CircuitBreaker
@@ -73,6 +75,7 @@ from routing.serve.sse import sse_event
 from routing.serve.tokenizer import PromptError, PromptTokenizer
 from routing.serve.upstream import Upstream
 from routing.serve.vllm_upstream import VllmUpstream
+from routing.state.sync import SessionSync
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +146,18 @@ def make_index(cfg: IndexConfig) -> KVIndex:
     return BlockIndex(cfg.block_size, kv_group=cfg.kv_group, log_capacity=cfg.removal_log_capacity)
 
 
+def make_session_store(cfg: SessionConfig) -> SessionStateStore | None:
+    """The shared store ``cfg.store`` names (``None``: this router's memory only)."""
+    if cfg.store is SessionStoreKind.MEMORY:
+        return None
+    try:
+        from routing.state.redis_store import RedisSessionStore
+    except ImportError as exc:
+        needs = f"'redis' needs the redis client (pip install 'kvpilot[redis]'): {exc}"
+        raise ConfigError("sessions.store", needs) from None
+    return RedisSessionStore(cfg.redis_url, cfg.store_key_prefix)
+
+
 class RouterServer:
     """Builds the aiohttp app around a :class:`~routing.decide.router.Router`.
 
@@ -197,6 +212,20 @@ class RouterServer:
         self.feeder: IndexFeeder | None = None
         self._feed_index = feed_index
         self.metrics = RouterMetrics(self.worker_names())
+        store = make_session_store(config.sessions)
+        self.session_sync = (
+            None
+            if store is None
+            else SessionSync(
+                store,
+                sessions,
+                self.lock,
+                self.metrics,
+                read_timeout_s=config.sessions.store_read_timeout_s,
+                write_timeout_s=config.sessions.store_write_timeout_s,
+                ttl_s=config.sessions.store_ttl_s,
+            )
+        )
         for collector in (
             LedgerCollector(self.ledger, self.worker_names),
             FeederCollector(lambda: self.feeder),
@@ -245,7 +274,10 @@ class RouterServer:
             self.config.server.max_retries,
             prefill_timeout_s=self.config.server.prefill_timeout_s,
             rates=self.rates,
+            session_served=self.session_sync.push if self.session_sync is not None else None,
         )
+        if self.session_sync is not None:
+            await self.session_sync.start()
         if self._feed_index and (self.discovery is not None or any(w.kv_events_endpoint for w in self.fleet.workers)):
             # Dynamo's workers bind their event sockets: the feeder connects to them
             self.feeder = IndexFeeder(self.fleet, self.index, self.lock, bind=False if self.discovery else None)
@@ -265,6 +297,8 @@ class RouterServer:
         await asyncio.gather(*self._background, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
+        if self.session_sync is not None:
+            await self.session_sync.stop()
         if self.feeder is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.feeder.stop)
         if self.discovery is not None:
@@ -353,6 +387,7 @@ class RouterServer:
             body = await self._body(request, chat=None)
             chat = "messages" in body
             token_ids, session = self._prompt(request, body, chat)
+            await self._pull_session(session)
             route = self._route(request, token_ids, body, chat, session, dry_run=True)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
@@ -431,6 +466,12 @@ class RouterServer:
             raise BadRequest(f"the prompt has {len(token_ids)} tokens, over server.max_prompt_tokens ({limit})")
         return token_ids, session
 
+    async def _pull_session(self, session: SessionId | None) -> None:
+        """Take the shared store's record of ``session`` when it is newer than this router's
+        view (bounded by ``sessions.store_read_timeout_s``; a store outage routes on the local view)."""
+        if session is not None and self.session_sync is not None:
+            await self.session_sync.pull(session)
+
     def _route(
         self,
         request: web.Request,
@@ -485,6 +526,7 @@ class RouterServer:
             body = await self._body(request, chat)
             engine_body = chat_to_completion_body(body) if chat else dict(body)
             token_ids, session = self._prompt(request, body, chat)
+            await self._pull_session(session)
             route = self._route(request, token_ids, body, chat, session)
         except (BadRequest, ChatError) as exc:
             return _error(getattr(exc, "status", 400), str(exc))

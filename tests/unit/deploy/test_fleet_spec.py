@@ -55,6 +55,19 @@ def test_router_config_parses_and_always_disaggregates_on_request(tmp_path: Path
     assert [w.name for w in parsed.workers] == ["prefill-0", "decode-0"]
 
 
+def test_a_fleet_with_a_session_store_starts_its_router_with_it(tmp_path: Path) -> None:
+    import yaml
+
+    from routing.config import SessionStoreKind, load_config
+
+    _, _, config = plan_fleet(_spec(session_store_url="redis://127.0.0.1:6390/0"))
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    sessions = load_config(tmp_path / "router.yaml").sessions
+    assert (sessions.store, sessions.redis_url) == (SessionStoreKind.REDIS, "redis://127.0.0.1:6390/0")
+    _, _, plain = plan_fleet(_spec())
+    assert "sessions" not in plain
+
+
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
