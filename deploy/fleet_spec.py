@@ -59,6 +59,10 @@ class FleetSpec:
     engine_env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every engine (e.g. ``{"VLLM_SERVER_DEV_MODE": "1"}``);
     it overrides the planned variables of the same name."""
+    kv_events_ipc: bool = False
+    """Engine i publishes its KV events on ``ipc://<run_dir>/kv-events-<i>.sock``, which it
+    binds and any number of routers connect to (router replicas, :func:`deploy.fleet.start_router`);
+    ``False``: on ``events_port + i``, which the one router binds."""
     session_store_url: str | None = None
     """Redis at this URL keeps the router's sessions (``sessions.store: redis``), so a
     restarted router, or another replica, routes a session's next step as the last one
@@ -108,7 +112,11 @@ def _worker(spec: FleetSpec, role: Role, index: int, ordinal: int) -> Worker:
         name=WorkerId(f"{role.value}-{index}"),
         role=role,
         url=f"http://{HOST}:{spec.engine_port + ordinal}",
-        kv_events_endpoint=f"tcp://{HOST}:{spec.events_port + ordinal}",
+        kv_events_endpoint=(
+            f"ipc://{spec.run_dir / f'kv-events-{ordinal}.sock'}"
+            if spec.kv_events_ipc
+            else f"tcp://{HOST}:{spec.events_port + ordinal}"
+        ),
         replay_endpoint=f"tcp://{HOST}:{spec.events_port + REPLAY_PORT_OFFSET + ordinal}",
     )
 
@@ -199,7 +207,7 @@ def plan_fleet(spec: FleetSpec) -> tuple[list[ProcessPlan], ProcessPlan, dict[st
     engines = [_engine_plan(spec, worker, ordinal) for ordinal, worker in enumerate(workers)]
     config_path = spec.run_dir / ROUTER_CONFIG
     argv = (sys.executable, "-m", "routing.cli", "router", "--config", str(config_path))
-    events_ports = tuple(spec.events_port + i for i in range(len(workers)))
+    events_ports = () if spec.kv_events_ipc else tuple(spec.events_port + i for i in range(len(workers)))
     router_env = {ENGINE_API_KEY_ENV: spec.engine_api_key} if spec.engine_api_key else {}
     router = ProcessPlan("router", None, argv, router_env, spec.router_port, events_ports)
     return engines, router, router_config(spec, workers)
