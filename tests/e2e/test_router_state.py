@@ -189,7 +189,8 @@ def test_a_session_alternating_between_two_replicas_is_served_as_one_router_serv
     session through Redis; the client sends step 1 to A, 2 to B, 3 to A, 4 to B. Every
     later step gets the session option the by-cost single router gives such a step
     (``local``: D holds the whole history), each replica's index credits D's prefix,
-    and the answers equal a co-located run."""
+    and the answers equal a co-located run. Then B is SIGKILLed (a replica lost) and
+    step 5 goes to A, which serves it as B would have: from the record B wrote."""
     a = fleet.router.url
     replica = start_router(spec, "router-b", REPLICA_PORT)
     try:
@@ -218,6 +219,14 @@ def test_a_session_alternating_between_two_replicas_is_served_as_one_router_serv
         assert delta(after[a], before[a], OPTIONS, option="local") == 1  # step 3
         assert delta(after[b], before[b], OPTIONS, option="local") == 2  # steps 2 and 4
         assert delta(after[b], before[b], RESTORED) == 2 and delta(after[a], before[a], RESTORED) == 1
+
+        os.killpg(replica.pid, signal.SIGKILL)  # replica B lost; its clients fail over to A
+        wait_for_overlap(a, prompt, "decode-0", len(steps[-1][0]) // BLOCK_SIZE)
+        out5 = complete(a, prompt, max_tokens=8, ignore_eos=True, conversation_id=session)
+        assert out5.headers["X-KVPilot-Route"] == "local_prefill"
+        lost = scrape(a)
+        assert delta(lost, after[a], OPTIONS, option="local") == 1 and delta(lost, after[a], RESTORED) == 1
+        steps.append((prompt, out5))
         for n, ((_, out), ref) in enumerate(zip(steps, colocated_steps(_decode_url(fleet), steps), strict=True), 1):
             assert out.same_output(ref), f"step {n}: max logprob diff {out.max_logprob_diff(ref)}"
     finally:
