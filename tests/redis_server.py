@@ -1,61 +1,29 @@
-"""A real ``redis-server`` for the tests (Debian's package; ``scripts/bootstrap.sh``
-installs it): started on 127.0.0.1 with persistence off (``--save '' --appendonly no``),
-stopped when the context ends. Tests that need it skip, saying how to install it, when
-the binary is missing."""
+"""The real ``redis-server`` for the tests (:mod:`deploy.redis_server`), skipping the test
+with the install command when the binary is missing."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import redis
 
-INSTALL_HINT = "redis-server is not installed: `apt-get install -y redis-server` (scripts/bootstrap.sh does it)"
+from deploy import redis_server
+from deploy.redis_server import RedisMissing
 
 
 def redis_binary() -> str:
-    """``redis-server`` on PATH, or the test is skipped with :data:`INSTALL_HINT`."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip(INSTALL_HINT)
-    return binary
+    """``redis-server`` on PATH, or the test is skipped saying how to install it."""
+    try:
+        return redis_server.redis_binary()
+    except RedisMissing as exc:
+        pytest.skip(str(exc))
 
 
 @contextmanager
-def running_redis(port: int, workdir: Path, timeout_s: float = 10.0) -> Iterator[str]:
-    """A ``redis-server`` on ``127.0.0.1:port`` until the context ends; yields its URL."""
-    log = open(workdir / f"redis-{port}.log", "wb")  # noqa: SIM115 (closed below, after the process)
-    proc = subprocess.Popen(
-        [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        cwd=workdir,
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        client = redis.Redis.from_url(url)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {port} did not start: see {log.name}") from None
-                time.sleep(0.05)
-        client.close()
+def running_redis(port: int, workdir: Path) -> Iterator[str]:
+    """:func:`deploy.redis_server.running_redis`, skipped when the binary is missing."""
+    redis_binary()
+    with redis_server.running_redis(port, workdir) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
