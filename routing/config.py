@@ -30,7 +30,7 @@ user can paste them::
       redis_url: redis://127.0.0.1:6379/0    # with store: redis
       store_key_prefix: "kvpilot:"
       store_read_timeout_s: 0.05         # past it, the step is routed on this router's own state
-      store_write_timeout_s: 1.0
+      store_write_timeout_s: 0.05        # the answer waits for the write at most this long
       store_ttl_s: 600.0                 # a record's life when D stated no lease (else D's lease)
     server:                              # the HTTP front (routing.serve.app)
       host: 127.0.0.1
@@ -225,8 +225,9 @@ class SessionConfig(TypedConfig, frozen=True):
     """Every key the router writes starts with this (one Redis may serve several fleets)."""
     store_read_timeout_s: float = 0.05
     """A session's record not read within this is routed on the local state (counted)."""
-    store_write_timeout_s: float = 1.0
-    """A write not acknowledged within this is dropped (counted); writes never delay an answer."""
+    store_write_timeout_s: float = 0.05
+    """A write not acknowledged within this is given up (counted); the answer waits for it
+    at most this long (:mod:`routing.state.sync` says why it waits)."""
     store_ttl_s: float = 600.0
     """How long a record lives when D stated no hold on the session's blocks (else: D's lease)."""
 

@@ -120,8 +120,8 @@ class RouterMetrics:
         )
         self.session_store_seconds = Histogram(
             p + "session_store_seconds",
-            "Session store reads (on the request's path, bounded by sessions.store_read_timeout_s) "
-            "and writes (off it), answered or not",
+            "Session store reads (before routing, bounded by sessions.store_read_timeout_s) "
+            "and writes (after serving, bounded by sessions.store_write_timeout_s), answered or not",
             ["op"],
             buckets=_SECONDS_BUCKETS,
             registry=r,
@@ -129,7 +129,7 @@ class RouterMetrics:
         self.session_store_errors = Counter(
             p + "session_store_errors",
             "Session store reads that failed or timed out (the step was routed on this router's own "
-            "state) and writes that failed, timed out or were dropped (queue full)",
+            "state) and writes that failed or timed out (the next step writes again)",
             ["op"],
             registry=r,
         )

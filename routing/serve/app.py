@@ -276,8 +276,6 @@ class RouterServer:
             rates=self.rates,
             session_served=self.session_sync.push if self.session_sync is not None else None,
         )
-        if self.session_sync is not None:
-            await self.session_sync.start()
         if self._feed_index and (self.discovery is not None or any(w.kv_events_endpoint for w in self.fleet.workers)):
             # Dynamo's workers bind their event sockets: the feeder connects to them
             self.feeder = IndexFeeder(self.fleet, self.index, self.lock, bind=False if self.discovery else None)
@@ -298,7 +296,7 @@ class RouterServer:
         if self._http is not None:
             await self._http.close()
         if self.session_sync is not None:
-            await self.session_sync.stop()
+            await self.session_sync.close()
         if self.feeder is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.feeder.stop)
         if self.discovery is not None:

@@ -37,7 +37,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -120,13 +120,14 @@ class Proxy:
         *,
         prefill_timeout_s: float,
         rates: RateEstimator | None = None,
-        session_served: Callable[[SessionId], None] | None = None,
+        session_served: Callable[[SessionId], Awaitable[None]] | None = None,
     ) -> None:
         """``prefill_timeout_s``: the floor of P's timeout (the whole of it without
         ``rates``). ``rates``: predicts each route's TTFT; learns P's prefill from how
-        long P took to answer (queue included). ``session_served``: called (outside the
+        long P took to answer (queue included). ``session_served``: awaited (outside the
         lock, before the answer is returned) with a session whose step was served and
-        whose state changed; it must not block (the shared store queues a write)."""
+        whose state changed: the shared store writes it; it must not raise and should be
+        bounded."""
         self.upstream = upstream
         self.router = router
         self.lock = lock
@@ -198,7 +199,7 @@ class Proxy:
             with self.lock:
                 self.router.served(request.session, route, decode_params)
             if request.session is not None and self.session_served is not None:
-                self.session_served(request.session)
+                await self.session_served(request.session)
             if answered:
                 self.worker_answered(route.decode)
             self._expect_events(route, p)

@@ -41,7 +41,7 @@ def prefix(request: pytest.FixtureRequest) -> str:
 
 def _sync(url: str, prefix: str, metrics: RouterMetrics, **kw: float) -> tuple[SessionSync, SessionStore]:
     sessions = SessionStore(block_size=4, max_sessions=16)
-    timeouts = {"read_timeout_s": 0.2, "write_timeout_s": 1.0, "ttl_s": 60.0, **kw}
+    timeouts = {"read_timeout_s": 0.2, "write_timeout_s": 0.2, "ttl_s": 60.0, **kw}
     sync = SessionSync(RedisSessionStore(url, prefix), sessions, threading.Lock(), metrics, **timeouts)
     return sync, sessions
 
@@ -62,11 +62,9 @@ def test_a_record_written_by_one_router_is_merged_by_another_and_expires_with_ds
         metrics = RouterMetrics([])
         writer, written = _sync(redis_url, prefix, metrics)
         reader, read = _sync(redis_url, prefix, metrics)
-        await writer.start()
         lease = time.time() + 30
         _served(written, 3, lease)
-        writer.push(S)
-        await writer._queue.join()
+        await writer.push(S)
         assert await reader.pull(S) is True
         state = read.get(S)
         assert (state.steps, state.last_worker, state.last_prefill) == (3, "decode-0", "prefill-0")
@@ -75,8 +73,8 @@ def test_a_record_written_by_one_router_is_merged_by_another_and_expires_with_ds
         assert _value(metrics, "kvpilot_router_session_store_restored_total") == 1
         ttl_ms = redis.Redis.from_url(redis_url).pttl(prefix + "session:" + S)
         assert 28_000 < ttl_ms <= 30_000  # D's lease, not store_ttl_s (60 s)
-        await writer.stop()
-        await reader.stop()
+        await writer.close()
+        await reader.close()
 
     asyncio.run(main())
 
@@ -85,20 +83,17 @@ def test_a_record_without_a_lease_lives_store_ttl_s_and_a_lapsed_lease_drops_the
     async def main() -> None:
         metrics = RouterMetrics([])
         sync, sessions = _sync(redis_url, prefix, metrics, ttl_s=45.0)
-        await sync.start()
         key = prefix + "session:" + S
         client = redis.Redis.from_url(redis_url)
         _served(sessions, 1, None)
-        sync.push(S)
-        await sync._queue.join()
+        await sync.push(S)
         assert 43_000 < client.pttl(key) <= 45_000
         _served(sessions, 2, time.time() - 1)  # D's hold already over when written
-        sync.push(S)
-        await sync._queue.join()
+        await sync.push(S)
         stored = SessionRecord.from_bytes(client.get(key))
         assert (stored.steps, stored.offer, stored.decode) == (2, None, "decode-0")
         assert 43_000 < client.pttl(key) <= 45_000
-        await sync.stop()
+        await sync.close()
 
     asyncio.run(main())
 
@@ -121,33 +116,33 @@ def test_a_store_that_is_down_is_counted_and_never_raises(prefix):
         metrics = RouterMetrics([])
         dead = f"redis://127.0.0.1:{free_ports(1)[0]}/0"  # nothing listens there
         sync, sessions = _sync(dead, prefix, metrics)
-        await sync.start()
         _served(sessions, 1, None)
         assert await sync.pull(S) is False
-        sync.push(S)
-        await sync._queue.join()
+        await sync.push(S)
         assert sessions.get(S).last_worker == "decode-0"  # the local view stands
         assert _value(metrics, "kvpilot_router_session_store_errors_total", op=StoreOp.READ.value) == 1
         assert _value(metrics, "kvpilot_router_session_store_errors_total", op=StoreOp.WRITE.value) == 1
-        await sync.stop()
+        await sync.close()
 
     asyncio.run(main())
 
 
-def test_a_store_that_does_not_answer_costs_a_read_its_timeout_at_most(redis_url, prefix):
+def test_a_store_that_does_not_answer_costs_a_step_its_timeouts_at_most(redis_url, prefix):
     async def main() -> None:
         metrics = RouterMetrics([])
-        sync, _ = _sync(redis_url, prefix, metrics, read_timeout_s=0.05)
-        await sync.start()
+        sync, sessions = _sync(redis_url, prefix, metrics, read_timeout_s=0.05, write_timeout_s=0.05)
         assert await sync.pull(S) is False  # connected and answering
         redis.Redis.from_url(redis_url).client_pause(1000)  # the server stops answering clients for 1 s
+        _served(sessions, 1, None)
         started = time.perf_counter()
         assert await sync.pull(S) is False
+        await sync.push(S)
         elapsed = time.perf_counter() - started
         assert elapsed < 0.5, elapsed
-        assert _value(metrics, "kvpilot_router_session_store_errors_total", op=StoreOp.READ.value) == 1
+        for op in StoreOp:
+            assert _value(metrics, "kvpilot_router_session_store_errors_total", op=op.value) == 1
         await asyncio.sleep(1.0)
-        await sync.stop()
+        await sync.close()
 
     asyncio.run(main())
 
