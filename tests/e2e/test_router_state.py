@@ -23,10 +23,10 @@ import pytest
 from deploy.client import Completion, complete, debug_route, wait_for_overlap
 from deploy.fleet import Fleet, restart_router, start_router, stop_group
 from deploy.fleet_spec import HOST, FleetSpec
-from deploy.metrics import delta, scrape, total
+from deploy.metrics import delta, scrape, settled, total
 from routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
-from tests.e2e.scenarios import BLOCK_SIZE
+from tests.e2e.scenarios import BLOCK_SIZE, PROMPT_TOKENS
 from tests.e2e.sessions import FIRST_PULL_TIMEOUT_S, GENERATED, colocated_steps, history
 from tests.fakes.ports import block_of
 from tests.redis_server import redis_binary, running_redis
@@ -146,10 +146,12 @@ def test_a_router_killed_mid_session_serves_the_next_step_as_it_would_have(
     assert _decision(debug_route(router, x3, conversation_id=session)) == _decision(expected)
     assert total(scrape(router), RESTORED) == 1
 
-    before = scrape(router)
+    before, d_before = scrape(router), scrape(_decode_url(fleet))
     out3 = complete(router, x3, max_tokens=8, ignore_eos=True, conversation_id=session)
     assert out3.headers["X-KVPilot-Route"] == "local_prefill"
     assert delta(scrape(router), before, OPTIONS, option="local") == 1
+    kept = delta(settled(_decode_url(fleet), d_before), d_before, PROMPT_TOKENS, source="local_cache_hit")
+    assert kept == expected["cached_blocks"] * BLOCK_SIZE  # step 3 kept its KV on D across the restart
     steps.append((x3, out3))
     for n, ((_, out), ref) in enumerate(zip(steps, colocated_steps(_decode_url(fleet), steps), strict=True), 1):
         assert out.same_output(ref), f"step {n}: max logprob diff {out.max_logprob_diff(ref)}"
@@ -172,10 +174,13 @@ def test_without_the_store_the_restarted_router_has_the_index_but_not_the_sessio
     forgotten = debug_route(router, x3, conversation_id=session)
     assert forgotten["overlap"] == expected["overlap"] and forgotten["cached_blocks"] == expected["cached_blocks"]
     assert (forgotten["session_option"], forgotten["options"]) == (None, [])
-    before = scrape(router)
+    assert forgotten["kind"] == "local_prefill"  # the policy alone: D holds all but the tool output
+    before, d_before = scrape(router), scrape(_decode_url(fleet))
     out3 = complete(router, x3, max_tokens=8, ignore_eos=True, conversation_id=session)
-    assert out3.headers["X-KVPilot-Route"] == forgotten["kind"]
+    assert out3.headers["X-KVPilot-Route"] == "local_prefill"
     assert sum(delta(scrape(router), before, OPTIONS, option=o) for o in ("local", "reprefill", "affinity")) == 0
+    kept = delta(settled(_decode_url(fleet), d_before), d_before, PROMPT_TOKENS, source="local_cache_hit")
+    assert kept == forgotten["cached_blocks"] * BLOCK_SIZE
     steps.append((x3, out3))
     for n, ((_, out), ref) in enumerate(zip(steps, colocated_steps(_decode_url(fleet), steps), strict=True), 1):
         assert out.same_output(ref), f"step {n}: max logprob diff {out.max_logprob_diff(ref)}"
