@@ -10,8 +10,8 @@ request for the store.
   ``sessions.store_write_timeout_s``, before the answer is returned. Not off the
   request's path: the client may send the next step to another replica the moment it has
   the answer, and a write still in flight then is a step routed on that replica's older
-  view (seen in ``tests/e2e/test_router_state.py`` with the write queued in the
-  background: the next replica read the step before). One round trip (0.1 ms p50 on
+  view (seen once in ``tests/e2e/test_router_state.py`` with the write queued in the
+  background: the replica serving step 4 did not take step 3's record). One round trip (0.1 ms p50 on
   127.0.0.1, ``benchmarks/bench_session_store.py``). A streamed answer's write follows its
   last event, so a step sent on at once may still race it. A failed or timed-out write is
   counted; the next step writes again.
