@@ -216,3 +216,23 @@ def test_without_the_store_a_second_router_knows_nothing_of_the_session(model_di
         assert 'kvpilot_router_session_options_total{option="affinity"} 0.0' in text
 
     run(model_dir, PD, scenario, disaggregation={"max_local_tokens": 0}, sessions={"force_option": "affinity"})
+
+
+def test_a_router_whose_store_is_down_serves_every_step_and_counts_it(model_dir: Path):
+    """``sessions.store: redis`` with nothing listening: each step is answered, routed on the
+    router's own state (the later steps still priced as session steps), and every read and
+    write is counted."""
+    dead = f"redis://127.0.0.1:{free_ports(1)[0]}/0"
+
+    async def scenario(client, router, engines):
+        for n in range(3):
+            body = {"prompt": PROMPT + [7] * (4 * n + 4), "conversation_id": "agent", "max_tokens": 2}
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status == 200, await resp.text()
+        text = await (await client.get("/metrics")).text()
+        assert 'kvpilot_router_session_store_errors_total{op="read"} 3.0' in text
+        assert 'kvpilot_router_session_store_errors_total{op="write"} 3.0' in text
+        assert 'kvpilot_router_session_options_total{option="affinity"} 2.0' in text
+
+    sessions = {"force_option": "affinity", "store": "redis", "redis_url": dead}
+    run(model_dir, PD, scenario, disaggregation={"max_local_tokens": 0}, sessions=sessions)
