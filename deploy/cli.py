@@ -53,6 +53,7 @@ def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
         disaggregation=args.disaggregation,
         index_backend=IndexBackend(args.index_backend),
         ttft_slo_s=args.ttft_slo,
+        session_store_url=args.session_store_url,
         engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None,
     )
 
@@ -149,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--events-port", type=int, default=5700, help="first engine's KV-event port (router binds)")
     fl.add_argument("--router-port", type=int, default=8000)
     fl.add_argument("--connector", default="KVPilotConnector", help="kv_connector for every engine")
+    fl.add_argument(
+        "--session-store-url",
+        help="keep the router's sessions in Redis at this URL (redis://127.0.0.1:6379/0; started by you)",
+    )
     fl.add_argument("--connector-extra-config", help="JSON for kv_connector_extra_config")
     fl.add_argument(
         "--disaggregation",

@@ -436,6 +436,28 @@ def restart_router(spec: FleetSpec, flags: Sequence[str] = (), timeout: float = 
     return restarted
 
 
+def start_router(
+    spec: FleetSpec, name: str, port: int, flags: Sequence[str] = (), timeout: float = 120.0
+) -> RunningProcess:
+    """Start another router process over the fleet recorded in ``spec.run_dir`` (a replica:
+    the fleet's router config, on ``port``, with extra ``flags``), logging to
+    ``logs/<name>.log``; returns it once healthy. The fleet does not record it: the caller
+    stops it (:func:`stop_group`). Its engines must publish on endpoints they bind
+    (``spec.kv_events_ipc``), or the replica cannot subscribe. Raises
+    :class:`FleetStartError` if it does not come up."""
+    if not spec.kv_events_ipc:
+        raise FleetStartError("a router replica needs engines that bind their KV-event endpoints (kv_events_ipc)")
+    plan = plan_fleet(spec)[1]
+    plan = dataclasses.replace(plan, name=name, argv=(*plan.argv, "--port", str(port), *flags), port=port)
+    proc, running = _spawn(plan, spec.run_dir / "logs")
+    try:
+        _wait_healthy([(proc, running)], time.monotonic() + timeout)
+    except BaseException:
+        stop_group(proc.pid)
+        raise
+    return running
+
+
 def _replace(old: RunningProcess, plan: ProcessPlan, logs: Path, timeout: float) -> RunningProcess:
     """Stop ``old``, start ``plan`` in its place and wait for its health."""
     stop_group(old.pid)

@@ -66,6 +66,15 @@ class FleetSpec:
     engine_env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every engine (e.g. ``{"VLLM_SERVER_DEV_MODE": "1"}``);
     it overrides the planned variables of the same name."""
+    kv_events_ipc: bool = False
+    """Engine i publishes its KV events on ``ipc://<run_dir>/kv-events-<i>.sock``, which it
+    binds and any number of routers connect to (router replicas, :func:`deploy.fleet.start_router`);
+    ``False``: on ``events_port + i``, which the one router binds."""
+    session_store_url: str | None = None
+    """Redis at this URL keeps the router's sessions (``sessions.store: redis``), so a
+    restarted router, or another replica, routes a session's next step as the last one
+    would (docs/sessions.md); ``None``: the router's memory only. The fleet does not start
+    Redis."""
     engine_api_key: str | None = field(default=None, repr=False)
     """vLLM's API key for every engine (its ``/v1`` endpoints answer 401 without it):
     given in the engines' environment (``VLLM_API_KEY``, never on a command line) and
@@ -151,7 +160,11 @@ def _worker(spec: FleetSpec, role: Role, index: int, ordinal: int) -> Worker:
         name=WorkerId(f"{role.value}-{index}"),
         role=role,
         url=f"http://{HOST}:{spec.engine_port + ordinal}",
-        kv_events_endpoint=f"tcp://{HOST}:{spec.events_port + ordinal}",
+        kv_events_endpoint=(
+            f"ipc://{spec.run_dir / f'kv-events-{ordinal}.sock'}"
+            if spec.kv_events_ipc
+            else f"tcp://{HOST}:{spec.events_port + ordinal}"
+        ),
         replay_endpoint=f"tcp://{HOST}:{spec.events_port + REPLAY_PORT_OFFSET + ordinal}",
     )
 
@@ -233,6 +246,7 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
         },
         "index": {"block_size": spec.block_size, "backend": spec.index_backend.value},
         "disaggregation": disaggregation,
+        **({"sessions": {"store": "redis", "redis_url": spec.session_store_url}} if spec.session_store_url else {}),
         "workers": [
             {
                 "name": w.name,
@@ -256,9 +270,11 @@ def plan_fleet(spec: FleetSpec) -> tuple[list[ProcessPlan], ProcessPlan, dict[st
     engines = [_engine_plan(spec, worker, ordinal) for ordinal, worker in enumerate(workers)]
     config_path = spec.run_dir / ROUTER_CONFIG
     argv = (sys.executable, "-m", "routing.cli", "router", "--config", str(config_path))
-    events_ports = tuple(spec.events_port + i for i in range(len(workers)))
+    events_ports = () if spec.kv_events_ipc else tuple(spec.events_port + i for i in range(len(workers)))
     router_env = {ENGINE_API_KEY_ENV: spec.engine_api_key} if spec.engine_api_key else {}
-    events_uses = tuple(f"KV events of {w.name} (events port + {i})" for i, w in enumerate(workers))
+    events_uses = tuple(  # none over ipc: the engines bind their event sockets
+        f"KV events of {w.name} (events port + {i})" for i, w in enumerate(workers[: len(events_ports)])
+    )
     router = ProcessPlan("router", None, argv, router_env, spec.router_port, events_ports, events_uses)
     check_ports([*engines, router])
     return engines, router, router_config(spec, workers)

@@ -26,6 +26,12 @@ user can paste them::
     sessions:
       max_sessions: 10000
       force_option: ""                   # reprefill | pull | affinity | shared_tier | local; "" = cheapest
+      store: memory                      # memory | redis (shared by replicas, kept across restarts)
+      redis_url: redis://127.0.0.1:6379/0    # with store: redis
+      store_key_prefix: "kvpilot:"
+      store_read_timeout_s: 0.05         # past it, the step is routed on this router's own state
+      store_write_timeout_s: 0.05        # the answer waits for the write at most this long
+      store_ttl_s: 600.0                 # a record's life when D stated no lease (else D's lease)
     server:                              # the HTTP front (routing.serve.app)
       host: 127.0.0.1
       port: 8000
@@ -73,8 +79,8 @@ leaf's flag takes only its values); flags override YAML, YAML overrides defaults
 these frozen structs, running each section's own range checks; an unknown key is a
 :class:`ConfigError` naming its path (``cost.overlap_score_credt``), and so is a value
 of the wrong type (``cost.router_seed: Expected `int`, got `float```), outside its
-enum (``index.backend``, ``index.tiers.GPU``, ``sessions.force_option``, a worker's
-``role``) or out of range.
+enum (``index.backend``, ``index.tiers.GPU``, ``sessions.force_option``,
+``sessions.store``, a worker's ``role``) or out of range.
 """
 
 from __future__ import annotations
@@ -194,6 +200,18 @@ class IndexConfig(TypedConfig, frozen=True):
         msgspec.structs.force_setattr(self, "tiers", MappingProxyType(dict(self.tiers)))
 
 
+class SessionStoreKind(str, enum.Enum):
+    """``sessions.store``: where the sessions' placement, affinity and D's offers live."""
+
+    MEMORY = "memory"
+    """This router's memory only (lost on a restart, not seen by another replica)."""
+    REDIS = "redis"
+    """Also Redis at ``sessions.redis_url`` (:mod:`routing.state`; needs ``kvpilot[redis]``)."""
+
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
 class SessionConfig(TypedConfig, frozen=True):
     error_type = ConfigError
 
@@ -202,9 +220,26 @@ class SessionConfig(TypedConfig, frozen=True):
     """A session's later steps take this option of the article's section 9.2 while it
     is available (``reprefill``, ``pull``, ``affinity``, ``shared_tier``, ``local``);
     ``""``: the cheapest by the roofline."""
+    store: SessionStoreKind = SessionStoreKind.MEMORY
+    redis_url: str = ""
+    """``redis://host:port/db`` (or ``rediss://``, ``unix://``) when ``store`` is ``redis``."""
+    store_key_prefix: str = "kvpilot:"
+    """Every key the router writes starts with this (one Redis may serve several fleets)."""
+    store_read_timeout_s: float = 0.05
+    """A session's record not read within this is routed on the local state (counted)."""
+    store_write_timeout_s: float = 0.05
+    """A write not acknowledged within this is given up (counted); the answer waits for it
+    at most this long (:mod:`routing.state.sync` says why it waits)."""
+    store_ttl_s: float = 600.0
+    """How long a record lives when D stated no hold on the session's blocks (else: D's lease)."""
 
     def __post_init__(self) -> None:
         check_range(self, "max_sessions", above=0)
+        check_range(self, "store_read_timeout_s", "store_write_timeout_s", "store_ttl_s", above=0)
+        if self.store is SessionStoreKind.REDIS and not self.redis_url.startswith(_REDIS_SCHEMES):
+            raise ConfigError(
+                "redis_url", f"must be redis://, rediss:// or unix:// with store: redis, got {self.redis_url!r}"
+            )
 
 
 class ServerConfig(TypedConfig, frozen=True):

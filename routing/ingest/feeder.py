@@ -3,7 +3,9 @@
 endpoint and polls them in one background thread, applying events to the shared
 :class:`~routing.index.kvindex.KVIndex` under a lock the request path shares.
 Workers may join (:meth:`IndexFeeder.add`) and leave (:meth:`IndexFeeder.remove`)
-while it runs."""
+while it runs. Each new subscriber is first caught up from its engine's replay buffer
+(:meth:`~routing.ingest.subscriber.EngineSubscriber.catch_up`), so a restarted router
+starts from what the engines hold, not from an empty index."""
 
 from __future__ import annotations
 
@@ -62,6 +64,9 @@ class IndexFeeder:
         """Joins (a new subscriber) and departures (a name), in call order, for the
         thread's next turn."""
         self._changed = threading.Event()
+        self.caught_up = threading.Event()
+        """Set once the thread has caught every subscriber of the starting fleet up from its
+        engine's replay buffer (:meth:`~routing.ingest.subscriber.EngineSubscriber.catch_up`)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -141,6 +146,10 @@ class IndexFeeder:
                 self._apply_pending()
                 with self.lock:
                     current = list(self.subscribers)
+                for sub in current:
+                    if sub.socket not in by_socket:  # new: rebuild its entries from the replay buffer first
+                        sub.catch_up()
+                self.caught_up.set()
                 poller, by_socket = zmq.Poller(), {}
                 for sub in current:
                     poller.register(sub.socket, zmq.POLLIN)

@@ -11,8 +11,14 @@ receives ``(b"", topic, seq, payload)`` for each buffered batch with
 
 Sequencing, per engine:
 
-- the first batch, or one after a restart, is expected at seq 0 (a router that
-  starts after its engines catches up from the replay buffer);
+- :meth:`EngineSubscriber.catch_up` (the feeder calls it once per subscriber, before
+  polling it) fetches every batch the engine still buffers, from seq 0, and applies
+  it: a router (re)started beside running engines rebuilds each worker's entries
+  before any new event arrives, so a session's next step is priced from what D
+  already holds. Live copies of those batches that were queued meanwhile are
+  recognised (same seq, same payload) and skipped;
+- the first batch, or one after a restart, is expected at seq 0 (a subscriber that
+  did not catch up recovers the batches before it from the replay buffer);
 - a jump ahead is a *gap*: the missing batches are fetched from the replay
   socket and applied in order before the batch that revealed the gap; if the
   buffer no longer has them (or replay times out) the gap is *unrecoverable*
@@ -35,7 +41,7 @@ from dataclasses import dataclass
 import zmq
 
 from routing.ids import WorkerId
-from routing.index.events import EventDecoder
+from routing.index.events import BlockStored, EventDecoder
 from routing.index.kvindex import KVIndex
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -53,6 +59,8 @@ def subscriber_binds(engine_endpoint: str) -> bool:
 class SubscriberStats:
     batches: int = 0
     replayed: int = 0
+    replayed_blocks: int = 0
+    """Blocks stored by the replayed batches (what a restarted router learned from replay)."""
     gaps: int = 0
     unrecoverable_gaps: int = 0
     restarts: int = 0
@@ -100,6 +108,8 @@ class EngineSubscriber:
             self._sub.connect(endpoint)
         self.endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
         self._last_seq: int | None = None
+        self._caught_up: dict[int, bytes] = {}
+        """The batches :meth:`catch_up` applied, by seq, until a live batch beyond them arrives."""
 
     @property
     def socket(self) -> zmq.Socket[bytes]:
@@ -126,6 +136,23 @@ class EngineSubscriber:
     def close(self) -> None:
         self._sub.close(linger=0)
 
+    def catch_up(self) -> int:
+        """Fetch and apply every batch the engine's replay buffer still holds (from seq 0);
+        returns how many. Only before the first batch (else, and without a replay
+        endpoint, 0). A buffer that no longer starts at seq 0 (it rolled over) is counted as
+        an unrecoverable gap: the entries of blocks stored before it stay unknown until
+        they are stored again (under-credited, never wrongly credited). Replay I/O runs
+        outside the guard, as in :meth:`poll`."""
+        if self.replay_endpoint is None or self._last_seq is not None:
+            return 0
+        recovered = self._replay(0, MAX_SEQ_JUMP)
+        if recovered and recovered[0][0] != 0:
+            self.stats.unrecoverable_gaps += 1
+        for seq, payload in recovered:
+            self._apply_replayed(seq, payload)
+        self._caught_up = dict(recovered)
+        return len(recovered)
+
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
             self.stats.bad_frames += 1
@@ -134,6 +161,10 @@ class EngineSubscriber:
         if seq - (0 if self._last_seq is None else self._last_seq) > MAX_SEQ_JUMP:
             self.stats.bad_frames += 1  # no engine skips a million batches: a corrupt or forged frame
             return
+        if self._caught_up:
+            if self._caught_up.get(seq) == frames[2]:
+                return  # a live copy of a batch catch_up applied
+            self._caught_up = {}
         last = self._last_seq
         if last is not None and seq <= last:
             self.stats.restarts += 1
@@ -150,16 +181,21 @@ class EngineSubscriber:
                     with self._guard:
                         self.index.clear_worker(self.worker)
             for rseq, payload in recovered:
-                self._apply(rseq, payload)
-                self.stats.replayed += 1
+                self._apply_replayed(rseq, payload)
         self._apply(seq, frames[2])
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    def _apply(self, seq: int, payload: bytes) -> int:
+        """Apply one batch; returns the blocks it stored."""
         batch = self.decoder.decode(payload)
         with self._guard:
             self.index.apply_all(self.worker, batch.events)
         self.stats.batches += 1
         self._last_seq = seq
+        return sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))
+
+    def _apply_replayed(self, seq: int, payload: bytes) -> None:
+        self.stats.replayed_blocks += self._apply(seq, payload)
+        self.stats.replayed += 1
 
     def _replay(self, start: int, stop: int) -> list[tuple[int, bytes]]:
         """Batches ``start <= seq < stop`` the engine still buffers, in order (maybe none)."""

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from routing.ingest.feeder import IndexFeeder
 
 P = "kvpilot_router_"
-SUBSCRIBER_STATS = ("batches", "replayed", "gaps", "unrecoverable_gaps", "restarts", "bad_frames")
+SUBSCRIBER_STATS = ("batches", "replayed", "replayed_blocks", "gaps", "unrecoverable_gaps", "restarts", "bad_frames")
 
 
 class LedgerCollector(Collector):

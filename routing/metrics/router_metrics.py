@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from policies.session_options import Option
+from routing.decide.session_record import StoreOp
 from routing.decide.sessions import OfferUse
 from routing.ids import WorkerId
 from routing.serve.refusals import RejectReason
@@ -46,6 +47,10 @@ class RouterMetrics:
     ``kvpilot_router_prefill_fallbacks_total``, ``kvpilot_router_upstream_errors_total{worker}``.
     Sessions across pools: ``kvpilot_router_session_offers_total{outcome="sent"|"expired"|"unused"}``,
     ``kvpilot_router_session_options_total{option}`` (the article's option per later step).
+    The shared session store (``sessions.store: redis``): ``kvpilot_router_session_store_seconds{op}``
+    (each read or write), ``kvpilot_router_session_store_errors_total{op}`` (each one that
+    failed or timed out: the step was routed on local state, or the write dropped),
+    ``kvpilot_router_session_store_restored_total`` (records newer than this router's view).
     Limits and admission: ``kvpilot_router_rejected_total{reason}``. Worker health:
     ``kvpilot_router_circuit_trips_total{worker}``, ``kvpilot_router_circuit_open{worker}``.
     Read at scrape time by the components' own collectors (:mod:`routing.metrics.collectors`),
@@ -127,6 +132,27 @@ class RouterMetrics:
             ["option"],
             registry=r,
         )
+        self.session_store_seconds = Histogram(
+            p + "session_store_seconds",
+            "Session store reads (before routing, bounded by sessions.store_read_timeout_s) "
+            "and writes (after serving, bounded by sessions.store_write_timeout_s), answered or not",
+            ["op"],
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.session_store_errors = Counter(
+            p + "session_store_errors",
+            "Session store reads that failed or timed out (the step was routed on this router's own "
+            "state) and writes that failed or timed out (the next step writes again)",
+            ["op"],
+            registry=r,
+        )
+        self.session_store_restored = Counter(
+            p + "session_store_restored",
+            "Sessions whose stored record was newer than this router's view (after a restart, or "
+            "a step served by another replica) and was taken",
+            registry=r,
+        )
         self._prompt, self._cached = 0, 0
         # Every label set that can be known up front exists from the start at 0, so a
         # dashboard's rate() or increase() sees the first event as an increase.
@@ -138,6 +164,8 @@ class RouterMetrics:
             self.rejected.labels(reason.value)
         for option in Option:
             self.session_options.labels(option.value)
+        for op in StoreOp:
+            self.session_store_errors.labels(op.value)
         for outcome in get_args(OfferUse):
             if outcome != "none":  # no offer at all is not counted
                 self.session_offers.labels(outcome)

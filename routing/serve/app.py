@@ -1,13 +1,14 @@
 """The router's HTTP front (aiohttp): OpenAI-compatible, token ids to the engines.
 
 :class:`RouterServer` is the composition root (index, ledger, sessions, health,
-router, proxy, metrics, pollers) and the HTTP handlers. Per request: admit it
+router, proxy, metrics, pollers, the shared session store) and the HTTP handlers. Per request: admit it
 (:mod:`routing.serve.admission`: a full queue is a 429, a queue wait past its
 timeout a 503, both with ``Retry-After``), parse and validate the body (400 naming
 the field; only the fields of :mod:`routing.serve.request_fields` are accepted, so a
 client cannot set ``kv_transfer_params``), tokenize once (chat: render the model's
-chat template first), route (:mod:`routing.decide.router`), refuse a route whose
-predicted TTFT is over ``server.ttft_slo_s`` (429 for load, else 503, with
+chat template first), take the session's record from the shared store when one is
+configured (:mod:`routing.state.sync`), route (:mod:`routing.decide.router`), refuse a
+route whose predicted TTFT is over ``server.ttft_slo_s`` (429 for load, else 503, with
 ``Retry-After``) and hand the route to the
 proxy (:mod:`routing.serve.proxy`: P, fallback, retry, bookkeeping), whose answer is
 written here as JSON or as server-sent events.
@@ -41,10 +42,11 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from routing.config import ConfigError, IndexBackend, IndexConfig, Role, RouterConfig
+from routing.config import ConfigError, IndexBackend, IndexConfig, Role, RouterConfig, SessionConfig, SessionStoreKind
 from routing.decide.ledger import LoadLedger
 from routing.decide.rates import RateEstimator, RolePriors, TTFTPrediction
 from routing.decide.router import NoHealthyWorker, Route, Router, policy_from_config
+from routing.decide.session_record import SessionStateStore
 from routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, SessionStore, scoped, session_key
 from routing.fleet import Fleet, fleet_changes, fleet_of
 from routing.health.circuit import CircuitBreaker
@@ -75,9 +77,14 @@ from routing.serve.sse import sse_events
 from routing.serve.tokenizer import PromptError, PromptTokenizer
 from routing.serve.upstream import Upstream
 from routing.serve.vllm_upstream import VllmUpstream
+from routing.state.sync import SessionSync
 
 log = logging.getLogger(__name__)
 
+
+CATCH_UP_WAIT_S = 2.0
+"""How long startup waits per engine for the index to be caught up from its replay buffer
+(each replay fetch gives up after 1 s); then the router serves whatever it has."""
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Endpoints that need no API key: liveness probes and Prometheus scrapes."""
@@ -141,6 +148,18 @@ def make_index(cfg: IndexConfig) -> KVIndex:
     return BlockIndex(cfg.block_size, kv_group=cfg.kv_group, log_capacity=cfg.removal_log_capacity)
 
 
+def make_session_store(cfg: SessionConfig) -> SessionStateStore | None:
+    """The shared store ``cfg.store`` names (``None``: this router's memory only)."""
+    if cfg.store is SessionStoreKind.MEMORY:
+        return None
+    try:
+        from routing.state.redis_store import RedisSessionStore
+    except ImportError as exc:
+        needs = f"'redis' needs the redis client (pip install 'kvpilot[redis]'): {exc}"
+        raise ConfigError("sessions.store", needs) from None
+    return RedisSessionStore(cfg.redis_url, cfg.store_key_prefix)
+
+
 class RouterServer:
     """Builds the aiohttp app around a :class:`~routing.decide.router.Router`.
 
@@ -195,6 +214,20 @@ class RouterServer:
         self.feeder: IndexFeeder | None = None
         self._feed_index = feed_index
         self.metrics = RouterMetrics(self.worker_names())
+        store = make_session_store(config.sessions)
+        self.session_sync = (
+            None
+            if store is None
+            else SessionSync(
+                store,
+                sessions,
+                self.lock,
+                self.metrics,
+                read_timeout_s=config.sessions.store_read_timeout_s,
+                write_timeout_s=config.sessions.store_write_timeout_s,
+                ttl_s=config.sessions.store_ttl_s,
+            )
+        )
         for collector in (
             LedgerCollector(self.ledger, self.worker_names),
             FeederCollector(lambda: self.feeder),
@@ -248,11 +281,15 @@ class RouterServer:
             self.config.server.max_retries,
             prefill_timeout_s=self.config.server.prefill_timeout_s,
             rates=self.rates,
+            session_served=self.session_sync.push if self.session_sync is not None else None,
         )
         if self._feed_index and (self.discovery is not None or any(w.kv_events_endpoint for w in self.fleet.workers)):
             # Dynamo's workers bind their event sockets: the feeder connects to them
             self.feeder = IndexFeeder(self.fleet, self.index, self.lock, bind=False if self.discovery else None)
             self.feeder.start()
+            # serve once the index holds what the engines' replay buffers hold (a restart mid-session)
+            wait_s = CATCH_UP_WAIT_S * (1 + len(self.feeder.subscribers))
+            await asyncio.get_running_loop().run_in_executor(None, self.feeder.caught_up.wait, wait_s)
         if self.discovery is not None:
             self.set_fleet(fleet_of(self.discovery.workers()))
             self._background.append(asyncio.create_task(self.discovery.watch(self.set_fleet)))
@@ -265,6 +302,8 @@ class RouterServer:
         await asyncio.gather(*self._background, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
+        if self.session_sync is not None:
+            await self.session_sync.close()
         if self.feeder is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.feeder.stop)
         if self.discovery is not None:
@@ -353,6 +392,7 @@ class RouterServer:
             body = await self._body(request, chat=None)
             chat = "messages" in body
             token_ids, session = self._prompt(request, body, chat)
+            await self._pull_session(session)
             route = self._route(request, token_ids, body, chat, session, dry_run=True)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
@@ -431,6 +471,12 @@ class RouterServer:
             raise BadRequest(f"the prompt has {len(token_ids)} tokens, over server.max_prompt_tokens ({limit})")
         return token_ids, session
 
+    async def _pull_session(self, session: SessionId | None) -> None:
+        """Take the shared store's record of ``session`` when it is newer than this router's
+        view (bounded by ``sessions.store_read_timeout_s``; a store outage routes on the local view)."""
+        if session is not None and self.session_sync is not None:
+            await self.session_sync.pull(session)
+
     def _route(
         self,
         request: web.Request,
@@ -491,6 +537,7 @@ class RouterServer:
             body = await self._body(request, chat)
             engine_body = chat_to_completion_body(body) if chat else dict(body)
             token_ids, session = self._prompt(request, body, chat)
+            await self._pull_session(session)
             # a session's chain advances with its route: priced on a dry run first, so
             # that a refused step leaves the session as it was
             checked_first = bool(slo_s) and session is not None

@@ -22,7 +22,8 @@ request routed again, up to ``server.max_retries`` times (counted in
 ``kvpilot_router_retries_total``); a 4xx is the request's fault and is not retried.
 Every step is booked: the load ledger (dispatch, first token, a prefill moved to D,
 completion), each worker's circuit, each pair's health, the KV events the prefilling
-worker must publish, the session's new state and D's offer; with a rate estimator,
+worker must publish, the session's new state and D's offer (handed on to the shared
+session store when there is one); with a rate estimator,
 P's answer time (what it learns of P's prefill) and the observed over predicted
 prefill and TTFT (``kvpilot_router_ttft_observed_over_predicted``).
 
@@ -36,7 +37,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -119,10 +120,14 @@ class Proxy:
         *,
         prefill_timeout_s: float,
         rates: RateEstimator | None = None,
+        session_served: Callable[[SessionId], Awaitable[None]] | None = None,
     ) -> None:
         """``prefill_timeout_s``: the floor of P's timeout (the whole of it without
         ``rates``). ``rates``: predicts each route's TTFT; learns P's prefill from how
-        long P took to answer (queue included)."""
+        long P took to answer (queue included). ``session_served``: awaited (outside the
+        lock, before the answer is returned) with a session whose step was served and
+        whose state changed: the shared store writes it; it must not raise and should be
+        bounded."""
         self.upstream = upstream
         self.router = router
         self.lock = lock
@@ -135,6 +140,7 @@ class Proxy:
         self.max_retries = max_retries
         self.prefill_timeout_s = prefill_timeout_s
         self.rates = rates
+        self.session_served = session_served
 
     async def serve(self, request: ProxyRequest, client: ClientStream) -> Reply | None:
         """Serve ``request``, retrying on another decode worker as the module doc says.
@@ -192,6 +198,8 @@ class Proxy:
                 answered = True
             with self.lock:
                 self.router.served(request.session, route, decode_params)
+            if request.session is not None and self.session_served is not None:
+                await self.session_served(request.session)
             if answered:
                 self.worker_answered(route.decode)
             self._expect_events(route, p)

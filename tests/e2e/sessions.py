@@ -116,6 +116,16 @@ def colocated(engine_url: str, x: list[int], x2: list[int], reused_blocks: int) 
     return complete(engine_url, x2, max_tokens=8, cache_salt=salt)
 
 
+def colocated_steps(engine_url: str, steps: list[tuple[list[int], Completion]]) -> list[Completion]:
+    """A session's steps (each prompt, and the answer the fleet gave) again on one engine
+    under a fresh salt (no P/D, no router): the reference each answer must equal."""
+    salt = f"ref-{uuid.uuid4().hex}"
+    return [
+        complete(engine_url, prompt, max_tokens=len(out.tokens), ignore_eos=True, cache_salt=salt)
+        for prompt, out in steps
+    ]
+
+
 def block_count(tokens: int) -> int:
     return tokens // BLOCK_SIZE
 

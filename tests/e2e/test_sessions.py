@@ -6,7 +6,6 @@ directly, as vLLM's multi-turn proxy does, and through kvpilot's router."""
 from __future__ import annotations
 
 import argparse
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from tests.e2e.sessions import (
     Edit,
     block_count,
     colocated,
+    colocated_steps,
     common_prefix,
     handshake_both_ways,
     history,
@@ -158,15 +158,6 @@ def _agent_steps(
     return steps
 
 
-def _reference(engine_url: str, steps: list[tuple[list[int], Completion]]) -> list[Completion]:
-    """The same session on one engine under a fresh salt (no P/D, no router)."""
-    salt = f"ref-{uuid.uuid4().hex}"
-    return [
-        complete(engine_url, prompt, max_tokens=len(out.tokens), ignore_eos=True, cache_salt=salt)
-        for prompt, out in steps
-    ]
-
-
 @pytest.mark.parametrize("option", OPTIONS)
 def test_a_session_served_by_each_forced_option_answers_like_colocated(
     spec: FleetSpec, fleet: Fleet, tokenizer: PromptTokenizer, option: str
@@ -193,7 +184,7 @@ def test_a_session_served_by_each_forced_option_answers_like_colocated(
         assert delta(p_after, p_before, VERIFIED) == sum(pulled)
     else:
         assert delta(p_after, p_before, VERIFIED) == 0
-    for n, ((_, out), ref) in enumerate(zip(steps, _reference(decode, steps), strict=True), start=1):
+    for n, ((_, out), ref) in enumerate(zip(steps, colocated_steps(decode, steps), strict=True), start=1):
         assert out.same_output(ref), f"step {n}: max logprob diff {out.max_logprob_diff(ref)}"
 
 
@@ -250,5 +241,5 @@ def test_unforced_the_router_takes_the_cheapest_option_and_edits_stay_correct(
     before = scrape(router)
     complete(router, x4, max_tokens=8, conversation_id="by-cost")
     assert delta(scrape(router), before, SESSION_OPTIONS, option="local") == 1
-    for n, ((_, out), ref) in enumerate(zip(steps, _reference(decode, steps), strict=True), start=1):
+    for n, ((_, out), ref) in enumerate(zip(steps, colocated_steps(decode, steps), strict=True), start=1):
         assert out.same_output(ref), f"step {n}: max logprob diff {out.max_logprob_diff(ref)}"

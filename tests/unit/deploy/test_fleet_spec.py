@@ -56,6 +56,31 @@ def test_router_config_parses_and_always_disaggregates_on_request(tmp_path: Path
     assert [w.name for w in parsed.workers] == ["prefill-0", "decode-0"]
 
 
+def test_a_fleet_with_a_session_store_starts_its_router_with_it(tmp_path: Path) -> None:
+    import yaml
+
+    from routing.config import SessionStoreKind, load_config
+
+    _, _, config = plan_fleet(_spec(session_store_url="redis://127.0.0.1:6390/0"))
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    sessions = load_config(tmp_path / "router.yaml").sessions
+    assert (sessions.store, sessions.redis_url) == (SessionStoreKind.REDIS, "redis://127.0.0.1:6390/0")
+    _, _, plain = plan_fleet(_spec())
+    assert "sessions" not in plain
+
+
+def test_ipc_kv_events_are_bound_by_the_engines_so_replicas_can_subscribe(tmp_path: Path) -> None:
+    from deploy.fleet import FleetStartError, start_router
+    from routing.ingest.subscriber import subscriber_binds
+
+    engines, router, config = plan_fleet(_spec(kv_events_ipc=True))
+    endpoints = [w["kv_events_endpoint"] for w in config["workers"]]  # type: ignore[index]
+    assert all(e.startswith("ipc://") and not subscriber_binds(e) for e in endpoints)
+    assert len(set(endpoints)) == len(engines) and router.side_ports == ()
+    with pytest.raises(FleetStartError, match="kv_events_ipc"):
+        start_router(_spec(), "router-b", 1)
+
+
 @pytest.mark.parametrize(
     ("kw", "message"),
     [

@@ -10,7 +10,7 @@ import sys
 
 PURE = ("routing.ids", "routing.config", "routing.fleet", "routing.index", "routing.decide", "routing.health")
 IO_FREE = ("routing.serve.proxy", "routing.serve.upstream", "routing.serve.refusals", "routing.serve.request_fields")
-BLOCKED = ("aiohttp", "zmq")
+BLOCKED = ("aiohttp", "zmq", "redis")
 
 SCRIPT = f"""
 import importlib, pkgutil, sys

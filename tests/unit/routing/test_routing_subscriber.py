@@ -96,6 +96,67 @@ def test_late_subscriber_catches_up_through_replay(endpoints, tmp_path):
             sub.close()
 
 
+def test_a_restarted_router_catches_up_before_any_new_event(endpoints, tmp_path):
+    """A router started beside a running engine (a restart mid-session) rebuilds the
+    worker's entries from the replay buffer at once, with no new event to reveal a gap;
+    the live copies of those batches that were queued meanwhile are not a restart."""
+    _, replay = endpoints
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    index = BlockIndex(BS)
+    pub = vllm_publisher(endpoint, replay)
+    sub = None
+    try:
+        _publish_chain(pub, 0, 12)
+        time.sleep(0.3)
+        sub = EngineSubscriber(W, endpoint, index, replay_endpoint=replay, topic=TOPIC)
+        assert index.block_count(W) == 0
+        assert sub.catch_up() == 12
+        assert (sub.stats.replayed, sub.stats.replayed_blocks, sub.stats.unrecoverable_gaps) == (12, 12, 0)
+        assert index.match(PromptChain(_prompt(20), BS)).blocks == {W: {"GPU": 12}}
+        assert sub.catch_up() == 0  # once
+        _publish_chain(pub, 12, 14)
+        assert _depth_reaches(sub, index, 14) == 14
+        assert (sub.stats.restarts, sub.stats.gaps) == (0, 0)
+    finally:
+        pub.shutdown()
+        if sub is not None:
+            sub.close()
+
+
+def test_a_live_copy_of_a_caught_up_batch_is_not_an_engine_restart(endpoints, tmp_path):
+    """A batch published after the subscriber connected but before it caught up arrives
+    twice: in the replay and queued on the live socket. The copy is skipped, not read as
+    a restart (which would clear the worker)."""
+    _, replay = endpoints
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    index = BlockIndex(BS)
+    pub = vllm_publisher(endpoint, replay)
+    sub = None
+    try:
+        _publish_chain(pub, 0, 4)
+        sub = EngineSubscriber(W, endpoint, index, replay_endpoint=replay, topic=TOPIC)
+        time.sleep(0.5)  # subscribed: what follows is also queued live
+        _publish_chain(pub, 4, 6)
+        time.sleep(0.3)
+        assert sub.catch_up() == 6
+        assert sub.poll(500) >= 2  # live copies: of batches 4 and 5 at least (the first ones may race the connect)
+        assert (sub.stats.restarts, sub.stats.batches) == (0, 6)
+        assert index.match(PromptChain(_prompt(8), BS)).blocks == {W: {"GPU": 6}}
+    finally:
+        pub.shutdown()
+        if sub is not None:
+            sub.close()
+
+
+def test_catching_up_from_an_engine_without_replay_does_nothing(endpoints):
+    endpoint, _ = endpoints
+    sub = EngineSubscriber(W, endpoint, BlockIndex(BS), topic=TOPIC)
+    try:
+        assert sub.catch_up() == 0
+    finally:
+        sub.close()
+
+
 def test_engine_restart_clears_the_worker(endpoints):
     """A restarted engine's sequence starts again at 0: the router drops everything
     it knew of that worker, then indexes what the new engine stores. (The restart is
