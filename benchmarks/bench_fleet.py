@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -64,8 +65,8 @@ from fleet_trace import (
 )
 
 from deploy import dynamo_fleet
-from deploy.dynamo_spec import DynamoFleetSpec
-from deploy.fleet import Fleet, down
+from deploy.dynamo_spec import DynamoFleetSpec, router_plan
+from deploy.fleet import Fleet, RunningProcess, down, start, stop_group
 from deploy.fleet_spec import HOST
 from deploy.metrics import Samples, scrape, total
 from deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
@@ -116,13 +117,36 @@ def cpu_seconds(pid: int) -> float:
     return used
 
 
-def fleet_cpu(fleet: Fleet, spec: DynamoFleetSpec) -> dict[str, float]:
-    """CPU seconds so far of the frontend, the kvpilot router (if it runs) and all workers."""
+@contextmanager
+def replicas(spec: DynamoFleetSpec, count: int, workers: int) -> Iterator[list[RunningProcess]]:
+    """``count - 1`` more kvpilot routers on the fleet (the fleet's router config, ports
+    ``router_port + k``), each reading every worker's KV events and sharing nothing with the
+    others (no session store: the traces carry no sessions; in-flight load is each
+    replica's own); stopped on exit."""
+    started: list[RunningProcess] = []
+    try:
+        base = router_plan(spec)
+        for k in range(1, count):
+            port = spec.router_port + k
+            plan = dataclasses.replace(base, name=f"router-{k}", argv=(*base.argv, "--port", str(port)), port=port)
+            started.append(start(plan, spec.run_dir / "logs", timeout=120.0))
+            dynamo_fleet.wait_for_workers(started[-1].url, lambda names: len(names) == workers, 60.0)
+        if started:
+            log(f"  {len(started)} more router replicas on ports {[r.port for r in started]}")
+        yield started
+    finally:
+        for router in started:
+            stop_group(router.pid)
+
+
+def fleet_cpu(fleet: Fleet, spec: DynamoFleetSpec, extra_routers: Sequence[RunningProcess] = ()) -> dict[str, float]:
+    """CPU seconds so far of the frontend, the kvpilot routers (if they run: all replicas
+    together) and all workers."""
     workers = [e for e in fleet.engines if e.role]
     frontend = fleet.router if not spec.kvpilot_routes else next(e for e in fleet.engines if not e.role)
     out = {"frontend": cpu_seconds(frontend.pid), "workers": sum(cpu_seconds(w.pid) for w in workers)}
     if spec.kvpilot_routes:
-        out["kvpilot_router"] = cpu_seconds(fleet.router.pid)
+        out["kvpilot_router"] = sum(cpu_seconds(r.pid) for r in (fleet.router, *extra_routers))
     return out
 
 
@@ -197,12 +221,19 @@ def run_arm(arm: Arm, base: DynamoFleetSpec, workload: Workload, args: argparse.
         tap.start()
         if args.serving_niceness:
             renice(serving_path(fleet, spec), args.serving_niceness)
-        time.sleep(SUBSCRIBE_S)
-        cpu_before = fleet_cpu(fleet, spec)
-        outcomes = asyncio.run(
-            replay(fleet.router.url, workload.sends, concurrency=args.concurrency, connections=args.client_connections)
-        )
-        cpu = {k: v - cpu_before[k] for k, v in fleet_cpu(fleet, spec).items()}
+        with replicas(spec, args.kvpilot_replicas if spec.kvpilot_routes else 1, len(workers)) as extra_routers:
+            time.sleep(SUBSCRIBE_S)
+            routers = [fleet.router, *extra_routers]
+            cpu_before = fleet_cpu(fleet, spec, extra_routers)
+            outcomes = asyncio.run(
+                replay(
+                    [r.url for r in routers],
+                    workload.sends,
+                    concurrency=args.concurrency,
+                    connections=args.client_connections,
+                )
+            )
+            cpu = {k: v - cpu_before[k] for k, v in fleet_cpu(fleet, spec, extra_routers).items()}
         time.sleep(SUBSCRIBE_S)  # the last requests' events
         tap.stop()
         extra: dict[str, Any] = {
@@ -336,6 +367,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--itl-slo", type=float, default=0.005, help="ITL SLO in seconds, for goodput")
     parser.add_argument("--plot", type=Path, default=None, help="PNG: TTFT against the offered rate (--rate-sweep)")
     parser.add_argument(
+        "--kvpilot-replicas",
+        type=int,
+        default=1,
+        help="kvpilot router replicas in kvpilot's arm, the client round-robins over them (issue 21)",
+    )
+    parser.add_argument(
         "--serving-niceness",
         type=int,
         default=0,
@@ -437,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             "speedup": args.speedup,
             "client_connections": args.client_connections.value,
             "serving_niceness": args.serving_niceness,
+            "kvpilot_replicas": args.kvpilot_replicas,
         },
     }
     args.json.write_text(json.dumps(finite(out), indent=2))

@@ -94,15 +94,16 @@ async def _one(http: aiohttp.ClientSession, url: str, send: Send, t0: float, que
 
 
 async def replay(
-    url: str,
+    urls: Sequence[str],
     sends: Sequence[Send],
     *,
     concurrency: int = 256,
     timeout_s: float = 300.0,
     connections: Connections = Connections.KEPT_ALIVE,
 ) -> list[Outcome]:
-    """Every request of ``sends`` (in ``at`` order) against ``url``; their outcomes in
-    the same order. Never raises for a failed request: its outcome holds the error."""
+    """Every request of ``sends`` (in ``at`` order), request ``i`` against ``urls[i % len(urls)]``
+    (round robin over router replicas; one URL otherwise); their outcomes in the same order.
+    Never raises for a failed request: its outcome holds the error."""
     limit = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=connections is Connections.FRESH)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -113,6 +114,6 @@ async def replay(
             await asyncio.sleep(max(0.0, send.at - (time.perf_counter() - t0)))
             due = time.perf_counter()
             async with limit:
-                return await _one(http, url, send, t0, time.perf_counter() - due)
+                return await _one(http, urls[send.index % len(urls)], send, t0, time.perf_counter() - due)
 
         return list(await asyncio.gather(*(scheduled(s) for s in sends)))
