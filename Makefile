@@ -33,4 +33,5 @@ bench: setup
 	.venv/bin/python benchmarks/bench_pull_policy.py
 	.venv/bin/python benchmarks/bench_agent.py
 	.venv/bin/python benchmarks/bench_fleet.py
+	.venv/bin/python benchmarks/bench_dynamo_connections.py
 	.venv/bin/python benchmarks/bench_router_scale.py
