@@ -28,7 +28,8 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -114,40 +115,61 @@ def up(spec: DynamoFleetSpec, timeout: float = 120.0, progress: Callable[[str], 
         workers, frontend, router, config = plan_dynamo_fleet(spec)
     except PortCollision as exc:
         raise FleetStartError(str(exc)) from None
-    busy = [port for p in (*workers, frontend, router) for port in (p.port, *p.side_ports) if not port_is_free(port)]
+    logs = _prepare(spec, [*workers, frontend, router])
+    (spec.run_dir / ROUTER_CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
+    with _starting("the fleet's router did not find every worker") as started:
+        t0 = time.monotonic()
+        started += [_spawn(plan, logs, WORKER_HEALTH) for plan in workers]
+        _wait_healthy(started, t0 + timeout)
+        progress(f"  {len(workers)} mocker workers healthy after {time.monotonic() - t0:.1f} s")
+        started.append(_spawn(frontend, logs, FRONTEND_HEALTH))
+        _wait_healthy(started[-1:], time.monotonic() + timeout)
+        progress(f"  Dynamo frontend ({spec.frontend_routing.value} mode) on {frontend.url}")
+        if spec.kvpilot_routes:
+            started.append(_spawn(router, logs))
+            _wait_healthy(started[-1:], time.monotonic() + timeout)
+            wait_for_workers(router.url, lambda names: len(names) == len(workers), timeout)
+            progress(f"  router on {router.url}, serving {len(workers)} workers from Dynamo's discovery")
+        else:
+            wait_for_frontend(frontend.url, spec.served_model_name, timeout)
+            progress(f"  the frontend routes over its {len(workers)} workers (no kvpilot router)")
+    return _record(spec, started)
+
+
+def _prepare(spec: DynamoFleetSpec, plans: Sequence[ProcessPlan]) -> Path:
+    """Before anything starts: refuse ports already taken, clear the discovery directory
+    (no instance of an earlier fleet lingers) and make the logs folder, returned."""
+    busy = [port for p in plans for port in (p.port, *p.side_ports) if not port_is_free(port)]
     if busy:
         raise FleetStartError(f"ports already in use on {HOST}: {busy}")
-    shutil.rmtree(spec.discovery_dir, ignore_errors=True)  # no instance of an earlier fleet lingers
+    shutil.rmtree(spec.discovery_dir, ignore_errors=True)
     spec.discovery_dir.mkdir(parents=True)
     logs = spec.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    (spec.run_dir / ROUTER_CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
+    return logs
+
+
+@contextmanager
+def _starting(what: str) -> Iterator[list[Started]]:
+    """The list the block appends each started process to; if the block fails, every one
+    is stopped and the failure raised as :class:`FleetStartError` (a timeout prefixed by
+    ``what``; SIGTERM and Ctrl-C as an interruption)."""
     started: list[Started] = []
     with _sigterm_as_interrupt():
         try:
-            t0 = time.monotonic()
-            started += [_spawn(plan, logs, WORKER_HEALTH) for plan in workers]
-            _wait_healthy(started, t0 + timeout)
-            progress(f"  {len(workers)} mocker workers healthy after {time.monotonic() - t0:.1f} s")
-            started.append(_spawn(frontend, logs, FRONTEND_HEALTH))
-            _wait_healthy(started[-1:], time.monotonic() + timeout)
-            progress(f"  Dynamo frontend ({spec.frontend_routing.value} mode) on {frontend.url}")
-            if spec.kvpilot_routes:
-                started.append(_spawn(router, logs))
-                _wait_healthy(started[-1:], time.monotonic() + timeout)
-                wait_for_workers(router.url, lambda names: len(names) == len(workers), timeout)
-                progress(f"  router on {router.url}, serving {len(workers)} workers from Dynamo's discovery")
-            else:
-                wait_for_frontend(frontend.url, spec.served_model_name, timeout)
-                progress(f"  the frontend routes over its {len(workers)} workers (no kvpilot router)")
+            yield started
         except TimeoutError as exc:
             _stop_all(started)
-            raise FleetStartError(f"the fleet's router did not find every worker: {exc}") from None
+            raise FleetStartError(f"{what}: {exc}") from None
         except BaseException as exc:
             _stop_all(started)
             if isinstance(exc, KeyboardInterrupt):
                 raise FleetStartError("interrupted while starting; every process started was stopped") from None
             raise
+
+
+def _record(spec: DynamoFleetSpec, started: list[Started]) -> Fleet:
+    """The started processes as the fleet in ``fleet.json``: the last one is its router."""
     running = [r for _, r in started]
     fleet = Fleet(spec.run_dir, tuple(running[:-1]), running[-1])
     fleet.save()
@@ -296,53 +318,34 @@ def up_one_process(
             spec, frontend_routing=FrontendRouting.KV, frontend_port=kv_frontend_port, frontend_flags=kv_frontend_flags
         )
         plans.append(dataclasses.replace(frontend_plan(kv_spec), name="frontend-kv"))
-    busy = [port for p in (*plans, router) for port in (p.port, *p.side_ports) if not port_is_free(port)]
-    if busy:
-        raise FleetStartError(f"ports already in use on {HOST}: {busy}")
-    shutil.rmtree(spec.discovery_dir, ignore_errors=True)
-    spec.discovery_dir.mkdir(parents=True)
-    logs = spec.run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    started: list[Started] = []
-    with _sigterm_as_interrupt():
-        try:
-            t0 = time.monotonic()
-            started.append(_spawn(mocker, logs, WORKER_HEALTH))
-            _wait_healthy(started, t0 + timeout)
-            while len(generate_instances(spec.discovery_dir)) < spec.workers:
-                if time.monotonic() > t0 + timeout:
-                    raise TimeoutError(f"{len(generate_instances(spec.discovery_dir))} of {spec.workers} in discovery")
-                time.sleep(0.5)
-            progress(f"  {spec.workers} mocker workers in one process after {time.monotonic() - t0:.1f} s")
-            started += [_spawn(plan, logs, FRONTEND_HEALTH) for plan in plans[1:]]
-            _wait_healthy(started[1:], time.monotonic() + timeout)
-            if kv_frontend_port is not None:
-                wait_for_frontend(f"http://{HOST}:{kv_frontend_port}", spec.served_model_name, timeout)
-            wait_for_frontend(spec.frontend_url, spec.served_model_name, timeout)
-            instances = generate_instances(spec.discovery_dir)
-            endpoints = [f"tcp://{HOST}:{port}" for port in mocker.side_ports[1:]]
-            mapping = map_kv_events(spec.frontend_url, instances, endpoints)
-            progress(f"  frontends up; each instance's KV-event port found after {time.monotonic() - t0:.1f} s")
-            config = router_config(spec)
-            dynamo = dict(config["dynamo"])  # type: ignore[call-overload]
-            dynamo.pop("kv_events_port_offset")
-            config["dynamo"] = {**dynamo, "kv_events_endpoints": mapping}
-            for section, values in (router_overrides or {}).items():
-                config[section] = {**dict(config.get(section) or {}), **values}  # type: ignore[call-overload]
-            (spec.run_dir / ROUTER_CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
-            started.append(_spawn(router, logs))
-            _wait_healthy(started[-1:], time.monotonic() + timeout)
-            wait_for_workers(router.url, lambda names: len(names) == spec.workers, timeout)
-            progress(f"  router on {router.url}, serving {spec.workers} workers, after {time.monotonic() - t0:.1f} s")
-        except TimeoutError as exc:
-            _stop_all(started)
-            raise FleetStartError(f"the scale fleet did not come up: {exc}") from None
-        except BaseException as exc:
-            _stop_all(started)
-            if isinstance(exc, KeyboardInterrupt):
-                raise FleetStartError("interrupted while starting; every process started was stopped") from None
-            raise
-    running = [r for _, r in started]
-    fleet = Fleet(spec.run_dir, tuple(running[:-1]), running[-1])
-    fleet.save()
-    return fleet
+    logs = _prepare(spec, [*plans, router])
+    with _starting("the scale fleet did not come up") as started:
+        t0 = time.monotonic()
+        started.append(_spawn(mocker, logs, WORKER_HEALTH))
+        _wait_healthy(started, t0 + timeout)
+        while len(generate_instances(spec.discovery_dir)) < spec.workers:
+            if time.monotonic() > t0 + timeout:
+                raise TimeoutError(f"{len(generate_instances(spec.discovery_dir))} of {spec.workers} in discovery")
+            time.sleep(0.5)
+        progress(f"  {spec.workers} mocker workers in one process after {time.monotonic() - t0:.1f} s")
+        started += [_spawn(plan, logs, FRONTEND_HEALTH) for plan in plans[1:]]
+        _wait_healthy(started[1:], time.monotonic() + timeout)
+        if kv_frontend_port is not None:
+            wait_for_frontend(f"http://{HOST}:{kv_frontend_port}", spec.served_model_name, timeout)
+        wait_for_frontend(spec.frontend_url, spec.served_model_name, timeout)
+        instances = generate_instances(spec.discovery_dir)
+        endpoints = [f"tcp://{HOST}:{port}" for port in mocker.side_ports[1:]]
+        mapping = map_kv_events(spec.frontend_url, instances, endpoints)
+        progress(f"  frontends up; each instance's KV-event port found after {time.monotonic() - t0:.1f} s")
+        config = router_config(spec)
+        dynamo = dict(config["dynamo"])  # type: ignore[call-overload]
+        dynamo.pop("kv_events_port_offset")
+        config["dynamo"] = {**dynamo, "kv_events_endpoints": mapping}
+        for section, values in (router_overrides or {}).items():
+            config[section] = {**dict(config.get(section) or {}), **values}  # type: ignore[call-overload]
+        (spec.run_dir / ROUTER_CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
+        started.append(_spawn(router, logs))
+        _wait_healthy(started[-1:], time.monotonic() + timeout)
+        wait_for_workers(router.url, lambda names: len(names) == spec.workers, timeout)
+        progress(f"  router on {router.url}, serving {spec.workers} workers, after {time.monotonic() - t0:.1f} s")
+    return _record(spec, started)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,11 +127,10 @@ def worker_name(role: Role, index: int) -> str:
     return f"{'worker' if role is Role.COLOCATED else role.value}-{index}"
 
 
-def worker_plan(spec: DynamoFleetSpec, role: Role, index: int, ordinal: int) -> ProcessPlan:
-    """Worker ``index`` of its role, ``ordinal`` among all workers (its ports)."""
-    rpc = spec.worker_port + ordinal
-    events, system, bootstrap = (rpc + k * spec.port_stride for k in (1, 2, 3))
-    argv = [
+def _mocker_argv(spec: DynamoFleetSpec, role: Role, events_ports: Sequence[int]) -> list[str]:
+    """``dynamo.mocker`` with one worker per port of ``events_ports`` (each publishing its
+    KV events there), in ``role``'s disaggregation mode."""
+    return [
         sys.executable,
         "-m",
         "dynamo.mocker",
@@ -139,10 +139,10 @@ def worker_plan(spec: DynamoFleetSpec, role: Role, index: int, ordinal: int) -> 
         "--model-name",
         spec.served_model_name,
         "--num-workers",
-        "1",
+        str(len(events_ports)),
         *DYNAMO_PLANES,
         "--zmq-kv-events-ports",
-        str(events),
+        ",".join(map(str, events_ports)),
         "--block-size",
         str(spec.block_size),
         "--speedup-ratio",
@@ -151,6 +151,13 @@ def worker_plan(spec: DynamoFleetSpec, role: Role, index: int, ordinal: int) -> 
         MOCKER_MODES[role],
         *spec.mocker_flags,
     ]
+
+
+def worker_plan(spec: DynamoFleetSpec, role: Role, index: int, ordinal: int) -> ProcessPlan:
+    """Worker ``index`` of its role, ``ordinal`` among all workers (its ports)."""
+    rpc = spec.worker_port + ordinal
+    events, system, bootstrap = (rpc + k * spec.port_stride for k in (1, 2, 3))
+    argv = _mocker_argv(spec, role, [events])
     if role is Role.PREFILL:
         argv += ["--bootstrap-ports", str(bootstrap)]
     env = {**spec.dynamo_env, "DYN_TCP_RPC_PORT": str(rpc), "DYN_SYSTEM_PORT": str(system)}
@@ -172,27 +179,7 @@ def mocker_group_plan(spec: DynamoFleetSpec, name: str = "mockers") -> ProcessPl
         raise ValueError("one mocker process holds aggregated workers only")
     events = [spec.worker_port + spec.port_stride + i for i in range(spec.workers)]
     system = spec.worker_port + 2 * spec.port_stride
-    argv = [
-        sys.executable,
-        "-m",
-        "dynamo.mocker",
-        "--model-path",
-        str(spec.model_dir),
-        "--model-name",
-        spec.served_model_name,
-        "--num-workers",
-        str(spec.workers),
-        *DYNAMO_PLANES,
-        "--zmq-kv-events-ports",
-        ",".join(map(str, events)),
-        "--block-size",
-        str(spec.block_size),
-        "--speedup-ratio",
-        str(spec.speedup_ratio),
-        "--disaggregation-mode",
-        MOCKER_MODES[Role.COLOCATED],
-        *spec.mocker_flags,
-    ]
+    argv = _mocker_argv(spec, Role.COLOCATED, events)
     env = {**spec.dynamo_env, "DYN_TCP_RPC_PORT": str(spec.worker_port), "DYN_SYSTEM_PORT": str(system)}
     return ProcessPlan(name, Role.COLOCATED, tuple(argv), env, system, (spec.worker_port, *events))
 
