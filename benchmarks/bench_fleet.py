@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import math
 import os
@@ -66,7 +65,7 @@ from fleet_trace import (
 
 from deploy import dynamo_fleet
 from deploy.dynamo_spec import DynamoFleetSpec, router_plan
-from deploy.fleet import Fleet, RunningProcess, down, start, stop_group
+from deploy.fleet import Fleet, RunningProcess, down, start_replica, stop_group
 from deploy.fleet_spec import HOST
 from deploy.metrics import Samples, scrape, total
 from deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
@@ -125,11 +124,8 @@ def replicas(spec: DynamoFleetSpec, count: int, workers: int) -> Iterator[list[R
     replica's own); stopped on exit."""
     started: list[RunningProcess] = []
     try:
-        base = router_plan(spec)
         for k in range(1, count):
-            port = spec.router_port + k
-            plan = dataclasses.replace(base, name=f"router-{k}", argv=(*base.argv, "--port", str(port)), port=port)
-            started.append(start(plan, spec.run_dir / "logs", timeout=120.0))
+            started.append(start_replica(router_plan(spec), spec.run_dir / "logs", f"router-{k}", spec.router_port + k))
             dynamo_fleet.wait_for_workers(started[-1].url, lambda names: len(names) == workers, 60.0)
         if started:
             log(f"  {len(started)} more router replicas on ports {[r.port for r in started]}")

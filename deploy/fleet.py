@@ -447,15 +447,16 @@ def start_router(
     :class:`FleetStartError` if it does not come up."""
     if not spec.kv_events_ipc:
         raise FleetStartError("a router replica needs engines that bind their KV-event endpoints (kv_events_ipc)")
-    plan = plan_fleet(spec)[1]
-    plan = dataclasses.replace(plan, name=name, argv=(*plan.argv, "--port", str(port), *flags), port=port)
-    proc, running = _spawn(plan, spec.run_dir / "logs")
-    try:
-        _wait_healthy([(proc, running)], time.monotonic() + timeout)
-    except BaseException:
-        stop_group(proc.pid)
-        raise
-    return running
+    return start_replica(plan_fleet(spec)[1], spec.run_dir / "logs", name, port, flags, timeout)
+
+
+def start_replica(
+    router: ProcessPlan, logs: Path, name: str, port: int, flags: Sequence[str] = (), timeout: float = 120.0
+) -> RunningProcess:
+    """One more process of ``router``'s plan, named ``name``, on ``port`` with extra
+    ``flags``; returned once healthy (:func:`start`), not recorded in any fleet."""
+    replica = dataclasses.replace(router, name=name, argv=(*router.argv, "--port", str(port), *flags), port=port)
+    return start(replica, logs, timeout)
 
 
 def _replace(old: RunningProcess, plan: ProcessPlan, logs: Path, timeout: float) -> RunningProcess:
