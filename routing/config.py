@@ -44,14 +44,14 @@ user can paste them::
       max_local_tokens: 2048             # null disables a check
       max_local_fraction: 0.7
       decode_busy_kv_usage: 0.9          # D's KV usage: the larger of ledger / kv_blocks and D's own gauge
-      compare_costs: false               # true: also the roofline comparison below
+      compare_costs: true                # the stall budget and local-cheaper checks (false: Dynamo's rule)
       max_stall_s: 0.05
-      model_preset: llama-8b             # policies.presets names
-      p_hardware: h100
+      model_preset: ""                   # "": server.model_dir's config.json; or a policies.presets name
+      p_hardware: h100                   # the prior's hardware until the measured rates replace it
       d_hardware: h100
       link_preset: rdma
       kv_format: bf16
-      measured_rates: false              # true: price with the measured rates (routing/decide/rates.py)
+      measured_rates: true               # price with the measured rates (routing/decide/rates.py)
     dynamo:                              # beside NVIDIA Dynamo (docs/dynamo.md); off while frontend_url is ""
       frontend_url: http://127.0.0.1:8090   # Dynamo's frontend in direct mode: every request goes there
       discovery_backend: file            # file ($DYN_FILE_KV) | etcd | kubernetes: Dynamo's own client reads it
@@ -87,6 +87,8 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
+import logging
 import types
 import typing
 from collections.abc import Mapping
@@ -99,9 +101,13 @@ import msgspec
 import yaml
 
 from policies.disaggregation import LocalPrefillConfig
+from policies.presets import model_from_mapping, model_preset
 from policies.session_options import Option
+from policies.specs import ModelSpec, SpecError
 from policies.typed_config import TypedConfig, TypedConfigError, check_range, convert
 from routing.ids import WorkerId
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(TypedConfigError):
@@ -311,21 +317,26 @@ class ServerConfig(TypedConfig, frozen=True):
 class DisaggregationConfig(LocalPrefillConfig, frozen=True):
     """The policy's own :class:`~policies.disaggregation.LocalPrefillConfig` (one type:
     the router hands this section to the policy as it is) plus the preset names it
-    costs with. One default differs from Dynamo's (:data:`~policies.disaggregation.DYNAMO_DEFAULT`):
-    the decode-busy guard is on at 90% of D's KV."""
+    costs with. Its defaults are kvpilot's (:data:`~policies.disaggregation.KVPILOT_DEFAULT`),
+    not Dynamo's (:data:`~policies.disaggregation.DYNAMO_DEFAULT`): the decode-busy guard at
+    90% of D's KV, and the cost checks (the stall budget on D's running streams, local only
+    when cheaper than remote), priced from the measured rates."""
 
     error_type = ConfigError
 
     decode_busy_kv_usage: float | None = 0.9
-    model_preset: str = "llama-8b"
+    compare_costs: bool = True
+    model_preset: str = ""
+    """The model the roofline prior prices: ``""``, the served model's own ``config.json`` in
+    ``server.model_dir`` (:func:`prior_model`); a :mod:`policies.presets` name overrides it."""
     p_hardware: str = "h100"
     d_hardware: str = "h100"
     link_preset: str = "rdma"
     kv_format: str = "bf16"
-    measured_rates: bool = False
-    """True: the local-vs-remote verdict and the session options are priced with the
-    measured rates (:mod:`routing.decide.rates`) where they exist, the presets' roofline
-    otherwise; False (the default, today's decisions): the roofline alone."""
+    measured_rates: bool = True
+    """True (the default): the local-vs-remote verdict and the session options are priced
+    with the measured rates (:mod:`routing.decide.rates`) where they exist, the roofline
+    prior otherwise; False: the roofline of the presets alone."""
 
     def __post_init__(self) -> None:
         check_range(self, "max_stall_s", "max_local_tokens", "max_local_fraction", "decode_busy_kv_usage", at_least=0)
@@ -534,3 +545,33 @@ def load_config(path: str | Path | None, args: argparse.Namespace | None = None)
                     raise ConfigError(section, "must be a mapping")
                 target[name] = None if value is _NULL else value
     return convert(data, RouterConfig)
+
+
+FALLBACK_MODEL_PRESET = "llama-8b"
+"""The prior's model for a router whose ``server.model_dir`` holds no ``config.json`` and
+that names no ``disaggregation.model_preset``."""
+
+
+def prior_model(config: RouterConfig) -> ModelSpec:
+    """The model the roofline prior prices (see ``disaggregation.model_preset``): the named
+    preset, else the served model's ``config.json`` in ``server.model_dir``, else (none
+    there: a tokenizer-only directory, or no directory) :data:`FALLBACK_MODEL_PRESET`, with
+    a warning. Raises :class:`ConfigError` naming the key for an unknown preset or a
+    ``config.json`` that is unreadable or lacks a field the roofline needs."""
+    cfg = config.disaggregation
+    path = Path(config.server.model_dir) / "config.json" if config.server.model_dir else None
+    if not cfg.model_preset and path is not None and path.is_file():
+        try:
+            return model_from_mapping(json.loads(path.read_text()), str(path))
+        except (OSError, ValueError, SpecError) as exc:
+            raise ConfigError("server.model_dir", f"the prior's model comes from {path}: {exc}") from None
+    if not cfg.model_preset:
+        log.warning(
+            "no model config.json in server.model_dir (%r): the roofline prior prices %s until rates are measured",
+            config.server.model_dir,
+            FALLBACK_MODEL_PRESET,
+        )
+    try:
+        return model_preset(cfg.model_preset or FALLBACK_MODEL_PRESET)
+    except SpecError as exc:
+        raise ConfigError("disaggregation.model_preset", str(exc)) from None

@@ -25,7 +25,8 @@ distinct values of the leading variable) it answers with the fit of the same mod
 on the engine with the most samples (the fleet serves one model: a P not yet timed
 is predicted from D's measured prefills, so the first long prompt through a slow
 box gets a timeout from a measurement), and while no engine has one with the
-roofline prior (the ``disaggregation`` presets: :class:`Prior`). Every
+roofline prior (the served model on the ``disaggregation`` hardware and link presets:
+:class:`Prior`). Every
 answer is an :class:`Estimate` carrying both, so a caller can show the prior next
 to the measurement.
 """
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from policies.presets import hardware_preset, kv_format_preset, link_preset
 from policies.roofline import decode_step, kv_bytes, prefill
 from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecError
 from routing.config import ConfigError, DisaggregationConfig, Role
@@ -109,10 +110,11 @@ class RolePriors:
     other: Prior
 
     @classmethod
-    def from_config(cls, cfg: DisaggregationConfig) -> RolePriors:
-        """Raises :class:`~routing.config.ConfigError` naming the section for an unknown preset."""
+    def from_config(cls, cfg: DisaggregationConfig, model: ModelSpec) -> RolePriors:
+        """The priors pricing ``model`` (:func:`routing.config.prior_model`). Raises
+        :class:`~routing.config.ConfigError` naming the section for an unknown preset."""
         try:
-            model, fmt = model_preset(cfg.model_preset), kv_format_preset(cfg.kv_format)
+            fmt = kv_format_preset(cfg.kv_format)
             link, p_hw, d_hw = (
                 link_preset(cfg.link_preset),
                 hardware_preset(cfg.p_hardware),

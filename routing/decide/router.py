@@ -47,9 +47,9 @@ from policies.disaggregation import (
     PromptState,
     Where,
 )
-from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from policies.presets import hardware_preset, kv_format_preset, link_preset
 from policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
-from policies.specs import SpecError
+from policies.specs import ModelSpec, SpecError
 from routing.config import ConfigError, DisaggregationConfig, RouterConfig, TierClass, Worker
 from routing.decide.cost import Candidate, CostModel, Decision, TierOverlap, tier_overlap
 from routing.decide.ledger import LoadLedger, WorkerLoad
@@ -140,14 +140,15 @@ def _options(fleet: Fleet) -> dict[str, tuple[Worker | None, Worker]]:
     return options
 
 
-def policy_from_config(cfg: DisaggregationConfig) -> LocalVsRemotePolicy:
-    """The local-vs-remote policy the ``disaggregation`` section describes.
+def policy_from_config(cfg: DisaggregationConfig, model: ModelSpec) -> LocalVsRemotePolicy:
+    """The local-vs-remote policy the ``disaggregation`` section describes, pricing
+    ``model`` (:func:`routing.config.prior_model`).
 
     Raises :class:`ConfigError` naming the field for an unknown preset.
     """
     try:
         return LocalVsRemotePolicy(
-            model_preset(cfg.model_preset),
+            model,
             kv_format_preset(cfg.kv_format),
             hardware_preset(cfg.p_hardware),
             hardware_preset(cfg.d_hardware),

@@ -42,7 +42,16 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from routing.config import ConfigError, IndexBackend, IndexConfig, Role, RouterConfig, SessionConfig, SessionStoreKind
+from routing.config import (
+    ConfigError,
+    IndexBackend,
+    IndexConfig,
+    Role,
+    RouterConfig,
+    SessionConfig,
+    SessionStoreKind,
+    prior_model,
+)
 from routing.decide.ledger import LoadLedger
 from routing.decide.rates import RateEstimator, RolePriors, TTFTPrediction
 from routing.decide.router import NoHealthyWorker, Route, Router, policy_from_config
@@ -186,13 +195,14 @@ class RouterServer:
         srv = config.server
         self.admission = Admission(srv.max_concurrent_requests, srv.max_queued_requests, srv.queue_timeout_s)
         dynamo = config.dynamo.enabled  # prefill workers may join at any time
-        policy = policy_from_config(config.disaggregation) if fleet.prefill or dynamo else None
+        model = prior_model(config)
+        policy = policy_from_config(config.disaggregation, model) if fleet.prefill or dynamo else None
         sessions = SessionStore(config.index.block_size, config.sessions.max_sessions)
         interval = 0.0 if dynamo else config.server.engine_metrics_interval_s  # Dynamo's workers have no vLLM /metrics
         self.breaker = CircuitBreaker(srv.circuit_failures, srv.circuit_open_s)
         self.event_watch = EventWatch(config.index.events_stale_after_s)
         self.pair_health = PairHealth(config.cost)
-        priors = RolePriors.from_config(config.disaggregation)
+        priors = RolePriors.from_config(config.disaggregation, model)
         self.rates = RateEstimator(lambda engine: priors.of(self._role(engine)))
         self.engine_load = (
             EngineLoadPoller(fleet.workers, interval, on_sample=self._engine_sample) if interval > 0 else None

@@ -17,7 +17,7 @@ from deploy.fleet_spec import ROUTER_CONFIG, FleetSpec
 from deploy.metrics import delta, scrape
 from policies.disaggregation import DecodeState
 from policies.session_options import Option, PrefillSite, SessionOptionPricer, SessionStep
-from routing.config import add_cli_flags, load_config
+from routing.config import add_cli_flags, load_config, prior_model
 from routing.decide.router import policy_from_config
 from routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
@@ -194,7 +194,7 @@ def _priced_independently(spec: FleetSpec, flags: list[str], step: SessionStep) 
     parser = argparse.ArgumentParser()
     add_cli_flags(parser)
     config = load_config(spec.run_dir / ROUTER_CONFIG, parser.parse_args(flags))
-    pricer = SessionOptionPricer(policy_from_config(config.disaggregation))
+    pricer = SessionOptionPricer(policy_from_config(config.disaggregation, prior_model(config)))
     return {p.option.value: p.seconds for p in pricer.price(step) if p.available}
 
 

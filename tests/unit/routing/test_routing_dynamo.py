@@ -16,7 +16,7 @@ import pytest
 import zmq
 from aiohttp.test_utils import TestServer
 
-from routing.config import ConfigError, DynamoConfig, Role, RouterConfig, ServerConfig, Worker, load_config
+from routing.config import ConfigError, DynamoConfig, Role, RouterConfig, ServerConfig, Worker, load_config, prior_model
 from routing.decide.ledger import LoadLedger
 from routing.decide.router import NoHealthyWorker, Router, policy_from_config
 from routing.decide.sessions import SessionStore
@@ -134,7 +134,7 @@ def _router(fleet_workers: list[Worker]) -> Router:
         BlockIndex(BS),
         LoadLedger(),
         SessionStore(BS, 8),
-        policy_from_config(cfg.disaggregation),
+        policy_from_config(cfg.disaggregation, prior_model(cfg)),
         random.Random(0),
     )
 

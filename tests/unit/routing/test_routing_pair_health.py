@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from routing.config import ConfigError, CostConfig
+from routing.config import ConfigError, CostConfig, prior_model
 from routing.decide.ledger import LoadLedger
 from routing.decide.router import Router, policy_from_config
 from routing.decide.sessions import SessionStore
@@ -139,7 +139,7 @@ def test_a_pair_with_recent_failures_loses_to_an_equal_healthy_pair():
         BlockIndex(4),
         LoadLedger(),
         SessionStore(4, 16),
-        policy_from_config(cfg.disaggregation),
+        policy_from_config(cfg.disaggregation, prior_model(cfg)),
         random.Random(0),
         pair_penalty=lambda p, d: health.penalty_blocks(p, d, 0.0),
     )

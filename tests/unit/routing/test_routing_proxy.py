@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvconnectors.pull_params import handoff_request
-from routing.config import Role, RouterConfig, Worker
+from routing.config import Role, RouterConfig, Worker, prior_model
 from routing.decide.ledger import LoadLedger
 from routing.decide.rates import PREFILL_TIMEOUT_FACTOR, RateEstimator, RolePriors
 from routing.decide.router import Kind, Route, Router, policy_from_config
@@ -120,10 +120,10 @@ class Rig:
         self.ledger = LoadLedger()
         self.breaker = CircuitBreaker(failures_to_open=1, open_s=60.0)
         self.metrics = RouterMetrics([w.name for w in fleet.workers])
-        policy = policy_from_config(cfg.disaggregation)
+        policy = policy_from_config(cfg.disaggregation, prior_model(cfg))
         self.router = Router(fleet, cfg, BlockIndex(BS), self.ledger, SessionStore(BS, 8), policy, random.Random(0))
         self.upstream = upstream
-        priors = RolePriors.from_config(cfg.disaggregation)
+        priors = RolePriors.from_config(cfg.disaggregation, prior_model(cfg))
         self.rates = RateEstimator(lambda engine: priors.of(fleet.by_name(WorkerId(engine)).role))
         self.proxy = Proxy(
             upstream,

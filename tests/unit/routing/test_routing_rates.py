@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
-from routing.config import ConfigError, DisaggregationConfig, Role
+from routing.config import (
+    FALLBACK_MODEL_PRESET,
+    ConfigError,
+    DisaggregationConfig,
+    Role,
+    RouterConfig,
+    ServerConfig,
+    prior_model,
+)
 from routing.decide.rates import (
     MIN_SAMPLES,
     PREFILL_TIMEOUT_FACTOR,
@@ -191,11 +201,42 @@ def test_the_first_poll_is_a_baseline():
 
 def test_role_priors_come_from_the_disaggregation_presets():
     cfg = DisaggregationConfig(p_hardware="b200", d_hardware="h100")
-    priors = RolePriors.from_config(cfg)
+    priors = RolePriors.from_config(cfg, model_preset("llama-8b"))
     assert priors.of(Role.PREFILL).hardware == hardware_preset("b200")
     assert priors.of(Role.DECODE).hardware == priors.of(None).hardware == hardware_preset("h100")
     with pytest.raises(ConfigError, match="disaggregation"):
-        RolePriors.from_config(DisaggregationConfig(d_hardware="abacus"))
+        RolePriors.from_config(DisaggregationConfig(d_hardware="abacus"), model_preset("llama-8b"))
+
+
+def test_the_prior_prices_the_served_model_unless_a_preset_is_named(tmp_path):
+    hf = {
+        "model_type": "llama",
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 1000,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    served = RouterConfig(server=ServerConfig(model_dir=str(tmp_path)))
+    assert prior_model(served).num_layers == 4
+    named = RouterConfig(
+        server=ServerConfig(model_dir=str(tmp_path)), disaggregation=DisaggregationConfig(model_preset="llama-70b")
+    )
+    assert prior_model(named) == model_preset("llama-70b")
+    assert prior_model(RouterConfig()) == model_preset(FALLBACK_MODEL_PRESET)
+    tokenizer_only = tmp_path / "tokenizer-only"
+    tokenizer_only.mkdir()
+    assert prior_model(RouterConfig(server=ServerConfig(model_dir=str(tokenizer_only)))) == model_preset(
+        FALLBACK_MODEL_PRESET
+    )
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match=r"server\.model_dir.*hidden_size: missing"):
+        prior_model(served)
+    with pytest.raises(ConfigError, match=r"disaggregation\.model_preset"):
+        prior_model(RouterConfig(disaggregation=DisaggregationConfig(model_preset="gpt-9")))
 
 
 @pytest.mark.parametrize(

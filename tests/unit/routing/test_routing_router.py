@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from policies.presets import hardware_preset, kv_format_preset, link_preset
 from policies.roofline import kv_bytes, prefill
 from policies.session_options import Option
-from routing.config import ConfigError, Role, RouterConfig, load_config
+from routing.config import ConfigError, Role, RouterConfig, load_config, prior_model
 from routing.decide.ledger import LoadLedger
 from routing.decide.rates import RateEstimator, RolePriors
 from routing.decide.router import Kind, Router, policy_from_config
@@ -54,7 +54,7 @@ def _store(index: BlockIndex, worker: str, tokens: list[int], salt: str | None =
 
 def _router(cfg: RouterConfig, seed: int = 0) -> Router:
     fleet = fleet_from_config(cfg)
-    policy = policy_from_config(cfg.disaggregation) if fleet.prefill else None
+    policy = policy_from_config(cfg.disaggregation, prior_model(cfg)) if fleet.prefill else None
     return Router(fleet, cfg, BlockIndex(BS), LoadLedger(), SessionStore(BS, 16), policy, random.Random(seed))
 
 
@@ -261,8 +261,9 @@ def test_workers_section_parses_and_renders_the_engine_flag(tmp_path):
 
 
 def test_unknown_policy_preset_names_the_section():
+    cfg = _config(PD, disaggregation={"p_hardware": "tpu9"})
     with pytest.raises(ConfigError, match="disaggregation"):
-        policy_from_config(_config(PD, disaggregation={"p_hardware": "tpu9"}).disaggregation)
+        policy_from_config(cfg.disaggregation, prior_model(cfg))
 
 
 # ---- a session's later step: the five options (reference article, section 9.2) ----
@@ -325,8 +326,9 @@ def test_unforced_a_long_generated_span_is_pulled_not_recomputed():
     the router's default disaggregation section names), so the cheapest option is
     the pull, not the tie of re-prefill and affinity."""
     generated = 300  # blocks of BS tokens
-    cfg = _config(PD).disaggregation
-    model, fmt = model_preset(cfg.model_preset), kv_format_preset(cfg.kv_format)
+    config = _config(PD)
+    cfg = config.disaggregation
+    model, fmt = prior_model(config), kv_format_preset(cfg.kv_format)
     hw, link = hardware_preset(cfg.p_hardware), link_preset(cfg.link_preset)
     span = generated * BS
     assert prefill(model, fmt, hw, span, STEP1_BLOCKS * BS).seconds > 5 * link.transfer_seconds(
@@ -355,7 +357,9 @@ def test_an_idle_d_holding_the_session_prefills_the_increment_itself():
 )
 def test_measured_rates_price_the_session_options_only_when_switched_on(measured_rates, expected):
     router, session, step2 = _session_after_step_one("", max_local_tokens=2048, measured_rates=measured_rates)
-    rates = RateEstimator(lambda _engine: RolePriors.from_config(router.config.disaggregation).other)
+    rates = RateEstimator(
+        lambda _engine: RolePriors.from_config(router.config.disaggregation, prior_model(router.config)).other
+    )
     for new in (4, 8, 16, 32):
         rates.observe_prefill("d1", new, 0, 1.0 * new)
         for p in router.fleet.prefill:
@@ -364,9 +368,10 @@ def test_measured_rates_price_the_session_options_only_when_switched_on(measured
     route = router.route(step2, "s2", session=session, now=0.0)
     assert route.kind is expected and (route.option is Option.LOCAL) is (expected is Kind.LOCAL_PREFILL)
     price = {p.option.value: p for p in route.options}
-    assert ("measured rates:" in price["local"].why) is measured_rates
-    if measured_rates:
-        assert price["local"].seconds == pytest.approx(1.0 * 2 * BS)  # D prefills the 2 new blocks at 1 s a token
+    chosen = price[route.option.value]
+    assert ("measured rates:" in chosen.why) is measured_rates
+    if measured_rates:  # D's 2 new blocks at 1 s a token cost more than P's whole path: local is out
+        assert not price["local"].available and "NO: remote cheaper" in price["local"].why
 
 
 @pytest.mark.parametrize(("measured_rates", "expected"), [(False, Kind.LOCAL_PREFILL), (True, Kind.REMOTE_PREFILL)])
@@ -374,7 +379,9 @@ def test_measured_rates_decide_local_vs_remote_when_switched_on(measured_rates, 
     """D holds 9 of 10 blocks; with the cost comparison on, the roofline keeps the last
     block on D, a D measured at 1 s a token (P at 1 ms) sends it to P."""
     router = _router(_config(PD, disaggregation={"compare_costs": True, "measured_rates": measured_rates}))
-    rates = RateEstimator(lambda _engine: RolePriors.from_config(router.config.disaggregation).other)
+    rates = RateEstimator(
+        lambda _engine: RolePriors.from_config(router.config.disaggregation, prior_model(router.config)).other
+    )
     for new in (4, 8, 16, 32):
         rates.observe_prefill("d1", new, 0, 1.0 * new)
         for p in ("p1", "p2"):
@@ -389,17 +396,18 @@ def test_measured_rates_decide_local_vs_remote_when_switched_on(measured_rates, 
         assert route.local_remote.local_s == pytest.approx(BS * 1.0)  # D's one block at 1 s a token
 
 
-def test_the_measured_rates_switch_is_off_by_default():
+def test_the_measured_rates_switch_is_on_by_default_and_turns_off():
     cfg = _config(PD)
-    assert cfg.disaggregation.measured_rates is False
+    assert cfg.disaggregation.measured_rates is True and cfg.disaggregation.compare_costs is True
+    cfg = _config(PD, disaggregation={"measured_rates": False})
     router = Router(
         fleet_from_config(cfg),
         cfg,
         BlockIndex(BS),
         LoadLedger(),
         SessionStore(BS, 16),
-        policy_from_config(cfg.disaggregation),
-        rates=RateEstimator(lambda _engine: RolePriors.from_config(cfg.disaggregation).other),
+        policy_from_config(cfg.disaggregation, prior_model(cfg)),
+        rates=RateEstimator(lambda _engine: RolePriors.from_config(cfg.disaggregation, prior_model(cfg)).other),
     )
     assert router.rates is None
 
