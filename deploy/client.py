@@ -26,7 +26,9 @@ class Completion:
     kv_transfer_params: dict[str, Any] | None = None
     headers: dict[str, str] = field(default_factory=dict)
     token_ids: tuple[int, ...] = ()
-    """The generated token ids, when the request asked ``return_token_ids`` (not streamed)."""
+    """The generated token ids, when the request asked ``return_token_ids``."""
+    token_seconds: tuple[float, ...] = ()
+    """Streamed: when each token arrived, in seconds since the request was sent."""
 
     def same_output(self, other: Completion) -> bool:
         """Same tokens and bit-identical logprobs."""
@@ -80,6 +82,7 @@ def complete(
     tokens: list[str] = []
     logprobs: list[float] = []
     ttft = 0.0
+    arrivals: list[float] = []
     with _post(f"{base_url}/v1/completions", body, timeout) as resp:
         headers = dict(resp.headers.items())
         if not stream:
@@ -90,7 +93,7 @@ def complete(
             text, params = choice["text"], payload.get("kv_transfer_params")
             token_ids = tuple(choice.get("token_ids") or ())
         else:
-            text, params, token_ids = "", None, ()
+            text, params, streamed_ids = "", None, list[int]()
             for raw in resp:
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
@@ -98,13 +101,25 @@ def complete(
                 chunk = json.loads(line[5:])
                 for choice in chunk.get("choices", []):
                     if choice.get("logprobs"):
+                        now = time.perf_counter() - started
                         if not tokens:
-                            ttft = time.perf_counter() - started
+                            ttft = now
+                        arrivals += [now] * len(choice["logprobs"]["tokens"])
                         tokens += choice["logprobs"]["tokens"]
                         logprobs += choice["logprobs"]["token_logprobs"]
                     text += choice.get("text", "")
+                    streamed_ids += choice.get("token_ids") or ()
+            token_ids = tuple(streamed_ids)
     return Completion(
-        text, tuple(tokens), tuple(logprobs), ttft, time.perf_counter() - started, params, headers, token_ids
+        text,
+        tuple(tokens),
+        tuple(logprobs),
+        ttft,
+        time.perf_counter() - started,
+        params,
+        headers,
+        token_ids,
+        tuple(arrivals),
     )
 
 

@@ -21,7 +21,8 @@ and the rest refitted, in the order listed last to first):
       seconds = setup * transfers + per_token * T
 
 Until a model holds :data:`MIN_SAMPLES` samples (and they span at least two
-distinct values of the leading variable) it answers with the fit of the same model
+distinct values of the leading variable; decode steps timed at one stream count
+only fit their mean, with no per-stream term) it answers with the fit of the same model
 on the engine with the most samples (the fleet serves one model: a P not yet timed
 is predicted from D's measured prefills, so the first long prompt through a slow
 box gets a timeout from a measurement), and while no engine has one with the
@@ -140,12 +141,16 @@ class LinearFit:
 
     ``drop_order``: the feature indices to drop, first to last, while a coefficient
     is negative. :meth:`coefficients` is ``None`` with fewer than ``min_samples``
-    samples or when the first varying feature (``spread_feature``) takes one value only."""
+    samples or when the first varying feature (``spread_feature``) takes one value only,
+    unless ``flat_spread_ok``: then that feature is dropped (coefficient 0) and the rest
+    fitted (a decode step timed at one stream count only is that count's mean, not the
+    prior's)."""
 
     drop_order: tuple[int, ...]
     spread_feature: int
     window: int = WINDOW
     min_samples: int = MIN_SAMPLES
+    flat_spread_ok: bool = False
     _rows: deque[tuple[tuple[float, ...], float]] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -162,11 +167,13 @@ class LinearFit:
             return None
         x = np.array([row for row, _ in self._rows])
         y = np.array([value for _, value in self._rows])
-        if np.ptp(x[:, self.spread_feature]) == 0:
-            return None
         keep = list(range(x.shape[1]))
+        if np.ptp(x[:, self.spread_feature]) == 0:
+            if not self.flat_spread_ok:
+                return None
+            keep.remove(self.spread_feature)
         for drop in (None, *self.drop_order):
-            if drop is not None:
+            if drop is not None and drop in keep:
                 keep.remove(drop)
             coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
             if (coef >= 0).all():
@@ -208,17 +215,19 @@ class RateEstimator:
         self._read: dict[str, tuple[float, float]] = {}  # per reader: bytes, seconds of its sampled reads
         self._last: dict[str, EngineLoad] = {}
 
-    def _fit(self, fits: dict[str, LinearFit], engine: str, drop: tuple[int, ...], spread: int) -> LinearFit:
+    def _fit(
+        self, fits: dict[str, LinearFit], engine: str, drop: tuple[int, ...], spread: int, flat_ok: bool = False
+    ) -> LinearFit:
         fit = fits.get(engine)
         if fit is None:
-            fit = fits[engine] = LinearFit(drop, spread, self._window, self._min)
+            fit = fits[engine] = LinearFit(drop, spread, self._window, self._min, flat_ok)
         return fit
 
     def _prefill_fit(self, engine: str) -> LinearFit:
         return self._fit(self._prefill, engine, drop=(2, 0), spread=1)  # drop attention, then the fixed cost
 
     def _decode_fit(self, engine: str) -> LinearFit:
-        return self._fit(self._decode, engine, drop=(0,), spread=1)
+        return self._fit(self._decode, engine, drop=(0,), spread=1, flat_ok=True)  # one stream count: its mean
 
     def _transfer_fit(self, engine: str) -> LinearFit:
         return self._fit(self._transfer, engine, drop=(0,), spread=1)

@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 STREAM_BREAKS = (StreamBroke, ValueError, KeyError, TypeError)
 """What relaying a stream raises when it breaks: the upstream's :class:`StreamBroke`,
 or an event that is not the JSON chunk it should be."""
+PREDICTED_TTFT_HEADER = "X-KVPilot-Predicted-TTFT-Ms"
+"""The answer's header carrying the route's predicted TTFT in milliseconds (when the router
+has a rate estimator): the client can hold it against the TTFT it sees."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +190,7 @@ class Proxy:
                 "X-KVPilot-Route": kind.value,
                 "X-KVPilot-Prefill-Worker": p,
                 "X-KVPilot-Decode-Worker": d,
+                **({PREDICTED_TTFT_HEADER: f"{prediction.seconds * 1e3:.3f}"} if prediction is not None else {}),
             }
             reply: Reply | None
             if request.body.get("stream"):  # vLLM streams no kv_transfer_params: no offer to keep

@@ -293,3 +293,16 @@ def test_an_engine_not_yet_measured_borrows_the_most_measured_engine_s_fit():
     rates.observe_prefill("p", 80, 0, 0.16)
     got = rates.prefill("p", 100, 0)
     assert (got.measured_by, got.measured_s) == ("p", pytest.approx(0.2))  # its own fit from the fourth sample
+
+
+def test_decode_steps_timed_at_one_stream_count_fit_their_mean():
+    """A session served one step at a time is always polled at one running stream: the
+    step's measured time, not the prior's, answers at any count (no per-stream term)."""
+    rates = RateEstimator(lambda _engine: PRIOR)
+    for step_s in (0.008, 0.010, 0.012, 0.010):
+        rates.observe_decode("d", 1, step_s)
+    assert rates.decode_step("d", 1).measured_s == pytest.approx(0.010)
+    assert rates.decode_step("d", 4).measured_s == pytest.approx(0.010)
+    for new in (100, 100, 100, 100):
+        rates.observe_prefill("p", new, 0, 0.05)
+    assert rates.prefill("p", 200, 0).measured_s is None  # one prompt length says nothing of another
