@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from policies.measured_fit import MIN_SAMPLES, WINDOW, attention_pairs
 from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from routing.config import ConfigError, DisaggregationConfig, Role
 from routing.decide.rates import (
-    MIN_SAMPLES,
     PREFILL_TIMEOUT_FACTOR,
-    WINDOW,
     Prior,
     RateEstimator,
     RolePriors,
-    attention_pairs,
     observe_interval,
     predict_ttft,
 )
