@@ -367,7 +367,7 @@ class KVPilotScheduler:
             self._stats.count("pull_decisions", reason=plan.pull_decision.label)
             if plan.policy_recomputed_tokens:
                 self._stats.count("recomputed_tokens", plan.policy_recomputed_tokens, reason=Reason.PULL_POLICY.value)
-            logger.debug("kvpilot %s: %s", request_id, plan.explanation)
+            logger.info("kvpilot %s: %s", request_id, plan.explanation)  # one line per session pull
         if plan.reason is Reason.VERIFIED_ALL and plan.recomputed_tokens == 0:
             logger.debug("kvpilot %s: %s", request_id, plan.explanation)
             return
