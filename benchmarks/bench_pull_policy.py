@@ -14,8 +14,9 @@ One run, two fleets of 1 P + 1 D (bidirectional), one after the other:
    case runs ``--reps`` times with D's params on turn 2 (**pull**) and ``--reps`` times
    without them (**recompute**: P prefills beyond its own hit), interleaved. P's TTFT
    is the latency of its turn-2 prefill (``max_tokens=1``), measured at P.
-2. **live**: P with no threshold: the roofline policy decides each turn-2 span from
-   P's own load and NIXL transfers; its choices are read from P's
+2. **live**: P with no threshold: the policy decides each turn-2 span from P's own
+   load, NIXL transfers and measured prefill rate (the roofline prior until P has
+   timed enough steps); its choices are read from P's
    ``vllm:kvpilot_pull_decisions_total``.
 
 It prints per case the median TTFT of each choice, their ratio, the rule's choice,
@@ -128,7 +129,7 @@ def main() -> None:
                 turn_two_ttft(p_url, d_url, tokenizer, case, 1000 * (CASES.index(case) + 1) + rep, pull=True)
                 after = scrape(p_url)
                 for choice in ("pull", "recompute"):
-                    n = int(delta(after, before, KVPILOT_PULL_DECISIONS.total, decision=choice, reason="roofline"))
+                    n = int(delta(after, before, KVPILOT_PULL_DECISIONS.total, decision=choice))  # measured or prior
                     chosen.setdefault(case.name, {"pull": 0, "recompute": 0})[choice] += n
 
     print(f"{args.reps} sessions per case and choice; P's turn-2 TTFT (median s), measured at P")

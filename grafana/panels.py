@@ -247,7 +247,9 @@ KVPILOT_ROW = Row(
         ),
         Panel(
             "Pull vs recompute decisions",
-            "Session pulls decided, by decision and by what decided (the roofline policy or a fixed threshold).",
+            "Session pulls decided, by decision and by what decided: the policy pricing recomputing by the "
+            "roofline prior (roofline) or by the engine's measured prefill rate (measured), or a fixed "
+            "threshold (threshold).",
             "short",
             (
                 Query(

@@ -7,7 +7,10 @@ platform (a CPU engine's bound cores, or the GPU's name times the tensor-paralle
 size), the link prior from the platform (NIXL over loopback on a CPU box, RDMA on
 GPUs). ``policy_model``, ``policy_hardware`` and ``policy_link`` override them by
 preset name. The link prior stands until the engine has measured its own NIXL
-transfers (see :class:`kvconnectors.pull_policy.LinkMeter`).
+transfers (see :class:`kvconnectors.pull_policy.LinkMeter`); the hardware (with the
+model) prices recomputing only until the engine has timed
+:data:`~policies.measured_fit.MIN_SAMPLES` of its own steps
+(:mod:`kvconnectors.step_rates`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvconnectors.config import RECOMPUTE_THRESHOLD_KEY, KVPilotConfig
 from kvconnectors.pull_policy import PullPolicy, RecomputePolicy, RooflinePullPolicy, ThresholdPullPolicy
+from policies.measured_fit import MIN_SAMPLES
 from policies.presets import GPUS, hardware_preset, kv_format_preset, link_preset, model_from_hf_config, model_preset
 from policies.recompute_vs_transfer import VLLM_RECOMPUTE_BELOW_TOKENS, RecomputeVsTransferPolicy
 from policies.specs import HardwareSpec
@@ -80,10 +84,12 @@ def build_pull_policy(vllm_config: VllmConfig, config: KVPilotConfig) -> PullPol
     hardware = hardware_preset(config.policy_hardware) if config.policy_hardware else engine_hardware(vllm_config)
     link = link_preset(config.policy_link or ("loopback" if current_platform.device_type == "cpu" else "rdma"))
     logger.info(
-        "kvpilot: session pulls decided by the roofline policy: model %s, %s KV, hardware %s, link prior %s",
+        "kvpilot: session pulls decided by the roofline policy: model %s, %s KV, hardware %s (until %d of "
+        "this engine's steps are timed), link prior %s",
         model.name,
         fmt.name,
         hardware.name,
+        MIN_SAMPLES,
         link.name,
     )
     return RooflinePullPolicy(RecomputeVsTransferPolicy(model, fmt, hardware, link))

@@ -5,13 +5,16 @@ When P is offered the KV of a session's earlier turns by D (a D->P pull in
 vLLM's bidirectional mode), the verified blocks beyond P's local hit form a
 *span*. Pulling it costs the link's fixed cost plus its bytes over the bandwidth
 this engine's own NIXL transfers achieved; recomputing it costs the time it adds
-to P's pass given the prefill work P already has. :class:`RooflinePullPolicy`
-asks :class:`policies.RecomputeVsTransferPolicy`; :class:`ThresholdPullPolicy` is
+to P's pass: P's own prefill rate, fitted to its steps, once it has timed enough of
+them (:mod:`kvconnectors.step_rates`), the roofline on its hardware spec given the
+prefill work P already has until then. :class:`RooflinePullPolicy` asks
+:class:`policies.RecomputeVsTransferPolicy`; :class:`ThresholdPullPolicy` is
 vLLM's rule, kept for users who pin ``kv_recompute_threshold``.
 
-The live inputs are kept here as plain counters fed by the connector:
-:class:`PrefillBacklog` (from the scheduler's own outputs) and :class:`LinkMeter`
-(from the NIXL worker's transfer telemetry).
+The live inputs are kept as plain counters fed by the connector:
+:class:`PrefillBacklog` (from the scheduler's own outputs), :class:`LinkMeter`
+(from the NIXL worker's transfer telemetry) and
+:class:`kvconnectors.step_rates.StepRates` (from the steps' timings).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Literal, Protocol
 from policies.recompute_vs_transfer import (
     Choice,
     LinkTelemetry,
+    MeasuredPrefill,
     PrefillLoad,
     RecomputeVsTransferPolicy,
     Span,
@@ -36,10 +40,24 @@ PullChoice = Literal["pull", "recompute"]
 
 class RecomputePolicy(str, enum.Enum):
     """Who decides whether a span is pulled: the connector's ``recompute_policy``
-    (:mod:`kvconnectors.config`) and the ``reason`` of each :class:`PullDecision`."""
+    (:mod:`kvconnectors.config`)."""
 
     ROOFLINE = "roofline"
     """:class:`RooflinePullPolicy`: :class:`policies.RecomputeVsTransferPolicy` on live inputs."""
+    THRESHOLD = "threshold"
+    """:class:`ThresholdPullPolicy`: vLLM's fixed ``kv_recompute_threshold``."""
+
+
+class DecidedBy(str, enum.Enum):
+    """What decided one span: the ``reason`` of each :class:`PullDecision`, and of
+    ``vllm:kvpilot_pull_decisions_total``."""
+
+    ROOFLINE = "roofline"
+    """:class:`RooflinePullPolicy` with recomputing priced by the roofline on a hardware
+    spec (the prior: this engine has not yet timed enough of its own steps)."""
+    MEASURED = "measured"
+    """:class:`RooflinePullPolicy` with recomputing priced by this engine's own prefill
+    rate, fitted to its steps (:mod:`kvconnectors.step_rates`)."""
     THRESHOLD = "threshold"
     """:class:`ThresholdPullPolicy`: vLLM's fixed ``kv_recompute_threshold``."""
 
@@ -49,7 +67,7 @@ class PullDecision:
     """Whether to pull ``span.tokens`` from the peer, who decided, and why."""
 
     choice: PullChoice
-    decided_by: RecomputePolicy
+    decided_by: DecidedBy
     span: Span
     explanation: str
 
@@ -64,8 +82,11 @@ class PullDecision:
 
 
 class PullPolicy(Protocol):
-    def decide(self, span: Span, load: PrefillLoad, telemetry: LinkTelemetry) -> PullDecision:
-        """Decide one span; mutates nothing."""
+    def decide(
+        self, span: Span, load: PrefillLoad, telemetry: LinkTelemetry, measured: MeasuredPrefill | None
+    ) -> PullDecision:
+        """Decide one span on this engine's prefill backlog, link and measured prefill
+        rate (``None`` while too few of its steps are timed); mutates nothing."""
         ...
 
 
@@ -75,28 +96,36 @@ class ThresholdPullPolicy:
     def __init__(self, threshold: int) -> None:
         self.threshold = threshold
 
-    def decide(self, span: Span, load: PrefillLoad, telemetry: LinkTelemetry) -> PullDecision:
+    def decide(
+        self, span: Span, load: PrefillLoad, telemetry: LinkTelemetry, measured: MeasuredPrefill | None
+    ) -> PullDecision:
         pull = span.tokens >= self.threshold
         relation = ">=" if pull else "<"
         return PullDecision(
             "pull" if pull else "recompute",
-            RecomputePolicy.THRESHOLD,
+            DecidedBy.THRESHOLD,
             span,
             f"{span.tokens} tokens {relation} kv_recompute_threshold {self.threshold}",
         )
 
 
 class RooflinePullPolicy:
-    """:class:`policies.RecomputeVsTransferPolicy` on live load and link telemetry."""
+    """:class:`policies.RecomputeVsTransferPolicy` on live load and link telemetry, its
+    recompute side priced by this engine's measured prefill rate once there is one
+    (:data:`DecidedBy.MEASURED`), by the roofline on its hardware spec until then
+    (:data:`DecidedBy.ROOFLINE`)."""
 
     def __init__(self, policy: RecomputeVsTransferPolicy) -> None:
         self.policy = policy
 
-    def decide(self, span: Span, load: PrefillLoad, telemetry: LinkTelemetry) -> PullDecision:
-        decision = self.policy.decide(span, load, telemetry)
+    def decide(
+        self, span: Span, load: PrefillLoad, telemetry: LinkTelemetry, measured: MeasuredPrefill | None
+    ) -> PullDecision:
+        decision = self.policy.decide(span, load, telemetry, measured)
         choice: PullChoice = "pull" if decision.choice is Choice.TRANSFER else "recompute"
+        by = DecidedBy.MEASURED if decision.measured else DecidedBy.ROOFLINE
         queued = f"; P load {load.queued_prefill_tokens} queued + {load.running_batch_tokens} running tokens"
-        return PullDecision(choice, RecomputePolicy.ROOFLINE, span, decision.explain() + queued)
+        return PullDecision(choice, by, span, decision.explain() + queued)
 
 
 class PrefillBacklog:

@@ -19,7 +19,8 @@ decision itself is :func:`kvconnectors.attach_plan.plan_attach`, pure and tested
 without vLLM. This class is its vLLM-facing side and holds the live state.
 A session pull (P pulling D's KV of earlier turns) is optional: the verified span
 is pulled or recomputed as the pull policy decides (:mod:`kvconnectors.pull_policy`),
-on this engine's own prefill backlog and measured NIXL transfers. A P->D handoff is
+on this engine's own prefill backlog, measured NIXL transfers and prefill rate (its
+steps timed on the injected clock, :mod:`kvconnectors.step_rates`). A P->D handoff is
 always loaded: P computed it for this request.
 """
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,7 @@ from kvconnectors.pull_policy import (
 )
 from kvconnectors.reasons import Reason
 from kvconnectors.stats import KVPilotStats
+from kvconnectors.step_rates import Chunk, StepRates
 from kvconnectors.transfer_params import (
     PARAMS_KEY,
     ContractId,
@@ -101,9 +103,28 @@ def _dtype_name(cache_dtype: str, model_dtype: object) -> str:
     return str(model_dtype).removeprefix("torch.")
 
 
+def step_chunks(scheduler_output: SchedulerOutput) -> list[Chunk]:
+    """What one scheduler output runs, per request: its scheduled tokens after its
+    computed ones (the counts before this step: vLLM builds the connector's metadata
+    before it advances them), and whether it is still prefilling (a new request, one
+    resumed after a preemption, or one with no output token yet)."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    chunks = [
+        Chunk(scheduled.get(new.req_id, 0), new.num_computed_tokens, True)
+        for new in scheduler_output.scheduled_new_reqs
+    ]
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, computed, outputs in zip(
+        cached.req_ids, cached.num_computed_tokens, cached.num_output_tokens, strict=True
+    ):
+        chunks.append(Chunk(scheduled.get(req_id, 0), computed, outputs == 0 or req_id in cached.resumed_req_ids))
+    return chunks
+
+
 class KVPilotScheduler:
     """Scheduler-side state of one ``KVPilotConnector``. Not thread-safe: vLLM's
-    scheduler calls it from one thread."""
+    scheduler calls it from one thread. ``clock`` (seconds, monotonic) times this
+    engine's steps for its measured prefill rate."""
 
     def __init__(
         self,
@@ -112,6 +133,7 @@ class KVPilotScheduler:
         kv_layout: str | None,
         pull_policy: PullPolicy,
         peer_retry_after_s: float,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         cache_config = vllm_config.cache_config
         self._block_size: int = kv_cache_config.hash_block_size or cache_config.block_size
@@ -134,6 +156,8 @@ class KVPilotScheduler:
         self._pull_policy = pull_policy
         self._backlog = PrefillBacklog()
         self._link = LinkMeter()
+        self._steps = StepRates()
+        self._clock = clock
         self._pulls_in_flight: dict[str, PullInFlight] = {}
         self._failed_peers = FailedPeers(peer_retry_after_s)
         ktc = vllm_config.kv_transfer_config
@@ -248,15 +272,19 @@ class KVPilotScheduler:
 
     # ------------------------------------------------------------------ live inputs of the pull policy
     def observe_step(self, scheduler_output: SchedulerOutput) -> None:
-        """One scheduler step: what it scheduled shrinks the prefill backlog."""
+        """One scheduler step, before its pass: what it scheduled shrinks the prefill
+        backlog, and its pass is timed from now (``build_connector_meta``)."""
         first = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
         self._backlog.scheduled(
             scheduler_output.num_scheduled_tokens, first, scheduler_output.total_num_scheduled_tokens
         )
+        self._steps.started(step_chunks(scheduler_output), self._clock())
 
     def observe_transfers(self, connector_output: KVConnectorOutput) -> None:
-        """The worker's report for the last step: pulls received or failed, and its
-        NIXL telemetry (durations, bytes, failures)."""
+        """The worker's report for the last step, after its pass
+        (``update_connector_output``): the step's pass ends now; pulls received or
+        failed, and its NIXL telemetry (durations, bytes, failures)."""
+        self._steps.finished(self._clock())
         failed = set(connector_output.failed_recving or ())
         invalid = connector_output.invalid_block_ids or set()
         for request_id in (connector_output.finished_recving or set()) | failed:
@@ -315,7 +343,7 @@ class KVPilotScheduler:
             screened_out=screened_out,
             skip=self._skip_reason(params, is_session_pull(params)),
             decide_pull=lambda span: self._pull_policy.decide(
-                span, self._backlog.load(request.request_id), self._link.telemetry()
+                span, self._backlog.load(request.request_id), self._link.telemetry(), self._steps.measured()
             ),
         )
 
@@ -339,7 +367,7 @@ class KVPilotScheduler:
             self._stats.count("pull_decisions", reason=plan.pull_decision.label)
             if plan.policy_recomputed_tokens:
                 self._stats.count("recomputed_tokens", plan.policy_recomputed_tokens, reason=Reason.PULL_POLICY.value)
-            logger.debug("kvpilot %s: %s", request_id, plan.explanation)
+            logger.info("kvpilot %s: %s", request_id, plan.explanation)  # one line per session pull
         if plan.reason is Reason.VERIFIED_ALL and plan.recomputed_tokens == 0:
             logger.debug("kvpilot %s: %s", request_id, plan.explanation)
             return

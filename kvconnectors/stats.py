@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvconnectors import reasons, vllm_metrics
-from kvconnectors.pull_policy import RecomputePolicy
+from kvconnectors.pull_policy import DecidedBy
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,7 @@ class CounterSpec:
 
 REASONS = tuple(reason.value for reason in reasons.REJECT_REASONS)
 RECOMPUTE_REASONS = tuple(reason.value for reason in reasons.RECOMPUTE_REASONS)
-PULL_DECISIONS = tuple(f"{choice}/{by.value}" for choice in ("pull", "recompute") for by in RecomputePolicy)
+PULL_DECISIONS = tuple(f"{choice}/{by.value}" for choice in ("pull", "recompute") for by in DecidedBy)
 
 COUNTERS: tuple[CounterSpec, ...] = (
     CounterSpec(
@@ -79,7 +79,8 @@ COUNTERS: tuple[CounterSpec, ...] = (
         "pull_decisions",
         vllm_metrics.KVPILOT_PULL_DECISIONS,
         "Session pulls (a peer's verified KV beyond the local hit) decided, by decision and by what decided "
-        "(the roofline policy on live load and link, or a fixed kv_recompute_threshold).",
+        "(the policy on live load and link with recomputing priced by the roofline prior or by this engine's "
+        "measured prefill rate, or a fixed kv_recompute_threshold).",
         PULL_DECISIONS,
         ("decision", "reason"),
     ),

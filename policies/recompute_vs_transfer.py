@@ -7,6 +7,10 @@ roofline crossover are nearly free; a P with queued or running prefill work
 pays full compute price. Transferring costs the link's fixed cost plus bytes
 over the bandwidth recent transfers achieved, and with the observed failure
 rate it costs the time to notice a failure plus the recompute anyway.
+
+The recompute side is priced by the roofline on a hardware spec (the prior) or, once
+P has timed enough of its own passes, by :class:`MeasuredPrefill`: the per-token and
+per-pair terms of the prefill model fitted to them (:mod:`policies.measured_fit`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import enum
 import statistics
 from dataclasses import dataclass
 
+from policies.measured_fit import attention_pairs
 from policies.roofline import PassCost, kv_bytes, linear_flops, pass_seconds, prefill
 from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec
 
@@ -72,6 +77,34 @@ class Span:
 
 
 @dataclass(frozen=True, slots=True)
+class MeasuredPrefill:
+    """P's own prefill rates: the per-token (``per_token_s``) and per-pair
+    (``per_pair_s``) terms, and the fixed cost of a pass (``fixed_s``), of the prefill
+    model ``a + b * n + c * attention_pairs(n, C)`` fitted over ``samples`` of its passes.
+
+    The marginal seconds a span of ``s`` tokens at context ``C`` adds to its request's
+    pass, whatever ``new_tokens`` follow it: the fixed cost is paid either way, the
+    span's tokens cost ``b * s``, and the pairs of the pass with the span,
+    ``attention_pairs(s + m, C)``, exceed those of the pass without it,
+    ``attention_pairs(m, C + s)``, by exactly ``attention_pairs(s, C)``. A linear model
+    has no weight-bound pass to hide a span in: P's load does not change the price."""
+
+    fixed_s: float
+    per_token_s: float
+    per_pair_s: float
+    samples: int
+
+    def marginal_seconds(self, span: Span) -> float:
+        return self.per_token_s * span.tokens + self.per_pair_s * attention_pairs(span.tokens, span.context)
+
+    def explain(self) -> str:
+        return (
+            f"measured: {self.per_token_s * 1e6:.1f} us/token + {self.per_pair_s * 1e9:.3f} ns/pair "
+            f"(fixed {self.fixed_s * 1e3:.1f} ms) over {self.samples} of P's passes"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class RecomputeTransferConfig:
     """``failure_detect_s``: time until a failed pull is noticed, when telemetry
     has none. ``min_samples``: telemetry samples needed before their bandwidth
@@ -94,7 +127,11 @@ class RecomputeTransferDecision:
     fixed_s: float
     bandwidth_source: str
     failure_rate: float
-    pass_bound: str
+    recompute_source: str
+    """What priced the recompute side: the roofline on a named hardware spec (with the
+    pass's bound), or :meth:`MeasuredPrefill.explain`."""
+    measured: bool = False
+    """Whether :class:`MeasuredPrefill` priced the recompute side."""
 
     def cost_of(self, choice: Choice) -> float:
         return self.recompute_s if choice is Choice.RECOMPUTE else self.transfer_s
@@ -103,7 +140,7 @@ class RecomputeTransferDecision:
         other = Choice.TRANSFER if self.choice is Choice.RECOMPUTE else Choice.RECOMPUTE
         return (
             f"{self.choice.value}: {self.span.tokens} tokens at context {self.span.context}; "
-            f"recompute {self.recompute_s * 1e3:.2f} ms (marginal, P pass {self.pass_bound}-bound) vs "
+            f"recompute {self.recompute_s * 1e3:.2f} ms (marginal, {self.recompute_source}) vs "
             f"transfer {self.transfer_s * 1e3:.2f} ms ({self.span_bytes / 1e6:.1f} MB at "
             f"{self.bandwidth / 1e9:.2f} GB/s + {self.fixed_s * 1e3:.2f} ms from {self.bandwidth_source}, failure rate "
             f"{self.failure_rate:.0%}); {other.value} would cost "
@@ -164,20 +201,40 @@ class RecomputeVsTransferPolicy:
         return self.link.setup_s, statistics.median(rates), f"{len(usable)} recent transfers"
 
     def decide(
-        self, span: Span, load: PrefillLoad = PrefillLoad(), telemetry: LinkTelemetry = LinkTelemetry()
+        self,
+        span: Span,
+        load: PrefillLoad = PrefillLoad(),
+        telemetry: LinkTelemetry = LinkTelemetry(),
+        measured: MeasuredPrefill | None = None,
     ) -> RecomputeTransferDecision:
         """Expected added latency of both options; the cheaper wins (ties recompute,
-        which needs no remote state). An empty span costs nothing either way."""
-        recompute_s, with_span = self.recompute_seconds(span, load)
+        which needs no remote state). An empty span costs nothing either way. The
+        recompute side is ``measured``'s marginal seconds where given, else the
+        roofline's on this policy's hardware."""
+        if measured is not None:
+            recompute_s, source = measured.marginal_seconds(span), measured.explain()
+        else:
+            recompute_s, with_span = self.recompute_seconds(span, load)
+            source = f"roofline on {self.hw.name}: P pass {with_span.bound}-bound"
         nbytes = kv_bytes(self.model, self.fmt, span.tokens)
-        fixed_s, bandwidth, source = self.link_estimate(telemetry)
+        fixed_s, bandwidth, link_source = self.link_estimate(telemetry)
         clean = fixed_s + nbytes / bandwidth if nbytes else 0.0
         p_fail = telemetry.failure_rate
         detect = telemetry.mean_failure_s if telemetry.mean_failure_s is not None else self.config.failure_detect_s
         transfer_s = (1 - p_fail) * clean + p_fail * (detect + recompute_s) if nbytes else 0.0
         choice = Choice.RECOMPUTE if recompute_s <= transfer_s else Choice.TRANSFER
         return RecomputeTransferDecision(
-            choice, recompute_s, transfer_s, span, nbytes, bandwidth, fixed_s, source, p_fail, with_span.bound
+            choice,
+            recompute_s,
+            transfer_s,
+            span,
+            nbytes,
+            bandwidth,
+            fixed_s,
+            link_source,
+            p_fail,
+            source,
+            measured is not None,
         )
 
 

@@ -4,7 +4,8 @@ I/O, no clock (a sample's window is a count, not a time).
 
 Three models, each fitted by least squares over the last ``window`` samples with
 non-negative coefficients (a term whose coefficient comes out negative is dropped
-and the rest refitted, in the order listed last to first):
+and the rest refitted, in the order listed last to first; the fit and the prefill
+model are :mod:`policies.measured_fit`'s, which the connector's pull policy fits too):
 
 - **prefill** of ``n`` new (uncached) tokens after ``C`` cached ones, per engine::
 
@@ -34,23 +35,23 @@ to the measurement.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
-
+from policies.measured_fit import (
+    MIN_SAMPLES,
+    PREFILL_DROP_ORDER,
+    PREFILL_SPREAD_FEATURE,
+    WINDOW,
+    LinearFit,
+    prefill_features,
+)
 from policies.presets import hardware_preset, kv_format_preset, link_preset
 from policies.roofline import decode_step, kv_bytes, prefill
 from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecError
 from routing.config import ConfigError, DisaggregationConfig, Role
 from routing.health.engine_load import EngineLoad, RateCounters
 
-MIN_SAMPLES = 4
-"""Samples a model needs before its fit replaces the prior."""
-WINDOW = 64
-"""The newest samples each model fits (older ones are forgotten: the engine's load and
-build may change)."""
 DECODE_PRIOR_CONTEXT = 1024
 """The context each running stream is taken to have in the prior's decode step (the
 router does not know the streams' lengths)."""
@@ -130,70 +131,6 @@ class RolePriors:
         return self.prefill if role is Role.PREFILL else self.other
 
 
-def attention_pairs(new: int, cached: int) -> float:
-    """The (query, key) pairs ``new`` tokens attend to after ``cached`` ones (causal)."""
-    return new * cached + new * (new + 1) / 2
-
-
-@dataclass
-class LinearFit:
-    """``y ~ features . coef`` over the newest ``window`` samples, coefficients >= 0.
-
-    ``drop_order``: the feature indices to drop, first to last, while a coefficient
-    is negative. :meth:`coefficients` is ``None`` with fewer than ``min_samples``
-    samples or when the first varying feature (``spread_feature``) takes one value only,
-    unless ``flat_spread_ok``: then that feature is dropped (coefficient 0) and the rest
-    fitted (a decode step timed at one stream count only is that count's mean, not the
-    prior's)."""
-
-    drop_order: tuple[int, ...]
-    spread_feature: int
-    window: int = WINDOW
-    min_samples: int = MIN_SAMPLES
-    flat_spread_ok: bool = False
-    _rows: deque[tuple[tuple[float, ...], float]] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._rows = deque(maxlen=self.window)
-
-    def add(self, features: Sequence[float], y: float) -> None:
-        self._rows.append((tuple(float(f) for f in features), float(y)))
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def coefficients(self) -> tuple[float, ...] | None:
-        if len(self._rows) < self.min_samples:
-            return None
-        x = np.array([row for row, _ in self._rows])
-        y = np.array([value for _, value in self._rows])
-        keep = list(range(x.shape[1]))
-        if np.ptp(x[:, self.spread_feature]) == 0:
-            if not self.flat_spread_ok:
-                return None
-            keep.remove(self.spread_feature)
-        for drop in (None, *self.drop_order):
-            if drop is not None and drop in keep:
-                keep.remove(drop)
-            coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
-            if (coef >= 0).all():
-                out = [0.0] * x.shape[1]
-                for i, c in zip(keep, coef, strict=True):
-                    out[i] = float(c)
-                return tuple(out)
-        return None
-
-    def predict(self, features: Sequence[float]) -> float | None:
-        coef = self.coefficients()
-        if coef is None:
-            return None
-        return sum(c * f for c, f in zip(coef, features, strict=True))
-
-
-def _prefill_features(new: int, cached: int) -> tuple[float, float, float]:
-    return (1.0, float(new), attention_pairs(new, cached))
-
-
 def _decode_features(streams: float) -> tuple[float, float]:
     return (1.0, float(streams))
 
@@ -224,7 +161,7 @@ class RateEstimator:
         return fit
 
     def _prefill_fit(self, engine: str) -> LinearFit:
-        return self._fit(self._prefill, engine, drop=(2, 0), spread=1)  # drop attention, then the fixed cost
+        return self._fit(self._prefill, engine, PREFILL_DROP_ORDER, PREFILL_SPREAD_FEATURE)
 
     def _decode_fit(self, engine: str) -> LinearFit:
         return self._fit(self._decode, engine, drop=(0,), spread=1, flat_ok=True)  # one stream count: its mean
@@ -238,7 +175,7 @@ class RateEstimator:
         request, or the mean request of a poll interval). Non-positive ``new`` or
         ``seconds`` is ignored."""
         if new > 0 and seconds > 0:
-            self._prefill_fit(engine).add(_prefill_features(round(new), round(cached)), seconds)
+            self._prefill_fit(engine).add(prefill_features(round(new), round(cached)), seconds)
 
     def observe_decode(self, engine: str, streams: float, step_s: float) -> None:
         """``engine`` took ``step_s`` per decode step with ``streams`` running."""
@@ -281,7 +218,7 @@ class RateEstimator:
 
     def prefill(self, engine: str, new: int, cached: int) -> Estimate:
         """``engine``'s prefill of ``new`` tokens after ``cached`` ones (0 s for none)."""
-        features = _prefill_features(new, cached) if new > 0 else None
+        features = prefill_features(new, cached) if new > 0 else None
         return self._estimate(self._prefill, engine, self._prior(engine).prefill_s(new, cached), features)
 
     def decode_step(self, engine: str, streams: int) -> Estimate:

@@ -91,13 +91,17 @@ def run_session(
     seed: int,
     edit: Edit,
     turn2_salt: str | None = None,
-    mutate_params: Callable[[dict], dict] = lambda p: p,
+    mutate_params: Callable[[dict], dict | None] = lambda p: p,
     timeout: float = 300.0,
+    x: list[int] | None = None,
+    generated: int = GENERATED,
 ) -> Turn2:
-    """Turn 1 P->D, then turn 2 on P with D's params (``mutate_params`` of them: P
-    pulls from D), then on D; each request may take ``timeout`` seconds."""
-    x = history(tokenizer, seed)
-    turn = decoded_turn(p_url, d_url, x, GENERATED, timeout=timeout)
+    """Turn 1 P->D on history ``x`` (default :func:`history`), D generating
+    ``generated`` tokens, then turn 2 on P with D's params (``mutate_params`` of them: P
+    pulls from D; ``None``: P prefills beyond its own hit), then on D; each request may
+    take ``timeout`` seconds."""
+    x = history(tokenizer, seed) if x is None else x
+    turn = decoded_turn(p_url, d_url, x, generated, timeout=timeout)
     x2 = edit(x, turn.generated) + tokenizer.prompt_token_ids(" tool: " + filler_text(NEW_TOOL_OUTPUT, seed + 1))
     extra = {"cache_salt": turn2_salt} if turn2_salt else {}
     before = scrape(p_url)

@@ -10,7 +10,7 @@ import pytest
 
 from kvconnectors.attach_plan import AttachPlan, PromptView, apply_plan, external_tokens, plan_attach
 from kvconnectors.hash_contract import salt_identity
-from kvconnectors.pull_policy import PullDecision, RecomputePolicy
+from kvconnectors.pull_policy import DecidedBy, PullDecision
 from kvconnectors.reasons import Reason
 from kvconnectors.transfer_params import PARAMS_KEY, encode_offer
 from policies.recompute_vs_transfer import Span
@@ -50,7 +50,7 @@ def _policy(pull: bool):
 
     def decide(span: Span) -> PullDecision:
         asked.append(span)
-        return PullDecision("pull" if pull else "recompute", RecomputePolicy.THRESHOLD, span, "test policy")
+        return PullDecision("pull" if pull else "recompute", DecidedBy.THRESHOLD, span, "test policy")
 
     return decide, asked
 

@@ -13,7 +13,7 @@ from policies.recompute_vs_transfer import LinkTelemetry, PrefillLoad, Recompute
 
 @pytest.mark.parametrize(("tokens", "threshold", "choice"), [(63, 64, "recompute"), (64, 64, "pull"), (1, 0, "pull")])
 def test_threshold_is_vllms_rule(tokens: int, threshold: int, choice: str) -> None:
-    decision = ThresholdPullPolicy(threshold).decide(Span(tokens, 1000), PrefillLoad(), LinkTelemetry())
+    decision = ThresholdPullPolicy(threshold).decide(Span(tokens, 1000), PrefillLoad(), LinkTelemetry(), None)
     assert decision.choice == choice
     assert decision.label == f"{choice}/threshold"
     assert str(threshold) in decision.explanation
@@ -29,8 +29,10 @@ def _roofline() -> RooflinePullPolicy:
 def test_load_turns_a_short_span_into_a_pull() -> None:
     """Section 9.3: an idle P recomputes a short span almost for free; a busy P pays full price."""
     policy, span = _roofline(), Span(tokens=32, context=2_000, new_tokens=100)
-    idle = policy.decide(span, PrefillLoad(), LinkTelemetry())
-    busy = policy.decide(span, PrefillLoad(queued_prefill_tokens=16_384, running_batch_tokens=8_192), LinkTelemetry())
+    idle = policy.decide(span, PrefillLoad(), LinkTelemetry(), None)
+    busy = policy.decide(
+        span, PrefillLoad(queued_prefill_tokens=16_384, running_batch_tokens=8_192), LinkTelemetry(), None
+    )
     assert (idle.choice, busy.choice) == ("recompute", "pull")
     assert busy.label == "pull/roofline" and "16384 queued" in busy.explanation
 

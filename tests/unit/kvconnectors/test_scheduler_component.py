@@ -4,7 +4,8 @@ vLLM's real CPU ``Scheduler``, built from a real ``VllmConfig`` on the tiny mode
 Each engine is a ``Scheduler`` with ``KVPilotConnector`` around vLLM's real
 ``NixlConnector`` scheduler side (it needs no NIXL agent), stepped by hand: the test
 plays the model runner (one sampled token per scheduled request) and the NIXL worker
-(pulls received or failed, transfer telemetry). Offers are real too: a prefill
+(pulls received or failed, transfer telemetry), and each pass's time on the clock
+the scheduler layer times steps with. Offers are real too: a prefill
 engine's ``request_finished`` stamps them and they reach the next engine the way the
 router carries them, as JSON. Where only a record of the inner connector's calls can
 show the point, the inner connector is the shared fake (:mod:`tests.fakes.inner_connector`).
@@ -55,7 +56,9 @@ from kvconnectors.connector import KVPilotConnector
 from kvconnectors.plugin import register
 from kvconnectors.pull_params import PULL_DONE_KEY, handoff_request
 from kvconnectors.reasons import Reason
+from kvconnectors.scheduler import step_chunks
 from kvconnectors.stats import KVPilotStats, counter_key
+from kvconnectors.step_rates import Chunk
 from kvconnectors.transfer_params import DIGEST_BYTES, PARAMS_KEY
 from tests.fakes.inner_connector import INNER_NAME, FakeInnerConnector
 from tests.fakes.inner_connector import register as register_fake_inner
@@ -91,11 +94,23 @@ def recomputed(reason: Reason) -> str:
 
 
 @dataclass
+class FakeClock:
+    """The scheduler layer's clock: still, unless a step's pass takes time."""
+
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
 class Engine:
-    """One engine's scheduler, stepped by hand."""
+    """One engine's scheduler, stepped by hand, its connector timing its steps on
+    ``clock``."""
 
     scheduler: Scheduler
     hasher: Callable[[Request], Any]
+    clock: FakeClock
     counters: Counter[str] = field(default_factory=Counter)
     """kvpilot's counters, summed over the stats every step reported."""
     finished: dict[str, dict[str, Any] | None] = field(default_factory=dict)
@@ -114,15 +129,23 @@ class Engine:
         return request
 
     def step(
-        self, *, received: Iterable[str] = (), failed: Iterable[str] = (), telemetry: KVPilotStats | None = None
+        self,
+        *,
+        received: Iterable[str] = (),
+        failed: Iterable[str] = (),
+        telemetry: KVPilotStats | None = None,
+        pass_seconds: float = 0.0,
     ) -> SchedulerOutput:
         """Schedule once, then report what the model runner and the NIXL worker did:
-        a sampled token per scheduled request; pulls ``received`` and ``failed``
-        (NIXL's worker lists a failed pull among the finished ones too); telemetry."""
+        a sampled token per scheduled request, after ``pass_seconds`` on the clock; pulls
+        ``received`` and ``failed`` (NIXL's worker lists a failed pull among the finished
+        ones too); telemetry. A pass that ran returns connector output, as vLLM's model
+        runner does with a connector; a step that ran nothing only when it has some."""
         out = self.scheduler.schedule()
+        self.clock.now += pass_seconds
         ids = list(out.num_scheduled_tokens)
         kv = None
-        if received or failed or telemetry:
+        if received or failed or telemetry or ids:
             done = {*received, *failed}
             kv = KVConnectorOutput(finished_recving=done, failed_recving=set(failed), kv_connector_stats=telemetry)
         runner = ModelRunnerOutput(
@@ -189,7 +212,11 @@ def make_engine(model_config: ModelConfig) -> Iterator[MakeEngine]:
         built.append(scheduler)
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)  # as vLLM's EngineCore does at start
-        return Engine(scheduler, get_request_block_hasher(BS, hash_fn))
+        clock = FakeClock()
+        connector = scheduler.connector
+        assert isinstance(connector, KVPilotConnector)
+        connector._scheduler_layer()._clock = clock  # vLLM builds the connector: no seam to pass it in
+        return Engine(scheduler, get_request_block_hasher(BS, hash_fn), clock)
 
     yield make
     for scheduler in built:
@@ -326,20 +353,36 @@ def slow_link() -> KVPilotStats:
     return KVPilotStats.wrap("NixlConnector", nixl)
 
 
+def time_prefills(engine: Engine, per_token_s: float) -> None:
+    """Four prefills of distinct lengths, each pass taking 10 ms + ``per_token_s`` per
+    token on the engine's clock: enough samples for its measured prefill rate."""
+    for i, n in enumerate((20, 45, 70, 130)):
+        engine.add(f"timed-{i}", list(range(1000 + 200 * i, 1000 + 200 * i + n)), None)
+        engine.step(pass_seconds=0.01 + per_token_s * n)
+
+
 @pytest.mark.parametrize(
-    ("extra", "measured", "decision"),
+    ("extra", "measured", "per_token_s", "decision"),
     [
-        ({"kv_recompute_threshold": 16}, None, "pull/threshold"),
-        ({"kv_recompute_threshold": 64}, None, "recompute/threshold"),
-        ({}, None, "pull/roofline"),  # the link prior: loopback
-        ({}, slow_link, "recompute/roofline"),  # the link this engine measured
+        ({"kv_recompute_threshold": 16}, None, None, "pull/threshold"),
+        ({"kv_recompute_threshold": 64}, None, None, "recompute/threshold"),
+        ({}, None, None, "pull/roofline"),  # the link prior: loopback
+        ({}, slow_link, None, "recompute/roofline"),  # the link this engine measured
+        ({}, None, 1e-3, "pull/measured"),  # 32 tokens at 1 ms each cost more than the loopback prior
+        ({}, None, 1e-7, "recompute/measured"),  # 3.2 us
     ],
-    ids=["threshold-16", "threshold-64", "roofline-prior", "roofline-slow-link"],
+    ids=["threshold-16", "threshold-64", "roofline-prior", "roofline-slow-link", "measured-dear", "measured-cheap"],
 )
 def test_session_pull_follows_the_pull_policy(
-    make_engine: MakeEngine, extra: dict[str, Any], measured: Callable[[], KVPilotStats] | None, decision: str
+    make_engine: MakeEngine,
+    extra: dict[str, Any],
+    measured: Callable[[], KVPilotStats] | None,
+    per_token_s: float | None,
+    decision: str,
 ) -> None:
     prefill = make_engine("prefill", extra={**BIDIRECTIONAL, **extra})
+    if per_token_s is not None:
+        time_prefills(prefill, per_token_s)
     params, prompt = session_turn(prefill, make_engine("decode", extra=BIDIRECTIONAL))
     if measured is not None:
         prefill.step(telemetry=measured())
@@ -418,3 +461,27 @@ def test_inner_connector_plans_only_a_wholly_verified_offer(make_engine: MakeEng
     else:
         assert asked == []
         assert request.status == RequestStatus.RUNNING and alloc.num_tokens == 0
+
+
+# ---------------------------------------------------------------------------- step timing
+
+
+def test_each_step_is_read_with_its_contexts_and_timed_on_the_clock(make_engine: MakeEngine) -> None:
+    """vLLM's scheduler output names each request's tokens before the step advances its
+    count; a decode rides along the next prefill; decode-only steps are not sampled."""
+    engine = make_engine("prefill")
+    engine.add("a", list(range(100, 140)), None, max_tokens=3)
+    first = engine.step(pass_seconds=0.05)
+    assert step_chunks(first) == [Chunk(40, 0, True)]
+    decode_only = engine.step(pass_seconds=0.5)
+    assert step_chunks(decode_only) == [Chunk(1, 40, False)]
+    engine.add("b", list(range(500, 600)), None)
+    mixed = engine.step(pass_seconds=0.07)
+    assert sorted(step_chunks(mixed), key=lambda c: c.tokens) == [Chunk(1, 41, False), Chunk(100, 0, True)]
+    rates = engine.connector._scheduler_layer()._steps
+    assert len(rates) == 2  # the prefill, the mixed step; not the decode-only one
+    for i, n in enumerate((20, 60)):
+        engine.add(f"c-{i}", list(range(800 + 100 * i, 800 + 100 * i + n)), None)
+        engine.step(pass_seconds=0.03 + 0.001 * n)
+    measured = rates.measured()
+    assert measured is not None and measured.samples == 4

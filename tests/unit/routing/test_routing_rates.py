@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from policies.measured_fit import MIN_SAMPLES, WINDOW, attention_pairs
 from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from routing.config import (
     FALLBACK_MODEL_PRESET,
@@ -17,13 +18,10 @@ from routing.config import (
     prior_model,
 )
 from routing.decide.rates import (
-    MIN_SAMPLES,
     PREFILL_TIMEOUT_FACTOR,
-    WINDOW,
     Prior,
     RateEstimator,
     RolePriors,
-    attention_pairs,
     observe_interval,
     predict_ttft,
 )

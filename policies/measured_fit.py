@@ -1,0 +1,97 @@
+"""Fitting measured durations: non-negative least squares over the newest samples,
+and the prefill model both the router (:mod:`routing.decide.rates`) and the
+connector's pull policy (:mod:`kvconnectors.step_rates`) fit. Pure: no I/O, no
+clock (a window is a count of samples, not a time).
+
+The prefill of ``n`` new (uncached) tokens after ``C`` cached ones::
+
+    seconds = a + b * n + c * (n * C + n * (n + 1) / 2)
+
+a fixed cost, the linear layers (per token) and attention over the causal (query,
+key) pairs (per pair): :func:`prefill_features` are its features, in that order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MIN_SAMPLES = 4
+"""Samples a model needs before its fit replaces the prior."""
+WINDOW = 64
+"""The newest samples each model fits (older ones are forgotten: the engine's load and
+build may change)."""
+PREFILL_DROP_ORDER = (2, 0)
+"""The prefill model's terms dropped while a coefficient is negative: attention, then
+the fixed cost (:class:`LinearFit`'s ``drop_order``)."""
+PREFILL_SPREAD_FEATURE = 1
+"""The prefill model needs samples at two token counts or more (:class:`LinearFit`'s
+``spread_feature``)."""
+
+
+def attention_pairs(new: int, cached: int) -> float:
+    """The (query, key) pairs ``new`` tokens attend to after ``cached`` ones (causal)."""
+    return new * cached + new * (new + 1) / 2
+
+
+def prefill_features(new: int, cached: int) -> tuple[float, float, float]:
+    """The prefill model's features: ``(1, n, attention_pairs(n, C))``."""
+    return (1.0, float(new), attention_pairs(new, cached))
+
+
+@dataclass
+class LinearFit:
+    """``y ~ features . coef`` over the newest ``window`` samples, coefficients >= 0.
+
+    ``drop_order``: the feature indices to drop, first to last, while a coefficient
+    is negative. :meth:`coefficients` is ``None`` with fewer than ``min_samples``
+    samples or when the first varying feature (``spread_feature``) takes one value only,
+    unless ``flat_spread_ok``: then that feature is dropped (coefficient 0) and the rest
+    fitted (a decode step timed at one stream count only is that count's mean, not the
+    prior's)."""
+
+    drop_order: tuple[int, ...]
+    spread_feature: int
+    window: int = WINDOW
+    min_samples: int = MIN_SAMPLES
+    flat_spread_ok: bool = False
+    _rows: deque[tuple[tuple[float, ...], float]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rows = deque(maxlen=self.window)
+
+    def add(self, features: Sequence[float], y: float) -> None:
+        self._rows.append((tuple(float(f) for f in features), float(y)))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def coefficients(self) -> tuple[float, ...] | None:
+        if len(self._rows) < self.min_samples:
+            return None
+        x = np.array([row for row, _ in self._rows])
+        y = np.array([value for _, value in self._rows])
+        keep = list(range(x.shape[1]))
+        if np.ptp(x[:, self.spread_feature]) == 0:
+            if not self.flat_spread_ok:
+                return None
+            keep.remove(self.spread_feature)
+        for drop in (None, *self.drop_order):
+            if drop is not None and drop in keep:
+                keep.remove(drop)
+            coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+            if (coef >= 0).all():
+                out = [0.0] * x.shape[1]
+                for i, c in zip(keep, coef, strict=True):
+                    out[i] = float(c)
+                return tuple(out)
+        return None
+
+    def predict(self, features: Sequence[float]) -> float | None:
+        coef = self.coefficients()
+        if coef is None:
+            return None
+        return sum(c * f for c, f in zip(coef, features, strict=True))
