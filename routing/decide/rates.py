@@ -35,8 +35,11 @@ to the measurement.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from policies.measured_fit import (
     MIN_SAMPLES,
@@ -148,6 +151,7 @@ class RateEstimator:
         self._window, self._min = window, min_samples
         self._prefill: dict[str, LinearFit] = {}
         self._decode: dict[str, LinearFit] = {}
+        self._overhead: dict[str, deque[float]] = {}
         self._transfer: dict[str, LinearFit] = {}
         self._read: dict[str, tuple[float, float]] = {}  # per reader: bytes, seconds of its sampled reads
         self._last: dict[str, EngineLoad] = {}
@@ -199,7 +203,28 @@ class RateEstimator:
             read = self._read.get(reader, (0.0, 0.0))
             self._read[reader] = (read[0] + nbytes, read[1] + seconds)
 
+    def observe_overhead(self, decode_worker: str, residual_s: float) -> None:
+        """A streamed request decoded on ``decode_worker`` reached its first token
+        ``residual_s`` later than its queue, prefill, read and first step predicted (the
+        router's parse and route, the HTTP hops, the engines' scheduling; may be negative)."""
+        self._overhead.setdefault(decode_worker, deque(maxlen=self._window)).append(residual_s)
+
     # ---- predictions -------------------------------------------------------------
+    def overhead(self, decode_worker: str) -> Estimate:
+        """What a request decoded on ``decode_worker`` spends outside the modelled terms:
+        the median of its last ``window`` residuals (:meth:`observe_overhead`), at least 0;
+        while it has fewer than ``min_samples``, the worker's with the most; prior 0."""
+        own = self._overhead.get(decode_worker)
+        if own is not None and len(own) >= self._min:
+            name, residuals = decode_worker, own
+        else:
+            sampled = [(len(r), name) for name, r in self._overhead.items() if len(r) >= self._min]
+            if not sampled:
+                return Estimate(0.0, None, len(own) if own is not None else 0)
+            name = max(sampled)[1]
+            residuals = self._overhead[name]
+        return Estimate(0.0, max(0.0, float(np.median(residuals))), len(residuals), name)
+
     @staticmethod
     def _estimate(
         fits: dict[str, LinearFit], engine: str, prior_s: float, features: Sequence[float] | None
@@ -300,15 +325,24 @@ class TTFTPrediction:
     """A request's predicted time to first token, term by term (article section 7 and
     issue 20): the prefill queue ahead of it on the prefilling worker, the prefill of
     its uncached tokens, the KV read into D (0 for a local prefill), D's first decode
-    step. Each term is an :class:`Estimate` (prior and measured)."""
+    step, and the overhead around them (:meth:`RateEstimator.overhead`: what requests
+    through D spent beyond the other four). Each term is an :class:`Estimate` (prior
+    and measured)."""
 
     queue: Estimate
     prefill: Estimate
     transfer: Estimate
     first_step: Estimate
+    overhead: Estimate
 
     def _terms(self) -> tuple[Estimate, ...]:
-        return (self.queue, self.prefill, self.transfer, self.first_step)
+        return (self.queue, self.prefill, self.transfer, self.first_step, self.overhead)
+
+    @property
+    def modelled_s(self) -> float:
+        """The four modelled terms, without the overhead: what a request's observed TTFT
+        is held against to learn the overhead."""
+        return self.seconds - self.overhead.seconds
 
     @property
     def seconds(self) -> float:
@@ -337,6 +371,7 @@ class TTFTPrediction:
             "prefill": self.prefill.as_dict(),
             "transfer": self.transfer.as_dict(),
             "first_step": self.first_step.as_dict(),
+            "overhead": self.overhead.as_dict(),
         }
 
 
@@ -354,10 +389,12 @@ def predict_ttft(
     """The TTFT of a request whose ``new`` tokens (after ``cached``) ``prefill_worker``
     prefills behind ``queued`` tokens of prefill (taken as one prefill from scratch),
     after which ``decode_worker`` reads ``transfer_tokens`` of KV (0: local prefill,
-    no read) and runs its first step with ``streams`` others running."""
+    no read) and runs its first step with ``streams`` others running, plus the overhead
+    measured around requests through ``decode_worker``."""
     return TTFTPrediction(
         queue=rates.prefill(prefill_worker, queued, 0),
         prefill=rates.prefill(prefill_worker, new, cached),
         transfer=rates.transfer(decode_worker, transfer_tokens),
         first_step=rates.decode_step(decode_worker, streams + 1),
+        overhead=rates.overhead(decode_worker),
     )

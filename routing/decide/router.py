@@ -403,7 +403,7 @@ class Router:
             transfer_tokens=price.moved_tokens if worker != d.name else 0,
             streams=decode.running_streams,
         )
-        seconds = predicted.seconds - predicted.first_step.seconds
+        seconds = predicted.prefill_s + predicted.transfer.seconds  # the option's own work: queue, prefill, read
         why = f"{price.why}; measured rates: {seconds * 1e3:.2f} ms"
         return dataclasses.replace(price, seconds=seconds, why=why)
 

@@ -96,7 +96,8 @@ def check_ttft_slo(prediction: TTFTPrediction, slo_s: float) -> None:
     queue = prediction.queue.seconds
     terms = (
         f"queue {queue:.3f} s, prefill {prediction.prefill.seconds:.3f} s, "
-        f"transfer {prediction.transfer.seconds:.3f} s, first decode step {prediction.first_step.seconds:.3f} s"
+        f"transfer {prediction.transfer.seconds:.3f} s, first decode step {prediction.first_step.seconds:.3f} s, "
+        f"overhead {prediction.overhead.seconds:.3f} s"
     )
     if ttft - queue <= slo_s:
         message = f"predicted TTFT {ttft:.3f} s is over server.ttft_slo_s ({slo_s:g} s) for the load ahead ({terms})"

@@ -28,7 +28,7 @@ import pytest
 from deploy.client import Completion, complete, debug_route, wait_for_overlap
 from deploy.fleet import Fleet
 from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape, total
+from deploy.metrics import delta, scrape
 from deploy.prompts import filler_text
 from kvconnectors.pull_params import handoff_request
 from routing.serve.proxy import PREDICTED_TTFT_HEADER
@@ -67,23 +67,27 @@ def _urls(fleet: Fleet) -> tuple[str, str, str]:
 
 def _unlearned(router: str, tokenizer: PromptTokenizer) -> list[str]:
     """The models the warm-up must fit before anything is asserted, that are still on the prior."""
-    learned: dict[str, Any] = debug_route(router, tokenizer.prompt_token_ids("rates?"))["learned_rates"]
+    route = debug_route(router, tokenizer.prompt_token_ids("rates?"))
+    learned: dict[str, Any] = route["learned_rates"]
     wanted = (("prefill-0", "prefill"), ("decode-0", "decode_step"), ("decode-0", "kv_read"))
-    return [f"{engine} {model}" for engine, model in wanted if (learned.get(engine) or {}).get(model) is None]
+    missing = [f"{engine} {model}" for engine, model in wanted if (learned.get(engine) or {}).get(model) is None]
+    return missing + (["overhead"] if route["predicted"]["overhead"]["measured_s"] is None else [])
 
 
 @pytest.fixture(scope="module")
 def warmed(fleet: Fleet, tokenizer: PromptTokenizer) -> Fleet:
     """The fleet once P's prefill, D's decode step and D's KV reads are fitted from the
-    engines' own answers and metrics (polled every 5 s), not the prior: fresh prompts
-    of growing length, each prefilled on P and decoded on D, until they are."""
+    engines' own answers and metrics (polled every 5 s), and the overhead around them
+    from streamed answers, not the prior: fresh prompts of growing length, each
+    prefilled on P and streamed from D, until they are."""
     router = fleet.router.url
     deadline = time.monotonic() + LEARN_TIMEOUT_S
     n = 0
     while n < len(WARM_UP_WORDS) or _unlearned(router, tokenizer):
         assert time.monotonic() < deadline, f"still on the prior: {_unlearned(router, tokenizer)}"
         words = WARM_UP_WORDS[n % len(WARM_UP_WORDS)]
-        complete(router, tokenizer.prompt_token_ids(f"warm {n}: " + filler_text(words, 90 + n)), max_tokens=GENERATED)
+        prompt = tokenizer.prompt_token_ids(f"warm {n}: " + filler_text(words, 90 + n))
+        complete(router, prompt, max_tokens=GENERATED, stream=True)
         n += 1
         time.sleep(0.5)
     return fleet
@@ -168,20 +172,29 @@ class Streams:
         return statistics.median(per_stream)
 
 
-def _long_streams(router: str, tokenizer: PromptTokenizer, pool: ThreadPoolExecutor) -> Streams:
+def _long_streams(d: str, tokenizer: PromptTokenizer, pool: ThreadPoolExecutor) -> Streams:
+    """Long generations sent straight to D: the router learns of them from D's own
+    gauges, as of any traffic that bypasses it, and their token gaps are D's, not the
+    router's relay's (on this 2-core box the router shares P's core)."""
     started: list[float] = []
     futures = []
     for n in range(LONG_STREAMS):
         prompt = tokenizer.prompt_token_ids(f"stream {n}: " + filler_text(60, 7000 + n))
         started.append(time.perf_counter())
-        futures.append(
-            pool.submit(complete, router, prompt, max_tokens=LONG_STREAM_TOKENS, stream=True, ignore_eos=True)
-        )
+        futures.append(pool.submit(complete, d, prompt, max_tokens=LONG_STREAM_TOKENS, stream=True, ignore_eos=True))
     return Streams(started, futures)
 
 
-def _running_on_d(router: str) -> float:
-    return total(scrape(router), "kvpilot_router_active_requests", worker="decode-0")
+def _priced_with_streams(router: str, prompt: list[int], session: str, streams: int) -> None:
+    """Wait until the router prices ``prompt``'s local option with ``streams`` running on
+    D (it polls D's gauges every 5 s, and counts the larger of them and its own ledger)."""
+    deadline = time.monotonic() + 30
+    while True:
+        local = {o["option"]: o for o in debug_route(router, prompt, conversation_id=session)["options"]}["local"]
+        if f"stall on {streams} streams" in local["why"]:
+            return
+        assert time.monotonic() < deadline, f"the router never saw {streams} streams on D: {local['why']}"
+        time.sleep(0.5)
 
 
 @dataclass(frozen=True)
@@ -191,6 +204,8 @@ class Measured:
     route: str
     sent_at: float
     ttft_s: float
+    prefill_s: float = 0.0
+    """Of the TTFT, P's prefill (0: none, or not known)."""
 
     def worst_gap_s(self, streams: Streams) -> float:
         """The worst gap between tokens on D's streams while this step waited for its first token."""
@@ -206,78 +221,88 @@ def _first_step(router: str, tokenizer: PromptTokenizer, seed: int) -> list[int]
     return x + list(out.token_ids) + _tool_output(tokenizer, 1, LARGE_INCREMENT_WORDS, seed + 1)
 
 
-def _other_way(chosen: str, p: str, d: str, prompt: list[int]) -> tuple[str, float]:
-    """The twin step served the way the router did not choose, straight to the engines:
-    D prefilling it, or P prefilling it for D (the router's re-prefill); its TTFT."""
-    if chosen == "remote_prefill":
-        return "local_prefill", complete(d, prompt, max_tokens=GENERATED, stream=True, ignore_eos=True).ttft_seconds
+def _straight(way: str, p: str, d: str, prompt: list[int]) -> tuple[float, float]:
+    """A twin's large step served ``way`` straight to the engines, no router: D prefilling
+    it (``local_prefill``), or P prefilling it for D (``remote_prefill``, the router's
+    re-prefill and affinity); its TTFT, and of that P's answer (0 for local)."""
+    if way == "local_prefill":
+        return complete(d, prompt, max_tokens=GENERATED, stream=True, ignore_eos=True).ttft_seconds, 0.0
     handoff = complete(p, prompt, max_tokens=1, kv_transfer_params=handoff_request())
     assert handoff.kv_transfer_params, "P returned no kv_transfer_params"
     decoded = complete(
         d, prompt, max_tokens=GENERATED, stream=True, ignore_eos=True, kv_transfer_params=handoff.kv_transfer_params
     )
-    return "remote_prefill", handoff.total_seconds + decoded.ttft_seconds
+    return handoff.total_seconds + decoded.ttft_seconds, handoff.total_seconds
 
 
-def _sessions_at_their_large_step(router: str, tokenizer: PromptTokenizer, seed: int) -> tuple[list[int], list[int]]:
-    """Session ``seed`` and its twin (same lengths, other tokens), each one step in: the
-    prompts of their large steps."""
-    return _first_step(router, tokenizer, seed), _first_step(router, tokenizer, seed + 50)
+WAYS = ("local_prefill", "remote_prefill")
 
 
-def _serve_both_ways(fleet: Fleet, seed: int, prompt: list[int], twin: list[int]) -> tuple[Measured, Measured, dict]:
-    """Session ``seed``'s large step ``prompt`` through the router (its choice), then the
-    twin's the other way; the router's ``/debug/route`` view of the first just before."""
+def _sessions_at_their_large_step(router: str, tokenizer: PromptTokenizer, seed: int) -> list[list[int]]:
+    """Session ``seed`` and one twin per way (same lengths, other tokens), each one step
+    in: the prompts of their large steps."""
+    return [_first_step(router, tokenizer, seed + 50 * n) for n in range(1 + len(WAYS))]
+
+
+def _serve_every_way(fleet: Fleet, seed: int, prompts: list[list[int]]) -> tuple[Measured, list[Measured], dict]:
+    """Session ``seed``'s large step through the router (its choice), then each twin's
+    straight to the engines, one way each; the router's ``/debug/route`` view of the
+    first just before, with the router's stage times of it (``stages_ms``)."""
     router, p, d = _urls(fleet)
-    priced = debug_route(router, prompt, conversation_id=f"large-{seed}")
+    priced = debug_route(router, prompts[0], conversation_id=f"large-{seed}")
     before = scrape(router)
     t0 = time.perf_counter()
-    out = _step(router, prompt, f"large-{seed}")
+    out = _step(router, prompts[0], f"large-{seed}")
     after = scrape(router)
-    chosen = Measured(out.headers["X-KVPilot-Route"], t0, out.ttft_seconds)
+    chosen = Measured(f"router: {out.headers['X-KVPilot-Route']}", t0, out.ttft_seconds)
     priced["stages_ms"] = {
         stage: round(delta(after, before, "kvpilot_router_ttft_stage_seconds_sum", stage=stage) * 1e3, 1)
         for stage in ("route", "prefill", "decode_first_token")
     }
-    t1 = time.perf_counter()
-    other_route, other_ttft = _other_way(chosen.route, p, d, twin)
-    return chosen, Measured(other_route, t1, other_ttft), priced
+    straight = []
+    for way, twin in zip(WAYS, prompts[1:], strict=True):
+        sent = time.perf_counter()
+        straight.append(Measured(f"straight: {way}", sent, *_straight(way, p, d, twin)))
+    return chosen, straight, priced
 
 
-def _report(title: str, chosen: Measured, other: Measured, priced: dict, streams: Streams | None) -> None:
-    print(f"\n{title}: router chose {chosen.route} (option {priced['session_option']}), stages {priced['stages_ms']}")
+def _report(title: str, chosen: Measured, straight: list[Measured], priced: dict, streams: Streams | None) -> None:
+    print(f"\n{title}: option {priced['session_option']}, the router's stages {priced['stages_ms']}")
     for o in priced["options"]:
         print("  ", o["why"])
-    for m in (chosen, other):
+    for m in (chosen, *straight):
         gap = f", worst gap on D's streams {m.worst_gap_s(streams) * 1e3:.1f} ms" if streams is not None else ""
-        print(f"  {m.route}: TTFT {m.ttft_s * 1e3:.1f} ms{gap}")
+        on_p = f" (P's prefill {m.prefill_s * 1e3:.1f} ms)" if m.prefill_s else ""
+        print(f"  {m.route}: TTFT {m.ttft_s * 1e3:.1f} ms{on_p}{gap}")
     if streams is not None:
         print(f"  D's streams: TPOT {streams.tpot_s() * 1e3:.1f} ms")
 
 
+IDLE_SEED, BUSY_SEED = 6100, 8100
+"""Each test's session and twins (seed + 50, + 100): no prompt of one is another's."""
+NOISE = 1.25
+"""Two TTFTs on this box within this factor are a tie (runs vary by about 15%)."""
+
+
 def test_a_large_step_stays_on_an_idle_d_where_that_is_faster(warmed: Fleet, tokenizer: PromptTokenizer) -> None:
-    prompt, twin = _sessions_at_their_large_step(warmed.router.url, tokenizer, 6100)
-    chosen, other, priced = _serve_both_ways(warmed, 6100, prompt, twin)
-    _report("idle D", chosen, other, priced, None)
-    assert chosen.route == "local_prefill" and priced["session_option"] == "local", priced["explain"]
-    assert chosen.ttft_s < other.ttft_s, (chosen, other)
+    prompts = _sessions_at_their_large_step(warmed.router.url, tokenizer, IDLE_SEED)
+    _priced_with_streams(warmed.router.url, prompts[0], f"large-{IDLE_SEED}", 0)
+    chosen, (local, remote), priced = _serve_every_way(warmed, IDLE_SEED, prompts)
+    _report("idle D", chosen, [local, remote], priced, None)
+    assert chosen.route == "router: local_prefill" and priced["session_option"] == "local", priced["explain"]
+    assert local.ttft_s < NOISE * remote.ttft_s, (local, remote)
 
 
 def test_a_large_step_moves_off_a_d_running_long_streams(warmed: Fleet, tokenizer: PromptTokenizer) -> None:
-    router = warmed.router.url
-    prompt, twin = _sessions_at_their_large_step(router, tokenizer, 6200)
+    router, _, d = _urls(warmed)
+    prompts = _sessions_at_their_large_step(router, tokenizer, BUSY_SEED)
     with ThreadPoolExecutor(LONG_STREAMS) as pool:
-        streams = _long_streams(router, tokenizer, pool)
-        deadline = time.monotonic() + 60
-        while _running_on_d(router) < LONG_STREAMS:
-            assert time.monotonic() < deadline, "D never ran the long streams"
-            time.sleep(0.2)
-        time.sleep(2.0)  # D's gauges polled with the streams running
-        chosen, other, priced = _serve_both_ways(warmed, 6200, prompt, twin)
-    _report(f"D running {LONG_STREAMS} streams", chosen, other, priced, streams)
-    both_done = max(m.sent_at + m.ttft_s for m in (chosen, other))
-    assert streams.last_token_at() > both_done, "D's streams ended before both choices were measured"
-    assert chosen.route == "remote_prefill" and priced["session_option"] != "local", priced["explain"]
-    local = {o["option"]: o for o in priced["options"]}["local"]
-    assert not local["available"] and "NO: stall" in local["why"], local
-    assert other.worst_gap_s(streams) > 2 * chosen.worst_gap_s(streams), (chosen, other)
+        streams = _long_streams(d, tokenizer, pool)
+        _priced_with_streams(router, prompts[0], f"large-{BUSY_SEED}", LONG_STREAMS)
+        chosen, (local, remote), priced = _serve_every_way(warmed, BUSY_SEED, prompts)
+    _report(f"D running {LONG_STREAMS} streams", chosen, [local, remote], priced, streams)
+    assert streams.last_token_at() > remote.sent_at + remote.ttft_s, "D's streams ended before every way was measured"
+    assert chosen.route == "router: remote_prefill" and priced["session_option"] != "local", priced["explain"]
+    local_option = {o["option"]: o for o in priced["options"]}["local"]
+    assert not local_option["available"] and "NO: stall" in local_option["why"], local_option
+    assert local.worst_gap_s(streams) > 2 * remote.worst_gap_s(streams), (local, remote)

@@ -165,7 +165,8 @@ def test_a_session_served_by_each_forced_option_answers_like_colocated(
     """The article's options 1, 2, 3 and 5 (section 9.2), each forced by config: a
     client resending the whole history with a ``conversation_id`` gets answers equal
     to a co-located run, token for token and logprob for logprob."""
-    flags = ["--force-option", option] + (["--max-local-tokens", "2048"] if option == "local" else [])
+    # forced local: Dynamo's thresholds alone (no cost checks), so that the option stays available
+    flags = ["--force-option", option] + (["--max-local-tokens", "2048", "--compare-costs", "false"] if option == "local" else [])
     router = _router_choosing(spec, flags)
     prefill, decode = _urls(fleet)
     x = history(tokenizer, 600 + OPTIONS.index(option))
@@ -210,7 +211,7 @@ def test_unforced_the_router_takes_the_cheapest_option_and_edits_stay_correct(
     block, so local prefill fails the 70% share guard, D's offer holds none of it, and
     step 2 had no P for affinity. Step 4's prices are recomputed here from the fleet's
     config and the blocks each engine must hold."""
-    flags = ["--max-local-tokens", "2048"]
+    flags = ["--max-local-tokens", "2048", "--measured-rates", "false"]  # the roofline's prices, recomputed below
     router = _router_choosing(spec, flags)
     decode = _urls(fleet)[1]
     x = history(tokenizer, 700)

@@ -13,7 +13,7 @@ def _prediction(queue: float, prefill: float, transfer: float = 0.0, first_step:
     def measured(seconds: float) -> Estimate:
         return Estimate(prior_s=seconds / 100, measured_s=seconds, samples=8)  # the measured value counts
 
-    return TTFTPrediction(measured(queue), measured(prefill), measured(transfer), measured(first_step))
+    return TTFTPrediction(measured(queue), measured(prefill), measured(transfer), measured(first_step), measured(0.0))
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,9 @@ def test_a_predicted_ttft_over_the_slo_is_refused_naming_both(
 
 
 def test_the_prior_counts_where_nothing_is_measured() -> None:
-    prior_only = TTFTPrediction(*(Estimate(prior_s=1.0, measured_s=None, samples=0) for _ in range(4)))
+    prior_only = TTFTPrediction(
+        *(Estimate(prior_s=1.0, measured_s=None, samples=0) for _ in range(4)), Estimate(0.0, None, 0)
+    )
     with pytest.raises(Rejected, match=r"predicted TTFT 4\.000 s"):
         check_ttft_slo(prior_only, 3.5)
     assert check_ttft_slo(prior_only, 4.0) is None

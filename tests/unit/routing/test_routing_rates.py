@@ -19,6 +19,7 @@ from routing.config import (
 )
 from routing.decide.rates import (
     PREFILL_TIMEOUT_FACTOR,
+    Estimate,
     Prior,
     RateEstimator,
     RolePriors,
@@ -304,3 +305,18 @@ def test_decode_steps_timed_at_one_stream_count_fit_their_mean():
     for new in (100, 100, 100, 100):
         rates.observe_prefill("p", new, 0, 0.05)
     assert rates.prefill("p", 200, 0).measured_s is None  # one prompt length says nothing of another
+
+
+def test_the_overhead_is_the_median_residual_of_the_decode_worker_else_the_most_sampled():
+    rates = RateEstimator(lambda _engine: PRIOR)
+    assert rates.overhead("d1") == Estimate(0.0, None, 0)
+    for residual in (0.010, 0.012, 0.5, 0.011):  # one outlier: the median ignores it
+        rates.observe_overhead("d1", residual)
+    assert rates.overhead("d1").measured_s == pytest.approx(0.0115)
+    assert rates.overhead("d2").measured_by == "d1"  # d2 not yet timed: d1's
+    for _ in range(MIN_SAMPLES):
+        rates.observe_overhead("d2", -0.004)  # faster than modelled: no negative overhead
+    assert rates.overhead("d2") == Estimate(0.0, 0.0, MIN_SAMPLES, "d2")
+    prediction = predict_ttft(rates, "p", "d1", new=10, cached=0, queued=0, transfer_tokens=0, streams=0)
+    assert prediction.overhead.measured_s == pytest.approx(0.0115)
+    assert prediction.seconds == pytest.approx(prediction.modelled_s + 0.0115)
