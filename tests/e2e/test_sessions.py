@@ -166,7 +166,8 @@ def test_a_session_served_by_each_forced_option_answers_like_colocated(
     client resending the whole history with a ``conversation_id`` gets answers equal
     to a co-located run, token for token and logprob for logprob."""
     # forced local: Dynamo's thresholds alone (no cost checks), so that the option stays available
-    flags = ["--force-option", option] + (["--max-local-tokens", "2048", "--compare-costs", "false"] if option == "local" else [])
+    local_flags = ["--max-local-tokens", "2048", "--compare-costs", "false"]
+    flags = ["--force-option", option] + (local_flags if option == "local" else [])
     router = _router_choosing(spec, flags)
     prefill, decode = _urls(fleet)
     x = history(tokenizer, 600 + OPTIONS.index(option))
