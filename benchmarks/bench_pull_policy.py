@@ -135,7 +135,7 @@ def main() -> None:
     print(f"{args.reps} sessions per case and choice; P's turn-2 TTFT (median s), measured at P")
     print(
         f"{'case':26} {'span':>5} {'pull s':>8} {'recompute s':>11} {'pull/rec':>8} {'64-token rule':>13} "
-        f"{'roofline chose':>18} {'faster':>9}"
+        f"{'policy chose':>18} {'faster':>9}"
     )
     for case in CASES:
         pull_s = statistics.median(ttft[(case.name, "pull")])
