@@ -1,12 +1,12 @@
-"""Pull or recompute a session's span: what the live roofline policy chooses on real
+"""Pull or recompute a session's span: what the live pull policy chooses on real
 engines, against vLLM's fixed 64-token rule, with the measured TTFT of both choices.
 
 Two cases of a two-turn agent session (the span is D's KV beyond P's own hit: the
 blocks D's generated tokens completed):
 
-* ``long context, 1 block``: ~7,000 tokens of history, a 32-token span. The 64-token
+* ``long context, 1 block``: ~3,500 tokens of history, a 32-token span. The 64-token
   rule recomputes it; recomputing 32 tokens attends to the whole context.
-* ``short context, 3 blocks``: ~320 tokens of history, a 96-token span. The rule pulls it.
+* ``short context, 3 blocks``: ~150 tokens of history, a 96-token span. The rule pulls it.
 
 One run, two fleets of 1 P + 1 D (bidirectional), one after the other:
 
