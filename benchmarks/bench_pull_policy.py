@@ -1,12 +1,12 @@
-"""Pull or recompute a session's span: what the live roofline policy chooses on real
+"""Pull or recompute a session's span: what the live pull policy chooses on real
 engines, against vLLM's fixed 64-token rule, with the measured TTFT of both choices.
 
 Two cases of a two-turn agent session (the span is D's KV beyond P's own hit: the
 blocks D's generated tokens completed):
 
-* ``long context, 1 block``: ~7,000 tokens of history, a 32-token span. The 64-token
+* ``long context, 1 block``: ~3,500 tokens of history, a 32-token span. The 64-token
   rule recomputes it; recomputing 32 tokens attends to the whole context.
-* ``short context, 3 blocks``: ~320 tokens of history, a 96-token span. The rule pulls it.
+* ``short context, 3 blocks``: ~150 tokens of history, a 96-token span. The rule pulls it.
 
 One run, two fleets of 1 P + 1 D (bidirectional), one after the other:
 
@@ -135,7 +135,7 @@ def main() -> None:
     print(f"{args.reps} sessions per case and choice; P's turn-2 TTFT (median s), measured at P")
     print(
         f"{'case':26} {'span':>5} {'pull s':>8} {'recompute s':>11} {'pull/rec':>8} {'64-token rule':>13} "
-        f"{'roofline chose':>18} {'faster':>9}"
+        f"{'policy chose':>18} {'faster':>9}"
     )
     for case in CASES:
         pull_s = statistics.median(ttft[(case.name, "pull")])
