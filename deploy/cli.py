@@ -73,6 +73,7 @@ def _dynamo_fleet_up(args: argparse.Namespace) -> int:
         worker_port=args.worker_port,
         frontend_port=args.frontend_port,
         router_port=args.router_port,
+        ttft_slo_s=args.ttft_slo,
         **counts,
     )
     print(f"kvpilot fleet up --dynamo: {', '.join(f'{n} {k}' for k, n in counts.items())} (dynamo.mocker)")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.env import DYNAMO_LOOPBACK_ENV
-from deploy.fleet_spec import HOST, ROUTER_CONFIG, ProcessPlan, check_ports
+from deploy.fleet_spec import FLEET_TTFT_SLO_S, HOST, ROUTER_CONFIG, ProcessPlan, check_ports
 from routing.config import Role
 
 DISCOVERY_DIR = "discovery"
@@ -68,6 +68,9 @@ class DynamoFleetSpec:
     router_port: int = 8000
     discovery_interval_s: float = 0.5
     frontend_routing: FrontendRouting = FrontendRouting.DIRECT
+    ttft_slo_s: float = FLEET_TTFT_SLO_S
+    """kvpilot's router refuses a request whose predicted TTFT is over this
+    (``server.ttft_slo_s``; 0: no SLO), as in a vLLM fleet."""
     frontend_flags: tuple[str, ...] = ()
     """More flags for the frontend (Dynamo's KV router options, ``--router-temperature 0.1``)."""
     mocker_flags: tuple[str, ...] = ()
@@ -76,6 +79,8 @@ class DynamoFleetSpec:
     def __post_init__(self) -> None:
         if min(self.workers, self.prefill, self.decode) < 0:
             raise ValueError("worker counts must be >= 0")
+        if self.ttft_slo_s < 0:
+            raise ValueError(f"ttft_slo_s must be >= 0, got {self.ttft_slo_s}")
         if self.workers and (self.prefill or self.decode):
             raise ValueError("a fleet is aggregated (workers) or disaggregated (prefill and decode), not both")
         if not self.workers and not (self.prefill and self.decode):
@@ -219,6 +224,7 @@ def router_config(spec: DynamoFleetSpec) -> dict[str, object]:
             "port": spec.router_port,
             "model_name": spec.served_model_name,
             "model_dir": str(spec.model_dir),
+            "ttft_slo_s": spec.ttft_slo_s,
         },
         "index": {"block_size": spec.block_size},
         # Dynamo 1.6.1's direct mode needs a prefill instance on every request of a

@@ -7,6 +7,7 @@ import yaml
 
 from deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting, mocker_group_plan, plan_dynamo_fleet
 from deploy.env import DYNAMO_LOOPBACK_ENV
+from deploy.fleet_spec import FLEET_TTFT_SLO_S
 from routing.config import Role, load_config
 from routing.fleet import fleet_from_config
 from routing.ingest.dynamo_discovery import kv_events_endpoint
@@ -58,6 +59,7 @@ def test_the_router_config_parses_and_maps_each_worker_to_its_events_port(tmp_pa
     assert fleet_from_config(parsed).workers == ()  # discovery fills it
     assert parsed.disaggregation.max_local_tokens == 0  # direct mode needs a prefill instance per request
     assert parsed.index.block_size == 32
+    assert parsed.server.ttft_slo_s == FLEET_TTFT_SLO_S  # admission by predicted TTFT, as in a vLLM fleet
     for plan in workers:  # the instance at 127.0.0.1:<rpc port> publishes where the worker was told to
         address = f"127.0.0.1:{plan.env['DYN_TCP_RPC_PORT']}/abc/dynamo/backend/generate"
         expected = f"tcp://127.0.0.1:{_flag(plan.argv, '--zmq-kv-events-ports')}"
