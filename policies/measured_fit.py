@@ -42,6 +42,23 @@ def prefill_features(new: int, cached: int) -> tuple[float, float, float]:
     return (1.0, float(new), attention_pairs(new, cached))
 
 
+OUTLIER_SPREADS = 4.0
+"""A sample is an outlier when its residual is off the residuals' median by over this many
+robust standard deviations (1.4826 x their median absolute deviation) ..."""
+OUTLIER_SHARE = 0.5
+"""... and over this share of the fitted value: far off both for the noise and for the sample."""
+
+
+def outliers(y: np.ndarray, fitted: np.ndarray) -> np.ndarray:
+    """Which samples ``y`` the ``fitted`` values explain worst (a boolean mask): see
+    :data:`OUTLIER_SPREADS` and :data:`OUTLIER_SHARE`."""
+    residual = y - fitted
+    off = np.abs(residual - np.median(residual))  # a far outlier shifts every residual: measured from their median
+    spread = 1.4826 * float(np.median(off))
+    mask: np.ndarray = (off > OUTLIER_SPREADS * spread) & (off > OUTLIER_SHARE * np.abs(fitted))
+    return mask
+
+
 @dataclass
 class LinearFit:
     """``y ~ features . coef`` over the newest ``window`` samples, coefficients >= 0.
@@ -70,10 +87,23 @@ class LinearFit:
         return len(self._rows)
 
     def coefficients(self) -> tuple[float, ...] | None:
+        """The fit, once more with the samples it explains worst left out
+        (:func:`outliers`: a step that stalled for seconds among steps of milliseconds
+        must not set the rates), when at least ``min_samples`` remain."""
         if len(self._rows) < self.min_samples:
             return None
         x = np.array([row for row, _ in self._rows])
         y = np.array([value for _, value in self._rows])
+        coef = self._solve(x, y)
+        if coef is None:
+            return None
+        inliers = ~outliers(y, x @ np.array(coef))
+        if inliers.all() or inliers.sum() < self.min_samples:
+            return coef
+        refit = self._solve(x[inliers], y[inliers])
+        return refit if refit is not None else coef
+
+    def _solve(self, x: np.ndarray, y: np.ndarray) -> tuple[float, ...] | None:
         keep = list(range(x.shape[1]))
         if np.ptp(x[:, self.spread_feature]) == 0:
             if not self.flat_spread_ok:

@@ -67,3 +67,20 @@ def test_the_fit_forgets_samples_beyond_its_window() -> None:
     assert len(fit) == 4
     coef = fit.coefficients()
     assert coef is not None and coef[1] == pytest.approx(0.001)
+
+
+def test_a_stalled_sample_does_not_set_the_rates() -> None:
+    """A 5 s step among steps of tens of milliseconds (the box stalled) is left out of the
+    refit: the rates stay those of the other steps. Noisy samples stay in."""
+    fit = _prefill_fit()
+    truth = (0.01, 1e-4, 0.0)
+    noise = (1.05, 0.97, 1.02, 0.99, 1.03, 0.96, 1.0, 1.01)
+    for n, jitter in zip(range(100, 900, 100), noise, strict=True):
+        fit.add(prefill_features(n, 0), (truth[0] + truth[1] * n) * jitter)
+    clean = fit.coefficients()
+    fit.add(prefill_features(450, 0), 5.0)
+    coef = fit.coefficients()
+    assert clean is not None and coef is not None
+    assert coef == pytest.approx(clean, rel=1e-9)  # the stall is dropped, every noisy sample kept
+    assert coef[1] == pytest.approx(truth[1], rel=0.2)
+    assert coef[0] < 0.05  # with the stall in, least squares puts the fixed cost at 0.56 s
