@@ -377,7 +377,7 @@ def reference_fleet(run: Run, model_dir: Path, workload: aw.Workload) -> None:
     repeats' fleet order stays free and no arm runs on the fleet that computed them."""
     spec = fleet_spec(FleetName.N, model_dir, run.root / "fleet-n-reference")
     log(f"starting fleet N ({FLEET_DESCRIPTIONS[FleetName.N]}) for the reference")
-    with timed(run, "fleet_n_reference_up"), running(spec) as fleet:
+    with timed(run, "reference_fleet"), running(spec) as fleet:
         d_url = fleet.by_role("decode")[0].url
         with timed(run, "reference"):
             log(f"reference trajectory on D ({d_url}), a fresh cache_salt per request")
