@@ -58,6 +58,8 @@ the default), and the router prices each choice from the engines' measured rates
 defaults); conditional disaggregation.
 
 * (e) kvpilot: requests to the kvpilot router with ``conversation_id`` = the session.
+  The router refuses a request whose predicted TTFT is over the fleet's SLO
+  (:data:`deploy.fleet_spec.FLEET_TTFT_SLO_S`); a refusal counts as a failed request.
 
 The handicap only arms (a)-(d) carry: vLLM 0.32's NIXL worker on CPU moves the engine's
 model thread to the box's last core (:mod:`kvconnectors.thread_binding`), so fleet N's
