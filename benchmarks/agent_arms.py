@@ -43,6 +43,9 @@ class FleetName(enum.Enum):
     """Plain NixlConnector engines: the reference, the calibration and arms a-d."""
     K = "K"
     """KVPilotConnector engines behind the kvpilot router: arm e."""
+    B = "B"
+    """KVPilotConnector as a drop-in for fleet N's NixlConnector (its keys, vLLM's pull
+    rule), so the engines keep their thread binding: arm f."""
 
 
 @dataclass(frozen=True)
@@ -247,8 +250,26 @@ class Kvpilot(Arm):
         return Served(out, route=out.headers.get(ROUTE_HEADER))
 
 
-ARMS: tuple[type[Arm], ...] = (NoPrefixCache, PrefixOnly, ConversationIdProxy, VllmRouterPD, Kvpilot)
-"""Every arm, in the order they run and are reported."""
+class BoundConversationIdProxy(ConversationIdProxy):
+    """(f): arm (c) on fleet B, whose engines differ from fleet N's by the thread
+    binding KVPilotConnector restores (``--handicap-arm``): what (c) - (f) shows is
+    what vLLM's binding of the model thread costs (c)."""
+
+    key = "f"
+    title = "(f) (c) with the thread binding kept"
+    fleet = FleetName.B
+
+
+ARMS: tuple[type[Arm], ...] = (
+    NoPrefixCache,
+    PrefixOnly,
+    ConversationIdProxy,
+    VllmRouterPD,
+    Kvpilot,
+    BoundConversationIdProxy,
+)
+"""Every arm, in the order they are reported (they run in the shuffled order of
+:mod:`agent_schedule`)."""
 
 
 def reset_prefix_cache(p_url: str, attempts: int = 40) -> int:

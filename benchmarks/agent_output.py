@@ -28,11 +28,44 @@ def fmt_s(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.2f}"
 
 
+def spread_cell(spread: dict[str, Any], fmt: str = ",.0f", scale: float = 1.0) -> str:
+    """A median with its range, ``median (min-max)``; the range left out for one repeat."""
+    median, low, high = (spread[k] for k in ("median", "min", "max"))
+    if median is None or math.isnan(median):
+        return "-"
+    cell = format(median * scale, fmt)
+    if len(spread["values"]) > 1:
+        cell += f" ({format(low * scale, fmt)}-{format(high * scale, fmt)})"
+    return cell
+
+
+def headline_table(summaries: dict[str, dict[str, Any]], report_steps: list[int], total_requests: int) -> str:
+    """Per arm, the median over its repeats of each headline figure, with its range."""
+    head = " / ".join(f"s{k}" for k in report_steps)
+    lines = [
+        (
+            f"| arm | repeats | prefill computed | KV moved MB | TTFT p50 {head} (s) | wrong "
+            f"| SLO met (of {total_requests}) |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in summaries.values():
+        sp = s["spread"]
+        ttft = " / ".join(spread_cell(sp[f"ttft_p50_step{k}"], ".2f") for k in report_steps)
+        lines.append(
+            f"| {s['arm']} | {s['repeats']} | {spread_cell(sp['prefill_computed'])} | "
+            f"{spread_cell(sp['kv_bytes'], ',.1f', 1e-6)} | {ttft} | {spread_cell(sp['wrong'])} | "
+            f"{spread_cell(sp['slo_met'])} |"
+        )
+    return "\n".join(lines)
+
+
 def tables(summaries: dict[str, dict[str, Any]], report_steps: list[int], total_requests: int) -> str:
+    """One repeat's full tables (``summaries``: arm -> :func:`agent_results.summarize`)."""
     lines = [
         (
             "| arm | prefill computed | local cache hit | external KV | KV moved MB (xfers) "
-            "| wrong | near-tie flips | failed | stalled | goodput |"
+            "| wrong | near-tie flips | failed | stalled | SLO met |"
         ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -40,7 +73,7 @@ def tables(summaries: dict[str, dict[str, Any]], report_steps: list[int], total_
         f"| {s['arm']} | {s['prefill_computed']:,.0f} | {s['local_cache_hit']:,.0f} | "
         f"{s['external_kv_transfer']:,.0f} | {s['kv_bytes'] / 1e6:,.1f} ({s['nixl_transfers']:.0f}) | "
         f"{s['wrong']} | {s['token_flips']} | {s['failed']} | {s['stalled']} | "
-        f"{s['goodput']}/{total_requests} |"
+        f"{s['slo_met']}/{total_requests} |"
         for s in summaries.values()
     )
     head = (
@@ -56,8 +89,11 @@ def tables(summaries: dict[str, dict[str, Any]], report_steps: list[int], total_
     return "\n".join(lines)
 
 
-def plot(results: dict[str, ArmResult], path: Path, edited_steps: list[int], title: str) -> None:
-    """Prompt tokens computed per step, one line per arm; a cross where a step had failed requests."""
+def plot(results: dict[str, list[ArmResult]], path: Path, edited_steps: list[int], title: str) -> None:
+    """Prompt tokens computed per step, one line per arm (the median over its repeats);
+    a cross where a step had failed requests in any repeat."""
+    import statistics
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -66,15 +102,16 @@ def plot(results: dict[str, ArmResult], path: Path, edited_steps: list[int], tit
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     failed_label: str | None = "x: that step had failed requests (not computed)"
-    for r in results.values():
-        if not r.steps:
+    for repeats in results.values():
+        xs = sorted({k for r in repeats for k in r.steps})
+        if not xs:
             continue
-        xs = sorted(r.steps)
-        (line,) = ax.plot(xs, [r.steps[k].computed for k in xs], marker="o", markersize=3, label=r.title)
-        failed = sorted({o.step for o in r.outcomes if o.error is not None})
+        ys = {k: statistics.median(r.steps[k].computed for r in repeats if k in r.steps) for k in xs}
+        (line,) = ax.plot(xs, [ys[k] for k in xs], marker="o", markersize=3, label=repeats[0].title)
+        failed = sorted({o.step for r in repeats for o in r.outcomes if o.error is not None})
         ax.plot(
             failed,
-            [r.steps[k].computed for k in failed],
+            [ys[k] for k in failed],
             "x",
             color=line.get_color(),
             markersize=9,
@@ -87,7 +124,7 @@ def plot(results: dict[str, ArmResult], path: Path, edited_steps: list[int], tit
         ax.axvline(k, color="grey", linestyle=":", linewidth=1)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("agent step (dotted: a session resends an edited history)")
-    ax.set_ylabel("prompt tokens computed (P + D)")
+    ax.set_ylabel("prompt tokens computed (P + D), median over repeats")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -107,31 +144,41 @@ def print_report(run: Run, judged: RunSummary) -> None:
         f"## Coding agent, {config.sessions} sessions x {config.steps} steps (prefix {config.prefix_tokens}, tool "
         f"output {config.tool_tokens}, G={config.generated}); session(s) "
         f"{[s for s in range(config.sessions) if wspec.edits(s)]} "
-        f"edit at {', '.join(f'{k} ({aw.EDIT_NAMES[v]})' for k, v in wspec.edit_plan.items())}"
+        f"edit at {', '.join(f'{k} ({aw.EDIT_NAMES[v]})' for k, v in wspec.edit_plan.items())}; "
+        f"{config.repeats} repeat(s), seed {config.seed}, order {run.schedule}"
     )
     print()
-    print(tables(summaries, judged.report_steps, total_requests))
+    print("Median over the repeats (min-max):")
+    print()
+    print(headline_table(summaries, judged.report_steps, total_requests))
+    for index in range(config.repeats):
+        per_repeat = {k: s["per_repeat"][index] for k, s in summaries.items() if index < len(s["per_repeat"])}
+        print()
+        print(f"Repeat {index + 1}:")
+        print()
+        print(tables(per_repeat, judged.report_steps, total_requests))
     print()
     print(
-        f"- prefill tokens computed (a)/(e): {ratios['prefill_a_over_e']:.2f}x, (b)/(e): "
-        f"{ratios['prefill_b_over_e']:.2f}x"
-    )
-    print(f"- TTFT p50 at step {last}, (b)/(e): {ratios[f'ttft_p50_step{last}_b_over_e']:.2f}x")
-
-    def goodput(key: str) -> float:
-        return judged.get(key, lambda s: s["goodput"])
-
-    print(
-        f"- goodput (e) {goodput('e'):.0f} vs (c) {goodput('c'):.0f} "
-        f"({ratios['goodput_e_over_c']:.2f}x) vs (d) {goodput('d'):.0f} "
-        f"({ratios['goodput_e_over_d']:.2f}x), of {total_requests} requests"
+        f"- on the medians: prefill tokens computed (a)/(e): {ratios['prefill_a_over_e']:.2f}x, (b)/(e): "
+        f"{ratios['prefill_b_over_e']:.2f}x; TTFT p50 at step {last}, (b)/(e): "
+        f"{ratios[f'ttft_p50_step{last}_b_over_e']:.2f}x; SLO met (e)/(c) {ratios['slo_met_e_over_c']:.2f}x, "
+        f"(e)/(d) {ratios['slo_met_e_over_d']:.2f}x"
     )
     print(
-        f"- goodput = correct requests with TTFT <= {judged.ttft_slo:.3f} s and their step's D TPOT <= "
+        f"- SLO met = correct requests with TTFT <= {judged.ttft_slo:.3f} s and their step's D TPOT <= "
         f"{judged.tpot_slo * 1e3:.1f} ms (1.5x arm (a)'s TTFT p50 at step 1 and 1.5x its median step TPOT, unless "
-        f"given). TTFT of a non-streaming request = latency - (G-1) x D's mean TPOT over that step "
-        f"(D's {TPOT.name})"
+        f"given): a count at the lockstep's one load, not DistServe's goodput (the highest request rate at which "
+        f"the SLOs hold), which needs a rate sweep this benchmark does not run. TTFT of a non-streaming request = "
+        f"latency - (G-1) x D's mean TPOT over that step (D's {TPOT.name})"
     )
+    if judged.handicap:
+        print(
+            "- the thread-binding handicap: (f) is (c) on KVPilotConnector engines that keep their binding; "
+            "(c) - (f) on the medians"
+            + (", and its share of the gap (c) - (e)" if "explained" in next(iter(judged.handicap.values())) else "")
+            + ": "
+            + "; ".join(_handicap_cell(name, row) for name, row in judged.handicap.items())
+        )
     print(
         f"- wrong = max |logprob diff| against the no-cache reference > {config.tolerance}, over the generated "
         f"tokens up to and including the first one that differs (after it the contexts differ). A token that "
@@ -152,13 +199,24 @@ def print_report(run: Run, judged: RunSummary) -> None:
         "busy-polling progress threads (and with whatever else runs), so a step can take tens of seconds"
     )
     for key, s in summaries.items():
-        print(f"- {s['arm']}: " + "; ".join(_arm_details(key, s)))
-    print(f"- NIXL warm-ups (uncounted): {', '.join(f'fleet {k} {v:.1f} s' for k, v in run.warm_ups.items())}")
+        for index, per_repeat in enumerate(s["per_repeat"]):
+            print(f"- {s['arm']}, repeat {index + 1}: " + "; ".join(_arm_details(key, per_repeat)))
+    warm_ups = ", ".join(f"fleet {k} " + " / ".join(f"{v:.1f}" for v in vs) + " s" for k, vs in run.warm_ups.items())
+    print(f"- NIXL warm-ups (uncounted, one per fleet start): {warm_ups}")
     print(
         f"- time: total {run.timings['total']:.0f} s ("
         + ", ".join(f"{k} {v:.0f} s" for k, v in run.timings.items() if k != "total")
         + ")"
     )
+
+
+def _handicap_cell(name: str, row: dict[str, float]) -> str:
+    cell = f"{name} {row['c']:,.4g} - {row['f']:,.4g} = {row['binding']:,.4g}"
+    if "explained" in row:
+        explained = row["explained"]
+        share = "no gap" if math.isnan(explained) else f"{explained:.0%}"
+        cell += f" of {row['gap']:,.4g} ({share})"
+    return cell
 
 
 def _arm_details(key: str, s: dict[str, Any]) -> list[str]:
@@ -188,7 +246,11 @@ def _arm_details(key: str, s: dict[str, Any]) -> list[str]:
 
 
 def result_json(run: Run, judged: RunSummary) -> dict[str, Any]:
-    """Everything the run measured, for ``--out`` (NaN and infinities still in: see :func:`finite`)."""
+    """Everything the run measured, for ``--out`` (NaN and infinities still in: see :func:`finite`).
+
+    ``summaries``: per arm :func:`agent_results.aggregate` (the medians at the top
+    level, ``spread``, ``per_repeat``); ``handicap``: :func:`agent_results.handicap_share`;
+    ``per_step`` and ``requests``: per arm a list, one entry per repeat in repeat order."""
     config, wspec = run.config, run.config.workload
     return {
         "config": {
@@ -203,44 +265,48 @@ def result_json(run: Run, judged: RunSummary) -> dict[str, Any]:
         "tpot_slo_s": judged.tpot_slo,
         "summaries": judged.summaries,
         "ratios": judged.ratios,
+        "handicap": judged.handicap,
+        "schedule": run.schedule,
         "timings_s": run.timings,
         "warm_ups_s": run.warm_ups,
-        "per_step": {
-            k: {
-                step: {
-                    "computed": c.computed,
-                    "computed_by_engine": c.compute,
-                    "cached": c.cached,
-                    "external": c.external,
-                    "kv_bytes": c.kv_bytes,
-                    "tpot": c.tpot,
-                    "wall": c.wall,
-                    **c.extra,
-                }
-                for step, c in r.steps.items()
-            }
-            for k, r in run.results.items()
-        },
-        "requests": {
-            k: [
-                {
-                    "session": o.session,
-                    "step": o.step,
-                    "latency": o.latency,
-                    "ttft": o.ttft,
-                    "tokens_match": o.tokens_match,
-                    "first_mismatch": o.first_mismatch,
-                    "max_diff": o.max_diff,
-                    "wrong": o.wrong,
-                    "error": o.error,
-                    "route": o.route,
-                    "p_seconds": o.p_seconds,
-                }
-                for o in r.outcomes
-            ]
-            for k, r in run.results.items()
-        },
+        "per_step": {k: [_per_step(r) for r in rs] for k, rs in run.results.items()},
+        "requests": {k: [_requests(r) for r in rs] for k, rs in run.results.items()},
     }
+
+
+def _per_step(r: ArmResult) -> dict[int, dict[str, Any]]:
+    return {
+        step: {
+            "computed": c.computed,
+            "computed_by_engine": c.compute,
+            "cached": c.cached,
+            "external": c.external,
+            "kv_bytes": c.kv_bytes,
+            "tpot": c.tpot,
+            "wall": c.wall,
+            **c.extra,
+        }
+        for step, c in r.steps.items()
+    }
+
+
+def _requests(r: ArmResult) -> list[dict[str, Any]]:
+    return [
+        {
+            "session": o.session,
+            "step": o.step,
+            "latency": o.latency,
+            "ttft": o.ttft,
+            "tokens_match": o.tokens_match,
+            "first_mismatch": o.first_mismatch,
+            "max_diff": o.max_diff,
+            "wrong": o.wrong,
+            "error": o.error,
+            "route": o.route,
+            "p_seconds": o.p_seconds,
+        }
+        for o in r.outcomes
+    ]
 
 
 def write_outputs(run: Run, judged: RunSummary) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import agent_workload as aw
+from agent_schedule import Spread
 
 from deploy.client import Completion
 from deploy.metrics import Samples, delta
@@ -38,6 +39,8 @@ class BenchConfig:
     edit_steps: tuple[int, ...] | None
     seed: int
     arms: str
+    repeats: int
+    handicap_arm: bool
     tolerance: float
     ttft_slo: float | None
     tpot_slo: float | None
@@ -126,22 +129,36 @@ class Run:
     reference: dict[Key, Completion] = field(default_factory=dict)
     edited_steps: list[int] = field(default_factory=list)
     """Steps whose prompt resends an edited history."""
-    results: dict[str, ArmResult] = field(default_factory=dict)
+    results: dict[str, list[ArmResult]] = field(default_factory=dict)
+    """Per arm, one result per repeat, in repeat order."""
+    schedule: str = ""
+    """The run order, as :func:`agent_schedule.describe` prints it."""
     noise: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    warm_ups: dict[str, float] = field(default_factory=dict)
+    warm_ups: dict[str, list[float]] = field(default_factory=dict)
+    """Per fleet, each start's NIXL warm-up seconds."""
+
+
+HANDICAP_ARM = "f"
+"""The arm that is (c) on engines that keep their thread binding (see :mod:`bench_agent`)."""
+HANDICAPPED_ARM = "c"
+KVPILOT_ARM = "e"
 
 
 @dataclass(frozen=True)
 class RunSummary:
-    """The judged run: per arm summaries, the SLOs they were judged by, the ratios."""
+    """The judged run: per arm the median summary of its repeats (:func:`aggregate`),
+    the SLOs they were judged by, the ratios, the handicap's share of the gap."""
 
     summaries: dict[str, dict[str, Any]]
     report_steps: list[int]
     ttft_slo: float
     tpot_slo: float
     ratios: dict[str, float] = field(default_factory=dict)
-    """Filled by :func:`judge_run`: kvpilot's prefill tokens, TTFT and goodput against the baselines'."""
+    """Filled by :func:`judge_run`: kvpilot's prefill tokens, TTFT and SLO-met requests
+    against the baselines', on the medians."""
+    handicap: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Filled by :func:`judge_run` when arms (c) and (f) ran: :func:`handicap_share`."""
 
     def get(self, key: str, f: Callable[[dict[str, Any]], float]) -> float:
         """``f`` of arm ``key``'s summary; NaN if the arm did not run."""
@@ -256,7 +273,7 @@ def summarize(result: ArmResult, report_steps: list[int], ttft_slo: float, tpot_
             for k in report_steps
         },
         "tpot_mean": statistics.fmean(tpots) if tpots else math.nan,
-        "goodput": len(good),
+        "slo_met": len(good),
         "wrong": len(wrong),
         "token_flips": sum(o.completion is not None and not o.wrong and not o.tokens_match for o in result.outcomes),
         "stalled": sum(o.latency >= STALL_S for o in result.outcomes),
@@ -274,35 +291,93 @@ def summarize(result: ArmResult, report_steps: list[int], ttft_slo: float, tpot_
     }
 
 
+def headline(summary: dict[str, Any], report_steps: list[int]) -> dict[str, float]:
+    """The figures of one repeat's :func:`summarize` that the report gives as medians
+    with their spread: prefill tokens computed, KV bytes moved, TTFT p50 at each
+    report step, wrong outputs, SLO-met requests."""
+    return {
+        "prefill_computed": float(summary["prefill_computed"]),
+        "kv_bytes": float(summary["kv_bytes"]),
+        **{f"ttft_p50_step{k}": float(summary["ttft"][k]["p50"]) for k in report_steps},
+        "wrong": float(summary["wrong"]),
+        "slo_met": float(summary["slo_met"]),
+    }
+
+
+def aggregate(title: str, per_repeat: list[dict[str, Any]], report_steps: list[int]) -> dict[str, Any]:
+    """One arm's repeats as one summary: each :func:`headline` figure's median at the
+    top level (so a reader of one run's ``prefill_computed`` reads the median), its
+    :class:`~agent_schedule.Spread` under ``spread``, the repeats' own summaries under
+    ``per_repeat``."""
+    figures = [headline(s, report_steps) for s in per_repeat]
+    spreads = {name: Spread.of([f[name] for f in figures]) for name in (figures[0] if figures else {})}
+    return {
+        "arm": title,
+        "repeats": len(per_repeat),
+        **{name: spread.median for name, spread in spreads.items()},
+        "spread": {name: spread.as_json() for name, spread in spreads.items()},
+        "per_repeat": per_repeat,
+    }
+
+
+def handicap_share(summaries: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per headline figure, how much of the gap between (c) and kvpilot (e) the thread
+    binding explains: (c)'s and (f)'s medians, ``binding`` = (c) - (f) (what the binding
+    alone changed), and, with (e), ``gap`` = (c) - (e) and ``explained`` = binding / gap
+    (NaN for no gap). Empty unless (c) and (f) both ran."""
+    if HANDICAPPED_ARM not in summaries or HANDICAP_ARM not in summaries:
+        return {}
+    c, f = summaries[HANDICAPPED_ARM], summaries[HANDICAP_ARM]
+    e = summaries.get(KVPILOT_ARM)
+    out: dict[str, dict[str, float]] = {}
+    for name in c["spread"]:
+        row = {"c": c[name], "f": f[name], "binding": c[name] - f[name]}
+        if e is not None:
+            gap = c[name] - e[name]
+            row |= {"e": e[name], "gap": gap, "explained": row["binding"] / gap if gap else math.nan}
+        out[name] = row
+    return out
+
+
 def ratio(a: float, b: float) -> float:
     return a / b if b else math.inf
 
 
 def judge_run(run: Run) -> RunSummary:
-    """Judge every arm against the reference (sets each outcome's verdict and TTFT),
-    add the noise of arm (a) and of the wrong outputs to ``run.noise``, and summarize.
+    """Judge every repeat of every arm against the reference (sets each outcome's
+    verdict and TTFT), add the noise of arm (a) and of the wrong outputs to
+    ``run.noise``, summarize each repeat and :func:`aggregate` each arm's repeats.
     Unless given, the SLOs are 1.5x the base arm's (arm (a), else the first) TTFT p50
-    at step 1 and 1.5x its median step TPOT."""
+    at step 1 (the median over its repeats) and 1.5x its median step TPOT (over all
+    its repeats' steps)."""
     config, results = run.config, run.results
-    for r in results.values():
-        judge(r, run.reference, config.generated, config.tolerance)
+    for repeats in results.values():
+        for r in repeats:
+            judge(r, run.reference, config.generated, config.tolerance)
     if "a" in results:
-        a = results["a"]
+        a = [o for r in results["a"] for o in r.outcomes]
         run.noise["arm_a"] = {
-            "max": max((o.max_diff for o in a.outcomes if o.completion), default=math.nan),
-            "token_flips": sum(o.completion is not None and not o.tokens_match for o in a.outcomes),
+            "max": max((o.max_diff for o in a if o.completion), default=math.nan),
+            "token_flips": sum(o.completion is not None and not o.tokens_match for o in a),
         }
-    wrong_diffs = [o.max_diff for r in results.values() for o in r.outcomes if o.completion is not None and o.wrong]
+    wrong_diffs = [
+        o.max_diff for rs in results.values() for r in rs for o in r.outcomes if o.completion is not None and o.wrong
+    ]
     run.noise["smallest_diff_among_wrong"] = min(wrong_diffs, default=math.nan)
     run.noise["largest_diff_among_wrong"] = max(wrong_diffs, default=math.nan)
-    base = results.get("a") or next(iter(results.values()), None)
-    base_ttft1 = pct(at_step(base, 1, "ttft"), 50) if base else math.nan
-    base_tpot = statistics.median([c.tpot for c in base.steps.values() if c.tpot]) if base else math.nan
+    base = results.get("a") or next(iter(results.values()), [])
+    base_ttft1 = Spread.of([pct(at_step(r, 1, "ttft"), 50) for r in base]).median
+    base_tpots = [c.tpot for r in base for c in r.steps.values() if c.tpot]
+    base_tpot = statistics.median(base_tpots) if base_tpots else math.nan
     ttft_slo = config.ttft_slo if config.ttft_slo is not None else 1.5 * base_ttft1
     tpot_slo = config.tpot_slo if config.tpot_slo is not None else 1.5 * base_tpot
     report_steps = sorted({1, max(1, config.steps // 2), config.steps})
-    summaries = {key: summarize(r, report_steps, ttft_slo, tpot_slo) for key, r in results.items()}
-    judged = RunSummary(summaries, report_steps, ttft_slo, tpot_slo)
+    summaries = {
+        key: aggregate(rs[0].title, [summarize(r, report_steps, ttft_slo, tpot_slo) for r in rs], report_steps)
+        for key, rs in results.items()
+        if rs
+    }
+    judged = RunSummary(summaries, report_steps, ttft_slo, tpot_slo, handicap=handicap_share(summaries))
     last = config.steps
 
     def of(a: str, b: str, f: Callable[[dict[str, Any]], float]) -> float:
@@ -312,9 +387,9 @@ def judge_run(run: Run) -> RunSummary:
         {
             "prefill_a_over_e": of("a", "e", lambda s: s["prefill_computed"]),
             "prefill_b_over_e": of("b", "e", lambda s: s["prefill_computed"]),
-            f"ttft_p50_step{last}_b_over_e": of("b", "e", lambda s: s["ttft"][last]["p50"]),
-            "goodput_e_over_c": of("e", "c", lambda s: s["goodput"]),
-            "goodput_e_over_d": of("e", "d", lambda s: s["goodput"]),
+            f"ttft_p50_step{last}_b_over_e": of("b", "e", lambda s: s[f"ttft_p50_step{last}"]),
+            "slo_met_e_over_c": of("e", "c", lambda s: s["slo_met"]),
+            "slo_met_e_over_d": of("e", "d", lambda s: s["slo_met"]),
         }
     )
     return judged

@@ -1,4 +1,4 @@
-"""The article's coding agent on the CPU box: five ways to serve it, side by side, one run.
+"""The article's coding agent on the CPU box: five ways to serve it, each alone, in shuffled repeats.
 
 The workload (:mod:`agent_workload`, seeded): ``--sessions`` agent sessions of
 ``--steps`` steps share a ~1,000-token system + repository prefix; each step appends a
@@ -25,7 +25,8 @@ within one step (max 0.0161), while the outputs of KV attached by position after
 history edit (arm c) differed by 0.048-0.126 (3 to 8 steps). The default tolerance,
 0.03 (under two steps), sits between the two (their geometric mean is 0.028).
 
-Arms, each under its own ``cache_salt`` (no arm inherits another's cache):
+Arms, each repeat of each under its own ``cache_salt`` (no arm, and no repeat,
+inherits another's cache):
 
 Fleet N: 1 P + 1 D, plain ``NixlConnector`` with ``bidirectional_kv_xfer`` (vLLM's
 defaults otherwise: ``kv_recompute_threshold`` 64, D holds its blocks 480 s), engines
@@ -50,28 +51,72 @@ in ``VLLM_SERVER_DEV_MODE``; its kvpilot router is started but unused.
 * (d) vllm-router 0.1.17 in PD mode in front of fleet N (``vllm_router_arm``), no
   session state.
 
-Fleet K: 1 P + 1 D, ``KVPilotConnector`` (``bidirectional_kv_xfer``,
-``kv_recompute_threshold`` 0), conditional disaggregation.
+Fleet K: 1 P + 1 D, ``KVPilotConnector`` with fleet N's keys only
+(``bidirectional_kv_xfer``): no pinned ``kv_recompute_threshold``, so P's pull policy
+decides each D->P pull live from its measured rates (``recompute_policy`` "roofline",
+the default), and the router prices each choice from the engines' measured rates (its
+defaults); conditional disaggregation.
 
 * (e) kvpilot: requests to the kvpilot router with ``conversation_id`` = the session.
+  The router refuses a request whose predicted TTFT is over the fleet's SLO
+  (:data:`deploy.fleet_spec.FLEET_TTFT_SLO_S`); a refusal counts as a failed request.
 
-Per arm: prefill tokens computed (``vllm:prompt_tokens_by_source_total``, both engines;
-also the local-cache and external-KV sources), KV bytes moved
+The handicap only arms (a)-(d) carry: vLLM 0.32's NIXL worker on CPU moves the engine's
+model thread to the box's last core (:mod:`kvconnectors.thread_binding`), so fleet N's
+P and D compute on one core beside NIXL's progress threads; ``KVPilotConnector``
+restores the binding. ``--handicap-arm`` measures how much of the gap that explains,
+without touching vLLM:
+
+Fleet B: 1 P + 1 D, ``KVPilotConnector`` as a drop-in for fleet N's ``NixlConnector``
+(the same keys at the top level, ``recompute_policy`` "threshold": vLLM's own
+64-token pull rule), dev mode, as fleet N.
+
+* (f) arm (c)'s proxy logic, unchanged, on fleet B. Its engines differ from (c)'s by
+  the thread binding and by kvpilot's scheduler-side layers: D's block verification
+  refuses offered blocks whose digests differ from its own, which after a history edit
+  is exactly the KV that makes (c) wrong, so (c) - (f) in wrong outputs and in the
+  tokens an edited step computes is the verification, not the binding. On steps
+  without edits every offer verifies and the layers change nothing (the proxy sends
+  the same params, the pull rule is vLLM's): ``--editing-sessions 0`` isolates the
+  binding. The report gives, per headline figure, (c) - (f) and its share of (c) - (e).
+
+Run order (:mod:`agent_schedule`): the reference and the calibration run on a start
+of fleet N of their own, stopped before any arm. Then ``--repeats`` repeats; each
+starts every fleet it needs afresh, one fleet at a time (no arm shares the box with
+another arm, no repeat inherits another's cache), and runs that fleet's arms one after
+the other. Within each repeat the fleets' order and each fleet's arm order are
+shuffled from ``--seed``; the order is printed and kept in the JSON. Each fleet start
+gets one uncounted NIXL warm-up session (both handshakes, P->D and D->P) before its
+arms; each is stopped in a ``finally``.
+
+Per arm and repeat: prefill tokens computed (``vllm:prompt_tokens_by_source_total``,
+both engines; also the local-cache and external-KV sources), KV bytes moved
 (``vllm:nixl_bytes_transferred`` histogram sum, both engines), per-step latency and
-TTFT p50/p99 at steps 1, S/2, S, goodput, wrong outputs; then ratios against (e).
-TTFT of a non-streaming request is estimated as its latency minus (G - 1) x D's mean
-TPOT over the same lockstep step (D's own ``vllm:request_time_per_output_token_seconds``).
-Each fleet gets one uncounted NIXL warm-up session (both handshakes, P->D and D->P)
-before its arms. One fleet at a time; each is stopped in a ``finally``.
+TTFT p50/p99 at steps 1, S/2, S, SLO-met requests, wrong outputs. The report gives,
+per arm, the median over its repeats of the headline figures (prefill tokens
+computed, KV bytes moved, TTFT p50 at steps 1, S/2, S, wrong outputs, SLO-met
+requests) with their range (min-max), then each repeat's full tables; the ratios
+against (e) are taken on the medians. TTFT of a non-streaming request is estimated as
+its latency minus (G - 1) x D's mean TPOT over the same lockstep step (D's own
+``vllm:request_time_per_output_token_seconds``).
+
+SLO-met requests are a count at the lockstep's one load (correct, TTFT and the step's
+D TPOT within the SLOs), not DistServe's goodput, the highest request rate at which
+both SLOs hold: that needs a sweep of session arrival rates, which this lockstep
+benchmark does not run (:mod:`fleet_goodput` computes it for ``bench_fleet.py``).
 
 The arms are the classes of :mod:`agent_arms`; what a run measured, judged and
 summarized is :mod:`agent_results`; the report, plot and JSON are :mod:`agent_output`.
 
-    python benchmarks/bench_agent.py                            # 4 x 20 steps
+    python benchmarks/bench_agent.py                            # 4 x 20 steps, 1 repeat
     python benchmarks/bench_agent.py --sessions 2 --steps 4    # a quick check
+    python benchmarks/bench_agent.py --repeats 3 --handicap-arm # medians of 3, and (f)
 
-Wall time is dominated by this 2-core box's contention: the default run took 56 min
-while other fleets shared the box (load average 20-70), a 2 x 4 run 10-15 min.
+``--repeats`` defaults to 1 (a quick run: no spread). The README's table was measured
+with one repeat, in the fixed order a-d then e and with fleet K's threshold pinned at
+0, before these rules. Wall time is dominated by this 2-core box's contention: the
+default run took 56 min while other fleets shared the box (load average 20-70), a
+2 x 4 run 10-15 min; each repeat adds a start of every fleet it needs.
 """
 
 from __future__ import annotations
@@ -87,10 +132,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import agent_schedule
 import agent_workload as aw
 from agent_arms import ARMS, Arm, ArmSetup, FleetName, Served
 from agent_output import print_report, write_outputs
-from agent_results import ArmResult, BenchConfig, Outcome, Run, counters, judge, judge_run
+from agent_results import HANDICAP_ARM, ArmResult, BenchConfig, Outcome, Run, counters, judge, judge_run
 
 from deploy import fleet as fleet_io
 from deploy.agent_session import prefill_then_decode
@@ -98,39 +144,56 @@ from deploy.client import Completion, complete
 from deploy.fleet_spec import FleetSpec
 from deploy.metrics import scrape
 from deploy.tiny_model import ensure_tiny_model
+from kvconnectors.pull_policy import RecomputePolicy
 from routing.serve.tokenizer import PromptTokenizer
 
 FLEET_DESCRIPTIONS = {
     FleetName.N: "NixlConnector, 1 P + 1 D",
-    FleetName.K: "KVPilotConnector, 1 P + 1 D, kvpilot router",
+    FleetName.K: "KVPilotConnector, 1 P + 1 D, kvpilot router, live pull policy",
+    FleetName.B: "KVPilotConnector as a drop-in for NixlConnector (vLLM's pull rule), 1 P + 1 D",
 }
+NIXL_KEYS = {"bidirectional_kv_xfer": True}
+"""Fleet N's ``kv_connector_extra_config``; fleet B's NixlConnector keys."""
 
 
 def fleet_spec(fleet: FleetName, model_dir: Path, run_dir: Path) -> FleetSpec:
-    """Fleet N or K (see the module doc); each on its own ports."""
-    if fleet is FleetName.N:
+    """Fleet N, K or B (see the module doc); each on its own ports."""
+    if fleet is FleetName.K:
         return FleetSpec(
             model_dir=model_dir,
             run_dir=run_dir,
-            connector="NixlConnector",
-            connector_extra_config={"bidirectional_kv_xfer": True},
+            connector="KVPilotConnector",
+            connector_extra_config=dict(NIXL_KEYS),
+            disaggregation="conditional",
+            engine_port=9510,
+            side_channel_port=7660,
+            events_port=7760,
+            router_port=9500,
+        )
+    if fleet is FleetName.B:
+        return FleetSpec(
+            model_dir=model_dir,
+            run_dir=run_dir,
+            connector="KVPilotConnector",
+            connector_extra_config={**NIXL_KEYS, "recompute_policy": RecomputePolicy.THRESHOLD.value},
             disaggregation="always",
-            engine_port=9410,
-            side_channel_port=7640,
-            events_port=7740,
-            router_port=9400,
+            engine_port=9610,
+            side_channel_port=7680,
+            events_port=7780,
+            router_port=9600,
             engine_env={"VLLM_SERVER_DEV_MODE": "1"},
         )
     return FleetSpec(
         model_dir=model_dir,
         run_dir=run_dir,
-        connector="KVPilotConnector",
-        connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
-        disaggregation="conditional",
-        engine_port=9510,
-        side_channel_port=7660,
-        events_port=7760,
-        router_port=9500,
+        connector="NixlConnector",
+        connector_extra_config=dict(NIXL_KEYS),
+        disaggregation="always",
+        engine_port=9410,
+        side_channel_port=7640,
+        events_port=7740,
+        router_port=9400,
+        engine_env={"VLLM_SERVER_DEV_MODE": "1"},
     )
 
 
@@ -292,15 +355,16 @@ def calibrate(run: Run, d_url: str) -> None:
     }
 
 
-def run_arm(run: Run, arm: Arm, spec: FleetSpec, fleet: fleet_io.Fleet) -> fleet_io.Fleet:
-    """Arm ``arm`` in lockstep, its handicaps noted; an engine found unhealthy after
-    it is restarted (and noted). Returns the fleet as it then runs."""
+def run_arm(run: Run, arm: Arm, spec: FleetSpec, fleet: fleet_io.Fleet, repeat: int) -> fleet_io.Fleet:
+    """Arm ``arm``'s repeat ``repeat`` in lockstep, its handicaps noted; an engine found
+    unhealthy after it is restarted (and noted). Returns the fleet as it then runs."""
     engines = {"P": arm.setup.p_url, "D": arm.setup.d_url}
-    with timed(run, f"arm_{arm.key}"):
-        log(f"arm {arm.describe()}")
+    with timed(run, f"arm_{arm.key}_r{repeat}"):
+        log(f"arm {arm.describe()}, repeat {repeat}")
         with arm.running():
-            result = run.results[arm.key] = lockstep(run, arm.key, arm.title, arm.serve, engines, arm.before_step)
+            result = lockstep(run, arm.key, arm.title, arm.serve, engines, arm.before_step)
         result.notes += arm.handicaps()
+    run.results.setdefault(arm.key, []).append(result)
     for name, url in engines.items():
         if not fleet_io.is_healthy(url):
             result.notes.append(f"{name} unhealthy after the arm")
@@ -310,43 +374,66 @@ def run_arm(run: Run, arm: Arm, spec: FleetSpec, fleet: fleet_io.Fleet) -> fleet
     return fleet
 
 
-def run_fleet(run: Run, name: FleetName, arms: list[type[Arm]], model_dir: Path, workload: aw.Workload) -> None:
-    """Start fleet ``name``; on fleet N first the reference and the calibration;
-    then, after a NIXL warm-up, each of ``arms``. Stops the fleet however it ends."""
-    config, fleet_id = run.config, name.value.lower()
+def reference_fleet(run: Run, model_dir: Path, workload: aw.Workload) -> None:
+    """Fleet N started for the reference and the calibration alone, then stopped: the
+    repeats' fleet order stays free and no arm runs on the fleet that computed them."""
+    spec = fleet_spec(FleetName.N, model_dir, run.root / "fleet-n-reference")
+    log(f"starting fleet N ({FLEET_DESCRIPTIONS[FleetName.N]}) for the reference")
+    with timed(run, "reference_fleet"), running(spec) as fleet:
+        d_url = fleet.by_role("decode")[0].url
+        with timed(run, "reference"):
+            log(f"reference trajectory on D ({d_url}), a fresh cache_salt per request")
+            reference_pass(run, d_url, workload)
+        run.edited_steps = sorted({k + 1 for _, k, _ in workload.edits_done})
+        log(
+            f"reference done in {run.timings['reference']:.0f} s; edits {workload.edits_done}; "
+            f"last prompt {max(len(p) for p in run.prompts.values())} tokens"
+        )
+        with timed(run, "calibration"):
+            log("calibration: the same prompts on D with its prefix cache (a stable salt per session)")
+            calibrate(run, d_url)
+        log(f"calibration noise: {run.noise['calibration']}")
+
+
+def run_fleet(run: Run, planned: agent_schedule.FleetRun, repeat: int, model_dir: Path, workload: aw.Workload) -> None:
+    """Start fleet ``planned.fleet`` afresh for repeat ``repeat``; after a NIXL warm-up,
+    each of its arms in the planned order. Stops the fleet however it ends."""
+    config, name = run.config, FleetName(planned.fleet)
+    fleet_id = f"{name.value.lower()}-r{repeat}"
     spec = fleet_spec(name, model_dir, run.root / f"fleet-{fleet_id}")
     started = time.perf_counter()
-    log(f"starting fleet {name.value} ({FLEET_DESCRIPTIONS[name]})")
+    log(f"starting fleet {name.value} ({FLEET_DESCRIPTIONS[name]}), repeat {repeat}")
     with running(spec) as fleet:
         run.timings[f"fleet_{fleet_id}_up"] = time.perf_counter() - started
         p_url, d_url = fleet.by_role("prefill")[0].url, fleet.by_role("decode")[0].url
-        if name is FleetName.N:
-            with timed(run, "reference"):
-                log(f"reference trajectory on D ({d_url}), a fresh cache_salt per request")
-                reference_pass(run, d_url, workload)
-            run.edited_steps = sorted({k + 1 for _, k, _ in workload.edits_done})
-            log(
-                f"reference done in {run.timings['reference']:.0f} s; edits {workload.edits_done}; "
-                f"last prompt {max(len(p) for p in run.prompts.values())} tokens"
-            )
-            with timed(run, "calibration"):
-                log("calibration: the same prompts on D with its prefix cache (a stable salt per session)")
-                calibrate(run, d_url)
-            log(f"calibration noise: {run.noise['calibration']}")
-        if arms:
-            run.warm_ups[name.value] = logged_warm_up(name.value, p_url, d_url, config.warm_up_timeout)
-        for arm_class in arms:
+        warm_up = logged_warm_up(name.value, p_url, d_url, config.warm_up_timeout)
+        run.warm_ups.setdefault(name.value, []).append(warm_up)
+        by_key = {arm.key: arm for arm in ARMS}
+        for key in planned.arms:
             setup = ArmSetup(
                 p_url,
                 d_url,
                 fleet.router.url,
-                f"arm-{arm_class.key}-{run.run_id}",
+                f"arm-{key}-{run.run_id}-r{repeat}",
                 config.generated,
                 config.request_timeout,
                 workload.prefix,
                 run.root,
             )
-            fleet = run_arm(run, arm_class(setup), spec, fleet)
+            fleet = run_arm(run, by_key[key](setup), spec, fleet, repeat)
+
+
+def arm_keys(config: BenchConfig) -> list[str]:
+    """The arms to run: ``--arms``' letters, and (f) with ``--handicap-arm``, in :data:`ARMS` order."""
+    wanted = set(config.arms) | ({HANDICAP_ARM} if config.handicap_arm else set())
+    return [arm.key for arm in ARMS if arm.key in wanted]
+
+
+def run_plan(config: BenchConfig) -> list[agent_schedule.Repeat]:
+    """The repeats' shuffled order (:mod:`agent_schedule`) of the arms :func:`arm_keys` names."""
+    keys = arm_keys(config)
+    by_fleet = {name.value: [arm.key for arm in ARMS if arm.fleet is name and arm.key in keys] for name in FleetName}
+    return agent_schedule.plan(by_fleet, config.repeats, config.seed)
 
 
 def parse_args() -> BenchConfig:
@@ -365,6 +452,14 @@ def parse_args() -> BenchConfig:
     )
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument("--arms", default="abcde", help="which arms to run (letters)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of every arm, each on fresh fleets, in a shuffled order"
+    )
+    parser.add_argument(
+        "--handicap-arm",
+        action="store_true",
+        help="also run arm (f): arm (c) on KVPilotConnector engines that keep their thread binding",
+    )
     parser.add_argument(
         "--tolerance", type=float, default=0.03, help="max |logprob diff| of a correct output (see the module doc)"
     )
@@ -389,10 +484,13 @@ def main() -> None:
         f"{config.tool_tokens}, G={config.generated}; editing sessions {config.editing_sessions} at "
         f"{config.workload.edit_plan}; logs under {run.root}"
     )
-    for name in FleetName:  # fleet N always: it runs the reference
-        arms = [arm for arm in ARMS if arm.fleet is name and arm.key in config.arms]
-        if name is FleetName.N or arms:
-            run_fleet(run, name, arms, model_dir, workload)
+    repeats = run_plan(config)
+    run.schedule = agent_schedule.describe(repeats)
+    log(f"order (seed {config.seed}): {run.schedule}")
+    reference_fleet(run, model_dir, workload)
+    for repeat in repeats:
+        for planned in repeat.fleets:
+            run_fleet(run, planned, repeat.index, model_dir, workload)
     judged = judge_run(run)
     run.timings["total"] = time.perf_counter() - started
     print_report(run, judged)
