@@ -347,7 +347,7 @@ def judge_run(run: Run) -> RunSummary:
     """Judge every repeat of every arm against the reference (sets each outcome's
     verdict and TTFT), add the noise of arm (a) and of the wrong outputs to
     ``run.noise``, summarize each repeat and :func:`aggregate` each arm's repeats.
-    Unless given, the SLOs are 1.5x the base arm's (arm (a), else the first) TTFT p50
+    Unless given, the SLOs are 1.5x the base arm's (arm (a), else the first by letter) TTFT p50
     at step 1 (the median over its repeats) and 1.5x its median step TPOT (over all
     its repeats' steps)."""
     config, results = run.config, run.results
@@ -365,7 +365,8 @@ def judge_run(run: Run) -> RunSummary:
     ]
     run.noise["smallest_diff_among_wrong"] = min(wrong_diffs, default=math.nan)
     run.noise["largest_diff_among_wrong"] = max(wrong_diffs, default=math.nan)
-    base = results.get("a") or next(iter(results.values()), [])
+    # the first arm by letter (the order arms are reported in), never the first to run: the runs are shuffled
+    base = results[min(results)] if results else []
     base_ttft1 = Spread.of([pct(at_step(r, 1, "ttft"), 50) for r in base]).median
     base_tpots = [c.tpot for r in base for c in r.steps.values() if c.tpot]
     base_tpot = statistics.median(base_tpots) if base_tpots else math.nan

@@ -4,6 +4,7 @@ the JSON's shape."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -132,3 +133,16 @@ def test_the_table_gives_each_median_with_its_range(run: Run) -> None:
     row = next(line for line in table.splitlines() if line.startswith("| (c)"))
     assert "| 3 | 80 (60-100) |" in row
     assert "2.97 (0.97-4.97)" in row
+
+
+def test_without_arm_a_the_default_slos_come_from_the_first_arm_by_letter_not_the_first_to_run(
+    run: Run,
+) -> None:
+    run.config = dataclasses.replace(run.config, ttft_slo=None, tpot_slo=None)
+    run.results = {"e": run.results["e"], "c": run.results["c"]}  # (e) ran first in this shuffle
+    summary = judge_run(run)
+    assert summary.tpot_slo == pytest.approx(1.5 * 0.01)  # both arms' steps: the median TPOT is 0.01
+    c_ttft = judge_run(dataclasses.replace(run, results={"c": run.results["c"]})).ttft_slo
+    assert summary.ttft_slo == pytest.approx(c_ttft)
+    e_ttft = judge_run(dataclasses.replace(run, results={"e": run.results["e"]})).ttft_slo
+    assert e_ttft != pytest.approx(c_ttft)
