@@ -127,9 +127,10 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import agent_schedule
@@ -156,44 +157,45 @@ NIXL_KEYS = {"bidirectional_kv_xfer": True}
 """Fleet N's ``kv_connector_extra_config``; fleet B's NixlConnector keys."""
 
 
+@dataclass(frozen=True)
+class _FleetPlan:
+    """What a fleet's :class:`FleetSpec` sets beyond the model and run directory."""
+
+    connector: str
+    extra_config: Mapping[str, object]
+    disaggregation: str
+    ports: tuple[int, int, int, int]  # engine, side channel, events, router
+    dev_mode: bool
+
+
+_FLEETS = {
+    FleetName.N: _FleetPlan("NixlConnector", NIXL_KEYS, "always", (9410, 7640, 7740, 9400), True),
+    FleetName.K: _FleetPlan("KVPilotConnector", NIXL_KEYS, "conditional", (9510, 7660, 7760, 9500), False),
+    FleetName.B: _FleetPlan(
+        "KVPilotConnector",
+        {**NIXL_KEYS, "recompute_policy": RecomputePolicy.THRESHOLD.value},
+        "always",
+        (9610, 7680, 7780, 9600),
+        True,
+    ),
+}
+
+
 def fleet_spec(fleet: FleetName, model_dir: Path, run_dir: Path) -> FleetSpec:
     """Fleet N, K or B (see the module doc); each on its own ports."""
-    if fleet is FleetName.K:
-        return FleetSpec(
-            model_dir=model_dir,
-            run_dir=run_dir,
-            connector="KVPilotConnector",
-            connector_extra_config=dict(NIXL_KEYS),
-            disaggregation="conditional",
-            engine_port=9510,
-            side_channel_port=7660,
-            events_port=7760,
-            router_port=9500,
-        )
-    if fleet is FleetName.B:
-        return FleetSpec(
-            model_dir=model_dir,
-            run_dir=run_dir,
-            connector="KVPilotConnector",
-            connector_extra_config={**NIXL_KEYS, "recompute_policy": RecomputePolicy.THRESHOLD.value},
-            disaggregation="always",
-            engine_port=9610,
-            side_channel_port=7680,
-            events_port=7780,
-            router_port=9600,
-            engine_env={"VLLM_SERVER_DEV_MODE": "1"},
-        )
+    plan = _FLEETS[fleet]
+    engine_port, side_channel_port, events_port, router_port = plan.ports
     return FleetSpec(
         model_dir=model_dir,
         run_dir=run_dir,
-        connector="NixlConnector",
-        connector_extra_config=dict(NIXL_KEYS),
-        disaggregation="always",
-        engine_port=9410,
-        side_channel_port=7640,
-        events_port=7740,
-        router_port=9400,
-        engine_env={"VLLM_SERVER_DEV_MODE": "1"},
+        connector=plan.connector,
+        connector_extra_config=dict(plan.extra_config),
+        disaggregation=plan.disaggregation,
+        engine_port=engine_port,
+        side_channel_port=side_channel_port,
+        events_port=events_port,
+        router_port=router_port,
+        engine_env={"VLLM_SERVER_DEV_MODE": "1"} if plan.dev_mode else {},
     )
 
 
