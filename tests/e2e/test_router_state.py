@@ -74,10 +74,9 @@ def _decode_url(fleet: Fleet) -> str:
     return fleet.by_role("decode")[0].url
 
 
-def _step(router: str, prompt: list[int], session: str, timeout: float = 300.0) -> Completion:
-    """One agent step; returns once the router's index shows D holding the prompt (D's
-    KV events lag on a loaded box, and a stale index would price D cold)."""
-    out = complete(
+def _ask(router: str, prompt: list[int], session: str, timeout: float = 300.0) -> Completion:
+    """One agent step's request: ``GENERATED`` tokens, their ids returned."""
+    return complete(
         router,
         prompt,
         max_tokens=GENERATED,
@@ -86,6 +85,12 @@ def _step(router: str, prompt: list[int], session: str, timeout: float = 300.0) 
         conversation_id=session,
         timeout=timeout,
     )
+
+
+def _step(router: str, prompt: list[int], session: str, timeout: float = 300.0) -> Completion:
+    """One agent step; returns once the router's index shows D holding the prompt (D's
+    KV events lag on a loaded box, and a stale index would price D cold)."""
+    out = _ask(router, prompt, session, timeout)
     wait_for_overlap(router, prompt, "decode-0", len(prompt) // BLOCK_SIZE, conversation_id=session)
     return out
 
@@ -207,15 +212,7 @@ def test_a_session_alternating_between_two_replicas_is_served_as_one_router_serv
         for n, router in enumerate((a, b, a, b)):
             if steps:  # this replica's own index shows D holding the last step's prompt
                 wait_for_overlap(router, prompt, "decode-0", len(steps[-1][0]) // BLOCK_SIZE)
-            out = complete(
-                router,
-                prompt,
-                max_tokens=GENERATED,
-                ignore_eos=True,
-                return_token_ids=True,
-                conversation_id=session,
-                timeout=FIRST_PULL_TIMEOUT_S,
-            )
+            out = _ask(router, prompt, session, FIRST_PULL_TIMEOUT_S)
             steps.append((prompt, out))
             prompt = _next(prompt, out, tokenizer, n)
         routes = [out.headers["X-KVPilot-Route"] for _, out in steps]
