@@ -345,8 +345,9 @@ class Proxy:
                             self.metrics.predicted_ratio.labels("ttft").observe(
                                 (now - request.started) / prediction.seconds
                             )
-                        if prediction is not None and self.rates is not None and (handoff or not route.prefill):
-                            # the route ran as predicted (not a fallback): learn what it spent beyond the model
+                        fell_back = route.prefill is not None and handoff is None  # D prefilled after all
+                        if prediction is not None and self.rates is not None and not fell_back:
+                            # the route ran as predicted: learn what it spent beyond the model
                             self.rates.observe_overhead(d.name, now - request.started - prediction.modelled_s)
                         self.ledger.first_token(route.request_id)
                     if request.chat:
