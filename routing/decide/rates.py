@@ -36,8 +36,9 @@ to the measurement.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -142,6 +143,20 @@ def _transfer_features(transfers: float, tokens: float) -> tuple[float, float]:
     return (float(transfers), float(tokens))
 
 
+_Model = TypeVar("_Model", LinearFit, deque[float])
+
+
+def _answering(models: Mapping[str, _Model], engine: str, ready: Callable[[_Model], bool]) -> str | None:
+    """Whose model answers for ``engine``: its own once ``ready``, else the ready one with
+    the most samples (the fleet's engines serve one model), else ``None`` (the prior).
+    The others are looked at only when ``engine``'s own is not ready."""
+    own = models.get(engine)
+    if own is not None and ready(own):
+        return engine
+    sampled = [(len(model), name) for name, model in models.items() if ready(model)]
+    return max(sampled)[1] if sampled else None
+
+
 class RateEstimator:
     """Per engine: prefill and decode-step models; per reading engine: the KV-read model.
     See the module doc. ``prior(engine)`` gives an engine's roofline :class:`Prior`."""
@@ -214,15 +229,11 @@ class RateEstimator:
         """What a request decoded on ``decode_worker`` spends outside the modelled terms:
         the median of its last ``window`` residuals (:meth:`observe_overhead`), at least 0;
         while it has fewer than ``min_samples``, the worker's with the most; prior 0."""
-        own = self._overhead.get(decode_worker)
-        if own is not None and len(own) >= self._min:
-            name, residuals = decode_worker, own
-        else:
-            sampled = [(len(r), name) for name, r in self._overhead.items() if len(r) >= self._min]
-            if not sampled:
-                return Estimate(0.0, None, len(own) if own is not None else 0)
-            name = max(sampled)[1]
-            residuals = self._overhead[name]
+        name = _answering(self._overhead, decode_worker, lambda residuals: len(residuals) >= self._min)
+        if name is None:
+            own = self._overhead.get(decode_worker)
+            return Estimate(0.0, None, len(own) if own is not None else 0)
+        residuals = self._overhead[name]
         return Estimate(0.0, max(0.0, float(np.median(residuals))), len(residuals), name)
 
     @staticmethod
@@ -232,11 +243,9 @@ class RateEstimator:
         """From ``engine``'s fit, else from the fitted engine with the most samples (the
         fleet's engines serve one model: a measured neighbour beats the roofline of a
         preset), else the prior alone. ``features`` None: no work, 0 s once measured."""
-        fitted = [(len(fit), name) for name, fit in fits.items() if fit.coefficients() is not None]
-        if not fitted:
+        name = _answering(fits, engine, lambda fit: fit.coefficients() is not None)
+        if name is None:
             return Estimate(prior_s, None, len(fits[engine]) if engine in fits else 0)
-        own = fits.get(engine)
-        name = engine if own is not None and own.coefficients() is not None else max(fitted)[1]
         fit = fits[name]
         measured = 0.0 if features is None else fit.predict(features)
         return Estimate(prior_s, measured, len(fit), name)
