@@ -76,12 +76,15 @@ class LinearFit:
     min_samples: int = MIN_SAMPLES
     flat_spread_ok: bool = False
     _rows: deque[tuple[tuple[float, ...], float]] = field(init=False)
+    _fitted: tuple[tuple[float, ...] | None] | None = field(init=False, default=None)
+    """The last :meth:`coefficients`, until the next :meth:`add` (each route asks many times)."""
 
     def __post_init__(self) -> None:
         self._rows = deque(maxlen=self.window)
 
     def add(self, features: Sequence[float], y: float) -> None:
         self._rows.append((tuple(float(f) for f in features), float(y)))
+        self._fitted = None
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -90,6 +93,11 @@ class LinearFit:
         """The fit, once more with the samples it explains worst left out
         (:func:`outliers`: a step that stalled for seconds among steps of milliseconds
         must not set the rates), when at least ``min_samples`` remain."""
+        if self._fitted is None:
+            self._fitted = (self._fit(),)
+        return self._fitted[0]
+
+    def _fit(self) -> tuple[float, ...] | None:
         if len(self._rows) < self.min_samples:
             return None
         x = np.array([row for row, _ in self._rows])
