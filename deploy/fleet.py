@@ -19,9 +19,11 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -41,6 +43,10 @@ from routing.config import Role
 
 STATE_FILE = "fleet.json"
 LOG_TAIL_LINES = 40
+START_MARKER = "=== kvpilot fleet: starting "
+"""The line :func:`_spawn` writes to a process's log before each start: a restarted
+engine's log holds every start, and a start failure reads only the last one's lines."""
+STACK_DUMP_TIMEOUT_S = 30.0
 
 
 class FleetStartError(RuntimeError):
@@ -169,21 +175,65 @@ def error_lines(text: str) -> list[str]:
     return list(dict.fromkeys(match.group(1) for match in _EXCEPTION_LINE.finditer(text)))
 
 
-def _start_failure(what: str, info: RunningProcess) -> FleetStartError:
+def _last_start(text: str) -> str:
+    """The part of a log written since its last :data:`START_MARKER` (all of it if none)."""
+    at = text.rfind(START_MARKER)
+    return text if at < 0 else text[at:]
+
+
+def _start_failure(what: str, info: RunningProcess, stacks: str = "") -> FleetStartError:
     """``what`` happened to ``info`` while starting: the message is ``what`` with the
-    root cause, the log's last lines (less the exit noise), and ends with the process's
-    own error lines, root cause first, so that the last lines printed say why."""
+    root cause, the last lines this start wrote to the log (less the exit noise; an
+    earlier run's shutdown is not this start's cause), ``stacks`` where given, and ends
+    with the process's own error lines, root cause first, so that the last lines
+    printed say why."""
     try:
-        text = Path(info.log).read_text(errors="replace")
+        text = _last_start(Path(info.log).read_text(errors="replace"))
     except OSError:
         text = ""
     errors = error_lines(text)
     tail = [line for line in text.splitlines() if not _NOISE_LINE.search(line)][-LOG_TAIL_LINES:]
     message = f"{what}: {errors[0]}" if errors else what
     message += f"\nlast lines of {info.log}:\n" + ("\n".join(tail) or "(empty log)")
+    if stacks:
+        message += f"\nwhere {info.name}'s processes were:\n{stacks}"
     if errors:
         message += f"\n{info.name}'s errors, root cause first:\n" + "\n".join(f"  {e}" for e in errors[:ERROR_LINES])
     return FleetStartError(message)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (from ``/proc``), leader first."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:  # after "pid (comm)": state, ppid, pgrp
+            members.append(int(stat.parent.name))
+    return sorted(members, key=lambda pid: (pid != pgid, pid))
+
+
+def stack_dump(pgid: int) -> str:
+    """Each Python process of group ``pgid``'s stacks, by ``py-spy dump`` (a dev
+    dependency), for a process that hangs while starting; empty where py-spy is not
+    installed. Reading another process's stacks needs ptrace rights (root, or
+    ``kernel.yama.ptrace_scope`` 0); a refusal is reported in its place."""
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if py_spy is None:
+        return ""
+    dumps = []
+    for pid in group_members(pgid):
+        try:
+            out = subprocess.run(
+                [py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=STACK_DUMP_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            dumps.append(f"pid {pid}: py-spy timed out")
+            continue
+        dumps.append(out.stdout.strip() or f"pid {pid}: {out.stderr.strip()}")
+    return "\n".join(dumps)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -225,6 +275,8 @@ def _wait_ports_free(ports: list[int], timeout: float = 30.0) -> None:
 def _spawn(plan: ProcessPlan, logs: Path, health: str = "/health") -> tuple[subprocess.Popen[bytes], RunningProcess]:
     log = logs / f"{plan.name}.log"
     with open(log, "ab") as out:  # appended: a restarted engine keeps its history
+        out.write(f"{START_MARKER}{plan.name} at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
+        out.flush()
         proc = subprocess.Popen(
             plan.argv,
             env=child_env(plan.env),
@@ -258,8 +310,8 @@ def _wait_healthy(started: list[tuple[subprocess.Popen[bytes], RunningProcess]],
             if is_healthy(info.url, path=info.health):
                 del pending[name]
         if pending and time.monotonic() > deadline:
-            name, (_, info) = next(iter(pending.items()))
-            raise _start_failure(f"{name} not healthy in time", info)
+            name, (proc, info) = next(iter(pending.items()))
+            raise _start_failure(f"{name} not healthy in time", info, stack_dump(proc.pid))
         time.sleep(1.0)
 
 
@@ -279,13 +331,21 @@ def warm_up(url: str, model: str, api_key: str | None = None) -> None:
 
 
 def _warm_up_pairs(
-    engines: list[RunningProcess], spec: FleetSpec, deadline: float, progress: Callable[[str], object]
+    engines: Sequence[RunningProcess],
+    spec: FleetSpec,
+    deadline: float,
+    progress: Callable[[str], object],
+    involving: str | None = None,
 ) -> None:
     """Every (P, D) pair's first KV handoff (:mod:`deploy.pair_warmup`: NIXL's
-    handshake), so that no client request pays it; raises :class:`FleetStartError`
-    naming the pair when one does not succeed by ``deadline``."""
+    handshake), so that no client request pays it; with ``involving``, only the pairs
+    that engine is in (it was restarted: its peers' handshakes with its old agent are
+    void). Raises :class:`FleetStartError` naming the pair when one does not succeed
+    by ``deadline``."""
     for p in (e for e in engines if e.role == Role.PREFILL.value):
         for d in (e for e in engines if e.role == Role.DECODE.value):
+            if involving is not None and involving not in (p.name, d.name):
+                continue
             started = time.monotonic()
             try:
                 tries = warm_up_pair(
@@ -399,7 +459,9 @@ def restart_engine(spec: FleetSpec, name: str, timeout: float = 600.0) -> Fleet:
     """Stop engine ``name`` of the fleet recorded in ``spec.run_dir`` and start it again
     with the same command line (an engine restart, as after a crash or an upgrade).
 
-    Returns the updated fleet once the engine is healthy; raises
+    Returns the updated fleet once the engine is healthy and has handed KV over with
+    each healthy peer of the other role (its NIXL handshakes done, as :func:`up` does;
+    a peer that is down is warmed when it is restarted); raises
     :class:`FleetStartError` if it does not come back (the rest of the fleet keeps
     running) and ``KeyError`` for an unknown engine.
     """
@@ -410,9 +472,12 @@ def restart_engine(spec: FleetSpec, name: str, timeout: float = 600.0) -> Fleet:
     plan = next((p for p in plan_fleet(spec)[0] if p.name == name), None)
     if old is None or plan is None:
         raise KeyError(f"no engine named {name!r} in {spec.run_dir}")
+    deadline = time.monotonic() + timeout
     new = _replace(old, plan, spec.run_dir / "logs", timeout)
     warm_up(new.url, spec.served_model_name, spec.engine_api_key)
     engines = tuple(new if e.name == name else e for e in fleet.engines)
+    serving = [e for e in engines if e.name == name or is_healthy(e.url, path=e.health)]
+    _warm_up_pairs(serving, spec, deadline, progress=lambda _: None, involving=name)
     restarted = dataclasses.replace(fleet, engines=engines)
     restarted.save()
     return restarted

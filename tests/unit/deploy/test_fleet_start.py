@@ -4,13 +4,14 @@ lines last (a real router process whose KV-event port this test holds)."""
 from __future__ import annotations
 
 import socket
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from deploy import fleet as fleet_io
-from deploy.fleet_spec import ROUTER_CONFIG, FleetSpec, plan_fleet
+from deploy.fleet_spec import ROUTER_CONFIG, FleetSpec, ProcessPlan, plan_fleet
 from tests.fakes.ports import free_ports
 
 
@@ -62,3 +63,31 @@ def test_error_lines_take_exception_lines_from_every_prefix_and_skip_the_rest() 
         "RuntimeError: Engine core initialization failed. See root cause above.",
     ]
     assert fleet_io.error_lines("INFO all good\n") == []
+
+
+def test_a_process_that_hangs_while_starting_is_reported_by_this_start_and_its_stacks(tmp_path: Path) -> None:
+    """A restarted engine's log holds its earlier run: its shutdown errors are not this
+    start's cause. A hang is shown where it is (py-spy's stacks of the group)."""
+    (port,) = free_ports(1)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "stuck.log").write_text("vllm.v1.engine.exceptions.EngineDeadError: the earlier run's shutdown\n")
+    hang = "\n".join(
+        (
+            "import time",
+            "def waiting_for_something():",
+            "    time.sleep(600)",
+            "print('started', flush=True)",
+            "waiting_for_something()",
+        )
+    )
+    plan = ProcessPlan("stuck", None, (sys.executable, "-c", hang), {}, port)
+    with pytest.raises(fleet_io.FleetStartError) as failed:
+        fleet_io.start(plan, logs, timeout=3)
+    message = str(failed.value)
+    assert message.splitlines()[0] == "stuck not healthy in time"
+    assert "EngineDeadError" not in message and "started" in message
+    assert "where stuck's processes were:" in message
+    assert "waiting_for_something" in message, message  # py-spy (a dev dependency) read its stack
+    assert fleet_io.START_MARKER in (logs / "stuck.log").read_text()  # the earlier run's lines are kept
+    assert fleet_io.port_is_free(port)
