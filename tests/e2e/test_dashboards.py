@@ -257,7 +257,8 @@ def test_panels_show_what_the_fleet_did(observed: tuple[Fleet, dashboards.Promet
         panel: r[f"{rt} / {panel} (since router start) / A"]
         for panel in ("Prefill failures", "Engine errors passed to clients", "Requests refused before routing")
     }
-    assert _values(since_start["Prefill failures"], worker="prefill-0", reason="timeout") == [1]
+    # At least the fallback's: on a slow box another of P's prefills can outlast the floor too.
+    assert _values(since_start["Prefill failures"], worker="prefill-0", reason="timeout")[0] >= 1
     assert _values(since_start["Engine errors passed to clients"], worker="decode-0") == [1]
     assert _values(since_start["Requests refused before routing"], reason="prompt_too_long") == [1]
     rejected = r[f"{rt} / KV events rejected (since router start) / A"]
