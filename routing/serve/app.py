@@ -291,6 +291,7 @@ class RouterServer:
             self.config.server.max_retries,
             prefill_timeout_s=self.config.server.prefill_timeout_s,
             rates=self.rates,
+            prefills_timed_here=self.engine_load is None,
             session_served=self.session_sync.push if self.session_sync is not None else None,
         )
         if self._feed_index and (self.discovery is not None or any(w.kv_events_endpoint for w in self.fleet.workers)):

@@ -123,11 +123,16 @@ class Proxy:
         *,
         prefill_timeout_s: float,
         rates: RateEstimator | None = None,
+        prefills_timed_here: bool = False,
         session_served: Callable[[SessionId], Awaitable[None]] | None = None,
     ) -> None:
         """``prefill_timeout_s``: the floor of P's timeout (the whole of it without
         ``rates``). ``rates``: predicts each route's TTFT; learns P's prefill from how
-        long P took to answer (queue included). ``session_served``: awaited (outside the
+        long P took to answer (queue included). ``prefills_timed_here``: the engines'
+        own timings are not read (Dynamo's workers have no vLLM ``/metrics``), so every
+        prefill that ends at D's first token (D's own, or Dynamo's P's within D's call)
+        is timed by that token when nothing was queued ahead of it
+        (:meth:`_time_prefill_by_first_token`). ``session_served``: awaited (outside the
         lock, before the answer is returned) with a session whose step was served and
         whose state changed: the shared store writes it; it must not raise and should be
         bounded."""
@@ -143,6 +148,7 @@ class Proxy:
         self.max_retries = max_retries
         self.prefill_timeout_s = prefill_timeout_s
         self.rates = rates
+        self.prefills_timed_here = prefills_timed_here
         self.session_served = session_served
 
     async def serve(self, request: ProxyRequest, client: ClientStream) -> Reply | None:
@@ -178,11 +184,11 @@ class Proxy:
             return error_reply(409, f"X-Request-Id {rid!r} is already in flight")
         self.metrics.decided(route, time.perf_counter() - request.started)
         try:
-            kind, handoff = route.kind, None
+            kind, handoff, deferred = route.kind, None, False
             offer = self._session_offer(request.session, route)
             if route.prefill is not None:
                 self.pair_health.routed(route.prefill.name, route.decode.name, time.monotonic())
-                handoff = await self._prefill(route, request.body, offer, prediction)
+                handoff, deferred = await self._prefill(route, request.body, offer, prediction)
                 if handoff is None:
                     kind, p = Kind.FALLBACK, d
             headers = {
@@ -195,7 +201,7 @@ class Proxy:
             reply: Reply | None
             if request.body.get("stream"):  # vLLM streams no kv_transfer_params: no offer to keep
                 decode_params = None
-                answered = await self._stream(request, route, handoff, headers, client, prediction)
+                answered = await self._stream(request, route, handoff, deferred, headers, client, prediction)
                 reply = None
             else:
                 reply, decode_params = await self._unary(request, route, handoff, headers)
@@ -254,8 +260,9 @@ class Proxy:
 
     async def _prefill(
         self, route: Route, body: dict[str, Any], offer: dict[str, Any] | None, prediction: TTFTPrediction | None
-    ) -> dict[str, Any] | None:
-        """P's handoff params for D, or None after a failure (then D prefills; counted).
+    ) -> tuple[dict[str, Any] | None, bool]:
+        """P's handoff params for D, or None after a failure (then D prefills; counted),
+        and whether P prefills within D's call (deferred: Dynamo's frontend).
 
         With a session ``offer`` (D's params from the session's last step, vLLM's
         bidirectional protocol) P may pull D's KV of the session: its connector
@@ -290,9 +297,9 @@ class Proxy:
                 )
             self.metrics.prefill_failed(p.name, outcome.reason)
             self.ledger.move_prefill(route.request_id, route.decode.name, route.decode_cached_blocks)
-            return None
+            return None, False
         if outcome.deferred:  # P prefills within D's call: its prefill ends at D's first token
-            return outcome.params
+            return outcome.params, True
         self.worker_answered(p)
         self.ledger.first_token(route.request_id)
         elapsed = time.perf_counter() - started
@@ -302,7 +309,7 @@ class Proxy:
         if self.rates is not None and offer is None:  # a pull's time is not a prefill's
             cached = min(route.prompt_tokens, route.cached_blocks * self.router.index.block_size)
             self.rates.observe_prefill(p.name, route.prompt_tokens - cached, cached, elapsed)
-        return outcome.params
+        return outcome.params, False
 
     async def _unary(
         self, request: ProxyRequest, route: Route, handoff: dict[str, Any] | None, headers: dict[str, str]
@@ -324,12 +331,14 @@ class Proxy:
         request: ProxyRequest,
         route: Route,
         handoff: dict[str, Any] | None,
+        deferred: bool,
         headers: dict[str, str],
         client: ClientStream,
         prediction: TTFTPrediction | None,
     ) -> bool:
         """D's stream relayed to ``client``; whether it ended normally (a break is sent
-        to the client as an error event and counted against D)."""
+        to the client as an error event and counted against D). ``deferred``: P
+        prefills within D's call (:meth:`_prefill`)."""
         d = route.decode
         sent_at = time.perf_counter()
         async with self.upstream.stream(d, request.body, handoff) as events:
@@ -347,6 +356,7 @@ class Proxy:
                             )
                         fell_back = route.prefill is not None and handoff is None  # D prefilled after all
                         if prediction is not None and self.rates is not None and not fell_back:
+                            self._time_prefill_by_first_token(route, deferred, prediction, now - sent_at)
                             # the route ran as predicted: learn what it spent beyond the model
                             self.rates.observe_overhead(d.name, now - request.started - prediction.modelled_s)
                         self.ledger.first_token(route.request_id)
@@ -369,6 +379,24 @@ class Proxy:
                 return False
             await client.close()
             return True
+
+    def _time_prefill_by_first_token(
+        self, route: Route, deferred: bool, prediction: TTFTPrediction, first_token_s: float
+    ) -> None:
+        """With ``prefills_timed_here``: D's first token ``first_token_s`` after D's call
+        was sent is a prefill sample of the worker that prefilled within that call (D,
+        or P when its prefill was ``deferred`` into D's call), its uncached tokens against its
+        cached ones, when the prediction queued nothing ahead of it (a queued request's
+        wait is not its prefill). The sample holds D's first step and the frontend's hop
+        too: on such a fleet they are part of what a prefill costs the client. A
+        prefill P answered itself was timed in :meth:`_prefill`."""
+        assert self.rates is not None
+        if not self.prefills_timed_here or prediction.queue.seconds > 0 or (route.prefill is not None and not deferred):
+            return
+        prefilled_on = route.prefill_worker
+        cached_blocks = route.cached_blocks if prefilled_on is route.prefill else route.decode_cached_blocks
+        cached = min(route.prompt_tokens, cached_blocks * self.router.index.block_size)
+        self.rates.observe_prefill(prefilled_on.name, route.prompt_tokens - cached, cached, first_token_s)
 
     def _expect_events(self, route: Route, prefilled_on: WorkerId) -> None:
         """``prefilled_on`` served ``route``'s prompt; blocks it did not hold must show up as events."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import re
 import time
 import urllib.request
@@ -24,6 +25,7 @@ import pytest
 import zmq
 
 from deploy import dynamo_fleet
+from deploy.client import complete
 from deploy.dynamo_spec import DynamoFleetSpec
 from deploy.fleet import Fleet, down
 from routing.config import Role
@@ -224,3 +226,23 @@ def test_every_discovery_address_and_every_connection_is_loopback(fleet, spec):
     assert peers, "no connection at all: nothing was checked"
     outside = [(c.laddr, c.raddr) for c in peers if not (_loopback(c.laddr.ip) and _loopback(c.raddr.ip))]
     assert outside == []
+
+
+def test_the_router_learns_each_worker_s_prefill_from_its_own_timings(fleet):
+    """Dynamo's mockers publish no vLLM /metrics: the router times each streamed
+    request's first token itself (an uncontended prefill, deferred into D's call) and
+    fits the workers' prefill from it. After a few, a new prompt's predicted TTFT is
+    the measured one's order, where the roofline prior (an H100 for the tiny model)
+    is not."""
+    for seed, blocks in zip(range(60, 68), (4, 40, 12, 56, 8, 28, 48, 20), strict=True):
+        complete(fleet.router.url, _prompt(seed, blocks), max_tokens=2, stream=True, ignore_eos=True)
+    prompt = _prompt(70, 36)
+    status, _, explained = _post(f"{fleet.router.url}/debug/route", {"model": "tiny", "prompt": prompt})
+    assert status == 200
+    predicted = explained["predicted"]
+    assert predicted["prefill"]["measured_s"] is not None and predicted["prefill"]["samples"] > 0, predicted
+    measured = complete(fleet.router.url, prompt, max_tokens=2, stream=True, ignore_eos=True).ttft_seconds
+    learned, prior = predicted["ttft_s"], predicted["prior_ttft_s"]
+    print(f"\nTTFT measured {measured * 1e3:.1f} ms, predicted {learned * 1e3:.1f} ms, prior {prior * 1e3:.2f} ms")
+    assert abs(math.log(learned / measured)) < abs(math.log(prior / measured))
+    assert measured / 3 < learned < measured * 3

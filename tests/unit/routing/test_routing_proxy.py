@@ -307,3 +307,30 @@ def test_every_known_label_set_exists_at_zero_from_the_start():
         assert metrics.registry.get_sample_value("kvpilot_router_session_options_total", {"option": option}) == 0
     for outcome in ("sent", "expired", "unused"):
         assert metrics.registry.get_sample_value("kvpilot_router_session_offers_total", {"outcome": outcome}) == 0
+
+
+@pytest.mark.parametrize("timed_here", [True, False])
+def test_where_engines_publish_no_timings_a_prefill_within_d_s_call_is_timed_by_d_s_first_token(timed_here):
+    """Dynamo's workers have no vLLM /metrics: the router learns their prefill from the
+    streamed first token of an uncontended request, P's when it was deferred into D's
+    call, D's own when D prefilled; never twice for a P that answered itself."""
+    rig = Rig(ScriptedUpstream())
+    rig.proxy.prefills_timed_here = timed_here
+    rig.proxy.upstream = DeferringUpstream(lambda: rig.ledger)
+    asyncio.run(rig.proxy.serve(rig.request({"stream": True}), RecordingClient()))
+    assert rig.rates.prefill("p0", 8 * BS, 0).samples == (1 if timed_here else 0)
+
+    local = Rig(ScriptedUpstream())
+    local.proxy.prefills_timed_here = timed_here
+    request = local.request({"stream": True})
+    request = dataclasses.replace(
+        request, route=dataclasses.replace(request.route, kind=Kind.LOCAL_PREFILL, prefill=None)
+    )
+    asyncio.run(local.proxy.serve(request, RecordingClient()))
+    d = local.upstream.calls[-1][1]
+    assert local.rates.prefill(d, 8 * BS, 0).samples == (1 if timed_here else 0)
+
+    answered = Rig(ScriptedUpstream())  # P answered its prefill: timed once, by that answer
+    answered.proxy.prefills_timed_here = timed_here
+    asyncio.run(answered.proxy.serve(answered.request({"stream": True}), RecordingClient()))
+    assert answered.rates.prefill("p0", 8 * BS, 0).samples == 1
