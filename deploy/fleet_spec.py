@@ -169,6 +169,28 @@ def _worker(spec: FleetSpec, role: Role, index: int, ordinal: int) -> Worker:
     )
 
 
+DECODE_HOLD_TTL_S = 60
+"""How long a decode engine of a bidirectional fleet (``bidirectional_kv_xfer``) holds a
+finished request's KV for P to pull back, unless ``connector_extra_config`` sets
+vLLM's ``decoder_kv_blocks_ttl`` (its default: 480 s). vLLM keeps an engine's busy loop
+stepping while any finished request's blocks are held (``Scheduler.has_finished_requests``),
+and D holds after every request, pulled or not. Measured here (1 P + 1 D, idle): each
+engine used one core (NIXL's progress thread, which NIXL's Python API runs with no
+delay); D holding one unpulled offer used 1.7 cores and left P 0.3, so that for 480 s
+after the last unpulled offer (the fleet's own warm-up handoff among them) a restarted
+P took minutes to start and P's prefills timed out. Agent tool calls come back in seconds
+(the article), well inside 60 s."""
+
+
+def connector_extra_config(spec: FleetSpec) -> dict[str, object]:
+    """``spec.connector_extra_config``, with :data:`DECODE_HOLD_TTL_S` as D's hold in a
+    bidirectional fleet that does not set one."""
+    extra = dict(spec.connector_extra_config)
+    if extra.get("bidirectional_kv_xfer") and "decoder_kv_blocks_ttl" not in extra:
+        extra["decoder_kv_blocks_ttl"] = DECODE_HOLD_TTL_S
+    return extra
+
+
 def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
     kv_transfer = {
         "kv_connector": spec.connector,
@@ -179,7 +201,7 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
         # on another decode worker (server.max_retries), and P's 500 falls back to D's
         # local prefill; a fleet of one D would hand D's 500 to the client.
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": spec.connector_extra_config,
+        "kv_connector_extra_config": connector_extra_config(spec),
     }
     argv = (
         sys.executable,

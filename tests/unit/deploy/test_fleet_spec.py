@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.fleet_spec import FleetSpec, Role, plan_fleet
+from deploy.fleet_spec import DECODE_HOLD_TTL_S, FleetSpec, Role, plan_fleet
 from routing.config import IndexBackend
 
 
@@ -172,3 +172,19 @@ def test_a_port_beyond_tcp_is_refused() -> None:
 
     with pytest.raises(PortCollision, match=r"port 65536 \(prefill-0's KV-event replay .*\) is not in 1..65535"):
         plan_fleet(_spec(events_port=65436))
+
+
+@pytest.mark.parametrize(
+    ("extra", "held"),
+    [
+        ({"bidirectional_kv_xfer": True}, DECODE_HOLD_TTL_S),  # the fleet's hold, not vLLM's 480 s
+        ({"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 300}, 300),  # the user's
+        ({}, None),  # D holds nothing without bidirectional transfer
+    ],
+)
+def test_a_bidirectional_decode_engine_holds_its_offers_for_the_fleet_s_ttl(extra: dict, held: int | None) -> None:
+    engines, _, _ = plan_fleet(_spec(connector_extra_config=extra))
+    for e in engines:
+        argv = list(e.argv)
+        kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert kv["kv_connector_extra_config"].get("decoder_kv_blocks_ttl") == held
