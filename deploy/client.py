@@ -100,10 +100,10 @@ def complete(
                     continue
                 chunk = json.loads(line[5:])
                 for choice in chunk.get("choices", []):
+                    now = time.perf_counter() - started
+                    if not ttft and (choice.get("text") or choice.get("token_ids") or choice.get("logprobs")):
+                        ttft = now  # the first token, with logprobs or without (Dynamo's mocker sends none)
                     if choice.get("logprobs"):
-                        now = time.perf_counter() - started
-                        if not tokens:
-                            ttft = now
                         arrivals += [now] * len(choice["logprobs"]["tokens"])
                         tokens += choice["logprobs"]["tokens"]
                         logprobs += choice["logprobs"]["token_logprobs"]
