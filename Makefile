@@ -35,3 +35,4 @@ bench: setup
 	.venv/bin/python benchmarks/bench_fleet.py
 	.venv/bin/python benchmarks/bench_dynamo_connections.py
 	.venv/bin/python benchmarks/bench_router_scale.py
+	.venv/bin/python benchmarks/bench_idle_cpu.py

@@ -2,8 +2,10 @@
 
 Fleets are module-scoped and every module starts at most one, so that no more than
 two engines run at a time: on this 2-core box each idle engine's NIXL/UCX progress
-thread keeps a core busy (vLLM does not expose NIXL's ``enable_prog_thread``), and a
-third engine starves the others. Every fixture stops what it started.
+thread keeps a core busy (NIXL's Python API starts it with no delay between polls, and
+vLLM does not expose ``enable_prog_thread``), and a third engine starves the others. A
+bidirectional D holding an unpulled offer adds most of another core while it holds
+(``deploy.fleet_spec.DECODE_HOLD_TTL_S``). Every fixture stops what it started.
 """
 
 from __future__ import annotations
