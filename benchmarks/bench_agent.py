@@ -153,8 +153,10 @@ FLEET_DESCRIPTIONS = {
     FleetName.K: "KVPilotConnector, 1 P + 1 D, kvpilot router, live pull policy",
     FleetName.B: "KVPilotConnector as a drop-in for NixlConnector (vLLM's pull rule), 1 P + 1 D",
 }
-NIXL_KEYS = {"bidirectional_kv_xfer": True}
-"""Fleet N's ``kv_connector_extra_config``; fleet B's NixlConnector keys."""
+NIXL_KEYS = {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 480}
+"""Fleet N's ``kv_connector_extra_config``; fleet B's NixlConnector keys. D holds its
+blocks vLLM's default 480 s, not the CPU fleet's 60 s (``deploy.fleet_spec.DECODE_HOLD_TTL_S``):
+the conversation-id proxy arm keeps sessions 450 s, for vLLM's hold (``agent_arms``)."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 
 from deploy.client import Completion, complete, wait_for_overlap
 from deploy.fleet import Fleet, restart_router
-from deploy.fleet_spec import ROUTER_CONFIG, FleetSpec
+from deploy.fleet_spec import DECODE_HOLD_TTL_S, ROUTER_CONFIG, FleetSpec
 from deploy.metrics import delta, scrape
 from policies.disaggregation import DecodeState
 from policies.session_options import Option, PrefillSite, SessionOptionPricer, SessionStep
@@ -88,8 +88,8 @@ def test_p_pulls_only_what_verifies_and_answers_like_colocated(
     assert turn.p_out.logprobs[0] == reference.logprobs[0], "P's first token differs from the co-located run"
     assert turn.d_out.same_output(reference), f"max logprob diff {turn.d_out.max_logprob_diff(reference)}"
 
-    # D's hold on its blocks, in Unix time: decoder_kv_blocks_ttl (480 s) after it answered.
-    assert turn.d_params["kvpilot_expires_at"] == pytest.approx(turn.d_params_at + 480, abs=30)
+    # D's hold on its blocks, in Unix time: decoder_kv_blocks_ttl (the fleet's) after it answered.
+    assert turn.d_params["kvpilot_expires_at"] == pytest.approx(turn.d_params_at + DECODE_HOLD_TTL_S, abs=30)
     after, before = turn.p_after, turn.p_before
     assert delta(after, before, VERIFIED) == pulled
     assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") == pulled * 32
