@@ -230,10 +230,20 @@ class Proxy:
         """``route``'s predicted TTFT with the load booked now (``None`` without a rate
         estimator): the prefilling worker's booked prefill blocks queue ahead of it, D
         reads what it lacks (nothing for a local prefill), D's booked requests run."""
-        bs = self.router.index.block_size
-        cached = min(route.prompt_tokens, route.cached_blocks * bs)
-        lacks = route.prompt_tokens - min(route.prompt_tokens, route.decode_cached_blocks * bs)
-        return self._predict(route, route.prefill_worker.name, route.prompt_tokens - cached, lacks)
+        lacks = route.prompt_tokens - min(
+            route.prompt_tokens, route.decode_cached_blocks * self.router.index.block_size
+        )
+        return self._predict(route, route.prefill_worker.name, route.prompt_tokens - self._cached_tokens(route), lacks)
+
+    def _cached_tokens(self, route: Route) -> int:
+        """The prompt tokens ``route``'s prefilling worker holds (its GPU prefix, at most the prompt)."""
+        return min(route.prompt_tokens, route.cached_blocks * self.router.index.block_size)
+
+    def _learn_prefill(self, route: Route, seconds: float) -> None:
+        """``route``'s prefilling worker took ``seconds`` for its uncached tokens."""
+        assert self.rates is not None
+        cached = self._cached_tokens(route)
+        self.rates.observe_prefill(route.prefill_worker.name, route.prompt_tokens - cached, cached, seconds)
 
     def predict_option(self, route: Route, price: OptionPrice) -> TTFTPrediction | None:
         """A session option's predicted TTFT, as :meth:`predict` (``None`` for an
@@ -307,8 +317,7 @@ class Proxy:
         if prediction is not None and prediction.prefill_s > 0:
             self.metrics.predicted_ratio.labels("prefill").observe(elapsed / prediction.prefill_s)
         if self.rates is not None and offer is None:  # a pull's time is not a prefill's
-            cached = min(route.prompt_tokens, route.cached_blocks * self.router.index.block_size)
-            self.rates.observe_prefill(p.name, route.prompt_tokens - cached, cached, elapsed)
+            self._learn_prefill(route, elapsed)
         return outcome.params, False
 
     async def _unary(
@@ -390,13 +399,8 @@ class Proxy:
         wait is not its prefill). The sample holds D's first step and the frontend's hop
         too: on such a fleet they are part of what a prefill costs the client. A
         prefill P answered itself was timed in :meth:`_prefill`."""
-        assert self.rates is not None
-        if not self.prefills_timed_here or prediction.queue.seconds > 0 or (route.prefill is not None and not deferred):
-            return
-        prefilled_on = route.prefill_worker
-        cached_blocks = route.cached_blocks if prefilled_on is route.prefill else route.decode_cached_blocks
-        cached = min(route.prompt_tokens, cached_blocks * self.router.index.block_size)
-        self.rates.observe_prefill(prefilled_on.name, route.prompt_tokens - cached, cached, first_token_s)
+        if self.prefills_timed_here and prediction.queue.seconds == 0 and (route.prefill is None or deferred):
+            self._learn_prefill(route, first_token_s)
 
     def _expect_events(self, route: Route, prefilled_on: WorkerId) -> None:
         """``prefilled_on`` served ``route``'s prompt; blocks it did not hold must show up as events."""
