@@ -1,0 +1,86 @@
+"""The article's agent as a Mooncake trace: shared prefix blocks, sessions' own blocks, arrivals."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from agent_trace import AgentShape, agent_trace, hash_ids, main, to_jsonl
+from fleet_trace import TRACE_BLOCK_TOKENS, PromptShape, PromptSynth, load_trace, reuse_ceiling
+
+SMALL = AgentShape(sessions=3, steps=4, shared_prefix=1_300, task=100, call=150, tool_output=600, seed=5)
+
+
+def test_step_prompts_grow_by_one_call_and_one_tool_output() -> None:
+    assert AgentShape().prompt_tokens(0) == 32_100
+    assert AgentShape().prompt_tokens(19) == 32_100 + 19 * 1_650  # about 63,000: the article's step 20
+
+
+def test_sessions_share_the_prefix_s_whole_blocks_and_nothing_else() -> None:
+    ids = [hash_ids(SMALL, s, SMALL.prompt_tokens(3)) for s in range(3)]
+    shared = SMALL.shared_prefix // TRACE_BLOCK_TOKENS  # 2 whole blocks; the third mixes prefix and task
+    assert all(i[:shared] == (0, 1) for i in ids)
+    own = [set(i[shared:]) for i in ids]
+    assert not (own[0] & own[1]) and not (own[1] & own[2]) and not (own[0] & own[2])
+    assert min(min(o) for o in own) >= shared
+
+
+def test_each_step_extends_the_last_one_partial_block_included() -> None:
+    requests = [r for r in agent_trace(SMALL) if r.hash_ids[2] == hash_ids(SMALL, 1, 2_000)[2]]
+    assert [r.input_length for r in requests] == [SMALL.prompt_tokens(k) for k in range(4)]
+    for before, after in itertools.pairwise(requests):
+        assert after.hash_ids[: len(before.hash_ids)] == before.hash_ids
+    # the partial last block's tokens are a prefix of the same block once full
+    synth = PromptSynth(PromptShape(block_size=32))
+    first, second = synth.prompt(requests[0]), synth.prompt(requests[1])
+    assert second[: len(first)] == first
+
+
+def test_arrivals_are_sorted_and_steps_follow_by_the_step_gap() -> None:
+    requests = agent_trace(SMALL)
+    assert len(requests) == 12
+    times = [r.timestamp_ms for r in requests]
+    assert times == sorted(times) and times[0] == 0
+    session_one = [r.timestamp_ms for r in requests if r.hash_ids[2] == hash_ids(SMALL, 1, 2_000)[2]]
+    assert [b - a for a, b in itertools.pairwise(session_one)] == [2_000] * 3
+    assert agent_trace(SMALL) == requests  # seeded
+
+
+def test_the_ceiling_reuses_the_prefix_across_sessions_and_each_history_within_one() -> None:
+    ceiling = reuse_ceiling(PromptShape(block_size=32), agent_trace(SMALL))
+    # what only the first prompt of each session computes, plus each step's new tokens
+    assert 0.5 < ceiling.reuse < 1.0
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [({"sessions": 0}, "must be positive"), ({"tool_output": 0}, "must be positive"), ({"step_gap_s": -1.0}, "gaps")],
+)
+def test_bad_shapes_are_refused(kw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AgentShape(**kw)
+
+
+def test_the_command_writes_a_trace_the_fleet_benchmark_loads(tmp_path) -> None:
+    out = tmp_path / "agent.jsonl"
+    assert (
+        main(
+            [
+                "--sessions",
+                "3",
+                "--steps",
+                "4",
+                "--shared-prefix",
+                "1300",
+                "--tool-output",
+                "600",
+                "--seed",
+                "5",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert load_trace(out) == agent_trace(SMALL)
+    assert out.read_text() == to_jsonl(agent_trace(SMALL))
