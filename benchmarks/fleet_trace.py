@@ -200,19 +200,27 @@ class Ceiling:
         return self.reusable_tokens / self.input_tokens if self.input_tokens else 0.0
 
 
-def reuse_ceiling(shape: PromptShape, requests: Sequence[TraceRequest]) -> Ceiling:
-    """The most prefix reuse any fleet can reach on ``requests`` in order: a full block
-    counts as reused when its key (its whole prefix) was in an earlier request's
-    prompt. Partial blocks are always computed."""
+def ideal_hits(shape: PromptShape, requests: Sequence[TraceRequest]) -> tuple[list[int], int]:
+    """Each request's prompt tokens that one cache that never evicts holds when it arrives
+    (``requests`` in order): its full blocks whose key (their whole prefix) was in an
+    earlier request's prompt; and how many distinct full blocks all the prompts have.
+    A hit is always a prefix of its prompt (a block's key names its whole prefix).
+    Partial blocks are always computed."""
     prefixes = PrefixIds()
     seen: set[BlockKey] = set()
-    total = reused = 0
+    hits: list[int] = []
     for request in requests:
-        total += shape.input_tokens(request)
         keys = full_block_keys(shape, request, prefixes)
-        reused += shape.block_size * sum(key in seen for key in keys)
+        hits.append(shape.block_size * sum(key in seen for key in keys))
         seen.update(keys)
-    return Ceiling(total, reused, len(seen))
+    return hits, len(seen)
+
+
+def reuse_ceiling(shape: PromptShape, requests: Sequence[TraceRequest]) -> Ceiling:
+    """The most prefix reuse any fleet can reach on ``requests`` in order: the
+    :func:`ideal_hits` over all prompt tokens."""
+    hits, distinct = ideal_hits(shape, requests)
+    return Ceiling(sum(shape.input_tokens(r) for r in requests), sum(hits), distinct)
 
 
 def block_digest(tokens: Sequence[int]) -> int:

@@ -10,6 +10,7 @@ from fleet_trace import (
     PromptSynth,
     TraceRequest,
     arrivals,
+    ideal_hits,
     load_trace,
     parse_trace,
     reuse_ceiling,
@@ -96,6 +97,7 @@ def test_the_ceiling_counts_full_blocks_whose_whole_prefix_came_before():
     assert ceiling.reusable_tokens == 128 + 64 + 32
     assert ceiling.distinct_blocks == 4 + 2 + 4
     assert ceiling.reuse == pytest.approx(224 / 550)
+    assert ideal_hits(shape, reqs) == ([0, 128, 64, 0, 32], 10)
 
 
 def test_the_ceiling_on_the_shared_traces_is_what_their_hash_ids_allow():
