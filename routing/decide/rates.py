@@ -35,6 +35,7 @@ to the measurement.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -157,6 +158,21 @@ def _answering(models: Mapping[str, _Model], engine: str, ready: Callable[[_Mode
     return max(sampled)[1] if sampled else None
 
 
+class PrefillPath(str, enum.Enum):
+    """Where a request is prefilled, seen from its decode worker: what lies around the
+    modelled terms differs by path (a remote prefill adds P's call, its answer and the
+    handoff to D; a local one is one call), so each path learns its own overhead."""
+
+    LOCAL = "local"
+    """The decode worker prefills (D, or a co-located worker)."""
+    REMOTE = "remote"
+    """Another worker prefills, and the decode worker reads its KV."""
+
+    @classmethod
+    def of(cls, prefill_worker: str, decode_worker: str) -> PrefillPath:
+        return cls.LOCAL if prefill_worker == decode_worker else cls.REMOTE
+
+
 class RateEstimator:
     """Per engine: prefill and decode-step models; per reading engine: the KV-read model.
     See the module doc. ``prior(engine)`` gives an engine's roofline :class:`Prior`."""
@@ -166,7 +182,7 @@ class RateEstimator:
         self._window, self._min = window, min_samples
         self._prefill: dict[str, LinearFit] = {}
         self._decode: dict[str, LinearFit] = {}
-        self._overhead: dict[str, deque[float]] = {}
+        self._overhead: dict[PrefillPath, dict[str, deque[float]]] = {path: {} for path in PrefillPath}
         self._transfer: dict[str, LinearFit] = {}
         self._read: dict[str, tuple[float, float]] = {}  # per reader: bytes, seconds of its sampled reads
         self._last: dict[str, EngineLoad] = {}
@@ -218,22 +234,26 @@ class RateEstimator:
             read = self._read.get(reader, (0.0, 0.0))
             self._read[reader] = (read[0] + nbytes, read[1] + seconds)
 
-    def observe_overhead(self, decode_worker: str, residual_s: float) -> None:
-        """A streamed request decoded on ``decode_worker`` reached its first token
-        ``residual_s`` later than its queue, prefill, read and first step predicted (the
-        router's parse and route, the HTTP hops, the engines' scheduling; may be negative)."""
-        self._overhead.setdefault(decode_worker, deque(maxlen=self._window)).append(residual_s)
+    def observe_overhead(self, decode_worker: str, path: PrefillPath, residual_s: float) -> None:
+        """A streamed request decoded on ``decode_worker`` and prefilled by ``path``
+        reached its first token ``residual_s`` later than its queue, prefill, read and
+        first step predicted (the router's parse and route, the HTTP hops, the handoff,
+        the engines' scheduling; may be negative)."""
+        self._overhead[path].setdefault(decode_worker, deque(maxlen=self._window)).append(residual_s)
 
     # ---- predictions -------------------------------------------------------------
-    def overhead(self, decode_worker: str) -> Estimate:
-        """What a request decoded on ``decode_worker`` spends outside the modelled terms:
-        the median of its last ``window`` residuals (:meth:`observe_overhead`), at least 0;
-        while it has fewer than ``min_samples``, the worker's with the most; prior 0."""
-        name = _answering(self._overhead, decode_worker, lambda residuals: len(residuals) >= self._min)
+    def overhead(self, decode_worker: str, path: PrefillPath) -> Estimate:
+        """What a request decoded on ``decode_worker`` and prefilled by ``path`` spends
+        outside the modelled terms: the median of its last ``window`` residuals on that
+        path (:meth:`observe_overhead`), at least 0; while it has fewer than
+        ``min_samples``, the worker's with the most on that path; prior 0. Never another
+        path's: a remote prefill's handoff is no part of a local one."""
+        residuals_by_worker = self._overhead[path]
+        name = _answering(residuals_by_worker, decode_worker, lambda residuals: len(residuals) >= self._min)
         if name is None:
-            own = self._overhead.get(decode_worker)
+            own = residuals_by_worker.get(decode_worker)
             return Estimate(0.0, None, len(own) if own is not None else 0)
-        residuals = self._overhead[name]
+        residuals = residuals_by_worker[name]
         return Estimate(0.0, max(0.0, float(np.median(residuals))), len(residuals), name)
 
     @staticmethod
@@ -399,11 +419,11 @@ def predict_ttft(
     prefills behind ``queued`` tokens of prefill (taken as one prefill from scratch),
     after which ``decode_worker`` reads ``transfer_tokens`` of KV (0: local prefill,
     no read) and runs its first step with ``streams`` others running, plus the overhead
-    measured around requests through ``decode_worker``."""
+    measured around requests through ``decode_worker`` on the same :class:`PrefillPath`."""
     return TTFTPrediction(
         queue=rates.prefill(prefill_worker, queued, 0),
         prefill=rates.prefill(prefill_worker, new, cached),
         transfer=rates.transfer(decode_worker, transfer_tokens),
         first_step=rates.decode_step(decode_worker, streams + 1),
-        overhead=rates.overhead(decode_worker),
+        overhead=rates.overhead(decode_worker, PrefillPath.of(prefill_worker, decode_worker)),
     )

@@ -45,7 +45,7 @@ from kvconnectors.pull_params import handoff_request
 from policies.session_options import OptionPrice
 from routing.config import Worker
 from routing.decide.ledger import LoadLedger
-from routing.decide.rates import RateEstimator, TTFTPrediction, predict_ttft
+from routing.decide.rates import PrefillPath, RateEstimator, TTFTPrediction, predict_ttft
 from routing.decide.router import Kind, Route, Router
 from routing.health.circuit import CircuitBreaker
 from routing.health.event_watch import EventWatch
@@ -367,7 +367,8 @@ class Proxy:
                         if prediction is not None and self.rates is not None and not fell_back:
                             self._time_prefill_by_first_token(route, deferred, prediction, now - sent_at)
                             # the route ran as predicted: learn what it spent beyond the model
-                            self.rates.observe_overhead(d.name, now - request.started - prediction.modelled_s)
+                            path = PrefillPath.LOCAL if route.prefill is None else PrefillPath.REMOTE
+                            self.rates.observe_overhead(d.name, path, now - request.started - prediction.modelled_s)
                         self.ledger.first_token(route.request_id)
                     if request.chat:
                         batch = [

@@ -20,6 +20,7 @@ from routing.config import (
 from routing.decide.rates import (
     PREFILL_TIMEOUT_FACTOR,
     Estimate,
+    PrefillPath,
     Prior,
     RateEstimator,
     RolePriors,
@@ -29,6 +30,7 @@ from routing.decide.rates import (
 from routing.health.engine_load import EngineLoad, RateCounters
 from routing.health.pair_health import TransferCounters
 
+LOCAL, REMOTE = PrefillPath.LOCAL, PrefillPath.REMOTE
 PRIOR = Prior(model_preset("llama-8b"), kv_format_preset("bf16"), hardware_preset("h100"), link_preset("rdma"))
 
 
@@ -309,14 +311,32 @@ def test_decode_steps_timed_at_one_stream_count_fit_their_mean():
 
 def test_the_overhead_is_the_median_residual_of_the_decode_worker_else_the_most_sampled():
     rates = RateEstimator(lambda _engine: PRIOR)
-    assert rates.overhead("d1") == Estimate(0.0, None, 0)
+    assert rates.overhead("d1", REMOTE) == Estimate(0.0, None, 0)
     for residual in (0.010, 0.012, 0.5, 0.011):  # one outlier: the median ignores it
-        rates.observe_overhead("d1", residual)
-    assert rates.overhead("d1").measured_s == pytest.approx(0.0115)
-    assert rates.overhead("d2").measured_by == "d1"  # d2 not yet timed: d1's
+        rates.observe_overhead("d1", REMOTE, residual)
+    assert rates.overhead("d1", REMOTE).measured_s == pytest.approx(0.0115)
+    assert rates.overhead("d2", REMOTE).measured_by == "d1"  # d2 not yet timed: d1's
     for _ in range(MIN_SAMPLES):
-        rates.observe_overhead("d2", -0.004)  # faster than modelled: no negative overhead
-    assert rates.overhead("d2") == Estimate(0.0, 0.0, MIN_SAMPLES, "d2")
+        rates.observe_overhead("d2", REMOTE, -0.004)  # faster than modelled: no negative overhead
+    assert rates.overhead("d2", REMOTE) == Estimate(0.0, 0.0, MIN_SAMPLES, "d2")
     prediction = predict_ttft(rates, "p", "d1", new=10, cached=0, queued=0, transfer_tokens=0, streams=0)
     assert prediction.overhead.measured_s == pytest.approx(0.0115)
     assert prediction.seconds == pytest.approx(prediction.modelled_s + 0.0115)
+
+
+def test_a_local_prefill_is_never_priced_with_the_remote_path_s_overhead():
+    """A remote prefill's residual holds P's call and the handoff, which a prefill on D
+    does not pay: seen on an AMX box, where a 45 ms remote overhead priced 36 ms local
+    steps at 2.3x."""
+    rates = RateEstimator(lambda _engine: PRIOR)
+    for _ in range(MIN_SAMPLES):
+        rates.observe_overhead("d1", REMOTE, 0.045)
+    local = predict_ttft(rates, "d1", "d1", new=10, cached=0, queued=0, transfer_tokens=0, streams=0)
+    assert local.overhead == Estimate(0.0, None, 0)
+    assert local.seconds == pytest.approx(local.modelled_s)
+    for _ in range(MIN_SAMPLES):
+        rates.observe_overhead("d1", LOCAL, 0.002)
+    local = predict_ttft(rates, "d1", "d1", new=10, cached=0, queued=0, transfer_tokens=0, streams=0)
+    remote = predict_ttft(rates, "p", "d1", new=10, cached=0, queued=0, transfer_tokens=10, streams=0)
+    assert (local.overhead.measured_s, remote.overhead.measured_s) == pytest.approx((0.002, 0.045))
+    assert PrefillPath.of("d1", "d1") is LOCAL and PrefillPath.of("p", "d1") is REMOTE
