@@ -49,6 +49,8 @@ class BenchConfig:
     settle: float
     out: Path
     plot: Path
+    sessions_sweep: tuple[int, ...] = ()
+    """Loads (session counts) to run the whole benchmark at, for goodput (:mod:`agent_goodput`)."""
 
     @property
     def workload(self) -> aw.WorkloadSpec:
@@ -184,24 +186,6 @@ def counters(before: dict[str, Samples], after: dict[str, Samples], decode: str)
     return StepCounters(compute, cached, external, kv_bytes, transfers, tpot, extra)
 
 
-def compare(out: Completion, ref: Completion) -> tuple[int | None, float]:
-    """(index of the first generated token that differs from the reference or None,
-    max |logprob diff| over the tokens up to and including it).
-
-    After the first differing token the two sequences have different contexts, so
-    their logprobs are not comparable. A greedy choice between two near-tied tokens
-    can flip on numeric noise alone (random weights give flat distributions): then
-    both chosen tokens have about the same logprob and the diff at the flip stays
-    within the noise; wrong KV shows a larger diff at or before it."""
-    ids = out.token_ids if out.token_ids and ref.token_ids else None
-    a, b = (ids, ref.token_ids) if ids else (out.tokens, ref.tokens)
-    if len(out.logprobs) != len(ref.logprobs) or len(a) != len(b):
-        return 0, math.inf
-    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-    end = len(a) if first is None else first + 1
-    return first, max((abs(x - y) for x, y in zip(out.logprobs[:end], ref.logprobs[:end], strict=True)), default=0.0)
-
-
 def judge(result: ArmResult, reference: dict[Key, Completion], generated: int, tol: float) -> None:
     """Correctness against the reference and the TTFT estimate of each outcome."""
     tpots = [c.tpot for c in result.steps.values() if c.tpot is not None]
@@ -209,7 +193,7 @@ def judge(result: ArmResult, reference: dict[Key, Completion], generated: int, t
     for o in result.outcomes:
         if o.completion is None:
             continue
-        o.first_mismatch, o.max_diff = compare(o.completion, reference[(o.session, o.step)])
+        o.first_mismatch, o.max_diff = o.completion.divergence(reference[(o.session, o.step)])
         o.tokens_match = o.first_mismatch is None
         o.wrong = o.max_diff > tol
         tpot = result.steps[o.step].tpot

@@ -39,6 +39,25 @@ class Completion:
             return float("inf")
         return max((abs(a - b) for a, b in zip(self.logprobs, other.logprobs, strict=True)), default=0.0)
 
+    def divergence(self, other: Completion) -> tuple[int | None, float]:
+        """(index of the first generated token that differs from ``other``'s, or None;
+        max |logprob diff| over the tokens up to and including it); ``(0, inf)`` when the
+        lengths differ. Token ids are compared where both answers have them, else tokens.
+
+        After the first differing token the two sequences have different contexts, so
+        their logprobs are not comparable. A greedy choice between two near-tied tokens
+        can flip on numeric noise alone (random weights give flat distributions): then
+        both chosen tokens have about the same logprob and the diff at the flip stays
+        within the noise; wrong KV shows a larger diff at or before it."""
+        ids = self.token_ids if self.token_ids and other.token_ids else None
+        a, b = (ids, other.token_ids) if ids else (self.tokens, other.tokens)
+        if len(self.logprobs) != len(other.logprobs) or len(a) != len(b):
+            return 0, float("inf")
+        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        end = len(a) if first is None else first + 1
+        diffs = (abs(x - y) for x, y in zip(self.logprobs[:end], other.logprobs[:end], strict=True))
+        return first, max(diffs, default=0.0)
+
 
 class HTTPStatusError(RuntimeError):
     def __init__(self, status: int, body: str, headers: dict[str, str] | None = None) -> None:

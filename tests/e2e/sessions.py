@@ -9,6 +9,7 @@ may pull D's KV of the session instead of recomputing it, then hands the step to
 
 from __future__ import annotations
 
+import statistics
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,16 +114,60 @@ def run_session(
 
 def colocated(engine_url: str, x: list[int], x2: list[int], reused_blocks: int) -> Completion:
     """The session on one engine under a fresh salt, split where the disaggregated
-    run's reuse ends: turn 1 first (when anything is reused), then the edited turn."""
+    run's reuse ends: turn 1 first (when anything is reused), then the edited turn.
+
+    Each reused token's KV is made as the disaggregated run made it. Where that run
+    reused blocks of D's generated tokens (P pulled them), turn 1 decodes them here too;
+    where it reused no more than turn 1's prompt (P recomputed the rest), turn 1 is a
+    prefill alone, so that the generated tokens are prefilled in the edited turn, as P
+    prefilled them. On an AMX CPU a token's KV made by a decode step and by a prefill
+    differ in their last bits (measured here: first-token logprobs 1e-4 apart), so a
+    reference that decoded them would differ from a correct recompute."""
     salt = f"ref-{uuid.uuid4().hex}"
     if reused_blocks:
-        complete(engine_url, x, max_tokens=GENERATED, ignore_eos=True, cache_salt=salt)
+        generated = GENERATED if reused_blocks > block_count(len(x)) else 1
+        complete(engine_url, x, max_tokens=generated, ignore_eos=True, cache_salt=salt)
     return complete(engine_url, x2, max_tokens=8, cache_salt=salt)
+
+
+KV_PROVENANCE_NOISE = 1e-3
+"""Most median |logprob diff| over an answer's tokens between two correct answers whose KV
+was made differently (a token's KV by a decode step in one, by a prefill in the other):
+0 on AVX2-only CPUs, where they are bit-identical. On an AMX Xeon (2026-12-02, the forced
+reprefill and affinity sessions of ``test_sessions``, 2 x 88 tokens per option) most
+tokens agreed within 5e-4 (medians 1e-4) and 10 to 12% differed by one bf16 step of the
+logits (0.0153-0.0158); one greedy choice flipped (affinity, step 2, token 48, its
+logprob 0.0158 from the reference's); the local and pull sessions, whose
+KV is made as the reference's, were bit-identical. Wrong KV moves every token's logprob
+(8e-3 for 60 tokens cut by position: shared/DESIGN.md)."""
+ROUNDING_STEP = 0.03
+"""Most |logprob diff| at any one token of two such answers: under two bf16 steps (1/64
+each) of the logits, which a few tokens' noise crosses (0.0157 measured on the AMX Xeon),
+as does a greedy choice between near-tied tokens flipped by it (``bench_agent``'s tolerance)."""
+
+
+def numerically_same(out: Completion, ref: Completion) -> bool:
+    """``out`` equals ``ref`` up to the noise of KV made another way, for answers whose KV
+    cannot be made as the reference's is (P re-prefilled tokens that D decoded): over the
+    tokens up to and including the first that differs (:meth:`Completion.divergence`), the
+    median |logprob diff| within :data:`KV_PROVENANCE_NOISE` and each within :data:`ROUNDING_STEP`."""
+    diffs = logprob_diffs(out, ref)
+    return bool(diffs) and statistics.median(diffs) <= KV_PROVENANCE_NOISE and max(diffs) <= ROUNDING_STEP
+
+
+def logprob_diffs(out: Completion, ref: Completion) -> list[float]:
+    """|logprob diff| per token up to and including the first differing one (none when the lengths differ)."""
+    first, _ = out.divergence(ref)
+    if len(out.logprobs) != len(ref.logprobs) or len(out.tokens) != len(ref.tokens):
+        return []
+    end = len(out.logprobs) if first is None else first + 1
+    return [abs(a - b) for a, b in zip(out.logprobs[:end], ref.logprobs[:end], strict=True)]
 
 
 def colocated_steps(engine_url: str, steps: list[tuple[list[int], Completion]]) -> list[Completion]:
     """A session's steps (each prompt, and the answer the fleet gave) again on one engine
-    under a fresh salt (no P/D, no router): the reference each answer must equal."""
+    under a fresh salt (no P/D, no router): the reference each answer must equal. Each
+    step reuses the last one's generated tokens as this engine decoded them."""
     salt = f"ref-{uuid.uuid4().hex}"
     return [
         complete(engine_url, prompt, max_tokens=len(out.tokens), ignore_eos=True, cache_salt=salt)

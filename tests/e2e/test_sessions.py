@@ -33,6 +33,8 @@ from tests.e2e.sessions import (
     common_prefix,
     handshake_both_ways,
     history,
+    logprob_diffs,
+    numerically_same,
     run_session,
 )
 from tests.fakes.ports import block_of
@@ -186,8 +188,12 @@ def test_a_session_served_by_each_forced_option_answers_like_colocated(
         assert delta(p_after, p_before, VERIFIED) == sum(pulled)
     else:
         assert delta(p_after, p_before, VERIFIED) == 0
+    # reprefill and affinity re-prefill on P the tokens D decoded (the reference decodes
+    # them): equal up to that noise; local and pull reuse D's own KV: bit-identical
+    same = Completion.same_output if option in ("local", "pull") else numerically_same
     for n, ((_, out), ref) in enumerate(zip(steps, colocated_steps(decode, steps), strict=True), start=1):
-        assert out.same_output(ref), f"step {n}: max logprob diff {out.max_logprob_diff(ref)}"
+        diffs = sorted(round(d, 5) for d in logprob_diffs(out, ref))
+        assert same(out, ref), f"step {n}: divergence {out.divergence(ref)}, |logprob diffs| {diffs}"
 
 
 def _priced_independently(spec: FleetSpec, flags: list[str], step: SessionStep) -> dict[str, float]:
