@@ -26,6 +26,13 @@ D's and P did the prefill; both are in the JSON); each process's CPU seconds per
 (the frontend's, the kvpilot router's, all workers'); for kvpilot, the router's own TTFT
 stages (:func:`router_stages`).
 
+The run's TTFT floor (:mod:`fleet_floor`; skipped with ``--no-floor``): before the arms,
+on a fleet of its own (round robin, so each calibration request finds an idle worker),
+calibration requests one at a time fit the serving path's TTFT against prompt length;
+each trace request's floor is that fit's price of the tokens no cache could have held
+for it. The floor's mean is the mean TTFT no router can beat on this workload, and the
+report says whether 20% below each Dynamo KV arm (the issue's target) lies above it.
+
     python benchmarks/bench_fleet.py --workers 4 --max-requests 200
     python benchmarks/bench_fleet.py --prefill 16 --decode 48 --rate-scale 4 --json out.json
 """
@@ -46,6 +53,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import fleet_floor
 import psutil  # type: ignore[import-untyped]  # ships no stubs; its types are not installed here
 from agent_output import finite
 from fleet_arms import TUNED_DISAGG_FLAGS, TUNED_FLAGS, Arm, ArmName, arms
@@ -58,13 +66,14 @@ from fleet_trace import (
     PromptSynth,
     TraceRequest,
     arrivals,
+    ideal_hits,
     load_trace,
     prompt_block_digests,
     reuse_ceiling,
 )
 
 from deploy import dynamo_fleet
-from deploy.dynamo_spec import DynamoFleetSpec, router_plan
+from deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting, router_plan
 from deploy.fleet import Fleet, RunningProcess, down, start_replica, stop_group
 from deploy.fleet_spec import HOST
 from deploy.metrics import Samples, scrape, total
@@ -265,6 +274,58 @@ def run_arm(arm: Arm, base: DynamoFleetSpec, workload: Workload, args: argparse.
     return summary
 
 
+TARGET_MARGIN = 0.2
+"""Issue 19's target: kvpilot's mean TTFT this share below each Dynamo KV arm's."""
+CALIBRATION_GAP_S = 0.2
+"""Between calibration requests, one at a time: each finds its worker idle."""
+
+
+def measure_floor(base: DynamoFleetSpec, new_tokens: list[int], args: argparse.Namespace) -> fleet_floor.Floor:
+    """:mod:`fleet_floor`'s calibration on a fleet of its own (``base`` under round robin),
+    then the floor of requests with ``new_tokens`` uncached tokens each."""
+    spec = replace(base, run_dir=base.run_dir / "floor", frontend_routing=FrontendRouting.ROUND_ROBIN)
+    lengths = [*[min(new_tokens)] * fleet_floor.WARMUP, *fleet_floor.calibration_lengths(new_tokens, args.block_size)]
+    vocab = TINY_MODEL_SPEC.vocab_size
+    sends = [
+        Send(i, i * CALIBRATION_GAP_S, body(fleet_floor.calibration_prompt(n, i, vocab, args.seed), 2))
+        for i, n in enumerate(lengths)
+    ]
+    log(f"floor: {len(sends)} calibration requests of {sorted(set(lengths))} tokens, one at a time")
+    with running(spec) as fleet:
+        outcomes = asyncio.run(replay([fleet.router.url], sends, concurrency=1, connections=Connections.FRESH))
+    failed = [o.error for o in outcomes if not o.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} calibration requests failed, the first: {failed[0]}")
+    samples = [(lengths[o.index], o.ttft) for o in outcomes[fleet_floor.WARMUP :] if o.ttft is not None]
+    floor = fleet_floor.measure(samples, new_tokens)
+    fixed, per_token, per_pair = floor.coefficients
+    log(
+        f"  floor: mean {floor.mean_s * 1e3:.1f} ms (fit: {fixed * 1e3:.2f} ms + {per_token * 1e6:.3f} us/token "
+        f"+ {per_pair * 1e12:.3f} ps/attention pair)"
+    )
+    return floor
+
+
+def floor_lines(results: dict[str, dict[str, Any]], floor: fleet_floor.Floor) -> list[str]:
+    """Each arm's mean TTFT against the floor, and whether the target below each Dynamo KV
+    arm is within any router's reach."""
+    lines = [f"TTFT floor (no router can beat its mean on this workload): {floor.mean_s * 1e3:.1f} ms"]
+    for key, s in results.items():
+        lines.append(
+            f"  {key}: mean TTFT {s['ttft_mean_s'] * 1e3:.1f} ms = {s['ttft_mean_s'] / floor.mean_s:.2f}x the floor"
+        )
+    for key in (ArmName.DYNAMO_KV.value, ArmName.DYNAMO_KV_TUNED.value):
+        if key in results:
+            mean = results[key]["ttft_mean_s"]
+            reach = (
+                "within reach"
+                if fleet_floor.reachable(mean, TARGET_MARGIN, floor)
+                else "below the floor: no router can"
+            )
+            lines.append(f"  {TARGET_MARGIN:.0%} below {key} ({(1 - TARGET_MARGIN) * mean * 1e3:.1f} ms): {reach}")
+    return lines
+
+
 SWEEP_KEYS = (
     "offered_rps",
     "ttft_mean_s",
@@ -391,6 +452,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--mocker-flags", default="", help="more flags for every mocker worker")
     parser.add_argument("--seed", type=int, default=20261201)
+    parser.add_argument(
+        "--no-floor", dest="floor", action="store_false", help="skip the TTFT floor's calibration (a fleet start)"
+    )
     args = parser.parse_args(argv)
     if not args.workers and not (args.prefill and args.decode):
         if args.prefill or args.decode:
@@ -406,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = PromptShape(args.tokens_per_hash, args.block_size, vocab, args.max_input_tokens, args.seed)
     synth = PromptSynth(shape)
     ceiling = reuse_ceiling(shape, requests)
+    hits, _ = ideal_hits(shape, requests)
     times = arrivals(requests, args.rate_scale)
     bodies = [body(synth.prompt(r), r.output_length) for r in requests]
     digests = prompt_block_digests(synth, requests)
@@ -444,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"workload: {json.dumps(described)}")
     tuned = None if args.tuned_flags is None else tuple(args.tuned_flags.split())
     chosen = [a for a in arms(bool(args.prefill), tuned) if a.name.value in args.arms]
+    floor = measure_floor(base, [n - hit for n, hit in zip(lengths, hits, strict=True)], args) if args.floor else None
     results: dict[str, dict[str, Any]] = {}
     for arm in chosen:
         results[arm.name.value] = run_arm(arm, replace(base, run_dir=base.run_dir / arm.name.value), workload, args)
@@ -471,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
             "client_connections": args.client_connections.value,
             "serving_niceness": args.serving_niceness,
             "kvpilot_replicas": args.kvpilot_replicas,
+            "ttft_floor": None
+            if floor is None
+            else {"mean_s": floor.mean_s, "coefficients": floor.coefficients, "samples": floor.samples},
         },
     }
     args.json.write_text(json.dumps(finite(out), indent=2))
@@ -484,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
         if "kvpilot_router_stages" in summary:
             stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in summary["kvpilot_router_stages"].items())
             print(f"\n{key}: the router's own TTFT stages: {stages}")
+    if floor is not None:
+        print("\n" + "\n".join(floor_lines(results, floor)))
     if sweep_rates:
         print(f"\nSLOs: TTFT {args.ttft_slo * 1e3:g} ms, ITL {args.itl_slo * 1e3:g} ms, met by 90% of requests")
         print(sweep_table(results))
