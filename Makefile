@@ -33,6 +33,9 @@ bench: setup
 	.venv/bin/python benchmarks/bench_pull_policy.py
 	.venv/bin/python benchmarks/bench_agent.py
 	.venv/bin/python benchmarks/bench_fleet.py
+	.venv/bin/python benchmarks/agent_trace.py --sessions 32 --steps 20 --out /tmp/kvpilot-agent-trace.jsonl
+	.venv/bin/python benchmarks/bench_fleet.py --trace /tmp/kvpilot-agent-trace.jsonl --workers 64 --max-requests 640 \
+		--tokens-per-hash 128 --speedup 1 --json /tmp/kvpilot-bench-fleet-agent.json
 	.venv/bin/python benchmarks/bench_dynamo_connections.py
 	.venv/bin/python benchmarks/bench_router_scale.py
 	.venv/bin/python benchmarks/bench_idle_cpu.py
