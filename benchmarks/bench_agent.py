@@ -101,9 +101,12 @@ its latency minus (G - 1) x D's mean TPOT over the same lockstep step (D's own
 ``vllm:request_time_per_output_token_seconds``).
 
 SLO-met requests are a count at the lockstep's one load (correct, TTFT and the step's
-D TPOT within the SLOs), not DistServe's goodput, the highest request rate at which
-both SLOs hold: that needs a sweep of session arrival rates, which this lockstep
-benchmark does not run (:mod:`fleet_goodput` computes it for ``bench_fleet.py``).
+D TPOT within the SLOs). DistServe's goodput, the highest request rate at which both
+SLOs hold, comes from a sweep of the load: ``--sessions-sweep 1,2,4`` runs the whole
+benchmark (reference, arms, repeats) once per session count, each judged by the same
+``--ttft-slo`` and ``--tpot-slo`` (required with a sweep), and reports each arm's
+achieved rate and SLO attainment per load and its goodput (:mod:`agent_goodput`); each
+load's full results go to ``--out`` with ``-sN`` before the suffix, the sweep's to ``--out``.
 
 The arms are the classes of :mod:`agent_arms`; what a run measured, judged and
 summarized is :mod:`agent_results`; the report, plot and JSON are :mod:`agent_output`.
@@ -111,6 +114,7 @@ summarized is :mod:`agent_results`; the report, plot and JSON are :mod:`agent_ou
     python benchmarks/bench_agent.py                            # 4 x 20 steps, 1 repeat
     python benchmarks/bench_agent.py --sessions 2 --steps 4    # a quick check
     python benchmarks/bench_agent.py --repeats 3 --handicap-arm # medians of 3, and (f)
+    python benchmarks/bench_agent.py --steps 6 --arms ce --sessions-sweep 1,2,4 --ttft-slo 2 --tpot-slo 0.5
 
 ``--repeats`` defaults to 1 (a quick run: no spread). The README's table was measured
 with one repeat, in the fixed order a-d then e and with fleet K's threshold pinned at
@@ -122,6 +126,7 @@ default run took 56 min while other fleets shared the box (load average 20-70), 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import tempfile
@@ -130,14 +135,26 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import agent_goodput
 import agent_schedule
 import agent_workload as aw
 from agent_arms import ARMS, Arm, ArmSetup, FleetName, Served
 from agent_output import print_report, write_outputs
-from agent_results import HANDICAP_ARM, ArmResult, BenchConfig, Outcome, Run, counters, judge, judge_run
+from agent_results import (
+    HANDICAP_ARM,
+    ArmResult,
+    BenchConfig,
+    Outcome,
+    Run,
+    RunSummary,
+    counters,
+    judge,
+    judge_run,
+)
+from fleet_goodput import ATTAINMENT
 
 from deploy import fleet as fleet_io
 from deploy.agent_session import prefill_then_decode
@@ -474,11 +491,72 @@ def parse_args() -> BenchConfig:
     parser.add_argument("--settle", type=float, default=0.3, help="seconds before each after-step scrape")
     parser.add_argument("--out", type=Path, default=Path("/tmp/kvpilot-bench-agent.json"))
     parser.add_argument("--plot", type=Path, default=Path("docs/images/bench_agent_prefill.png"))
-    return BenchConfig(**vars(parser.parse_args()))
+    parser.add_argument(
+        "--sessions-sweep",
+        type=lambda s: tuple(int(x) for x in s.split(",") if x),
+        default=(),
+        help="session counts to run the whole benchmark at, for goodput (needs --ttft-slo and --tpot-slo)",
+    )
+    args = parser.parse_args()
+    if args.sessions_sweep and (args.ttft_slo is None or args.tpot_slo is None):
+        parser.error("--sessions-sweep needs --ttft-slo and --tpot-slo: every load is judged by the same SLOs")
+    return BenchConfig(**vars(args))
+
+
+def at_load(config: BenchConfig, sessions: int) -> BenchConfig:
+    """``config`` at ``sessions`` sessions, its JSON and plot named for the load."""
+    return replace(
+        config,
+        sessions=sessions,
+        editing_sessions=min(config.editing_sessions, sessions),
+        out=config.out.with_name(f"{config.out.stem}-s{sessions}{config.out.suffix}"),
+        plot=config.plot.with_name(f"{config.plot.stem}-s{sessions}{config.plot.suffix}"),
+    )
+
+
+def sweep(config: BenchConfig) -> None:
+    """The whole benchmark at each of ``config.sessions_sweep``, then each arm's goodput."""
+    points: dict[str, list[agent_goodput.LoadPoint]] = {}
+    titles: dict[str, str] = {}
+    for sessions in config.sessions_sweep:
+        log(f"sweep: {sessions} sessions")
+        run, judged = run_once(at_load(config, sessions))
+        for key, repeats in run.results.items():
+            met = [int(s["slo_met"]) for s in judged.summaries[key]["per_repeat"]]
+            points.setdefault(key, []).append(agent_goodput.load_point(sessions, repeats, met))
+            titles[key] = repeats[0].title
+    print(
+        f"\nGoodput (TTFT SLO {config.ttft_slo} s, TPOT SLO {config.tpot_slo} s, "
+        f"{ATTAINMENT:.0%} of requests), {config.steps} steps per session:"
+    )
+    print(agent_goodput.table(points, titles))
+    config.out.write_text(
+        json.dumps(
+            {
+                "ttft_slo_s": config.ttft_slo,
+                "tpot_slo_s": config.tpot_slo,
+                "steps": config.steps,
+                "goodput_rps": {key: agent_goodput.goodput(ps) for key, ps in points.items()},
+                "points": {key: [asdict(p) for p in ps] for key, ps in points.items()},
+                "per_load_json": [str(at_load(config, s).out) for s in config.sessions_sweep],
+            },
+            indent=1,
+        )
+    )
+    print(f"- wrote {config.out}")
 
 
 def main() -> None:
     config = parse_args()
+    if config.sessions_sweep:
+        sweep(config)
+    else:
+        run_once(config)
+
+
+def run_once(config: BenchConfig) -> tuple[Run, RunSummary]:
+    """The whole benchmark at ``config``'s load: the reference, every repeat of every arm,
+    the report, the JSON and the plot."""
     started = time.perf_counter()
     model_dir = ensure_tiny_model()
     workload = aw.build(config.workload, PromptTokenizer(model_dir))
@@ -499,6 +577,7 @@ def main() -> None:
     run.timings["total"] = time.perf_counter() - started
     print_report(run, judged)
     write_outputs(run, judged)
+    return run, judged
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from agent_output import finite, headline_table, result_json
 from agent_results import ArmResult, BenchConfig, Outcome, Run, StepCounters, judge_run
+from bench_agent import at_load
 
 from deploy.client import Completion
 
@@ -146,3 +147,12 @@ def test_without_arm_a_the_default_slos_come_from_the_first_arm_by_letter_not_th
     assert summary.ttft_slo == pytest.approx(c_ttft)
     e_ttft = judge_run(dataclasses.replace(run, results={"e": run.results["e"]})).ttft_slo
     assert e_ttft != pytest.approx(c_ttft)
+
+
+def test_each_load_of_a_sweep_runs_the_same_benchmark_at_its_session_count_into_its_own_files(tmp_path: Path) -> None:
+    swept = dataclasses.replace(config(tmp_path, 1), sessions=4, editing_sessions=1, sessions_sweep=(1, 2))
+    one = at_load(swept, 1)
+    assert (one.sessions, one.editing_sessions, one.steps, one.arms) == (1, 1, STEPS, "ace")
+    assert (one.out, one.plot) == (tmp_path / "out-s1.json", tmp_path / "plot-s1.png")
+    assert (one.ttft_slo, one.tpot_slo) == (swept.ttft_slo, swept.tpot_slo)
+    assert at_load(dataclasses.replace(swept, editing_sessions=0), 2).editing_sessions == 0
