@@ -269,6 +269,7 @@ def result_json(run: Run, judged: RunSummary) -> dict[str, Any]:
         "schedule": run.schedule,
         "timings_s": run.timings,
         "warm_ups_s": run.warm_ups,
+        "fleet_notes": run.fleet_notes,
         "per_step": {k: [_per_step(r) for r in rs] for k, rs in run.results.items()},
         "requests": {k: [_requests(r) for r in rs] for k, rs in run.results.items()},
     }

@@ -139,6 +139,8 @@ class Run:
     timings: dict[str, float] = field(default_factory=dict)
     warm_ups: dict[str, list[float]] = field(default_factory=dict)
     """Per fleet, each start's NIXL warm-up seconds."""
+    fleet_notes: list[str] = field(default_factory=list)
+    """What happened to a fleet outside any arm (an engine restarted after its warm-up)."""
 
 
 HANDICAP_ARM = "f"

@@ -386,12 +386,19 @@ def run_arm(run: Run, arm: Arm, spec: FleetSpec, fleet: fleet_io.Fleet, repeat: 
             result = lockstep(run, arm.key, arm.title, arm.serve, engines, arm.before_step)
         result.notes += arm.handicaps()
     run.results.setdefault(arm.key, []).append(result)
-    for name, url in engines.items():
-        if not fleet_io.is_healthy(url):
-            result.notes.append(f"{name} unhealthy after the arm")
-            log(f"  {name} is not healthy after arm {arm.key}; restarting it")
-            role = "prefill" if name == "P" else "decode"
-            fleet = fleet_io.restart_engine(spec, fleet.by_role(role)[0].name)
+    return restart_unhealthy(spec, fleet, f"arm {arm.key}", result.notes)
+
+
+def restart_unhealthy(spec: FleetSpec, fleet: fleet_io.Fleet, after: str, notes: list[str]) -> fleet_io.Fleet:
+    """``fleet`` with each engine that no longer answers ``/health`` restarted, each
+    restart noted in ``notes`` (``after``: what it was found unhealthy after). Returns the
+    fleet as it then runs."""
+    for role, name in (("prefill", "P"), ("decode", "D")):
+        engine = fleet.by_role(role)[0]
+        if not fleet_io.is_healthy(engine.url):
+            notes.append(f"{name} unhealthy after {after}")
+            log(f"  {name} is not healthy after {after}; restarting it")
+            fleet = fleet_io.restart_engine(spec, engine.name)
     return fleet
 
 
@@ -429,6 +436,9 @@ def run_fleet(run: Run, planned: agent_schedule.FleetRun, repeat: int, model_dir
         p_url, d_url = fleet.by_role("prefill")[0].url, fleet.by_role("decode")[0].url
         warm_up = logged_warm_up(name.value, p_url, d_url, config.warm_up_timeout)
         run.warm_ups.setdefault(name.value, []).append(warm_up)
+        # a warm-up that hung can leave an engine dead (plain NixlConnector's first D->P
+        # pull on an AMX Xeon: P's sample_tokens timed out after 300 s): its arms get it back
+        fleet = restart_unhealthy(spec, fleet, f"fleet {name.value}'s warm-up", run.fleet_notes)
         by_key = {arm.key: arm for arm in ARMS}
         for key in planned.arms:
             setup = ArmSetup(
