@@ -65,12 +65,12 @@ def goodput(points: Sequence[LoadPoint]) -> float:
 
 
 def table(points_by_arm: Mapping[str, Sequence[LoadPoint]], titles: Mapping[str, str]) -> str:
-    """Per arm, each load's rate and attainment, and the goodput (markdown)."""
+    """Per arm (by its title, else its key), each load's rate and attainment, and the goodput (markdown)."""
     loads = sorted({p.sessions for points in points_by_arm.values() for p in points})
     head = "| arm | goodput req/s | " + " | ".join(f"{s} sessions: req/s, SLO met" for s in loads) + " |"
     lines = [head, "|---|---:|" + "---|" * len(loads)]
     for key, points in points_by_arm.items():
         by_load = {p.sessions: p for p in points}
         cells = [f"{by_load[s].rate_rps:.2f}, {by_load[s].attainment:.2f}" if s in by_load else "-" for s in loads]
-        lines.append(f"| ({key}) {titles.get(key, '')} | {goodput(points):.2f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {titles.get(key, key)} | {goodput(points):.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -34,6 +34,8 @@ def test_goodput_stops_at_the_first_load_that_missed() -> None:
 
 
 def test_the_table_has_a_cell_per_load_and_the_goodput() -> None:
-    text = table({"e": [LoadPoint(1, 1.0, 1.0), LoadPoint(2, 1.8, 0.5)], "c": [LoadPoint(1, 0.5, 0.5)]}, {"e": "kv"})
+    text = table(
+        {"e": [LoadPoint(1, 1.0, 1.0), LoadPoint(2, 1.8, 0.5)], "c": [LoadPoint(1, 0.5, 0.5)]}, {"e": "(e) kv"}
+    )
     assert "| (e) kv | 1.00 | 1.00, 1.00 | 1.80, 0.50 |" in text
-    assert "| (c)  | 0.00 | 0.50, 0.50 | - |" in text
+    assert "| c | 0.00 | 0.50, 0.50 | - |" in text
