@@ -32,6 +32,8 @@ bench: setup
 	.venv/bin/python benchmarks/bench_transfer.py
 	.venv/bin/python benchmarks/bench_pull_policy.py
 	.venv/bin/python benchmarks/bench_agent.py
+	.venv/bin/python benchmarks/bench_agent.py --steps 6 --arms e --handicap-arm --sessions-sweep 1,2,4 \
+		--ttft-slo 1.0 --tpot-slo 0.1 --out /tmp/kvpilot-bench-agent-goodput.json --plot /tmp/kvpilot-bench-agent-goodput.png
 	.venv/bin/python benchmarks/bench_fleet.py
 	.venv/bin/python benchmarks/agent_trace.py --sessions 32 --steps 20 --out /tmp/kvpilot-agent-trace.jsonl
 	.venv/bin/python benchmarks/bench_fleet.py --trace /tmp/kvpilot-agent-trace.jsonl --workers 64 --max-requests 640 \
