@@ -23,13 +23,26 @@ from tests.fakes.ports import block_of
 pytestmark = pytest.mark.e2e
 
 
+PLAIN_HOLD_TTL_S = 300
+"""D's hold on its offers in this fleet: long enough for P's first D->P pull. Plain
+NixlConnector's engines carry vLLM's thread binding (the model thread on the last core,
+beside the NIXL progress threads), and on an AMX Xeon (2026-12-02) P's worker took 68 s
+for its first D->P handshake while D held offers; with the CPU fleets' 60 s hold
+(``deploy.fleet_spec.DECODE_HOLD_TTL_S``) D had released the session by then, declined
+the read as expired, and vLLM left P's request unanswered (the test's 900 s timeout)."""
+
+
 @pytest.fixture(scope="module")
 def nixl_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     spec = FleetSpec(
         model_dir=model_dir,
         run_dir=tmp_path_factory.mktemp("nixl-fleet"),
         connector="NixlConnector",
-        connector_extra_config={"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0},
+        connector_extra_config={
+            "bidirectional_kv_xfer": True,
+            "kv_recompute_threshold": 0,
+            "decoder_kv_blocks_ttl": PLAIN_HOLD_TTL_S,
+        },
         **block_of(__name__).fleet(),
     )
     with running_fleet(spec) as started:
