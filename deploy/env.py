@@ -25,6 +25,14 @@ NIXL_CPU_ENV: Mapping[str, str] = {
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
 }
 
+# vLLM compiles its logprob-rank helper with inductor on an engine's first logprobs
+# request (vllm/v1/sample/ops/logprobs.py): g++ in the engine's worker, on the cores
+# the worker is bound to. On a plain-NixlConnector engine vLLM has bound it to the box's
+# last core, beside the spinning NIXL progress threads, where that compile ran past
+# 4 minutes (2026-12-02, AMD EPYC, tests/e2e/test_positive_control.py) and P's answer
+# past the client's 300 s. Eager computes the same integer ranks.
+CPU_EAGER_ENV: Mapping[str, str] = {"TORCH_COMPILE_DISABLE": "1"}
+
 # Block hashes must agree across engines: vLLM seeds its hash chain from
 # PYTHONHASHSEED, and an unset seed gives every engine a random one.
 HASH_SEED_ENV: Mapping[str, str] = {"PYTHONHASHSEED": "0"}

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.env import HASH_SEED_ENV, NIXL_CPU_ENV
+from deploy.env import CPU_EAGER_ENV, HASH_SEED_ENV, NIXL_CPU_ENV
 from routing.config import IndexBackend, Role, Worker
 from routing.fleet import kv_events_config
 from routing.ids import WorkerId
@@ -227,6 +227,7 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
     )
     env = {
         **NIXL_CPU_ENV,
+        **CPU_EAGER_ENV,
         **HASH_SEED_ENV,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port + ordinal),
         "VLLM_CPU_OMP_THREADS_BIND": str((spec.first_core + ordinal) % spec.cores),

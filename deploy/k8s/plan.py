@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import cast
 from urllib.parse import urlsplit
 
-from deploy.env import LOCAL_ONLY_ENV, NIXL_CPU_ENV
+from deploy.env import CPU_EAGER_ENV, LOCAL_ONLY_ENV, NIXL_CPU_ENV
 from deploy.fleet_spec import ENGINE_API_KEY_ENV, FleetSpec, ProcessPlan, plan_fleet
 from policies.typed_config import convert
 from routing.config import Role, Worker
@@ -55,7 +55,7 @@ _KEY_PLACEHOLDER = "from-secret"
 """Handed to :class:`FleetSpec` so its plan names the key variables; never rendered."""
 CPU_ONLY_FLAGS = ("--enforce-eager",)
 """Flags the CPU fleet gives that a GPU engine drops (CUDA graphs stay on)."""
-CPU_ONLY_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", *NIXL_CPU_ENV)
+CPU_ONLY_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", *NIXL_CPU_ENV, *CPU_EAGER_ENV)
 """The CPU fleet's engine variables that a GPU pod does not get."""
 SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 TELEMETRY_OFF_ENV: Mapping[str, str] = {k: LOCAL_ONLY_ENV[k] for k in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK")}
