@@ -16,6 +16,9 @@ the full block's, as an appended history's are. What the trace cannot say: the t
 worker generated are not the next prompt's (the synthetic tool call stands in for them),
 so reuse counts prompt tokens only, as for any Mooncake trace.
 
+Each request carries its session's id (``session_id``: ``agent-<n>``), which the fleet
+benchmark sends as the session headers kvpilot's router and Dynamo's frontend read.
+
 Arrivals, seeded: sessions start at exponential gaps of mean ``session_gap_s``; a session's
 step follows its previous step by ``step_gap_s`` (the model's answer and the tool's run).
 Pure but for :func:`main`, which writes the trace.
@@ -74,6 +77,11 @@ def hash_ids(shape: AgentShape, session: int, tokens: int) -> tuple[int, ...]:
     return tuple(j if j < shared else own + j - shared for j in range(blocks))
 
 
+def session_name(session: int) -> str:
+    """The trace's ``session_id`` of session number ``session``."""
+    return f"agent-{session}"
+
+
 def agent_trace(shape: AgentShape) -> list[TraceRequest]:
     """Every step of every session, in arrival order (ties by session), timestamps in ms
     from the first session's start."""
@@ -85,24 +93,26 @@ def agent_trace(shape: AgentShape) -> list[TraceRequest]:
         for step in range(shape.steps):
             tokens = shape.prompt_tokens(step)
             at_ms = round(1000 * (float(start) + step * shape.step_gap_s))
-            timed.append((at_ms, session, TraceRequest(at_ms, tokens, shape.call, hash_ids(shape, session, tokens))))
+            ids = hash_ids(shape, session, tokens)
+            timed.append((at_ms, session, TraceRequest(at_ms, tokens, shape.call, ids, session_name(session))))
     return [request for _, _, request in sorted(timed, key=lambda t: (t[0], t[1]))]
 
 
 def to_jsonl(requests: Sequence[TraceRequest]) -> str:
-    """``requests`` as Mooncake JSONL lines."""
-    return "".join(
-        json.dumps(
-            {
-                "timestamp": r.timestamp_ms,
-                "input_length": r.input_length,
-                "output_length": r.output_length,
-                "hash_ids": list(r.hash_ids),
-            }
-        )
-        + "\n"
-        for r in requests
-    )
+    """``requests`` as Mooncake JSONL lines, each with its ``session_id`` where it has one."""
+    return "".join(json.dumps(_line(r)) + "\n" for r in requests)
+
+
+def _line(request: TraceRequest) -> dict[str, object]:
+    line: dict[str, object] = {
+        "timestamp": request.timestamp_ms,
+        "input_length": request.input_length,
+        "output_length": request.output_length,
+        "hash_ids": list(request.hash_ids),
+    }
+    if request.session_id is not None:
+        line["session_id"] = request.session_id
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,7 +59,7 @@ from agent_output import finite
 from fleet_arms import TUNED_DISAGG_FLAGS, TUNED_FLAGS, Arm, ArmName, arms
 from fleet_events import EventTap, StoredPromptBlocks
 from fleet_goodput import Slo, SweepPoint, attainment, goodput
-from fleet_replay import Connections, Send, body, replay
+from fleet_replay import Connections, Send, body, headers, replay
 from fleet_results import Outcome, ReuseCounts, reuse_from_computed, summarize
 from fleet_trace import (
     PromptShape,
@@ -129,8 +129,9 @@ def cpu_seconds(pid: int) -> float:
 def replicas(spec: DynamoFleetSpec, count: int, workers: int) -> Iterator[list[RunningProcess]]:
     """``count - 1`` more kvpilot routers on the fleet (the fleet's router config, ports
     ``router_port + k``), each reading every worker's KV events and sharing nothing with the
-    others (no session store: the traces carry no sessions; in-flight load is each
-    replica's own); stopped on exit."""
+    others (no session store: a session's steps, sent round robin over the replicas, are
+    known to each replica only for those it routed; in-flight load is each replica's own);
+    stopped on exit."""
     started: list[RunningProcess] = []
     try:
         for k in range(1, count):
@@ -478,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def at_rate(rate_scale: float) -> Workload:
         timed = enumerate(zip(bodies, arrivals(requests, rate_scale), strict=True))
-        sends = [Send(i, t, b) for i, (b, t) in timed]
+        sends = [Send(i, t, b, headers(requests[i].session_id)) for i, (b, t) in timed]
         return Workload(sends, lengths, [n // shape.block_size for n in lengths], digests)
 
     workload = at_rate(args.rate_scale)
@@ -505,10 +506,12 @@ def main(argv: list[str] | None = None) -> int:
         "output_tokens": sum(r.output_length for r in requests),
         "reuse_ceiling": ceiling.reuse,
         "block_size": shape.block_size,
+        "sessions": len({r.session_id for r in requests if r.session_id is not None}),
     }
     log(f"workload: {json.dumps(described)}")
     tuned = None if args.tuned_flags is None else tuple(args.tuned_flags.split())
-    chosen = [a for a in arms(bool(args.prefill), tuned) if a.name.value in args.arms]
+    sessions = any(r.session_id is not None for r in requests)
+    chosen = [a for a in arms(bool(args.prefill), tuned, sessions) if a.name.value in args.arms]
     floor = measure_floor(base, [n - hit for n, hit in zip(lengths, hits, strict=True)], args) if args.floor else None
     results: dict[str, dict[str, Any]] = {}
     for arm in chosen:

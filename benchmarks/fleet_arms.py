@@ -46,7 +46,8 @@ output tokens, bursts of arrivals on many workers), each documented in
   request's worth of excess prefill load (0 by default: every request sharing a prefix
   herds onto the worker that holds it, however busy).
 
-Not used: session affinity (the traces carry no session ids), ``--router-prefill-load-model
+Session affinity (:data:`SESSION_AFFINITY_FLAGS`) is added where the trace names sessions.
+Not used: ``--router-prefill-load-model
 ais`` (needs aisimulate, which does not install here), router queueing (the fleets are
 not saturated at these rates: a queue only adds its wait), and conditional
 disaggregation (``--router-conditional-disagg``): with it every request of a 2 P + 3 D
@@ -58,6 +59,14 @@ TUNED_DISAGG_FLAGS = ("--router-kv-overlap-score-credit-decay", "1.0")
 """:data:`TUNED_FLAGS` for a disaggregated fleet, less ``--router-track-output-blocks``: with
 it Dynamo 1.6.1's frontend fails to start its prefill router ("router_track_output_blocks
 requires router_track_active_blocks=true", measured) and answers every request with a 503."""
+
+
+SESSION_AFFINITY_FLAGS = ("--router-session-affinity-ttl-secs", "300")
+"""The tuned arm's session affinity, on a trace whose requests name their sessions
+(:mod:`agent_trace`'s): Dynamo 1.6.1 binds a session (``x-dynamo-session-id``) to the
+worker its first request went to, for 300 s after its last request (longer than any gap
+between an agent's steps), in its default hard mode. kvpilot's arm reads the same ids
+(``x-session-id``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +81,12 @@ class Arm:
         return dataclasses.replace(fleet, frontend_routing=self.routing, frontend_flags=self.frontend_flags)
 
 
-def arms(disaggregated: bool, tuned_flags: tuple[str, ...] | None = None) -> list[Arm]:
-    """The four arms in the order they run; ``tuned_flags`` replaces the tuned arm's flags."""
+def arms(disaggregated: bool, tuned_flags: tuple[str, ...] | None = None, sessions: bool = False) -> list[Arm]:
+    """The four arms in the order they run; ``tuned_flags`` replaces the tuned arm's flags
+    (their default adds session affinity where the requests name ``sessions``)."""
     if tuned_flags is None:
         tuned_flags = TUNED_DISAGG_FLAGS if disaggregated else TUNED_FLAGS
+        tuned_flags += SESSION_AFFINITY_FLAGS if sessions else ()
     return [
         Arm(ArmName.DYNAMO_ROUND_ROBIN, "Dynamo round robin", FrontendRouting.ROUND_ROBIN),
         Arm(ArmName.DYNAMO_KV, "Dynamo KV router (defaults)", FrontendRouting.KV),

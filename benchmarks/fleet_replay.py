@@ -10,12 +10,14 @@ is encoded before the replay starts, so that the client's own work at send time 
 socket write (a burst of 14K-token prompts encoded on the fly delays the timers of
 the requests in flight). A stream's
 first and last chunk with a choice give its TTFT and decode time; its token count is the
-usage block's ``completion_tokens``.
+usage block's ``completion_tokens``. A request that is a step of a session carries its
+id in both routers' session headers (:func:`headers`), to every arm alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import json
 import time
@@ -25,7 +27,12 @@ from dataclasses import dataclass
 import aiohttp
 from fleet_results import Outcome
 
+from routing.decide.sessions import HEADER as KVPILOT_SESSION_HEADER
+
 JSON = {"Content-Type": "application/json"}
+DYNAMO_SESSION_HEADER = "x-dynamo-session-id"
+"""Where Dynamo's frontend reads a request's agent session (its session affinity,
+``--router-session-affinity-ttl-secs``)."""
 
 
 class Connections(str, enum.Enum):
@@ -47,6 +54,16 @@ class Send:
     index: int
     at: float
     body: bytes
+    headers: dict[str, str] = dataclasses.field(default_factory=lambda: dict(JSON))
+    """:func:`headers` of the request's session."""
+
+
+def headers(session_id: str | None) -> dict[str, str]:
+    """The request's HTTP headers: JSON, and ``session_id`` (where the request has one)
+    under kvpilot's and Dynamo's session headers."""
+    if session_id is None:
+        return dict(JSON)
+    return {**JSON, KVPILOT_SESSION_HEADER: session_id, DYNAMO_SESSION_HEADER: session_id}
 
 
 def body(prompt: list[int], max_tokens: int, model: str = "tiny") -> bytes:
@@ -69,7 +86,7 @@ async def _one(http: aiohttp.ClientSession, url: str, send: Send, t0: float, que
     first = last = None
     tokens = prompt_tokens = cached = 0
     try:
-        async with http.post(f"{url}/v1/completions", data=send.body, headers=JSON) as resp:
+        async with http.post(f"{url}/v1/completions", data=send.body, headers=send.headers) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:200]
                 return Outcome(send.index, sent, None, None, 0, queued, error=f"HTTP {resp.status}: {text}")

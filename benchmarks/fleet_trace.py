@@ -6,7 +6,9 @@ A trace line (``../shared/traces/README.md``) is one request::
     {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, ..., 2354]}
 
 ``hash_ids`` name the prompt's 512-token blocks; equal ids at the same position are
-reusable prefix KV. :class:`PromptSynth` turns a request into token ids: each hash id
+reusable prefix KV. An optional ``session_id`` (a string; not in Mooncake's format, written
+by :mod:`agent_trace`) names the agent session a request is a step of.
+:class:`PromptSynth` turns a request into token ids: each hash id
 is a fixed, seeded run of ``tokens_per_hash`` token ids in ``[FIRST_ORDINARY_ID,
 vocab_size)`` (the same id gives the same run wherever it appears), the last block cut
 to the request's share. With ``tokens_per_hash`` < 512 every block is scaled down by
@@ -42,8 +44,12 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    session_id: str | None = None
+    """The session the request is a step of, where the trace names one."""
 
     def __post_init__(self) -> None:
+        if self.session_id is not None and not (isinstance(self.session_id, str) and self.session_id):
+            raise ValueError(f"a session_id must be a non-empty string, got {self.session_id!r}")
         blocks = -(-self.input_length // TRACE_BLOCK_TOKENS)
         if self.input_length < 1 or self.output_length < 1 or len(self.hash_ids) != blocks:
             raise ValueError(
@@ -69,6 +75,7 @@ def parse_trace(lines: Iterable[str], max_requests: int | None = None) -> list[T
                     int(row["input_length"]),
                     int(row["output_length"]),
                     tuple(int(h) for h in row["hash_ids"]),
+                    row.get("session_id"),
                 )
             )
         except (ValueError, KeyError, TypeError) as exc:

@@ -36,6 +36,17 @@ def test_each_step_extends_the_last_one_partial_block_included() -> None:
     assert second[: len(first)] == first
 
 
+def test_every_step_names_its_session_and_the_session_holds_its_own_blocks() -> None:
+    by_session: dict[str, list[int]] = {}
+    for request in agent_trace(SMALL):
+        assert request.session_id is not None
+        by_session.setdefault(request.session_id, []).append(request.input_length)
+    assert sorted(by_session) == ["agent-0", "agent-1", "agent-2"]
+    assert all(lengths == [SMALL.prompt_tokens(k) for k in range(4)] for lengths in by_session.values())
+    own = {r.session_id: r.hash_ids[3] for r in agent_trace(SMALL) if len(r.hash_ids) > 3}
+    assert own["agent-1"] == hash_ids(SMALL, 1, SMALL.prompt_tokens(3))[3]
+
+
 def test_arrivals_are_sorted_and_steps_follow_by_the_step_gap() -> None:
     requests = agent_trace(SMALL)
     assert len(requests) == 12

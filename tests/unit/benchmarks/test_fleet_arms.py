@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fleet_arms import TUNED_DISAGG_FLAGS, TUNED_FLAGS, ArmName, arms
+from fleet_arms import SESSION_AFFINITY_FLAGS, TUNED_DISAGG_FLAGS, TUNED_FLAGS, ArmName, arms
 
 from deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting
 
@@ -31,3 +31,11 @@ def test_the_tuned_arm_has_the_flags_of_its_fleet_or_those_it_is_given():
     assert tuned(True) == TUNED_DISAGG_FLAGS and "--router-track-output-blocks" not in tuned(True)
     assert tuned(False) == TUNED_FLAGS
     assert tuned(True, ("--router-temperature", "0.1")) == ("--router-temperature", "0.1")
+
+
+def test_on_a_trace_that_names_sessions_the_tuned_arm_binds_them_and_only_it():
+    chosen = {a.name: a.frontend_flags for a in arms(disaggregated=False, sessions=True)}
+    assert chosen[ArmName.DYNAMO_KV_TUNED] == TUNED_FLAGS + SESSION_AFFINITY_FLAGS
+    assert chosen[ArmName.DYNAMO_KV] == () and chosen[ArmName.KVPILOT] == ()
+    given = ("--router-temperature", "0.1")
+    assert next(a for a in arms(False, given, True) if a.name is ArmName.DYNAMO_KV_TUNED).frontend_flags == given

@@ -113,3 +113,11 @@ def test_the_ceiling_on_the_shared_traces_is_what_their_hash_ids_allow():
     assert 0.0 < full.reuse <= fine.reuse < 1.0
     scaled = reuse_ceiling(PromptShape(tokens_per_hash=128, block_size=32), reqs)
     assert scaled.input_tokens < full.input_tokens / 3.5  # every block a quarter (the last rounded up)
+
+
+def test_a_session_id_is_read_where_a_line_has_one_and_must_be_a_string():
+    line = {"timestamp": 5, "input_length": 10, "output_length": 3, "hash_ids": [1]}
+    named, unnamed = parse_trace([json.dumps({**line, "session_id": "agent-3"}), json.dumps(line)])
+    assert (named.session_id, unnamed.session_id) == ("agent-3", None)
+    with pytest.raises(ValueError, match=r"trace line 1: a session_id must be a non-empty string"):
+        parse_trace([json.dumps({**line, "session_id": 3})])
