@@ -78,6 +78,7 @@ from deploy.fleet import Fleet, RunningProcess, down, start_replica, stop_group
 from deploy.fleet_spec import HOST
 from deploy.metrics import Samples, scrape, total
 from deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
+from routing.config import CostObjective
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -452,6 +453,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"disaggregated: {' '.join(TUNED_DISAGG_FLAGS)})",
     )
     parser.add_argument("--mocker-flags", default="", help="more flags for every mocker worker")
+    parser.add_argument(
+        "--kvpilot-objective",
+        type=CostObjective,
+        choices=list(CostObjective),
+        default=CostObjective.BLOCKS,
+        help="what kvpilot's router minimizes (cost.objective): Dynamo's cost in blocks, or the predicted TTFT",
+    )
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument(
         "--no-floor", dest="floor", action="store_false", help="skip the TTFT floor's calibration (a fleet start)"
@@ -490,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         block_size=args.block_size,
         speedup_ratio=args.speedup,
         mocker_flags=tuple(args.mocker_flags.split()),
+        router_objective=args.kvpilot_objective,
         **PORTS,  # type: ignore[arg-type]
         **counts,
     )
@@ -540,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
             "client_connections": args.client_connections.value,
             "serving_niceness": args.serving_niceness,
             "kvpilot_replicas": args.kvpilot_replicas,
+            "kvpilot_objective": args.kvpilot_objective.value,
             "ttft_floor": None
             if floor is None
             else {"mean_s": floor.mean_s, "coefficients": floor.coefficients, "samples": floor.samples},
@@ -549,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"{counts}, speedup {args.speedup}, rate x{args.rate_scale}, {len(requests)} requests of {args.trace.name}, "
-        f"client connections {args.client_connections.value}, serving niceness {args.serving_niceness}"
+        f"client connections {args.client_connections.value}, serving niceness {args.serving_niceness}, "
+        f"kvpilot objective {args.kvpilot_objective.value}"
     )
     print(table(results, ceiling.reuse))
     for key, summary in results.items():

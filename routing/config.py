@@ -18,6 +18,7 @@ user can paste them::
       pair_failure_cost_blocks: 32.0     # kvpilot's own: per recent transfer failure of a (P, D) pair
       pair_failure_half_life_s: 60.0
       pair_transfer_cost_blocks_per_s: 64.0   # per second of the pair's mean NIXL transfer time
+      objective: blocks                  # blocks (Dynamo's cost) | predicted_ttft (from the measured rates)
     index:
       backend: kvpilot                   # kvpilot | dynamo (Dynamo's RadixTree; needs kvpilot[dynamo])
       block_size: 16
@@ -153,8 +154,21 @@ class ForcedOption(str, enum.Enum):
         return None if self is ForcedOption.CHEAPEST else Option(self.value)
 
 
+class CostObjective(str, enum.Enum):
+    """What the router minimizes over its candidates (``cost.objective``)."""
+
+    BLOCKS = "blocks"
+    """Dynamo's cost in blocks (:mod:`routing.decide.cost`'s formula): the default."""
+    PREDICTED_TTFT = "predicted_ttft"
+    """Each candidate's predicted TTFT from the measured rates
+    (:func:`routing.decide.rates.predict_ttft`: the prefill queue ahead, the prefill of its
+    uncached tokens, the KV read for a pair, the first decode step beside the worker's
+    running streams). Needs ``disaggregation.measured_rates``."""
+
+
 class CostConfig(TypedConfig, frozen=True):
-    """Dynamo's cost parameters (same names, same defaults) plus session affinity."""
+    """Dynamo's cost parameters (same names, same defaults) plus session affinity, and
+    what is minimized (``objective``)."""
 
     error_type = ConfigError
 
@@ -174,9 +188,10 @@ class CostConfig(TypedConfig, frozen=True):
     pair_failure_half_life_s: float = 60.0
     pair_transfer_cost_blocks_per_s: float = 64.0
     """Blocks added per second of the pair's mean NIXL transfer time."""
+    objective: CostObjective = CostObjective.BLOCKS
 
     def __post_init__(self) -> None:
-        weights = (f.name for f in msgspec.structs.fields(self) if f.name != "router_seed")
+        weights = (f.name for f in msgspec.structs.fields(self) if f.name not in ("router_seed", "objective"))
         check_range(self, *weights, at_least=0)
         check_range(self, "pair_failure_half_life_s", above=0)
 
@@ -455,6 +470,10 @@ class RouterConfig(TypedConfig, frozen=True):
     disaggregation: DisaggregationConfig = msgspec.field(default_factory=DisaggregationConfig)
     dynamo: DynamoConfig = msgspec.field(default_factory=DynamoConfig)
     workers: tuple[Worker, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.cost.objective is CostObjective.PREDICTED_TTFT and not self.disaggregation.measured_rates:
+            raise ConfigError("cost.objective", "predicted_ttft needs disaggregation.measured_rates: true")
 
 
 _FLAG_KINDS = (int, float, str, bool)

@@ -16,7 +16,10 @@ For a request of ``prompt_blocks`` full blocks and a candidate worker (all in bl
          + pair_penalty_blocks        # kvpilot's own: a (P, D) pair's recent transfer
                                       # failures and transfer time (routing.health.pair_health)
 
-This is the formula of the article's section 4.4 (Dynamo's routing concepts).
+This is the formula of the article's section 4.4 (Dynamo's routing concepts). With
+``cost.objective: predicted_ttft`` a candidate's cost is instead its predicted TTFT in
+seconds (:attr:`Candidate.predicted_ttft_s`, from the measured rates); the block terms
+are still computed and shown.
 The load comes from :class:`routing.decide.ledger.LoadLedger`; as in Dynamo, decode
 blocks are unique blocks, so the prompt's leading blocks that the worker's
 active requests already hold (``shared_decode_blocks``) add nothing.
@@ -39,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from routing.config import CostConfig, TierClass
+from routing.config import CostConfig, CostObjective, TierClass
 from routing.decide.ledger import WorkerLoad
 from routing.ids import Tier
 
@@ -91,6 +94,8 @@ class Candidate(NamedTuple):
     load: WorkerLoad
     session_affinity: bool = False
     pair_penalty_blocks: float = 0.0
+    predicted_ttft_s: float | None = None
+    """The candidate's predicted TTFT (``cost.objective: predicted_ttft``; ``None`` otherwise)."""
 
 
 class Terms(NamedTuple):
@@ -103,6 +108,7 @@ class Terms(NamedTuple):
     affinity_credit: float
     pair_penalty: float
     cost: float
+    predicted_ttft_s: float | None = None
 
 
 def worker_terms(cfg: CostConfig, prompt_blocks: int, cand: Candidate) -> Terms:
@@ -120,7 +126,13 @@ def worker_terms(cfg: CostConfig, prompt_blocks: int, cand: Candidate) -> Terms:
     requests = cfg.decode_active_request_weight * load.active_requests
     affinity = cfg.session_affinity_credit if cand.session_affinity else 0.0
     cost = cfg.prefill_load_scale * adjusted + decode + requests - affinity + cand.pair_penalty_blocks
-    return Terms(cand.name, gpu_credit, credit, adjusted, decode, requests, affinity, cand.pair_penalty_blocks, cost)
+    predicted = cand.predicted_ttft_s
+    if cfg.objective is CostObjective.PREDICTED_TTFT:
+        if predicted is None:
+            raise ValueError(f"candidate {cand.name}: cost.objective is predicted_ttft and it has no prediction")
+        cost = predicted
+    penalty = cand.pair_penalty_blocks
+    return Terms(cand.name, gpu_credit, credit, adjusted, decode, requests, affinity, penalty, cost, predicted)
 
 
 @dataclass(frozen=True)
@@ -137,21 +149,25 @@ class Decision:
         c = self.config
         head = (
             f"request={self.request_id} prompt_blocks={self.prompt_blocks} chosen={self.chosen} "
-            f"temperature={c.router_temperature}"
+            f"temperature={c.router_temperature} objective={c.objective.value}"
         )
         lines = [head]
         for i, t in enumerate(self.terms):
             p = f" p={self.probabilities[i]:.3f}" if self.probabilities else ""
-            lines.append(
-                f"request={self.request_id} worker={t.name} cost={t.cost:.2f} = "
+            blocks = (
                 f"prefill_load_scale({c.prefill_load_scale}) * adjusted_prefill_blocks"
                 f"({t.adjusted_prefill_blocks:.2f}; credit={t.credit_blocks:.2f} "
                 f"gpu_credit/block={t.gpu_credit:.3f}) + potential_decode_blocks"
                 f"({t.potential_decode_blocks}) + active_request_cost({t.active_request_cost:.2f})"
                 f" - session_affinity_credit({t.affinity_credit:.2f})"
                 + (f" + pair_penalty({t.pair_penalty:.2f})" if t.pair_penalty else "")
-                + p
-                + (" <- chosen" if t.name == self.chosen else "")
+            )
+            if t.predicted_ttft_s is not None and c.objective is CostObjective.PREDICTED_TTFT:
+                cost = f"cost=predicted_ttft({t.predicted_ttft_s * 1e3:.2f} ms); in blocks: {blocks}"
+            else:
+                cost = f"cost={t.cost:.2f} = {blocks}"
+            lines.append(
+                f"request={self.request_id} worker={t.name} {cost}{p}" + (" <- chosen" if t.name == self.chosen else "")
             )
         return "\n".join(lines)
 

@@ -50,7 +50,7 @@ from policies.disaggregation import (
 from policies.presets import hardware_preset, kv_format_preset, link_preset
 from policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
 from policies.specs import ModelSpec, SpecError
-from routing.config import ConfigError, DisaggregationConfig, RouterConfig, TierClass, Worker
+from routing.config import ConfigError, CostObjective, DisaggregationConfig, RouterConfig, TierClass, Worker
 from routing.decide.cost import Candidate, CostModel, Decision, TierOverlap, tier_overlap
 from routing.decide.ledger import LoadLedger, WorkerLoad
 from routing.decide.rates import RateEstimator, predict_ttft
@@ -200,6 +200,9 @@ class Router:
         self.pair_penalty = pair_penalty if pair_penalty is not None else (lambda _p, _d: 0.0)
         self.pricer = SessionOptionPricer(policy) if policy is not None else None
         self.rates = rates if config.disaggregation.measured_rates else None
+        self._by_ttft = config.cost.objective is CostObjective.PREDICTED_TTFT
+        if self._by_ttft and self.rates is None:
+            raise ValueError("cost.objective predicted_ttft needs the measured rates")
         self._forced = config.sessions.force_option.option
         self.cost = CostModel(config.cost, rng if rng is not None else random.Random(config.cost.router_seed))
         self._tiers = config.index.tiers
@@ -262,7 +265,9 @@ class Router:
                 "no decode or co-located worker is available: every circuit is open"
                 + (f" or it failed this request ({', '.join(sorted(exclude))})" if exclude else "")
             )
-        candidates = [self._candidate(name, p, d, overlaps, loads, last) for name, (p, d) in options.items()]
+        candidates = [
+            self._candidate(name, p, d, overlaps, loads, last, len(token_ids)) for name, (p, d) in options.items()
+        ]
         decision = self.cost.decide(request_id, chain.num_blocks, candidates)
         p, d = options[decision.chosen]
         local_remote = None
@@ -467,12 +472,47 @@ class Router:
         overlaps: Mapping[WorkerId, TierOverlap],
         loads: Mapping[WorkerId, WorkerLoad],
         last: WorkerId | None,
+        prompt_tokens: int,
     ) -> Candidate:
         d_load = loads[d.name]
+        predicted = self._predicted_ttft_s(p, d, prompt_tokens, overlaps, loads) if self._by_ttft else None
         if p is None:
-            return Candidate(name, overlaps[d.name], d_load, d.name == last)
+            return Candidate(name, overlaps[d.name], d_load, d.name == last, predicted_ttft_s=predicted)
         load = d_load._replace(active_prefill_blocks=loads[p.name].active_prefill_blocks)
-        return Candidate(name, overlaps[p.name], load, d.name == last, self.pair_penalty(p.name, d.name))
+        penalty = self.pair_penalty(p.name, d.name)
+        return Candidate(name, overlaps[p.name], load, d.name == last, penalty, predicted)
+
+    def _predicted_ttft_s(
+        self,
+        p: Worker | None,
+        d: Worker,
+        prompt_tokens: int,
+        overlaps: Mapping[WorkerId, TierOverlap],
+        loads: Mapping[WorkerId, WorkerLoad],
+    ) -> float:
+        """The candidate's predicted TTFT from the measured rates: the prefilling worker's
+        (P's, else D's) prefill queue and the prefill of what it lacks in GPU, D's read of
+        what D lacks (a pair), D's first step beside its running streams."""
+        assert self.rates is not None
+        bs = self.index.block_size
+        prefiller = p if p is not None else d
+        cached = min(prompt_tokens, overlaps[prefiller.name].gpu * bs)
+        read = prompt_tokens - min(prompt_tokens, overlaps[d.name].gpu * bs) if p is not None else 0
+        running = loads[d.name].active_requests
+        reported = self.engine_load(d.name) if self.engine_load is not None else None
+        if reported is not None:  # D's own gauges also count traffic that bypassed this router
+            running = max(running, int(reported.running))
+        predicted = predict_ttft(
+            self.rates,
+            prefiller.name,
+            d.name,
+            new=prompt_tokens - cached,
+            cached=cached,
+            queued=loads[prefiller.name].active_prefill_blocks * bs,
+            transfer_tokens=read,
+            streams=running,
+        )
+        return predicted.seconds
 
     def _policy_inputs(
         self,

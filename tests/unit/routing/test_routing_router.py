@@ -420,3 +420,49 @@ def test_an_offer_expiring_before_p_could_read_it_is_never_sent():
     assert not pull.available and "expires in 3.0 s" in pull.why
     assert route.option.value != "pull"
     assert router.take_session_offer(session, route, now=0.0) == (None, "expired")
+
+
+def _ttft_router(objective: str) -> Router:
+    """Two co-located workers: w1 holds 40 of the prompt's 44 blocks and decodes one other
+    stream of 40 blocks; w2 holds 30 and is idle. Both prefill at 1 ms a token and step at
+    1 ms plus 0.1 ms a stream (measured)."""
+    cfg = _config(COLOCATED, cost={"objective": objective})
+    fleet = fleet_from_config(cfg)
+    prior = RolePriors.from_config(cfg.disaggregation, prior_model(cfg)).other
+    rates = RateEstimator(lambda _engine: prior)
+    for worker in ("w1", "w2"):
+        for new in (4, 8, 16, 32):
+            rates.observe_prefill(worker, new, 0, 0.001 * new)
+        for streams in (1, 2, 3, 4):
+            rates.observe_decode(worker, streams, 0.001 + 0.0001 * streams)
+    router = Router(fleet, cfg, BlockIndex(BS), LoadLedger(), SessionStore(BS, 16), None, rates=rates)
+    prompt = _prompt(44)
+    _store(router.index, "w1", prompt[: 40 * BS])
+    _store(router.index, "w2", prompt[: 30 * BS])
+    router.ledger.dispatch("other", WorkerId("w1"), WorkerId("w1"), PromptChain(_prompt(40, base=5000), BS), 0)
+    router.ledger.first_token("other")  # decoding now
+    return router
+
+
+@pytest.mark.parametrize(("objective", "expected"), [("blocks", "w2"), ("predicted_ttft", "w1")])
+def test_by_predicted_ttft_a_worker_holding_the_history_beside_a_running_stream_beats_an_idle_one(objective, expected):
+    """Dynamo's blocks count w1's running stream (40 decode blocks) against it, and send the
+    prompt to w2, which recomputes 14 blocks; measured, w1's 4 blocks beside one stream are
+    the faster first token."""
+    router = _ttft_router(objective)
+    route = router.route(_prompt(44), "r1")
+    assert route.decode.name == expected, route.explain()
+    terms = {t.name: t for t in route.decision.terms}
+    if objective == "predicted_ttft":
+        assert terms["w1"].predicted_ttft_s < terms["w2"].predicted_ttft_s
+        assert terms["w2"].predicted_ttft_s - terms["w1"].predicted_ttft_s == pytest.approx(
+            0.001 * 10 * BS - 0.0001, abs=2e-4
+        )  # w2 prefills 10 more blocks; w1 steps beside one more stream
+        assert "objective=predicted_ttft" in route.explain() and "cost=predicted_ttft(" in route.explain()
+    else:
+        assert all(t.predicted_ttft_s is None for t in terms.values())
+
+
+def test_the_predicted_ttft_objective_needs_the_measured_rates():
+    with pytest.raises(ConfigError, match=r"cost.objective.*measured_rates"):
+        _config(COLOCATED, cost={"objective": "predicted_ttft"}, disaggregation={"measured_rates": False})
