@@ -55,6 +55,7 @@ from typing import Any
 
 import fleet_floor
 import psutil  # type: ignore[import-untyped]  # ships no stubs; its types are not installed here
+import yaml
 from agent_output import finite
 from fleet_arms import TUNED_DISAGG_FLAGS, TUNED_FLAGS, Arm, ArmName, arms
 from fleet_events import EventTap, StoredPromptBlocks
@@ -78,7 +79,6 @@ from deploy.fleet import Fleet, RunningProcess, down, start_replica, stop_group
 from deploy.fleet_spec import HOST
 from deploy.metrics import Samples, scrape, total
 from deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
-from routing.config import CostObjective
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -401,6 +401,20 @@ def table(results: dict[str, dict[str, Any]], ceiling: float) -> str:
     return "\n".join(lines)
 
 
+def cost_overrides(text: str) -> tuple[tuple[str, object], ...]:
+    """``key=value,...`` as (key, value) pairs, each value read as YAML (``1000`` a number,
+    ``predicted_ttft`` a string); the router's config checks them when it starts."""
+    pairs = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected key=value, got {item!r}")
+        pairs.append((key.strip(), yaml.safe_load(value)))
+    return tuple(pairs)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
@@ -454,11 +468,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--mocker-flags", default="", help="more flags for every mocker worker")
     parser.add_argument(
-        "--kvpilot-objective",
-        type=CostObjective,
-        choices=list(CostObjective),
-        default=CostObjective.BLOCKS,
-        help="what kvpilot's router minimizes (cost.objective): Dynamo's cost in blocks, or the predicted TTFT",
+        "--kvpilot-cost",
+        type=cost_overrides,
+        default=None,
+        help="kvpilot's cost section over its defaults (default: none; on a trace naming sessions, "
+        "fleet_arms.KVPILOT_SESSION_COST), comma-separated key=value "
+        "(e.g. objective=predicted_ttft,session_affinity_credit=1000; see docs/router.md)",
     )
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument(
@@ -498,7 +513,6 @@ def main(argv: list[str] | None = None) -> int:
         block_size=args.block_size,
         speedup_ratio=args.speedup,
         mocker_flags=tuple(args.mocker_flags.split()),
-        router_objective=args.kvpilot_objective,
         **PORTS,  # type: ignore[arg-type]
         **counts,
     )
@@ -520,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"workload: {json.dumps(described)}")
     tuned = None if args.tuned_flags is None else tuple(args.tuned_flags.split())
     sessions = any(r.session_id is not None for r in requests)
-    chosen = [a for a in arms(bool(args.prefill), tuned, sessions) if a.name.value in args.arms]
+    wanted = {name.strip() for name in args.arms.split(",")}
+    chosen = [a for a in arms(bool(args.prefill), tuned, sessions, args.kvpilot_cost) if a.name.value in wanted]
     floor = measure_floor(base, [n - hit for n, hit in zip(lengths, hits, strict=True)], args) if args.floor else None
     results: dict[str, dict[str, Any]] = {}
     for arm in chosen:
@@ -549,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
             "client_connections": args.client_connections.value,
             "serving_niceness": args.serving_niceness,
             "kvpilot_replicas": args.kvpilot_replicas,
-            "kvpilot_objective": args.kvpilot_objective.value,
+            "kvpilot_cost": {a.name.value: dict(a.router_cost) for a in chosen if a.router_cost},
             "ttft_floor": None
             if floor is None
             else {"mean_s": floor.mean_s, "coefficients": floor.coefficients, "samples": floor.samples},
@@ -560,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{counts}, speedup {args.speedup}, rate x{args.rate_scale}, {len(requests)} requests of {args.trace.name}, "
         f"client connections {args.client_connections.value}, serving niceness {args.serving_niceness}, "
-        f"kvpilot objective {args.kvpilot_objective.value}"
+        f"kvpilot cost {next((dict(a.router_cost) for a in chosen if a.router_cost), 'defaults')}"
     )
     print(table(results, ceiling.reuse))
     for key, summary in results.items():

@@ -46,7 +46,8 @@ output tokens, bursts of arrivals on many workers), each documented in
   request's worth of excess prefill load (0 by default: every request sharing a prefix
   herds onto the worker that holds it, however busy).
 
-Session affinity (:data:`SESSION_AFFINITY_FLAGS`) is added where the trace names sessions.
+Session affinity and a request weight (:data:`SESSION_FLAGS`) are added where the trace
+names sessions.
 Not used: ``--router-prefill-load-model
 ais`` (needs aisimulate, which does not install here), router queueing (the fleets are
 not saturated at these rates: a queue only adds its wait), and conditional
@@ -61,12 +62,33 @@ it Dynamo 1.6.1's frontend fails to start its prefill router ("router_track_outp
 requires router_track_active_blocks=true", measured) and answers every request with a 503."""
 
 
-SESSION_AFFINITY_FLAGS = ("--router-session-affinity-ttl-secs", "300")
-"""The tuned arm's session affinity, on a trace whose requests name their sessions
-(:mod:`agent_trace`'s): Dynamo 1.6.1 binds a session (``x-dynamo-session-id``) to the
-worker its first request went to, for 300 s after its last request (longer than any gap
-between an agent's steps), in its default hard mode. kvpilot's arm reads the same ids
-(``x-session-id``)."""
+SESSION_REQUEST_WEIGHT = 200
+"""Blocks of cost per request a worker is running (Dynamo's ``decode_active_request_weight``,
+the same name in kvpilot's ``cost``), on a trace whose requests name their sessions."""
+SESSION_FLAGS = (
+    "--router-session-affinity-ttl-secs",
+    "300",
+    "--router-decode-active-request-weight",
+    str(SESSION_REQUEST_WEIGHT),
+)
+"""The tuned arm's options on a trace whose requests name their sessions (:mod:`agent_trace`'s):
+spread the sessions, then pin them. Dynamo 1.6.1 binds a session (``x-dynamo-session-id``)
+to the worker its first request went to, for 300 s after its last request (longer than any
+gap between an agent's steps), in its default hard mode; the request weight sends a new
+session to a worker serving none rather than beside another session on a worker that holds
+the shared prefix. At the agent trace's quarter scale (``--tokens-per-hash 128``, blocks of
+32) the shared prefix is 250 blocks, and a worker serving one session costs its whole history
+less the prefix (about 125 blocks) more than an idle one that recomputes the prefix; 200
+outweighs that, where Dynamo's default 0 and kvpilot's affinity alone herded the sessions onto
+the few workers holding the prefix (2026-12-02: ITL 20.9 ms against 10.1 ms spread). The
+weight is in blocks: a full-scale trace's prefix is 4x as many."""
+KVPILOT_SESSION_COST: tuple[tuple[str, object], ...] = (
+    ("session_affinity_credit", 1000.0),
+    ("decode_active_request_weight", float(SESSION_REQUEST_WEIGHT)),
+)
+"""kvpilot's arm's ``cost`` on such a trace: the same spread, and its session affinity (a
+credit, not a pin) large enough to keep every later step on the session's worker, as
+Dynamo's hard affinity does."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,21 +97,33 @@ class Arm:
     title: str
     routing: FrontendRouting
     frontend_flags: tuple[str, ...] = ()
+    router_cost: tuple[tuple[str, object], ...] = ()
+    """kvpilot's ``cost`` over its defaults (kvpilot's arm only)."""
 
     def spec(self, fleet: DynamoFleetSpec) -> DynamoFleetSpec:
         """``fleet`` (workers, ports, mocker options) with this arm's routing."""
-        return dataclasses.replace(fleet, frontend_routing=self.routing, frontend_flags=self.frontend_flags)
+        return dataclasses.replace(
+            fleet, frontend_routing=self.routing, frontend_flags=self.frontend_flags, router_cost=self.router_cost
+        )
 
 
-def arms(disaggregated: bool, tuned_flags: tuple[str, ...] | None = None, sessions: bool = False) -> list[Arm]:
+def arms(
+    disaggregated: bool,
+    tuned_flags: tuple[str, ...] | None = None,
+    sessions: bool = False,
+    kvpilot_cost: tuple[tuple[str, object], ...] | None = None,
+) -> list[Arm]:
     """The four arms in the order they run; ``tuned_flags`` replaces the tuned arm's flags
-    (their default adds session affinity where the requests name ``sessions``)."""
+    and ``kvpilot_cost`` kvpilot's cost (their defaults add :data:`SESSION_FLAGS` and
+    :data:`KVPILOT_SESSION_COST` where the requests name ``sessions``)."""
     if tuned_flags is None:
         tuned_flags = TUNED_DISAGG_FLAGS if disaggregated else TUNED_FLAGS
-        tuned_flags += SESSION_AFFINITY_FLAGS if sessions else ()
+        tuned_flags += SESSION_FLAGS if sessions else ()
+    if kvpilot_cost is None:
+        kvpilot_cost = KVPILOT_SESSION_COST if sessions else ()
     return [
         Arm(ArmName.DYNAMO_ROUND_ROBIN, "Dynamo round robin", FrontendRouting.ROUND_ROBIN),
         Arm(ArmName.DYNAMO_KV, "Dynamo KV router (defaults)", FrontendRouting.KV),
         Arm(ArmName.DYNAMO_KV_TUNED, "Dynamo KV router (tuned)", FrontendRouting.KV, tuned_flags),
-        Arm(ArmName.KVPILOT, "kvpilot router -> Dynamo frontend (direct)", FrontendRouting.DIRECT),
+        Arm(ArmName.KVPILOT, "kvpilot router -> Dynamo frontend (direct)", FrontendRouting.DIRECT, (), kvpilot_cost),
     ]

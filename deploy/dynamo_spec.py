@@ -24,7 +24,7 @@ from pathlib import Path
 
 from deploy.env import DYNAMO_LOOPBACK_ENV
 from deploy.fleet_spec import FLEET_TTFT_SLO_S, HOST, ROUTER_CONFIG, ProcessPlan, check_ports
-from routing.config import CostObjective, Role
+from routing.config import Role
 
 DISCOVERY_DIR = "discovery"
 DYNAMO_PLANES = ("--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq")
@@ -75,8 +75,9 @@ class DynamoFleetSpec:
     """More flags for the frontend (Dynamo's KV router options, ``--router-temperature 0.1``)."""
     mocker_flags: tuple[str, ...] = ()
     """More flags for every mocker worker (``--num-gpu-blocks-override 4096``)."""
-    router_objective: CostObjective = CostObjective.BLOCKS
-    """What kvpilot's router minimizes (``cost.objective``)."""
+    router_cost: tuple[tuple[str, object], ...] = ()
+    """kvpilot's ``cost`` section, (key, value) pairs over its defaults
+    (``(("objective", "predicted_ttft"),)``)."""
 
     def __post_init__(self) -> None:
         if min(self.workers, self.prefill, self.decode) < 0:
@@ -229,7 +230,7 @@ def router_config(spec: DynamoFleetSpec) -> dict[str, object]:
             "ttft_slo_s": spec.ttft_slo_s,
         },
         "index": {"block_size": spec.block_size},
-        "cost": {"objective": spec.router_objective.value},
+        **({"cost": dict(spec.router_cost)} if spec.router_cost else {}),
         # Dynamo 1.6.1's direct mode needs a prefill instance on every request of a
         # disaggregated deployment (a decode-only request is a 500): always prefill on P.
         "disaggregation": {"max_local_tokens": 0} if spec.prefill else {},

@@ -8,7 +8,7 @@ import yaml
 from deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting, mocker_group_plan, plan_dynamo_fleet
 from deploy.env import DYNAMO_LOOPBACK_ENV
 from deploy.fleet_spec import FLEET_TTFT_SLO_S
-from routing.config import Role, load_config
+from routing.config import CostObjective, Role, load_config
 from routing.fleet import fleet_from_config
 from routing.ingest.dynamo_discovery import kv_events_endpoint
 
@@ -65,7 +65,15 @@ def test_the_router_config_parses_and_maps_each_worker_to_its_events_port(tmp_pa
         expected = f"tcp://127.0.0.1:{_flag(plan.argv, '--zmq-kv-events-ports')}"
         assert kv_events_endpoint(parsed.dynamo, address) == expected
     _, _, _, aggregated = plan_dynamo_fleet(_spec(workers=1))
-    assert aggregated["disaggregation"] == {}
+    assert aggregated["disaggregation"] == {} and "cost" not in aggregated  # the router's defaults
+
+
+def test_the_router_cost_given_reaches_the_router_s_config(tmp_path):
+    cost = (("objective", "predicted_ttft"), ("decode_active_request_weight", 200.0))
+    _, _, _, config = plan_dynamo_fleet(_spec(workers=2, router_cost=cost))
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    parsed = load_config(tmp_path / "router.yaml").cost
+    assert (parsed.objective, parsed.decode_active_request_weight) == (CostObjective.PREDICTED_TTFT, 200.0)
 
 
 @pytest.mark.parametrize(
