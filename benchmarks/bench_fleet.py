@@ -516,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         **PORTS,  # type: ignore[arg-type]
         **counts,
     )
+    sessions = len({r.session_id for r in requests if r.session_id is not None})
     described = {
         "trace": str(args.trace),
         "requests": len(requests),
@@ -529,13 +530,12 @@ def main(argv: list[str] | None = None) -> int:
         "output_tokens": sum(r.output_length for r in requests),
         "reuse_ceiling": ceiling.reuse,
         "block_size": shape.block_size,
-        "sessions": len({r.session_id for r in requests if r.session_id is not None}),
+        "sessions": sessions,
     }
     log(f"workload: {json.dumps(described)}")
     tuned = None if args.tuned_flags is None else tuple(args.tuned_flags.split())
-    sessions = any(r.session_id is not None for r in requests)
     wanted = {name.strip() for name in args.arms.split(",")}
-    chosen = [a for a in arms(bool(args.prefill), tuned, sessions, args.kvpilot_cost) if a.name.value in wanted]
+    chosen = [a for a in arms(bool(args.prefill), tuned, sessions > 0, args.kvpilot_cost) if a.name.value in wanted]
     floor = measure_floor(base, [n - hit for n, hit in zip(lengths, hits, strict=True)], args) if args.floor else None
     results: dict[str, dict[str, Any]] = {}
     for arm in chosen:

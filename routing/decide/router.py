@@ -498,10 +498,6 @@ class Router:
         prefiller = p if p is not None else d
         cached = min(prompt_tokens, overlaps[prefiller.name].gpu * bs)
         read = prompt_tokens - min(prompt_tokens, overlaps[d.name].gpu * bs) if p is not None else 0
-        running = loads[d.name].active_requests
-        reported = self.engine_load(d.name) if self.engine_load is not None else None
-        if reported is not None:  # D's own gauges also count traffic that bypassed this router
-            running = max(running, int(reported.running))
         predicted = predict_ttft(
             self.rates,
             prefiller.name,
@@ -510,9 +506,16 @@ class Router:
             cached=cached,
             queued=loads[prefiller.name].active_prefill_blocks * bs,
             transfer_tokens=read,
-            streams=running,
+            streams=self._running_streams(d, loads),
         )
         return predicted.seconds
+
+    def _running_streams(self, d: Worker, loads: Mapping[WorkerId, WorkerLoad]) -> int:
+        """D's running requests: the ledger's, or D's own gauge where it reports more (it
+        also counts traffic that bypassed this router)."""
+        reported = self.engine_load(d.name) if self.engine_load is not None else None
+        running = loads[d.name].active_requests
+        return running if reported is None else max(running, int(reported.running))
 
     def _policy_inputs(
         self,
@@ -531,8 +534,7 @@ class Router:
             p_queued_tokens=loads[p.name].active_prefill_blocks * bs,
         )
         usage = min(1.0, d_load.active_decode_blocks / d.kv_blocks) if d.kv_blocks else 0.0
-        running = d_load.active_requests
         reported = self.engine_load(d.name) if self.engine_load is not None else None
         if reported is not None:  # D's own gauges also count traffic that bypassed this router
-            usage, running = max(usage, reported.kv_usage), max(running, int(reported.running))
-        return prompt, DecodeState(kv_usage=usage, running_streams=running)
+            usage = max(usage, reported.kv_usage)
+        return prompt, DecodeState(kv_usage=usage, running_streams=self._running_streams(d, loads))
