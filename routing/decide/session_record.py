@@ -45,6 +45,7 @@ RECORD_VERSION = 1
 class StoreOp(str, enum.Enum):
     """What the router asks of the session store (the ``op`` label of its metrics)."""
 
+    CONNECT = "connect"
     READ = "read"
     WRITE = "write"
 
@@ -130,6 +131,11 @@ class SessionStateStore(Protocol):
     """Where session records live between routers: bytes by session id, each with its
     own time to live. Every method raises :class:`StoreUnavailable` when the store
     cannot serve it; none retries."""
+
+    async def open(self) -> None:
+        """Connect now, so that the first session's read after a start does not pay the
+        connection's round trips inside its read timeout."""
+        ...
 
     async def load(self, key: SessionId) -> bytes | None:
         """The value stored for ``key``, ``None`` if none (or it expired)."""

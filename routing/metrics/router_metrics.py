@@ -143,7 +143,8 @@ class RouterMetrics:
         self.session_store_errors = Counter(
             p + "session_store_errors",
             "Session store reads that failed or timed out (the step was routed on this router's own "
-            "state) and writes that failed or timed out (the next step writes again)",
+            "state), writes that failed or timed out (the next step writes again), and the start's "
+            "connect when the store did not answer",
             ["op"],
             registry=r,
         )

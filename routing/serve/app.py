@@ -294,6 +294,8 @@ class RouterServer:
             prefills_timed_here=self.engine_load is None,
             session_served=self.session_sync.push if self.session_sync is not None else None,
         )
+        if self.session_sync is not None:
+            await self.session_sync.open()
         if self._feed_index and (self.discovery is not None or any(w.kv_events_endpoint for w in self.fleet.workers)):
             # Dynamo's workers bind their event sockets: the feeder connects to them
             self.feeder = IndexFeeder(self.fleet, self.index, self.lock, bind=False if self.discovery else None)

@@ -44,6 +44,12 @@ class RedisSessionStore:
         """The Redis key of ``session``'s record."""
         return self._prefix + session
 
+    async def open(self) -> None:
+        try:
+            await self._redis.ping()  # a pooled connection, its handshake (CLIENT SETINFO) done
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis PING: {exc!r}") from None
+
     async def load(self, key: SessionId) -> bytes | None:
         try:
             value = cast("bytes | None", await self._redis.get(self.key(key)))  # decode_responses is off

@@ -1,6 +1,9 @@
 """Keeps this router's sessions and the shared store in step, without ever failing a
 request for the store.
 
+- :meth:`SessionSync.open`, at the router's start: connect, so that the first step's read
+  after a restart is one round trip, not a connection and its handshake (a restarted
+  router in ``tests/e2e/test_router_state.py`` once forgot a session that way).
 - :meth:`SessionSync.pull`, before a session's step is routed: read its record, at most
   ``sessions.store_read_timeout_s``, and merge it when it is newer than the local view
   (:func:`~routing.decide.session_record.merge`: after a restart, or when another replica
@@ -39,6 +42,10 @@ from routing.metrics.router_metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
+OPEN_TIMEOUT_S = 2.0
+"""How long the router's start waits for the store's first connection (Redis's own
+connect timeout is 1 s; its handshake follows)."""
+
 
 class SessionSync:
     """Reads and writes ``sessions``' records in ``store`` (module doc). ``lock`` guards
@@ -66,6 +73,19 @@ class SessionSync:
         self.clock = clock
         self._down = False
         """Whether the last call failed: an outage is logged when it starts and when it ends."""
+
+    async def open(self) -> None:
+        """Connect to the store before the first request (at the router's start), at most
+        :data:`OPEN_TIMEOUT_S`; never raises for the store: a store that does not answer is
+        counted (``op="connect"``) and logged, and the requests connect again."""
+        started = time.perf_counter()
+        try:
+            await asyncio.wait_for(self.store.open(), OPEN_TIMEOUT_S)
+            self._answered()
+        except (StoreUnavailable, TimeoutError) as exc:
+            self._failed(StoreOp.CONNECT, None, exc)
+        finally:
+            self.metrics.session_store_seconds.labels(StoreOp.CONNECT.value).observe(time.perf_counter() - started)
 
     async def close(self) -> None:
         """Close the store's connections."""
@@ -113,15 +133,15 @@ class SessionSync:
         finally:
             self.metrics.session_store_seconds.labels(StoreOp.WRITE.value).observe(time.perf_counter() - started)
 
-    def _failed(self, op: StoreOp, session: SessionId, why: object) -> None:
+    def _failed(self, op: StoreOp, session: SessionId | None, why: object) -> None:
         self.metrics.session_store_errors.labels(op.value).inc()
         if not self._down:
             self._down = True
             log.warning(
-                "session store: %s for %r failed (%s); sessions are routed on this router's own state "
+                "session store: %s%s failed (%s); sessions are routed on this router's own state "
                 "until it answers (counted in kvpilot_router_session_store_errors_total)",
                 op.value,
-                session,
+                "" if session is None else f" for {session!r}",
                 why,
             )
 

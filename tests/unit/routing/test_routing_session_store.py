@@ -116,13 +116,33 @@ def test_a_store_that_is_down_is_counted_and_never_raises(prefix):
         metrics = RouterMetrics([])
         dead = f"redis://127.0.0.1:{free_ports(1)[0]}/0"  # nothing listens there
         sync, sessions = _sync(dead, prefix, metrics)
+        await sync.open()  # the router's start: counted, not raised
         _served(sessions, 1, None)
         assert await sync.pull(S) is False
         await sync.push(S)
         assert sessions.get(S).last_worker == "decode-0"  # the local view stands
         assert _value(metrics, "kvpilot_router_session_store_errors_total", op=StoreOp.READ.value) == 1
         assert _value(metrics, "kvpilot_router_session_store_errors_total", op=StoreOp.WRITE.value) == 1
+        assert _value(metrics, "kvpilot_router_session_store_errors_total", op=StoreOp.CONNECT.value) == 1
         await sync.close()
+
+    asyncio.run(main())
+
+
+def test_open_connects_before_the_first_read(redis_url, prefix):
+    """The router's start connects: the first session's read is then one round trip, not a
+    connection and its handshake inside the 50 ms read timeout."""
+
+    async def main() -> None:
+        metrics = RouterMetrics([])
+        sync, _ = _sync(redis_url, prefix, metrics)
+        admin = redis.Redis.from_url(redis_url)
+        before = len(admin.client_list())
+        await sync.open()
+        assert len(admin.client_list()) == before + 1
+        assert _value(metrics, "kvpilot_router_session_store_errors_total", op=StoreOp.CONNECT.value) == 0
+        await sync.close()
+        admin.close()
 
     asyncio.run(main())
 
@@ -139,7 +159,7 @@ def test_a_store_that_does_not_answer_costs_a_step_its_timeouts_at_most(redis_ur
         await sync.push(S)
         elapsed = time.perf_counter() - started
         assert elapsed < 0.5, elapsed
-        for op in StoreOp:
+        for op in (StoreOp.READ, StoreOp.WRITE):
             assert _value(metrics, "kvpilot_router_session_store_errors_total", op=op.value) == 1
         await asyncio.sleep(1.0)
         await sync.close()
@@ -232,6 +252,7 @@ def test_a_router_whose_store_is_down_serves_every_step_and_counts_it(model_dir:
         text = await (await client.get("/metrics")).text()
         assert 'kvpilot_router_session_store_errors_total{op="read"} 3.0' in text
         assert 'kvpilot_router_session_store_errors_total{op="write"} 3.0' in text
+        assert 'kvpilot_router_session_store_errors_total{op="connect"} 1.0' in text
         assert 'kvpilot_router_session_options_total{option="affinity"} 2.0' in text
 
     sessions = {"force_option": "affinity", "store": "redis", "redis_url": dead}
