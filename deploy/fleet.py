@@ -525,20 +525,50 @@ def start_replica(
 
 
 def _replace(old: RunningProcess, plan: ProcessPlan, logs: Path, timeout: float) -> RunningProcess:
-    """Stop ``old``, start ``plan`` in its place and wait for its health."""
+    """Stop ``old``, start ``plan`` in its place, ahead of the running processes
+    (:data:`RESTART_NICE`), and wait for its health."""
     stop_group(old.pid)
     _wait_ports_free(old.ports)
-    return start(plan, logs, timeout, old.health)
+    return start(plan, logs, timeout, old.health, ahead=True)
 
 
-def start(plan: ProcessPlan, logs: Path, timeout: float, health: str = "/health") -> RunningProcess:
-    """Start ``plan`` alone (its log in ``logs``) and return it once ``health`` answers.
-    Raises :class:`FleetStartError` after stopping it if it exits first (the message
-    ends with its log's own error lines) or is not healthy within ``timeout`` seconds."""
+RESTART_NICE = -5
+"""The nice value of a process restarted beside running engines, until it is healthy
+(then 0, as every process of the fleet). Each running engine keeps a core busy (NIXL's
+progress thread polls with no delay, and a D holding an offer adds most of another:
+``tests/e2e/conftest.py``), so that on a 2-core box a restarted engine at equal
+priority shared the cores with 2-3 spinning threads: a D restart beside a running P
+took over 600 s in CI (``tests/e2e/test_dead_holder.py``), its API server 100 s just
+to print its banner. At -5 the scheduler gives it about 3 times a spinning thread's
+share. Lowering a nice value needs CAP_SYS_NICE (root): without it the start runs at
+equal priority, as before."""
+
+
+def _set_group_nice(pgid: int, nice: int) -> bool:
+    """Set every thread of process group ``pgid`` to ``nice``; whether it was allowed."""
+    try:
+        os.setpriority(os.PRIO_PGRP, pgid, nice)
+    except PermissionError:
+        return False
+    except ProcessLookupError:  # the group is gone: its start failed, and says why
+        return True
+    return True
+
+
+def start(
+    plan: ProcessPlan, logs: Path, timeout: float, health: str = "/health", *, ahead: bool = False
+) -> RunningProcess:
+    """Start ``plan`` alone (its log in ``logs``) and return it once ``health`` answers;
+    ``ahead``: at :data:`RESTART_NICE` until then (its children inherit it). Raises
+    :class:`FleetStartError` after stopping it if it exits first (the message ends with
+    its log's own error lines) or is not healthy within ``timeout`` seconds."""
     proc, new = _spawn(plan, logs, health)
+    boosted = ahead and _set_group_nice(proc.pid, RESTART_NICE)
     try:
         _wait_healthy([(proc, new)], time.monotonic() + timeout)
     except BaseException:
         stop_group(proc.pid)
         raise
+    if boosted:
+        _set_group_nice(proc.pid, 0)
     return new

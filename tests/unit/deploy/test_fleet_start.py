@@ -3,6 +3,7 @@ lines last (a real router process whose KV-event port this test holds)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from pathlib import Path
@@ -91,3 +92,36 @@ def test_a_process_that_hangs_while_starting_is_reported_by_this_start_and_its_s
     assert "waiting_for_something" in message, message  # py-spy (a dev dependency) read its stack
     assert fleet_io.START_MARKER in (logs / "stuck.log").read_text()  # the earlier run's lines are kept
     assert fleet_io.port_is_free(port)
+
+
+def test_a_restart_starts_ahead_of_the_running_engines_and_is_back_to_equal_once_healthy(tmp_path: Path) -> None:
+    """``ahead``: every process and thread the restarted process starts runs at
+    ``RESTART_NICE`` until it is healthy, then at 0 (needs root; else equal throughout)."""
+    (port,) = free_ports(1)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    seen = tmp_path / "nice-while-starting"
+    serve = "\n".join(
+        (
+            "import http.server, os, pathlib, subprocess, sys, threading, time",
+            "time.sleep(0.5)",  # the parent sets the group's priority after spawning it
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])",
+            f"pathlib.Path({str(seen)!r}).write_text(" + "f'{os.getpriority(os.PRIO_PROCESS, 0)} {child.pid}')",
+            "class H(http.server.BaseHTTPRequestHandler):",
+            "    def do_GET(self):",
+            "        self.send_response(200); self.end_headers()",
+            f"server = http.server.HTTPServer(('127.0.0.1', {port}), H)",
+            "threading.Thread(target=server.serve_forever, daemon=True).start()",
+            "child.wait()",
+        )
+    )
+    plan = ProcessPlan("restarted", None, (sys.executable, "-c", serve), {}, port)
+    started = fleet_io.start(plan, logs, timeout=30, ahead=True)
+    try:
+        expected = fleet_io.RESTART_NICE if os.geteuid() == 0 else 0
+        nice, child = map(int, seen.read_text().split())
+        assert nice == expected
+        threads = [int(t) for p in (started.pid, child) for t in os.listdir(f"/proc/{p}/task")]
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in threads} == {0}
+    finally:
+        fleet_io.stop_group(started.pid)
