@@ -535,13 +535,14 @@ def _replace(old: RunningProcess, plan: ProcessPlan, logs: Path, timeout: float)
 RESTART_NICE = -5
 """The nice value of a process restarted beside running engines, until it is healthy
 (then 0, as every process of the fleet). Each running engine keeps a core busy (NIXL's
-progress thread polls with no delay, and a D holding an offer adds most of another:
-``tests/e2e/conftest.py``), so that on a 2-core box a restarted engine at equal
-priority shared the cores with 2-3 spinning threads: a D restart beside a running P
-took over 600 s in CI (``tests/e2e/test_dead_holder.py``), its API server 100 s just
-to print its banner. At -5 the scheduler gives it about 3 times a spinning thread's
-share. Lowering a nice value needs CAP_SYS_NICE (root): without it the start runs at
-equal priority, as before."""
+UCX progress thread polls with a zero timeout: ``nixl_agent`` sets ``pthrDelay = 0``
+and vLLM does not expose it), and a D holding an offer adds most of another
+(``tests/e2e/conftest.py``): a D restart beside a running P took over 600 s in CI
+(``tests/e2e/test_dead_holder.py``), its API server 100 s just to print its banner.
+Measured here (2 cores; importing vLLM's API server, 12 s on an idle box): beside an
+idle 1 P + 1 D fleet 47 s at equal priority and 45 s at -5; beside the same fleet with
+D holding an offer 126 s and 71 s. Lowering a nice value needs CAP_SYS_NICE (root):
+without it the start runs at equal priority."""
 
 
 def _set_group_nice(pgid: int, nice: int) -> bool:

@@ -170,11 +170,14 @@ class PrefillBacklog:
 
 class LinkMeter:
     """The last ``window`` transfers this engine's NIXL worker made (bytes and
-    seconds each) and the failures among the last ``window`` outcomes."""
+    seconds each), the failures among the last ``window`` outcomes, and the last
+    ``window`` whole pulls as their requests waited for them
+    (:class:`~policies.recompute_vs_transfer.LinkTelemetry`)."""
 
     def __init__(self, window: int = 32) -> None:
         self._samples: deque[TransferSample] = deque(maxlen=window)
         self._outcomes: deque[bool] = deque(maxlen=window)  # True = failed
+        self._pulls: deque[TransferSample] = deque(maxlen=window)
 
     def observe(self, durations_s: Iterable[float], nbytes: Iterable[float], failures: int = 0) -> None:
         """Record completed transfers (paired ``durations_s`` and ``nbytes``) and failures."""
@@ -184,9 +187,14 @@ class LinkMeter:
                 self._outcomes.append(False)
         self._outcomes.extend([True] * failures)
 
+    def pulled(self, nbytes: float, seconds: float) -> None:
+        """A pull of ``nbytes`` arrived ``seconds`` after its request began to wait for it."""
+        if seconds > 0 and nbytes > 0:
+            self._pulls.append(TransferSample(float(nbytes), float(seconds)))
+
     def telemetry(self) -> LinkTelemetry:
         failures = sum(self._outcomes)
-        return LinkTelemetry(samples=tuple(self._samples), failures=failures)
+        return LinkTelemetry(samples=tuple(self._samples), failures=failures, pulls=tuple(self._pulls))
 
 
 PEER_RETRY_AFTER_S = 30.0

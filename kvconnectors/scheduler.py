@@ -81,13 +81,20 @@ _INCOMPATIBLE_FIELDS = frozenset({"model", "block_size", "kv_dtype", "kv_layout"
 
 @dataclass(frozen=True, slots=True)
 class PullInFlight:
-    """A request waiting for a peer's KV: the peer, the local blocks it fills, and
-    how many tokens it loads."""
+    """A request waiting for a peer's KV: the peer, the local blocks it fills, how
+    many tokens it loads, and since when (the scheduler's clock) it waits."""
 
     peer: str
     block_ids: frozenset[int]
     external_tokens: int
     session_pull: bool
+    started_s: float
+
+
+def kv_bytes_per_token(kv_cache_config: KVCacheConfig, block_size: int) -> float:
+    """Bytes of KV one token holds in this engine's cache, over all its layers."""
+    per_block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    return per_block / block_size
 
 
 def model_identity(model: str) -> str:
@@ -156,6 +163,7 @@ class KVPilotScheduler:
         self._pull_policy = pull_policy
         self._backlog = PrefillBacklog()
         self._link = LinkMeter()
+        self._kv_bytes_per_token = kv_bytes_per_token(kv_cache_config, self._block_size)
         self._steps = StepRates()
         self._clock = clock
         self._pulls_in_flight: dict[str, PullInFlight] = {}
@@ -263,6 +271,7 @@ class KVPilotScheduler:
             block_ids=frozenset(block_ids),
             external_tokens=external_tokens,
             session_pull=is_session_pull(params),
+            started_s=self._clock(),
         )
 
     def has_pulls_in_flight(self) -> bool:
@@ -283,7 +292,8 @@ class KVPilotScheduler:
     def observe_transfers(self, connector_output: KVConnectorOutput) -> None:
         """The worker's report for the last step, after its pass
         (``update_connector_output``): the step's pass ends now; pulls received or
-        failed, and its NIXL telemetry (durations, bytes, failures)."""
+        failed (a pull received is timed whole, from :meth:`pull_started`), and its NIXL
+        telemetry (durations, bytes, failures)."""
         self._steps.finished(self._clock())
         failed = set(connector_output.failed_recving or ())
         invalid = connector_output.invalid_block_ids or set()
@@ -295,6 +305,8 @@ class KVPilotScheduler:
                 self._pull_failed(request_id, pull)
             else:
                 self._failed_peers.succeeded(pull.peer)
+                nbytes = pull.external_tokens * self._kv_bytes_per_token
+                self._link.pulled(nbytes, self._clock() - pull.started_s)
         stats = connector_output.kv_connector_stats
         inner = stats.inner if isinstance(stats, KVPilotStats) else stats
         data = inner if isinstance(inner, dict) else getattr(inner, "data", None)  # in-process, or to_dict()'s

@@ -44,13 +44,19 @@ class TransferSample:
 class LinkTelemetry:
     """Recent history of one link; empty means "trust the spec".
 
-    ``failures`` counts failed transfers in the same window as ``samples``;
-    ``mean_failure_s`` is how long a failure took to surface (None: use the
-    policy's ``failure_detect_s``)."""
+    ``samples`` are the transfers as the transport timed them (NIXL's own durations):
+    they give the link's rate. ``pulls`` are whole pulls as the waiting request saw
+    them, from the moment it started to wait for the peer's KV to the step that found
+    the KV arrived (the transport's time plus the engine's: the load is issued in the
+    next step's pass and its arrival is collected in a later one): what a pull adds to
+    the request beyond moving its bytes is the fixed cost. ``failures`` counts failed
+    transfers in the same window as ``samples``; ``mean_failure_s`` is how long a
+    failure took to surface (None: use the policy's ``failure_detect_s``)."""
 
     samples: tuple[TransferSample, ...] = ()
     failures: int = 0
     mean_failure_s: float | None = None
+    pulls: tuple[TransferSample, ...] = ()
 
     @property
     def failure_rate(self) -> float:
@@ -178,7 +184,19 @@ class RecomputeVsTransferPolicy:
         return seconds - base, PassCost(flops, with_span.attention_flops, with_span.bytes, seconds, bound)
 
     def link_estimate(self, telemetry: LinkTelemetry) -> tuple[float, float, str]:
-        """``(fixed cost s, bytes/s, source)`` of a transfer on this link.
+        """``(fixed cost s, bytes/s, source)`` of a pull on this link: the transport's
+        (:meth:`wire_estimate`), its fixed cost replaced, once ``min_samples`` whole
+        pulls were timed, by their median wait beyond moving their bytes at that rate
+        (the engine's steps around the transfer are part of what a pull costs)."""
+        fixed, rate, source = self.wire_estimate(telemetry)
+        waits = [p.seconds - p.nbytes / rate for p in telemetry.pulls]
+        if len(waits) < self.config.min_samples:
+            return fixed, rate, source
+        return max(0.0, statistics.median(waits)), rate, f"{source}, fixed cost from {len(waits)} whole pulls"
+
+    def wire_estimate(self, telemetry: LinkTelemetry) -> tuple[float, float, str]:
+        """``(fixed cost s, bytes/s, source)`` of a transfer on this link, as the
+        transport timed its ``samples``.
 
         With at least ``min_samples`` usable samples whose sizes differ by 2x or
         more, both come from a least-squares fit of ``seconds = fixed + bytes / rate``

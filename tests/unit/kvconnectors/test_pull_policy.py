@@ -8,7 +8,7 @@ import pytest
 from kvconnectors.policy_setup import cpu_cores
 from kvconnectors.pull_policy import FailedPeers, LinkMeter, PrefillBacklog, RooflinePullPolicy, ThresholdPullPolicy
 from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
-from policies.recompute_vs_transfer import LinkTelemetry, PrefillLoad, RecomputeVsTransferPolicy, Span
+from policies.recompute_vs_transfer import LinkTelemetry, PrefillLoad, RecomputeVsTransferPolicy, Span, TransferSample
 
 
 @pytest.mark.parametrize(("tokens", "threshold", "choice"), [(63, 64, "recompute"), (64, 64, "pull"), (1, 0, "pull")])
@@ -61,6 +61,9 @@ def test_link_meter_keeps_a_window_of_transfers_and_failures() -> None:
     assert telemetry.failures == 1
     meter.observe([0.01] * 4, [10] * 4)
     assert len(meter.telemetry().samples) == 4 and meter.telemetry().failures == 0
+    meter.pulled(6144, 0.2)
+    meter.pulled(6144, 0.0)  # no time: dropped
+    assert meter.telemetry().pulls == (TransferSample(6144, 0.2),)
 
 
 def test_a_failed_peer_is_skipped_until_its_retry_time_or_a_success() -> None:

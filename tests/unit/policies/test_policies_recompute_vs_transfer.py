@@ -111,6 +111,21 @@ def test_a_fit_separates_a_large_fixed_cost_from_the_rate() -> None:
     assert POLICY.link_estimate(one_size)[0] == RDMA.setup_s
 
 
+def test_whole_pulls_replace_the_fixed_cost_with_their_wait_beyond_the_bytes() -> None:
+    """The CPU box's case (issue 20): NIXL moves 96 tokens' KV in about a millisecond, but
+    the request waited 130-390 ms for it (the load is issued in one step's pass and its
+    arrival collected in a later one). Priced from the wire alone, that pull cost 0.75 ms
+    against 10 ms to recompute; with the whole pulls' median wait it costs what it took."""
+    wire = tuple(TransferSample(n, 0.001 + n / 4e9) for n in (65_536, 131_072, 262_144, 524_288))
+    pulls = tuple(TransferSample(196_608, s + 196_608 / 4e9) for s in (0.13, 0.2, 0.39))
+    fixed, bandwidth, source = POLICY.link_estimate(LinkTelemetry(wire, pulls=pulls))
+    assert fixed == pytest.approx(0.2) and bandwidth == pytest.approx(4e9)
+    assert source == "a fit of 4 recent transfers, fixed cost from 3 whole pulls"
+    assert POLICY.link_estimate(LinkTelemetry(wire, pulls=pulls[:2]))[0] == pytest.approx(0.001)
+    span = Span(96, 150)
+    assert POLICY.decide(span, telemetry=LinkTelemetry(wire, pulls=pulls)).transfer_s > 0.2
+
+
 def test_samples_faster_than_the_fixed_cost_are_ignored() -> None:
     junk = LinkTelemetry(tuple(TransferSample(1e6, RDMA.setup_s / 2) for _ in range(5)))
     assert POLICY.link_estimate(junk)[2] == "rdma spec"
