@@ -10,7 +10,7 @@ demo: setup
 
 test: setup
 	$(MAKE) --no-print-directory lint
-	.venv/bin/python -m pytest -q -p no:cacheprovider
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25
 
 # Lint and types (after `make setup`; run by `make test`): ruff (rules in pyproject.toml) on
 # LINT_PATHS, mypy strict on what [tool.mypy] names (kvconnectors, routing, policies, deploy,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import zmq
@@ -40,19 +41,24 @@ def _noop() -> object:
     return vllm_batch([kv_events.BlockRemoved(block_hashes=[b"none"], medium="GPU")])
 
 
-def _publish_until_seen(pub: object, sub: EngineSubscriber, timeout_s: float = 20.0) -> None:
-    """Publish harmless batches until one arrives.
+def _publish_until(pub: object, sub: EngineSubscriber, done: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    """Publish harmless batches until ``done()`` holds.
 
     A PUB drops what it sends before the subscription reaches it, so the first
     batches may be lost; the gap they leave is recovered through replay.
     """
-    seen = sub.stats.batches
     deadline = time.monotonic() + timeout_s
-    while sub.stats.batches == seen and time.monotonic() < deadline:
+    while not done() and time.monotonic() < deadline:
         pub.publish(_noop())
         sub.poll(200)
     sub.poll(200)
-    assert sub.stats.batches > seen, "no batch ever arrived"
+    assert done(), "the awaited batch never arrived"
+
+
+def _publish_until_seen(pub: object, sub: EngineSubscriber) -> None:
+    """Publish harmless batches until one more arrives than had when called."""
+    seen = sub.stats.batches
+    _publish_until(pub, sub, lambda: sub.stats.batches > seen)
 
 
 def _depth_reaches(sub: EngineSubscriber, index: BlockIndex, blocks: int, timeout_s: float = 20.0) -> int:
@@ -173,7 +179,9 @@ def test_engine_restart_clears_the_worker(endpoints):
     time.sleep(0.3)
     pub = vllm_publisher(endpoint, replay)  # a restarted engine: seq starts at 0 again
     try:
-        _publish_until_seen(pub, sub)
+        # Not "until any batch": a harmless batch the old engine sent last may still be
+        # queued on the subscriber's socket, and it is not the restart.
+        _publish_until(pub, sub, lambda: sub.stats.restarts >= 1)
         assert sub.stats.restarts == 1
         assert index.block_count(W) == 0
         pub.publish(vllm_batch([_stored(0, None)]))
