@@ -277,8 +277,9 @@ def _spawn(plan: ProcessPlan, logs: Path, health: str = "/health") -> tuple[subp
     with open(log, "ab") as out:  # appended: a restarted engine keeps its history
         out.write(f"{START_MARKER}{plan.name} at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
         out.flush()
-        proc = subprocess.Popen(
-            plan.argv,
+        pinned = ("taskset", "--cpu-list", ",".join(map(str, plan.cores))) if plan.cores else ()
+        proc = subprocess.Popen(  # taskset execs the command: the pid is the process's own
+            (*pinned, *plan.argv),
             env=child_env(plan.env),
             stdin=subprocess.DEVNULL,
             stdout=out,

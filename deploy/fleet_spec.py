@@ -113,6 +113,16 @@ class ProcessPlan:
     """What each of ``side_ports`` is for, in order (a collision names it); empty: unnamed."""
     port_use: str = "HTTP"
     """What ``port`` is for."""
+    cores: tuple[int, ...] = ()
+    """The CPUs the process and its children run on (``taskset``); empty: any.
+
+    An engine runs on the one core its compute threads bind, all of its processes: each
+    imports torch, whose MKL counts cores by pinning the importing thread to each allowed
+    CPU in turn, and on a 2-core box a new EngineCore pinned so to another engine's core
+    (where that engine's NIXL progress thread and busy loop spin) was seen to get no CPU
+    for 8 minutes (kernel 6.18), until it was allowed its own core again. Separate fleets
+    on one box (a single-engine fleet per model) cannot know each other's cores, so an
+    engine keeps off every core but its own."""
 
     def __post_init__(self) -> None:
         if self.side_port_uses and len(self.side_port_uses) != len(self.side_ports):
@@ -225,12 +235,13 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
         "--kv-events-config",
         kv_events_config(worker),
     )
+    core = (spec.first_core + ordinal) % spec.cores
     env = {
         **NIXL_CPU_ENV,
         **CPU_EAGER_ENV,
         **HASH_SEED_ENV,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port + ordinal),
-        "VLLM_CPU_OMP_THREADS_BIND": str((spec.first_core + ordinal) % spec.cores),
+        "VLLM_CPU_OMP_THREADS_BIND": str(core),
         "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
         **({"VLLM_API_KEY": spec.engine_api_key} if spec.engine_api_key else {}),
         **spec.engine_env,
@@ -249,6 +260,7 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
         side_ports,
         uses,
         f"HTTP (engine port + {ordinal})",
+        cores=(core,),
     )
 
 

@@ -19,6 +19,7 @@ def test_plan_gives_each_engine_its_ports_core_and_connector() -> None:
     assert [e.port for e in engines] == [8100, 8101, 8102]
     assert [e.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for e in engines] == ["5600", "5601", "5602"]
     assert [e.env["VLLM_CPU_OMP_THREADS_BIND"] for e in engines] == ["0", "1", "0"]
+    assert [e.cores for e in engines] == [(0,), (1,), (0,)]  # every process of the engine, not only its compute
     for e in engines:
         argv = list(e.argv)
         assert argv[argv.index("--host") + 1] == "127.0.0.1"

@@ -125,3 +125,33 @@ def test_a_restart_starts_ahead_of_the_running_engines_and_is_back_to_equal_once
         assert {os.getpriority(os.PRIO_PROCESS, t) for t in threads} == {0}
     finally:
         fleet_io.stop_group(started.pid)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to tell a pinned process apart")
+def test_a_process_planned_on_one_core_runs_there_with_its_children(tmp_path: Path) -> None:
+    """``ProcessPlan.cores``: torch's MKL, imported by each process of an engine, pins the
+    importing thread to each allowed CPU in turn; a process kept to its own core cannot
+    be pinned to another engine's."""
+    (port,) = free_ports(1)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    seen = tmp_path / "cores"
+    core = max(os.sched_getaffinity(0))
+    serve = "\n".join(
+        (
+            "import http.server, os, pathlib, subprocess, sys, threading",
+            "child = subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'],",
+            "                       capture_output=True, text=True).stdout.strip()",
+            f"pathlib.Path({str(seen)!r}).write_text(" + "f'{sorted(os.sched_getaffinity(0))} {child}')",
+            "class H(http.server.BaseHTTPRequestHandler):",
+            "    def do_GET(self):",
+            "        self.send_response(200); self.end_headers()",
+            f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()",
+        )
+    )
+    plan = ProcessPlan("pinned", None, (sys.executable, "-c", serve), {}, port, cores=(core,))
+    started = fleet_io.start(plan, logs, timeout=30)
+    try:
+        assert seen.read_text() == f"[{core}] [{core}]"
+    finally:
+        fleet_io.stop_group(started.pid)
