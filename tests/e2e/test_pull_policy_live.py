@@ -34,7 +34,6 @@ measured and acted on.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +45,7 @@ from deploy.fleet_spec import FleetSpec
 from deploy.metrics import delta
 from deploy.prompts import filler_text
 from routing.serve.tokenizer import PromptTokenizer
-from tests.e2e.fleets import running_fleet
+from tests.e2e.fleets import SharedFleet
 from tests.e2e.scenarios import BLOCK_SIZE, KV_BYTES_PER_TOKEN, NIXL_BYTES, PROMPT_TOKENS, RECOMPUTED, VERIFIED
 from tests.e2e.sessions import EDITS, PULL_DECISIONS, Turn2, handshake_both_ways, run_session
 from tests.fakes.ports import block_of
@@ -63,6 +62,11 @@ span made this module 14 of the suite's 47 minutes there."""
 WARM_SESSIONS = 2
 WARM_PREFILLS = (48, 400, 1500)
 """Token counts of the plain prefills that time P's steps before the live sessions."""
+FORCED_SEEDS = 5000
+"""Seeds of the forced sessions: above those of ``test_sessions``, whose fleet they share."""
+SHARED_HISTORY_SEED = 7
+TAIL_WORDS = 40
+"""Words of each session's own tail: at least one whole block after the shared history."""
 NOISE_RATIO = 1.5
 NOISE_S = 0.1
 
@@ -101,9 +105,17 @@ class Forced:
         return "pull" if pull < recompute else "recompute"
 
 
+def session_history(tokenizer: PromptTokenizer, case: Case, seed: int) -> list[int]:
+    """Whole blocks of the case's history, the same in every session of the case (P and D
+    keep its KV after the first session, so later sessions do not prefill it again), then
+    a tail naming the session: no session's span of D's tokens is in another's chain."""
+    shared = tokenizer.prompt_token_ids(filler_text(case.history_words, SHARED_HISTORY_SEED))
+    tail = tokenizer.prompt_token_ids(f" session {seed}: " + filler_text(TAIL_WORDS, seed))
+    x = shared[: len(shared) // BLOCK_SIZE * BLOCK_SIZE] + tail
+    return x[: len(x) // BLOCK_SIZE * BLOCK_SIZE]
+
+
 def session_step(p_url: str, d_url: str, tokenizer: PromptTokenizer, case: Case, seed: int, pull: bool) -> Turn2:
-    ids = tokenizer.prompt_token_ids(f"session {seed}: " + filler_text(case.history_words, seed))
-    x = ids[: len(ids) // BLOCK_SIZE * BLOCK_SIZE]
     return run_session(
         p_url,
         d_url,
@@ -111,7 +123,7 @@ def session_step(p_url: str, d_url: str, tokenizer: PromptTokenizer, case: Case,
         seed,
         EDITS["unedited"],
         mutate_params=(lambda p: p) if pull else (lambda p: None),
-        x=x,
+        x=session_history(tokenizer, case, seed),
         generated=case.span + 1,
     )
 
@@ -127,38 +139,44 @@ def fleet_spec(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, name: 
 
 
 @pytest.fixture(scope="module")
-def forced(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tokenizer: PromptTokenizer) -> Forced:
-    spec = fleet_spec(tmp_path_factory, model_dir, "forced", {"kv_recompute_threshold": 0})
+def forced(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tokenizer: PromptTokenizer, shared_fleet: SharedFleet
+) -> Forced:
+    """On ``test_sessions``' fleet, which runs what this one asks for (``tests/e2e/conftest.py``)."""
+    _, fleet = shared_fleet.get(fleet_spec(tmp_path_factory, model_dir, "forced", {"kv_recompute_threshold": 0}))
     timings = Forced()
-    with running_fleet(spec) as fleet:
-        p_url, d_url = fleet.by_role("prefill")[0].url, fleet.by_role("decode")[0].url
-        handshake_both_ways(p_url, d_url, tokenizer)
-        for c, case in enumerate(CASES):
-            for rep in range(REPS):
-                for pull in (True, False):
-                    turn = session_step(p_url, d_url, tokenizer, case, 100 * (c + 1) + 2 * rep + int(pull), pull)
-                    pulled = case.span if pull else 0
-                    assert delta(turn.p_after, turn.p_before, PROMPT_TOKENS, source="external_kv_transfer") == pulled
-                    timings.seconds.setdefault((case.name, "pull" if pull else "recompute"), []).append(
-                        turn.p_out.total_seconds
-                    )
+    p_url, d_url = fleet.by_role("prefill")[0].url, fleet.by_role("decode")[0].url
+    handshake_both_ways(p_url, d_url, tokenizer)
+    for c, case in enumerate(CASES):
+        for rep in range(REPS):
+            for pull in (True, False):
+                turn = session_step(p_url, d_url, tokenizer, case, FORCED_SEEDS + 100 * c + 2 * rep + int(pull), pull)
+                pulled = case.span if pull else 0
+                assert delta(turn.p_after, turn.p_before, PROMPT_TOKENS, source="external_kv_transfer") == pulled
+                timings.seconds.setdefault((case.name, "pull" if pull else "recompute"), []).append(
+                    turn.p_out.total_seconds
+                )
     return timings
 
 
 @pytest.fixture(scope="module")
 def live(
-    forced: Forced, model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tokenizer: PromptTokenizer
-) -> Iterator[Fleet]:
-    """After ``forced`` (its fleet is down: one fleet at a time on this box)."""
-    with running_fleet(fleet_spec(tmp_path_factory, model_dir, "live", {})) as fleet:
-        p_url, d_url = fleet.by_role("prefill")[0].url, fleet.by_role("decode")[0].url
-        handshake_both_ways(p_url, d_url, tokenizer)
-        for seed in range(2, 2 + WARM_SESSIONS):
-            run_session(p_url, d_url, tokenizer, seed, EDITS["unedited"])
-        for i, n in enumerate(WARM_PREFILLS):
-            ids = tokenizer.prompt_token_ids(f"warm {i}: " + filler_text(n, 900 + i))[:n]
-            complete(p_url, ids, max_tokens=1)
-        yield fleet
+    forced: Forced,
+    model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    tokenizer: PromptTokenizer,
+    shared_fleet: SharedFleet,
+) -> Fleet:
+    """After ``forced`` (whose fleet this stops: one fleet at a time on this box)."""
+    _, fleet = shared_fleet.get(fleet_spec(tmp_path_factory, model_dir, "live", {}))
+    p_url, d_url = fleet.by_role("prefill")[0].url, fleet.by_role("decode")[0].url
+    handshake_both_ways(p_url, d_url, tokenizer)
+    for seed in range(2, 2 + WARM_SESSIONS):
+        run_session(p_url, d_url, tokenizer, seed, EDITS["unedited"])
+    for i, n in enumerate(WARM_PREFILLS):
+        ids = tokenizer.prompt_token_ids(f"warm {i}: " + filler_text(n, 900 + i))[:n]
+        complete(p_url, ids, max_tokens=1)
+    return fleet
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name.replace(" ", "-"))

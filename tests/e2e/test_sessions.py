@@ -6,7 +6,6 @@ directly, as vLLM's multi-turn proxy does, and through kvpilot's router."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from policies.session_options import Option, PrefillSite, SessionOptionPricer, S
 from routing.config import add_cli_flags, load_config, prior_model
 from routing.decide.router import policy_from_config
 from routing.serve.tokenizer import PromptTokenizer
-from tests.e2e.fleets import running_fleet
+from tests.e2e.fleets import SharedFleet
 from tests.e2e.scenarios import BLOCK_SIZE, PROMPT_TOKENS, RECOMPUTED, VERIFIED
 from tests.e2e.sessions import (
     EDITS,
@@ -50,21 +49,31 @@ SESSION_OPTIONS = "kvpilot_router_session_options_total"
 
 
 @pytest.fixture(scope="module")
-def spec(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FleetSpec:
-    return FleetSpec(
-        model_dir=model_dir,
-        run_dir=tmp_path_factory.mktemp("session-fleet"),
-        disaggregation="always",
-        connector_extra_config=DROP_IN,
-        **PORTS,
+def shared(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, shared_fleet: SharedFleet, tokenizer: PromptTokenizer
+) -> tuple[FleetSpec, Fleet]:
+    """The fleet ``test_pull_policy_live`` goes on to use (``tests/e2e/conftest.py``)."""
+    spec, started = shared_fleet.get(
+        FleetSpec(
+            model_dir=model_dir,
+            run_dir=tmp_path_factory.mktemp("session-fleet"),
+            disaggregation="always",
+            connector_extra_config=DROP_IN,
+            **PORTS,
+        )
     )
+    handshake_both_ways(*_urls(started), tokenizer)
+    return spec, started
 
 
 @pytest.fixture(scope="module")
-def fleet(spec: FleetSpec, tokenizer: PromptTokenizer) -> Iterator[Fleet]:
-    with running_fleet(spec) as started:
-        handshake_both_ways(*_urls(started), tokenizer)
-        yield started
+def spec(shared: tuple[FleetSpec, Fleet]) -> FleetSpec:
+    return shared[0]
+
+
+@pytest.fixture(scope="module")
+def fleet(shared: tuple[FleetSpec, Fleet]) -> Fleet:
+    return shared[1]
 
 
 def _urls(fleet: Fleet) -> tuple[str, str]:
