@@ -27,13 +27,13 @@ from tests.e2e.fleets import SharedFleet
 from tests.fakes.ports import block_of
 
 SHARED_FLEET_GROUPS: tuple[tuple[str, ...], ...] = (
-    ("tests.e2e.test_pd_transfer", "tests.e2e.test_verified_attach"),
+    ("tests.e2e.test_verified_attach", "tests.e2e.test_pd_transfer"),
     ("tests.e2e.test_sessions", "tests.e2e.test_pull_policy_live"),
 )
 """Modules that run in this order, one after another, at the place of the first of them
 that was collected; where they ask for the same fleet (:meth:`SharedFleet.get`), it is
 started once. ``test_pull_policy_live`` asks for ``test_sessions``' fleet first, then
-for another."""
+for another; ``test_pd_transfer`` stops its P at the end."""
 MODULE_ORDER = pytest.StashKey[list[str]]()
 
 

@@ -36,10 +36,11 @@ class SharedFleet:
     """At most one fleet at a time, kept up across the modules that ask for the same one.
 
     :meth:`get` returns the running fleet when it runs what ``spec`` asks for (wherever it
-    runs: its run directory and ports are those of the module that started it), else
-    stops it and starts ``spec``. A module that shares must leave the fleet as it found it
-    (restart what it stops, restore the router's flags) and use its own prompts; a module
-    that starts its own fleet calls :meth:`stop` first (``tests/e2e/conftest.py`` does).
+    runs: its run directory and ports are those of the module that started it) and every
+    process of it answers its health check, else stops it and starts ``spec``. A module
+    that shares must leave the fleet as it found it (a module that stops an engine runs
+    last in its group) and use its own prompts; a module that starts its own fleet calls
+    :meth:`stop` first (``tests/e2e/conftest.py`` does).
     """
 
     def __init__(self) -> None:
@@ -48,9 +49,14 @@ class SharedFleet:
 
     def get(self, spec: FleetSpec) -> tuple[FleetSpec, fleet_io.Fleet]:
         """The running fleet and the spec it was started from (for restarts)."""
-        current = self._spec
-        if current is not None and self._fleet is not None and dataclasses.replace(spec, **_where(current)) == current:
-            return current, self._fleet
+        current, running = self._spec, self._fleet
+        if (
+            current is not None
+            and running is not None
+            and dataclasses.replace(spec, **_where(current)) == current
+            and all(fleet_io.is_healthy(p.url, path=p.health) for p in running.processes)
+        ):
+            return current, running
         self.stop()
         self._fleet = fleet_io.up(spec, timeout=START_TIMEOUT_S)
         self._spec = spec

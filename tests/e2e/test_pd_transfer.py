@@ -38,7 +38,8 @@ def _words(n: int, seed: int) -> str:
 
 
 def test_the_first_request_after_ready_is_not_a_fallback(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
-    """First in this module. `fleet up` handed KV from P to D once before it returned
+    """First in this module (``test_verified_attach``, before it on this fleet, sends no
+    request through the router). `fleet up` handed KV from P to D once before it returned
     (deploy.pair_warmup: NIXL's handshake), so the first client request pays no handshake:
     it goes P -> D and D receives the prompt's KV over NIXL (issue 20: `make demo`'s
     first request went `fallback` at 38.5 s TTFT)."""
@@ -211,7 +212,8 @@ def test_an_impossible_ttft_slo_is_refused_and_the_fleet_serves_the_next_request
 
 
 def test_prefill_failure_falls_back_to_local_prefill_on_decode(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
-    """Last in this module: it stops the prefill engine."""
+    """Last in this module, and in the group that shares its fleet (``tests/e2e/conftest.py``):
+    it stops the prefill engine."""
     from deploy.fleet import stop_group
 
     decode = pd_fleet.by_role("decode")[0]
