@@ -56,9 +56,9 @@ PORTS = block_of(__name__).fleet()
 REPS = 3
 """Sessions per case and choice (forced) and per case (live); a median of 3 shrugs off
 one outlier on either side (single turn-2 prefills here have taken 0.06 s and 0.58 s in
-one case and choice). Each long-context session takes about a minute on a 2-core AVX2
-box (a 6,000-token prefill on P, D's decode of the span): 4 repetitions and a 16-block
-span made this module 14 of the suite's 47 minutes there."""
+one case and choice). The case's sessions share one long history (:func:`session_history`),
+so only the first prefills it whole: on a 2-core AVX2 box this module took 16 of the
+suite's 75 minutes when each session brought its own, and 4.3 of 36 since."""
 WARM_SESSIONS = 2
 WARM_PREFILLS = (48, 400, 1500)
 """Token counts of the plain prefills that time P's steps before the live sessions."""
