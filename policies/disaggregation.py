@@ -79,6 +79,9 @@ class LocalRemoteDecision:
     remote_s: float
     stall_s: float
     reasons: tuple[str, ...]
+    guards_ok: bool = True
+    """Every check but the stall budget and the cost comparison passed: local is
+    possible, and only its price (its own and the stall it imposes) speaks against it."""
 
     def explain(self) -> str:
         return (
@@ -139,6 +142,7 @@ class LocalVsRemotePolicy:
                     f"D KV usage {decode.kv_usage:.0%} vs guard {c.decode_busy_kv_usage:.0%}",
                 )
             )
+        guards_ok = all(ok for ok, _ in checks)
         if c.compare_costs:
             checks.append(
                 (
@@ -152,4 +156,4 @@ class LocalVsRemotePolicy:
             checks.append((local_s <= remote_s, "local cheaper" if local_s <= remote_s else "remote cheaper"))
         where = Where.LOCAL if all(ok for ok, _ in checks) else Where.REMOTE
         reasons = tuple(f"{'ok' if ok else 'NO'}: {text}" for ok, text in checks)
-        return LocalRemoteDecision(where, local_s, remote_s, stall_s, reasons)
+        return LocalRemoteDecision(where, local_s, remote_s, stall_s, reasons, guards_ok)

@@ -207,6 +207,31 @@ class SessionOptionPricer:
             return _unavailable(Option.LOCAL, why)
         return OptionPrice(Option.LOCAL, verdict.local_s, step.d_name, why, prompt.effective_tokens, 0)
 
+    def local_despite_stall(self, step: SessionStep, best_remote_s: float) -> OptionPrice | None:
+        """The local option priced with the stall it imposes on D's running streams
+        (its prefill, plus that pause once per running stream), when only the stall
+        budget or the cost comparison ruled it out and it is still faster than
+        ``best_remote_s``, the cheapest other option's price; else ``None``. A budget
+        must not send a step to an option slower than prefilling here and pausing the
+        streams: with concurrent steps on one D, each one's streams would otherwise
+        send every later step to a P that lacks the session."""
+        p_cached = step.p.cached_tokens if step.p is not None else 0
+        p_queued = step.p.queued_tokens if step.p is not None else 0
+        prompt = PromptState(step.prompt_tokens, step.d_cached_tokens, p_cached, p_queued)
+        verdict = self.policy.decide(prompt, step.decode, step.measured)
+        if verdict.where is Where.LOCAL or not verdict.guards_ok:
+            return None
+        seconds = verdict.local_s + verdict.stall_s * step.decode.running_streams
+        if seconds >= best_remote_s:
+            return None
+        why = (
+            f"D={step.d_name} prefills {prompt.effective_tokens} tokens; "
+            + "; ".join(verdict.reasons)
+            + f"; with the stall on {step.decode.running_streams} streams {seconds * 1e3:.2f} ms,"
+            f" below the best other option's {best_remote_s * 1e3:.2f} ms"
+        )
+        return OptionPrice(Option.LOCAL, seconds, step.d_name, why, prompt.effective_tokens, 0)
+
     def price(self, step: SessionStep) -> tuple[OptionPrice, ...]:
         """All five options in the article's order."""
         return (self.reprefill(step), self.pull(step), self.affinity(step), self.shared_tier(step), self.local(step))

@@ -356,7 +356,14 @@ class Router:
             shared_tokens=min(prompt_tokens, overlaps[p.name].shared * bs),
             measured=self._measured(p, d, prompt, decode),
         )
-        return tuple(self._measured_price(price, prompt_tokens, d, loads, decode) for price in self.pricer.price(step))
+        priced = self.pricer.price(step)
+        prices = tuple(self._measured_price(price, prompt_tokens, d, loads, decode) for price in priced)
+        local = next(price for price in prices if price.option is Option.LOCAL)
+        others = [price.seconds for price in prices if price.available]
+        if local.available or not others:
+            return prices
+        despite = self.pricer.local_despite_stall(step, min(others))  # measured, with the stall priced in
+        return prices if despite is None else tuple(despite if p is local else p for p in prices)
 
     def _measured(self, p: Worker, d: Worker, prompt: PromptState, decode: DecodeState) -> MeasuredTimes | None:
         """The local prefill on D and the remote path through P, from the measured rates

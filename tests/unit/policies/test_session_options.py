@@ -6,7 +6,13 @@ import math
 
 import pytest
 
-from policies.disaggregation import KVPILOT_DEFAULT, DecodeState, LocalPrefillConfig, LocalVsRemotePolicy
+from policies.disaggregation import (
+    KVPILOT_DEFAULT,
+    DecodeState,
+    LocalPrefillConfig,
+    LocalVsRemotePolicy,
+    MeasuredTimes,
+)
 from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from policies.session_options import Option, PrefillSite, SessionOptionPricer, SessionStep, choose
 from routing.config import ForcedOption
@@ -124,3 +130,45 @@ def test_no_option_available_is_an_error_naming_each() -> None:
 
 def _fields(step: SessionStep) -> dict:
     return {name: getattr(step, name) for name in SessionStep.__slots__}
+
+
+# One of four sessions stepping at once on one D (bench_agent's lockstep): D already
+# runs another session's step, its local prefill of the 140-token increment measured
+# at 0.5 s (over the 50 ms stall budget), and P, which last saw the session at step 1,
+# would re-prefill 1,068 tokens in 4.4 s.
+LOCKSTEP = SessionStep(
+    prompt_tokens=2_200,
+    p=PrefillSite("p0", cached_tokens=1_088),
+    d_name="d0",
+    d_cached_tokens=2_060,
+    decode=DecodeState(kv_usage=0.01, running_streams=1),
+    last_p=None,
+    last_d_chosen=True,
+    measured=MeasuredTimes(local_s=0.5, remote_s=4.4),
+)
+
+
+@pytest.mark.parametrize(
+    ("streams", "best_other_s", "local_kept"),
+    [
+        (1, 4.4, True),  # 0.5 s + one stream paused 0.5 s = 1.0 s, against 4.4 s on P
+        (4, 2.2, False),  # 0.5 s + 4 x 0.5 s = 2.5 s: the step moves off D (test_predicted_ttft's case)
+        (0, 4.4, False),  # nothing stalled: local was not ruled out by the stall, nothing to add
+    ],
+)
+def test_the_stall_budget_does_not_send_a_step_to_a_slower_option(streams, best_other_s, local_kept) -> None:
+    step = SessionStep(**{**_fields(LOCKSTEP), "decode": DecodeState(kv_usage=0.01, running_streams=streams)})
+    policy_pricer = pricer()
+    if streams:
+        assert not by_option(step)[Option.LOCAL].available  # the budget alone rules it out
+    despite = policy_pricer.local_despite_stall(step, best_other_s)
+    assert (despite is not None) is local_kept
+    if despite is not None:
+        assert despite.option is Option.LOCAL and despite.prefill_worker == "d0"
+        assert despite.seconds == pytest.approx(0.5 + 0.5 * streams)
+        assert f"with the stall on {streams} streams" in despite.why
+
+
+def test_a_failed_guard_is_not_priced_away() -> None:
+    full = SessionStep(**{**_fields(LOCKSTEP), "decode": DecodeState(kv_usage=0.95, running_streams=1)})
+    assert pricer().local_despite_stall(full, 100.0) is None  # D's KV usage over the guard: never local
