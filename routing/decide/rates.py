@@ -79,6 +79,12 @@ class Estimate:
         """The measured value where there is one, else the prior."""
         return self.measured_s if self.measured_s is not None else self.prior_s
 
+    @property
+    def measured(self) -> bool:
+        """Whether :attr:`seconds` is a measurement's: a fit answered, or there is no work
+        (the prior of no work is 0 s, as any fit's is)."""
+        return self.measured_s is not None or self.prior_s == 0.0
+
     def as_dict(self) -> dict[str, object]:
         return {
             "prior_s": self.prior_s,
@@ -245,7 +251,9 @@ class RateEstimator:
     def overhead(self, decode_worker: str, path: PrefillPath) -> Estimate:
         """What a request decoded on ``decode_worker`` and prefilled by ``path`` spends
         outside the modelled terms: the median of its last ``window`` residuals on that
-        path (:meth:`observe_overhead`), at least 0; while it has fewer than
+        path (:meth:`observe_overhead`). It is negative where the modelled terms overprice
+        the path: a prefill on D priced, until D has its own samples, by P's fit, which
+        holds P's call around its prefill. While it has fewer than
         ``min_samples``, the worker's with the most on that path; prior 0. Never another
         path's: a remote prefill's handoff is no part of a local one."""
         residuals_by_worker = self._overhead[path]
@@ -254,7 +262,7 @@ class RateEstimator:
             own = residuals_by_worker.get(decode_worker)
             return Estimate(0.0, None, len(own) if own is not None else 0)
         residuals = residuals_by_worker[name]
-        return Estimate(0.0, max(0.0, float(np.median(residuals))), len(residuals), name)
+        return Estimate(0.0, float(np.median(residuals)), len(residuals), name)
 
     @staticmethod
     def _estimate(
@@ -367,16 +375,28 @@ class TTFTPrediction:
     def _terms(self) -> tuple[Estimate, ...]:
         return (self.queue, self.prefill, self.transfer, self.first_step, self.overhead)
 
+    def _modelled(self) -> tuple[Estimate, ...]:
+        return (self.queue, self.prefill, self.transfer, self.first_step)
+
     @property
     def modelled_s(self) -> float:
         """The four modelled terms, without the overhead: what a request's observed TTFT
         is held against to learn the overhead."""
-        return self.seconds - self.overhead.seconds
+        return sum(term.seconds for term in self._modelled())
+
+    @property
+    def modelled_measured(self) -> bool:
+        """Whether every modelled term is a measurement's (:attr:`Estimate.measured`): only
+        then is an observed TTFT's residual an overhead (against a prior it would be the
+        prior's error, and a fresh fleet's first requests would price every later one)."""
+        return all(term.measured for term in self._modelled())
 
     @property
     def seconds(self) -> float:
-        """The prediction: each term measured where it can be, else its prior."""
-        return sum(term.seconds for term in self._terms())
+        """The prediction: each term measured where it can be, else its prior; never
+        below the first decode step (a negative overhead corrects the model, it does not
+        outrun it)."""
+        return max(self.first_step.seconds, self.modelled_s + self.overhead.seconds)
 
     @property
     def prior_s(self) -> float:

@@ -366,9 +366,7 @@ class Proxy:
                         fell_back = route.prefill is not None and handoff is None  # D prefilled after all
                         if prediction is not None and self.rates is not None and not fell_back:
                             self._time_prefill_by_first_token(route, deferred, prediction, now - sent_at)
-                            # the route ran as predicted: learn what it spent beyond the model
-                            path = PrefillPath.LOCAL if route.prefill is None else PrefillPath.REMOTE
-                            self.rates.observe_overhead(d.name, path, now - request.started - prediction.modelled_s)
+                            self._learn_overhead(route, prediction, now - request.started)
                         self.ledger.first_token(route.request_id)
                     if request.chat:
                         batch = [
@@ -389,6 +387,15 @@ class Proxy:
                 return False
             await client.close()
             return True
+
+    def _learn_overhead(self, route: Route, prediction: TTFTPrediction, ttft_s: float) -> None:
+        """``route`` ran as predicted and reached its first token after ``ttft_s``: what it
+        spent beyond the modelled terms is its path's overhead, once those terms are all
+        measurements (:attr:`TTFTPrediction.modelled_measured`)."""
+        assert self.rates is not None
+        if prediction.modelled_measured:
+            path = PrefillPath.LOCAL if route.prefill is None else PrefillPath.REMOTE
+            self.rates.observe_overhead(route.decode.name, path, ttft_s - prediction.modelled_s)
 
     def _time_prefill_by_first_token(
         self, route: Route, deferred: bool, prediction: TTFTPrediction, first_token_s: float

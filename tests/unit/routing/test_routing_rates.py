@@ -317,8 +317,8 @@ def test_the_overhead_is_the_median_residual_of_the_decode_worker_else_the_most_
     assert rates.overhead("d1", REMOTE).measured_s == pytest.approx(0.0115)
     assert rates.overhead("d2", REMOTE).measured_by == "d1"  # d2 not yet timed: d1's
     for _ in range(MIN_SAMPLES):
-        rates.observe_overhead("d2", REMOTE, -0.004)  # faster than modelled: no negative overhead
-    assert rates.overhead("d2", REMOTE) == Estimate(0.0, 0.0, MIN_SAMPLES, "d2")
+        rates.observe_overhead("d2", REMOTE, -0.004)  # faster than modelled: the model is corrected
+    assert rates.overhead("d2", REMOTE) == Estimate(0.0, -0.004, MIN_SAMPLES, "d2")
     prediction = predict_ttft(rates, "p", "d1", new=10, cached=0, queued=0, transfer_tokens=0, streams=0)
     assert prediction.overhead.measured_s == pytest.approx(0.0115)
     assert prediction.seconds == pytest.approx(prediction.modelled_s + 0.0115)
@@ -340,3 +340,40 @@ def test_a_local_prefill_is_never_priced_with_the_remote_path_s_overhead():
     remote = predict_ttft(rates, "p", "d1", new=10, cached=0, queued=0, transfer_tokens=10, streams=0)
     assert (local.overhead.measured_s, remote.overhead.measured_s) == pytest.approx((0.002, 0.045))
     assert PrefillPath.of("d1", "d1") is LOCAL and PrefillPath.of("p", "d1") is REMOTE
+
+
+def test_a_negative_overhead_corrects_the_model_but_never_below_the_first_step():
+    """A prefill on D priced by P's fit (P's call included) is overpriced: D's local
+    answers teach a negative overhead, and the prediction never drops below D's first step."""
+    rates = RateEstimator(lambda _engine: PRIOR)
+    for new in (100, 200, 300, 400):
+        rates.observe_prefill("p", new, 0, 0.2 + 0.001 * new)
+    for _ in range(MIN_SAMPLES):
+        rates.observe_decode("d1", 1, 0.02)
+        rates.observe_overhead("d1", LOCAL, -0.15)
+    local = predict_ttft(rates, "d1", "d1", new=300, cached=0, queued=0, transfer_tokens=0, streams=0)
+    assert local.prefill.measured_by == "p"
+    assert local.seconds == pytest.approx(local.modelled_s - 0.15)
+    for _ in range(MIN_SAMPLES):
+        rates.observe_overhead("d1", LOCAL, -5.0)
+    local = predict_ttft(rates, "d1", "d1", new=300, cached=0, queued=0, transfer_tokens=0, streams=0)
+    assert local.seconds == pytest.approx(local.first_step.seconds)
+
+
+def test_the_overhead_is_learned_only_against_measured_terms():
+    """Against the prior's terms a residual is the prior's error: a fresh fleet's warm-up
+    would teach the whole TTFT as overhead. No work counts as measured (0 s either way)."""
+    rates = RateEstimator(lambda _engine: PRIOR)
+    fresh = predict_ttft(rates, "p", "d1", new=100, cached=0, queued=0, transfer_tokens=100, streams=0)
+    assert not fresh.modelled_measured
+    for new in (100, 200, 300, 400):
+        rates.observe_prefill("p", new, 0, 0.01 * new)
+    for tokens in (100, 200, 300, 400):
+        rates.observe_transfer("d1", 1, tokens, 0.001 * tokens)
+        rates.observe_decode("d1", 1, 0.02)
+    learned = predict_ttft(rates, "p", "d1", new=100, cached=0, queued=0, transfer_tokens=100, streams=0)
+    assert learned.modelled_measured and learned.queue.measured_s == 0.0
+    idle = predict_ttft(
+        RateEstimator(lambda _engine: PRIOR), "p", "d1", new=0, cached=0, queued=0, transfer_tokens=0, streams=0
+    )
+    assert idle.queue.measured and not idle.modelled_measured  # the first step still on the prior
