@@ -195,6 +195,8 @@ class Router:
         self.sessions = sessions
         self.policy = policy
         self.engine_load = engine_load
+        self._routed_at_poll: dict[WorkerId, int] = {}
+        """Per worker, this router's requests on it when its gauges were last read (:meth:`engine_polled`)."""
         self.available = available if available is not None else (lambda _: True)
         self.events_stale = events_stale if events_stale is not None else (lambda _: False)
         self.pair_penalty = pair_penalty if pair_penalty is not None else (lambda _p, _d: 0.0)
@@ -517,12 +519,22 @@ class Router:
         )
         return predicted.seconds
 
+    def engine_polled(self, worker: WorkerId) -> None:
+        """``worker``'s gauges were just read (``engine_load``'s newest sample): remember how
+        many of this router's requests were on it then."""
+        self._routed_at_poll[worker] = self.ledger.load(worker).active_requests
+
     def _running_streams(self, d: Worker, loads: Mapping[WorkerId, WorkerLoad]) -> int:
-        """D's running requests: the ledger's, or D's own gauge where it reports more (it
-        also counts traffic that bypassed this router)."""
+        """D's running requests: the ledger's now, plus those D's own gauge counted beyond
+        this router's requests when it was read (traffic that bypassed this router). The
+        gauge is up to a poll interval old: taken whole, a session's step that had
+        finished since would still count as a running stream, and price the next step's
+        local prefill with a stall it does not cause."""
         reported = self.engine_load(d.name) if self.engine_load is not None else None
         running = loads[d.name].active_requests
-        return running if reported is None else max(running, int(reported.running))
+        if reported is None:
+            return running
+        return running + max(0, int(reported.running) - self._routed_at_poll.get(d.name, 0))
 
     def _policy_inputs(
         self,

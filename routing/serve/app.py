@@ -342,6 +342,8 @@ class RouterServer:
         """A worker's polled ``/metrics``: its pair health and its measured rates (P's
         prefills are timed by the proxy, not taken from P's histogram)."""
         self.pair_health.observe(worker, sample.transfer, sample.at)
+        with self.lock:
+            self.router.engine_polled(worker)
         self.rates.observe_sample(worker, sample, prefill=self._role(worker) is not Role.PREFILL)
 
     def set_fleet(self, fleet: Fleet) -> None:

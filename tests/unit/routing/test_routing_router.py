@@ -466,3 +466,38 @@ def test_by_predicted_ttft_a_worker_holding_the_history_beside_a_running_stream_
 def test_the_predicted_ttft_objective_needs_the_measured_rates():
     with pytest.raises(ConfigError, match=r"cost.objective.*measured_rates"):
         _config(COLOCATED, cost={"objective": "predicted_ttft"}, disaggregation={"measured_rates": False})
+
+
+def test_d_s_gauge_counts_only_what_bypassed_the_router_beyond_its_ledger():
+    """D's gauge is as old as its last poll: the router's own requests it counted then are
+    taken from the ledger now (one that finished since is no running stream), and only the
+    gauge's excess over them (traffic that bypassed the router) is added."""
+    from routing.health.engine_load import EngineLoad
+
+    cfg = _config(PD)
+    fleet = fleet_from_config(cfg)
+    ledger = LoadLedger()
+    gauge = {"d1": EngineLoad(running=3, waiting=0, kv_usage=0.0, at=0.0)}
+    router = Router(
+        fleet,
+        cfg,
+        BlockIndex(BS),
+        ledger,
+        SessionStore(BS, 16),
+        policy_from_config(cfg.disaggregation, prior_model(cfg)),
+        random.Random(0),
+        engine_load=lambda worker: gauge.get(worker),
+    )
+
+    def streams() -> str:
+        route = router.route(_prompt(6, base=500), "probe")
+        assert route.local_remote is not None
+        return re.search(r"stall on (\d+) streams", "; ".join(route.local_remote.reasons)).group(1)
+
+    assert streams() == "3"  # no poll recorded: the whole gauge bypassed the router
+    for n in range(2):
+        ledger.dispatch(f"r{n}", WorkerId("p1"), WorkerId("d1"), PromptChain(_prompt(2, base=100 * n), BS), 0)
+    router.engine_polled(WorkerId("d1"))  # the gauge's 3: the router's 2 and 1 that bypassed it
+    assert streams() == "3"
+    ledger.complete("r0")
+    assert streams() == "2"  # r0 finished since the poll: no longer a stream
