@@ -46,11 +46,14 @@ from tests.fakes.ports import block_of
 pytestmark = pytest.mark.e2e
 
 PORTS = block_of(__name__).fleet()
-WARM_UP_WORDS = (40, 150, 450, 900, 1400, 2000)
+WARM_UP_WORDS = (150, 450, 900, 1400, 2000)
 """Fresh prompts (every one prefilled on P: no D holds any of it) that give P's prefill
-model samples at six lengths before anything is asserted, the shortest as short as a
-session step's increment (a fit of long prompts alone extrapolates its fixed cost to the
-short ones: CI's box priced a 71-token step at 2x its TTFT)."""
+model samples at five lengths before anything is asserted ..."""
+WARM_UP_EXTENSION_WORDS = 40
+"""... each followed by itself and this many words more: a prefill as short as a session
+step's increment after a cached context (from fresh prompts alone the fit cannot tell a
+fixed cost from attention over the context, and extrapolates both to a step: CI's box
+priced a 71-token step at 2x its TTFT)."""
 GENERATED = 24
 STEPS = 10
 WITHIN_2X_SHARE = 0.8
@@ -87,7 +90,7 @@ def warmed(fleet: Fleet, tokenizer: PromptTokenizer) -> Fleet:
     """The fleet once P's prefill, D's decode step and D's KV reads are fitted from the
     engines' own answers and metrics (polled every 5 s), and the overhead around them
     from streamed answers, not the prior: fresh prompts of growing length, each
-    prefilled on P and streamed from D, until they are."""
+    prefilled on P and streamed from D, and each extended once, until they are."""
     router = fleet.router.url
     deadline = time.monotonic() + LEARN_TIMEOUT_S
     n = 0
@@ -96,6 +99,9 @@ def warmed(fleet: Fleet, tokenizer: PromptTokenizer) -> Fleet:
         words = WARM_UP_WORDS[n % len(WARM_UP_WORDS)]
         prompt = tokenizer.prompt_token_ids(f"warm {n}: " + filler_text(words, 90 + n))
         complete(router, prompt, max_tokens=GENERATED, stream=True)
+        time.sleep(0.5)
+        extension = tokenizer.prompt_token_ids(" more: " + filler_text(WARM_UP_EXTENSION_WORDS, 190 + n))
+        complete(router, prompt + extension, max_tokens=GENERATED, stream=True)
         n += 1
         time.sleep(0.5)
     return fleet
@@ -195,7 +201,8 @@ def _long_streams(d: str, tokenizer: PromptTokenizer, pool: ThreadPoolExecutor) 
 
 def _priced_with_streams(router: str, prompt: list[int], session: str, streams: int) -> None:
     """Wait until the router prices ``prompt``'s local option with ``streams`` running on
-    D (it polls D's gauges every 5 s, and counts the larger of them and its own ledger)."""
+    D (it polls D's gauges every 5 s, and adds what they count beyond its own requests
+    to its ledger)."""
     deadline = time.monotonic() + 30
     while True:
         local = {o["option"]: o for o in debug_route(router, prompt, conversation_id=session)["options"]}["local"]
