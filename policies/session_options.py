@@ -30,7 +30,14 @@ import enum
 import math
 from dataclasses import dataclass
 
-from policies.disaggregation import DecodeState, LocalVsRemotePolicy, MeasuredTimes, PromptState, Where
+from policies.disaggregation import (
+    DecodeState,
+    LocalRemoteDecision,
+    LocalVsRemotePolicy,
+    MeasuredTimes,
+    PromptState,
+    Where,
+)
 from policies.roofline import kv_bytes, linear_flops, pass_seconds, prefill
 
 
@@ -197,12 +204,17 @@ class SessionOptionPricer:
             Option.SHARED_TIER, step, step.p, step.shared_tokens, self._transfer_s(gain), f"restore {gain} tokens "
         )
 
-    def local(self, step: SessionStep) -> OptionPrice:
+    def _local_verdict(self, step: SessionStep) -> tuple[PromptState, LocalRemoteDecision, str]:
+        """The policy's verdict on D prefilling ``step``, the prompt it judged and the why."""
         p_cached = step.p.cached_tokens if step.p is not None else 0
         p_queued = step.p.queued_tokens if step.p is not None else 0
         prompt = PromptState(step.prompt_tokens, step.d_cached_tokens, p_cached, p_queued)
         verdict = self.policy.decide(prompt, step.decode, step.measured)
         why = f"D={step.d_name} prefills {prompt.effective_tokens} tokens; " + "; ".join(verdict.reasons)
+        return prompt, verdict, why
+
+    def local(self, step: SessionStep) -> OptionPrice:
+        prompt, verdict, why = self._local_verdict(step)
         if verdict.where is not Where.LOCAL and step.p is not None:
             return _unavailable(Option.LOCAL, why)
         return OptionPrice(Option.LOCAL, verdict.local_s, step.d_name, why, prompt.effective_tokens, 0)
@@ -215,19 +227,14 @@ class SessionOptionPricer:
         must not send a step to an option slower than prefilling here and pausing the
         streams: with concurrent steps on one D, each one's streams would otherwise
         send every later step to a P that lacks the session."""
-        p_cached = step.p.cached_tokens if step.p is not None else 0
-        p_queued = step.p.queued_tokens if step.p is not None else 0
-        prompt = PromptState(step.prompt_tokens, step.d_cached_tokens, p_cached, p_queued)
-        verdict = self.policy.decide(prompt, step.decode, step.measured)
+        prompt, verdict, why = self._local_verdict(step)
         if verdict.where is Where.LOCAL or not verdict.guards_ok:
             return None
         seconds = verdict.local_s + verdict.stall_s * step.decode.running_streams
         if seconds >= best_remote_s:
             return None
-        why = (
-            f"D={step.d_name} prefills {prompt.effective_tokens} tokens; "
-            + "; ".join(verdict.reasons)
-            + f"; with the stall on {step.decode.running_streams} streams {seconds * 1e3:.2f} ms,"
+        why += (
+            f"; with the stall on {step.decode.running_streams} streams {seconds * 1e3:.2f} ms,"
             f" below the best other option's {best_remote_s * 1e3:.2f} ms"
         )
         return OptionPrice(Option.LOCAL, seconds, step.d_name, why, prompt.effective_tokens, 0)
