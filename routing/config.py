@@ -63,6 +63,8 @@ user can paste them::
       kv_events_port: 0                  #   this same port on every worker's host (one worker per host)
       kv_events_endpoints: {}            # instance id (hex) -> tcp://host:port, before both rules (several
                                          #   workers in one process share a request-plane port)
+    gateway:                             # the endpoint picker behind Envoy (routing.gateway; docs/gateway.md)
+      picker_port: 0                     # > 0: serve Envoy's ext_proc and its OTLP access log here (gRPC, server.host)
     workers:                             # Worker; routing.fleet checks the fleet (empty beside Dynamo)
       - name: prefill-0
         role: prefill                    # prefill | decode | colocated
@@ -420,6 +422,23 @@ class DynamoConfig(TypedConfig, frozen=True):
         msgspec.structs.force_setattr(self, "kv_events_endpoints", MappingProxyType(endpoints))
 
 
+class GatewayConfig(TypedConfig, frozen=True):
+    """kvpilot as Envoy's endpoint picker (:mod:`routing.gateway`): with ``picker_port``
+    set the router also serves, on ``server.host:picker_port``, the gRPC services Envoy
+    calls: ``ext_proc`` (each request's headers and body; the answer names the
+    destination) and the OpenTelemetry logs service (Envoy's access log: each request's
+    end and first-token time). Streams then go from the engines to the clients through
+    Envoy, not through the router (``deploy/envoy_spec.py`` writes Envoy's config).
+    ``picker_port`` 0: no picker (the HTTP front alone)."""
+
+    error_type = ConfigError
+
+    picker_port: int = 0
+
+    def __post_init__(self) -> None:
+        check_range(self, "picker_port", at_least=0, below=65536)
+
+
 class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -469,6 +488,7 @@ class RouterConfig(TypedConfig, frozen=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     disaggregation: DisaggregationConfig = msgspec.field(default_factory=DisaggregationConfig)
     dynamo: DynamoConfig = msgspec.field(default_factory=DynamoConfig)
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     workers: tuple[Worker, ...] = ()
 
     def __post_init__(self) -> None:

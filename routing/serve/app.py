@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,15 @@ def make_session_store(cfg: SessionConfig) -> SessionStateStore | None:
         needs = f"'redis' needs the redis client (pip install 'kvpilot[redis]'): {exc}"
         raise ConfigError("sessions.store", needs) from None
     return RedisSessionStore(cfg.redis_url, cfg.store_key_prefix)
+
+
+@dataclass(frozen=True, slots=True)
+class Intake:
+    """A request routed by :meth:`RouterServer.intake`: what the proxy serves, and the
+    client's checked body (its session fields and messages as sent)."""
+
+    request: ProxyRequest
+    client_body: dict[str, Any]
 
 
 class RouterServer:
@@ -406,9 +416,9 @@ class RouterServer:
         try:
             body = await self._body(request, chat=None)
             chat = "messages" in body
-            token_ids, session = self._prompt(request, body, chat)
+            token_ids, session = self._prompt(request.headers, body, chat)
             await self._pull_session(session)
-            route = self._route(request, token_ids, body, chat, session, dry_run=True)
+            route = self._route(request.headers, token_ids, body, chat, session, dry_run=True)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
         assert self._proxy is not None
@@ -449,14 +459,23 @@ class RouterServer:
 
     # ---- parsing and routing -------------------------------------------------
     async def _body(self, request: web.Request, chat: bool | None) -> dict[str, Any]:
-        """The request's body, checked (:func:`routing.serve.request_fields.checked_body`);
-        a refusal with a reason is counted in ``kvpilot_router_rejected_total``."""
-        srv = self.config.server
+        """The request's body, checked (:meth:`checked_body`)."""
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            self.metrics.rejected.labels(RejectReason.BODY_TOO_LARGE.value).inc()
-            raise BadRequest(f"request body is over server.max_body_bytes ({srv.max_body_bytes})", 413) from None
+            raise self.body_too_large() from None
+        return self.checked_body(raw, chat)
+
+    def body_too_large(self) -> BadRequest:
+        """The 413 for a body over ``server.max_body_bytes``, counted."""
+        self.metrics.rejected.labels(RejectReason.BODY_TOO_LARGE.value).inc()
+        return BadRequest(f"request body is over server.max_body_bytes ({self.config.server.max_body_bytes})", 413)
+
+    def checked_body(self, raw: bytes, chat: bool | None) -> dict[str, Any]:
+        """``raw`` parsed and checked (:func:`routing.serve.request_fields.checked_body`);
+        raises :class:`BadRequest`, a refusal with a reason counted in
+        ``kvpilot_router_rejected_total``."""
+        srv = self.config.server
         try:
             return checked_body(raw, chat, model_name=srv.model_name, max_output_tokens=srv.max_output_tokens)
         except BadRequest as exc:
@@ -464,7 +483,9 @@ class RouterServer:
                 self.metrics.rejected.labels(exc.reason.value).inc()
             raise
 
-    def _prompt(self, request: web.Request, body: dict[str, Any], chat: bool) -> tuple[list[int], SessionId | None]:
+    def _prompt(
+        self, headers: Mapping[str, str], body: dict[str, Any], chat: bool
+    ) -> tuple[list[int], SessionId | None]:
         """The prompt's token ids (a chat rendered first) and the request's session;
         raises :class:`BadRequest`."""
         try:
@@ -474,7 +495,7 @@ class RouterServer:
                 token_ids = self.tokenizer.prompt_token_ids(self.chat_template.render(body.get("messages")))
             else:
                 token_ids = self.tokenizer.prompt_token_ids(body.get("prompt"))
-            key = session_key(body, request.headers)
+            key = session_key(body, headers)
             session = None if key is None else scoped(key, body.get("cache_salt"))
         except (PromptError, ChatError, InvalidSessionKey) as exc:
             raise BadRequest(str(exc)) from None
@@ -494,7 +515,7 @@ class RouterServer:
 
     def _route(
         self,
-        request: web.Request,
+        headers: Mapping[str, str],
         token_ids: list[int],
         body: dict[str, Any],
         chat: bool,
@@ -505,7 +526,7 @@ class RouterServer:
     ) -> Route:
         """Decide where ``token_ids`` go (under the index lock); raises :class:`BadRequest`."""
         prefix = "chatcmpl" if chat else "cmpl"
-        request_id = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
+        request_id = headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
         self.watch_events()
         with self.lock:
             started = time.perf_counter()
@@ -547,39 +568,53 @@ class RouterServer:
         """Parse, route and hand the route to the proxy."""
         started = time.perf_counter()
         assert self._proxy is not None, "the app has not started"
-        slo_s = self.config.server.ttft_slo_s
         try:
-            body = await self._body(request, chat)
-            engine_body = chat_to_completion_body(body) if chat else dict(body)
-            token_ids, session = self._prompt(request, body, chat)
-            await self._pull_session(session)
-            # a session's chain advances with its route: priced on a dry run first, so
-            # that a refused step leaves the session as it was
-            checked_first = bool(slo_s) and session is not None
-            route = self._route(request, token_ids, body, chat, session, dry_run=checked_first)
-            prediction = self._proxy.predict(route) if slo_s else None
-            if prediction is not None:
-                check_ttft_slo(prediction, slo_s)  # raises Rejected: answered by _serve
-            if checked_first:
-                route = self._route(request, token_ids, body, chat, session)
+            intake = await self.intake(request.headers, await self._body(request, chat), chat, started)
         except (BadRequest, ChatError) as exc:
             return _error(getattr(exc, "status", 400), str(exc))
+        client = _SSEResponse(request)
+        reply = await self._proxy.serve(intake.request, client)
+        if reply is None:
+            assert client.response is not None
+            return client.response
+        return web.json_response(reply.payload, status=reply.status, headers=reply.headers)
+
+    async def intake(self, headers: Mapping[str, str], body: dict[str, Any], chat: bool, started: float) -> Intake:
+        """A checked ``body`` (:meth:`checked_body`) tokenized once (a chat rendered
+        first), its session taken from the shared store, routed (a session's step on a dry
+        run first when there is a TTFT SLO, so that a refused step leaves the session as
+        it was) and checked against ``server.ttft_slo_s``. Raises :class:`BadRequest` or
+        :class:`ChatError` (400 unless they say otherwise), or
+        :class:`~routing.serve.admission.Rejected` for a predicted TTFT over the SLO."""
+        assert self._proxy is not None, "the app has not started"
+        slo_s = self.config.server.ttft_slo_s
+        engine_body = chat_to_completion_body(body) if chat else dict(body)
+        token_ids, session = self._prompt(headers, body, chat)
+        await self._pull_session(session)
+        checked_first = bool(slo_s) and session is not None
+        route = self._route(headers, token_ids, body, chat, session, dry_run=checked_first)
+        prediction = self._proxy.predict(route) if slo_s else None
+        if prediction is not None:
+            check_ttft_slo(prediction, slo_s)
+        if checked_first:
+            route = self._route(headers, token_ids, body, chat, session)
         for key in SESSION_FIELDS:
             engine_body.pop(key, None)
         engine_body["prompt"] = token_ids
 
         def reroute(exclude: frozenset[WorkerId]) -> Route | None:
             try:
-                return self._route(request, token_ids, body, chat, session, exclude=exclude)
+                return self._route(headers, token_ids, body, chat, session, exclude=exclude)
             except BadRequest:
                 return None
 
-        client = _SSEResponse(request)
-        reply = await self._proxy.serve(ProxyRequest(route, engine_body, chat, session, started, reroute), client)
-        if reply is None:
-            assert client.response is not None
-            return client.response
-        return web.json_response(reply.payload, status=reply.status, headers=reply.headers)
+        return Intake(ProxyRequest(route, engine_body, chat, session, started, reroute), body)
+
+    @property
+    def proxy(self) -> Proxy:
+        """The proxy, once the app has started."""
+        assert self._proxy is not None, "the app has not started"
+        return self._proxy
 
     def event_batches(self) -> dict[WorkerId, int]:
         """Each subscribed worker's count of applied KV-event batches."""

@@ -103,6 +103,22 @@ class ProxyRequest:
     reroute: Callable[[frozenset[WorkerId]], Route | None]
 
 
+@dataclass(frozen=True, slots=True)
+class Begun:
+    """A request after :meth:`Proxy.begin`: how it is served (``kind``: a remote prefill
+    that fell back is :attr:`~routing.decide.router.Kind.FALLBACK`), the worker that
+    prefilled it (or prefills within D's call), P's handoff for D's request (``None``: D
+    prefills the prompt itself), whether P prefills within D's call (``deferred``), the
+    route's predicted TTFT, and the answer's ``X-KVPilot-*`` headers."""
+
+    kind: Kind
+    prefilled_on: WorkerId
+    handoff: dict[str, Any] | None
+    deferred: bool
+    prediction: TTFTPrediction | None
+    headers: dict[str, str]
+
+
 class Proxy:
     """Serves :class:`ProxyRequest` s (see the module doc). ``lock`` guards ``router``
     (the index and sessions it reads), as the index feeder's thread shares it;
@@ -176,6 +192,29 @@ class Proxy:
         """Serve ``route`` once; raises :class:`UpstreamError` when D fails before
         anything was sent to the client (a stream that breaks later ends with an
         error event instead)."""
+        begun = await self.begin(request, route)
+        if isinstance(begun, Reply):
+            return begun
+        try:
+            reply: Reply | None
+            if request.body.get("stream"):  # vLLM streams no kv_transfer_params: no offer to keep
+                decode_params = None
+                answered = await self._stream(request, route, begun, client)
+                reply = None
+            else:
+                reply, decode_params = await self._unary(request, route, begun.handoff, begun.headers)
+                answered = True
+            await self.finish(request, route, begun, answered=answered, decode_params=decode_params)
+            return reply
+        finally:
+            self.ledger.complete(route.request_id)
+
+    async def begin(self, request: ProxyRequest, route: Route) -> Begun | Reply:
+        """Everything before D's call: the prediction, the ledger's dispatch (a 409
+        :class:`Reply` for a request id already in flight), the decision's metrics, and
+        P's prefill with its fallback when ``route`` prefills remotely. The caller then
+        sends D's request with :attr:`Begun.handoff`, calls :meth:`finish`, and
+        completes the request in the ledger whatever happened."""
         rid, p, d = route.request_id, route.prefill_worker.name, route.decode.name
         prediction = self.predict(route)
         try:
@@ -191,31 +230,31 @@ class Proxy:
                 handoff, deferred = await self._prefill(route, request.body, offer, prediction)
                 if handoff is None:
                     kind, p = Kind.FALLBACK, d
-            headers = {
-                "X-Request-Id": rid,
-                "X-KVPilot-Route": kind.value,
-                "X-KVPilot-Prefill-Worker": p,
-                "X-KVPilot-Decode-Worker": d,
-                **({PREDICTED_TTFT_HEADER: f"{prediction.seconds * 1e3:.3f}"} if prediction is not None else {}),
-            }
-            reply: Reply | None
-            if request.body.get("stream"):  # vLLM streams no kv_transfer_params: no offer to keep
-                decode_params = None
-                answered = await self._stream(request, route, handoff, deferred, headers, client, prediction)
-                reply = None
-            else:
-                reply, decode_params = await self._unary(request, route, handoff, headers)
-                answered = True
-            with self.lock:
-                self.router.served(request.session, route, decode_params)
-            if request.session is not None and self.session_served is not None:
-                await self.session_served(request.session)
-            if answered:
-                self.worker_answered(route.decode)
-            self._expect_events(route, p)
-            return reply
-        finally:
+        except BaseException:
             self.ledger.complete(rid)
+            raise
+        headers = {
+            "X-Request-Id": rid,
+            "X-KVPilot-Route": kind.value,
+            "X-KVPilot-Prefill-Worker": p,
+            "X-KVPilot-Decode-Worker": d,
+            **({PREDICTED_TTFT_HEADER: f"{prediction.seconds * 1e3:.3f}"} if prediction is not None else {}),
+        }
+        return Begun(kind, p, handoff, deferred, prediction, headers)
+
+    async def finish(
+        self, request: ProxyRequest, route: Route, begun: Begun, *, answered: bool, decode_params: object = None
+    ) -> None:
+        """D's answer ended (``answered``: normally): the session's new state, the shared
+        store's write, D's circuit, the KV events the prefilling worker must publish.
+        The ledger's completion is the caller's."""
+        with self.lock:
+            self.router.served(request.session, route, decode_params)
+        if request.session is not None and self.session_served is not None:
+            await self.session_served(request.session)
+        if answered:
+            self.worker_answered(route.decode)
+        self._expect_events(route, begun.prefilled_on)
 
     def _session_offer(self, session: SessionId | None, route: Route) -> dict[str, Any] | None:
         """D's offer of the session's KV from its last step, when ``route`` pulls it and
@@ -335,39 +374,19 @@ class Proxy:
             raise UpstreamError(d, 502, f"sent an unreadable completion: {exc}") from None
         return Reply(200, payload, headers), decode_params
 
-    async def _stream(
-        self,
-        request: ProxyRequest,
-        route: Route,
-        handoff: dict[str, Any] | None,
-        deferred: bool,
-        headers: dict[str, str],
-        client: ClientStream,
-        prediction: TTFTPrediction | None,
-    ) -> bool:
+    async def _stream(self, request: ProxyRequest, route: Route, begun: Begun, client: ClientStream) -> bool:
         """D's stream relayed to ``client``; whether it ended normally (a break is sent
-        to the client as an error event and counted against D). ``deferred``: P
-        prefills within D's call (:meth:`_prefill`)."""
+        to the client as an error event and counted against D)."""
         d = route.decode
         sent_at = time.perf_counter()
-        async with self.upstream.stream(d, request.body, handoff) as events:
-            await client.open(headers)
+        async with self.upstream.stream(d, request.body, begun.handoff) as events:
+            await client.open(begun.headers)
             first = True
             try:
                 async for batch in events:
                     if first:
                         now = time.perf_counter()
-                        self.metrics.ttft_stage.labels("decode_first_token").observe(now - sent_at)
-                        self.metrics.ttft.observe(now - request.started)
-                        if prediction is not None and prediction.seconds > 0:
-                            self.metrics.predicted_ratio.labels("ttft").observe(
-                                (now - request.started) / prediction.seconds
-                            )
-                        fell_back = route.prefill is not None and handoff is None  # D prefilled after all
-                        if prediction is not None and self.rates is not None and not fell_back:
-                            self._time_prefill_by_first_token(route, deferred, prediction, now - sent_at)
-                            self._learn_overhead(route, prediction, now - request.started)
-                        self.ledger.first_token(route.request_id)
+                        self.first_token(route, begun, now - sent_at, now - request.started)
                     if request.chat:
                         batch = [
                             data
@@ -387,6 +406,21 @@ class Proxy:
                 return False
             await client.close()
             return True
+
+    def first_token(self, route: Route, begun: Begun, since_sent_s: float, ttft_s: float) -> None:
+        """D's first token came ``since_sent_s`` after D's request was sent and ``ttft_s``
+        after the request arrived: the TTFT metrics, the prefill and overhead samples
+        (when D did not fall back to prefilling itself), and the ledger's end of prefill."""
+        self.metrics.ttft_stage.labels("decode_first_token").observe(since_sent_s)
+        self.metrics.ttft.observe(ttft_s)
+        prediction = begun.prediction
+        if prediction is not None and prediction.seconds > 0:
+            self.metrics.predicted_ratio.labels("ttft").observe(ttft_s / prediction.seconds)
+        fell_back = route.prefill is not None and begun.handoff is None  # D prefilled after all
+        if prediction is not None and self.rates is not None and not fell_back:
+            self._time_prefill_by_first_token(route, begun.deferred, prediction, since_sent_s)
+            self._learn_overhead(route, prediction, ttft_s)
+        self.ledger.first_token(route.request_id)
 
     def _learn_overhead(self, route: Route, prediction: TTFTPrediction, ttft_s: float) -> None:
         """``route`` ran as predicted and reached its first token after ``ttft_s``: what it
