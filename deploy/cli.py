@@ -73,6 +73,9 @@ def _dynamo_fleet_up(args: argparse.Namespace) -> int:
         worker_port=args.worker_port,
         frontend_port=args.frontend_port,
         router_port=args.router_port,
+        gateway_port=args.gateway_port,
+        picker_port=args.picker_port,
+        envoy_admin_port=args.picker_port + 1,
         ttft_slo_s=args.ttft_slo,
         **counts,
     )
@@ -82,7 +85,8 @@ def _dynamo_fleet_up(args: argparse.Namespace) -> int:
     except FleetStartError as exc:
         print(f"kvpilot fleet up failed: {exc}", file=sys.stderr)
         return 1
-    print(f"router: {started.router.url}   frontend: {spec.frontend_url}   (state in {args.run_dir})")
+    print(f"clients: {spec.client_url}   router: {started.router.url}   frontend: {spec.frontend_url}")
+    print(f"(state in {args.run_dir})")
     return 0
 
 
@@ -201,6 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
     dyn.add_argument("--speedup-ratio", type=float, default=10.0, help="with --dynamo: the mocker's simulated speedup")
     dyn.add_argument("--worker-port", type=int, default=20000, help="with --dynamo: worker 0's request-plane port")
     dyn.add_argument("--frontend-port", type=int, default=8090, help="with --dynamo: the frontend's HTTP port")
+    dyn.add_argument(
+        "--gateway-port",
+        type=int,
+        default=8080,
+        help="with --dynamo: Envoy's port, where clients send requests (the router's picker decides, Envoy carries "
+        "the streams); 0: no Envoy, clients send to the router, which relays the streams",
+    )
+    dyn.add_argument(
+        "--picker-port", type=int, default=8070, help="with --dynamo: the router's endpoint picker (gRPC, for Envoy)"
+    )
     fl.set_defaults(func=_fleet)
 
     from policies.cli import add_subcommands as add_policy_subcommands

@@ -47,6 +47,7 @@ from deploy.dynamo_spec import (
     router_plan,
     worker_plan,
 )
+from deploy.envoy_spec import ENVOY_CONFIG, envoy_bootstrap, envoy_plan
 from deploy.fleet import (
     Fleet,
     FleetStartError,
@@ -115,8 +116,12 @@ def up(spec: DynamoFleetSpec, timeout: float = 120.0, progress: Callable[[str], 
         workers, frontend, router, config = plan_dynamo_fleet(spec)
     except PortCollision as exc:
         raise FleetStartError(str(exc)) from None
-    logs = _prepare(spec, [*workers, frontend, router])
+    gateway = spec.gateway
+    envoy = None if gateway is None else envoy_plan(gateway, spec.run_dir)
+    logs = _prepare(spec, [*workers, frontend, router, *([envoy] if envoy is not None else [])])
     (spec.run_dir / ROUTER_CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
+    if gateway is not None:
+        (spec.run_dir / ENVOY_CONFIG).write_text(yaml.safe_dump(envoy_bootstrap(gateway), sort_keys=False))
     with _starting("the fleet's router did not find every worker") as started:
         t0 = time.monotonic()
         started += [_spawn(plan, logs, WORKER_HEALTH) for plan in workers]
@@ -130,10 +135,16 @@ def up(spec: DynamoFleetSpec, timeout: float = 120.0, progress: Callable[[str], 
             _wait_healthy(started[-1:], time.monotonic() + timeout)
             wait_for_workers(router.url, lambda names: len(names) == len(workers), timeout)
             progress(f"  router on {router.url}, serving {len(workers)} workers from Dynamo's discovery")
+            front = started[-1]
+            if envoy is not None:
+                started.append(_spawn(envoy, logs))
+                _wait_healthy(started[-1:], time.monotonic() + timeout)
+                progress(f"  Envoy on {spec.client_url}: the router's picker decides, Envoy carries the streams")
         else:
             wait_for_frontend(frontend.url, spec.served_model_name, timeout)
             progress(f"  the frontend routes over its {len(workers)} workers (no kvpilot router)")
-    return _record(spec, started)
+            front = started[-1]
+    return _record(spec, started, front)
 
 
 def _prepare(spec: DynamoFleetSpec, plans: Sequence[ProcessPlan]) -> Path:
@@ -168,10 +179,12 @@ def _starting(what: str) -> Iterator[list[Started]]:
             raise
 
 
-def _record(spec: DynamoFleetSpec, started: list[Started]) -> Fleet:
-    """The started processes as the fleet in ``fleet.json``: the last one is its router."""
-    running = [r for _, r in started]
-    fleet = Fleet(spec.run_dir, tuple(running[:-1]), running[-1])
+def _record(spec: DynamoFleetSpec, started: list[Started], front: Started | None = None) -> Fleet:
+    """The started processes as the fleet in ``fleet.json``: ``front`` (by default the last
+    started) is its router, the others its engines (Envoy among them, with no role)."""
+    router = (front or started[-1])[1]
+    running = [r for _, r in started if r is not router]
+    fleet = Fleet(spec.run_dir, tuple(running), router)
     fleet.save()
     return fleet
 

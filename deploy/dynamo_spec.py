@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.env import DYNAMO_LOOPBACK_ENV
+from deploy.envoy_spec import GatewaySpec, PickerFailure, envoy_plan
 from deploy.fleet_spec import FLEET_TTFT_SLO_S, HOST, ROUTER_CONFIG, ProcessPlan, check_ports
 from routing.config import Role
 
@@ -78,6 +79,16 @@ class DynamoFleetSpec:
     router_cost: tuple[tuple[str, object], ...] = ()
     """kvpilot's ``cost`` section, (key, value) pairs over its defaults
     (``(("objective", "predicted_ttft"),)``)."""
+    gateway_port: int = 8080
+    """Envoy's listener, where clients send requests when kvpilot routes: Envoy asks the
+    router's endpoint picker (``picker_port``) where each request goes and carries the
+    stream itself (``deploy/envoy_spec.py``). 0: no Envoy; clients send to the router,
+    which relays every stream."""
+    picker_port: int = 8070
+    envoy_admin_port: int = 8071
+    on_picker_failure: PickerFailure = PickerFailure.REFUSE
+    """What Envoy answers when the picker fails (beside Dynamo's direct-mode frontend
+    nothing else can route: :attr:`PickerFailure.REFUSE` only)."""
 
     def __post_init__(self) -> None:
         if min(self.workers, self.prefill, self.decode) < 0:
@@ -92,6 +103,26 @@ class DynamoFleetSpec:
             raise ValueError(f"at most port_stride ({self.port_stride}) workers")
         if self.block_size <= 0 or self.speedup_ratio <= 0:
             raise ValueError("block_size and speedup_ratio must be positive")
+        if self.on_picker_failure is not PickerFailure.REFUSE:
+            raise ValueError(
+                "on_picker_failure must be refuse beside Dynamo: its direct-mode frontend routes nothing "
+                "the picker did not name"
+            )
+
+    @property
+    def gateway(self) -> GatewaySpec | None:
+        """Envoy in front, when kvpilot routes and ``gateway_port`` is set."""
+        if not (self.kvpilot_routes and self.gateway_port):
+            return None
+        return GatewaySpec(self.gateway_port, self.envoy_admin_port, self.picker_port, self.on_picker_failure)
+
+    @property
+    def client_url(self) -> str:
+        """Where clients send requests: Envoy, the router (no Envoy), or the frontend
+        (Dynamo routes)."""
+        if self.gateway is not None:
+            return f"http://{HOST}:{self.gateway_port}"
+        return f"http://{HOST}:{self.router_port}" if self.kvpilot_routes else self.frontend_url
 
     @property
     def discovery_dir(self) -> Path:
@@ -240,6 +271,7 @@ def router_config(spec: DynamoFleetSpec) -> dict[str, object]:
             "discovery_interval_s": spec.discovery_interval_s,
             "kv_events_port_offset": spec.port_stride,
         },
+        **({"gateway": {"picker_port": spec.picker_port}} if spec.gateway is not None else {}),
     }
 
 
@@ -251,12 +283,15 @@ def router_plan(spec: DynamoFleetSpec) -> ProcessPlan:
 def plan_dynamo_fleet(spec: DynamoFleetSpec) -> tuple[list[ProcessPlan], ProcessPlan, ProcessPlan, dict[str, object]]:
     """The workers (by ordinal), the frontend, the router, and the router's config (to be
     written to ``<run_dir>/router.yaml``). Raises :class:`~deploy.fleet_spec.PortCollision`
-    when two of their ports meet."""
+    when two of their ports meet (Envoy's and the picker's among them)."""
     counts: dict[Role, int] = {}
     workers = []
     for ordinal, role in enumerate(spec.roles):
         workers.append(worker_plan(spec, role, counts.get(role, 0), ordinal))
         counts[role] = counts.get(role, 0) + 1
     frontend, router = frontend_plan(spec), router_plan(spec)
-    check_ports([*workers, frontend, router])
+    gateway = spec.gateway
+    if gateway is not None:
+        router = router.with_side_port(spec.picker_port, "endpoint picker (gRPC)", {})
+    check_ports([*workers, frontend, router, *([envoy_plan(gateway, spec.run_dir)] if gateway is not None else [])])
     return workers, frontend, router, router_config(spec)

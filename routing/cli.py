@@ -1,4 +1,5 @@
-"""``kvpilot router --config FILE``: load the config, bind the KV-event endpoints, serve HTTP.
+"""``kvpilot router --config FILE``: load the config, bind the KV-event endpoints, serve HTTP
+(and, with ``gateway.picker_port``, Envoy's endpoint picker: :mod:`routing.gateway`).
 
 :func:`add_subcommands` registers ``router`` on a ``kvpilot`` subparsers object;
 ``python -m routing.cli router --config FILE`` works standalone. Every scalar
@@ -58,7 +59,12 @@ def run_router(args: argparse.Namespace) -> int:
     # uvloop's event loop (libuv), as vLLM's API server runs under uvicorn: the router's one
     # loop relays every streamed token of every request.
     loop = uvloop.new_event_loop()
-    web.run_app(server.app(), host=config.server.host, port=config.server.port, print=None, loop=loop)
+    app = server.app()
+    if config.gateway.picker_port:
+        from routing.gateway.service import attach
+
+        attach(app, server)
+    web.run_app(app, host=config.server.host, port=config.server.port, print=None, loop=loop)
     return 0
 
 

@@ -117,6 +117,7 @@ def dynamo_router(plan: ClusterPlan) -> RouterPod:
         decode=1,
         served_model_name=plan.spec.served_model_name,
         block_size=plan.spec.block_size,
+        gateway_port=0,  # no Envoy rendered for Kubernetes yet: clients reach the router itself
     )
     config = router_config(spec)
     server = dict(cast(Mapping[str, object], config["server"]))

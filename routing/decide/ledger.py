@@ -124,7 +124,8 @@ class LoadLedger:
         worker = active.decode_worker
         self._add(self._requests, worker, -1)
         by_namespace = self._held[worker]
-        held = by_namespace[active.namespace]
+        # absent when an earlier request of no full block emptied it (its own entry was empty too)
+        held = by_namespace.setdefault(active.namespace, Counter())
         before = len(held)
         held.subtract(active.blocks)
         for key in active.blocks:

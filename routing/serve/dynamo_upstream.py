@@ -22,11 +22,12 @@ import aiohttp
 from routing.config import Worker
 from routing.ids import WorkerId
 from routing.serve.completions_http import CompletionsHttp
-from routing.serve.upstream import PrefillFailure, PrefillOutcome, UpstreamError
+from routing.serve.upstream import Destination, PrefillFailure, PrefillOutcome, UpstreamError, host_port
 
-WORKER_INSTANCE_HEADER = "x-worker-instance-id"
-"""The decode (or aggregated) instance Dynamo's frontend sends the request to."""
-PREFILL_INSTANCE_HEADER = "x-prefill-instance-id"
+WORKER_INSTANCE_HEADER = "x-dynamo-worker-instance-id"
+"""The decode (or aggregated) instance Dynamo's frontend sends the request to (Dynamo
+1.6.1 also takes the unprefixed ``x-worker-instance-id``)."""
+PREFILL_INSTANCE_HEADER = "x-dynamo-prefill-instance-id"
 """The prefill instance, beside :data:`WORKER_INSTANCE_HEADER`, in a disaggregated deployment."""
 
 
@@ -41,6 +42,7 @@ class DynamoUpstream:
         instance_id: Callable[[WorkerId], int | None],
     ) -> None:
         self._completions = CompletionsHttp(http, headers)
+        self._engine_headers = headers
         self._instance_id = instance_id
 
     async def prefill(
@@ -64,6 +66,17 @@ class DynamoUpstream:
     ) -> AbstractAsyncContextManager[AsyncIterator[list[str]]]:
         """The stream from ``worker``, as :meth:`complete` routes it."""
         return self._completions.stream(worker, body, self._headers(worker, handoff))
+
+    def destination(
+        self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None, token_ids: list[int]
+    ) -> Destination:
+        """The frontend, with the instance headers; a chat body carries ``token_ids`` in
+        ``nvext.token_data`` so the frontend does not tokenize again (a completions body
+        already has them as its ``prompt``)."""
+        if "messages" in body:
+            body = {**body, "nvext": {**(body.get("nvext") or {}), "token_data": token_ids}}
+        headers = {**self._engine_headers, **self._headers(worker, handoff)}
+        return Destination(host_port(worker.url), headers, body)
 
     def _headers(self, worker: Worker, handoff: dict[str, Any] | None) -> dict[str, str]:
         """The instance headers; raises :class:`UpstreamError` (502) for a worker that left."""

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from routing.config import Worker
 
@@ -85,6 +86,24 @@ class PrefillOutcome:
         return f"status_{self.status}" if self.status is not None else self.failure.value
 
 
+@dataclass(frozen=True, slots=True)
+class Destination:
+    """Where D's request goes when something other than the proxy sends it (Envoy, with
+    kvpilot's endpoint picker): the ``host:port`` to connect to, the headers to set, and
+    the body to send."""
+
+    host_port: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+def host_port(url: str) -> str:
+    """``host:port`` of an ``http(s)://host:port`` URL (the scheme's port when none is written)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.hostname}:{port}"
+
+
 class Upstream(Protocol):
     """The engines a routed request is sent to. ``body`` is the engines' completions
     body (token ids as ``prompt``); ``handoff`` is what P's prefill returned for D
@@ -110,4 +129,13 @@ class Upstream(Protocol):
         """D's stream, entered once D answered: the ``data`` of its server-sent events, in
         batches (each batch what one read delivered, never empty).
         Raises :class:`UpstreamError` on entry, :class:`StreamBroke` while iterating."""
+        ...
+
+    def destination(
+        self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None, token_ids: list[int]
+    ) -> Destination:
+        """D's request for a sender other than the proxy: ``body`` is the engines'
+        completions body (token ids as ``prompt``) or the client's chat body (its
+        ``messages``), whose prompt tokenizes to ``token_ids``. Raises
+        :class:`UpstreamError` (502) for a worker that can no longer be reached."""
         ...

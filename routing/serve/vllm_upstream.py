@@ -19,7 +19,7 @@ import aiohttp
 
 from routing.config import Worker
 from routing.serve.completions_http import CompletionsHttp
-from routing.serve.upstream import PrefillFailure, PrefillOutcome
+from routing.serve.upstream import Destination, PrefillFailure, PrefillOutcome, host_port
 
 NOT_FOR_PREFILL = ("stream_options", "min_tokens")
 """Client fields P's one-token prefill must not carry: vLLM refuses ``min_tokens`` above
@@ -31,6 +31,7 @@ class VllmUpstream:
 
     def __init__(self, http: aiohttp.ClientSession, headers: dict[str, str]) -> None:
         self._completions = CompletionsHttp(http, headers)
+        self._headers = headers
 
     async def prefill(
         self, worker: Worker, body: dict[str, Any], params: dict[str, Any], timeout_s: float
@@ -65,6 +66,13 @@ class VllmUpstream:
     ) -> AbstractAsyncContextManager[AsyncIterator[list[str]]]:
         """D's stream, once D answered 200: its events' ``data``, in batches."""
         return self._completions.stream(worker, _decode_body(body, handoff))
+
+    def destination(
+        self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None, token_ids: list[int]
+    ) -> Destination:
+        """The engine itself, with the engines' API key and P's params in the body (a
+        chat body keeps its messages: vLLM renders and tokenizes them as the router did)."""
+        return Destination(host_port(worker.url), dict(self._headers), _decode_body(body, handoff))
 
 
 def _decode_body(body: dict[str, Any], handoff: dict[str, Any] | None) -> dict[str, Any]:

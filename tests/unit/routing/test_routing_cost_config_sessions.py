@@ -123,6 +123,16 @@ def test_load_ledger_counts_shared_prefix_blocks_once_per_worker():
     assert ledger.load("w", _chain(20)) == WorkerLoad()
 
 
+def test_load_ledger_completes_overlapping_requests_of_no_full_block():
+    # the second completion found its namespace deleted by the first (KeyError) when the
+    # picker's access log ended them after they overlapped
+    ledger = LoadLedger()
+    ledger.dispatch("a", "w", "w", _chain(0), 0)
+    ledger.dispatch("b", "w", "w", _chain(0), 0)
+    assert ledger.complete("a") and ledger.complete("b")
+    assert ledger.load("w") == WorkerLoad()
+
+
 def test_load_ledger_moves_a_failed_prefill_to_decode():
     ledger = LoadLedger()
     ledger.dispatch("r", "p", "d", _chain(10), cached_blocks=2)

@@ -1,0 +1,51 @@
+"""What Envoy's config (``deploy/envoy_spec.py``) and the picker's services must agree on:
+header names, the access log's name and attributes. Pure constants."""
+
+from __future__ import annotations
+
+import enum
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+"""GAIE's endpoint-picker protocol: the ``host:port`` the picker chose, as a header and
+under the same key in the dynamic metadata namespace :data:`DESTINATION_METADATA_NAMESPACE`."""
+DESTINATION_METADATA_NAMESPACE = "envoy.lb"
+ROUTING_HEADERS = (DESTINATION_HEADER, "x-dynamo-worker-instance-id", "x-dynamo-prefill-instance-id")
+"""Headers only the picker sets: Envoy strips them from what clients send, so no client
+routes itself past the picker."""
+ANSWER_HEADERS = (
+    "x-request-id",
+    "x-kvpilot-route",
+    "x-kvpilot-prefill-worker",
+    "x-kvpilot-decode-worker",
+    "x-kvpilot-predicted-ttft-ms",
+)
+"""The picker's headers on D's request that Envoy copies to the client's answer
+(:class:`~routing.serve.proxy.Begun`'s ``headers``, lower-case)."""
+ACCESS_LOG_NAME = "kvpilot"
+
+
+class LogAttribute(str, enum.Enum):
+    """The attributes of Envoy's access-log record for each request."""
+
+    REQUEST_ID = "request_id"
+    STATUS = "status"
+    FIRST_BODY_BYTE_US = "first_body_byte_us"
+    """Microseconds from the request's first byte to the destination's first body byte
+    (``-`` when none came): a stream's first token."""
+    DURATION_US = "duration_us"
+    """Microseconds from the request's first byte to the answer's last byte sent."""
+    DESTINATION = "destination"
+
+    @property
+    def envoy_format(self) -> str:
+        """Envoy's access-log format string for the attribute."""
+        return _FORMATS[self]
+
+
+_FORMATS = {
+    LogAttribute.REQUEST_ID: "%REQ(X-REQUEST-ID)%",
+    LogAttribute.STATUS: "%RESPONSE_CODE%",
+    LogAttribute.FIRST_BODY_BYTE_US: "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
+    LogAttribute.DURATION_US: "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
+    LogAttribute.DESTINATION: "%UPSTREAM_HOST%",
+}

@@ -1,0 +1,86 @@
+"""The picker's gRPC server, started beside the router's HTTP front on its event loop.
+
+:func:`attach` adds to the router's aiohttp app a start step (after the router's own: the
+index caught up, the fleet found) that serves, on ``server.host:gateway.picker_port``,
+Envoy's ext_proc service (:mod:`routing.gateway.extproc`) and the OTLP logs service its
+access log exports to (:mod:`routing.gateway.access_log`), and a task that ends requests
+whose access-log record never came (:meth:`~routing.gateway.picker.Picker.expire`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2_grpc as ls_grpc
+
+from routing.gateway.access_log import AccessLogReceiver
+from routing.gateway.extproc import ExternalProcessor
+from routing.gateway.picker import Picker
+from routing.serve.app import RouterServer
+
+log = logging.getLogger(__name__)
+
+EXPIRE_EVERY_S = 5.0
+"""How often requests without an access-log record are looked for."""
+GRACE_S = 5.0
+"""How long a stopping picker lets its open gRPC calls finish."""
+
+
+def _answer_get(server: RouterServer) -> Any:
+    """The router's answer to a GET that reached the picker: (status, JSON payload)."""
+
+    def answer(path: str) -> tuple[int, dict[str, Any]]:
+        path = path.split("?", 1)[0]
+        if path == "/v1/models":
+            model = {"id": server.config.server.model_name, "object": "model", "owned_by": "kvpilot"}
+            return 200, {"object": "list", "data": [model]}
+        if path == "/health":
+            return 200, {"status": "ok", "workers": [w.name for w in server.fleet.workers]}
+        return 404, {"error": {"message": f"no GET {path!r} here", "type": "invalid_request_error", "code": 404}}
+
+    return answer
+
+
+def attach(app: web.Application, server: RouterServer) -> Picker:
+    """Serve the picker with ``app`` (see the module doc); returns it."""
+    picker = Picker(server)
+    state: dict[str, Any] = {}
+
+    async def start(_: web.Application) -> None:
+        grpc_server = grpc.aio.server()
+        ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker, _answer_get(server)), grpc_server)
+        ls_grpc.add_LogsServiceServicer_to_server(AccessLogReceiver(picker), grpc_server)
+        address = f"{server.config.server.host}:{server.config.gateway.picker_port}"
+        if grpc_server.add_insecure_port(address) == 0:
+            raise OSError(f"the picker cannot listen on {address}")
+        await grpc_server.start()
+        state["server"] = grpc_server
+        state["expire"] = asyncio.create_task(_expire(picker))
+        log.info("endpoint picker (ext_proc, OTLP access log) on %s", address)
+
+    async def stop(_: web.Application) -> None:
+        task = state.get("expire")
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        grpc_server = state.get("server")
+        if grpc_server is not None:
+            await grpc_server.stop(GRACE_S)
+
+    app.on_startup.append(start)
+    app.on_cleanup.insert(0, stop)
+    return picker
+
+
+async def _expire(picker: Picker) -> None:
+    while True:
+        await asyncio.sleep(EXPIRE_EVERY_S)
+        await picker.expire(time.perf_counter())
