@@ -10,7 +10,8 @@ for every worker itself and is recorded as the fleet's router. It records everyt
 :func:`deploy.fleet.up` does, so ``kvpilot fleet status`` and ``kvpilot fleet down``
 (:func:`deploy.fleet.down`) work unchanged. On any failure it stops what it started and
 raises :class:`~deploy.fleet.FleetStartError`. :func:`join_worker` and
-:func:`leave_worker` start one more worker or stop one, live.
+:func:`leave_worker` start one more worker or stop one, live; :func:`restart_router` restarts
+the router (the picker) alone.
 
 :func:`up_one_process` is the scale benchmark's fleet: every aggregated worker in one
 ``dynamo.mocker`` process (:func:`deploy.dynamo_spec.mocker_group_plan`), the frontend
@@ -52,6 +53,7 @@ from deploy.fleet import (
     Fleet,
     FleetStartError,
     RunningProcess,
+    _replace,
     _sigterm_as_interrupt,
     _spawn,
     _wait_healthy,
@@ -228,6 +230,24 @@ def leave_worker(run_dir: Path, name: str) -> RunningProcess:
     return proc
 
 
+def restart_router(spec: DynamoFleetSpec, timeout: float = 120.0) -> Fleet:
+    """Stop the kvpilot router (the picker, when Envoy is in front) of the fleet recorded in
+    ``spec.run_dir``, if it still runs, and start it again; returns the updated fleet once it
+    serves every worker again (its index replayed from the workers' events, its fleet from
+    Dynamo's discovery). Envoy, the frontend and the workers keep running: streams already
+    carried by Envoy are not touched. Raises :class:`FleetStartError` if it does not come back."""
+    fleet = _recorded(spec.run_dir)
+    workers = [e for e in fleet.engines if e.role]
+    plan = plan_dynamo_fleet(spec)[2]
+    restarted = dataclasses.replace(fleet, router=_replace(fleet.router, plan, spec.run_dir / "logs", timeout))
+    restarted.save()
+    try:
+        wait_for_workers(restarted.router.url, lambda names: len(names) == len(workers), timeout)
+    except TimeoutError as exc:
+        raise FleetStartError(f"the restarted router did not find every worker: {exc}") from None
+    return restarted
+
+
 def _recorded(run_dir: Path) -> Fleet:
     fleet = Fleet.load(run_dir)
     if fleet is None:
@@ -353,6 +373,7 @@ def up_one_process(
         config = router_config(spec)
         dynamo = dict(config["dynamo"])  # type: ignore[call-overload]
         dynamo.pop("kv_events_port_offset")
+        dynamo.pop("kv_replay_port_offset")  # one process, one replay port rule: not given
         config["dynamo"] = {**dynamo, "kv_events_endpoints": mapping}
         for section, values in (router_overrides or {}).items():
             config[section] = {**dict(config.get(section) or {}), **values}  # type: ignore[call-overload]

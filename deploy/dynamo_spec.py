@@ -11,7 +11,9 @@ Ports of worker ``i`` (its ordinal among all workers), with ``s = port_stride``:
 ``worker_port + i`` its request plane (``DYN_TCP_RPC_PORT``, so discovery shows it),
 ``+ s`` its vLLM-format KV events (``--zmq-kv-events-ports``; the router maps an
 instance to them by ``kv_events_port_offset = s``), ``+ 2s`` its system server
-(``/metrics``), ``+ 3s`` its bootstrap port (prefill workers: the P->D rendezvous).
+(``/metrics``), ``+ 3s`` its bootstrap port (prefill workers: the P->D rendezvous), ``+ 4s``
+its KV-event replay (``--zmq-replay-ports``, ``kv_replay_port_offset = 4s``: a restarted
+router reads back what each worker holds).
 """
 
 from __future__ import annotations
@@ -195,13 +197,13 @@ def _mocker_argv(spec: DynamoFleetSpec, role: Role, events_ports: Sequence[int])
 def worker_plan(spec: DynamoFleetSpec, role: Role, index: int, ordinal: int) -> ProcessPlan:
     """Worker ``index`` of its role, ``ordinal`` among all workers (its ports)."""
     rpc = spec.worker_port + ordinal
-    events, system, bootstrap = (rpc + k * spec.port_stride for k in (1, 2, 3))
-    argv = _mocker_argv(spec, role, [events])
+    events, system, bootstrap, replay = (rpc + k * spec.port_stride for k in (1, 2, 3, 4))
+    argv = [*_mocker_argv(spec, role, [events]), "--zmq-replay-ports", str(replay)]
     if role is Role.PREFILL:
         argv += ["--bootstrap-ports", str(bootstrap)]
     env = {**spec.dynamo_env, "DYN_TCP_RPC_PORT": str(rpc), "DYN_SYSTEM_PORT": str(system)}
-    side = (rpc, events, *((bootstrap,) if role is Role.PREFILL else ()))
-    uses = ("request plane", "KV events", "bootstrap")[: len(side)]
+    side = (rpc, events, replay, *((bootstrap,) if role is Role.PREFILL else ()))
+    uses = ("request plane", "KV events", "KV-event replay", "bootstrap")[: len(side)]
     return ProcessPlan(worker_name(role, index), role, tuple(argv), env, system, side, uses, "system HTTP")
 
 
@@ -270,6 +272,7 @@ def router_config(spec: DynamoFleetSpec) -> dict[str, object]:
             "discovery_backend": "file",
             "discovery_interval_s": spec.discovery_interval_s,
             "kv_events_port_offset": spec.port_stride,
+            "kv_replay_port_offset": 4 * spec.port_stride,
         },
         **({"gateway": {"picker_port": spec.picker_port}} if spec.gateway is not None else {}),
     }

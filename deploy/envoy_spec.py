@@ -136,11 +136,16 @@ def _access_log(spec: GatewaySpec) -> dict[str, Any]:
         "name": "envoy.access_loggers.open_telemetry",
         "typed_config": {
             "@type": TYPES + "access_loggers.open_telemetry.v3.OpenTelemetryAccessLogConfig",
-            # Envoy 1.40's own fields (its common_config is deprecated; xds-protos 1.85 predates them)
-            "log_name": ACCESS_LOG_NAME,
-            "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
-            "buffer_flush_interval": _seconds(spec.access_log_flush_s),
-            "buffer_size_bytes": 0,
+            # common_config, though Envoy 1.40 calls it deprecated: its new top-level fields of
+            # the same names parse, but batched entries for 1 s whatever they said (measured:
+            # 600-950 ms from a request's end to the picker, against 4-7 ms with these).
+            "common_config": {
+                "log_name": ACCESS_LOG_NAME,
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
+                "buffer_flush_interval": _seconds(spec.access_log_flush_s),
+                "buffer_size_bytes": 1,  # every entry sent as it comes (0 is taken as the 16 KiB default)
+            },
             "body": {"string_value": LogAttribute.REQUEST_ID.envoy_format},
             "attributes": {
                 "values": [{"key": a.value, "value": {"string_value": a.envoy_format}} for a in LogAttribute]
@@ -199,6 +204,16 @@ def _clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
             "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": "1s",
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+            # A fresh connection per request: Dynamo 1.6.1's frontend leaves Nagle on (dynamo#14643),
+            # so on a kept-alive connection its first token waits for Envoy's delayed ACK (~40 ms,
+            # measured through Envoy: 55 ms TTFT at every prompt length, against 12-15 ms fresh).
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": TYPES + "upstreams.http.v3.HttpProtocolOptions",
+                    "common_http_protocol_options": {"max_requests_per_connection": 1},
+                    "explicit_http_config": {"http_protocol_options": {}},
+                }
+            },
         },
         {
             "name": PICKER_CLUSTER,

@@ -63,6 +63,7 @@ user can paste them::
       kv_events_port: 0                  #   this same port on every worker's host (one worker per host)
       kv_events_endpoints: {}            # instance id (hex) -> tcp://host:port, before both rules (several
                                          #   workers in one process share a request-plane port)
+      kv_replay_port_offset: 0           # a worker's KV-event replay: its request-plane port + this (0: none)
     gateway:                             # the endpoint picker behind Envoy (routing.gateway; docs/gateway.md)
       picker_port: 0                     # > 0: serve Envoy's ext_proc and its OTLP access log here (gRPC, server.host)
     workers:                             # Worker; routing.fleet checks the fleet (empty beside Dynamo)
@@ -392,6 +393,10 @@ class DynamoConfig(TypedConfig, frozen=True):
     kv_events_port_offset: int = 0
     kv_events_port: int = 0
     kv_events_endpoints: Mapping[str, str] = msgspec.field(default_factory=dict)
+    kv_replay_port_offset: int = 0
+    """With ``kv_events_port_offset``: each worker serves its KV-event replay at its
+    request-plane port plus this (``dynamo.mocker --zmq-replay-ports``), so a restarted
+    router reads back the blocks the workers hold; 0: no replay."""
 
     @property
     def enabled(self) -> bool:
@@ -411,6 +416,9 @@ class DynamoConfig(TypedConfig, frozen=True):
             raise ConfigError("kv_events_port", "set kv_events_port or kv_events_port_offset, not both")
         check_range(self, "kv_events_port", at_least=0, below=65536)
         check_range(self, "kv_events_port_offset", above=-65536, below=65536)
+        check_range(self, "kv_replay_port_offset", above=-65536, below=65536)
+        if self.kv_replay_port_offset and not self.kv_events_port_offset:
+            raise ConfigError("kv_replay_port_offset", "needs kv_events_port_offset (the same port rule)")
         for instance, endpoint in self.kv_events_endpoints.items():
             try:
                 int(instance, 16)

@@ -122,7 +122,7 @@ def dynamo_router(plan: ClusterPlan) -> RouterPod:
     config = router_config(spec)
     server = dict(cast(Mapping[str, object], config["server"]))
     config["server"] = {**server, "host": ALL_ADDRESSES, "api_key_env": ROUTER_API_KEY_ENV}
-    dynamo = {k: v for k, v in cast(Mapping[str, object], config["dynamo"]).items() if k != "kv_events_port_offset"}
+    dynamo = {k: v for k, v in cast(Mapping[str, object], config["dynamo"]).items() if not k.endswith("_port_offset")}
     dynamo |= {"frontend_url": frontend_url(), "discovery_backend": "kubernetes", "kv_events_port": KV_EVENTS_PORT}
     config["dynamo"] = dynamo
     local = router_plan(spec)

@@ -27,7 +27,10 @@ How an instance becomes a worker (:func:`worker_of`, pure):
   ``kv_events_port_offset`` (``kvpilot fleet up --dynamo`` starts each worker with
   ``DYN_TCP_RPC_PORT`` pinned for this), or ``kv_events_port`` on every host; or, before
   both rules, the endpoint ``kv_events_endpoints`` names for the instance's id (workers
-  in one process share its request-plane port: ``dynamo.mocker --num-workers``). An
+  in one process share its request-plane port: ``dynamo.mocker --num-workers``). With
+  ``kv_replay_port_offset`` the port rule also gives each worker's replay socket
+  (``dynamo.mocker --zmq-replay-ports``), from which a restarted router reads back what
+  the workers hold. An
   address that does not read as ``host:port`` (Dynamo does not promise its format;
   a NATS request plane has none) leaves the worker without events: it is routed on
   load alone.
@@ -76,14 +79,29 @@ def kv_events_endpoint(cfg: DynamoConfig, address: str) -> str | None:
     return f"tcp://[{host}]:{events_port}" if ":" in host else f"tcp://{host}:{events_port}"
 
 
+def kv_replay_endpoint(cfg: DynamoConfig, address: str) -> str | None:
+    """Where the instance at request-plane ``address`` serves its KV-event replay: its
+    request-plane port plus ``kv_replay_port_offset``; ``None`` without it."""
+    where = request_plane_address(address)
+    if where is None or not cfg.kv_replay_port_offset:
+        return None
+    host, port = where
+    replay_port = port + cfg.kv_replay_port_offset
+    if not 0 < replay_port < 65536:
+        return None
+    return f"tcp://[{host}]:{replay_port}" if ":" in host else f"tcp://{host}:{replay_port}"
+
+
 def worker_of(cfg: DynamoConfig, role: Role, instance_id: int, address: str) -> Worker:
     """The router's worker for one Dynamo instance (see the module doc)."""
     named = cfg.kv_events_endpoints.get(f"{instance_id:x}")
+    events = named if named is not None else kv_events_endpoint(cfg, address)
     return Worker(
         name=worker_name(role, instance_id),
         role=role,
         url=cfg.frontend_url,
-        kv_events_endpoint=named if named is not None else kv_events_endpoint(cfg, address),
+        kv_events_endpoint=events,
+        replay_endpoint=kv_replay_endpoint(cfg, address) if named is None and events is not None else None,
         topic=EVENTS_TOPIC,
     )
 

@@ -13,10 +13,14 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+import os
 import re
+import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from email.message import Message
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +40,15 @@ pytestmark = pytest.mark.e2e
 
 STRIDE = 100
 BS = 32
-PORTS = {"worker_port": 19000, "port_stride": STRIDE, "frontend_port": 19490, "router_port": 19480}
+PORTS = {
+    "worker_port": 19000,
+    "port_stride": STRIDE,
+    "frontend_port": 19490,
+    "router_port": 19480,
+    "gateway_port": 19470,
+    "picker_port": 19471,
+    "envoy_admin_port": 19472,
+}
 VOCAB = 2048  # the tiny model's: the frontend refuses larger token ids
 
 
@@ -107,7 +119,7 @@ class Events:
 
 
 def _events_port(proc: Any) -> int:
-    return int(proc.side_ports[1])  # (request plane, KV events, bootstrap)
+    return int(proc.side_ports[1])  # (request plane, KV events, replay, bootstrap)
 
 
 @pytest.fixture(scope="module")
@@ -117,19 +129,21 @@ def events(fleet: Fleet) -> Iterator[Events]:
     reader.close()
 
 
-def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str, Any]]:
+def _post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, Message, dict[str, Any]]:
+    """Status, headers (looked up in any case: Envoy sends them lower-case) and JSON answer."""
     data = json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.status, dict(resp.headers), json.loads(resp.read())
+            return resp.status, resp.headers, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), json.loads(exc.read() or b"{}")
+        return exc.code, exc.headers, json.loads(exc.read() or b"{}")
 
 
-def _complete(fleet: Fleet, prompt: list[int], **body: Any) -> dict[str, str]:
+def _complete(spec: DynamoFleetSpec, prompt: list[int], **body: Any) -> Message:
+    """A completion sent as a client sends it: to Envoy, which asks the router's picker."""
     status, headers, payload = _post(
-        f"{fleet.router.url}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 3, **body}
+        f"{spec.client_url}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 3, **body}
     )
     assert status == 200, payload
     return headers
@@ -172,7 +186,7 @@ def test_a_request_is_prefilled_and_decoded_on_the_instances_the_router_chose(fl
     events.stored(0.0)
     served = {e.name: _requests_served(e) for e in fleet.engines if e.role == Role.DECODE.value}
     prompt = _prompt(1)
-    headers = _complete(fleet, prompt)
+    headers = _complete(spec, prompt)
     assert headers["X-KVPilot-Route"] == "remote_prefill"
     p = _worker_of(spec, headers["X-KVPilot-Prefill-Worker"])
     d = _worker_of(spec, headers["X-KVPilot-Decode-Worker"])
@@ -192,14 +206,14 @@ def _blocks(tokens: list[int]) -> list[list[int]]:
 
 def test_the_router_reads_each_worker_s_events_from_its_own_port(fleet, spec, events):
     prompt = _prompt(2)
-    first = _complete(fleet, prompt)
+    first = _complete(spec, prompt)
     events.stored()
     status, _, explained = _post(f"{fleet.router.url}/debug/route", {"model": "tiny", "prompt": [*prompt, 5, 6]})
     assert status == 200
     p = first["X-KVPilot-Prefill-Worker"]
     assert explained["overlap"].get(p, {}).get("GPU") == 4  # the index holds the prompt on P, and only there
     assert [w for w, tiers in explained["overlap"].items() if tiers.get("GPU")] == [p]
-    assert _complete(fleet, [*prompt, 5, 6])["X-KVPilot-Prefill-Worker"] == p  # and routes its next step there
+    assert _complete(spec, [*prompt, 5, 6])["X-KVPilot-Prefill-Worker"] == p  # and routes its next step there
 
 
 def test_a_worker_that_leaves_is_dropped_and_one_that_joins_is_used(fleet, spec, events):
@@ -211,24 +225,27 @@ def test_a_worker_that_leaves_is_dropped_and_one_that_joins_is_used(fleet, spec,
     left = dynamo_fleet.wait_for_workers(fleet.router.url, lambda now: decoders[1] not in now, 15)
     assert sorted(left) == sorted(n for n in names if n != decoders[1])
     for seed in range(10, 16):  # the departed worker is never chosen again, and nothing fails
-        assert _complete(fleet, _prompt(seed, 2))["X-KVPilot-Decode-Worker"] == decoders[0]
+        assert _complete(spec, _prompt(seed, 2))["X-KVPilot-Decode-Worker"] == decoders[0]
 
     joined = dynamo_fleet.join_worker(spec, Role.DECODE)
     now = dynamo_fleet.wait_for_workers(fleet.router.url, lambda now: len(now) == len(names), 15)
     (new,) = set(now) - set(names) - {decoders[1]}
     assert _worker_of(spec, new).name == joined.name
     before = _requests_served(joined)
-    chosen = [_complete(fleet, _prompt(seed, 2))["X-KVPilot-Decode-Worker"] for seed in range(20, 40)]
+    chosen = [_complete(spec, _prompt(seed, 2))["X-KVPilot-Decode-Worker"] for seed in range(20, 40)]
     assert new in chosen  # the cost model breaks ties at random: 20 requests all elsewhere is 1e-6
     assert _requests_served(joined) - before == chosen.count(new)  # by the new worker's own counter
 
 
 def _loopback(host: str) -> bool:
-    return ipaddress.ip_address(host.strip("[]")).is_loopback
+    """Loopback, IPv4-mapped IPv6 included (gRPC's sockets are dual-stack: ``::ffff:127.0.0.1``)."""
+    address = ipaddress.ip_address(host.strip("[]"))
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 def test_every_discovery_address_and_every_connection_is_loopback(fleet, spec):
-    _complete(fleet, _prompt(50))  # connections of a request in the fleet's recent past
+    _complete(spec, _prompt(50))  # connections of a request in the fleet's recent past
     texts = [p.read_text() for p in spec.discovery_dir.rglob("*") if p.is_file()]
     hosts = [h for text in texts for h in re.findall(r"(?<![\d.])(\d{1,3}(?:\.\d{1,3}){3})(?![\d.])", text)]
     assert hosts and all(_loopback(h) for h in hosts), sorted(set(hosts))
@@ -237,28 +254,103 @@ def test_every_discovery_address_and_every_connection_is_loopback(fleet, spec):
     assert recorded is not None
     procs = [psutil.Process(p.pid) for p in recorded.processes]
     procs += [child for proc in list(procs) for child in proc.children(recursive=True)]
-    assert len(procs) >= 6  # 4 workers, the frontend, the router
+    assert len(procs) >= 7  # 4 workers, the frontend, the router, Envoy
     peers = [c for proc in procs for c in proc.net_connections("inet") if c.raddr]
     assert peers, "no connection at all: nothing was checked"
     outside = [(c.laddr, c.raddr) for c in peers if not (_loopback(c.laddr.ip) and _loopback(c.raddr.ip))]
     assert outside == []
+    envoy = psutil.Process(next(p.pid for p in recorded.processes if p.name == "envoy"))
+    listening = [c.laddr for c in envoy.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert {a.port for a in listening} == {spec.gateway_port, spec.envoy_admin_port}  # the gateway and admin
+    assert all(_loopback(a.ip) for a in listening), listening
 
 
-def test_the_router_learns_each_worker_s_prefill_from_its_own_timings(fleet):
-    """Dynamo's mockers publish no vLLM /metrics: the router times each streamed
-    request's first token itself (an uncontended prefill, deferred into D's call) and
-    fits the workers' prefill from it. After a few, a new prompt's predicted TTFT is
+def _first_tokens_seen(fleet: Fleet) -> float:
+    """How many first tokens the router has timed (``kvpilot_router_ttft_seconds_count``)."""
+    with urllib.request.urlopen(f"{fleet.router.url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    found = re.search(r"^kvpilot_router_ttft_seconds_count (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_the_router_learns_each_worker_s_prefill_from_its_own_timings(fleet, spec):
+    """Dynamo's mockers publish no vLLM /metrics, and Envoy, not the router, carries the
+    streams: the picker reads each request's first-token time from Envoy's access log (the
+    destination's first body byte, an uncontended prefill deferred into D's call) and fits
+    the workers' prefill from it. After a few, a new prompt's predicted TTFT is
     the measured one's order, where the roofline prior (an H100 for the tiny model)
     is not."""
-    for seed, blocks in zip(range(60, 68), (4, 40, 12, 56, 8, 28, 48, 20), strict=True):
-        complete(fleet.router.url, _prompt(seed, blocks), max_tokens=2, stream=True, ignore_eos=True)
+    before = _first_tokens_seen(fleet)
+    warm_ups = list(zip(range(60, 68), (4, 40, 12, 56, 8, 28, 48, 20), strict=True))
+    for seed, blocks in warm_ups:
+        complete(spec.client_url, _prompt(seed, blocks), max_tokens=2, stream=True, ignore_eos=True)
+    deadline = time.monotonic() + 10
+    while _first_tokens_seen(fleet) < before + len(warm_ups) and time.monotonic() < deadline:
+        time.sleep(0.05)  # each request's access-log entry reaches the picker as the request ends
+    assert _first_tokens_seen(fleet) == before + len(warm_ups)
     prompt = _prompt(70, 36)
     status, _, explained = _post(f"{fleet.router.url}/debug/route", {"model": "tiny", "prompt": prompt})
     assert status == 200
     predicted = explained["predicted"]
     assert predicted["prefill"]["measured_s"] is not None and predicted["prefill"]["samples"] > 0, predicted
-    measured = complete(fleet.router.url, prompt, max_tokens=2, stream=True, ignore_eos=True).ttft_seconds
+    measured = complete(spec.client_url, prompt, max_tokens=2, stream=True, ignore_eos=True).ttft_seconds
     learned, prior = predicted["ttft_s"], predicted["prior_ttft_s"]
     print(f"\nTTFT measured {measured * 1e3:.1f} ms, predicted {learned * 1e3:.1f} ms, prior {prior * 1e3:.2f} ms")
     assert abs(math.log(learned / measured)) < abs(math.log(prior / measured))
     assert measured / 3 < learned < measured * 3
+
+
+def _stream_in_thread(url: str, prompt: list[int], max_tokens: int) -> tuple[threading.Thread, dict[str, Any]]:
+    """A streamed completion read to its end in a thread: ``out["first"]`` is set at its
+    first event, ``out["events"]`` counts its events, ``out["done"]`` says it ended with
+    ``[DONE]``, ``out["error"]`` holds what broke it."""
+    out: dict[str, Any] = {"first": threading.Event(), "events": 0, "done": False, "error": None}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    request = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+
+    def read() -> None:
+        try:
+            with urllib.request.urlopen(request, timeout=120) as resp:
+                for line in resp:
+                    if line.startswith(b"data: "):
+                        out["events"] += 1
+                        out["first"].set()
+                        out["done"] = line.strip() == b"data: [DONE]"
+        except OSError as exc:
+            out["error"] = exc
+        finally:
+            out["first"].set()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_the_picker_down_is_a_clear_503_and_its_restart_breaks_no_stream(fleet, spec):
+    """Last in the module: it restarts the router. A stream Envoy carries survives the
+    picker's crash; meanwhile Envoy answers new requests at once with a 503 naming the
+    picker (and a client naming its own destination is not let through); the restarted
+    picker serves again, its index replayed from the workers' events."""
+    prompt = _prompt(80, 4)
+    decode = _complete(spec, prompt)["x-kvpilot-decode-worker"]  # the prompt's blocks are on a worker, in the index
+    thread, out = _stream_in_thread(spec.client_url, _prompt(81, 2), max_tokens=8000)  # ~5 s at speedup 10
+    assert out["first"].wait(30) and out["error"] is None
+    os.killpg(fleet.router.pid, signal.SIGKILL)  # the picker crashes mid-stream
+    started = time.monotonic()
+    instance = str(int(_instance(decode), 16))
+    status, _, payload = _post(
+        f"{spec.client_url}/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 3},
+        {"x-gateway-destination-endpoint": f"127.0.0.1:{spec.frontend_port}", "x-dynamo-worker-instance-id": instance},
+    )
+    assert status == 503 and time.monotonic() - started < 2.0, payload
+    assert "endpoint picker could not be reached" in payload["error"]["message"], payload
+    restarted = dynamo_fleet.restart_router(spec)
+    assert restarted.router.pid != fleet.router.pid
+    thread.join(60)
+    assert out["error"] is None and out["done"] and out["events"] == 8002, out  # 8000 tokens, the finish, [DONE]
+    explained = _post(f"{restarted.router.url}/debug/route", {"model": "tiny", "prompt": prompt})[2]
+    assert max(tiers.get("GPU", 0) for tiers in explained["overlap"].values()) == 4  # the index came back
+    assert _complete(spec, prompt)["x-kvpilot-route"] == "remote_prefill"
