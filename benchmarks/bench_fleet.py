@@ -1,11 +1,12 @@
 """Fleet benchmark (issue 19, part 3): kvpilot's router against Dynamo's own routers on
 the same Dynamo mocker fleet and the same Mooncake trace requests, in one run.
 
-Four arms (:mod:`fleet_arms`), one at a time, each on a fresh fleet (the same
+Five arms (:mod:`fleet_arms`), one at a time, each on a fresh fleet (the same
 ``dynamo.mocker`` workers restarted: no arm inherits another's cache, launched by
 :mod:`deploy.dynamo_fleet`): (a) Dynamo round robin, (b) Dynamo's KV router with its
-defaults, (c) Dynamo's KV router tuned, (d) kvpilot's router in front of Dynamo's frontend
-in direct mode.
+defaults, (c) Dynamo's KV router tuned, (d) Envoy in front of Dynamo's frontend in direct
+mode, kvpilot's picker deciding (``kvpilot fleet up --dynamo``), (e) kvpilot's router
+relaying the streams to the same frontend (the layout before the picker).
 
 Requests (:mod:`fleet_trace`): the first ``--max-requests`` of ``--trace`` (Mooncake
 JSONL), each hash id a fixed seeded run of ``--tokens-per-hash`` token ids (512: no
@@ -23,7 +24,7 @@ against the trace's ceiling: the ``cached_tokens`` the serving worker reports in
 request's usage block (aggregated fleets), or the prompt blocks the workers computed by
 their own KV events (:mod:`fleet_events`; disaggregated fleets, where the usage block is
 D's and P did the prefill; both are in the JSON); each process's CPU seconds per request
-(the frontend's, the kvpilot router's, all workers'); for kvpilot, the router's own TTFT
+(the frontend's, the kvpilot router's, Envoy's, all workers'); for kvpilot, the router's own TTFT
 stages (:func:`router_stages`).
 
 The run's TTFT floor (:mod:`fleet_floor`; skipped with ``--no-floor``): before the arms,
@@ -148,18 +149,22 @@ def replicas(spec: DynamoFleetSpec, count: int, workers: int) -> Iterator[list[R
 
 def fleet_cpu(fleet: Fleet, spec: DynamoFleetSpec, extra_routers: Sequence[RunningProcess] = ()) -> dict[str, float]:
     """CPU seconds so far of the frontend, the kvpilot routers (if they run: all replicas
-    together) and all workers."""
+    together), Envoy (if it runs) and all workers."""
     workers = [e for e in fleet.engines if e.role]
     frontend = fleet.router if not spec.kvpilot_routes else next(e for e in fleet.engines if not e.role)
     out = {"frontend": cpu_seconds(frontend.pid), "workers": sum(cpu_seconds(w.pid) for w in workers)}
     if spec.kvpilot_routes:
         out["kvpilot_router"] = sum(cpu_seconds(r.pid) for r in (fleet.router, *extra_routers))
+    if fleet.gateway is not None:
+        out["envoy"] = cpu_seconds(fleet.gateway.pid)
     return out
 
 
 def serving_path(fleet: Fleet, spec: DynamoFleetSpec) -> list[int]:
-    """Pids on the requests' path that are not workers: the frontend, and kvpilot's router if it runs."""
-    return [e.pid for e in fleet.engines if not e.role] + ([fleet.router.pid] if spec.kvpilot_routes else [])
+    """Pids on the requests' path that are not workers: the frontend, and kvpilot's router
+    and Envoy if they run."""
+    gateway = [fleet.gateway.pid] if fleet.gateway is not None else []
+    return [e.pid for e in fleet.engines if not e.role] + ([fleet.router.pid] if spec.kvpilot_routes else []) + gateway
 
 
 def renice(pids: list[int], niceness: int) -> None:
@@ -228,13 +233,14 @@ def run_arm(arm: Arm, base: DynamoFleetSpec, workload: Workload, args: argparse.
         tap.start()
         if args.serving_niceness:
             renice(serving_path(fleet, spec), args.serving_niceness)
-        with replicas(spec, args.kvpilot_replicas if spec.kvpilot_routes else 1, len(workers)) as extra_routers:
+        relaying = spec.kvpilot_routes and spec.gateway is None
+        with replicas(spec, args.kvpilot_replicas if relaying else 1, len(workers)) as extra_routers:
             time.sleep(SUBSCRIBE_S)
-            routers = [fleet.router, *extra_routers]
+            clients = [spec.client_url, *(r.url for r in extra_routers)]
             cpu_before = fleet_cpu(fleet, spec, extra_routers)
             outcomes = asyncio.run(
                 replay(
-                    [r.url for r in routers],
+                    clients,
                     workload.sends,
                     concurrency=args.concurrency,
                     connections=args.client_connections,
@@ -293,8 +299,8 @@ def measure_floor(base: DynamoFleetSpec, new_tokens: list[int], args: argparse.N
         for i, n in enumerate(lengths)
     ]
     log(f"floor: {len(sends)} calibration requests of {sorted(set(lengths))} tokens, one at a time")
-    with running(spec) as fleet:
-        outcomes = asyncio.run(replay([fleet.router.url], sends, concurrency=1, connections=Connections.FRESH))
+    with running(spec):
+        outcomes = asyncio.run(replay([spec.client_url], sends, concurrency=1, connections=Connections.FRESH))
     failed = [o.error for o in outcomes if not o.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} calibration requests failed, the first: {failed[0]}")
@@ -443,7 +449,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kvpilot-replicas",
         type=int,
         default=1,
-        help="kvpilot router replicas in kvpilot's arm, the client round-robins over them (issue 21)",
+        help="kvpilot router replicas in arm kvpilot_relay, the client round-robins over them (issue 21)",
     )
     parser.add_argument(
         "--serving-niceness",

@@ -1,4 +1,4 @@
-"""The fleet benchmark's four arms: who routes, with which options, on the same Dynamo
+"""The fleet benchmark's arms: who routes, with which options, on the same Dynamo
 mocker fleet (:class:`deploy.dynamo_spec.DynamoFleetSpec`, restarted per arm). Pure.
 
 * ``dynamo_round_robin``: Dynamo's frontend, ``--router-mode round-robin``.
@@ -6,10 +6,13 @@ mocker fleet (:class:`deploy.dynamo_spec.DynamoFleetSpec`, restarted per arm). P
 * ``dynamo_kv_tuned``: the same KV router with :data:`TUNED_FLAGS` (aggregated) or
   :data:`TUNED_DISAGG_FLAGS` (disaggregated), the documented options
   (``python -m dynamo.frontend --help``) that fit this workload.
-* ``kvpilot``: kvpilot's router in front of the frontend in direct mode
-  (``kvpilot fleet up --dynamo``'s fleet): it names each request's instances, the
-  frontend only forwards. Its handicap: one more HTTP hop (client -> router ->
-  frontend) and a Python process relaying every streamed token.
+* ``kvpilot``: ``kvpilot fleet up --dynamo``'s fleet: Envoy in front of the frontend in
+  direct mode, asking kvpilot's picker (ext_proc) for each request's instances; Envoy
+  carries the stream, the frontend only forwards. Its handicap: one more hop (client ->
+  Envoy -> frontend), in compiled code, and the picker's decision before it.
+* ``kvpilot_relay``: kvpilot's router itself in front of the frontend (no Envoy), relaying
+  every streamed token in Python: the layout before the picker, kept to measure what
+  leaving the token path bought.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class ArmName(str, enum.Enum):
     DYNAMO_KV = "dynamo_kv"
     DYNAMO_KV_TUNED = "dynamo_kv_tuned"
     KVPILOT = "kvpilot"
+    KVPILOT_RELAY = "kvpilot_relay"
 
 
 TUNED_FLAGS = (
@@ -98,12 +102,18 @@ class Arm:
     routing: FrontendRouting
     frontend_flags: tuple[str, ...] = ()
     router_cost: tuple[tuple[str, object], ...] = ()
-    """kvpilot's ``cost`` over its defaults (kvpilot's arm only)."""
+    """kvpilot's ``cost`` over its defaults (kvpilot's arms only)."""
+    relay: bool = False
+    """kvpilot's router relays the streams itself: no Envoy (``gateway_port`` 0)."""
 
     def spec(self, fleet: DynamoFleetSpec) -> DynamoFleetSpec:
         """``fleet`` (workers, ports, mocker options) with this arm's routing."""
         return dataclasses.replace(
-            fleet, frontend_routing=self.routing, frontend_flags=self.frontend_flags, router_cost=self.router_cost
+            fleet,
+            frontend_routing=self.routing,
+            frontend_flags=self.frontend_flags,
+            router_cost=self.router_cost,
+            gateway_port=0 if self.relay else fleet.gateway_port,
         )
 
 
@@ -113,7 +123,7 @@ def arms(
     sessions: bool = False,
     kvpilot_cost: tuple[tuple[str, object], ...] | None = None,
 ) -> list[Arm]:
-    """The four arms in the order they run; ``tuned_flags`` replaces the tuned arm's flags
+    """The arms in the order they run; ``tuned_flags`` replaces the tuned arm's flags
     and ``kvpilot_cost`` kvpilot's cost (their defaults add :data:`SESSION_FLAGS` and
     :data:`KVPILOT_SESSION_COST` where the requests name ``sessions``)."""
     if tuned_flags is None:
@@ -125,5 +135,19 @@ def arms(
         Arm(ArmName.DYNAMO_ROUND_ROBIN, "Dynamo round robin", FrontendRouting.ROUND_ROBIN),
         Arm(ArmName.DYNAMO_KV, "Dynamo KV router (defaults)", FrontendRouting.KV),
         Arm(ArmName.DYNAMO_KV_TUNED, "Dynamo KV router (tuned)", FrontendRouting.KV, tuned_flags),
-        Arm(ArmName.KVPILOT, "kvpilot router -> Dynamo frontend (direct)", FrontendRouting.DIRECT, (), kvpilot_cost),
+        Arm(
+            ArmName.KVPILOT,
+            "Envoy + kvpilot picker -> Dynamo frontend (direct)",
+            FrontendRouting.DIRECT,
+            (),
+            kvpilot_cost,
+        ),
+        Arm(
+            ArmName.KVPILOT_RELAY,
+            "kvpilot router relaying -> Dynamo frontend (direct)",
+            FrontendRouting.DIRECT,
+            (),
+            kvpilot_cost,
+            relay=True,
+        ),
     ]

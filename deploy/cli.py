@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from deploy.envoy_spec import PickerFailure
+
 if TYPE_CHECKING:  # imported where used: the console script starts without them
     from deploy.fleet_spec import FleetSpec
 
@@ -53,6 +55,10 @@ def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
         disaggregation=args.disaggregation,
         index_backend=IndexBackend(args.index_backend),
         ttft_slo_s=args.ttft_slo,
+        gateway_port=args.gateway_port,
+        picker_port=args.picker_port,
+        envoy_admin_port=args.picker_port + 1,
+        on_picker_failure=PickerFailure(args.on_picker_failure),
         session_store_url=args.session_store_url,
         engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None,
     )
@@ -66,6 +72,13 @@ def _dynamo_fleet_up(args: argparse.Namespace) -> int:
     from deploy.tiny_model import ensure_tiny_model
 
     counts = {"workers": args.workers} if args.workers else {"prefill": args.prefill, "decode": args.decode}
+    if args.on_picker_failure != PickerFailure.REFUSE.value:
+        print(
+            "kvpilot fleet up --dynamo: --on-picker-failure must be refuse beside Dynamo (its direct-mode frontend "
+            "routes nothing the picker did not name)",
+            file=sys.stderr,
+        )
+        return 2
     spec = DynamoFleetSpec(
         model_dir=args.model or ensure_tiny_model(),
         run_dir=args.run_dir,
@@ -76,6 +89,7 @@ def _dynamo_fleet_up(args: argparse.Namespace) -> int:
         gateway_port=args.gateway_port,
         picker_port=args.picker_port,
         envoy_admin_port=args.picker_port + 1,
+        on_picker_failure=PickerFailure(args.on_picker_failure),
         ttft_slo_s=args.ttft_slo,
         **counts,
     )
@@ -108,7 +122,8 @@ def _fleet(args: argparse.Namespace) -> int:
         except fleet.FleetStartError as exc:
             print(f"kvpilot fleet up failed: {exc}", file=sys.stderr)
             return 1
-        print(f"router: {started.router.url}   (state in {args.run_dir / fleet.STATE_FILE})")
+        print(f"clients: {started.client_url}   router: {started.router.url}")
+        print(f"(state in {args.run_dir / fleet.STATE_FILE})")
         if started.prometheus is not None:
             print(f"prometheus: {started.prometheus.url}   (dashboards: grafana/README.md)")
         return 0
@@ -193,6 +208,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-nixl-telemetry", action="store_true", help="with --observe: leave NIXL's own Prometheus exporter off"
     )
     fl.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
+    fl.add_argument(
+        "--gateway-port",
+        type=int,
+        default=8080,
+        help="Envoy's port, where clients send requests (the router's endpoint picker decides, Envoy carries the "
+        "streams); 0: no Envoy, clients send to the router, which relays the streams",
+    )
+    fl.add_argument(
+        "--picker-port",
+        type=int,
+        default=8070,
+        help="the router's endpoint picker (gRPC, for Envoy); Envoy's admin interface gets this port + 1",
+    )
+    fl.add_argument(
+        "--on-picker-failure",
+        choices=[f.value for f in PickerFailure],
+        default=PickerFailure.REFUSE.value,
+        help="what Envoy does when the picker is down: refuse (a 503 naming it) or round_robin over the engines "
+        "that can serve alone (not with --dynamo: its direct-mode frontend routes nothing the picker did not name)",
+    )
     dyn = fl.add_argument_group("beside NVIDIA Dynamo (docs/dynamo.md)")
     dyn.add_argument(
         "--dynamo",
@@ -205,16 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     dyn.add_argument("--speedup-ratio", type=float, default=10.0, help="with --dynamo: the mocker's simulated speedup")
     dyn.add_argument("--worker-port", type=int, default=20000, help="with --dynamo: worker 0's request-plane port")
     dyn.add_argument("--frontend-port", type=int, default=8090, help="with --dynamo: the frontend's HTTP port")
-    dyn.add_argument(
-        "--gateway-port",
-        type=int,
-        default=8080,
-        help="with --dynamo: Envoy's port, where clients send requests (the router's picker decides, Envoy carries "
-        "the streams); 0: no Envoy, clients send to the router, which relays the streams",
-    )
-    dyn.add_argument(
-        "--picker-port", type=int, default=8070, help="with --dynamo: the router's endpoint picker (gRPC, for Envoy)"
-    )
+
     fl.set_defaults(func=_fleet)
 
     from policies.cli import add_subcommands as add_policy_subcommands

@@ -11,9 +11,12 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from http.client import HTTPResponse
 from typing import Any
+
+from multidict import CIMultiDict
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +27,8 @@ class Completion:
     ttft_seconds: float
     total_seconds: float
     kv_transfer_params: dict[str, Any] | None = None
-    headers: dict[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict)
+    """The answer's headers, looked up in any case (Envoy sends them lower-case)."""
     token_ids: tuple[int, ...] = ()
     """The generated token ids, when the request asked ``return_token_ids``."""
     token_seconds: tuple[float, ...] = ()
@@ -60,10 +64,10 @@ class Completion:
 
 
 class HTTPStatusError(RuntimeError):
-    def __init__(self, status: int, body: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, body: str, headers: Mapping[str, str] | None = None) -> None:
         self.status = status
         self.body = body
-        self.headers = headers or {}
+        self.headers: Mapping[str, str] = headers or {}
         super().__init__(f"HTTP {status}: {body[:500]}")
 
 
@@ -74,7 +78,7 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> HTTPResponse:
         response: HTTPResponse = urllib.request.urlopen(request, timeout=timeout)
         return response
     except urllib.error.HTTPError as exc:
-        raise HTTPStatusError(exc.code, exc.read().decode(errors="replace"), dict(exc.headers.items())) from None
+        raise HTTPStatusError(exc.code, exc.read().decode(errors="replace"), CIMultiDict(exc.headers.items())) from None
 
 
 def complete(
@@ -103,7 +107,7 @@ def complete(
     ttft = 0.0
     arrivals: list[float] = []
     with _post(f"{base_url}/v1/completions", body, timeout) as resp:
-        headers = dict(resp.headers.items())
+        headers = CIMultiDict(resp.headers.items())
         if not stream:
             payload = json.load(resp)
             choice = payload["choices"][0]

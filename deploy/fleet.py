@@ -36,7 +36,8 @@ from typing import Any
 import yaml
 
 from deploy.env import child_env
-from deploy.fleet_spec import HOST, ROUTER_CONFIG, FleetSpec, PortCollision, ProcessPlan, plan_fleet
+from deploy.envoy_spec import ENVOY_CONFIG, envoy_bootstrap
+from deploy.fleet_spec import HOST, ROUTER_CONFIG, FleetSpec, PortCollision, ProcessPlan, envoy_plan, plan_fleet
 from deploy.observe import PROMETHEUS_CONFIG, ObserveSpec, PrometheusMissing, plan_observe, prometheus_binary
 from deploy.pair_warmup import PairWarmUpError, warm_up_pair
 from routing.config import Role
@@ -82,11 +83,19 @@ class Fleet:
     router: RunningProcess
     prometheus: RunningProcess | None = None
     """Prometheus scraping the fleet (``kvpilot fleet up --observe``), if started."""
+    gateway: RunningProcess | None = None
+    """Envoy in front, asking the router's picker (where clients send requests), if started."""
 
     @property
     def processes(self) -> list[RunningProcess]:
-        """Every recorded process: engines, router, then Prometheus."""
-        return [*self.engines, self.router, *([self.prometheus] if self.prometheus else [])]
+        """Every recorded process: engines, router, Envoy, then Prometheus."""
+        extra = [p for p in (self.gateway, self.prometheus) if p is not None]
+        return [*self.engines, self.router, *extra]
+
+    @property
+    def client_url(self) -> str:
+        """Where clients send requests: Envoy when it runs, else the router."""
+        return (self.gateway or self.router).url
 
     def by_role(self, role: str) -> list[RunningProcess]:
         return [e for e in self.engines if e.role == role]
@@ -96,6 +105,7 @@ class Fleet:
             "engines": [vars_of(e) for e in self.engines],
             "router": vars_of(self.router),
             "prometheus": vars_of(self.prometheus) if self.prometheus else None,
+            "gateway": vars_of(self.gateway) if self.gateway else None,
         }
         (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
 
@@ -110,6 +120,7 @@ class Fleet:
             tuple(_process_from(e) for e in state["engines"]),
             _process_from(state["router"]),
             _process_from(state["prometheus"]) if state.get("prometheus") else None,
+            _process_from(state["gateway"]) if state.get("gateway") else None,
         )
 
 
@@ -387,6 +398,8 @@ def up(
         raise FleetStartError(f"a fleet is already recorded in {spec.run_dir}; run `kvpilot fleet down` first")
     try:
         engines, router, router_config = plan_fleet(spec)
+        gateway = spec.gateway
+        envoy = None if gateway is None else envoy_plan(gateway, spec.run_dir)
         prometheus: ProcessPlan | None = None
         if observe is not None:
             engines, prometheus, prometheus_config = plan_observe(
@@ -394,7 +407,7 @@ def up(
             )
     except (PortCollision, PrometheusMissing) as exc:
         raise FleetStartError(str(exc)) from None
-    planned = [*engines, router, *([prometheus] if prometheus else [])]
+    planned = [*engines, router, *(p for p in (envoy, prometheus) if p is not None)]
     busy = [port for p in planned for port in (p.port, *p.side_ports) if not port_is_free(port)]
     if busy:
         raise FleetStartError(f"ports already in use on {HOST}: {busy}")
@@ -403,6 +416,8 @@ def up(
     (spec.run_dir / ROUTER_CONFIG).write_text(yaml.safe_dump(router_config, sort_keys=False))
     if prometheus is not None:
         (spec.run_dir / PROMETHEUS_CONFIG).write_text(yaml.safe_dump(prometheus_config, sort_keys=False))
+    if gateway is not None:
+        (spec.run_dir / ENVOY_CONFIG).write_text(yaml.safe_dump(envoy_bootstrap(gateway), sort_keys=False))
     started: list[tuple[subprocess.Popen[bytes], RunningProcess]] = []
     with _sigterm_as_interrupt():
         try:
@@ -418,6 +433,10 @@ def up(
             started.append(_spawn(router, logs))
             _wait_healthy(started[-1:], time.monotonic() + 60)
             progress(f"  router on {router.url}")
+            if envoy is not None:
+                started.append(_spawn(envoy, logs))
+                _wait_healthy(started[-1:], time.monotonic() + 60)
+                progress(f"  Envoy on {envoy.url}: the router's picker decides, Envoy carries the streams")
             if prometheus is not None:
                 started.append(_spawn(prometheus, logs, health="/-/ready"))
                 _wait_healthy(started[-1:], time.monotonic() + 60)
@@ -430,7 +449,9 @@ def up(
             raise
     running = [r for _, r in started]
     n = len(engines)
-    fleet = Fleet(spec.run_dir, tuple(running[:n]), running[n], running[n + 1] if prometheus else None)
+    envoy_running = running[n + 1] if envoy is not None else None
+    prometheus_running = running[-1] if prometheus is not None else None
+    fleet = Fleet(spec.run_dir, tuple(running[:n]), running[n], prometheus_running, envoy_running)
     fleet.save()
     return fleet
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.env import CPU_EAGER_ENV, HASH_SEED_ENV, NIXL_CPU_ENV
+from deploy.envoy_spec import ENVOY_CONFIG, GatewaySpec, PickerFailure, envoy_binary
 from routing.config import IndexBackend, Role, Worker
 from routing.fleet import kv_events_config
 from routing.ids import WorkerId
@@ -26,6 +27,10 @@ ENGINE_API_KEY_ENV = "KVPILOT_ENGINE_API_KEY"
 """Where the router finds the engines' API key; ``kvpilot fleet up`` reads it too."""
 REPLAY_PORT_OFFSET = 100
 """Engine i serves KV-event replays on ``events_port + REPLAY_PORT_OFFSET + i``."""
+GATEWAY_PREFILL_WAIT_S = 120.0
+"""How long Envoy waits for the picker's answer in a vLLM fleet: the picker runs P's
+one-token prefill first (the router gives P ``server.prefill_timeout_s`` or more), and a
+long prompt on a CPU engine takes seconds."""
 FLEET_TTFT_SLO_S = 60.0
 """The router's ``server.ttft_slo_s`` in a local fleet (docs/policies.md says why 60 s)."""
 
@@ -75,6 +80,16 @@ class FleetSpec:
     restarted router, or another replica, routes a session's next step as the last one
     would (docs/sessions.md); ``None``: the router's memory only. The fleet does not start
     Redis."""
+    gateway_port: int = 0
+    """Envoy's listener, where clients send requests: Envoy asks the router's endpoint picker
+    (``picker_port``) where each goes, and carries the stream from the engine itself; with a
+    remote prefill the picker runs P's one-token step and names D (``deploy/envoy_spec.py``).
+    0: no Envoy; clients send to the router, which relays every stream."""
+    picker_port: int = 8070
+    envoy_admin_port: int = 8071
+    on_picker_failure: PickerFailure = PickerFailure.REFUSE
+    """What Envoy does when the picker fails: a 503 naming it, or round robin over the
+    engines that can prefill and decode alone (the decode and co-located ones)."""
     engine_api_key: str | None = field(default=None, repr=False)
     """vLLM's API key for every engine (its ``/v1`` endpoints answer 401 without it):
     given in the engines' environment (``VLLM_API_KEY``, never on a command line) and
@@ -96,6 +111,33 @@ class FleetSpec:
             raise ValueError(f"ttft_slo_s must be >= 0, got {self.ttft_slo_s}")
         if not isinstance(self.index_backend, IndexBackend):
             raise ValueError(f"index_backend must be an IndexBackend, got {self.index_backend!r}")
+
+    @property
+    def gateway(self) -> GatewaySpec | None:
+        """Envoy in front, when ``gateway_port`` is set. The picker may run P's prefill
+        before it answers: Envoy waits for it as long as the router waits for P."""
+        if not self.gateway_port:
+            return None
+        fallback: tuple[str, ...] = ()
+        if self.on_picker_failure is PickerFailure.ROUND_ROBIN:
+            fallback = tuple(f"{HOST}:{self.engine_port + i}" for i in range(self.prefill, self.engines))
+        return GatewaySpec(
+            self.gateway_port,
+            self.envoy_admin_port,
+            self.picker_port,
+            self.on_picker_failure,
+            fallback,
+            picker_timeout_s=GATEWAY_PREFILL_WAIT_S,
+        )
+
+    @property
+    def engines(self) -> int:
+        return self.prefill + self.decode + self.colocated
+
+    @property
+    def client_url(self) -> str:
+        """Where clients send requests: Envoy, or the router when there is none."""
+        return f"http://{HOST}:{self.gateway_port or self.router_port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +306,15 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
     )
 
 
+def envoy_plan(spec: GatewaySpec, run_dir: Path) -> ProcessPlan:
+    """Envoy with the bootstrap at ``<run_dir>/envoy.yaml`` (written by the launcher from
+    :func:`deploy.envoy_spec.envoy_bootstrap`); healthy once ``/health`` passes through it
+    to the picker. ``--disable-hot-restart``: no shared-memory region, so any number of
+    Envoys share a box."""
+    argv = (str(envoy_binary()), "-c", str(run_dir / ENVOY_CONFIG), "--disable-hot-restart", "--log-level", "warn")
+    return ProcessPlan("envoy", None, argv, {}, spec.gateway_port, (spec.admin_port,), ("admin",), "gateway HTTP")
+
+
 def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
     """The router's YAML config for this fleet (see docs/router.md)."""
     disaggregation: dict[str, object] = {}
@@ -282,6 +333,7 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
         "index": {"block_size": spec.block_size, "backend": spec.index_backend.value},
         "disaggregation": disaggregation,
         **({"sessions": {"store": "redis", "redis_url": spec.session_store_url}} if spec.session_store_url else {}),
+        **({"gateway": {"picker_port": spec.picker_port}} if spec.gateway is not None else {}),
         "workers": [
             {
                 "name": w.name,
@@ -311,5 +363,8 @@ def plan_fleet(spec: FleetSpec) -> tuple[list[ProcessPlan], ProcessPlan, dict[st
         f"KV events of {w.name} (events port + {i})" for i, w in enumerate(workers[: len(events_ports)])
     )
     router = ProcessPlan("router", None, argv, router_env, spec.router_port, events_ports, events_uses)
-    check_ports([*engines, router])
+    gateway = spec.gateway
+    if gateway is not None:
+        router = router.with_side_port(spec.picker_port, "endpoint picker (gRPC)", {})
+    check_ports([*engines, router, *([envoy_plan(gateway, spec.run_dir)] if gateway is not None else [])])
     return engines, router, router_config(spec, workers)

