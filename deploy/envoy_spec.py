@@ -126,6 +126,8 @@ def _ext_proc(spec: GatewaySpec) -> dict[str, Any]:
             },
             # the picker's own headers (the destination, Dynamo's instance ids) may be set
             "mutation_rules": {"allow_all_routing": True},
+            # the body follows the headers at once: one round trip to the picker, not two
+            "send_body_without_waiting_for_header_response": True,
         },
     }
 

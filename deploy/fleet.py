@@ -469,7 +469,8 @@ def down(run_dir: Path) -> int:
     fleet = Fleet.load(run_dir)
     if fleet is None:
         return 0
-    procs = [*([fleet.prometheus] if fleet.prometheus else []), fleet.router, *fleet.engines]
+    front = [p for p in (fleet.gateway, fleet.prometheus) if p is not None]  # Envoy first: no new requests
+    procs = [*front, fleet.router, *fleet.engines]
     for proc in procs:
         stop_group(proc.pid)
     _wait_ports_free([port for p in procs for port in p.ports])

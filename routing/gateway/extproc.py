@@ -33,7 +33,7 @@ from google.protobuf import struct_pb2
 from multidict import CIMultiDict
 
 from routing.gateway.contract import DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE
-from routing.gateway.picker import Picked, Picker, Refused, body_bytes
+from routing.gateway.picker import Picked, Picker, Refused
 
 log = logging.getLogger(__name__)
 
@@ -70,23 +70,26 @@ def _immediate(
 
 
 def _picked(picked: Picked) -> ep.ProcessingResponse:
+    """The body's answer: the destination and its headers, and D's body when it is not the
+    client's (a body sent back unchanged would cost a copy both ways for nothing)."""
     dest = picked.destination
-    body = body_bytes(dest.body)
     headers = {
         **dest.headers,
         **{k.lower(): v for k, v in picked.answer_headers.items()},
         DESTINATION_HEADER: dest.host_port,
-        "content-type": "application/json",
-        "content-length": str(len(body)),
     }
+    mutation = None
+    if picked.body is not None:
+        headers |= {"content-type": "application/json", "content-length": str(len(picked.body))}
+        mutation = ep.BodyMutation(body=picked.body)
     metadata = struct_pb2.Struct()
     metadata.update({DESTINATION_METADATA_NAMESPACE: {DESTINATION_HEADER: dest.host_port}})
     return ep.ProcessingResponse(
         request_body=ep.BodyResponse(
             response=ep.CommonResponse(
-                status=ep.CommonResponse.CONTINUE_AND_REPLACE,
+                status=ep.CommonResponse.CONTINUE_AND_REPLACE if mutation is not None else ep.CommonResponse.CONTINUE,
                 header_mutation=_mutation(headers),
-                body_mutation=ep.BodyMutation(body=body),
+                body_mutation=mutation,
                 clear_route_cache=True,
             )
         ),
@@ -95,8 +98,8 @@ def _picked(picked: Picked) -> ep.ProcessingResponse:
 
 
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
-    """The ext_proc service (see the module doc). ``answer_get(path)`` is the router's
-    answer to a GET: (status, JSON payload)."""
+    """The ext_proc service (see the module doc). ``answer_get(path, headers)`` is the
+    router's answer to a GET: (status, JSON payload)."""
 
     def __init__(self, picker: Picker, answer_get: Any) -> None:
         self._picker = picker
@@ -113,7 +116,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 arrived = time.perf_counter()
                 headers = _headers(message.request_headers)
                 if message.request_headers.end_of_stream:  # no body: a GET
-                    status, payload = self._answer_get(headers.get(":path", ""))
+                    status, payload = self._answer_get(headers.get(":path", ""), headers)
                     yield _immediate(status, payload)
                     return
                 yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())

@@ -35,17 +35,18 @@ that offer (option ``pull`` falls to the next cheapest option).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from routing.decide.router import Route
 from routing.decide.sessions import SESSION_FIELDS
 from routing.serve.admission import Rejected
-from routing.serve.app import RouterServer
+from routing.serve.app import UNAUTHORIZED_MESSAGE, RouterServer
 from routing.serve.chat import ChatError
 from routing.serve.proxy import Begun, ProxyRequest, Reply, error_reply
 from routing.serve.refusals import BadRequest
@@ -70,9 +71,11 @@ class Refused(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Picked:
-    """Where D's request goes and the headers the answer carries."""
+    """Where D's request goes, the body it is sent (``None``: the client's, unchanged) and
+    the headers the answer carries."""
 
     destination: Destination
+    body: bytes | None
     answer_headers: dict[str, str]
 
 
@@ -113,13 +116,16 @@ class Picker:
         """The destination for one request that arrived at ``arrived``
         (``time.perf_counter()``): ``path`` and ``headers`` as the client sent them (with
         Envoy's ``x-request-id``), ``raw`` its whole body. Raises :class:`Refused`: 404 for
-        another path, 400 or 413 for a bad body (naming the problem), 409 for a request id
+        another path, 401 without the API key (``server.api_key_env``), 400 or 413 for a bad
+        body (naming the problem), 409 for a request id
         in flight, 429 or 503 for a predicted TTFT over the SLO, 503 when no worker can
         serve it, 502 when the chosen worker left."""
         chat = {COMPLETIONS_PATH: False, CHAT_PATH: True}.get(path.split("?", 1)[0])
         if chat is None:
             raise Refused(404, f"kvpilot serves POST {COMPLETIONS_PATH} and {CHAT_PATH}, not {path!r}")
         server = self._server
+        if not server.authorized(headers):
+            raise Refused(401, UNAUTHORIZED_MESSAGE, "authentication_error", **{"www-authenticate": "Bearer"})
         if len(raw) > server.config.server.max_body_bytes:
             raise Refused(413, str(server.body_too_large()))
         try:
@@ -146,7 +152,8 @@ class Picker:
         self._in_flight[route.request_id] = _InFlight(
             request, begun, picked_s, self._prefill_timer(route, begun, picked_s)
         )
-        return Picked(destination, begun.headers)
+        unchanged = destination.body == intake.client_body  # a client that sent token ids and no session fields
+        return Picked(destination, None if unchanged else body_bytes(destination.body), begun.headers)
 
     def _prefill_timer(self, route: Route, begun: Begun, picked_s: float) -> asyncio.TimerHandle | None:
         """Ends the request's prefill in the ledger at its predicted TTFT (see the module
@@ -191,5 +198,5 @@ class Picker:
 
 
 def body_bytes(body: Mapping[str, Any]) -> bytes:
-    """D's body as sent: compact JSON."""
-    return json.dumps(body, separators=(",", ":")).encode()
+    """D's body as sent: compact JSON (msgspec: 14x json's speed on a 14K-token prompt)."""
+    return msgspec.json.encode(body)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -23,7 +24,8 @@ from opentelemetry.proto.collector.logs.v1 import logs_service_pb2_grpc as ls_gr
 from routing.gateway.access_log import AccessLogReceiver
 from routing.gateway.extproc import ExternalProcessor
 from routing.gateway.picker import Picker
-from routing.serve.app import RouterServer
+from routing.serve.app import OPEN_PATHS, UNAUTHORIZED_MESSAGE, RouterServer
+from routing.serve.proxy import error_reply
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +36,13 @@ GRACE_S = 5.0
 
 
 def _answer_get(server: RouterServer) -> Any:
-    """The router's answer to a GET that reached the picker: (status, JSON payload)."""
+    """The router's answer to a GET that reached the picker: (status, JSON payload); the
+    API key is required as at the router's HTTP front."""
 
-    def answer(path: str) -> tuple[int, dict[str, Any]]:
+    def answer(path: str, headers: Mapping[str, str]) -> tuple[int, dict[str, Any]]:
         path = path.split("?", 1)[0]
+        if path not in OPEN_PATHS and not server.authorized(headers):
+            return 401, error_reply(401, UNAUTHORIZED_MESSAGE, "authentication_error").payload
         if path == "/v1/models":
             model = {"id": server.config.server.model_name, "object": "model", "owned_by": "kvpilot"}
             return 200, {"object": "list", "data": [model]}

