@@ -98,12 +98,16 @@ def tokenizer(model_dir: Path) -> PromptTokenizer:
 def pd_shared(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory, shared_fleet: SharedFleet
 ) -> tuple[FleetSpec, fleet_io.Fleet]:
+    block = block_of(__name__)
     return shared_fleet.get(
         FleetSpec(
             model_dir=model_dir,
             run_dir=tmp_path_factory.mktemp("pd-fleet"),
             disaggregation="always",
-            **block_of(__name__).fleet(),
+            gateway_port=block.spare(0),  # Envoy in front, as `kvpilot fleet up` starts it
+            picker_port=block.spare(1),
+            envoy_admin_port=block.spare(2),
+            **block.fleet(),
         )
     )
 
@@ -117,5 +121,5 @@ def pd_spec(pd_shared: tuple[FleetSpec, fleet_io.Fleet]) -> FleetSpec:
 @pytest.fixture(scope="module")
 def pd_fleet(pd_shared: tuple[FleetSpec, fleet_io.Fleet]) -> fleet_io.Fleet:
     """1 prefill + 1 decode engine with KVPilotConnector, behind the router (every request
-    prefilled on P), shared by the modules of its group."""
+    prefilled on P) and Envoy (its picker the router), shared by the modules of its group."""
     return pd_shared[1]

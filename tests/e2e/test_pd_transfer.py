@@ -73,6 +73,30 @@ def test_disaggregated_output_equals_colocated(pd_fleet: Fleet, tokenizer: Promp
     assert total(scrape(prefill.url), vm.KVPILOT_OFFERS.total) >= 1
 
 
+def test_through_envoy_p_then_d_and_the_output_equals_colocated(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
+    """As a client of `kvpilot fleet up` sends it: to Envoy, which asks the router's picker.
+    The picker runs P's one-token prefill and names D with P's params; Envoy streams D's
+    answer. D received the prompt's KV over NIXL (its own counters), and the output equals
+    the co-located run's, logprobs identical."""
+    assert pd_fleet.gateway is not None
+    decode = pd_fleet.by_role("decode")[0]
+    token_ids = tokenizer.prompt_token_ids(_words(400, seed=21))
+    d0, r0 = scrape(decode.url), scrape(pd_fleet.router.url)
+    disagg = complete(pd_fleet.client_url, token_ids, max_tokens=12, stream=True)
+    d1 = settled(decode.url, d0)
+    reference = complete(decode.url, token_ids, max_tokens=12, cache_salt=f"ref-{uuid.uuid4().hex}")
+    assert disagg.headers["x-kvpilot-route"] == "remote_prefill", dict(disagg.headers)
+    assert disagg.headers["server"] == "envoy"
+    assert disagg.tokens == reference.tokens
+    assert disagg.logprobs == reference.logprobs, f"max diff {disagg.max_logprob_diff(reference)}"
+    assert delta(d1, d0, PROMPT_TOKENS, source="external_kv_transfer") == len(token_ids)
+    assert delta(d1, d0, PROMPT_TOKENS, source="local_compute") == 0
+    first_tokens = total(r0, "kvpilot_router_ttft_seconds_count")
+    r1 = wait_for_metric(pd_fleet.router.url, "kvpilot_router_ttft_seconds_count", lambda n: n > first_tokens)
+    assert delta(r1, r0, "kvpilot_router_decisions_total") == 1  # the picker decided it ...
+    assert delta(r1, r0, "kvpilot_router_ttft_seconds_count") == 1  # ... and timed its first token from Envoy's log
+
+
 def test_decode_moves_only_blocks_beyond_its_local_hit(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
     decode = pd_fleet.by_role("decode")[0]
     first = tokenizer.prompt_token_ids(_words(640, seed=2))
