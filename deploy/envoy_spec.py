@@ -22,12 +22,16 @@
   (:class:`PickerFailure`);
 - the admin interface, like every listener, on 127.0.0.1 only.
 
-Everything Envoy connects to or listens on is the loopback address given (``host``).
+On one machine everything Envoy listens on or connects to is the loopback address
+(``host``, ``picker_host``); in a cluster the listener takes the pod's addresses and the
+picker is its Service's name (``deploy/k8s/gateway.py``). The admin interface is always on
+127.0.0.1.
 """
 
 from __future__ import annotations
 
 import enum
+import ipaddress
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +40,8 @@ from typing import Any
 
 from routing.gateway.contract import ACCESS_LOG_NAME, ANSWER_HEADERS, DESTINATION_HEADER, ROUTING_HEADERS, LogAttribute
 
+ADMIN_HOST = "127.0.0.1"
+"""Envoy's admin interface listens here, on one machine and in a pod alike."""
 ENVOY_CONFIG = "envoy.yaml"
 """Envoy's bootstrap, in the fleet's run directory."""
 TYPES = "type.googleapis.com/envoy.extensions."
@@ -43,6 +49,17 @@ TYPES = "type.googleapis.com/envoy.extensions."
 PICKED_CLUSTER = "picked"
 PICKER_CLUSTER = "kvpilot_picker"
 FALLBACK_CLUSTER = "fallback"
+
+
+class ProcessorStyle(str, enum.Enum):
+    """How Envoy talks to the picker (:mod:`routing.gateway.extproc` serves both)."""
+
+    KVPILOT = "kvpilot"
+    """The request body buffered, no response phase: no streamed byte reaches the picker,
+    which learns each request's end from Envoy's access log."""
+    GAIE = "gaie"
+    """As Gateway API Inference Extension gateways configure their endpoint picker: both
+    bodies ``FULL_DUPLEX_STREAMED``, every response chunk through the picker and back."""
 
 
 class PickerFailure(str, enum.Enum):
@@ -69,6 +86,9 @@ class GatewaySpec:
     fallback_endpoints: tuple[str, ...] = ()
     """``host:port`` of each engine, for :attr:`PickerFailure.ROUND_ROBIN`."""
     host: str = "127.0.0.1"
+    """The listener's address."""
+    picker_host: str = "127.0.0.1"
+    """The picker's address, or a DNS name (its Service in a cluster)."""
     picker_timeout_s: float = 5.0
     """How long Envoy waits for one picker answer before failing the request as
     :attr:`on_picker_failure` says."""
@@ -76,6 +96,7 @@ class GatewaySpec:
     """How long Envoy batches access-log entries before sending them."""
     max_body_bytes: int = 4 << 20
     """The largest request body Envoy buffers for the picker (the router's ``server.max_body_bytes``)."""
+    style: ProcessorStyle = ProcessorStyle.KVPILOT
 
     def __post_init__(self) -> None:
         if self.on_picker_failure is PickerFailure.ROUND_ROBIN and not self.fallback_endpoints:
@@ -85,6 +106,14 @@ class GatewaySpec:
         ports = (self.gateway_port, self.admin_port, self.picker_port)
         if len(set(ports)) != len(ports):
             raise ValueError(f"gateway, admin and picker ports must differ, got {ports}")
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -105,6 +134,21 @@ def _seconds(value: float) -> str:
 
 def _ext_proc(spec: GatewaySpec) -> dict[str, Any]:
     fail_open = spec.on_picker_failure is PickerFailure.ROUND_ROBIN
+    if spec.style is ProcessorStyle.GAIE:
+        modes = {"request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "FULL_DUPLEX_STREAMED"}
+        modes |= {f"{side}_{part}_mode": "SEND" for side in ("request", "response") for part in ("header", "trailer")}
+        early: dict[str, Any] = {}
+    else:
+        modes = {
+            "request_header_mode": "SEND",
+            "request_body_mode": "BUFFERED",
+            "request_trailer_mode": "SKIP",
+            "response_header_mode": "SKIP",
+            "response_body_mode": "NONE",
+            "response_trailer_mode": "SKIP",
+        }
+        # the body follows the headers at once: one round trip to the picker, not two
+        early = {"send_body_without_waiting_for_header_response": True}
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -116,18 +160,10 @@ def _ext_proc(spec: GatewaySpec) -> dict[str, Any]:
             "failure_mode_allow": fail_open,
             "status_on_error": {"code": "ServiceUnavailable"},
             "message_timeout": _seconds(spec.picker_timeout_s),
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "request_body_mode": "BUFFERED",
-                "request_trailer_mode": "SKIP",
-                "response_header_mode": "SKIP",
-                "response_body_mode": "NONE",
-                "response_trailer_mode": "SKIP",
-            },
+            "processing_mode": modes,
             # the picker's own headers (the destination, Dynamo's instance ids) may be set
             "mutation_rules": {"allow_all_routing": True},
-            # the body follows the headers at once: one round trip to the picker, not two
-            "send_body_without_waiting_for_header_response": True,
+            **early,
         },
     }
 
@@ -218,12 +254,12 @@ def _clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
         },
         {
             "name": PICKER_CLUSTER,
-            "type": "STATIC",
+            "type": "STATIC" if _is_ip(spec.picker_host) else "STRICT_DNS",
             "connect_timeout": "0.25s",
             "typed_extension_protocol_options": http2,
             "load_assignment": {
                 "cluster_name": PICKER_CLUSTER,
-                "endpoints": [{"lb_endpoints": _endpoints([f"{spec.host}:{spec.picker_port}"])}],
+                "endpoints": [{"lb_endpoints": _endpoints([f"{spec.picker_host}:{spec.picker_port}"])}],
             },
         },
     ]
@@ -274,7 +310,7 @@ def envoy_bootstrap(spec: GatewaySpec) -> dict[str, Any]:
                 "typed_config": {"@type": TYPES + "filters.http.router.v3.Router"},
             },
         ],
-        "access_log": [_access_log(spec)],
+        "access_log": [_access_log(spec)] if spec.style is ProcessorStyle.KVPILOT else [],
         "local_reply_config": {"mappers": [_picker_unreachable()]},
     }
     listener = {
@@ -286,7 +322,7 @@ def envoy_bootstrap(spec: GatewaySpec) -> dict[str, Any]:
         ],
     }
     return {
-        "admin": {"address": _address(spec.host, spec.admin_port)},
+        "admin": {"address": _address(ADMIN_HOST, spec.admin_port)},
         "static_resources": {"listeners": [listener], "clusters": _clusters(spec)},
     }
 

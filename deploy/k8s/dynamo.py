@@ -16,12 +16,16 @@ from typing import cast
 
 from deploy.dynamo_spec import DynamoFleetSpec, router_config, router_plan
 from deploy.env import HASH_SEED_ENV
+from deploy.k8s.gateway import envoy_config_map, envoy_deployment, envoy_service
 from deploy.k8s.objects import SIDE_CHANNEL_HOST_FROM_POD, Obj, env_list, meta, obj
 from deploy.k8s.plan import (
     ALL_ADDRESSES,
     CONFIG_MOUNT,
+    ENVOY_ADMIN_PORT,
+    GATEWAY_PORT,
     MODELS_MOUNT,
     NAME,
+    PICKER_PORT,
     PYTHON,
     ROUTER_API_KEY_ENV,
     ClusterPlan,
@@ -117,7 +121,9 @@ def dynamo_router(plan: ClusterPlan) -> RouterPod:
         decode=1,
         served_model_name=plan.spec.served_model_name,
         block_size=plan.spec.block_size,
-        gateway_port=0,  # no Envoy rendered for Kubernetes yet: clients reach the router itself
+        gateway_port=GATEWAY_PORT,  # Envoy in front (deploy/k8s/gateway.py), the router its picker
+        picker_port=PICKER_PORT,
+        envoy_admin_port=ENVOY_ADMIN_PORT,
     )
     config = router_config(spec)
     server = dict(cast(Mapping[str, object], config["server"]))
@@ -126,9 +132,17 @@ def dynamo_router(plan: ClusterPlan) -> RouterPod:
     dynamo |= {"frontend_url": frontend_url(), "discovery_backend": "kubernetes", "kv_events_port": KV_EVENTS_PORT}
     config["dynamo"] = dynamo
     local = router_plan(spec)
-    return RouterPod(local, (PYTHON, *local.argv[1:]), (ROUTER_API_KEY_ENV,), (), config)
+    return RouterPod(local, (PYTHON, *local.argv[1:]), (ROUTER_API_KEY_ENV,), (), config, PICKER_PORT)
 
 
 def dynamo_example(plan: ClusterPlan) -> list[Obj]:
+    """The graph, the router (its picker on), and the standalone Envoy in front of it."""
     router = dynamo_router(plan)
-    return [graph(plan), router_config_map(router), router_deployment(plan.spec, router), router_service(router)]
+    envoy = [envoy_config_map(), envoy_deployment(), envoy_service()]
+    return [
+        graph(plan),
+        router_config_map(router),
+        router_deployment(plan.spec, router),
+        router_service(router),
+        *envoy,
+    ]

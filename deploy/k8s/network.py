@@ -3,8 +3,10 @@
 - Engines' HTTP ports (``/v1``, ``/health``, ``/metrics``) and KV replay sockets: the
   router only, and Prometheus's namespace on HTTP (``/metrics``).
 - Engines' NIXL side channels: other engines only.
+- Engines' HTTP ports also: the gateway (Envoy, which carries D's requests and streams).
 - The router's HTTP port: anyone (its clients; its own API key guards ``/v1``); its KV
-  event ports: engines only.
+  event ports: engines only; its picker port: the gateway's pods and any other (a GAIE
+  gateway's proxy runs where its implementation puts it).
 
 Egress is left open. UCX's RDMA and NVLink traffic does not cross the pod network, so
 no NetworkPolicy sees it; UCX over TCP (``UCX_TLS=tcp``, debugging) needs its data
@@ -16,9 +18,11 @@ from __future__ import annotations
 from deploy.k8s.objects import (
     COMPONENT_LABEL,
     ENGINE,
+    GATEWAY,
     HTTP_PORT_NAME,
     NAME_LABEL,
     NIXL_PORT_NAME,
+    PICKER_PORT_NAME,
     REPLAY_PORT_NAME,
     ROUTER,
     Obj,
@@ -49,6 +53,7 @@ def engines_policy(plan: ClusterPlan) -> Obj:
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": pods_of(ROUTER)}], "ports": [_tcp(HTTP_PORT_NAME), _tcp(REPLAY_PORT_NAME)]},
+                {"from": [{"podSelector": pods_of(GATEWAY)}], "ports": [_tcp(HTTP_PORT_NAME)]},
                 {"from": [{"podSelector": pods_of(ENGINE)}], "ports": [_tcp(NIXL_PORT_NAME)]},
                 {"from": [prometheus], "ports": [_tcp(HTTP_PORT_NAME)]},
             ],
@@ -66,7 +71,7 @@ def router_policy(plan: ClusterPlan) -> Obj:
             "podSelector": pods_of(ROUTER),
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"ports": [_tcp(HTTP_PORT_NAME)]},
+                {"ports": [_tcp(HTTP_PORT_NAME), _tcp(PICKER_PORT_NAME)]},
                 {"from": [{"podSelector": pods_of(ENGINE)}], "ports": events},
             ],
         },

@@ -17,8 +17,12 @@ METRICS_LABEL = "kvpilot.io/metrics"
 """On every Service whose ``http`` port serves ``/metrics``: the ServiceMonitor selects it."""
 ENGINE = "engine"
 ROUTER = "router"
+GATEWAY = "gateway"
+"""Envoy's pods (the standalone gateway beside the picker)."""
 
 HTTP_PORT_NAME = "http"
+PICKER_PORT_NAME = "picker"
+"""The router's endpoint picker (gRPC)."""
 NIXL_PORT_NAME = "nixl"
 REPLAY_PORT_NAME = "kv-replay"
 

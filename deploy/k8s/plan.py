@@ -60,6 +60,12 @@ CPU_ONLY_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", *NIXL_CPU
 SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 TELEMETRY_OFF_ENV: Mapping[str, str] = {k: LOCAL_ONLY_ENV[k] for k in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK")}
 ALL_ADDRESSES = "0.0.0.0"
+GATEWAY_PORT = 8080
+"""Envoy's listener in its pod (the Service clients reach)."""
+PICKER_PORT = 8070
+"""The router's endpoint picker (gRPC: Envoy's ext_proc and access log)."""
+ENVOY_ADMIN_PORT = 9901
+"""Envoy's admin interface, on the pod's loopback only."""
 GPU_RESOURCE = "nvidia.com/gpu"
 
 
@@ -118,6 +124,9 @@ class ClusterSpec:
             max_model_len=self.max_model_len,
             cores=1,
             engine_api_key=_KEY_PLACEHOLDER,
+            gateway_port=GATEWAY_PORT,
+            picker_port=PICKER_PORT,
+            envoy_admin_port=ENVOY_ADMIN_PORT,
         )
 
     def transport_env(self) -> dict[str, str]:
@@ -177,6 +186,8 @@ class RouterPod:
     secret_env: tuple[str, ...]
     events_ports: tuple[int, ...]
     config: dict[str, object]
+    picker_port: int
+    """The endpoint picker's gRPC port (Envoy's ext_proc and access log)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,5 +263,9 @@ def plan_cluster(spec: ClusterSpec) -> ClusterPlan:
     server |= {"host": ALL_ADDRESSES, "api_key_env": ROUTER_API_KEY_ENV}
     cluster_config = {**config, "server": server, "workers": [router_worker(w) for w in workers]}
     router_secrets = (*(k for k in router.env if k in SECRET_KEYS), ROUTER_API_KEY_ENV)
-    router_pod = RouterPod(router, (PYTHON, *router.argv[1:]), router_secrets, router.side_ports, cluster_config)
+    events_ports = tuple(
+        port for port, use in zip(router.side_ports, router.side_port_uses, strict=True) if use.startswith("KV events")
+    )
+    command = (PYTHON, *router.argv[1:])
+    router_pod = RouterPod(router, command, router_secrets, events_ports, cluster_config, PICKER_PORT)
     return ClusterPlan(spec, pods, router_pod)

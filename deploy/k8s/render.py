@@ -3,8 +3,9 @@
 to ``--out``; ``--check`` says whether the committed files are what the code renders.
 
 Files: ``base.yaml`` (namespace, API-key Secret, ServiceMonitor, PrometheusRule,
-dashboards), one per :class:`~deploy.k8s.plan.Transport` (the P/D engines, the router,
-the NetworkPolicies), and ``dynamo.yaml`` (the DynamoGraphDeployment example with the
+dashboards), one per :class:`~deploy.k8s.plan.Transport` (the P/D engines, the router and
+its picker, Envoy in front, the InferencePool and HTTPRoute for a GAIE gateway, the
+NetworkPolicies), and ``dynamo.yaml`` (the DynamoGraphDeployment example with the
 router). Apply ``base.yaml`` and one of the others.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from deploy.k8s.dynamo import dynamo_example
+from deploy.k8s.gateway import gateway_objects
 from deploy.k8s.network import network_policies
 from deploy.k8s.objects import Obj
 from deploy.k8s.observability import observability
@@ -36,7 +38,7 @@ def overlays(spec: ClusterSpec) -> dict[str, list[Obj]]:
     out = {BASE: [namespace(), api_keys_secret(), *observability(spec)]}
     for transport in Transport:
         plan = plan_cluster(dataclasses.replace(spec, transport=transport))
-        out[transport.value] = [*workloads(plan), *network_policies(plan)]
+        out[transport.value] = [*workloads(plan), *gateway_objects(plan), *network_policies(plan)]
     out[DYNAMO] = dynamo_example(plan_cluster(spec))
     return out
 

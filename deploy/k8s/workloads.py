@@ -17,6 +17,7 @@ from deploy.k8s.objects import (
     INSTANCE_LABEL,
     METRICS_LABEL,
     NIXL_PORT_NAME,
+    PICKER_PORT_NAME,
     REPLAY_PORT_NAME,
     ROLE_LABEL,
     ROUTER,
@@ -156,6 +157,7 @@ def router_deployment(spec: ClusterSpec, router: RouterPod) -> Obj:
         "env": env_list({}, {k: SECRET_KEYS[k] for k in router.secret_env}, API_KEYS_SECRET),
         "ports": [
             {"name": HTTP_PORT_NAME, "containerPort": router.cpu_plan.port, "protocol": "TCP"},
+            {"name": PICKER_PORT_NAME, "containerPort": router.picker_port, "protocol": "TCP"},
             *(
                 {"name": events_port_name(i), "containerPort": port, "protocol": "TCP"}
                 for i, port in enumerate(router.events_ports)
@@ -204,7 +206,16 @@ def router_service(router: RouterPod) -> Obj:
         meta(service_name(ROUTER), labels={**pod_labels, METRICS_LABEL: "true"}),
         spec={
             "selector": pod_labels,
-            "ports": [{"name": HTTP_PORT_NAME, "port": router.cpu_plan.port, "targetPort": HTTP_PORT_NAME}, *events],
+            "ports": [
+                {"name": HTTP_PORT_NAME, "port": router.cpu_plan.port, "targetPort": HTTP_PORT_NAME},
+                {
+                    "name": PICKER_PORT_NAME,
+                    "port": router.picker_port,
+                    "targetPort": PICKER_PORT_NAME,
+                    "appProtocol": "kubernetes.io/h2c",
+                },
+                *events,
+            ],
         },
     )
 

@@ -1,7 +1,11 @@
 """Envoy's ``ext_proc`` protocol (``envoy.service.ext_proc.v3``) over the :class:`~routing.gateway.picker.Picker`.
 
-One gRPC stream per HTTP request. Envoy sends the request's headers, then its whole body
-(``BUFFERED``); the picker answers the headers with CONTINUE and the body with:
+One gRPC stream per HTTP request, in one of two styles, told by the processing mode Envoy
+announces on its first message (``protocol_config``):
+
+**kvpilot's** (``deploy/envoy_spec.py``): the request body ``BUFFERED``, no response
+phase. Envoy sends the request's headers, then its whole body; the picker answers the
+headers with CONTINUE and the body with:
 
 - the destination, GAIE's way: the header ``x-gateway-destination-endpoint`` (``host:port``)
   and the same in the dynamic metadata ``envoy.lb``, plus the destination's own headers
@@ -10,10 +14,19 @@ One gRPC stream per HTTP request. Envoy sends the request's headers, then its wh
 - the body D is sent (token ids), its ``content-length`` set to match;
 - ``clear_route_cache``, so Envoy routes on the new headers;
 
-or an immediate response when the picker refuses (JSON error naming the problem). A request
-that ends with its headers (a GET) is answered here: ``/v1/models`` and ``/health`` from the
-router, anything else 404. Response headers and bodies are never sent here
-(``deploy/envoy_spec.py``).
+or an immediate response when the picker refuses (JSON error naming the problem). Response
+headers and bodies are never sent here; the request's end comes from Envoy's access log.
+
+**GAIE's** (how Gateway API Inference Extension gateways configure their endpoint picker):
+both bodies ``FULL_DUPLEX_STREAMED``. The picker holds its answer to the headers until the
+body's last chunk, then answers the headers with the destination and the body with D's body
+(``StreamedBodyResponse``); it adds the ``x-kvpilot-*`` headers to the response headers and
+sends every response chunk back as it came. That relays every streamed token through this
+process, which is what GAIE's protocol asks; the request's end and first-token time are
+read from the response body here, not from an access log.
+
+A request that ends with its headers (a GET) is answered here in both styles:
+``/v1/models`` and ``/health`` from the router, anything else 404.
 """
 
 from __future__ import annotations
@@ -22,10 +35,12 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
@@ -33,11 +48,12 @@ from google.protobuf import struct_pb2
 from multidict import CIMultiDict
 
 from routing.gateway.contract import DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE
-from routing.gateway.picker import Picked, Picker, Refused
+from routing.gateway.picker import Picked, Picker, Refused, RequestEnd
 
 log = logging.getLogger(__name__)
 
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+FULL_DUPLEX_STREAMED = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 def _headers(message: ep.HttpHeaders) -> CIMultiDict[str]:
@@ -69,21 +85,28 @@ def _immediate(
     )
 
 
-def _picked(picked: Picked) -> ep.ProcessingResponse:
-    """The body's answer: the destination and its headers, and D's body when it is not the
-    client's (a body sent back unchanged would cost a copy both ways for nothing)."""
+def _destination(picked: Picked) -> tuple[dict[str, str], struct_pb2.Struct]:
+    """The headers D's request gets (the destination's, the answer's ``x-kvpilot-*``, GAIE's
+    destination header; the body's length when it is replaced) and ``envoy.lb``'s metadata."""
     dest = picked.destination
     headers = {
         **dest.headers,
         **{k.lower(): v for k, v in picked.answer_headers.items()},
         DESTINATION_HEADER: dest.host_port,
     }
-    mutation = None
     if picked.body is not None:
         headers |= {"content-type": "application/json", "content-length": str(len(picked.body))}
-        mutation = ep.BodyMutation(body=picked.body)
     metadata = struct_pb2.Struct()
     metadata.update({DESTINATION_METADATA_NAMESPACE: {DESTINATION_HEADER: dest.host_port}})
+    return headers, metadata
+
+
+def _picked(picked: Picked) -> ep.ProcessingResponse:
+    """kvpilot's style: the body's answer carries the destination and its headers, and D's
+    body when it is not the client's (a body sent back unchanged would cost a copy both
+    ways for nothing)."""
+    headers, metadata = _destination(picked)
+    mutation = None if picked.body is None else ep.BodyMutation(body=picked.body)
     return ep.ProcessingResponse(
         request_body=ep.BodyResponse(
             response=ep.CommonResponse(
@@ -97,6 +120,45 @@ def _picked(picked: Picked) -> ep.ProcessingResponse:
     )
 
 
+def _picked_duplex(picked: Picked, raw: bytes) -> list[ep.ProcessingResponse]:
+    """GAIE's style: the headers' answer (the destination), then the body's (D's body, or
+    the client's as it came, in one streamed chunk)."""
+    headers, metadata = _destination(picked)
+    headers_answer = ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(header_mutation=_mutation(headers), clear_route_cache=True)
+        ),
+        dynamic_metadata=metadata,
+    )
+    body = raw if picked.body is None else picked.body
+    return [headers_answer, _streamed("request_body", body, end=True)]
+
+
+def _streamed(kind: str, chunk: bytes, *, end: bool) -> ep.ProcessingResponse:
+    """A body chunk sent back in full-duplex streaming (``kind``: request_body or response_body)."""
+    streamed = ep.StreamedBodyResponse(body=chunk, end_of_stream=end)
+    answer = ep.BodyResponse(response=ep.CommonResponse(body_mutation=ep.BodyMutation(streamed_response=streamed)))
+    return ep.ProcessingResponse(**{kind: answer})
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One request's ext_proc stream, as its messages come."""
+
+    duplex: bool = False
+    """GAIE's style (both bodies ``FULL_DUPLEX_STREAMED``)."""
+    headers: CIMultiDict[str] = field(default_factory=CIMultiDict)
+    arrived: float = 0.0
+    body: bytearray = field(default_factory=bytearray)
+    request_id: str | None = None
+    """The picked request's id, in GAIE's style (its end is read here)."""
+    answer_headers: dict[str, str] = field(default_factory=dict)
+    status: int = 0
+    first_body: float | None = None
+    ended: bool = False
+    done: bool = False
+
+
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     """The ext_proc service (see the module doc). ``answer_get(path, headers)`` is the
     router's answer to a GET: (status, JSON payload)."""
@@ -108,42 +170,77 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     async def Process(  # noqa: N802  # the gRPC method's name
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[ep.ProcessingResponse]:
-        headers: CIMultiDict[str] = CIMultiDict()
-        arrived = time.perf_counter()
-        async for message in request_iterator:
-            kind = message.WhichOneof("request")
-            if kind == "request_headers":
-                arrived = time.perf_counter()
-                headers = _headers(message.request_headers)
-                if message.request_headers.end_of_stream:  # no body: a GET
-                    status, payload = self._answer_get(headers.get(":path", ""), headers)
-                    yield _immediate(status, payload)
-                    return
-                yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-            elif kind == "request_body":
-                body = message.request_body
-                if not body.end_of_stream:  # BUFFERED sends the whole body at once
-                    yield _immediate(500, {"error": {"message": "the picker needs the whole body (BUFFERED)"}})
-                    return
-                yield await self._pick(headers, body.body, arrived)
-                return
-            else:  # the processing mode sends nothing else; let anything else through
-                log.warning("ext_proc: unexpected %s message; continuing", kind)
-                yield ep.ProcessingResponse(**{kind: _continue_for(kind)})
-
-    async def _pick(self, headers: CIMultiDict[str], raw: bytes, arrived: float) -> ep.ProcessingResponse:
-        path = headers.get(":path", "")
-        if headers.get(":method", "POST") != "POST":
-            return _immediate(405, {"error": {"message": f"{headers.get(':method')} {path}: use POST"}})
+        state = _Stream()
         try:
-            return _picked(await self._picker.pick(path, headers, raw, arrived))
+            async for message in request_iterator:
+                if message.HasField("protocol_config"):
+                    state.duplex = message.protocol_config.request_body_mode == FULL_DUPLEX_STREAMED
+                for answer in await self._on(message, state):
+                    yield answer
+                if state.done:
+                    return
+        finally:
+            if state.request_id is not None and not state.ended:  # the client or Envoy left first
+                await self._picker.ended(RequestEnd(state.request_id, 0, None, time.perf_counter() - state.arrived))
+
+    async def _on(self, message: ep.ProcessingRequest, state: _Stream) -> list[ep.ProcessingResponse]:
+        """The answers to one of Envoy's messages (none while a GAIE-style body is coming)."""
+        kind = message.WhichOneof("request")
+        if kind == "request_headers":
+            state.arrived = time.perf_counter()
+            state.headers = _headers(message.request_headers)
+            if message.request_headers.end_of_stream:  # no body: a GET
+                state.done = True
+                return [_immediate(*self._answer_get(state.headers.get(":path", ""), state.headers))]
+            return [] if state.duplex else [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
+        if kind == "request_body":
+            state.body += message.request_body.body
+            if not message.request_body.end_of_stream:
+                if state.duplex:
+                    return []
+                state.done = True  # BUFFERED sends the whole body at once
+                return [_immediate(500, {"error": {"message": "the picker needs the whole body (BUFFERED)"}})]
+            return await self._pick(state)
+        if kind == "response_headers":
+            state.status = int(_headers(message.response_headers).get(":status", "0"))
+            return [
+                ep.ProcessingResponse(
+                    response_headers=ep.HeadersResponse(
+                        response=ep.CommonResponse(header_mutation=_mutation(state.answer_headers))
+                    )
+                )
+            ]
+        if kind == "response_body":
+            chunk = message.response_body
+            now = time.perf_counter()
+            if state.first_body is None and chunk.body:
+                state.first_body = now - state.arrived
+            if chunk.end_of_stream and state.request_id is not None:
+                state.ended = True
+                await self._picker.ended(
+                    RequestEnd(state.request_id, state.status, state.first_body, now - state.arrived)
+                )
+            return [_streamed("response_body", bytes(chunk.body), end=chunk.end_of_stream)]
+        if kind in ("request_trailers", "response_trailers"):
+            return [ep.ProcessingResponse(**{kind: ep.TrailersResponse()})]
+        log.warning("ext_proc: unexpected %s message; continuing", kind)
+        return [ep.ProcessingResponse(**{kind: ep.HeadersResponse()})]
+
+    async def _pick(self, state: _Stream) -> list[ep.ProcessingResponse]:
+        """The picker's answer for the whole body: the destination, or a refusal."""
+        headers, path = state.headers, state.headers.get(":path", "")
+        state.done = not state.duplex  # a GAIE-style stream goes on with the response
+        if headers.get(":method", "POST") != "POST":
+            state.done = True
+            return [_immediate(405, {"error": {"message": f"{headers.get(':method')} {path}: use POST"}})]
+        raw = bytes(state.body)
+        try:
+            picked = await self._picker.pick(path, headers, raw, state.arrived)
         except Refused as exc:
-            return _immediate(exc.status, exc.payload, exc.headers)
-
-
-def _continue_for(kind: str) -> Any:
-    return (
-        ep.BodyResponse()
-        if kind.endswith("_body")
-        else (ep.TrailersResponse() if kind.endswith("_trailers") else ep.HeadersResponse())
-    )
+            state.done = True
+            return [_immediate(exc.status, exc.payload, exc.headers)]
+        if not state.duplex:
+            return [_picked(picked)]
+        state.request_id = picked.request_id
+        state.answer_headers = {k.lower(): v for k, v in picked.answer_headers.items()}
+        return _picked_duplex(picked, raw)

