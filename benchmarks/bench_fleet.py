@@ -391,18 +391,21 @@ def sweep_table(results: dict[str, dict[str, Any]]) -> str:
 def table(results: dict[str, dict[str, Any]], ceiling: float) -> str:
     head = (
         "| arm | TTFT mean s | p50 | p99 | frontend's TTFT mean s | ITL mean ms | req/s | prefix reuse (ceiling) "
-        "| completed | failed | frontend CPU ms/req | kvpilot router CPU ms/req |"
+        "| completed | failed | frontend CPU ms/req | kvpilot router CPU ms/req | Envoy CPU ms/req |"
     )
-    lines = [head, "|---|" + "---:|" * 11]
+    lines = [head, "|---|" + "---:|" * 12]
+
+    def ms(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
     for key, s in results.items():
         cpu = s["cpu_s_per_request"]
-        router_cpu = cpu.get("kvpilot_router")
         lines.append(
             f"| {key} | {s['ttft_mean_s']:.3f} | {s['ttft_p50_s']:.3f} | {s['ttft_p99_s']:.3f} "
             f"| {s['frontend_ttft_mean_s']:.3f} "
             f"| {s['itl_mean_s'] * 1e3:.2f} | {s['throughput_rps']:.2f} | {s['prefix_reuse']:.3f} ({ceiling:.3f}) "
-            f"| {s['completed']} | {s['failed']} | {cpu['frontend'] * 1e3:.1f} "
-            f"| {'-' if router_cpu is None else f'{router_cpu * 1e3:.1f}'} |"
+            f"| {s['completed']} | {s['failed']} | {ms(cpu['frontend'])} | {ms(cpu.get('kvpilot_router'))} "
+            f"| {ms(cpu.get('envoy'))} |"
         )
     return "\n".join(lines)
 

@@ -97,6 +97,9 @@ class GatewaySpec:
     max_body_bytes: int = 4 << 20
     """The largest request body Envoy buffers for the picker (the router's ``server.max_body_bytes``)."""
     style: ProcessorStyle = ProcessorStyle.KVPILOT
+    drain_s: int = 600
+    """On a hot restart (:func:`deploy.fleet.restart_gateway`), how long the Envoy being
+    replaced keeps serving the streams it holds (the new one takes every new connection)."""
 
     def __post_init__(self) -> None:
         if self.on_picker_failure is PickerFailure.ROUND_ROBIN and not self.fallback_endpoints:

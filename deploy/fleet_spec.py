@@ -27,6 +27,8 @@ ENGINE_API_KEY_ENV = "KVPILOT_ENGINE_API_KEY"
 """Where the router finds the engines' API key; ``kvpilot fleet up`` reads it too."""
 REPLAY_PORT_OFFSET = 100
 """Engine i serves KV-event replays on ``events_port + REPLAY_PORT_OFFSET + i``."""
+ENVOY_SHUTDOWN_GRACE_S = 5
+"""A replaced Envoy exits this long after its drain time."""
 GATEWAY_PREFILL_WAIT_S = 120.0
 """How long Envoy waits for the picker's answer in a vLLM fleet: the picker runs P's
 one-token prefill first (the router gives P ``server.prefill_timeout_s`` or more), and a
@@ -306,12 +308,27 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
     )
 
 
-def envoy_plan(spec: GatewaySpec, run_dir: Path) -> ProcessPlan:
+def envoy_plan(spec: GatewaySpec, run_dir: Path, epoch: int = 0) -> ProcessPlan:
     """Envoy with the bootstrap at ``<run_dir>/envoy.yaml`` (written by the launcher from
     :func:`deploy.envoy_spec.envoy_bootstrap`); healthy once ``/health`` passes through it
-    to the picker. ``--disable-hot-restart``: no shared-memory region, so any number of
-    Envoys share a box."""
-    argv = (str(envoy_binary()), "-c", str(run_dir / ENVOY_CONFIG), "--disable-hot-restart", "--log-level", "warn")
+    to the picker. Hot-restartable: epoch ``epoch`` of the family ``--base-id`` names (the
+    gateway's port: one family per Envoy on a box); a later epoch takes over its listeners
+    while this one drains its open streams for up to ``spec.drain_s``."""
+    argv = (
+        str(envoy_binary()),
+        "-c",
+        str(run_dir / ENVOY_CONFIG),
+        "--base-id",
+        str(spec.gateway_port),
+        "--restart-epoch",
+        str(epoch),
+        "--drain-time-s",
+        str(spec.drain_s),
+        "--parent-shutdown-time-s",
+        str(spec.drain_s + ENVOY_SHUTDOWN_GRACE_S),
+        "--log-level",
+        "warn",
+    )
     return ProcessPlan("envoy", None, argv, {}, spec.gateway_port, (spec.admin_port,), ("admin",), "gateway HTTP")
 
 

@@ -1,5 +1,6 @@
 """kvpilot's router: an OpenAI-compatible HTTP front that sends each request to a
-prefill engine, then a decode engine (or to one co-located engine), with token ids.
+prefill engine, then a decode engine (or to one co-located engine), with token ids;
+and the same decision as Envoy's endpoint picker, Envoy carrying the streams.
 Imports and runs without vLLM installed (no vLLM import anywhere in this package).
 
 Packages, pure first (nothing in a pure package imports an I/O one):
@@ -16,6 +17,9 @@ Packages, pure first (nothing in a pure package imports an I/O one):
 - ``serve/`` (I/O): the aiohttp app, the P->D proxy behind the upstream interface,
   the engines' HTTP calls, admission, request fields, tokenizer and chat;
 - ``metrics/``: the router's Prometheus series and each component's collector;
+- ``gateway/`` (I/O): the endpoint picker behind Envoy (Envoy's ext_proc and its
+  OpenTelemetry access log over gRPC): the router's decision for requests whose streams
+  Envoy carries;
 - ``cli`` (``kvpilot router``).
 
 Block naming: llm-d style, not the engines' hashes

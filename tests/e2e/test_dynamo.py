@@ -29,6 +29,7 @@ import pytest
 import zmq
 
 from deploy import dynamo_fleet
+from deploy import fleet as fleet_io
 from deploy.client import complete
 from deploy.dynamo_spec import DynamoFleetSpec
 from deploy.fleet import Fleet, FleetStartError, down
@@ -326,6 +327,24 @@ def _stream_in_thread(url: str, prompt: list[int], max_tokens: int) -> tuple[thr
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
     return thread, out
+
+
+def test_an_envoy_hot_restart_cuts_no_stream(fleet, spec):
+    """A new Envoy takes over the listener while the old one serves the stream it holds to
+    its end (Envoy's hot restart, ``deploy.fleet.restart_gateway``); new requests go through
+    the new one."""
+    assert spec.gateway is not None
+    thread, out = _stream_in_thread(spec.client_url, _prompt(85, 2), max_tokens=8000)  # ~5 s at speedup 10
+    assert out["first"].wait(30) and out["error"] is None
+    before = Fleet.load(spec.run_dir)
+    assert before is not None and before.gateway is not None
+    restarted = fleet_io.restart_gateway(spec.run_dir, spec.gateway)
+    assert restarted.gateway is not None and restarted.gateway.pid != before.gateway.pid
+    assert restarted.gateway_epoch == before.gateway_epoch + 1
+    assert [p.pid for p in restarted.draining] == [before.gateway.pid]
+    assert _complete(spec, _prompt(86))["x-kvpilot-route"] == "remote_prefill"  # through the new Envoy
+    thread.join(60)
+    assert out["error"] is None and out["done"] and out["events"] == 8002, out  # the old one finished it
 
 
 def test_the_picker_down_is_a_clear_503_and_its_restart_breaks_no_stream(fleet, spec):

@@ -8,7 +8,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
-PURE = ("routing.ids", "routing.config", "routing.fleet", "routing.index", "routing.decide", "routing.health")
+PURE = (
+    "routing.ids",
+    "routing.config",
+    "routing.fleet",
+    "routing.index",
+    "routing.decide",
+    "routing.health",
+    "routing.gateway.contract",
+)
 IO_FREE = ("routing.serve.proxy", "routing.serve.upstream", "routing.serve.refusals", "routing.serve.request_fields")
 BLOCKED = ("aiohttp", "zmq", "redis")
 
