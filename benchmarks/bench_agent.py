@@ -126,6 +126,7 @@ default run took 56 min while other fleets shared the box (load average 20-70), 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -185,11 +186,16 @@ class _FleetPlan:
     disaggregation: str
     ports: tuple[int, int, int, int]  # engine, side channel, events, router
     dev_mode: bool
+    gateway_ports: tuple[int, int, int] | None = None
+    """Envoy's, the picker's and Envoy's admin port: kvpilot's arm goes through Envoy, as a
+    client of ``kvpilot fleet up`` does; ``None``: no Envoy (the baselines' own proxies)."""
 
 
 _FLEETS = {
     FleetName.N: _FleetPlan("NixlConnector", NIXL_KEYS, "always", (9410, 7640, 7740, 9400), True),
-    FleetName.K: _FleetPlan("KVPilotConnector", NIXL_KEYS, "conditional", (9510, 7660, 7760, 9500), False),
+    FleetName.K: _FleetPlan(
+        "KVPilotConnector", NIXL_KEYS, "conditional", (9510, 7660, 7760, 9500), False, (9520, 9521, 9522)
+    ),
     FleetName.B: _FleetPlan(
         "KVPilotConnector",
         {**NIXL_KEYS, "recompute_policy": RecomputePolicy.THRESHOLD.value},
@@ -204,7 +210,7 @@ def fleet_spec(fleet: FleetName, model_dir: Path, run_dir: Path) -> FleetSpec:
     """Fleet N, K or B (see the module doc); each on its own ports."""
     plan = _FLEETS[fleet]
     engine_port, side_channel_port, events_port, router_port = plan.ports
-    return FleetSpec(
+    spec = FleetSpec(
         model_dir=model_dir,
         run_dir=run_dir,
         connector=plan.connector,
@@ -215,6 +221,12 @@ def fleet_spec(fleet: FleetName, model_dir: Path, run_dir: Path) -> FleetSpec:
         events_port=events_port,
         router_port=router_port,
         engine_env={"VLLM_SERVER_DEV_MODE": "1"} if plan.dev_mode else {},
+    )
+    if plan.gateway_ports is None:
+        return spec
+    gateway_port, picker_port, envoy_admin_port = plan.gateway_ports
+    return dataclasses.replace(
+        spec, gateway_port=gateway_port, picker_port=picker_port, envoy_admin_port=envoy_admin_port
     )
 
 
@@ -444,7 +456,7 @@ def run_fleet(run: Run, planned: agent_schedule.FleetRun, repeat: int, model_dir
             setup = ArmSetup(
                 p_url,
                 d_url,
-                fleet.router.url,
+                fleet.client_url,  # Envoy where the fleet has one (kvpilot's), else the router
                 f"arm-{key}-{run.run_id}-r{repeat}",
                 config.generated,
                 config.request_timeout,
