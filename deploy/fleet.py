@@ -86,9 +86,7 @@ class Fleet:
     gateway: RunningProcess | None = None
     """Envoy in front, asking the router's picker (where clients send requests), if started."""
     gateway_epoch: int = 0
-    """The running Envoy's hot-restart epoch (:func:`restart_gateway`)."""
-    draining: tuple[RunningProcess, ...] = ()
-    """Envoys replaced by a hot restart, serving their open streams until they exit."""
+    """The newest Envoy's hot-restart epoch (:func:`restart_gateway`)."""
 
     @property
     def processes(self) -> list[RunningProcess]:
@@ -111,7 +109,6 @@ class Fleet:
             "prometheus": vars_of(self.prometheus) if self.prometheus else None,
             "gateway": vars_of(self.gateway) if self.gateway else None,
             "gateway_epoch": self.gateway_epoch,
-            "draining": [vars_of(p) for p in self.draining],
         }
         (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
 
@@ -128,7 +125,6 @@ class Fleet:
             _process_from(state["prometheus"]) if state.get("prometheus") else None,
             _process_from(state["gateway"]) if state.get("gateway") else None,
             int(state.get("gateway_epoch", 0)),
-            tuple(_process_from(p) for p in state.get("draining", ())),
         )
 
 
@@ -479,7 +475,7 @@ def down(run_dir: Path) -> int:
         return 0
     front = [p for p in (fleet.gateway, fleet.prometheus) if p is not None]  # Envoy first: no new requests
     procs = [*front, fleet.router, *fleet.engines]
-    for proc in (*fleet.draining, *procs):
+    for proc in procs:
         stop_group(proc.pid)
     _wait_ports_free([port for p in procs for port in p.ports])
     (run_dir / STATE_FILE).unlink()
@@ -488,35 +484,30 @@ def down(run_dir: Path) -> int:
 
 def restart_gateway(run_dir: Path, gateway: GatewaySpec, timeout: float = 60.0) -> Fleet:
     """Hot-restart the Envoy of the fleet recorded in ``run_dir`` (started from ``gateway``):
-    a new Envoy of the next epoch takes over its listener, and the old one stops taking
-    connections but serves the streams it holds for up to ``gateway.drain_s``, then exits:
-    no client's stream is cut. Returns the updated fleet once the new Envoy is live (its
-    admin interface says so) and ``/health`` passes through it; raises
-    :class:`FleetStartError` if it does not come up (the old one keeps serving)."""
+    its restarter (:mod:`deploy.envoy_restarter`) starts the next epoch, which takes over the
+    listener; the old Envoy stops taking connections but serves the streams it holds for up
+    to ``gateway.drain_s``, then exits: no client's stream is cut. Returns the updated fleet
+    once the new Envoy is live (its admin interface says so) and ``/health`` passes through
+    it; raises :class:`FleetStartError` if it is not (the old one keeps serving)."""
     fleet = Fleet.load(run_dir)
     if fleet is None or fleet.gateway is None:
         raise FleetStartError(f"no fleet with Envoy recorded in {run_dir}")
     epoch = fleet.gateway_epoch + 1
-    plan = envoy_plan(gateway, run_dir, epoch)
-    proc, new = _spawn(plan, run_dir / "logs")
-    try:
-        _wait_live(proc, gateway.admin_port, epoch, time.monotonic() + timeout)
-        _wait_healthy([(proc, new)], time.monotonic() + timeout)
-    except BaseException:
-        stop_group(proc.pid)
-        raise
-    draining = (*(p for p in fleet.draining if _group_alive(p.pid)), fleet.gateway)
-    restarted = dataclasses.replace(fleet, gateway=new, gateway_epoch=epoch, draining=draining)
+    os.kill(fleet.gateway.pid, signal.SIGHUP)
+    _wait_live(fleet.gateway.pid, gateway.admin_port, epoch, time.monotonic() + timeout)
+    if not is_healthy(fleet.gateway.url):
+        raise FleetStartError(f"Envoy of epoch {epoch} is live but /health does not pass through it")
+    restarted = dataclasses.replace(fleet, gateway_epoch=epoch)
     restarted.save()
     return restarted
 
 
-def _wait_live(proc: subprocess.Popen[bytes], admin_port: int, epoch: int, deadline: float) -> None:
+def _wait_live(restarter: int, admin_port: int, epoch: int, deadline: float) -> None:
     """Until the Envoy of ``epoch`` says it is live (``/server_info`` on its admin port, which
     the old one hands over with its listeners); raises :class:`FleetStartError`."""
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise FleetStartError(f"Envoy of epoch {epoch} exited with code {proc.returncode} while starting")
+        if not _group_alive(restarter):
+            raise FleetStartError(f"Envoy's restarter (pid {restarter}) exited while epoch {epoch} started")
         try:
             with urllib.request.urlopen(f"http://{HOST}:{admin_port}/server_info", timeout=2) as resp:
                 info = json.loads(resp.read())

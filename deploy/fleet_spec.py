@@ -308,20 +308,23 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
     )
 
 
-def envoy_plan(spec: GatewaySpec, run_dir: Path, epoch: int = 0) -> ProcessPlan:
+def envoy_plan(spec: GatewaySpec, run_dir: Path) -> ProcessPlan:
     """Envoy with the bootstrap at ``<run_dir>/envoy.yaml`` (written by the launcher from
-    :func:`deploy.envoy_spec.envoy_bootstrap`); healthy once ``/health`` passes through it
-    to the picker. Hot-restartable: epoch ``epoch`` of the family ``--base-id`` names (the
-    gateway's port: one family per Envoy on a box); a later epoch takes over its listeners
-    while this one drains its open streams for up to ``spec.drain_s``."""
+    :func:`deploy.envoy_spec.envoy_bootstrap`), under its hot restarter
+    (:mod:`deploy.envoy_restarter`, the parent Envoy's hot restart needs); healthy once
+    ``/health`` passes through it to the picker. One hot-restart family per Envoy on a box
+    (``--base-id``: the gateway's port); a SIGHUP to the restarter starts the next epoch,
+    which takes over the listeners while the previous one drains its open streams for up
+    to ``spec.drain_s``."""
     argv = (
+        sys.executable,
+        "-m",
+        "deploy.envoy_restarter",
         str(envoy_binary()),
         "-c",
         str(run_dir / ENVOY_CONFIG),
         "--base-id",
         str(spec.gateway_port),
-        "--restart-epoch",
-        str(epoch),
         "--drain-time-s",
         str(spec.drain_s),
         "--parent-shutdown-time-s",
