@@ -62,8 +62,6 @@ class AccessLogReceiver(ls_grpc.LogsServiceServicer):
 
     def __init__(self, picker: Picker) -> None:
         self._picker = picker
-        self.records = 0
-        self.unreadable = 0
 
     async def Export(  # noqa: N802  # the gRPC method's name
         self, request: ls.ExportLogsServiceRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -71,11 +69,9 @@ class AccessLogReceiver(ls_grpc.LogsServiceServicer):
         for resource in request.resource_logs:
             for group in _by_number(resource, LOG_GROUPS_FIELD):
                 for record in _by_number(group, LOG_RECORDS_FIELD):
-                    self.records += 1
                     try:
                         end = request_end(record)
                     except ValueError as exc:
-                        self.unreadable += 1
                         log.warning("access log: a record skipped (%s)", exc)
                         continue
                     await self._picker.ended(end)

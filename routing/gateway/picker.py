@@ -112,10 +112,6 @@ class Picker:
         self._server = server
         self._in_flight: dict[str, _InFlight] = {}
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._in_flight)
-
     async def pick(self, path: str, headers: Mapping[str, str], raw: bytes, arrived: float) -> Picked:
         """The destination for one request that arrived at ``arrived``
         (``time.perf_counter()``): ``path`` and ``headers`` as the client sent them (with
