@@ -110,7 +110,11 @@ def _fleet(args: argparse.Namespace) -> int:
     if args.action == "up" and args.dynamo:
         return _dynamo_fleet_up(args)
     if args.action == "up":
-        spec = _fleet_spec(args)
+        try:
+            spec = _fleet_spec(args)
+        except ValueError as exc:
+            print(f"kvpilot fleet up: {exc}", file=sys.stderr)
+            return 2
         print(f"kvpilot fleet up: {spec.prefill} prefill, {spec.decode} decode, {spec.colocated} co-located")
         observe = None
         if args.observe:

@@ -113,6 +113,11 @@ class FleetSpec:
             raise ValueError(f"ttft_slo_s must be >= 0, got {self.ttft_slo_s}")
         if not isinstance(self.index_backend, IndexBackend):
             raise ValueError(f"index_backend must be an IndexBackend, got {self.index_backend!r}")
+        if self.on_picker_failure is PickerFailure.ROUND_ROBIN and self.engine_api_key:
+            raise ValueError(
+                "on_picker_failure round_robin cannot work with an engine API key: requests Envoy sends on "
+                "without the picker carry the client's key, not the engines' (use refuse)"
+            )
 
     @property
     def gateway(self) -> GatewaySpec | None:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
+from deploy.envoy_spec import PickerFailure
 from deploy.fleet_spec import DECODE_HOLD_TTL_S, FleetSpec, Role, plan_fleet
 from routing.config import IndexBackend
 
@@ -92,6 +94,10 @@ def test_ipc_kv_events_are_bound_by_the_engines_so_replicas_can_subscribe(tmp_pa
         ({"disaggregation": "sometimes"}, "conditional"),
         ({"index_backend": "redis"}, "index_backend"),
         ({"ttft_slo_s": -1.0}, "ttft_slo_s"),
+        (
+            {"gateway_port": 8080, "on_picker_failure": PickerFailure.ROUND_ROBIN, "engine_api_key": "k"},
+            "cannot work with an engine API key",
+        ),
     ],
 )
 def test_invalid_fleets_are_refused(kw: dict, message: str) -> None:
@@ -189,3 +195,15 @@ def test_a_bidirectional_decode_engine_holds_its_offers_for_the_fleet_s_ttl(extr
         argv = list(e.argv)
         kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         assert kv["kv_connector_extra_config"].get("decoder_kv_blocks_ttl") == held
+
+
+def test_envoy_in_front_gets_the_picker_s_port_on_the_router_and_falls_open_to_the_engines_that_serve_alone() -> None:
+    spec = _spec(gateway_port=18080, picker_port=18070, envoy_admin_port=18071)
+    _, router, config = plan_fleet(spec)
+    assert config["gateway"] == {"picker_port": 18070}
+    assert dict(zip(router.side_ports, router.side_port_uses, strict=True))[18070] == "endpoint picker (gRPC)"
+    assert spec.client_url.endswith(":18080") and spec.gateway is not None
+    open_ = dataclasses.replace(spec, on_picker_failure=PickerFailure.ROUND_ROBIN)
+    assert open_.gateway is not None
+    assert open_.gateway.fallback_endpoints == tuple(f"127.0.0.1:{spec.engine_port + i}" for i in range(1, 2))
+    assert _spec().gateway is None and _spec().client_url.endswith(f":{_spec().router_port}")
