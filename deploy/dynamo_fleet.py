@@ -48,7 +48,6 @@ from deploy.dynamo_spec import (
     router_plan,
     worker_plan,
 )
-from deploy.envoy_spec import ENVOY_CONFIG, envoy_bootstrap
 from deploy.fleet import (
     Fleet,
     FleetStartError,
@@ -58,6 +57,7 @@ from deploy.fleet import (
     _spawn,
     _wait_healthy,
     port_is_free,
+    start_gateway,
     stop_group,
 )
 from deploy.fleet_spec import HOST, ROUTER_CONFIG, PortCollision, ProcessPlan, envoy_plan
@@ -122,8 +122,6 @@ def up(spec: DynamoFleetSpec, timeout: float = 120.0, progress: Callable[[str], 
     envoy = None if gateway is None else envoy_plan(gateway, spec.run_dir)
     logs = _prepare(spec, [*workers, frontend, router, *([envoy] if envoy is not None else [])])
     (spec.run_dir / ROUTER_CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
-    if gateway is not None:
-        (spec.run_dir / ENVOY_CONFIG).write_text(yaml.safe_dump(envoy_bootstrap(gateway), sort_keys=False))
     with _starting("the fleet's router did not find every worker") as started:
         t0 = time.monotonic()
         started += [_spawn(plan, logs, WORKER_HEALTH) for plan in workers]
@@ -137,16 +135,14 @@ def up(spec: DynamoFleetSpec, timeout: float = 120.0, progress: Callable[[str], 
             _wait_healthy(started[-1:], time.monotonic() + timeout)
             wait_for_workers(router.url, lambda names: len(names) == len(workers), timeout)
             progress(f"  router on {router.url}, serving {len(workers)} workers from Dynamo's discovery")
-            front = started[-1]
-            if envoy is not None:
-                started.append(_spawn(envoy, logs))
-                _wait_healthy(started[-1:], time.monotonic() + timeout)
-                progress(f"  Envoy on {spec.client_url}: the router's picker decides, Envoy carries the streams")
+            if gateway is not None:
+                return _record(
+                    spec, started, gateway=start_gateway(gateway, spec.run_dir, time.monotonic() + timeout, progress)
+                )
         else:
             wait_for_frontend(frontend.url, spec.served_model_name, timeout)
             progress(f"  the frontend routes over its {len(workers)} workers (no kvpilot router)")
-            front = started[-1]
-    return _record(spec, started, front)
+    return _record(spec, started)
 
 
 def _prepare(spec: DynamoFleetSpec, plans: Sequence[ProcessPlan]) -> Path:
@@ -181,13 +177,11 @@ def _starting(what: str) -> Iterator[list[Started]]:
             raise
 
 
-def _record(spec: DynamoFleetSpec, started: list[Started], front: Started | None = None) -> Fleet:
-    """The started processes as the fleet in ``fleet.json``: ``front`` (by default the last
-    started) is its router, Envoy its gateway, the others its engines."""
-    router = (front or started[-1])[1]
-    gateway = next((r for _, r in started if r.name == "envoy"), None)
-    running = [r for _, r in started if r is not router and r is not gateway]
-    fleet = Fleet(spec.run_dir, tuple(running), router, gateway=gateway)
+def _record(spec: DynamoFleetSpec, started: list[Started], gateway: Started | None = None) -> Fleet:
+    """The started processes as the fleet in ``fleet.json``: the last one is its router,
+    ``gateway`` (Envoy, started after it) its gateway."""
+    running = [r for _, r in started]
+    fleet = Fleet(spec.run_dir, tuple(running[:-1]), running[-1], gateway=gateway[1] if gateway else None)
     fleet.save()
     return fleet
 

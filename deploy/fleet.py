@@ -420,8 +420,6 @@ def up(
     (spec.run_dir / ROUTER_CONFIG).write_text(yaml.safe_dump(router_config, sort_keys=False))
     if prometheus is not None:
         (spec.run_dir / PROMETHEUS_CONFIG).write_text(yaml.safe_dump(prometheus_config, sort_keys=False))
-    if gateway is not None:
-        (spec.run_dir / ENVOY_CONFIG).write_text(yaml.safe_dump(envoy_bootstrap(gateway), sort_keys=False))
     started: list[tuple[subprocess.Popen[bytes], RunningProcess]] = []
     with _sigterm_as_interrupt():
         try:
@@ -437,10 +435,8 @@ def up(
             started.append(_spawn(router, logs))
             _wait_healthy(started[-1:], time.monotonic() + 60)
             progress(f"  router on {router.url}")
-            if envoy is not None:
-                started.append(_spawn(envoy, logs))
-                _wait_healthy(started[-1:], time.monotonic() + 60)
-                progress(f"  Envoy on {envoy.url}: the router's picker decides, Envoy carries the streams")
+            if gateway is not None:
+                started.append(start_gateway(gateway, spec.run_dir, time.monotonic() + 60, progress))
             if prometheus is not None:
                 started.append(_spawn(prometheus, logs, health="/-/ready"))
                 _wait_healthy(started[-1:], time.monotonic() + 60)
@@ -480,6 +476,25 @@ def down(run_dir: Path) -> int:
     _wait_ports_free([port for p in procs for port in p.ports])
     (run_dir / STATE_FILE).unlink()
     return len(procs)
+
+
+def start_gateway(
+    gateway: GatewaySpec, run_dir: Path, deadline: float, progress: Callable[[str], object]
+) -> tuple[subprocess.Popen[bytes], RunningProcess]:
+    """Write Envoy's bootstrap to ``<run_dir>/envoy.yaml``, start Envoy under its restarter
+    (:func:`deploy.fleet_spec.envoy_plan`) and return it once ``/health`` passes through it
+    to the picker (the router must be serving). Raises :class:`FleetStartError` as
+    :func:`start` does, after stopping it; the caller stops it on a later failure."""
+    (run_dir / ENVOY_CONFIG).write_text(yaml.safe_dump(envoy_bootstrap(gateway), sort_keys=False))
+    plan = envoy_plan(gateway, run_dir)
+    started = _spawn(plan, run_dir / "logs")
+    try:
+        _wait_healthy([started], deadline)
+    except BaseException:
+        stop_group(started[0].pid)
+        raise
+    progress(f"  Envoy on {plan.url}: the router's picker decides, Envoy carries the streams")
+    return started
 
 
 def restart_gateway(run_dir: Path, gateway: GatewaySpec, timeout: float = 60.0) -> Fleet:

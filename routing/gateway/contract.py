@@ -34,7 +34,6 @@ class LogAttribute(str, enum.Enum):
     (``-`` when none came): a stream's first token."""
     DURATION_US = "duration_us"
     """Microseconds from the request's first byte to the answer's last byte sent."""
-    DESTINATION = "destination"
 
     @property
     def envoy_format(self) -> str:
@@ -47,5 +46,4 @@ _FORMATS = {
     LogAttribute.STATUS: "%RESPONSE_CODE%",
     LogAttribute.FIRST_BODY_BYTE_US: "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
     LogAttribute.DURATION_US: "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
-    LogAttribute.DESTINATION: "%UPSTREAM_HOST%",
 }

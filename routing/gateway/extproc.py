@@ -49,6 +49,7 @@ from multidict import CIMultiDict
 
 from routing.gateway.contract import DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE
 from routing.gateway.picker import Picked, Picker, Refused, RequestEnd
+from routing.serve.proxy import error_reply
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 if state.duplex:
                     return []
                 state.done = True  # BUFFERED sends the whole body at once
-                return [_immediate(500, {"error": {"message": "the picker needs the whole body (BUFFERED)"}})]
+                return [_immediate(500, error_reply(500, "the picker needs the whole body (BUFFERED)").payload)]
             return await self._pick(state)
         if kind == "response_headers":
             state.status = int(_headers(message.response_headers).get(":status", "0"))
@@ -232,7 +233,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         state.done = not state.duplex  # a GAIE-style stream goes on with the response
         if headers.get(":method", "POST") != "POST":
             state.done = True
-            return [_immediate(405, {"error": {"message": f"{headers.get(':method')} {path}: use POST"}})]
+            return [_immediate(405, error_reply(405, f"{headers.get(':method')} {path}: use POST").payload)]
         raw = bytes(state.body)
         try:
             picked = await self._picker.pick(path, headers, raw, state.arrived)

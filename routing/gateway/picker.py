@@ -186,15 +186,14 @@ class Picker:
         finally:
             self._server.ledger.complete(end.request_id)
 
-    async def expire(self, now: float) -> int:
+    async def expire(self, now: float) -> None:
         """End, unanswered, every request picked more than ``server.request_timeout_s``
-        before ``now`` (``time.perf_counter()``) whose entry never came; returns how many."""
+        before ``now`` (``time.perf_counter()``) whose entry never came."""
         limit = self._server.config.server.request_timeout_s
         stale = [rid for rid, item in self._in_flight.items() if now - item.request.started > limit]
         for rid in stale:
             log.warning("request %s: no access-log entry within %.0f s; ended as unanswered", rid, limit)
             await self.ended(RequestEnd(rid, 0, None, limit))
-        return len(stale)
 
 
 def body_bytes(body: Mapping[str, Any]) -> bytes:

@@ -44,11 +44,10 @@ def _answer_get(server: RouterServer) -> Any:
         if path not in OPEN_PATHS and not server.authorized(headers):
             return 401, error_reply(401, UNAUTHORIZED_MESSAGE, "authentication_error").payload
         if path == "/v1/models":
-            model = {"id": server.config.server.model_name, "object": "model", "owned_by": "kvpilot"}
-            return 200, {"object": "list", "data": [model]}
+            return 200, server.models_payload()
         if path == "/health":
-            return 200, {"status": "ok", "workers": [w.name for w in server.fleet.workers]}
-        return 404, {"error": {"message": f"no GET {path!r} here", "type": "invalid_request_error", "code": 404}}
+            return 200, server.health_payload()
+        return 404, error_reply(404, f"no GET {path!r} here").payload
 
     return answer
 

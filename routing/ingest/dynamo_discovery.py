@@ -73,10 +73,7 @@ def kv_events_endpoint(cfg: DynamoConfig, address: str) -> str | None:
     if where is None or not (cfg.kv_events_port or cfg.kv_events_port_offset):
         return None
     host, port = where
-    events_port = cfg.kv_events_port or port + cfg.kv_events_port_offset
-    if not 0 < events_port < 65536:
-        return None
-    return f"tcp://[{host}]:{events_port}" if ":" in host else f"tcp://{host}:{events_port}"
+    return _tcp_endpoint(host, cfg.kv_events_port or port + cfg.kv_events_port_offset)
 
 
 def kv_replay_endpoint(cfg: DynamoConfig, address: str) -> str | None:
@@ -86,10 +83,14 @@ def kv_replay_endpoint(cfg: DynamoConfig, address: str) -> str | None:
     if where is None or not cfg.kv_replay_port_offset:
         return None
     host, port = where
-    replay_port = port + cfg.kv_replay_port_offset
-    if not 0 < replay_port < 65536:
+    return _tcp_endpoint(host, port + cfg.kv_replay_port_offset)
+
+
+def _tcp_endpoint(host: str, port: int) -> str | None:
+    """``tcp://host:port`` (an IPv6 host bracketed); ``None`` for a port out of range."""
+    if not 0 < port < 65536:
         return None
-    return f"tcp://[{host}]:{replay_port}" if ":" in host else f"tcp://{host}:{replay_port}"
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def worker_of(cfg: DynamoConfig, role: Role, instance_id: int, address: str) -> Worker:

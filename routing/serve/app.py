@@ -410,11 +410,19 @@ class RouterServer:
         return False
 
     async def _health(self, _: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "workers": [w.name for w in self.fleet.workers]})
+        return web.json_response(self.health_payload())
 
     async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response(self.models_payload())
+
+    def health_payload(self) -> dict[str, Any]:
+        """``/health``'s answer: the workers served now."""
+        return {"status": "ok", "workers": [w.name for w in self.fleet.workers]}
+
+    def models_payload(self) -> dict[str, Any]:
+        """``/v1/models``' answer: the one served model."""
         model = {"id": self.config.server.model_name, "object": "model", "owned_by": "kvpilot"}
-        return web.json_response({"object": "list", "data": [model]})
+        return {"object": "list", "data": [model]}
 
     async def _metrics(self, _: web.Request) -> web.Response:
         self.watch_events()
