@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from fleet_trace import FIRST_ORDINARY_ID
 
-from policies.measured_fit import PREFILL_DROP_ORDER, PREFILL_SPREAD_FEATURE, LinearFit, prefill_features
+from policies.measured_fit import PREFILL_SPREAD_FEATURE, LinearFit, prefill_features
 
 QUANTILES = (0.0, 0.25, 0.5, 0.75, 1.0)
 """Where the calibration lengths sit among the workload's new-token counts."""
@@ -74,7 +74,7 @@ def fit(samples: Sequence[tuple[int, float]]) -> tuple[float, ...]:
     """The prefill model's coefficients (non-negative) fitted to ``(prompt tokens, TTFT s)``
     with nothing cached. Raises ValueError when they do not determine it (too few samples,
     one length only)."""
-    model = LinearFit(PREFILL_DROP_ORDER, PREFILL_SPREAD_FEATURE, window=max(1, len(samples)))
+    model = LinearFit(PREFILL_SPREAD_FEATURE, window=max(1, len(samples)))
     for tokens, ttft in samples:
         model.add(prefill_features(tokens, 0), ttft)
     coefficients = model.coefficients()

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 
 from policies.measured_fit import (
     MIN_SAMPLES,
-    PREFILL_DROP_ORDER,
     PREFILL_SPREAD_FEATURE,
     WINDOW,
     LinearFit,
@@ -74,7 +73,7 @@ class StepRates:
     Not thread-safe (the scheduler's thread only)."""
 
     def __init__(self, window: int = WINDOW, min_samples: int = MIN_SAMPLES) -> None:
-        self._fit = LinearFit(PREFILL_DROP_ORDER, PREFILL_SPREAD_FEATURE, window, min_samples)
+        self._fit = LinearFit(PREFILL_SPREAD_FEATURE, window, min_samples)
         self._open: tuple[tuple[float, float, float], float] | None = None
 
     def started(self, chunks: Iterable[Chunk], now: float) -> None:

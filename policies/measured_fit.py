@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from itertools import combinations
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,9 +25,6 @@ MIN_SAMPLES = 4
 WINDOW = 64
 """The newest samples each model fits (older ones are forgotten: the engine's load and
 build may change)."""
-PREFILL_DROP_ORDER = (2, 0)
-"""The prefill model's terms dropped while a coefficient is negative: attention, then
-the fixed cost (:class:`LinearFit`'s ``drop_order``)."""
 PREFILL_SPREAD_FEATURE = 1
 """The prefill model needs samples at two token counts or more (:class:`LinearFit`'s
 ``spread_feature``)."""
@@ -61,16 +59,20 @@ def outliers(y: np.ndarray, fitted: np.ndarray) -> np.ndarray:
 
 @dataclass
 class LinearFit:
-    """``y ~ features . coef`` over the newest ``window`` samples, coefficients >= 0.
+    """``y ~ features . coef`` over the newest ``window`` samples, coefficients >= 0: the
+    exact non-negative least squares (of every subset of the features whose own fit has
+    no negative coefficient, the one with the least squared error; the models have two
+    or three features). A greedy "drop a term while one is negative" is not it: samples
+    whose seconds barely vary with the tokens (a fixed cost that dominates) give a
+    slightly negative per-token slope, and dropping the fixed cost for it prices a
+    prompt by its length alone, many times off.
 
-    ``drop_order``: the feature indices to drop, first to last, while a coefficient
-    is negative. :meth:`coefficients` is ``None`` with fewer than ``min_samples``
+    :meth:`coefficients` is ``None`` with fewer than ``min_samples``
     samples or when the first varying feature (``spread_feature``) takes one value only,
     unless ``flat_spread_ok``: then that feature is dropped (coefficient 0) and the rest
     fitted (a decode step timed at one stream count only is that count's mean, not the
     prior's)."""
 
-    drop_order: tuple[int, ...]
     spread_feature: int
     window: int = WINDOW
     min_samples: int = MIN_SAMPLES
@@ -112,21 +114,26 @@ class LinearFit:
         return refit if refit is not None else coef
 
     def _solve(self, x: np.ndarray, y: np.ndarray) -> tuple[float, ...] | None:
-        keep = list(range(x.shape[1]))
+        features = list(range(x.shape[1]))
         if np.ptp(x[:, self.spread_feature]) == 0:
             if not self.flat_spread_ok:
                 return None
-            keep.remove(self.spread_feature)
-        for drop in (None, *self.drop_order):
-            if drop is not None and drop in keep:
-                keep.remove(drop)
-            coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
-            if (coef >= 0).all():
-                out = [0.0] * x.shape[1]
-                for i, c in zip(keep, coef, strict=True):
-                    out[i] = float(c)
-                return tuple(out)
-        return None
+            features.remove(self.spread_feature)
+        best: tuple[float, list[int], np.ndarray] | None = None
+        for size in range(len(features), 0, -1):
+            for keep in map(list, combinations(features, size)):
+                coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+                if (coef < 0).any():
+                    continue
+                error = float(np.sum((x[:, keep] @ coef - y) ** 2))
+                if best is None or error < best[0]:
+                    best = (error, keep, coef)
+        if best is None:
+            return None
+        out = [0.0] * x.shape[1]
+        for i, c in zip(best[1], best[2], strict=True):
+            out[i] = float(c)
+        return tuple(out)
 
     def predict(self, features: Sequence[float]) -> float | None:
         coef = self.coefficients()

@@ -2,10 +2,9 @@
 really take, learned from samples and starting from the roofline prior. Pure: no
 I/O, no clock (a sample's window is a count, not a time).
 
-Three models, each fitted by least squares over the last ``window`` samples with
-non-negative coefficients (a term whose coefficient comes out negative is dropped
-and the rest refitted, in the order listed last to first; the fit and the prefill
-model are :mod:`policies.measured_fit`'s, which the connector's pull policy fits too):
+Three models, each fitted by non-negative least squares over the last ``window``
+samples (the fit and the prefill model are :mod:`policies.measured_fit`'s, which the
+connector's pull policy fits too):
 
 - **prefill** of ``n`` new (uncached) tokens after ``C`` cached ones, per engine::
 
@@ -45,7 +44,6 @@ import numpy as np
 
 from policies.measured_fit import (
     MIN_SAMPLES,
-    PREFILL_DROP_ORDER,
     PREFILL_SPREAD_FEATURE,
     WINDOW,
     LinearFit,
@@ -194,21 +192,21 @@ class RateEstimator:
         self._last: dict[str, EngineLoad] = {}
 
     def _fit(
-        self, fits: dict[str, LinearFit], engine: str, drop: tuple[int, ...], spread: int, flat_ok: bool = False
+        self, fits: dict[str, LinearFit], engine: str, spread: int, flat_ok: bool = False
     ) -> LinearFit:
         fit = fits.get(engine)
         if fit is None:
-            fit = fits[engine] = LinearFit(drop, spread, self._window, self._min, flat_ok)
+            fit = fits[engine] = LinearFit(spread, self._window, self._min, flat_ok)
         return fit
 
     def _prefill_fit(self, engine: str) -> LinearFit:
-        return self._fit(self._prefill, engine, PREFILL_DROP_ORDER, PREFILL_SPREAD_FEATURE)
+        return self._fit(self._prefill, engine, PREFILL_SPREAD_FEATURE)
 
     def _decode_fit(self, engine: str) -> LinearFit:
-        return self._fit(self._decode, engine, drop=(0,), spread=1, flat_ok=True)  # one stream count: its mean
+        return self._fit(self._decode, engine, spread=1, flat_ok=True)  # one stream count: its mean
 
     def _transfer_fit(self, engine: str) -> LinearFit:
-        return self._fit(self._transfer, engine, drop=(0,), spread=1)
+        return self._fit(self._transfer, engine, spread=1)
 
     # ---- samples -----------------------------------------------------------------
     def observe_prefill(self, engine: str, new: float, cached: float, seconds: float) -> None:

@@ -6,7 +6,6 @@ import pytest
 
 from policies.measured_fit import (
     MIN_SAMPLES,
-    PREFILL_DROP_ORDER,
     PREFILL_SPREAD_FEATURE,
     LinearFit,
     attention_pairs,
@@ -15,7 +14,7 @@ from policies.measured_fit import (
 
 
 def _prefill_fit() -> LinearFit:
-    return LinearFit(PREFILL_DROP_ORDER, PREFILL_SPREAD_FEATURE)
+    return LinearFit(PREFILL_SPREAD_FEATURE)
 
 
 def test_attention_pairs_count_the_causal_query_key_pairs() -> None:
@@ -59,7 +58,7 @@ def test_the_fit_waits_for_usable_samples_and_drops_negative_terms(
 
 
 def test_the_fit_forgets_samples_beyond_its_window() -> None:
-    fit = LinearFit(PREFILL_DROP_ORDER, PREFILL_SPREAD_FEATURE, window=4)
+    fit = LinearFit(PREFILL_SPREAD_FEATURE, window=4)
     for new in (10, 20, 30, 40):
         fit.add(prefill_features(new, 0), 1.0 * new)  # 0.1 s per token... of an old build
     for new in (10, 20, 30, 40):
@@ -84,3 +83,15 @@ def test_a_stalled_sample_does_not_set_the_rates() -> None:
     assert coef == pytest.approx(clean, rel=1e-9)  # the stall is dropped, every noisy sample kept
     assert coef[1] == pytest.approx(truth[1], rel=0.2)
     assert coef[0] < 0.05  # with the stall in, least squares puts the fixed cost at 0.56 s
+
+
+def test_a_fixed_cost_that_dominates_is_kept_when_the_slope_comes_out_negative() -> None:
+    """Dynamo's mockers through its frontend: ~50 ms whatever the prompt's length, the
+    slope slightly negative in the noise. The fit is the fixed cost, not a per-token rate
+    that would price a long prompt many times over (the greedy drop of the fixed cost did)."""
+    fit = _prefill_fit()
+    for new, seconds in [(64, 0.052), (64, 0.049), (128, 0.051), (1280, 0.050), (1792, 0.048), (384, 0.050)]:
+        fit.add(prefill_features(new, 0), seconds)
+    coef = fit.coefficients()
+    assert coef is not None and coef[0] == pytest.approx(0.05, rel=0.05) and coef[1] == 0.0
+    assert fit.predict(prefill_features(1152, 0)) == pytest.approx(0.05, rel=0.05)
