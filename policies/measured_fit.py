@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from itertools import combinations
 from dataclasses import dataclass, field
+from itertools import combinations
 
 import numpy as np
 

@@ -191,9 +191,7 @@ class RateEstimator:
         self._read: dict[str, tuple[float, float]] = {}  # per reader: bytes, seconds of its sampled reads
         self._last: dict[str, EngineLoad] = {}
 
-    def _fit(
-        self, fits: dict[str, LinearFit], engine: str, spread: int, flat_ok: bool = False
-    ) -> LinearFit:
+    def _fit(self, fits: dict[str, LinearFit], engine: str, spread: int, flat_ok: bool = False) -> LinearFit:
         fit = fits.get(engine)
         if fit is None:
             fit = fits[engine] = LinearFit(spread, self._window, self._min, flat_ok)
