@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dynamo.llm import RadixTree, compute_block_hash_for_seq
 
 from routing.config import CostConfig, TierClass
-from routing.decide.cost import Candidate, CostModel, tier_overlap
+from routing.decide.cost import Candidate, CandidateTable, CostModel, tier_overlap
 from routing.decide.ledger import WorkerLoad
 from routing.decide.sessions import SessionState
 from routing.ids import DEFAULT_TIER, WorkerId
@@ -148,10 +148,12 @@ def ingest(stream: Stream) -> tuple[BlockIndex, RadixTree, dict[str, float]]:
 def decide_all(index: BlockIndex, model: CostModel, chain: PromptChain) -> str:
     match = index.match(chain)
     tiers = {"GPU": TierClass.GPU}
-    cands = [
-        Candidate(f"w{w}", tier_overlap(match.blocks.get(WorkerId(f"w{w}"), {}), tiers), WorkerLoad())
-        for w in range(WORKERS)
-    ]
+    cands = CandidateTable.of(
+        [
+            Candidate(f"w{w}", tier_overlap(match.blocks.get(WorkerId(f"w{w}"), {}), tiers), WorkerLoad())
+            for w in range(WORKERS)
+        ]
+    )
     return model.decide("bench", chain.num_blocks, cands).chosen
 
 

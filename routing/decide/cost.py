@@ -29,6 +29,8 @@ decay), and ``decay = 0.01`` halves the GPU credit of a worker already
 prefilling 100 blocks: the cache-rich but busy worker stops winning every hot
 prefix. Affinity is a soft credit, never a pin.
 
+The cost is computed for every candidate at once, over columns (:class:`CandidateTable`).
+
 ``router_temperature = 0`` picks the lowest cost (ties broken by the seeded
 RNG); above 0 it samples ``softmax(-normalized_cost / T)``, where costs are
 min-max normalized to [0, 1], with the seeded RNG.
@@ -36,11 +38,12 @@ min-max normalized to [0, 1], with the seeded RNG.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+import numpy as np
 
 from routing.config import CostConfig, CostObjective, TierClass
 from routing.decide.ledger import WorkerLoad
@@ -87,7 +90,8 @@ def tier_overlap(
 
 
 class Candidate(NamedTuple):
-    """One option: a worker (or a P->D pair named by the caller) and what it faces."""
+    """One option as a row: a worker (or a P->D pair named by the caller) and what it faces
+    (:meth:`CandidateTable.of` stacks rows into the table :meth:`CostModel.decide` reads)."""
 
     name: str
     overlap: TierOverlap
@@ -96,6 +100,43 @@ class Candidate(NamedTuple):
     pair_penalty_blocks: float = 0.0
     predicted_ttft_s: float | None = None
     """The candidate's predicted TTFT (``cost.objective: predicted_ttft``; ``None`` otherwise)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateTable:
+    """Every option of one request as columns, one row per candidate, so the cost is a
+    few numpy passes however large the fleet (the router fills the columns from its
+    sparse per-worker state). ``overlap`` holds :class:`TierOverlap`'s fields and
+    ``load`` :class:`~routing.decide.ledger.WorkerLoad`'s, each row in that order (for a
+    pair: P's overlap and active prefill blocks, D's decode blocks and requests)."""
+
+    names: Sequence[str]
+    overlap: np.ndarray
+    """Shape ``(n, 4)``: gpu, host, disk, shared blocks."""
+    load: np.ndarray
+    """Shape ``(n, 4)``: active prefill blocks, active decode blocks, active requests, shared decode blocks."""
+    session_affinity: np.ndarray
+    """Shape ``(n,)``, bool: the candidate's D served the session last."""
+    pair_penalty_blocks: np.ndarray
+    """Shape ``(n,)``."""
+    predicted_ttft_s: np.ndarray | None = None
+    """Shape ``(n,)``, or ``None`` when the objective does not price by predicted TTFT."""
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @classmethod
+    def of(cls, rows: Sequence[Candidate]) -> CandidateTable:
+        """The table of ``rows`` (a few candidates named one by one)."""
+        predicted = [row.predicted_ttft_s for row in rows]
+        return cls(
+            [row.name for row in rows],
+            np.array([row.overlap for row in rows], dtype=float).reshape(len(rows), 4),
+            np.array([row.load for row in rows], dtype=float).reshape(len(rows), 4),
+            np.array([row.session_affinity for row in rows], dtype=bool),
+            np.array([row.pair_penalty_blocks for row in rows], dtype=float),
+            None if any(p is None for p in predicted) else np.array(predicted, dtype=float),
+        )
 
 
 class Terms(NamedTuple):
@@ -111,38 +152,80 @@ class Terms(NamedTuple):
     predicted_ttft_s: float | None = None
 
 
-def worker_terms(cfg: CostConfig, prompt_blocks: int, cand: Candidate) -> Terms:
-    """The cost of sending a ``prompt_blocks`` request to ``cand``, term by term."""
-    load, ov = cand.load, cand.overlap
-    gpu_credit = cfg.overlap_score_credit / (1.0 + cfg.overlap_score_credit_decay * load.active_prefill_blocks)
+@dataclass(frozen=True, slots=True)
+class _TermColumns:
+    """:class:`Terms`' fields as columns over a :class:`CandidateTable`."""
+
+    gpu_credit: np.ndarray
+    credit_blocks: np.ndarray
+    adjusted_prefill_blocks: np.ndarray
+    potential_decode_blocks: np.ndarray
+    active_request_cost: np.ndarray
+    affinity_credit: np.ndarray
+    cost: np.ndarray
+
+
+def _term_columns(cfg: CostConfig, prompt_blocks: int, table: CandidateTable) -> _TermColumns:
+    """The cost of sending a ``prompt_blocks`` request to each candidate, term by term
+    (the module doc's formula, one numpy pass per term)."""
+    prefill, decode_blocks, requests, shared_decode = table.load.T
+    gpu, host, disk, shared = table.overlap.T
+    gpu_credit = cfg.overlap_score_credit / (1.0 + cfg.overlap_score_credit_decay * prefill)
     credit = (
-        gpu_credit * ov.gpu
-        + cfg.host_cache_hit_weight * ov.host
-        + cfg.disk_cache_hit_weight * ov.disk
-        + cfg.shared_cache_multiplier * ov.shared
+        gpu_credit * gpu
+        + cfg.host_cache_hit_weight * host
+        + cfg.disk_cache_hit_weight * disk
+        + cfg.shared_cache_multiplier * shared
     )
-    adjusted = max(0.0, load.active_prefill_blocks + prompt_blocks - credit)
-    decode = load.active_decode_blocks + prompt_blocks - load.shared_decode_blocks
-    requests = cfg.decode_active_request_weight * load.active_requests
-    affinity = cfg.session_affinity_credit if cand.session_affinity else 0.0
-    cost = cfg.prefill_load_scale * adjusted + decode + requests - affinity + cand.pair_penalty_blocks
-    predicted = cand.predicted_ttft_s
+    adjusted = np.maximum(0.0, prefill + prompt_blocks - credit)
+    decode = decode_blocks + prompt_blocks - shared_decode
+    request_cost = cfg.decode_active_request_weight * requests
+    affinity = np.where(table.session_affinity, cfg.session_affinity_credit, 0.0)
+    cost = cfg.prefill_load_scale * adjusted + decode + request_cost - affinity + table.pair_penalty_blocks
     if cfg.objective is CostObjective.PREDICTED_TTFT:
-        if predicted is None:
-            raise ValueError(f"candidate {cand.name}: cost.objective is predicted_ttft and it has no prediction")
-        cost = predicted
-    penalty = cand.pair_penalty_blocks
-    return Terms(cand.name, gpu_credit, credit, adjusted, decode, requests, affinity, penalty, cost, predicted)
+        if table.predicted_ttft_s is None:
+            raise ValueError("cost.objective is predicted_ttft and the candidates have no prediction")
+        cost = table.predicted_ttft_s
+    return _TermColumns(gpu_credit, credit, adjusted, decode, request_cost, affinity, cost)
 
 
 @dataclass(frozen=True)
 class Decision:
     request_id: str
     prompt_blocks: int
-    chosen: str
-    terms: tuple[Terms, ...]
+    index: int
+    """The chosen candidate's row in ``table``."""
+    table: CandidateTable
+    columns: _TermColumns
     probabilities: tuple[float, ...] | None
     config: CostConfig
+
+    @property
+    def chosen(self) -> str:
+        """The chosen candidate's name."""
+        return self.table.names[self.index]
+
+    @property
+    def terms(self) -> tuple[Terms, ...]:
+        """Each candidate's :class:`Terms` (built on demand: a large fleet's decision
+        reads only the columns)."""
+        t, table = self.columns, self.table
+        predicted = table.predicted_ttft_s
+        return tuple(
+            Terms(
+                name,
+                float(t.gpu_credit[i]),
+                float(t.credit_blocks[i]),
+                float(t.adjusted_prefill_blocks[i]),
+                int(t.potential_decode_blocks[i]),
+                float(t.active_request_cost[i]),
+                float(t.affinity_credit[i]),
+                float(table.pair_penalty_blocks[i]),
+                float(t.cost[i]),
+                None if predicted is None else float(predicted[i]),
+            )
+            for i, name in enumerate(table.names)
+        )
 
     def explain(self) -> str:
         """One line per candidate, term by term, tagged with the request id."""
@@ -173,27 +256,26 @@ class Decision:
 
 
 class CostModel:
-    """Scores candidates with :func:`worker_terms` and picks one (seeded RNG)."""
+    """Scores a :class:`CandidateTable` (the module doc's cost) and picks one (seeded RNG)."""
 
     def __init__(self, cfg: CostConfig, rng: random.Random | None = None) -> None:
         self.cfg = cfg
         self._rng = rng if rng is not None else random.Random(cfg.router_seed)
 
-    def decide(self, request_id: str, prompt_blocks: int, cands: Sequence[Candidate]) -> Decision:
-        """Pick a candidate; raises ValueError if ``cands`` is empty."""
-        if not cands:
+    def decide(self, request_id: str, prompt_blocks: int, table: CandidateTable) -> Decision:
+        """Pick a candidate; raises ValueError if ``table`` is empty."""
+        if not len(table):
             raise ValueError(f"request {request_id}: no candidate workers")
-        terms = tuple(worker_terms(self.cfg, prompt_blocks, c) for c in cands)
-        costs = [t.cost for t in terms]
+        columns = _term_columns(self.cfg, prompt_blocks, table)
+        costs = columns.cost
         probabilities = None
         if self.cfg.router_temperature > 0:
-            lo, hi = min(costs), max(costs)
-            span = hi - lo
-            weights = [math.exp(-((x - lo) / span if span else 0.0) / self.cfg.router_temperature) for x in costs]
-            total = sum(weights)
-            probabilities = tuple(w / total for w in weights)
-            index = self._rng.choices(range(len(terms)), weights=probabilities)[0]
+            lo = float(costs.min())
+            span = float(costs.max()) - lo
+            weights = np.exp(-((costs - lo) / span if span else np.zeros_like(costs)) / self.cfg.router_temperature)
+            probabilities = tuple((weights / weights.sum()).tolist())
+            index = self._rng.choices(range(len(table)), weights=probabilities)[0]
         else:
-            best = min(costs)
-            index = self._rng.choice([i for i, x in enumerate(costs) if x == best])
-        return Decision(request_id, prompt_blocks, terms[index].name, terms, probabilities, self.cfg)
+            ties = np.flatnonzero(costs == costs.min())
+            index = int(ties[self._rng.randrange(len(ties))])
+        return Decision(request_id, prompt_blocks, index, table, columns, probabilities, self.cfg)

@@ -26,13 +26,18 @@ Example (block size 2)::
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass
-from itertools import takewhile
 from typing import NamedTuple
+
+import numpy as np
 
 from routing.ids import WorkerId
 from routing.index.chain import BlockKey, Namespace, PromptChain
+
+_PREFILL, _UNIQUE, _REQUESTS = range(3)
+"""The columns of the ledger's per-worker counts."""
 
 
 class WorkerLoad(NamedTuple):
@@ -55,6 +60,20 @@ class _Active:
     prefilling: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLoads:
+    """Every worker's load for one prompt (:meth:`LoadLedger.prompt_loads`):
+    ``loads[worker]`` reads its :class:`WorkerLoad`; ``shared`` holds the nonzero
+    ``shared_decode_blocks`` by worker (a fleet's columns are :meth:`LoadLedger.counts`
+    and these)."""
+
+    ledger: LoadLedger
+    shared: dict[WorkerId, int]
+
+    def __getitem__(self, worker: WorkerId) -> WorkerLoad:
+        return self.ledger.load(worker)._replace(shared_decode_blocks=self.shared.get(worker, 0))
+
+
 class LoadLedger:
     """Active prefill blocks per P, unique active decode blocks and requests per D.
 
@@ -64,10 +83,16 @@ class LoadLedger:
 
     def __init__(self) -> None:
         self._active: dict[str, _Active] = {}
-        self._prefill: dict[WorkerId, int] = {}
-        self._requests: dict[WorkerId, int] = {}
+        self._rows: dict[WorkerId, int] = {}
+        """Each worker's row of ``_counts`` (rows are never reused; row 0 is no worker's)."""
+        self._counts = np.zeros((16, 3), dtype=np.int64)
+        """Per row: active prefill blocks, unique active decode blocks, active requests."""
+        self._rows_cache: tuple[tuple[WorkerId, ...], int, np.ndarray] | None = None
         self._held: dict[WorkerId, dict[Namespace, Counter[BlockKey]]] = {}
-        self._unique: dict[WorkerId, int] = {}
+        self._by_first_block: dict[tuple[Namespace, BlockKey], Counter[WorkerId]] = {}
+        """Per (namespace, first block): the decode workers whose active requests start
+        with it, and how many requests each (the only workers that can share a prompt's
+        leading blocks: :meth:`loads`)."""
 
     def dispatch(
         self,
@@ -87,19 +112,21 @@ class LoadLedger:
         blocks = list(chain.keys(chain.num_blocks))
         todo = max(0, chain.num_blocks - cached_blocks)
         self._active[request_id] = _Active(prefill_worker, decode_worker, todo, chain.namespace, blocks)
-        self._add(self._prefill, prefill_worker, todo)
-        self._add(self._requests, decode_worker, 1)
+        self._add(_PREFILL, prefill_worker, todo)
+        self._add(_REQUESTS, decode_worker, 1)
         held = self._held.setdefault(decode_worker, {}).setdefault(chain.namespace, Counter())
         before = len(held)
         held.update(blocks)
-        self._add(self._unique, decode_worker, len(held) - before)
+        self._add(_UNIQUE, decode_worker, len(held) - before)
+        if blocks:
+            self._by_first_block.setdefault((chain.namespace, blocks[0]), Counter())[decode_worker] += 1
 
     def first_token(self, request_id: str) -> bool:
         active = self._active.get(request_id)
         if active is None or not active.prefilling:
             return False
         active.prefilling = False
-        self._add(self._prefill, active.prefill_worker, -active.prefill_blocks)
+        self._add(_PREFILL, active.prefill_worker, -active.prefill_blocks)
         return True
 
     def move_prefill(self, request_id: str, prefill_worker: WorkerId, cached_blocks: int) -> bool:
@@ -109,10 +136,10 @@ class LoadLedger:
         if active is None:
             return False
         if active.prefilling:
-            self._add(self._prefill, active.prefill_worker, -active.prefill_blocks)
+            self._add(_PREFILL, active.prefill_worker, -active.prefill_blocks)
         active.prefill_worker, active.prefilling = prefill_worker, True
         active.prefill_blocks = max(0, len(active.blocks) - cached_blocks)
-        self._add(self._prefill, prefill_worker, active.prefill_blocks)
+        self._add(_PREFILL, prefill_worker, active.prefill_blocks)
         return True
 
     def complete(self, request_id: str) -> bool:
@@ -120,9 +147,9 @@ class LoadLedger:
         if active is None:
             return False
         if active.prefilling:
-            self._add(self._prefill, active.prefill_worker, -active.prefill_blocks)
+            self._add(_PREFILL, active.prefill_worker, -active.prefill_blocks)
         worker = active.decode_worker
-        self._add(self._requests, worker, -1)
+        self._add(_REQUESTS, worker, -1)
         by_namespace = self._held[worker]
         # absent when an earlier request of no full block emptied it (its own entry was empty too)
         held = by_namespace.setdefault(active.namespace, Counter())
@@ -131,9 +158,17 @@ class LoadLedger:
         for key in active.blocks:
             if held.get(key, 1) <= 0:
                 del held[key]
-        self._add(self._unique, worker, len(held) - before)
+        self._add(_UNIQUE, worker, len(held) - before)
         if not held:
             del by_namespace[active.namespace]
+        if active.blocks:
+            first = (active.namespace, active.blocks[0])
+            holders = self._by_first_block[first]
+            holders[worker] -= 1
+            if holders[worker] <= 0:
+                del holders[worker]
+            if not holders:
+                del self._by_first_block[first]
         return True
 
     fail = complete  # a failed request frees what it held, like a finished one
@@ -146,27 +181,62 @@ class LoadLedger:
             held = self._held.get(worker, {}).get(chain.namespace)
             if held:
                 shared = self._shared_depth(held, chain)
-        return WorkerLoad(
-            self._prefill.get(worker, 0), self._unique.get(worker, 0), self._requests.get(worker, 0), shared
-        )
+        row = self._rows.get(worker)
+        if row is None:
+            return WorkerLoad(shared_decode_blocks=shared)
+        prefill, unique, requests = self._counts[row].tolist()
+        return WorkerLoad(prefill, unique, requests, shared)
+
+    def prompt_loads(self, chain: PromptChain) -> PromptLoads:
+        """Every worker's :meth:`load` for ``chain``, the shared blocks searched only on
+        the workers whose active requests start with its first block."""
+        first = chain.keys(1)
+        holders = self._by_first_block.get((chain.namespace, first[0])) if first else None
+        shared = {w: self._shared_depth(self._held[w][chain.namespace], chain) for w in holders} if holders else {}
+        return PromptLoads(self, shared)
+
+    def rows(self, workers: tuple[WorkerId, ...]) -> np.ndarray:
+        """``workers``' rows for :meth:`counts` (row 0, all zeros, for a worker with no
+        load yet). Kept while the same tuple is asked again and no worker is new, so a
+        router asking for its fleet each request pays one lookup per worker only when
+        the fleet or the ledger's workers change."""
+        cached = self._rows_cache
+        if cached is not None and cached[0] is workers and cached[1] == len(self._rows):
+            return cached[2]
+        rows = np.fromiter((self._rows.get(w, 0) for w in workers), dtype=np.intp, count=len(workers))
+        self._rows_cache = (workers, len(self._rows), rows)
+        return rows
+
+    def counts(self, rows: np.ndarray) -> np.ndarray:
+        """Shape ``(len(rows), 3)``: active prefill blocks, unique active decode blocks and
+        active requests of each of :meth:`rows`'s workers (a copy)."""
+        counts: np.ndarray = self._counts[rows]
+        return counts
 
     @staticmethod
     def _shared_depth(held: Counter[BlockKey], chain: PromptChain) -> int:
-        """Leading blocks of ``chain`` in ``held``; names blocks only as far as they match."""
-        depth, n, step = 0, chain.num_blocks, 64
-        while depth < n:
-            end = min(n, depth + step)
-            run = sum(1 for _ in takewhile(held.__contains__, chain.keys(end)[depth:end]))
-            depth += run
-            if depth < end:
-                break
-            step *= 4
-        return depth
+        """Leading blocks of ``chain`` in ``held``. A key names its whole prefix (each
+        key folds in its parent's, :mod:`routing.index.chain`), so an active request
+        holding block ``i`` holds blocks ``0..i``: membership falls once along the
+        chain, and a galloping search finds where in ``O(log depth)`` lookups, naming
+        blocks only up to twice the depth."""
+        keys = chain.keys(1)  # the chain's own list: naming more extends it in place
+        if not keys or keys[0] not in held:
+            return 0
+        n, low, step = chain.num_blocks, 1, 1  # the first ``low`` blocks are held
+        while low < n:
+            probe = min(n, low + step)
+            if probe > len(keys):
+                chain.keys(probe)
+            if keys[probe - 1] not in held:  # the first block not held lies in [low, probe - 1]
+                return bisect_left(keys, True, low, probe - 1, key=lambda key: key not in held)
+            low, step = probe, step * 2
+        return n
 
-    @staticmethod
-    def _add(table: dict[WorkerId, int], worker: WorkerId, delta: int) -> None:
-        value = table.get(worker, 0) + delta
-        if value:
-            table[worker] = value
-        else:
-            table.pop(worker, None)
+    def _add(self, column: int, worker: WorkerId, delta: int) -> None:
+        row = self._rows.get(worker)
+        if row is None:
+            row = self._rows[worker] = len(self._rows) + 1
+            if row >= len(self._counts):
+                self._counts = np.concatenate((self._counts, np.zeros_like(self._counts)))
+        self._counts[row, column] += delta

@@ -6,10 +6,11 @@ For one request the :class:`Router`:
    the session's incremental one (:class:`~routing.decide.sessions.SessionStore`), so a
    session's next step names only its new blocks;
 2. matches it in the index (:class:`~routing.index.kvindex.KVIndex`: per worker, per tier);
-3. builds one :class:`~routing.decide.cost.Candidate` per (P, D) pair and per
-   co-located worker. A pair is named ``"P->D"``; it is credited with P's
-   overlap (P prefills), loaded with P's active prefill blocks and D's decode
-   blocks and requests, earns the session credit if D served the session
+3. builds the candidates' cost columns (:class:`~routing.decide.cost.CandidateTable`),
+   one row per (P, D) pair and per co-located worker, from the sparse per-worker
+   overlaps and loads (a large fleet's idle workers cost one array fill). A pair
+   is named ``"P->D"``; it is credited with P's overlap (P prefills), loaded with
+   P's active prefill blocks and D's decode blocks and requests, earns the session credit if D served the session
    last (after a step the newest KV lives on D, article section 9.2), and is
    charged its recent transfer failures and transfer time (``pair_penalty``);
 4. asks :class:`~routing.decide.cost.CostModel` to pick one (seeded RNG);
@@ -34,9 +35,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import random
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvconnectors.pull_params import LEASE_MARGIN_S
 from policies.disaggregation import (
@@ -51,8 +55,8 @@ from policies.presets import hardware_preset, kv_format_preset, link_preset
 from policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
 from policies.specs import ModelSpec, SpecError
 from routing.config import ConfigError, CostObjective, DisaggregationConfig, RouterConfig, TierClass, Worker
-from routing.decide.cost import Candidate, CostModel, Decision, TierOverlap, tier_overlap
-from routing.decide.ledger import LoadLedger, WorkerLoad
+from routing.decide.cost import CandidateTable, CostModel, Decision, TierOverlap, tier_overlap
+from routing.decide.ledger import LoadLedger, PromptLoads
 from routing.decide.rates import RateEstimator, predict_ttft
 from routing.decide.sessions import OfferUse, SessionOffer, SessionState, SessionStore
 from routing.fleet import Fleet
@@ -126,18 +130,45 @@ class Route:
         return "\n".join(lines)
 
 
-def _options(fleet: Fleet) -> dict[str, tuple[Worker | None, Worker]]:
-    """Every candidate by name: each (P, D) pair, each co-located worker, and each
-    decode worker of a fleet without prefill workers (it serves like a co-located one)."""
-    options: dict[str, tuple[Worker | None, Worker]] = {
-        pair_name(p.name, d.name): (p, d) for p in fleet.prefill for d in fleet.decode
-    }
-    for worker in fleet.colocated:
-        options[worker.name] = (None, worker)
-    if not fleet.prefill:
-        for worker in fleet.decode:
-            options[worker.name] = (None, worker)
-    return options
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """Every candidate of a fleet, in rows: each (P, D) pair, each co-located worker, and
+    each decode worker of a fleet without prefill workers (it serves like a co-located
+    one). A pair is named ``"P->D"``. ``prefill_rows`` and ``decode_rows`` index
+    ``workers`` (the prefilling worker: P, or the worker itself), so a request's
+    candidate columns are gathered from per-worker arrays in one numpy step."""
+
+    names: list[str]
+    pairs: list[tuple[Worker | None, Worker]]
+    workers: tuple[Worker, ...]
+    worker_names: tuple[WorkerId, ...]
+    rows: dict[WorkerId, int]
+    """Worker name -> its row in ``workers``."""
+    prefill_rows: np.ndarray
+    decode_rows: np.ndarray
+    has_pairs: bool
+
+    @classmethod
+    def of(cls, fleet: Fleet) -> _Options:
+        pairs: dict[str, tuple[Worker | None, Worker]] = {
+            pair_name(p.name, d.name): (p, d) for p in fleet.prefill for d in fleet.decode
+        }
+        for worker in fleet.colocated:
+            pairs[worker.name] = (None, worker)
+        if not fleet.prefill:
+            for worker in fleet.decode:
+                pairs[worker.name] = (None, worker)
+        rows = {w.name: i for i, w in enumerate(fleet.workers)}
+        return cls(
+            list(pairs),
+            list(pairs.values()),
+            fleet.workers,
+            tuple(w.name for w in fleet.workers),
+            rows,
+            np.array([rows[(p if p is not None else d).name] for p, d in pairs.values()], dtype=np.intp),
+            np.array([rows[d.name] for _, d in pairs.values()], dtype=np.intp),
+            bool(fleet.prefill and fleet.decode),
+        )
 
 
 def policy_from_config(cfg: DisaggregationConfig, model: ModelSpec) -> LocalVsRemotePolicy:
@@ -208,7 +239,7 @@ class Router:
         self._forced = config.sessions.force_option.option
         self.cost = CostModel(config.cost, rng if rng is not None else random.Random(config.cost.router_seed))
         self._tiers = config.index.tiers
-        self._options = _options(fleet)
+        self._options = _Options.of(fleet)
 
     def set_fleet(self, fleet: Fleet) -> None:
         """Route over ``fleet`` from the next request on (workers joined or left the
@@ -217,7 +248,7 @@ class Router:
         if fleet.prefill and self.policy is None:
             raise ValueError("a fleet with prefill workers needs a local-vs-remote policy")
         self.fleet = fleet
-        self._options = _options(fleet)
+        self._options = _Options.of(fleet)
 
     def route(
         self,
@@ -258,20 +289,20 @@ class Router:
             chain = PromptChain(token_ids, self.index.block_size, lora_name=lora_name, cache_salt=cache_salt)
         match = self.index.match(chain)
         overlaps = self._overlaps(match)
-        loads = {w.name: self.ledger.load(w.name, chain) for w in self.fleet.workers}  # once per worker
-        options = {
-            name: (p, d) for name, (p, d) in self._options.items() if self.available(d.name) and d.name not in exclude
-        }
-        if not options:
+        loads = self.ledger.prompt_loads(chain)
+        opts = self._options
+        usable = np.fromiter(
+            (self.available(w.name) and w.name not in exclude for w in opts.workers), bool, len(opts.workers)
+        )
+        kept = np.flatnonzero(usable[opts.decode_rows])
+        if not kept.size:
             raise NoHealthyWorker(
                 "no decode or co-located worker is available: every circuit is open"
                 + (f" or it failed this request ({', '.join(sorted(exclude))})" if exclude else "")
             )
-        candidates = [
-            self._candidate(name, p, d, overlaps, loads, last, len(token_ids)) for name, (p, d) in options.items()
-        ]
-        decision = self.cost.decide(request_id, chain.num_blocks, candidates)
-        p, d = options[decision.chosen]
+        table = self._candidates(kept, overlaps, loads, last, len(token_ids))
+        decision = self.cost.decide(request_id, chain.num_blocks, table)
+        p, d = opts.pairs[int(kept[decision.index])]
         local_remote = None
         kind = Kind.COLOCATED
         option: Option | None = None
@@ -316,7 +347,7 @@ class Router:
         p: Worker,
         d: Worker,
         overlaps: Mapping[WorkerId, TierOverlap],
-        loads: Mapping[WorkerId, WorkerLoad],
+        loads: PromptLoads,
         state: SessionState,
         reused_tokens: int,
         now: float | None,
@@ -338,7 +369,7 @@ class Router:
         last_p = next((w for w in self.fleet.prefill if w.name == state.last_prefill), None)  # None: it left
         offer_tokens = time_left = None
         offer = state.offer
-        if offer is not None and self.available(offer.holder) and offer.holder in overlaps:
+        if offer is not None and self.available(offer.holder) and offer.holder in self._options.rows:
             held = max(overlaps[offer.holder].gpu * bs, reused_tokens // bs * bs)
             offer_tokens = min(prompt_tokens, held, offer.blocks * bs)
             if offer.expires_at is not None and now is not None:
@@ -399,7 +430,7 @@ class Router:
         price: OptionPrice,
         prompt_tokens: int,
         d: Worker,
-        loads: Mapping[WorkerId, WorkerLoad],
+        loads: PromptLoads,
         decode: DecodeState,
     ) -> OptionPrice:
         """``price`` with its seconds from the measured rates (queue, prefill, D's read of the
@@ -413,7 +444,7 @@ class Router:
             d.name,
             new=price.prefill_tokens,
             cached=prompt_tokens - price.prefill_tokens,
-            queued=loads[worker].active_prefill_blocks * self.index.block_size if worker in loads else 0,
+            queued=loads[worker].active_prefill_blocks * self.index.block_size,
             transfer_tokens=price.moved_tokens if worker != d.name else 0,
             streams=decode.running_streams,
         )
@@ -454,7 +485,10 @@ class Router:
             use = "unused"
         return (offer if use == "sent" else None), use
 
-    def _overlaps(self, match: Match) -> dict[WorkerId, TierOverlap]:
+    def _overlaps(self, match: Match) -> defaultdict[WorkerId, TierOverlap]:
+        """Each worker's creditable overlap, built for the workers the match names (a
+        large fleet's others are idle: the ``defaultdict``'s default, which holds only
+        the shared tier). A worker whose events stopped gets the default too."""
         shared = max(
             (
                 depth
@@ -464,32 +498,67 @@ class Router:
             ),
             default=0,
         )
-        idle = tier_overlap({}, self._tiers, shared)  # a worker the match did not name (most of a large fleet)
-        blocks = match.blocks
-        return {
-            w.name: idle
-            if w.name not in blocks or self.events_stale(w.name)
-            else tier_overlap(blocks[w.name], self._tiers, shared)
-            for w in self.fleet.workers
-        }
+        idle = tier_overlap({}, self._tiers, shared)
+        return defaultdict(
+            lambda: idle,
+            {
+                worker: tier_overlap(tiers, self._tiers, shared)
+                for worker, tiers in match.blocks.items()
+                if not self.events_stale(worker)
+            },
+        )
 
-    def _candidate(
+    def _candidates(
         self,
-        name: str,
-        p: Worker | None,
-        d: Worker,
-        overlaps: Mapping[WorkerId, TierOverlap],
-        loads: Mapping[WorkerId, WorkerLoad],
+        kept: np.ndarray,
+        overlaps: defaultdict[WorkerId, TierOverlap],
+        loads: PromptLoads,
         last: WorkerId | None,
         prompt_tokens: int,
-    ) -> Candidate:
-        d_load = loads[d.name]
-        predicted = self._predicted_ttft_s(p, d, prompt_tokens, overlaps, loads) if self._by_ttft else None
-        if p is None:
-            return Candidate(name, overlaps[d.name], d_load, d.name == last, predicted_ttft_s=predicted)
-        load = d_load._replace(active_prefill_blocks=loads[p.name].active_prefill_blocks)
-        penalty = self.pair_penalty(p.name, d.name)
-        return Candidate(name, overlaps[p.name], load, d.name == last, penalty, predicted)
+    ) -> CandidateTable:
+        """The ``kept`` options (rows of :class:`_Options`) as cost columns: per worker,
+        arrays filled from the sparse overlaps and loads, then gathered per option (a
+        pair: P's overlap and active prefill blocks, D's decode load; its session
+        credit if D served the session last, its ``pair_penalty``)."""
+        opts = self._options
+        idle = overlaps.default_factory
+        assert idle is not None
+        per_worker_overlap = np.empty((len(opts.workers), 4))
+        per_worker_overlap[:] = idle()
+        for worker, overlap in overlaps.items():
+            row = opts.rows.get(worker)
+            if row is not None:  # not a worker that left the fleet
+                per_worker_overlap[row] = overlap
+        per_worker_load = np.zeros((len(opts.workers), 4))
+        per_worker_load[:, :3] = self.ledger.counts(self.ledger.rows(opts.worker_names))
+        for worker, depth in loads.shared.items():
+            row = opts.rows.get(worker)
+            if row is not None:
+                per_worker_load[row, 3] = depth
+        prefill_rows, decode_rows = opts.prefill_rows[kept], opts.decode_rows[kept]
+        load = per_worker_load[decode_rows]
+        load[:, 0] = per_worker_load[prefill_rows, 0]
+        last_row = opts.rows.get(last) if last is not None else None
+        penalty = np.zeros(len(kept))
+        if opts.has_pairs:
+            for i, option in enumerate(kept):
+                p, d = opts.pairs[option]
+                if p is not None:
+                    penalty[i] = self.pair_penalty(p.name, d.name)
+        predicted = None
+        if self._by_ttft:
+            chosen_pairs = [opts.pairs[option] for option in kept]
+            predicted = np.array(
+                [self._predicted_ttft_s(p, d, prompt_tokens, overlaps, loads) for p, d in chosen_pairs]
+            )
+        return CandidateTable(
+            [opts.names[option] for option in kept],
+            per_worker_overlap[prefill_rows],
+            load,
+            decode_rows == (last_row if last_row is not None else -1),
+            penalty,
+            predicted,
+        )
 
     def _predicted_ttft_s(
         self,
@@ -497,7 +566,7 @@ class Router:
         d: Worker,
         prompt_tokens: int,
         overlaps: Mapping[WorkerId, TierOverlap],
-        loads: Mapping[WorkerId, WorkerLoad],
+        loads: PromptLoads,
     ) -> float:
         """The candidate's predicted TTFT from the measured rates: the prefilling worker's
         (P's, else D's) prefill queue and the prefill of what it lacks in GPU, D's read of
@@ -524,7 +593,7 @@ class Router:
         many of this router's requests were on it then."""
         self._routed_at_poll[worker] = self.ledger.load(worker).active_requests
 
-    def _running_streams(self, d: Worker, loads: Mapping[WorkerId, WorkerLoad]) -> int:
+    def _running_streams(self, d: Worker, loads: PromptLoads) -> int:
         """D's running requests: the ledger's now, plus those D's own gauge counted beyond
         this router's requests when it was read (traffic that bypassed this router). The
         gauge is up to a poll interval old: taken whole, a session's step that had
@@ -542,7 +611,7 @@ class Router:
         p: Worker,
         d: Worker,
         overlaps: Mapping[WorkerId, TierOverlap],
-        loads: Mapping[WorkerId, WorkerLoad],
+        loads: PromptLoads,
     ) -> tuple[PromptState, DecodeState]:
         bs = self.index.block_size
         d_load = loads[d.name]

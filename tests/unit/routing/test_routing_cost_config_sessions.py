@@ -20,7 +20,7 @@ from routing.config import (
     add_cli_flags,
     load_config,
 )
-from routing.decide.cost import Candidate, CostModel, TierOverlap, tier_overlap, worker_terms
+from routing.decide.cost import Candidate, CandidateTable, CostModel, TierOverlap, tier_overlap
 from routing.decide.ledger import LoadLedger, WorkerLoad
 from routing.decide.sessions import InvalidSessionKey, SessionOffer, SessionStore, scoped, session_key
 from routing.ids import SessionId
@@ -56,7 +56,8 @@ CFG = CostConfig()
     ],
 )
 def test_cost_table(cfg, overlap, load, affinity, cost):
-    assert worker_terms(cfg, 100, Candidate("w", overlap, load, affinity)).cost == pytest.approx(cost)
+    decision = CostModel(cfg).decide("r", 100, CandidateTable.of([Candidate("w", overlap, load, affinity)]))
+    assert decision.terms[0].cost == pytest.approx(cost)
 
 
 def test_tier_overlap_fields_are_the_tier_classes_best_first():
@@ -70,10 +71,9 @@ def test_tier_overlap_counts_each_block_once():
 
 
 def test_argmin_explain_and_seeded_sampling():
-    cands = [
-        Candidate("hot", TierOverlap(gpu=90), WorkerLoad(80, 0, 0)),
-        Candidate("cold", TierOverlap(), WorkerLoad()),
-    ]
+    cands = CandidateTable.of(
+        [Candidate("hot", TierOverlap(gpu=90), WorkerLoad(80, 0, 0)), Candidate("cold", TierOverlap(), WorkerLoad())]
+    )
     d = CostModel(CFG).decide("r1", 100, cands)
     assert d.chosen == "hot"
     text = d.explain()
@@ -86,7 +86,7 @@ def test_argmin_explain_and_seeded_sampling():
     many = CostModel(warm, random.Random(1))
     assert {many.decide("r", 100, cands).chosen for _ in range(200)} == {"hot", "cold"}
     with pytest.raises(ValueError, match="no candidate workers"):
-        CostModel(CFG).decide("r", 1, [])
+        CostModel(CFG).decide("r", 1, CandidateTable.of([]))
 
 
 def _chain(blocks: int, base: int = 0, salt: str | None = None) -> PromptChain:
@@ -121,6 +121,30 @@ def test_load_ledger_counts_shared_prefix_blocks_once_per_worker():
     assert ledger.load("w", _chain(20)).shared_decode_blocks == 10
     ledger.complete("a")
     assert ledger.load("w", _chain(20)) == WorkerLoad()
+
+
+def test_load_ledger_loads_of_a_fleet_agree_with_each_worker_s_walk():
+    """``prompt_loads`` (the workers whose requests start like the prompt, each searched by
+    galloping) gives what walking each worker's held blocks from the front gives, on
+    random prefixes of random lengths, as requests come and go; idle workers read zeros."""
+    rng = random.Random(7)
+    ledger, active = LoadLedger(), []
+    for step in range(300):
+        if active and rng.random() < 0.4:
+            ledger.complete(active.pop(rng.randrange(len(active))))
+        else:
+            worker = f"w{rng.randrange(6)}"
+            ledger.dispatch(f"r{step}", "p", worker, _chain(rng.randrange(0, 40), base=rng.choice((0, 0, 1))), 0)
+            active.append(f"r{step}")
+        prompt = _chain(rng.randrange(0, 50), base=rng.choice((0, 1, 2)))
+        loads = ledger.prompt_loads(prompt)
+        for worker in ("p", *(f"w{i}" for i in range(8))):
+            held = ledger._held.get(worker, {}).get(prompt.namespace, {})
+            walked = next((i for i, key in enumerate(prompt.keys(prompt.num_blocks)) if key not in held), None)
+            expected = ledger.load(worker)._replace(
+                shared_decode_blocks=prompt.num_blocks if walked is None else walked
+            )
+            assert loads[worker] == expected, (step, worker)
 
 
 def test_load_ledger_completes_overlapping_requests_of_no_full_block():
