@@ -59,6 +59,21 @@ _NS_BITS = 20
 _NS_MASK = (1 << _NS_BITS) - 1
 
 
+_KEY_MASK = (1 << KEY_BITS) - 1
+
+
+def _pack(key: BlockKey, position: int, nsid: int) -> int:
+    """One int for a worker's name of a block: its key, its position in the chain and
+    its namespace's id (``key | (position << 20 | nsid) << KEY_BITS``)."""
+    return key | (position << _NS_BITS | nsid) << KEY_BITS
+
+
+def _unpack(packed: int) -> tuple[BlockKey, int, int]:
+    """:func:`_pack`'s key, position and namespace id."""
+    meta = packed >> KEY_BITS
+    return BlockKey(packed & _KEY_MASK), meta >> _NS_BITS, meta & _NS_MASK
+
+
 class _Removal(NamedTuple):
     bit: int
     namespace: Namespace
@@ -91,15 +106,15 @@ class BlockIndex(EventApplier):
         self.block_size = block_size
         self.kv_group = kv_group
         self._masks: dict[Namespace, dict[BlockKey, int]] = {}
-        # engine hash -> key, and -> (position << 20 | namespace id): plain ints, no GC load
-        self._names: dict[WorkerId, tuple[dict[object, BlockKey], dict[object, int]]] = {}
+        # per worker, engine hash -> one packed int (:func:`_pack`): its key, position and
+        # namespace id (a plain int: no GC load; one dict entry per (block, worker))
+        self._names: dict[WorkerId, dict[object, int]] = {}
         self._ns_ids: dict[Namespace, int] = {}
         self._ns_list: list[Namespace] = []
         self._slot_bit: dict[tuple[WorkerId, Tier], int] = {}
         self._bit_slot: dict[int, tuple[WorkerId, Tier]] = {}
-        # per slot and namespace, the keys held: dicts to None, not sets, because the
-        # cyclic GC untracks dicts of ints (a set of 50K ints is re-scanned every full collection)
-        self._slot_keys: dict[int, dict[Namespace, dict[BlockKey, None]]] = {}
+        self._slot_blocks: dict[int, int] = {}
+        """Per slot bit, the keys it holds (a count: a worker's keys are its names' keys)."""
         self._worker_mask: dict[WorkerId, int] = {}
         self._free_bits: list[int] = []
         self._log: deque[_Removal] = deque(maxlen=log_capacity)
@@ -110,7 +125,7 @@ class BlockIndex(EventApplier):
     def _stored(self, worker: WorkerId, ev: BlockStored) -> str:
         if ev.block_size != self.block_size:
             return "block_size"
-        names, metas = self._names.get(worker) or self._names.setdefault(worker, ({}, {}))
+        names = self._names.get(worker) or self._names.setdefault(worker, {})
         extras = ev.extra_keys
         if ev.parent_block_hash is None:
             ns: Namespace = freeze(extras[0]) if extras and extras[0] else None
@@ -120,10 +135,8 @@ class BlockIndex(EventApplier):
             known = names.get(ev.parent_block_hash)
             if known is None:
                 return "unknown_parent"
-            parent = known
-            meta = metas[ev.parent_block_hash]
-            nsid, pos0 = meta & _NS_MASK, (meta >> _NS_BITS) + 1
-            ns = self._ns_list[nsid]
+            parent, position, nsid = _unpack(known)
+            pos0, ns = position + 1, self._ns_list[nsid]
         plain = (ev.lora_name,) if ev.lora_name else None
         try:
             if extras and any(e is not None and freeze(e) != plain for e in extras[1 if pos0 == 0 else 0 :]):
@@ -132,12 +145,16 @@ class BlockIndex(EventApplier):
                 keys = chain_keys(ev.token_ids, self.block_size, pos0, parent)
         except ValueError:
             return "bad_token_ids"
-        bit = 1 << self._bit_for(worker, Tier(ev.medium or DEFAULT_TIER))
+        bitno = self._bit_for(worker, Tier(ev.medium or DEFAULT_TIER))
+        bit = 1 << bitno
         masks = self._masks.setdefault(ns, {})
-        masks.update(zip(keys, map(or_, map(masks.get, keys, repeat(0)), repeat(bit)), strict=False))
-        self._slot_keys[bit.bit_length() - 1].setdefault(ns, {}).update(zip(keys, repeat(None)))
-        names.update(zip(ev.block_hashes, keys, strict=False))
-        metas.update(zip(ev.block_hashes, count(pos0 << _NS_BITS | nsid, 1 << _NS_BITS)))
+        before = list(map(masks.get, keys, repeat(0)))
+        self._slot_blocks[bitno] += sum(1 for mask in before if not mask & bit)
+        # a key no slot held gets ``bit`` itself: one int object for all of them (a distinct
+        # block's entry costs no int of its own; 28-32 B per (block, worker) measured)
+        masks.update(zip(keys, [mask | bit if mask else bit for mask in before], strict=False))
+        packed = count(_pack(ROOT_KEY, pos0, nsid), 1 << (KEY_BITS + _NS_BITS))
+        names.update(zip(ev.block_hashes, map(or_, keys, packed), strict=False))
         self.counters["blocks_stored"] += len(keys)
         return "applied"
 
@@ -156,15 +173,16 @@ class BlockIndex(EventApplier):
         if bitno is None:
             return "unknown_slot"
         bit = 1 << bitno
-        names, metas = self._names.get(worker) or ({}, {})
+        names = self._names.get(worker) or {}
         others = self._worker_mask[worker] & ~bit
         gone: dict[Namespace, list[BlockKey]] = {}
         for ehash in ev.block_hashes:
-            key = names.get(ehash)
-            if key is None:
+            packed = names.get(ehash)
+            if packed is None:
                 self.counters["unknown_block"] += 1
                 continue
-            ns = self._ns_list[metas[ehash] & _NS_MASK]
+            key, _, nsid = _unpack(packed)
+            ns = self._ns_list[nsid]
             masks = self._masks[ns]
             mask = masks.get(key, 0)
             if not mask & bit:
@@ -174,9 +192,9 @@ class BlockIndex(EventApplier):
                 masks[key] = mask
             else:
                 del masks[key]
-            self._slot_keys[bitno][ns].pop(key, None)
+            self._slot_blocks[bitno] -= 1
             if not mask & others:
-                del names[ehash], metas[ehash]
+                del names[ehash]
             gone.setdefault(ns, []).append(key)
         for ns, keys in gone.items():
             self._log_removal(_Removal(bitno, ns, tuple(keys)))
@@ -185,30 +203,27 @@ class BlockIndex(EventApplier):
 
     def clear_worker(self, worker: WorkerId) -> None:
         """Forget everything ``worker`` holds, in every tier (restart, cache reset)."""
-        for bitno in _bits(self._worker_mask.get(worker, 0)):
-            self._clear_slot(bitno)
-        self._names.pop(worker, None)
+        slots = self._worker_mask.get(worker, 0)
+        keep = ~slots
+        for packed in (self._names.pop(worker, None) or {}).values():
+            key, _, nsid = _unpack(packed)
+            masks = self._masks[self._ns_list[nsid]]
+            mask = masks.get(key, 0) & keep
+            if mask:
+                masks[key] = mask
+            else:
+                masks.pop(key, None)
+        for bitno in _bits(slots):
+            self._slot_blocks[bitno] = 0
+            self._log_removal(_Removal(bitno, None, None))
 
     def remove_worker(self, worker: WorkerId) -> None:
         """Forget ``worker`` entirely; its slot bits are reused later."""
         self.clear_worker(worker)
         for bitno in _bits(self._worker_mask.pop(worker, 0)):
             del self._slot_bit[self._bit_slot.pop(bitno)]
-            del self._slot_keys[bitno]
+            del self._slot_blocks[bitno]
             self._free_bits.append(bitno)
-
-    def _clear_slot(self, bitno: int) -> None:
-        keep = ~(1 << bitno)
-        for ns, keys in self._slot_keys[bitno].items():
-            masks = self._masks[ns]
-            for key in keys:
-                mask = masks[key] & keep
-                if mask:
-                    masks[key] = mask
-                else:
-                    del masks[key]
-        self._slot_keys[bitno] = {}
-        self._log_removal(_Removal(bitno, None, None))
 
     def _ns_id(self, ns: Namespace) -> int:
         nsid = self._ns_ids.get(ns)
@@ -227,7 +242,7 @@ class BlockIndex(EventApplier):
                 self._free_bits.remove(bitno)
             self._slot_bit[(worker, tier)] = bitno
             self._bit_slot[bitno] = (worker, tier)
-            self._slot_keys[bitno] = {}
+            self._slot_blocks[bitno] = 0
             self._worker_mask[worker] = self._worker_mask.get(worker, 0) | (1 << bitno)
         return bitno
 
@@ -244,7 +259,7 @@ class BlockIndex(EventApplier):
         bitno = self._slot_bit.get((worker, tier))
         if bitno is None:
             return 0
-        return sum(len(keys) for keys in self._slot_keys[bitno].values())
+        return self._slot_blocks[bitno]
 
     def match(self, chain: PromptChain) -> Match:
         """Each worker's longest cached prefix of ``chain``, from block 0, per tier.
