@@ -113,6 +113,10 @@ class BlockIndex(EventApplier):
         self._ns_list: list[Namespace] = []
         self._slot_bit: dict[tuple[WorkerId, Tier], int] = {}
         self._bit_slot: dict[int, tuple[WorkerId, Tier]] = {}
+        self._shared_names: dict[Namespace, dict[BlockKey, int]] = {}
+        """Per namespace, for a block two slots or more hold: the packed name (:func:`_pack`)
+        every worker's name map shares (one int per block, not per (block, worker); only
+        blocks stored where another slot held them are here, so distinct blocks cost nothing)."""
         self._slot_blocks: dict[int, int] = {}
         """Per slot bit, the keys it holds (a count: a worker's keys are its names' keys)."""
         self._worker_mask: dict[WorkerId, int] = {}
@@ -153,8 +157,15 @@ class BlockIndex(EventApplier):
         # a key no slot held gets ``bit`` itself: one int object for all of them (a distinct
         # block's entry costs no int of its own; 28-32 B per (block, worker) measured)
         masks.update(zip(keys, [mask | bit if mask else bit for mask in before], strict=False))
-        packed = count(_pack(ROOT_KEY, pos0, nsid), 1 << (KEY_BITS + _NS_BITS))
-        names.update(zip(ev.block_hashes, map(or_, keys, packed), strict=False))
+        packed = list(map(or_, keys, count(_pack(ROOT_KEY, pos0, nsid), 1 << (KEY_BITS + _NS_BITS))))
+        if any(before):  # blocks other slots hold: their workers' names share one int each
+            shared = self._shared_names.setdefault(ns, {})
+            for i, mask in enumerate(before):
+                if mask:
+                    first = shared.setdefault(keys[i], packed[i])
+                    if first == packed[i]:
+                        packed[i] = first
+        names.update(zip(ev.block_hashes, packed, strict=False))
         self.counters["blocks_stored"] += len(keys)
         return "applied"
 
@@ -192,6 +203,7 @@ class BlockIndex(EventApplier):
                 masks[key] = mask
             else:
                 del masks[key]
+                self._forget_shared_name(ns, key)
             self._slot_blocks[bitno] -= 1
             if not mask & others:
                 del names[ehash]
@@ -207,12 +219,14 @@ class BlockIndex(EventApplier):
         keep = ~slots
         for packed in (self._names.pop(worker, None) or {}).values():
             key, _, nsid = _unpack(packed)
-            masks = self._masks[self._ns_list[nsid]]
+            ns_of = self._ns_list[nsid]
+            masks = self._masks[ns_of]
             mask = masks.get(key, 0) & keep
             if mask:
                 masks[key] = mask
             else:
                 masks.pop(key, None)
+                self._forget_shared_name(ns_of, key)
         for bitno in _bits(slots):
             self._slot_blocks[bitno] = 0
             self._log_removal(_Removal(bitno, None, None))
@@ -224,6 +238,12 @@ class BlockIndex(EventApplier):
             del self._slot_bit[self._bit_slot.pop(bitno)]
             del self._slot_blocks[bitno]
             self._free_bits.append(bitno)
+
+    def _forget_shared_name(self, ns: Namespace, key: BlockKey) -> None:
+        """No slot holds ``key`` any more: its shared name goes too."""
+        shared = self._shared_names.get(ns)
+        if shared is not None:
+            shared.pop(key, None)
 
     def _ns_id(self, ns: Namespace) -> int:
         nsid = self._ns_ids.get(ns)

@@ -162,6 +162,10 @@ def test_full_and_incremental_match_equal_the_model(ops, which, salt, log_capaci
         want = reference(held, prompt, salt)
         assert index.match(chain).blocks == want
         assert index.match(PromptChain(prompt, BS, cache_salt=salt)).blocks == want
+        for (w, tier), blocks in held.items():  # each slot's count, kept without per-slot key sets
+            assert index.block_count(w, tier) == len(blocks)
+        # a name shared between workers stays only while a slot holds its block (no leak)
+        assert all(key in index._masks[ns] for ns, shared in index._shared_names.items() for key in shared)
 
 
 def test_a_long_prompt_is_named_the_same_when_packed_whole():
