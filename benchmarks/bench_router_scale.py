@@ -78,6 +78,9 @@ events from 28500, its system server 29000), the frontends 27990 and KV_FRONTEND
 the router 27980 (no e2e test or other benchmark uses 27980-29499)."""
 KV_FRONTEND_PORT = 27991
 KVPILOT_DECISION = "kvpilot_router_decision_seconds"
+ARMS = ("kvpilot", "kvpilot_envoy", "dynamo_kv")
+"""The rate sweep's ways through a router: kvpilot's router relaying, Envoy with kvpilot's
+picker (the fleet's client URL), Dynamo's KV frontend."""
 DYNAMO_DECISION = "dynamo_router_overhead_total_ms"
 BLOCK_SIZE = 32
 NEW_TOKENS = 64
@@ -278,7 +281,7 @@ def measure(spec: DynamoFleetSpec, fleet: Fleet, n: int, args: argparse.Namespac
 
     # 3. the rate sweep
     sweep: list[dict[str, Any]] = []
-    alive = {"kvpilot": router, "dynamo_kv": kv}
+    alive = {"kvpilot": router, **({"kvpilot_envoy": fleet.client_url} if fleet.gateway else {}), "dynamo_kv": kv}
     sustained: dict[str, float] = {}
     last_rate = 0.0
     for rate in args.rates:
@@ -306,13 +309,13 @@ def measure(spec: DynamoFleetSpec, fleet: Fleet, n: int, args: argparse.Namespac
             + "; ".join(
                 f"{k} +{row[k]['added_p50_s'] * 1e3:.2f} ms p50, +{row[k]['added_p99_s'] * 1e3:.2f} ms p99, "
                 f"{row[k]['failed']} failed, achieved {row[k]['achieved_rps']:.0f}/s"
-                for k in ("kvpilot", "dynamo_kv")
+                for k in ARMS
                 if k in row
             )
         )
         sweep.append(row)
     out["sweep"] = sweep
-    out["sustained_rps"] = {k: sustained.get(k, 0.0) for k in ("kvpilot", "dynamo_kv")}
+    out["sustained_rps"] = {k: sustained.get(k, 0.0) for k in ARMS}
 
     # 4. where the router's CPU goes, at the last rate swept
     if args.profile_s > 0 and last_rate:
@@ -375,26 +378,27 @@ def tables(results: list[dict[str, Any]], memory: list[dict[str, Any]], limit_ms
     lines = [
         (
             "| workers | entries | kvpilot decision mean / p50 / p99 ms | Dynamo KV decision mean / p50 / p99 ms "
-            "| kvpilot sustained req/s | Dynamo KV sustained req/s |"
+            "| kvpilot sustained req/s | kvpilot via Envoy sustained req/s | Dynamo KV sustained req/s |"
         ),
-        "|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         k, d = r["decision"]["kvpilot"], r["decision"]["dynamo_kv"]
         lines.append(
             f"| {r['workers']} | {r['warm_entries']} | {ms(k['mean_s'])} / {ms(k['p50_s'])} / {ms(k['p99_s'])} "
             f"| {ms(d['mean_s'])} / {ms(d['p50_s'])} / {ms(d['p99_s'])} "
-            f"| {r['sustained_rps']['kvpilot']:g} | {r['sustained_rps']['dynamo_kv']:g} |"
+            + "".join(f"| {r['sustained_rps'].get(arm, 0.0):g} " for arm in ARMS)
+            + "|"
         )
     lines += ["", f"Added latency (one token: TTFT) p50 / p99 ms over direct (limit {limit_ms:g} ms on p50):", ""]
     lines += [
-        "| workers | rate req/s | direct p50 ms | kvpilot added | Dynamo KV added |",
-        "|---:|---:|---:|---:|---:|",
+        "| workers | rate req/s | direct p50 ms | kvpilot added | kvpilot via Envoy added | Dynamo KV added |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         for row in r["sweep"]:
             cells = []
-            for key in ("kvpilot", "dynamo_kv"):
+            for key in ARMS:
                 a = row.get(key)
                 cells.append(
                     "-"
@@ -403,7 +407,9 @@ def tables(results: list[dict[str, Any]], memory: list[dict[str, Any]], limit_ms
                     + (f" ({a['failed']} failed)" if a["failed"] else "")
                 )
             lines.append(
-                f"| {r['workers']} | {row['rate']:g} | {ms(row['direct']['latency_p50_s'])} | {cells[0]} | {cells[1]} |"
+                f"| {r['workers']} | {row['rate']:g} | {ms(row['direct']['latency_p50_s'])} | "
+                + " | ".join(cells)
+                + " |"
             )
     lines += ["", "| index backend | shape | measure | entries | B per entry |", "|---|---|---|---:|---:|"]
     lines += [

@@ -333,8 +333,9 @@ def up_one_process(
     """Start the scale benchmark's fleet (see the module doc) in ``spec.run_dir``: one
     mocker process of ``spec.workers`` workers, the direct frontend on
     ``spec.frontend_port``, Dynamo's KV router in a second frontend on
-    ``kv_frontend_port`` (with ``kv_frontend_flags``) when given, and the router
-    (its config's sections updated by ``router_overrides``). Recorded in ``fleet.json``
+    ``kv_frontend_port`` (with ``kv_frontend_flags``) when given, the router
+    (its config's sections updated by ``router_overrides``) and, with ``spec.gateway``,
+    Envoy in front of it. Recorded in ``fleet.json``
     (the mocker, then the frontends, as engines): :func:`deploy.fleet.down` stops it.
     Raises :class:`FleetStartError` as :func:`up` does."""
     if Fleet.load(spec.run_dir) is not None:
@@ -377,4 +378,7 @@ def up_one_process(
         _wait_healthy(started[-1:], time.monotonic() + timeout)
         wait_for_workers(router.url, lambda names: len(names) == spec.workers, timeout)
         progress(f"  router on {router.url}, serving {spec.workers} workers, after {time.monotonic() - t0:.1f} s")
+        if spec.gateway is not None:
+            gateway = start_gateway(spec.gateway, spec.run_dir, time.monotonic() + timeout, progress)
+            return _record(spec, started, gateway=gateway)
     return _record(spec, started)
