@@ -10,7 +10,7 @@ moves traffic off the worker that holds a shared prefix once that worker is busy
 
 For each decay setting (``0.0``, Dynamo's default, and ``--decay``) the fleet's
 router is replaced by ``kvpilot router --config <run_dir>/router.yaml
---overlap-score-credit-decay <decay>``. For each load level ``C``
+--cost-overlap-score-credit-decay <decay>``. For each load level ``C``
 (``--concurrency``) the benchmark takes a fresh ``cache_salt`` (so only what it
 warms is cached), warms the hot prefix (``--prefix-tokens``) on engine 0 by
 sending it there directly, waits until the router's ``POST /debug/route`` shows
@@ -326,7 +326,7 @@ def main() -> int:
         for rep in range(args.repeats):
             for decay in decays:
                 print(f"\n## repeat {rep + 1}/{args.repeats}: router with overlap_score_credit_decay={decay:g}")
-                fleet = fleet_io.restart_router(spec, ["--overlap-score-credit-decay", repr(decay)])
+                fleet = fleet_io.restart_router(spec, ["--cost-overlap-score-credit-decay", repr(decay)])
                 workers = list(get_json(f"{fleet.router.url}/health")["workers"])
                 for c in args.concurrency:
                     salt = f"bench-{rep}-{decay:g}-{c}-{uuid.uuid4().hex}"

@@ -564,7 +564,7 @@ def restart_engine(spec: FleetSpec, name: str, timeout: float = 600.0) -> Fleet:
 
 def restart_router(spec: FleetSpec, flags: Sequence[str] = (), timeout: float = 120.0) -> Fleet:
     """Stop the router of the fleet recorded in ``spec.run_dir`` and start it again with
-    extra command-line ``flags`` (``["--overlap-score-credit-decay", "0.3"]``: every
+    extra command-line ``flags`` (``["--cost-overlap-score-credit-decay", "0.3"]``: every
     scalar of the router config has one). The engines keep running and reconnect.
 
     Returns the updated fleet once the router is healthy; raises
@@ -599,7 +599,7 @@ def start_replica(
 ) -> RunningProcess:
     """One more process of ``router``'s plan, named ``name``, on ``port`` with extra
     ``flags``; returned once healthy (:func:`start`), not recorded in any fleet."""
-    replica = dataclasses.replace(router, name=name, argv=(*router.argv, "--port", str(port), *flags), port=port)
+    replica = dataclasses.replace(router, name=name, argv=(*router.argv, "--server-port", str(port), *flags), port=port)
     return start(replica, logs, timeout)
 
 

@@ -9,22 +9,9 @@ A drop-in for ``NixlConnector``: swap the connector's name and keep its keys::
                                       "decoder_kv_blocks_ttl": 480}}'
 
 Keys the inner connector reads (:data:`INNER_KEYS`) may stand at the top level or
-inside ``inner_extra_config`` (the explicit form; both at once is an error). Then
-kvpilot's own keys:
-
-* ``inner_connector``: the vLLM connector that moves the bytes (default ``NixlConnector``).
-* ``recompute_policy``: ``"roofline"`` (the default) lets
-  :class:`policies.RecomputeVsTransferPolicy` decide each pull of a peer's KV
-  (a D->P session pull) from live inputs; ``"threshold"`` keeps vLLM's fixed
-  ``kv_recompute_threshold``. Giving ``kv_recompute_threshold`` pins
-  ``"threshold"`` unless ``recompute_policy`` says otherwise.
-* ``peer_retry_after_s`` (default 30): after a pull from a peer fails, that peer's
-  offers are prefilled locally for this long instead of paying another failed
-  handshake.
-* ``policy_hardware``, ``policy_model``, ``policy_link``: preset names
-  (:mod:`policies.presets`) overriding what the policy derives from the engine's
-  own config; ``policy_link`` is the prior used until this engine has measured
-  its own NIXL transfers.
+inside ``inner_extra_config`` (the explicit form; both at once is an error). kvpilot's
+own keys are the fields of :class:`KVPilotConfig`, each documented under it (the
+generated reference lists them: ``docs/reference/connector-config.md``).
 
 Pure: no vLLM import. Whether ``inner_connector`` names a connector vLLM knows is
 checked where the registry is at hand (:mod:`kvconnectors.connector`).
@@ -99,10 +86,21 @@ class KVPilotConfig(TypedConfig, frozen=True):
     (top-level inner keys merged in). :meth:`inner_config_for_vllm` is what it gets."""
 
     recompute_policy: RecomputePolicy = RecomputePolicy.ROOFLINE
+    """Who decides whether a verified span of a peer's KV is pulled or recomputed: ``roofline``,
+    the live pull policy (this engine's backlog, measured link and prefill rate); ``threshold``,
+    the inner connector's fixed ``kv_recompute_threshold`` (implied when that key is given)."""
     policy_hardware: PresetName | None = None
+    """The pull policy's hardware (a ``policies.presets`` name), pricing recomputing until this
+    engine has timed its own steps; null: the engine's own (its bound CPU cores, or its GPU
+    times the tensor-parallel size)."""
     policy_model: PresetName | None = None
+    """The pull policy's prior model (a preset name); null: the served model's ``config.json``."""
     policy_link: PresetName | None = None
+    """The pull policy's KV link prior (a preset name) until this engine has measured its own
+    NIXL transfers; null: ``loopback`` on a CPU box, ``rdma`` on GPUs."""
     peer_retry_after_s: float = PEER_RETRY_AFTER_S
+    """After a pull from a peer fails, that peer's offers are prefilled locally for this long
+    instead of paying another failed handshake."""
 
     def __post_init__(self) -> None:
         if self.inner_connector in _FORBIDDEN_INNER:

@@ -47,16 +47,21 @@ class DecodeState:
 
 
 class LocalPrefillConfig(TypedConfig, frozen=True):
-    """Thresholds (None disables one), the decode-busy guard, and the cost check.
-
-    ``max_stall_s``: the longest pause an unchunked local prefill may impose on
-    D's running streams (only with ``compare_costs``)."""
+    """Thresholds (None disables one), the decode-busy guard, and the cost check."""
 
     max_local_tokens: int | None = 2048
+    """Prompts whose tokens left to prefill (beyond D's cached prefix) exceed this are
+    prefilled remotely; null: no limit."""
     max_local_fraction: float | None = 0.7
+    """Prompts whose uncached share exceeds this are prefilled remotely; null: no limit."""
     decode_busy_kv_usage: float | None = None
+    """D's KV usage at or above which a local prefill on D is out; null: no guard."""
     compare_costs: bool = False
+    """Also require a local prefill to stall D's running streams at most ``max_stall_s``
+    and to cost less than the remote one."""
     max_stall_s: float = 0.05
+    """The longest pause an unchunked local prefill may impose on D's running streams
+    (with ``compare_costs``)."""
 
 
 DYNAMO_DEFAULT = LocalPrefillConfig()

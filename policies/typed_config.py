@@ -26,10 +26,13 @@ of the struct in front (``index.block_size``). So, for the router's config::
 
 from __future__ import annotations
 
+import ast
 import enum
+import inspect
 import math
 import operator
 import re
+import textwrap
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -207,3 +210,24 @@ def check_range(
         if not number or not all(test(value, bound) for _, bound, test in bounds):
             wanted = "".join(f" {'and ' if i else ''}{sign} {bound:g}" for i, (sign, bound, _) in enumerate(bounds))
             raise type(config).error_type(name, f"must be a finite number{wanted}, got {value!r}")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field of the struct ``cls`` (and of its struct bases) with the docstring written
+    under it in the source, whitespace collapsed: what the generated reference and each
+    router flag's help say of the key. A field with none is absent."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass.__module__ in ("builtins", "msgspec") or not issubclass(klass, msgspec.Struct):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body if isinstance(tree.body[0], ast.ClassDef) else []
+        for node, after in zip(body, [*body[1:], None], strict=True):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+            ):
+                docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs

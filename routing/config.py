@@ -1,82 +1,21 @@
 """The router's configuration: frozen, typed, parsed once (YAML, then CLI flags).
 
 The ``cost`` section uses NVIDIA Dynamo's ``KvRouterConfig`` names and defaults
-(read from ``ai-dynamo-runtime`` 1.6.1's ``dynamo/_core.pyi``), so a Dynamo
-user can paste them::
+(read from ``ai-dynamo-runtime`` 1.6.1's ``dynamo/_core.pyi``), so a Dynamo user can
+paste them. Every key is a field of the structs below, documented under it; the
+generated reference (``docs/reference/router-config.md``, ``kvpilot docs reference``)
+lists them all with type, default and unit. A minimal 1 P + 1 D file::
 
-    cost:
-      overlap_score_credit: 1.0          # credit per GPU-overlapped block
-      overlap_score_credit_decay: 0.0    # 0 = no decay (Dynamo's default)
-      host_cache_hit_weight: 0.75
-      disk_cache_hit_weight: 0.25
-      shared_cache_multiplier: 0.5       # Dynamo's default when a shared cache exists
-      prefill_load_scale: 1.0
-      decode_active_request_weight: 0.0  # the optional active-request term, off
-      router_temperature: 0.0            # 0 = argmin; > 0 = seeded softmax sampling
-      session_affinity_credit: 16.0      # kvpilot's own: blocks of credit for the session's last worker
-      router_seed: 0
-      pair_failure_cost_blocks: 32.0     # kvpilot's own: per recent transfer failure of a (P, D) pair
-      pair_failure_half_life_s: 60.0
-      pair_transfer_cost_blocks_per_s: 64.0   # per second of the pair's mean NIXL transfer time
-      objective: blocks                  # blocks (Dynamo's cost) | predicted_ttft (from the measured rates)
-    index:
-      backend: kvpilot                   # kvpilot | dynamo (Dynamo's RadixTree; needs kvpilot[dynamo])
-      block_size: 16
-      tiers: {GPU: gpu, CPU: host, STORAGE: disk}   # medium -> gpu | host | disk | shared
-      events_stale_after_s: 0.0          # > 0: a worker silent this long after a prefill is routed on load alone
-    sessions:
-      max_sessions: 10000
-      force_option: ""                   # reprefill | pull | affinity | shared_tier | local; "" = cheapest
-      store: memory                      # memory | redis (shared by replicas, kept across restarts)
-      redis_url: redis://127.0.0.1:6379/0    # with store: redis
-      store_key_prefix: "kvpilot:"
-      store_read_timeout_s: 0.05         # past it, the step is routed on this router's own state
-      store_write_timeout_s: 0.05        # the answer waits for the write at most this long
-      store_ttl_s: 600.0                 # a record's life when D stated no lease (else D's lease)
-    server:                              # the HTTP front (routing.serve.app)
-      host: 127.0.0.1
-      port: 8000
-      model_name: tiny
-      model_dir: /path/to/model          # tokenizer.json + tokenizer_config.json
-      prefill_timeout_s: 30.0            # P slower than this: local prefill on D
-      request_timeout_s: 600.0
-      engine_metrics_interval_s: 5.0     # poll each engine's /metrics (load, KV usage); 0 = off
-    disaggregation:                      # policies.disaggregation (local vs remote prefill)
-      max_local_tokens: 2048             # null disables a check
-      max_local_fraction: 0.7
-      decode_busy_kv_usage: 0.9          # D's KV usage: the larger of ledger / kv_blocks and D's own gauge
-      compare_costs: true                # the stall budget and local-cheaper checks (false: Dynamo's rule)
-      max_stall_s: 0.05
-      model_preset: ""                   # "": server.model_dir's config.json; or a policies.presets name
-      p_hardware: h100                   # the prior's hardware until the measured rates replace it
-      d_hardware: h100
-      link_preset: rdma
-      kv_format: bf16
-      measured_rates: true               # price with the measured rates (routing/decide/rates.py)
-    dynamo:                              # beside NVIDIA Dynamo (docs/dynamo.md); off while frontend_url is ""
-      frontend_url: http://127.0.0.1:8090   # Dynamo's frontend in direct mode: every request goes there
-      discovery_backend: file            # file ($DYN_FILE_KV) | etcd | kubernetes: Dynamo's own client reads it
-      decode_endpoint: dynamo.backend.generate
-      prefill_endpoint: dynamo.prefill.generate
-      discovery_interval_s: 1.0          # how often joins and departures are picked up
-      kv_events_port_offset: 0           # a worker's vLLM KV events: its request-plane port + this, or
-      kv_events_port: 0                  #   this same port on every worker's host (one worker per host)
-      kv_events_endpoints: {}            # instance id (hex) -> tcp://host:port, before both rules (several
-                                         #   workers in one process share a request-plane port)
-      kv_replay_port_offset: 0           # a worker's KV-event replay: its request-plane port + this (0: none)
-    gateway:                             # the endpoint picker behind Envoy (routing.gateway; docs/gateway.md)
-      picker_port: 0                     # > 0: serve Envoy's ext_proc and its OTLP access log here (gRPC, server.host)
-    workers:                             # Worker; routing.fleet checks the fleet (empty beside Dynamo)
-      - name: prefill-0
-        role: prefill                    # prefill | decode | colocated
-        url: http://127.0.0.1:8100
-        kv_events_endpoint: tcp://127.0.0.1:5700   # the router binds it; the engine connects
-        replay_endpoint: tcp://127.0.0.1:5800      # the engine binds it
-        topic: kv
-        kv_blocks: 0                     # the engine's KV capacity in blocks (0 = unknown)
+    server: {model_dir: /path/to/model, model_name: tiny}
+    workers:
+      - {name: prefill-0, role: prefill, url: "http://127.0.0.1:8100",
+         kv_events_endpoint: "tcp://127.0.0.1:5700", replay_endpoint: "tcp://127.0.0.1:5800"}
+      - {name: decode-0, role: decode, url: "http://127.0.0.1:8101",
+         kv_events_endpoint: "tcp://127.0.0.1:5701", replay_endpoint: "tcp://127.0.0.1:5801"}
 
-Every scalar leaf outside ``workers`` also has a flag (``--overlap-score-credit 0.5``,
-``--compare-costs true``, ``--max-local-tokens none``, ``--backend dynamo``: an enum
+Every scalar leaf outside ``workers`` also has a flag named by its key
+(:func:`flag_name`: ``--cost-overlap-score-credit 0.5``, ``--disaggregation-compare-costs
+true``, ``--disaggregation-max-local-tokens none``, ``--index-backend dynamo``: an enum
 leaf's flag takes only its values); flags override YAML, YAML overrides defaults.
 :func:`policies.typed_config.convert` (the one converter, shared with
 ``kvconnectors/config.py`` and ``policies/presets.py``) turns the merged mapping into
@@ -108,7 +47,7 @@ from policies.disaggregation import LocalPrefillConfig
 from policies.presets import model_from_mapping, model_preset
 from policies.session_options import Option
 from policies.specs import ModelSpec, SpecError
-from policies.typed_config import TypedConfig, TypedConfigError, check_range, convert
+from policies.typed_config import TypedConfig, TypedConfigError, check_range, convert, field_docs
 from routing.ids import WorkerId
 
 log = logging.getLogger(__name__)
@@ -176,22 +115,39 @@ class CostConfig(TypedConfig, frozen=True):
     error_type = ConfigError
 
     overlap_score_credit: float = 1.0
+    """Blocks of credit per block of the prompt the candidate holds in GPU."""
     overlap_score_credit_decay: float = 0.0
+    """The GPU credit is divided by ``1 + decay x`` the candidate's active prefill blocks, so a
+    cache-rich but busy worker stops winning every hot prefix; 0: no decay (Dynamo's default)."""
     host_cache_hit_weight: float = 0.75
+    """Credit per prompt block held in host memory (a ``host`` tier) beyond the GPU prefix."""
     disk_cache_hit_weight: float = 0.25
+    """Credit per prompt block held on disk (a ``disk`` tier) beyond the GPU and host prefixes."""
     shared_cache_multiplier: float = 0.5
+    """Credit per prompt block in a ``shared`` tier (a cache every worker reads) beyond the rest."""
     prefill_load_scale: float = 1.0
+    """The weight of the prefill term (the candidate's queued prefill blocks plus the prompt's
+    uncredited blocks) against the decode term."""
     decode_active_request_weight: float = 0.0
+    """Blocks added per request already running on the decode worker; 0: the term is off."""
     router_temperature: float = 0.0
+    """0: the lowest cost wins (ties broken by the seeded RNG); above 0: a candidate is drawn
+    with probability ``softmax(-normalized cost / temperature)``."""
     session_affinity_credit: float = 16.0
+    """kvpilot's own: blocks of credit for the decode worker that served the session's last
+    step (it holds the session's newest KV). A credit, never a pin."""
     router_seed: int = 0
+    """The seed of the RNG that breaks ties and samples (decisions repeat run to run)."""
     pair_failure_cost_blocks: float = 32.0
     """kvpilot's own (``routing.health.pair_health``): blocks added to a (P, D) pair's cost per
     recent transfer failure or expired lease, halved every ``pair_failure_half_life_s``."""
     pair_failure_half_life_s: float = 60.0
+    """How fast a (P, D) pair's failure penalty fades: halved every this many seconds."""
     pair_transfer_cost_blocks_per_s: float = 64.0
     """Blocks added per second of the pair's mean NIXL transfer time."""
     objective: CostObjective = CostObjective.BLOCKS
+    """What is minimized: ``blocks``, Dynamo's cost above; ``predicted_ttft``, each
+    candidate's predicted TTFT from the measured rates (needs ``disaggregation.measured_rates``)."""
 
     def __post_init__(self) -> None:
         weights = (f.name for f in msgspec.structs.fields(self) if f.name not in ("router_seed", "objective"))
@@ -205,9 +161,17 @@ class IndexConfig(TypedConfig, frozen=True):
     error_type = ConfigError
 
     backend: IndexBackend = IndexBackend.KVPILOT
+    """The block index: ``kvpilot``'s own, or ``dynamo``, Dynamo's ``RadixTree`` fed the same
+    events (needs ``kvpilot[dynamo]``)."""
     block_size: int = 16
+    """The engines' KV block size in tokens (vLLM's ``--block-size``): every engine of the
+    fleet must use it; a KV event of another size is skipped (counted)."""
     kv_group: int = 0
+    """The KV cache group whose events are indexed (vLLM's ``group_idx``; a hybrid model
+    publishes one per group); events of other groups are skipped."""
     removal_log_capacity: int = 65536
+    """Removals the ``kvpilot`` index keeps so a session's next step re-matches only what
+    was evicted since its last one; past it, the step is matched from scratch."""
     events_stale_after_s: float = 0.0
     """A worker that prefilled blocks its entries lacked and then published no KV
     event for this long is routed on load alone (``routing.health.event_watch``); 0 = off
@@ -237,14 +201,19 @@ _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 class SessionConfig(TypedConfig, frozen=True):
+    """Agent sessions: how many are kept, which option their later steps take, where they live."""
+
     error_type = ConfigError
 
     max_sessions: int = 10000
+    """Sessions the router keeps (least recently used dropped beyond it)."""
     force_option: ForcedOption = ForcedOption.CHEAPEST
     """A session's later steps take this option of the article's section 9.2 while it
     is available (``reprefill``, ``pull``, ``affinity``, ``shared_tier``, ``local``);
     ``""``: the cheapest by the roofline."""
     store: SessionStoreKind = SessionStoreKind.MEMORY
+    """Where the sessions' placement, affinity and D's offers live: ``memory`` (this
+    router's) or ``redis`` (shared by replicas, kept across restarts; needs ``kvpilot[redis]``)."""
     redis_url: str = ""
     """``redis://host:port/db`` (or ``rediss://``, ``unix://``) when ``store`` is ``redis``."""
     store_key_prefix: str = "kvpilot:"
@@ -272,12 +241,26 @@ class ServerConfig(TypedConfig, frozen=True):
     error_type = ConfigError
 
     host: str = "127.0.0.1"
+    """The address the HTTP front (and the picker) binds; anything but loopback is
+    reachable from other machines and warned about at start."""
     port: int = 8000
+    """The HTTP front's port."""
     model_name: str = "tiny"
+    """The model name clients send (``"model"``) and ``/v1/models`` lists; a request naming
+    another is refused (404)."""
     model_dir: str = ""
+    """The served model's directory: its ``tokenizer.json`` and ``tokenizer_config.json``
+    (the router tokenizes once), and its ``config.json`` (the roofline prior). Required by
+    ``kvpilot router``."""
     prefill_timeout_s: float = 30.0
+    """The floor of P's timeout for a remote prefill: P is given ``max(this, 3 x its
+    predicted queue and prefill)``; past it the request is prefilled on D instead."""
     request_timeout_s: float = 600.0
+    """The longest a request may take end to end (D's whole answer); past it the router ends
+    it (and a request Envoy carries is released from the picker's books)."""
     engine_metrics_interval_s: float = 5.0
+    """How often each engine's ``/metrics`` is read (running, waiting, KV usage; the measured
+    rates); 0: never (beside Dynamo it is never read: its workers publish no vLLM metrics)."""
     max_body_bytes: int = 4 << 20
     """Larger bodies are refused (413): 4 MiB holds 8K token ids or a long chat."""
     max_prompt_tokens: int = 0
@@ -343,14 +326,23 @@ class DisaggregationConfig(LocalPrefillConfig, frozen=True):
     error_type = ConfigError
 
     decode_busy_kv_usage: float | None = 0.9
+    """D's KV usage (the larger of the router's ledger over ``kv_blocks`` and D's own gauge)
+    at or above which a local prefill on D is out; null: no guard."""
     compare_costs: bool = True
+    """Also require a local prefill to stall D's running streams at most ``max_stall_s``
+    and to be cheaper than the remote one (false: Dynamo's length and share rules alone)."""
     model_preset: str = ""
     """The model the roofline prior prices: ``""``, the served model's own ``config.json`` in
     ``server.model_dir`` (:func:`prior_model`); a :mod:`policies.presets` name overrides it."""
     p_hardware: str = "h100"
+    """The prefill workers' hardware for the roofline prior (a :mod:`policies.presets` name),
+    until measured rates replace it."""
     d_hardware: str = "h100"
+    """The decode workers' hardware for the prior, likewise."""
     link_preset: str = "rdma"
+    """The KV link between P and D for the prior (a :mod:`policies.presets` link name)."""
     kv_format: str = "bf16"
+    """The KV cache's element format for the prior (a :mod:`policies.presets` format name)."""
     measured_rates: bool = True
     """True (the default): the local-vs-remote verdict and the session options are priced
     with the measured rates (:mod:`routing.decide.rates`) where they exist, the roofline
@@ -386,13 +378,25 @@ class DynamoConfig(TypedConfig, frozen=True):
     error_type = ConfigError
 
     frontend_url: str = ""
+    """Dynamo's frontend in direct mode (``http://host:port``): every request goes there with
+    the chosen instances named; ``""``: not beside Dynamo (the ``workers`` are vLLM engines)."""
     discovery_backend: DiscoveryBackend = DiscoveryBackend.FILE
+    """Where Dynamo's own discovery client finds the workers: ``file`` (``$DYN_FILE_KV``),
+    ``etcd`` (``$ETCD_ENDPOINTS``) or ``kubernetes``."""
     decode_endpoint: str = "dynamo.backend.generate"
+    """The decode (or aggregated) workers' endpoint, ``namespace.component.endpoint``."""
     prefill_endpoint: str = "dynamo.prefill.generate"
+    """The prefill workers' endpoint, ``namespace.component.endpoint``."""
     discovery_interval_s: float = 1.0
+    """How often discovery is read: workers that joined are routed to, those that left dropped."""
     kv_events_port_offset: int = 0
+    """A worker's KV events are at its request-plane port plus this (many workers on one
+    host); 0: this rule is off."""
     kv_events_port: int = 0
+    """A worker's KV events are at this port on its host (one worker per host); 0: off."""
     kv_events_endpoints: Mapping[str, str] = msgspec.field(default_factory=dict)
+    """Instance id in hex -> ``tcp://host:port`` of its KV events, before both port rules
+    (workers that share one process share its request-plane port)."""
     kv_replay_port_offset: int = 0
     """With ``kv_events_port_offset``: each worker serves its KV-event replay at its
     request-plane port plus this (``dynamo.mocker --zmq-replay-ports``), so a restarted
@@ -442,6 +446,8 @@ class GatewayConfig(TypedConfig, frozen=True):
     error_type = ConfigError
 
     picker_port: int = 0
+    """The picker's gRPC port on ``server.host`` (Envoy's ``ext_proc`` and access log);
+    0: no picker."""
 
     def __post_init__(self) -> None:
         check_range(self, "picker_port", at_least=0, below=65536)
@@ -463,11 +469,19 @@ class Worker(TypedConfig, frozen=True):
     error_type = ConfigError
 
     name: WorkerId
+    """The worker's name in routes, metrics and logs (unique in the fleet)."""
     role: Role
+    """``prefill``, ``decode`` or ``colocated`` (prefills and decodes its own requests)."""
     url: str
+    """The engine's OpenAI-compatible server, ``http(s)://host:port``."""
     kv_events_endpoint: str | None = None
+    """Where the engine publishes its KV events (vLLM's ``--kv-events-config`` endpoint, as
+    seen from the router: ``tcp://host:port``); null: routed on load alone."""
     replay_endpoint: str | None = None
+    """The engine's KV-event replay endpoint (vLLM's ``replay_endpoint``): the router asks it
+    for the events it missed; null: a gap clears the worker's entries instead."""
     topic: str = "kv"
+    """The ZMQ topic of the engine's KV events (vLLM's ``topic``)."""
     kv_blocks: int = 0
     """KV capacity in blocks (0 = unknown: the decode-busy guard reads usage 0)."""
 
@@ -488,16 +502,26 @@ class Worker(TypedConfig, frozen=True):
 
 
 class RouterConfig(TypedConfig, frozen=True):
+    """The router's whole configuration: the YAML of ``kvpilot router --config``."""
+
     error_type = ConfigError
 
     cost: CostConfig = msgspec.field(default_factory=CostConfig)
+    """Dynamo's cost function: its parameters under Dynamo's names and defaults, plus kvpilot's own."""
     index: IndexConfig = msgspec.field(default_factory=IndexConfig)
+    """The global block index and the KV events that feed it."""
     sessions: SessionConfig = msgspec.field(default_factory=SessionConfig)
+    """Agent sessions: affinity, D's offers, the article's five options, the shared store."""
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    """The HTTP front: address, model, limits, admission, timeouts, circuits, API keys."""
     disaggregation: DisaggregationConfig = msgspec.field(default_factory=DisaggregationConfig)
+    """Local or remote prefill per request (conditional disaggregation) and the roofline prior."""
     dynamo: DynamoConfig = msgspec.field(default_factory=DynamoConfig)
+    """Beside NVIDIA Dynamo: its frontend, its discovery and its workers' KV events."""
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+    """The endpoint picker behind Envoy."""
     workers: tuple[Worker, ...] = ()
+    """The engines (not beside Dynamo, whose workers come from its discovery)."""
 
     def __post_init__(self) -> None:
         if self.cost.objective is CostObjective.PREDICTED_TTFT and not self.disaggregation.measured_rates:
@@ -552,24 +576,39 @@ def _flag_parser(kind: type[Any], nullable: bool) -> Any:
     return parse
 
 
+def flag_name(section: str, name: str) -> str:
+    """The flag of the YAML key ``section.name``: ``--section-name``, ``_`` as ``-``
+    (``server.port``: ``--server-port``; ``index.backend``: ``--index-backend``). The one
+    name of that setting in every ``kvpilot`` command."""
+    return "--" + f"{section}_{name}".replace("_", "-")
+
+
 def add_cli_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--<field-name>`` for every scalar leaf (default None = not given); a
-    nullable leaf takes ``none``, a boolean ``true`` or ``false``, an enum one of its
-    values (argparse's ``choices``)."""
-    group = parser.add_argument_group("router config (overrides the YAML file)")
+    """Add :func:`flag_name` for every scalar leaf (default None = not given, the YAML's
+    or the struct's value stands); a nullable leaf takes ``none``, a boolean ``true`` or
+    ``false``, an enum one of its values (argparse's ``choices``). Each flag's help is its
+    field's docstring, with the key and its default."""
+    group = parser.add_argument_group("router config (each flag overrides the YAML key it names)")
+    sections = {f.name: f.type for f in msgspec.structs.fields(RouterConfig)}
+    docs = {section: field_docs(struct) for section, struct in sections.items() if isinstance(struct, type)}
     for section, name, kind, nullable in _leaves():
         choices: list[object] | None = None
         metavar = kind.__name__.upper()
         if issubclass(kind, enum.Enum):
             values = [member.value for member in kind]
             choices, metavar = [*values, *([_NULL] if nullable else [])], "{" + ",".join(values) + "}"
+        struct = sections[section]
+        default = next(f.default for f in msgspec.structs.fields(struct) if f.name == name)
+        shown = default.value if isinstance(default, enum.Enum) else default
+        meaning = docs[section].get(name, "")
         group.add_argument(
-            "--" + name.replace("_", "-"),
+            flag_name(section, name),
             dest=f"{section}__{name}",
             type=_flag_parser(kind, nullable),
             choices=choices,
             default=None,
             metavar=metavar + ("|none" if nullable else ""),
+            help=f"{meaning} (YAML: {section}.{name}; default: {json.dumps(shown)})".replace("%", "%%"),
         )
 
 

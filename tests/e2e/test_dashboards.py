@@ -177,7 +177,7 @@ def observed(
     try:
         # Later session steps re-prefill on P: D's offers are counted (unused) and no
         # P-from-D pull pays a second NIXL handshake on this small box.
-        flags = ["--force-option", "reprefill", "--prefill-timeout-s", str(PREFILL_TIMEOUT_S)]
+        flags = ["--sessions-force-option", "reprefill", "--server-prefill-timeout-s", str(PREFILL_TIMEOUT_S)]
         started = fleet_io.restart_router(spec, flags)
         prom = dashboards.Prometheus(observe.url)
         _wait_first_scrapes(prom, expected=2 * 2 + 1)  # engines, their NIXL agents, the router

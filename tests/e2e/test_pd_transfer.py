@@ -218,7 +218,7 @@ def test_an_impossible_ttft_slo_is_refused_and_the_fleet_serves_the_next_request
     from deploy.fleet import restart_router
 
     token_ids = tokenizer.prompt_token_ids(_words(200, seed=12))
-    strict = restart_router(pd_spec, ["--ttft-slo-s", "1e-9"])
+    strict = restart_router(pd_spec, ["--server-ttft-slo-s", "1e-9"])
     finished = {e.url: total(scrape(e.url), vm.REQUEST_SUCCESS.total) for e in pd_fleet.engines}
     with pytest.raises(HTTPStatusError) as refused:
         complete(strict.router.url, token_ids, max_tokens=4)

@@ -41,7 +41,7 @@ OPTIONS = "kvpilot_router_session_options_total"
 REPLAYED_BLOCKS = "kvpilot_router_kv_event_replayed_blocks_total"
 RESTORED = "kvpilot_router_session_store_restored_total"
 STORE_ERRORS = "kvpilot_router_session_store_errors_total"
-STORE_TIMEOUTS = ("--store-read-timeout-s", "1.0", "--store-write-timeout-s", "1.0")
+STORE_TIMEOUTS = ("--sessions-store-read-timeout-s", "1.0", "--sessions-store-write-timeout-s", "1.0")
 """Every router here waits up to 1 s for Redis, not the default 50 ms: this module proves
 what a record restores, on a 2-core box whose engines' NIXL threads spin; what a store
 that does not answer costs is proven against a paused redis-server in
@@ -178,13 +178,13 @@ def test_without_the_store_the_restarted_router_has_the_index_but_not_the_sessio
     rebuilt as before (D's cached prefix is credited) but the session is gone: step 3 is
     priced as a new request (no session option, no affinity credit) by the local-vs-remote
     policy alone."""
-    router = restart_router(spec, ["--store", "memory", *STORE_TIMEOUTS]).router.url
+    router = restart_router(spec, ["--sessions-store", "memory", *STORE_TIMEOUTS]).router.url
     session = f"no-store-{uuid.uuid4().hex[:8]}"
     steps, x3 = _two_steps(router, tokenizer, 900, session)
     expected = debug_route(router, x3, conversation_id=session)
     assert expected["session_option"] == "local"
 
-    router = _kill_and_restart(spec, ["--store", "memory", *STORE_TIMEOUTS])
+    router = _kill_and_restart(spec, ["--sessions-store", "memory", *STORE_TIMEOUTS])
     forgotten = debug_route(router, x3, conversation_id=session)
     assert forgotten["overlap"] == expected["overlap"] and forgotten["cached_blocks"] == expected["cached_blocks"]
     assert (forgotten["session_option"], forgotten["options"]) == (None, [])

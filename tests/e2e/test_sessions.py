@@ -177,8 +177,8 @@ def test_a_session_served_by_each_forced_option_answers_like_colocated(
     client resending the whole history with a ``conversation_id`` gets answers equal
     to a co-located run, token for token and logprob for logprob."""
     # forced local: Dynamo's thresholds alone (no cost checks), so that the option stays available
-    local_flags = ["--max-local-tokens", "2048", "--compare-costs", "false"]
-    flags = ["--force-option", option] + (local_flags if option == "local" else [])
+    local_flags = ["--disaggregation-max-local-tokens", "2048", "--disaggregation-compare-costs", "false"]
+    flags = ["--sessions-force-option", option] + (local_flags if option == "local" else [])
     router = _router_choosing(spec, flags)
     prefill, decode = _urls(fleet)
     x = history(tokenizer, 600 + OPTIONS.index(option))
@@ -227,7 +227,12 @@ def test_unforced_the_router_takes_the_cheapest_option_and_edits_stay_correct(
     block, so local prefill fails the 70% share guard, D's offer holds none of it, and
     step 2 had no P for affinity. Step 4's prices are recomputed here from the fleet's
     config and the blocks each engine must hold."""
-    flags = ["--max-local-tokens", "2048", "--measured-rates", "false"]  # the roofline's prices, recomputed below
+    flags = [
+        "--disaggregation-max-local-tokens",
+        "2048",
+        "--disaggregation-measured-rates",
+        "false",
+    ]  # the roofline's prices, recomputed below
     router = _router_choosing(spec, flags)
     decode = _urls(fleet)[1]
     x = history(tokenizer, 700)

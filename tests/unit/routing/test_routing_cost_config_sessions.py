@@ -173,12 +173,12 @@ def test_load_ledger_moves_a_failed_prefill_to_decode():
         ("cost: {overlap_score_credit: 2}", [], lambda c: c.cost.overlap_score_credit == 2.0),
         (
             "cost: {overlap_score_credit: 2}",
-            ["--overlap-score-credit", "0.5"],
+            ["--cost-overlap-score-credit", "0.5"],
             lambda c: c.cost.overlap_score_credit == 0.5,
         ),
         (
             "index: {block_size: 32, tiers: {GPU: gpu}}",
-            ["--max-sessions", "5"],
+            ["--sessions-max-sessions", "5"],
             lambda c: (
                 c.index.block_size == 32 and dict(c.index.tiers) == {"GPU": "gpu"} and c.sessions.max_sessions == 5
             ),
@@ -186,13 +186,13 @@ def test_load_ledger_moves_a_failed_prefill_to_decode():
         (
             "disaggregation: {max_local_tokens: 0}",
             [
-                "--max-local-tokens",
+                "--disaggregation-max-local-tokens",
                 "none",
-                "--compare-costs",
+                "--disaggregation-compare-costs",
                 "true",
-                "--decode-busy-kv-usage",
+                "--disaggregation-decode-busy-kv-usage",
                 "0.5",
-                "--force-option",
+                "--sessions-force-option",
                 "pull",
             ],
             lambda c: (
@@ -204,12 +204,12 @@ def test_load_ledger_moves_a_failed_prefill_to_decode():
         ),
         (
             "",
-            ["--max-local-tokens", "64", "--compare-costs", "false"],
+            ["--disaggregation-max-local-tokens", "64", "--disaggregation-compare-costs", "false"],
             lambda c: c.disaggregation.max_local_tokens == 64 and c.disaggregation.compare_costs is False,
         ),
         (
             "index: {backend: kvpilot, tiers: {GPU: gpu, NET: shared}}\nsessions: {force_option: pull}",
-            ["--backend", "dynamo", "--force-option", ""],
+            ["--index-backend", "dynamo", "--sessions-force-option", ""],
             lambda c: (
                 c.index.backend is IndexBackend.DYNAMO
                 and c.index.tiers["NET"] is TierClass.SHARED
@@ -231,11 +231,11 @@ def test_config_layers(tmp_path, yaml_text, flags, check):
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--compare-costs", "yes"],
-        ["--max-sessions", "none"],
-        ["--max-local-tokens", "1.5"],
-        ["--backend", "redis"],
-        ["--force-option", "teleport"],
+        ["--disaggregation-compare-costs", "yes"],
+        ["--sessions-max-sessions", "none"],
+        ["--disaggregation-max-local-tokens", "1.5"],
+        ["--index-backend", "redis"],
+        ["--sessions-force-option", "teleport"],
     ],
 )
 def test_a_bad_flag_value_is_refused_by_argparse(flags):

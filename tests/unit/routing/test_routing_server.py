@@ -604,7 +604,17 @@ def test_router_cli_flags_override_the_yaml(tmp_path):
     path = tmp_path / "router.yaml"
     path.write_text("server: {port: 8000, host: 127.0.0.1}\ncost: {overlap_score_credit: 1.0}\n")
     args = parser.parse_args(
-        ["router", "--config", str(path), "--port", "9100", "--overlap-score-credit", "0.5", "--model-dir", "/m"]
+        [
+            "router",
+            "--config",
+            str(path),
+            "--server-port",
+            "9100",
+            "--cost-overlap-score-credit",
+            "0.5",
+            "--server-model-dir",
+            "/m",
+        ]
     )
     cfg = load_config(args.config, args)
     assert (cfg.server.port, cfg.server.host, cfg.server.model_dir) == (9100, "127.0.0.1", "/m")
