@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # imported where used: the console script starts without them
     from deploy.fleet_spec import FleetSpec
 
 DEFAULT_RUN_DIR = Path(".kvpilot") / "fleet"
+DEFAULT_CONNECTOR = "KVPilotConnector"
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
@@ -41,7 +42,7 @@ def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
 
     extra = json.loads(args.connector_extra_config) if args.connector_extra_config else {}
     return FleetSpec(
-        model_dir=args.model or ensure_tiny_model(),
+        model_dir=args.model_dir or ensure_tiny_model(),
         run_dir=args.run_dir,
         prefill=args.prefill,
         decode=args.decode,
@@ -49,19 +50,47 @@ def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
         engine_port=args.engine_port,
         side_channel_port=args.side_channel_port,
         events_port=args.events_port,
-        router_port=args.router_port,
+        router_port=args.server_port,
         connector=args.connector,
         connector_extra_config=extra,
         disaggregation=args.disaggregation,
         index_backend=IndexBackend(args.index_backend),
-        ttft_slo_s=args.ttft_slo,
+        ttft_slo_s=args.server_ttft_slo_s,
         gateway_port=args.gateway_port,
-        picker_port=args.picker_port,
-        envoy_admin_port=args.picker_port + 1,
+        picker_port=args.gateway_picker_port,
+        envoy_admin_port=args.gateway_picker_port + 1,
         on_picker_failure=PickerFailure(args.on_picker_failure),
-        session_store_url=args.session_store_url,
+        session_store_url=args.sessions_redis_url,
         engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None,
     )
+
+
+def _ignored_beside_dynamo(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The flags given to ``fleet up --dynamo`` that a Dynamo fleet cannot honour, each
+    with the reason (given: set away from its default)."""
+    from routing.config import IndexBackend
+
+    checks = [
+        (args.observe, "--observe", "Dynamo's mockers publish no vLLM or NIXL metrics for Prometheus to scrape"),
+        (
+            args.connector != DEFAULT_CONNECTOR or args.connector_extra_config,
+            "--connector / --connector-extra-config",
+            "Dynamo's mockers are not vLLM engines: no KV connector runs",
+        ),
+        (
+            args.index_backend != IndexBackend.KVPILOT.value,
+            "--index-backend",
+            "beside Dynamo the router reads the workers' events into its own index only",
+        ),
+        (args.colocated, "--colocated", "Dynamo's aggregated workers are --workers N"),
+        (
+            args.on_picker_failure != PickerFailure.REFUSE.value,
+            "--on-picker-failure",
+            "it must be refuse: Dynamo's direct-mode frontend routes nothing the picker did not name",
+        ),
+        (args.sessions_redis_url, "--sessions-redis-url", "the Dynamo fleet keeps the router's sessions in memory"),
+    ]
+    return [(flag, why) for given, flag, why in checks if given]
 
 
 def _dynamo_fleet_up(args: argparse.Namespace) -> int:
@@ -72,25 +101,23 @@ def _dynamo_fleet_up(args: argparse.Namespace) -> int:
     from deploy.tiny_model import ensure_tiny_model
 
     counts = {"workers": args.workers} if args.workers else {"prefill": args.prefill, "decode": args.decode}
-    if args.on_picker_failure != PickerFailure.REFUSE.value:
-        print(
-            "kvpilot fleet up --dynamo: --on-picker-failure must be refuse beside Dynamo (its direct-mode frontend "
-            "routes nothing the picker did not name)",
-            file=sys.stderr,
-        )
+    refused = _ignored_beside_dynamo(args)
+    if refused:
+        for flag, why in refused:
+            print(f"kvpilot fleet up --dynamo: {flag} is refused: {why}", file=sys.stderr)
         return 2
     spec = DynamoFleetSpec(
-        model_dir=args.model or ensure_tiny_model(),
+        model_dir=args.model_dir or ensure_tiny_model(),
         run_dir=args.run_dir,
         speedup_ratio=args.speedup_ratio,
         worker_port=args.worker_port,
         frontend_port=args.frontend_port,
-        router_port=args.router_port,
+        router_port=args.server_port,
         gateway_port=args.gateway_port,
-        picker_port=args.picker_port,
-        envoy_admin_port=args.picker_port + 1,
+        picker_port=args.gateway_picker_port,
+        envoy_admin_port=args.gateway_picker_port + 1,
         on_picker_failure=PickerFailure(args.on_picker_failure),
-        ttft_slo_s=args.ttft_slo,
+        ttft_slo_s=args.server_ttft_slo_s,
         **counts,
     )
     print(f"kvpilot fleet up --dynamo: {', '.join(f'{n} {k}' for k, n in counts.items())} (dynamo.mocker)")
@@ -150,33 +177,53 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.run_dir, args.disaggregation)
 
 
+HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
+"""Every ``kvpilot`` command's ``--help`` shows each flag's default."""
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kvpilot`` command and its subcommands. A flag that sets a router setting has
+    the router's name for it (:func:`routing.config.flag_name`: ``--server-port``,
+    ``--index-backend``, ``--sessions-redis-url``, ``--server-ttft-slo-s``)."""
     from deploy.fleet_spec import FLEET_TTFT_SLO_S
     from routing.config import IndexBackend
 
-    parser = argparse.ArgumentParser(prog="kvpilot", description="KV, prefix and session caching for vLLM fleets")
+    parser = argparse.ArgumentParser(
+        prog="kvpilot", description="KV, prefix and session caching for vLLM fleets", formatter_class=HELP_FORMAT
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    tiny = sub.add_parser("tiny-model", help="build the tiny offline Llama (deterministic, no hub)")
+    tiny = sub.add_parser(
+        "tiny-model",
+        help="build the tiny offline Llama (deterministic, no hub)",
+        description="Build the tiny offline Llama the CPU fleet and the tests serve.",
+        formatter_class=HELP_FORMAT,
+    )
     tiny.add_argument("path", type=Path, nargs="?", help="where to build it (default: the shared cache)")
     tiny.add_argument("--force", action="store_true", help="replace PATH if it exists")
     tiny.set_defaults(func=_tiny_model)
 
-    fl = sub.add_parser("fleet", help="a local CPU fleet of vLLM engines behind the router")
-    fl.add_argument("action", choices=["up", "status", "down"])
+    fl = sub.add_parser(
+        "fleet",
+        help="a local CPU fleet of vLLM engines (or Dynamo mockers) behind the router and Envoy",
+        description="Start, inspect or stop a local fleet: engines, the router, Envoy (and Prometheus).",
+        formatter_class=HELP_FORMAT,
+    )
+    fl.add_argument("action", choices=["up", "status", "down"], help="start the fleet, list its processes, stop it")
     fl.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="logs, pids and fleet.json")
-    fl.add_argument("--model", type=Path, help="model directory (default: the tiny model)")
-    fl.add_argument("--prefill", type=int, default=1)
-    fl.add_argument("--decode", type=int, default=1)
-    fl.add_argument("--colocated", type=int, default=0)
+    fl.add_argument("--model-dir", type=Path, help="the served model's directory (default: the tiny model)")
+    fl.add_argument("--prefill", type=int, default=1, help="prefill (P) engines")
+    fl.add_argument("--decode", type=int, default=1, help="decode (D) engines")
+    fl.add_argument("--colocated", type=int, default=0, help="co-located engines (prefill and decode their own)")
     fl.add_argument("--engine-port", type=int, default=8100, help="first engine's HTTP port")
     fl.add_argument("--side-channel-port", type=int, default=5600, help="first engine's NIXL side-channel port")
     fl.add_argument("--events-port", type=int, default=5700, help="first engine's KV-event port (router binds)")
-    fl.add_argument("--router-port", type=int, default=8000)
-    fl.add_argument("--connector", default="KVPilotConnector", help="kv_connector for every engine")
+    fl.add_argument("--server-port", type=int, default=8000, help="the router's HTTP port (YAML: server.port)")
+    fl.add_argument("--connector", default=DEFAULT_CONNECTOR, help="kv_connector for every engine")
     fl.add_argument(
-        "--session-store-url",
-        help="keep the router's sessions in Redis at this URL (redis://127.0.0.1:6379/0; started by you)",
+        "--sessions-redis-url",
+        help="keep the router's sessions in Redis at this URL (redis://127.0.0.1:6379/0; started by you; "
+        "YAML: sessions.redis_url with sessions.store: redis)",
     )
     fl.add_argument("--connector-extra-config", help="JSON for kv_connector_extra_config")
     fl.add_argument(
@@ -189,18 +236,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--index-backend",
         choices=[backend.value for backend in IndexBackend],
         default=IndexBackend.KVPILOT.value,
-        help="the router's block index: kvpilot's, or Dynamo's RadixTree (kvpilot[dynamo])",
+        help="the router's block index: kvpilot's, or Dynamo's RadixTree (kvpilot[dynamo]; YAML: index.backend)",
     )
     fl.add_argument(
-        "--ttft-slo",
+        "--server-ttft-slo-s",
         type=float,
         default=FLEET_TTFT_SLO_S,
-        help="seconds: the router refuses (429/503, Retry-After) a request whose predicted TTFT is over this; 0: off",
+        help="seconds: the router refuses (429/503, Retry-After) a request whose predicted TTFT is over this; "
+        "0: off (YAML: server.ttft_slo_s)",
     )
     fl.add_argument(
         "--observe",
         action="store_true",
-        help="also start Prometheus scraping every engine and the router, with grafana/alerts.yml",
+        help="also start Prometheus scraping every engine and the router, with the alert rules",
     )
     fl.add_argument(
         "--prometheus-port",
@@ -220,10 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
         "streams); 0: no Envoy, clients send to the router, which relays the streams",
     )
     fl.add_argument(
-        "--picker-port",
+        "--gateway-picker-port",
         type=int,
         default=8070,
-        help="the router's endpoint picker (gRPC, for Envoy); Envoy's admin interface gets this port + 1",
+        help="the router's endpoint picker (gRPC, for Envoy; YAML: gateway.picker_port); Envoy's admin "
+        "interface gets this port + 1",
     )
     fl.add_argument(
         "--on-picker-failure",
@@ -236,7 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     dyn.add_argument(
         "--dynamo",
         action="store_true",
-        help="Dynamo's frontend (direct mode) and dynamo.mocker workers behind the router, instead of vLLM engines",
+        help="Dynamo's frontend (direct mode) and dynamo.mocker workers behind the router, instead of vLLM engines; "
+        "flags a Dynamo fleet cannot honour (--observe, --connector, --index-backend, --colocated, "
+        "--sessions-redis-url) are refused",
     )
     dyn.add_argument(
         "--workers", type=int, default=0, help="with --dynamo: N aggregated workers (else --prefill/--decode)"
@@ -244,25 +295,57 @@ def build_parser() -> argparse.ArgumentParser:
     dyn.add_argument("--speedup-ratio", type=float, default=10.0, help="with --dynamo: the mocker's simulated speedup")
     dyn.add_argument("--worker-port", type=int, default=20000, help="with --dynamo: worker 0's request-plane port")
     dyn.add_argument("--frontend-port", type=int, default=8090, help="with --dynamo: the frontend's HTTP port")
-
     fl.set_defaults(func=_fleet)
 
+    from deploy.dashboards import add_subcommands as add_dashboard_subcommands
+    from deploy.k8s.render import add_subcommands as add_k8s_subcommands
     from policies.cli import add_subcommands as add_policy_subcommands
     from routing.cli import add_subcommands as add_router_subcommands
 
-    add_policy_subcommands(sub)  # plan, cost
+    add_policy_subcommands(sub)  # cost, plan, agent
     add_router_subcommands(sub)  # router
+    add_k8s_subcommands(sub)  # k8s render
+    add_dashboard_subcommands(sub)  # dashboards generate, render, queries
 
-    demo = sub.add_parser("demo", help="1 P + 1 D tiny fleet, a few requests, a table, then down")
-    demo.add_argument("--run-dir", type=Path, default=Path(".kvpilot") / "demo")
+    demo = sub.add_parser(
+        "demo",
+        help="1 P + 1 D tiny fleet, a few requests, a table, then down",
+        description="The main job on the embedded default: a tiny fleet serves a few requests, then stops.",
+        formatter_class=HELP_FORMAT,
+    )
+    demo.add_argument("--run-dir", type=Path, default=Path(".kvpilot") / "demo", help="logs, pids and fleet.json")
     demo.add_argument(
         "--disaggregation",
         choices=["conditional", "always"],
         default="always",
-        help="always (default): every request is prefilled on P; conditional: the router decides",
+        help="always (the demo's default, to show every handoff): every request is prefilled on P; "
+        "conditional (the fleet's default): the router decides",
     )
     demo.set_defaults(func=_demo)
+
+    docs = sub.add_parser(
+        "docs",
+        help="the generated reference pages",
+        description="Write (or check) docs/reference/: config keys, CLI, metrics, endpoints, from the code.",
+        formatter_class=HELP_FORMAT,
+    )
+    docs_sub = docs.add_subparsers(dest="docs_command", required=True)
+    reference = docs_sub.add_parser(
+        "reference",
+        help="write docs/reference/*.md from the code",
+        description="Write docs/reference/*.md from the code, or with --check only compare.",
+        formatter_class=HELP_FORMAT,
+    )
+    reference.add_argument("--root", type=Path, default=Path("."), help="the repository's root")
+    reference.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each stale page")
+    reference.set_defaults(func=_docs_reference)
     return parser
+
+
+def _docs_reference(args: argparse.Namespace) -> int:
+    from deploy.reference import run
+
+    return run(args.root, args.check)
 
 
 def main(argv: list[str] | None = None) -> int:

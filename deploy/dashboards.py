@@ -2,8 +2,8 @@
 panels and queries, template variables substituted as Grafana would, evaluated
 against a Prometheus over its HTTP API, and drawn to PNGs without Grafana.
 
-    python -m deploy.dashboards render --prometheus http://127.0.0.1:9090 --out DIR [--minutes 15] [--end UNIX_TIME]
-    python -m deploy.dashboards queries            # every panel's queries, one per line
+    kvpilot dashboards render --prometheus http://127.0.0.1:9090 --out DIR [--minutes 15] [--end UNIX_TIME]
+    kvpilot dashboards queries            # every panel's queries, one per line
 
 Reads the JSON, not the generator: what is checked and drawn is what a user imports.
 """
@@ -14,7 +14,6 @@ import argparse
 import json
 import math
 import re
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -262,26 +261,51 @@ def render(
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.dashboards", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    draw = sub.add_parser("render", help="every panel to a PNG, from Prometheus range queries")
+def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``dashboards generate | render | queries`` to a ``kvpilot`` subparsers object."""
+    dashboards = subparsers.add_parser(
+        "dashboards", help="the Grafana dashboards", description="Generate, draw or list the Grafana dashboards."
+    )
+    sub = dashboards.add_subparsers(dest="dashboards_command", required=True)
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    gen = sub.add_parser(
+        "generate",
+        help="write grafana/dashboards/*.json from grafana/panels.py",
+        description="Build the dashboards with Grafana's foundation SDK (needs kvpilot[dev]).",
+        formatter_class=formatter,
+    )
+    gen.add_argument("--check", action="store_true", help="compare with the committed JSON instead of writing")
+    gen.set_defaults(func=_generate)
+    draw = sub.add_parser(
+        "render",
+        help="every panel to a PNG, from Prometheus range queries",
+        description=__doc__.splitlines()[0],
+        formatter_class=formatter,
+    )
     draw.add_argument("--prometheus", default="http://127.0.0.1:9090", help="Prometheus' base URL")
     draw.add_argument("--out", type=Path, required=True, help="folder for <dashboard>/<panel>.png")
     draw.add_argument("--minutes", type=float, default=15.0, help="time range, ending now")
     draw.add_argument("--rate-interval", default=RATE_INTERVAL, help="what $__rate_interval becomes")
     draw.add_argument("--end", type=float, help="end of the range, Unix seconds (default: now)")
-    sub.add_parser("queries", help="print every panel's queries")
-    args = parser.parse_args(argv)
-    if args.command == "queries":
-        for dash in load_all():
-            for q in dash.queries:
-                print(f"{q.name}\t{q.expr}")
-        return 0
+    draw.set_defaults(func=_render)
+    queries = sub.add_parser("queries", help="print every panel's queries", description="Every panel's queries.")
+    queries.set_defaults(func=_queries)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from grafana.generate import generate
+
+    return generate(args.check)
+
+
+def _render(args: argparse.Namespace) -> int:
     written = render(Prometheus(args.prometheus), args.out, args.minutes, args.rate_interval, end=args.end)
     print(f"wrote {len(written)} panels under {args.out}")
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _queries(_: argparse.Namespace) -> int:
+    for dash in load_all():
+        for q in dash.queries:
+            print(f"{q.name}\t{q.expr}")
+    return 0

@@ -1,8 +1,8 @@
 """Build the dashboards of :mod:`grafana.panels` into Grafana JSON with Grafana's
 foundation SDK, and write them to ``grafana/dashboards/<uid>.json``.
 
-    python -m grafana.generate           # write
-    python -m grafana.generate --check   # exit 1 if a committed file differs
+    kvpilot dashboards generate           # write
+    kvpilot dashboards generate --check   # exit 1 if a committed file differs
 
 The output is deterministic (sorted keys, panel ids and grid positions assigned
 in order), so the committed JSON is checked against a fresh build in the tests.
@@ -10,7 +10,6 @@ in order), so the committed JSON is checked against a fresh build in the tests.
 
 from __future__ import annotations
 
-import argparse
 import string
 import sys
 from pathlib import Path
@@ -128,15 +127,14 @@ def path_for(spec: DashboardSpec, out_dir: Path = OUT_DIR) -> Path:
     return out_dir / f"{spec.uid}.json"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grafana.generate", description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="compare with the committed JSON instead of writing")
-    parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
-    args = parser.parse_args(argv)
+def generate(check: bool, out_dir: Path = OUT_DIR) -> int:
+    """Write every dashboard's JSON under ``out_dir``, or with ``check`` only compare;
+    returns the exit code (1: a file differs, named on stderr). ``kvpilot dashboards
+    generate`` runs it."""
     stale = []
     for spec in DASHBOARDS:
-        path, text = path_for(spec, args.out_dir), render(spec)
-        if args.check:
+        path, text = path_for(spec, out_dir), render(spec)
+        if check:
             if not path.exists() or path.read_text() != text:
                 stale.append(path)
         else:
@@ -144,10 +142,6 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {path}")
     if stale:
-        print("stale (run `python -m grafana.generate`): " + ", ".join(map(str, stale)), file=sys.stderr)
+        print("stale (run `kvpilot dashboards generate`): " + ", ".join(map(str, stale)), file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

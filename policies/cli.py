@@ -192,46 +192,64 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     """Add ``cost``, ``plan`` and ``agent`` to a ``kvpilot`` subparsers object."""
     models = f"preset ({', '.join(HF_CONFIGS)}) or a YAML/JSON/config.json path"
     hardware = "preset (<gpu>x<count>, GPUs b200, h100, h200) or a YAML/JSON path"
-    cost = subparsers.add_parser("cost", help="cost one span: recompute vs transfer")
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    cost = subparsers.add_parser(
+        "cost",
+        help="cost one span: recompute vs transfer",
+        description="Price one span of KV on the roofline: recompute it, or transfer it.",
+        formatter_class=formatter,
+    )
     cost.add_argument("--model", default="llama-70b", help=models)
     cost.add_argument("--hardware", default="b200x2", help=hardware)
-    cost.add_argument("--kv-format", default="bf16", choices=sorted(KV_FORMATS))
+    cost.add_argument("--kv-format", default="bf16", choices=sorted(KV_FORMATS), help="the KV cache's element format")
     cost.add_argument("--link", default="rdma", help=f"preset ({', '.join(LINKS)}) or a YAML/JSON path")
     cost.add_argument("--new", type=int, default=150, help="tokens in the span")
     cost.add_argument("--context", type=int, default=62_000, help="tokens before the span")
     cost.add_argument("--p-queued", type=int, default=0, help="P's queued prefill tokens")
     cost.add_argument("--p-running", type=int, default=0, help="tokens in P's running pass")
     cost.add_argument("--scenarios", action="store_true", help="print the scenario table instead")
-    cost.add_argument("--json", action="store_true")
+    cost.add_argument("--json", action="store_true", help="print JSON instead of a table")
     cost.set_defaults(func=run_cost)
 
-    pl = subparsers.add_parser("plan", help="size P and D pools for an agent workload")
+    pl = subparsers.add_parser(
+        "plan",
+        help="size P and D pools for an agent workload",
+        description="Size the prefill and decode pools for an agent workload on the roofline.",
+        formatter_class=formatter,
+    )
     defaults = Workload()
     pl.add_argument("--model", default="llama-70b", help=models)
     pl.add_argument("--hardware", default="b200x2", help=hardware)
     pl.add_argument("--restore-link", default="pcie", help="link that restores offloaded sessions")
-    pl.add_argument("--sessions", type=int, default=defaults.sessions)
+    pl.add_argument("--sessions", type=int, default=defaults.sessions, help="concurrent agent sessions")
     pl.add_argument("--prefix", type=int, default=defaults.shared_prefix_tokens, help="shared prefix tokens")
     pl.add_argument("--task", type=int, default=defaults.task_tokens, help="task tokens")
     pl.add_argument("--output-tokens", type=int, default=defaults.output_tokens, help="generated tokens per step")
     pl.add_argument("--tool-output", type=int, default=defaults.tool_output_tokens, help="tool tokens per step")
-    pl.add_argument("--steps", type=int, default=defaults.steps)
-    pl.add_argument("--tool-seconds", type=float, default=defaults.tool_seconds)
-    pl.add_argument("--tpot-ms", type=float, default=defaults.tpot_target_s * 1e3)
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--steps", type=int, default=defaults.steps, help="steps per session")
+    pl.add_argument("--tool-seconds", type=float, default=defaults.tool_seconds, help="seconds a tool call takes")
+    pl.add_argument(
+        "--tpot-ms", type=float, default=defaults.tpot_target_s * 1e3, help="the decode pool's TPOT target, ms"
+    )
+    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.add_argument("--plot", metavar="FILE", help="write a PNG chart of the pools")
     pl.set_defaults(func=run_plan)
 
-    ag = subparsers.add_parser("agent", help="the agent benchmark's arms (no cache ... kvpilot) on the roofline")
+    ag = subparsers.add_parser(
+        "agent",
+        help="the agent benchmark's arms (no cache ... kvpilot) on the roofline",
+        description="The agent benchmark's five arms priced on the roofline, for the article's setting.",
+        formatter_class=formatter,
+    )
     ag.add_argument("--model", default="llama-70b", help=models)
     ag.add_argument("--hardware", default="h100x2", help=hardware)
-    ag.add_argument("--kv-format", default="bf16", choices=sorted(KV_FORMATS))
+    ag.add_argument("--kv-format", default="bf16", choices=sorted(KV_FORMATS), help="the KV cache's element format")
     ag.add_argument("--link", action="append", help="preset or path; repeat for several (default: rdma and nvlink)")
     ag.add_argument("--prefix", type=int, default=defaults.shared_prefix_tokens, help="shared prefix tokens")
     ag.add_argument("--task", type=int, default=defaults.task_tokens, help="task tokens")
     ag.add_argument("--output-tokens", type=int, default=defaults.output_tokens, help="generated tokens per step")
     ag.add_argument("--tool-output", type=int, default=defaults.tool_output_tokens, help="tool tokens per step")
-    ag.add_argument("--steps", type=int, default=defaults.steps)
+    ag.add_argument("--steps", type=int, default=defaults.steps, help="steps per session")
     ag.add_argument("--decode-streams", type=int, default=64, help="D's running streams in the busy case")
     ag.add_argument("--measured", metavar="JSON", help="a bench_agent.py --out file: its ratios beside the model's")
     ag.set_defaults(func=run_agent)

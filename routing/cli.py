@@ -92,7 +92,11 @@ async def _settle_gc(_: object) -> None:
 
 def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``router`` to a ``kvpilot`` subparsers object."""
-    parser = subparsers.add_parser("router", help="the KV-aware router (OpenAI-compatible HTTP)")
+    parser = subparsers.add_parser(
+        "router",
+        help="the KV-aware router (OpenAI-compatible HTTP)",
+        description="Serve the router from a YAML config; every flag below overrides the key it names.",
+    )
     parser.add_argument("--config", metavar="FILE", help="router YAML (workers, cost, server, ...)")
     add_cli_flags(parser)
     parser.set_defaults(func=run_router)

@@ -1,4 +1,4 @@
-"""Render the manifests: ``python -m deploy.k8s.render`` writes the committed defaults to
+"""Render the manifests: ``kvpilot k8s render`` writes the committed defaults to
 ``deploy/k8s/manifests/``; with counts, image or model it writes a fleet of one's own
 to ``--out``; ``--check`` says whether the committed files are what the code renders.
 
@@ -67,16 +67,32 @@ def render(spec: ClusterSpec) -> dict[str, str]:
     return {f"{stem}.yaml": to_yaml(objects) for stem, objects in overlays(spec).items()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.k8s.render", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=MANIFEST_DIR)
+def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``k8s render`` to a ``kvpilot`` subparsers object."""
+    k8s = subparsers.add_parser(
+        "k8s", help="Kubernetes manifests", description="Kubernetes manifests for a GPU fleet (docs/kubernetes.md)."
+    )
+    k8s_sub = k8s.add_subparsers(dest="k8s_command", required=True)
+    parser = k8s_sub.add_parser(
+        "render",
+        help="render the manifests",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--out", type=Path, default=MANIFEST_DIR, help="the folder the YAML files are written to")
     parser.add_argument("--check", action="store_true", help="exit 1 if --out differs from what is rendered")
-    parser.add_argument("--prefill", type=int, default=1)
-    parser.add_argument("--decode", type=int, default=1)
-    parser.add_argument("--image", default=DEFAULT.image)
-    parser.add_argument("--served-model-name", default=DEFAULT.served_model_name)
-    parser.add_argument("--tensor-parallel-size", type=int, default=DEFAULT.tensor_parallel_size)
-    args = parser.parse_args(argv)
+    parser.add_argument("--prefill", type=int, default=1, help="prefill engines (one GPU pod each)")
+    parser.add_argument("--decode", type=int, default=1, help="decode engines (one GPU pod each)")
+    parser.add_argument("--image", default=DEFAULT.image, help="the engines' and the router's container image")
+    parser.add_argument("--served-model-name", default=DEFAULT.served_model_name, help="the model name clients send")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=DEFAULT.tensor_parallel_size, help="GPUs per engine"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``kvpilot k8s render``: write the manifests, or with ``--check`` only compare."""
     spec = dataclasses.replace(
         DEFAULT,
         prefill=args.prefill,
@@ -93,14 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             if not (args.out / name).is_file() or (args.out / name).read_text() != text
         ]
         for name in stale:
-            print(f"{args.out / name} is not what deploy.k8s.render renders", file=sys.stderr)
+            print(f"{args.out / name} is not what `kvpilot k8s render` renders", file=sys.stderr)
         return 1 if stale else 0
     args.out.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
         (args.out / name).write_text(text)
         print(args.out / name)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -410,9 +410,11 @@ class RouterServer:
         return False
 
     async def _health(self, _: web.Request) -> web.Response:
+        """Liveness: 200 with the workers served now (no API key needed)."""
         return web.json_response(self.health_payload())
 
     async def _models(self, _: web.Request) -> web.Response:
+        """The served model (``server.model_name``), OpenAI's list format."""
         return web.json_response(self.models_payload())
 
     def health_payload(self) -> dict[str, Any]:
@@ -425,11 +427,15 @@ class RouterServer:
         return {"object": "list", "data": [model]}
 
     async def _metrics(self, _: web.Request) -> web.Response:
+        """The router's Prometheus metrics (no API key needed; the metrics reference lists them)."""
         self.watch_events()
         body, content_type = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def _debug_route(self, request: web.Request) -> web.Response:
+        """Explain the routing decision for a completion or chat body without sending it: every
+        candidate's cost term by term, the local-vs-remote verdict, a session's five options,
+        the predicted TTFT, prior and measured."""
         try:
             body = await self._body(request, chat=None)
             chat = "messages" in body
@@ -565,9 +571,13 @@ class RouterServer:
 
     # ---- the proxy ---------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI completions (streamed or not): routed, prefilled on P or D, answered by D.
+        Sessions from ``conversation_id`` / ``prompt_cache_key`` or ``X-Session-ID``."""
         return await self._serve(request, chat=False)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI chat completions: the messages rendered with the model's chat template, then
+        as ``/v1/completions``."""
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:

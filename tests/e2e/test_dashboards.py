@@ -286,7 +286,7 @@ def test_every_alert_expression_evaluates_and_the_faults_fire(observed: tuple[Fl
 
 
 def test_panels_render_to_png(observed: tuple[Fleet, dashboards.Prometheus], tmp_path: Path) -> None:
-    """``python -m deploy.dashboards render``: one PNG per panel (KVPILOT_DASHBOARD_PNGS keeps them)."""
+    """``kvpilot dashboards render``: one PNG per panel (KVPILOT_DASHBOARD_PNGS keeps them)."""
     _, prom = observed
     out = Path(os.environ.get("KVPILOT_DASHBOARD_PNGS") or tmp_path)
     written = dashboards.render(prom, out, minutes=5, rate_interval="30s")

@@ -99,7 +99,7 @@ def test_the_committed_json_is_what_the_generator_builds() -> None:
 
     assert [path_for(s).name for s in DASHBOARDS] == ["kvpilot-transfers.json", "kvpilot-router.json"]
     for spec in DASHBOARDS:
-        assert path_for(spec).read_text() == render(spec), f"run `python -m grafana.generate` ({spec.uid})"
+        assert path_for(spec).read_text() == render(spec), f"run `kvpilot dashboards generate` ({spec.uid})"
 
 
 def test_the_json_is_a_valid_grafana_dashboard_model() -> None:

@@ -88,7 +88,7 @@ def test_committed_manifests_are_what_the_code_renders() -> None:
     files = render(DEFAULT)
     assert sorted(files) == sorted(p.name for p in MANIFEST_DIR.glob("*.yaml"))
     for name, text in files.items():
-        assert (MANIFEST_DIR / name).read_text() == text, f"run: python -m deploy.k8s.render ({name} is stale)"
+        assert (MANIFEST_DIR / name).read_text() == text, f"run: kvpilot k8s render ({name} is stale)"
     # and the committed YAML reads back as the objects
     assert list(yaml.safe_load_all((MANIFEST_DIR / "rdma.yaml").read_text())) == OVERLAYS[Transport.RDMA.value]
 
@@ -387,12 +387,12 @@ def test_other_counts_render_one_engine_each_and_the_router_names_them_all() -> 
 
 
 def test_render_check_reports_a_stale_file(tmp_path: Path) -> None:
-    from deploy.k8s.render import main
+    from deploy.cli import main
 
-    assert main(["--out", str(tmp_path)]) == 0
-    assert main(["--out", str(tmp_path), "--check"]) == 0
+    assert main(["k8s", "render", "--out", str(tmp_path)]) == 0
+    assert main(["k8s", "render", "--out", str(tmp_path), "--check"]) == 0
     (tmp_path / "base.yaml").write_text("stale\n")
-    assert main(["--out", str(tmp_path), "--check"]) == 1
+    assert main(["k8s", "render", "--out", str(tmp_path), "--check"]) == 1
 
 
 def test_envoy_and_a_gaie_gateway_reach_the_router_s_picker() -> None:
