@@ -1,5 +1,5 @@
 # The two commands: `make demo` (set up, then run the main job on the tiny CPU fleet)
-# and `make test` (set up, lint and type-check, then run every test). Both install what they need.
+# and `make test` (set up, lint and type-check, build the docs site, then run every test). Both install what they need.
 .PHONY: setup demo test lint
 
 setup:
@@ -10,7 +10,14 @@ demo: setup
 
 test: setup
 	$(MAKE) --no-print-directory lint
+	$(MAKE) --no-print-directory docs
 	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25
+
+# The docs site, built strictly (a broken link, a missing anchor or a page left out of the
+# navigation fails it); run by `make test`. `.venv/bin/mkdocs serve` to read it while writing.
+.PHONY: docs
+docs:
+	.venv/bin/mkdocs build --strict --quiet
 
 # Lint and types (after `make setup`; run by `make test`): ruff (rules in pyproject.toml) on
 # LINT_PATHS, mypy strict on what [tool.mypy] names (kvconnectors, routing, policies, deploy,

@@ -482,7 +482,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="kvpilot's cost section over its defaults (default: none; on a trace naming sessions, "
         "fleet_arms.KVPILOT_SESSION_COST), comma-separated key=value "
-        "(e.g. objective=predicted_ttft,session_affinity_credit=1000; see docs/router.md)",
+        "(e.g. objective=predicted_ttft,session_affinity_credit=1000; see docs/guides/router.md)",
     )
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument(

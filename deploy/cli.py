@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="what Envoy does when the picker is down: refuse (a 503 naming it) or round_robin over the engines "
         "that can serve alone (not with --dynamo: its direct-mode frontend routes nothing the picker did not name)",
     )
-    dyn = fl.add_argument_group("beside NVIDIA Dynamo (docs/dynamo.md)")
+    dyn = fl.add_argument_group("beside NVIDIA Dynamo (docs/guides/dynamo.md)")
     dyn.add_argument(
         "--dynamo",
         action="store_true",

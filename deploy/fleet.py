@@ -338,7 +338,7 @@ WARM_UP_PROMPT = "warm up"
 def warm_up(url: str, model: str, api_key: str | None = None) -> None:
     """One local prefill, so that an engine's first forward is never a decode-only
     step over KV received from a peer: vLLM-CPU's AMX attention kernel dies with
-    SIGILL on that (see docs/sessions.md). Raises ``OSError`` if the engine fails it."""
+    SIGILL on that (see docs/guides/sessions.md). Raises ``OSError`` if the engine fails it."""
     body = {"model": model, "prompt": WARM_UP_PROMPT, "max_tokens": 1, "temperature": 0.0}
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), headers=headers)

@@ -34,7 +34,7 @@ GATEWAY_PREFILL_WAIT_S = 120.0
 one-token prefill first (the router gives P ``server.prefill_timeout_s`` or more), and a
 long prompt on a CPU engine takes seconds."""
 FLEET_TTFT_SLO_S = 60.0
-"""The router's ``server.ttft_slo_s`` in a local fleet (docs/policies.md says why 60 s)."""
+"""The router's ``server.ttft_slo_s`` in a local fleet (docs/concepts/policies.md says why 60 s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +80,7 @@ class FleetSpec:
     session_store_url: str | None = None
     """Redis at this URL keeps the router's sessions (``sessions.store: redis``), so a
     restarted router, or another replica, routes a session's next step as the last one
-    would (docs/sessions.md); ``None``: the router's memory only. The fleet does not start
+    would (docs/guides/sessions.md); ``None``: the router's memory only. The fleet does not start
     Redis."""
     gateway_port: int = 0
     """Envoy's listener, where clients send requests: Envoy asks the router's endpoint picker
@@ -341,7 +341,7 @@ def envoy_plan(spec: GatewaySpec, run_dir: Path) -> ProcessPlan:
 
 
 def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
-    """The router's YAML config for this fleet (see docs/router.md)."""
+    """The router's YAML config for this fleet (see docs/guides/router.md)."""
     disaggregation: dict[str, object] = {}
     if spec.disaggregation == "always":
         disaggregation = {"max_local_tokens": 0}  # no prompt is short enough to stay on D

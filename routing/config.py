@@ -279,7 +279,7 @@ class ServerConfig(TypedConfig, frozen=True):
     prefill, transfer, first decode step) is over this is refused before any engine
     sees it: 429 when the queue ahead of it is what puts it over, else 503, both with
     ``Retry-After`` (:func:`routing.serve.admission.check_ttft_slo`). 0: no SLO (the
-    router's default; ``kvpilot fleet up`` sets one, docs/policies.md)."""
+    router's default; ``kvpilot fleet up`` sets one, docs/concepts/policies.md)."""
     max_retries: int = 1
     """A request whose decode worker failed before anything reached the client
     (no answer, 5xx, timeout) is tried again this many times on other decode workers."""

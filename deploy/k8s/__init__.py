@@ -4,5 +4,5 @@ the same plan as the CPU fleet (:func:`deploy.fleet_spec.plan_fleet`).
 :mod:`.plan` turns a :class:`.plan.ClusterSpec` into per-engine and router plans;
 :mod:`.workloads`, :mod:`.network`, :mod:`.observability` and :mod:`.dynamo` turn plans
 into objects; :mod:`.render` writes them to ``deploy/k8s/manifests/`` (``kvpilot k8s
-render``). See docs/kubernetes.md.
+render``). See docs/guides/kubernetes.md.
 """

@@ -1,5 +1,5 @@
 """An example: Dynamo's operator runs the workers and its frontend in direct mode, and
-kvpilot's router routes in front of it (docs/dynamo.md, deploy/gpu.md).
+kvpilot's router routes in front of it (docs/guides/dynamo.md, docs/guides/gpu.md).
 
 The ``DynamoGraphDeployment`` (``nvidia.com/v1alpha1``) has a frontend and
 ``dynamo.vllm`` prefill and decode workers whose ``--kv-transfer-config`` is the P/D

@@ -70,7 +70,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 
 class Transport(str, enum.Enum):
-    """How D pulls P's KV (deploy/gpu.md's table); each is one rendered overlay."""
+    """How D pulls P's KV (docs/guides/gpu.md's table); each is one rendered overlay."""
 
     RDMA = "rdma"
     """InfiniBand / RoCE, one NIC per GPU."""
@@ -88,7 +88,7 @@ class ClusterSpec:
     image: str = "kvpilot:0.1.0"
     """Built by deploy/k8s/Dockerfile: vLLM's image with kvpilot installed."""
     dynamo_image: str = "kvpilot-dynamo:0.1.0"
-    """The same Dockerfile built on Dynamo's vLLM runtime image (docs/kubernetes.md)."""
+    """The same Dockerfile built on Dynamo's vLLM runtime image (docs/guides/kubernetes.md)."""
     served_model_name: str = "model"
     """The model's directory under :data:`MODELS_MOUNT` and its served name."""
     models_claim: str = f"{NAME}-models"
@@ -130,7 +130,7 @@ class ClusterSpec:
         )
 
     def transport_env(self) -> dict[str, str]:
-        """NIXL/UCX's environment for :attr:`transport` (deploy/gpu.md)."""
+        """NIXL/UCX's environment for :attr:`transport` (docs/guides/gpu.md)."""
         if self.transport is Transport.RDMA:
             return {"UCX_TLS": "rc,cuda_copy,cuda_ipc", "UCX_NET_DEVICES": self.net_devices}
         return {"UCX_NET_DEVICES": self.net_devices, "UCX_CUDA_IPC_ENABLE_MNNVL": "y"}

@@ -70,7 +70,9 @@ def render(spec: ClusterSpec) -> dict[str, str]:
 def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``k8s render`` to a ``kvpilot`` subparsers object."""
     k8s = subparsers.add_parser(
-        "k8s", help="Kubernetes manifests", description="Kubernetes manifests for a GPU fleet (docs/kubernetes.md)."
+        "k8s",
+        help="Kubernetes manifests",
+        description="Kubernetes manifests for a GPU fleet (docs/guides/kubernetes.md).",
     )
     k8s_sub = k8s.add_subparsers(dest="k8s_command", required=True)
     parser = k8s_sub.add_parser(

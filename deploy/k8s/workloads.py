@@ -3,7 +3,7 @@
 
 Each engine is its own Deployment (one replica) and Service: the router's config names
 every engine by its Service, so scaling P or D is re-rendering with other counts
-(docs/kubernetes.md), never ``kubectl scale``.
+(docs/guides/kubernetes.md), never ``kubectl scale``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def namespace() -> Obj:
 
 def api_keys_secret() -> Obj:
     """The API keys' Secret, without values: its keys are applied by another field
-    manager (docs/kubernetes.md), so re-applying this leaves them; no pod starts until
+    manager (docs/guides/kubernetes.md), so re-applying this leaves them; no pod starts until
     the Secret holds every key the pod reads."""
     keys = ",".join(sorted(set(SECRET_KEYS.values())))
     return obj("v1", "Secret", meta(API_KEYS_SECRET, annotations={"kvpilot.io/keys": keys}), type="Opaque")

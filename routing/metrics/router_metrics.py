@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics (see docs/router.md for the list)."""
+"""The router's Prometheus metrics (see docs/guides/router.md for the list)."""
 
 from __future__ import annotations
 

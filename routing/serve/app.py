@@ -18,9 +18,9 @@ engine's 4xx status is kept, anything else is a 502); the router keeps serving.
 Response headers ``X-Request-Id``, ``X-KVPilot-Route``, ``X-KVPilot-Prefill-Worker``,
 ``X-KVPilot-Decode-Worker`` say where it went. ``POST /debug/route`` explains a
 decision without sending anything. Metrics: :class:`RouterMetrics` (listed in
-``docs/router.md``).
+``docs/guides/router.md``).
 
-Beside Dynamo (``dynamo.frontend_url`` set, docs/dynamo.md) the engines are Dynamo's
+Beside Dynamo (``dynamo.frontend_url`` set, docs/guides/dynamo.md) the engines are Dynamo's
 frontend in direct mode (:mod:`routing.serve.dynamo_upstream`) and the fleet is Dynamo's
 discovery, followed live (:mod:`routing.ingest.dynamo_discovery`, :meth:`RouterServer.set_fleet`).
 """

@@ -6,7 +6,7 @@ ids, ``request_id`` and ``priority`` steer an engine's scheduler, and so on. A
 client may send only the fields of an OpenAI completions (or chat) request and
 vLLM's sampling extras listed here; anything else is refused with a 400 naming
 the field, so that nothing a client sends reaches an engine unless it is on this
-list. docs/router.md lists the fields.
+list. docs/guides/router.md lists the fields.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def refused_field(body: Mapping[str, Any], chat: bool) -> str | None:
             continue
         if name in ENGINE_INTERNAL:
             return f"'{name}' is set by the router, not by clients"
-        return f"'{name}' is not a field the router accepts (docs/router.md lists them)"
+        return f"'{name}' is not a field the router accepts (docs/guides/router.md lists them)"
     return None
 
 

@@ -5,7 +5,7 @@ installed and the maintained one (httpx-sse) reads httpx responses, not aiohttp'
 The stream is read in the chunks the network delivers, not line by line: a chunk's
 complete events come out as one batch, so relaying a burst of tokens costs one client
 write, not one per token (the per-token relay was most of the router's time beside a
-fast fleet; docs/dynamo.md)."""
+fast fleet; docs/guides/dynamo.md)."""
 
 from __future__ import annotations
 

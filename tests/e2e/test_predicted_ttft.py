@@ -14,7 +14,7 @@ prefill, D's decode step and KV reads, and the overhead around them:
   streams at least half the priced stall. What the remote way cost instead (its TTFT,
   D's worst token gap meanwhile) is measured and printed (``pytest -s``), not
   asserted: on this 2-core box a busy D's front end spills onto P's core and the
-  remote way was often the slower one (docs/policies.md).
+  remote way was often the slower one (docs/concepts/policies.md).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ must be the faster choice; within it either choice passes (both are printed). Th
 span is the blocks D's generated tokens completed (each history is whole blocks, D
 generates ``span_blocks * 32 + 1`` tokens; the last has no KV yet).
 
-What this box shows (2 cores; 2026-12-01, docs/sessions.md): P's measured link is fast
+What this box shows (2 cores; 2026-12-01, docs/guides/sessions.md): P's measured link is fast
 (a fit of its reads: ~7 ms + 0.24 GB/s) and recomputing costs ~0.1-0.3 ms per token and
 ~60 ns per (query, key) pair, so a span of whole 32-token blocks is never clearly
 cheaper to recompute: the ``long context`` case (8 blocks after ~6,000 tokens) is

@@ -21,7 +21,7 @@ from deploy.observe import ObserveSpec, plan_observe, prometheus_config
 
 REPO = Path(__file__).resolve().parents[3]
 ALERTS = REPO / "grafana" / "alerts.yml"
-RUNBOOK = REPO / "docs" / "observability.md"
+RUNBOOK = REPO / "docs" / "guides" / "observability.md"
 PROMTOOL = shutil.which("promtool")
 NO_PROMTOOL = "promtool is not installed: `apt-get install -y prometheus` (scripts/bootstrap.sh does it as root)"
 NO_SDK = "grafana-foundation-sdk is not installed (kvpilot[dev] on Python 3.11+)"
@@ -197,8 +197,8 @@ def test_every_alert_has_a_runbook_entry() -> None:
     text = RUNBOOK.read_text()
     for rule in _alert_rules():
         name = rule["alert"]
-        assert f"### {name}" in text, f"docs/observability.md has no runbook for {name}"
-        assert rule["annotations"]["runbook"] == f"docs/observability.md#{name.lower()}"
+        assert f"### {name}" in text, f"docs/guides/observability.md has no runbook for {name}"
+        assert rule["annotations"]["runbook"] == f"docs/guides/observability.md#{name.lower()}"
         assert rule["labels"]["severity"] in ("warning", "critical")
 
 

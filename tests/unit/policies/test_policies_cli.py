@@ -179,7 +179,7 @@ def test_module_is_pure_and_small(path: Path) -> None:
 
 
 def test_docs_show_the_current_scenario_table_and_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    doc = (PACKAGE.parent / "docs" / "policies.md").read_text()
+    doc = (PACKAGE.parent / "docs" / "concepts" / "policies.md").read_text()
     for argv in (["cost", "--scenarios"], ["plan"]):
         _, out, _ = _run(capsys, *argv)
         assert out.strip() in doc, argv
