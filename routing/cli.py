@@ -2,9 +2,9 @@
 (and, with ``gateway.picker_port``, Envoy's endpoint picker: :mod:`routing.gateway`).
 
 :func:`add_subcommands` registers ``router`` on a ``kvpilot`` subparsers object;
-``python -m routing.cli router --config FILE`` works standalone. Every scalar
+``python -m routing.cli router --config FILE`` works standalone (what the launchers run). Every scalar
 of the config's mapping sections has a flag that overrides the YAML (``--port``,
-``--host``, ``--model-dir``, ``--overlap-score-credit``...). Binds 127.0.0.1
+``--server-host``, ``--server-model-dir``, ``--cost-overlap-score-credit``...). Binds 127.0.0.1
 unless ``server.host`` says otherwise, and then warns (louder without an API key).
 Exit codes: 0 after a clean shutdown, 2 for a bad config.
 """

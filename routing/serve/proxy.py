@@ -61,8 +61,21 @@ STREAM_BREAKS = (StreamBroke, ValueError, KeyError, TypeError)
 """What relaying a stream raises when it breaks: the upstream's :class:`StreamBroke`,
 or an event that is not the JSON chunk it should be."""
 PREDICTED_TTFT_HEADER = "X-KVPilot-Predicted-TTFT-Ms"
-"""The answer's header carrying the route's predicted TTFT in milliseconds (when the router
-has a rate estimator): the client can hold it against the TTFT it sees."""
+"""The answer's header carrying the route's predicted TTFT in milliseconds, or
+:data:`UNCALIBRATED` (when the router has a rate estimator): the client can hold it against
+the TTFT it sees."""
+UNCALIBRATED = "uncalibrated"
+""":data:`PREDICTED_TTFT_HEADER`'s value while no engine's prefill has been measured: the
+roofline prior of a preset (an H100 pricing a CPU box's tiny model says 0.009 ms) is no
+prediction to hand a client."""
+
+
+def predicted_ttft_header(prediction: TTFTPrediction) -> str:
+    """The route's predicted TTFT in milliseconds, or :data:`UNCALIBRATED` while its prefill is
+    priced by the prior alone (a fresh fleet: ``/debug/route`` still shows the prior's figure)."""
+    if prediction.prefill.measured_s is None and prediction.prefill.prior_s > 0:
+        return UNCALIBRATED
+    return f"{prediction.seconds * 1e3:.3f}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +251,7 @@ class Proxy:
             "X-KVPilot-Route": kind.value,
             "X-KVPilot-Prefill-Worker": p,
             "X-KVPilot-Decode-Worker": d,
-            **({PREDICTED_TTFT_HEADER: f"{prediction.seconds * 1e3:.3f}"} if prediction is not None else {}),
+            **({PREDICTED_TTFT_HEADER: predicted_ttft_header(prediction)} if prediction is not None else {}),
         }
         return Begun(kind, p, handoff, deferred, prediction, headers)
 

@@ -334,3 +334,17 @@ def test_where_engines_publish_no_timings_a_prefill_within_d_s_call_is_timed_by_
     answered.proxy.prefills_timed_here = timed_here
     asyncio.run(answered.proxy.serve(answered.request({"stream": True}), RecordingClient()))
     assert answered.rates.prefill("p0", 8 * BS, 0).samples == 1
+
+
+def test_the_predicted_ttft_header_says_uncalibrated_until_a_prefill_is_measured():
+    """A fresh fleet's prediction is the prior's (an H100 pricing a CPU box: 0.009 ms): the
+    header says so instead of printing it; once a prefill is measured it carries the figure."""
+    from routing.decide.rates import Estimate, TTFTPrediction
+    from routing.serve.proxy import UNCALIBRATED, predicted_ttft_header
+
+    nothing = Estimate(0.0, None, 0)
+    prior_only = TTFTPrediction(nothing, Estimate(9e-6, None, 0), nothing, nothing, nothing)
+    assert predicted_ttft_header(prior_only) == UNCALIBRATED
+    measured = dataclasses.replace(prior_only, prefill=Estimate(9e-6, 0.040, 4, "p"))
+    assert predicted_ttft_header(measured) == f"{measured.seconds * 1e3:.3f}"
+    assert float(predicted_ttft_header(measured)) == pytest.approx(40.0)
