@@ -19,6 +19,10 @@ class ChatError(ValueError):
     """A chat request the router cannot render; the message names the field."""
 
 
+JINJA_TEMPLATE = "chat_template.jinja"
+"""The file transformers saves a tokenizer's chat template to, beside ``tokenizer_config.json``."""
+
+
 class ChatTemplate:
     """The model's ``chat_template`` (from ``tokenizer_config.json``), rendered with jinja2
     the way Hugging Face does (sandboxed, ``trim_blocks``, ``lstrip_blocks``)."""
@@ -31,12 +35,16 @@ class ChatTemplate:
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> ChatTemplate | None:
-        """The template in ``model_dir/tokenizer_config.json``, or None if it has none."""
+        """The model's template as transformers saves it: ``model_dir/chat_template.jinja``
+        (transformers 4.50 and later write it there), else ``tokenizer_config.json``'s
+        ``chat_template``; None if it has neither. The special tokens come from
+        ``tokenizer_config.json``."""
         path = model_dir / "tokenizer_config.json"
         if not path.exists():
             return None
         cfg = json.loads(path.read_text())
-        template = cfg.get("chat_template")
+        jinja = model_dir / JINJA_TEMPLATE
+        template = jinja.read_text() if jinja.is_file() else cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")

@@ -97,6 +97,26 @@ def test_through_envoy_p_then_d_and_the_output_equals_colocated(pd_fleet: Fleet,
     assert delta(r1, r0, "kvpilot_router_ttft_seconds_count") == 1  # ... and timed its first token from Envoy's log
 
 
+def test_a_chat_request_through_envoy_is_answered_in_chat_format(pd_fleet: Fleet) -> None:
+    """What most clients send: ``/v1/chat/completions`` to the fleet's client URL, the tiny
+    model's own chat template rendered by the router (a fresh fleet answered 400, "this model
+    has no chat template", while the router missed transformers' ``chat_template.jinja``)."""
+    import urllib.request
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "fix the bug"}], "max_tokens": 4}
+    request = urllib.request.Request(
+        f"{pd_fleet.client_url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        answer = json.loads(resp.read())
+        assert resp.headers["server"] == "envoy"
+    assert answer["object"] == "chat.completion"
+    assert answer["choices"][0]["message"]["role"] == "assistant"
+    assert answer["usage"]["completion_tokens"] == 4
+
+
 def test_decode_moves_only_blocks_beyond_its_local_hit(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
     decode = pd_fleet.by_role("decode")[0]
     first = tokenizer.prompt_token_ids(_words(640, seed=2))

@@ -710,3 +710,26 @@ def test_binding_beyond_loopback_is_recognised(host, beyond):
     from routing.cli import beyond_loopback
 
     assert beyond_loopback(host) is beyond
+
+
+def test_the_router_reads_the_chat_template_transformers_saves_beside_the_tokenizer(tiny_model_dir, tmp_path):
+    """transformers (4.50 on) saves a tokenizer's chat template to ``chat_template.jinja``, not
+    into ``tokenizer_config.json``: the tiny model's chat requests were refused (400, "this model
+    has no chat template") until the router read it there. The older layout still works."""
+    import json
+    import shutil
+
+    from deploy.tiny_model import CHAT_TEMPLATE
+    from routing.serve.chat import JINJA_TEMPLATE, ChatTemplate
+
+    assert (tiny_model_dir / JINJA_TEMPLATE).is_file()
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    assert template is not None
+    assert template.render([{"role": "user", "content": "hi"}]) == "<s><|user|>\nhi<|end|>\n<|assistant|>\n"
+    old = tmp_path / "old"
+    old.mkdir()
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    (old / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    shutil.copy(tiny_model_dir / "tokenizer.json", old / "tokenizer.json")
+    legacy = ChatTemplate.from_model_dir(old)
+    assert legacy is not None and legacy.render([{"role": "user", "content": "hi"}]).endswith("<|assistant|>\n")
