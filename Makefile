@@ -20,13 +20,18 @@ docs:
 	.venv/bin/mkdocs build --strict --quiet
 
 # Lint and types (after `make setup`; run by `make test`): ruff (rules in pyproject.toml) on
-# LINT_PATHS, mypy strict on what [tool.mypy] names (kvconnectors, routing, policies, deploy,
-# benchmarks, grafana).
+# LINT_PATHS; mypy strict on the package by its import names (`kvpilot.routing` is routing/:
+# TYPECHECK holds the links that name it so) and on the benchmarks.
 LINT_PATHS = .
+PACKAGE_DIRS = kvconnectors routing policies deploy grafana
+TYPECHECK = .kvpilot/typecheck
 lint:
 	.venv/bin/ruff check $(LINT_PATHS)
 	.venv/bin/ruff format --check $(LINT_PATHS)
-	.venv/bin/python -m mypy
+	mkdir -p $(TYPECHECK)/kvpilot
+	for d in $(PACKAGE_DIRS); do ln -sfn ../../../$$d $(TYPECHECK)/kvpilot/$$d; done
+	.venv/bin/python -m mypy -p kvpilot
+	.venv/bin/python -m mypy benchmarks
 
 # The benchmarks: ratios against baselines measured in the same run (see README).
 .PHONY: bench
@@ -42,7 +47,7 @@ bench: setup
 	.venv/bin/python benchmarks/bench_agent.py --steps 6 --arms e --handicap-arm --sessions-sweep 1,2,4 \
 		--ttft-slo 1.0 --tpot-slo 0.1 --out /tmp/kvpilot-bench-agent-goodput.json --plot /tmp/kvpilot-bench-agent-goodput.png
 	.venv/bin/python benchmarks/bench_fleet.py
-	.venv/bin/python benchmarks/agent_trace.py --sessions 32 --steps 20 --out /tmp/kvpilot-agent-trace.jsonl
+	.venv/bin/python benchmarks/make_agent_trace.py --sessions 32 --steps 20 --out /tmp/kvpilot-agent-trace.jsonl
 	.venv/bin/python benchmarks/bench_fleet.py --trace /tmp/kvpilot-agent-trace.jsonl --workers 64 --max-requests 640 \
 		--tokens-per-hash 128 --speedup 1 --json /tmp/kvpilot-bench-fleet-agent.json
 	.venv/bin/python benchmarks/bench_dynamo_connections.py

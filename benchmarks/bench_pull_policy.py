@@ -35,16 +35,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy import fleet as fleet_io
-from deploy.agent_session import decoded_turn, prefill_next_turn
-from deploy.client import complete
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape
-from deploy.prompts import filler_text
-from deploy.tiny_model import ensure_tiny_model
-from kvconnectors.vllm_metrics import KVPILOT_PULL_DECISIONS
-from policies.recompute_vs_transfer import VLLM_RECOMPUTE_BELOW_TOKENS
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.agent_session import decoded_turn, prefill_next_turn
+from kvpilot.deploy.client import complete
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import delta, scrape
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.deploy.tiny_model import ensure_tiny_model
+from kvpilot.kvconnectors.vllm_metrics import KVPILOT_PULL_DECISIONS
+from kvpilot.policies.recompute_vs_transfer import VLLM_RECOMPUTE_BELOW_TOKENS
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 
 BLOCK = 32
 

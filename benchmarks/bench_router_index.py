@@ -44,14 +44,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dynamo.llm import RadixTree, compute_block_hash_for_seq
 
-from routing.config import CostConfig, TierClass
-from routing.decide.cost import Candidate, CandidateTable, CostModel, tier_overlap
-from routing.decide.ledger import WorkerLoad
-from routing.decide.sessions import SessionState
-from routing.ids import DEFAULT_TIER, WorkerId
-from routing.index.block_index import BlockIndex
-from routing.index.chain import PromptChain
-from routing.index.events import BlockRemoved, BlockStored, EventDecoder
+from kvpilot.routing.config import CostConfig, TierClass
+from kvpilot.routing.decide.cost import Candidate, CandidateTable, CostModel, tier_overlap
+from kvpilot.routing.decide.ledger import WorkerLoad
+from kvpilot.routing.decide.sessions import SessionState
+from kvpilot.routing.ids import DEFAULT_TIER, WorkerId
+from kvpilot.routing.index.block_index import BlockIndex
+from kvpilot.routing.index.chain import PromptChain
+from kvpilot.routing.index.events import BlockRemoved, BlockStored, EventDecoder
 
 BS, WORKERS, PER_WORKER, EVENT_BLOCKS, CHAIN = 16, 16, 50_000, 32, 1024
 TRIALS = 200

@@ -20,11 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy import fleet as fleet_io
-from deploy.client import complete
-from deploy.fleet_spec import FleetSpec
-from deploy.tiny_model import ensure_tiny_model
-from routing.config import IndexBackend
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.client import complete
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.tiny_model import ensure_tiny_model
+from kvpilot.routing.config import IndexBackend
 
 
 def _timed(url: str, prompt: list[int]) -> float:

@@ -1,7 +1,7 @@
 """Scale benchmark (issue 19, part 4): kvpilot's router beside Dynamo's frontend KV
 router on the same Dynamo mocker fleet, at 16, 64 and 256 workers.
 
-Per worker count, one fleet (:func:`deploy.dynamo_fleet.up_one_process`): every worker
+Per worker count, one fleet (:func:`kvpilot.deploy.dynamo_fleet.up_one_process`): every worker
 in ONE ``dynamo.mocker`` process (``--num-workers``; one process per worker does not fit
 256 on this box), Dynamo's frontend in direct mode, a second frontend running Dynamo's
 KV router (``--router-mode kv``, defaults) on the same workers, and kvpilot's router in
@@ -14,7 +14,7 @@ front of the direct frontend (the fleet of ``kvpilot fleet up --dynamo``). Then:
 2. Decision time: ``--decisions`` requests one at a time through each router, each a
    warm prompt of a random worker plus 64 new tokens. kvpilot: its
    ``kvpilot_router_decision_seconds`` histogram (the decision alone: chain, index match,
-   every candidate's cost; :mod:`routing.metrics.router_metrics`). Dynamo: its frontend's
+   every candidate's cost; :mod:`kvpilot.routing.metrics.router_metrics`). Dynamo: its frontend's
    ``dynamo_router_overhead_total_ms`` (block hashing, ``find_matches``, scheduling, as
    Dynamo itself times them). Both are Prometheus histograms: mean exact (sum / count),
    p50 and p99 interpolated inside the bucket that holds them (Dynamo's buckets grow by
@@ -60,16 +60,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from agent_output import finite
-from scale_results import histogram_delta
+from agent.output import finite
+from provenance import describe, provenance
+from scale.results import histogram_delta
 
-from deploy import dynamo_fleet
-from deploy.dynamo_spec import DynamoFleetSpec
-from deploy.fleet import Fleet, down
-from deploy.fleet_spec import HOST
-from deploy.metrics import scrape
-from deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
-from routing.config import IndexBackend
+from kvpilot.deploy import dynamo_fleet
+from kvpilot.deploy.dynamo_spec import DynamoFleetSpec
+from kvpilot.deploy.fleet import Fleet, down
+from kvpilot.deploy.fleet_spec import HOST
+from kvpilot.deploy.metrics import scrape
+from kvpilot.deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
+from kvpilot.routing.config import IndexBackend
 
 HERE = Path(__file__).resolve().parent
 PORTS = {"worker_port": 28000, "port_stride": 500, "frontend_port": 27990, "router_port": 27980}
@@ -358,7 +359,7 @@ def index_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
     for backend in (*(b.value for b in IndexBackend), "radix-tree"):
         for shape in ("distinct", "shared"):
             for how in ("rss", "tracemalloc"):
-                cmd = [sys.executable, str(HERE / "scale_memory.py"), "--backend", backend, "--shape", shape]
+                cmd = [sys.executable, str(HERE / "scale" / "memory.py"), "--backend", backend, "--shape", shape]
                 cmd += ["--measure", how, "--workers", str(args.memory_workers), "--blocks", str(args.memory_blocks)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
                 rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -453,9 +454,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     memory = index_memory(args) if args.memory_blocks else []
     results = [run_fleet(n, base, args) for n in args.workers]
-    out = {"fleets": results, "index_memory": memory, "run": {"argv": sys.argv, "speedup": args.speedup}}
+    run = provenance()
+    out = {
+        "fleets": results,
+        "index_memory": memory,
+        "run": {"argv": sys.argv, "speedup": args.speedup},
+        "provenance": run,
+    }
     args.json.write_text(json.dumps(finite(out), indent=2))
     print()
+    print(describe(run))
     print(tables(results, memory, args.limit_ms))
     print(f"\nJSON: {args.json}")
     return 0

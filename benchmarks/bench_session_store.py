@@ -1,9 +1,9 @@
 """The latency the shared session store (``sessions.store: redis``) adds to a request.
 
 A session's step costs the router one read of its record before routing
-(:meth:`routing.state.sync.SessionSync.pull`: a Redis ``GET``, the msgpack decode, the
+(:meth:`kvpilot.routing.state.sync.SessionSync.pull`: a Redis ``GET``, the msgpack decode, the
 merge under the lock) and one write after it was served, before the answer returns
-(:meth:`~routing.state.sync.SessionSync.push`: the record built, ``SET PX``). This starts
+(:meth:`~kvpilot.routing.state.sync.SessionSync.push`: the record built, ``SET PX``). This starts
 a ``redis-server`` on 127.0.0.1 (persistence off) and times ``--n`` writes and reads of
 records with an offer of ``--blocks`` block ids, sequentially, on one event loop.
 
@@ -20,12 +20,12 @@ import threading
 import time
 from pathlib import Path
 
-from deploy.redis_server import running_redis
-from routing.decide.sessions import SessionOffer, SessionStore
-from routing.ids import SessionId, WorkerId
-from routing.metrics.router_metrics import RouterMetrics
-from routing.state.redis_store import RedisSessionStore
-from routing.state.sync import SessionSync
+from kvpilot.deploy.redis_server import running_redis
+from kvpilot.routing.decide.sessions import SessionOffer, SessionStore
+from kvpilot.routing.ids import SessionId, WorkerId
+from kvpilot.routing.metrics.router_metrics import RouterMetrics
+from kvpilot.routing.state.redis_store import RedisSessionStore
+from kvpilot.routing.state.sync import SessionSync
 
 PORT = 6391
 

@@ -27,15 +27,15 @@ from pathlib import Path
 
 import nixl_raw
 
-from deploy import fleet as fleet_io
-from deploy.agent_session import decoded_turn, prefill_next_turn
-from deploy.client import HTTPStatusError, complete
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import Samples, delta, scrape
-from deploy.prompts import filler_text
-from deploy.tiny_model import ensure_tiny_model
-from kvconnectors.vllm_metrics import NIXL_BYTES_TRANSFERRED, NIXL_NUM_DESCRIPTORS, NIXL_XFER_TIME_SECONDS
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.agent_session import decoded_turn, prefill_next_turn
+from kvpilot.deploy.client import HTTPStatusError, complete
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import Samples, delta, scrape
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.deploy.tiny_model import ensure_tiny_model
+from kvpilot.kvconnectors.vllm_metrics import NIXL_BYTES_TRANSFERRED, NIXL_NUM_DESCRIPTORS, NIXL_XFER_TIME_SECONDS
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 
 CONNECTORS = ("NixlConnector", "KVPilotConnector")
 

@@ -32,16 +32,16 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import BlockHash as VllmBlockHash
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
-from kvconnectors.hash_contract import (
+from kvpilot.kvconnectors.hash_contract import (
     HASH_ALGOS,
     BlockHash,
     block_hash_chain,
     none_hash,
     seed_identity,
 )
-from kvconnectors.reasons import Reason
-from kvconnectors.transfer_params import PARAMS_KEY, ContractId, decode_offer, encode_offer
-from kvconnectors.verify import verify_offer
+from kvpilot.kvconnectors.reasons import Reason
+from kvpilot.kvconnectors.transfer_params import PARAMS_KEY, ContractId, decode_offer, encode_offer
+from kvpilot.kvconnectors.verify import verify_offer
 
 BLOCK_SIZES = (16, 128)
 

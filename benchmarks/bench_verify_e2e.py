@@ -25,13 +25,13 @@ import time
 import uuid
 from pathlib import Path
 
-from deploy import fleet as fleet_io
-from deploy.client import complete
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape
-from deploy.tiny_model import ensure_tiny_model
-from kvconnectors.pull_params import handoff_request
-from kvconnectors.vllm_metrics import KVPILOT_VERIFY_SECONDS
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.client import complete
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import delta, scrape
+from kvpilot.deploy.tiny_model import ensure_tiny_model
+from kvpilot.kvconnectors.pull_params import handoff_request
+from kvpilot.kvconnectors.vllm_metrics import KVPILOT_VERIFY_SECONDS
 
 
 def main() -> None:

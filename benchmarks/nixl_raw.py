@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from deploy.env import LOCAL_ONLY_ENV, NIXL_CPU_ENV
+from kvpilot.deploy.env import LOCAL_ONLY_ENV, NIXL_CPU_ENV
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from deploy.client import Completion, complete
-from kvconnectors.pull_params import handoff_request
+from kvpilot.deploy.client import Completion, complete
+from kvpilot.kvconnectors.pull_params import handoff_request
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def prefill_then_decode(
     generates ``generated`` tokens (greedy, ``ignore_eos``, token ids returned) with
     the params P returned, or prefills the prompt itself if P returned none.
     ``extra`` (e.g. ``cache_salt``) goes into both requests. Raises what
-    :func:`~deploy.client.complete` raises."""
+    :func:`~kvpilot.deploy.client.complete` raises."""
     params = handoff_request() if p_params is None else p_params
     p = complete(p_url, prompt, max_tokens=1, kv_transfer_params=params, timeout=timeout, **extra)
     d_extra = {**extra, "kv_transfer_params": p.kv_transfer_params} if p.kv_transfer_params else extra

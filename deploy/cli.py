@@ -10,17 +10,17 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deploy.envoy_spec import PickerFailure
+from kvpilot.deploy.envoy_spec import PickerFailure
 
 if TYPE_CHECKING:  # imported where used: the console script starts without them
-    from deploy.fleet_spec import FleetSpec
+    from kvpilot.deploy.fleet_spec import FleetSpec
 
 DEFAULT_RUN_DIR = Path(".kvpilot") / "fleet"
 DEFAULT_CONNECTOR = "KVPilotConnector"
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
-    from deploy.tiny_model import build_tiny_model, ensure_tiny_model, tree_digest
+    from kvpilot.deploy.tiny_model import build_tiny_model, ensure_tiny_model, tree_digest
 
     if args.path is None:
         path = ensure_tiny_model()
@@ -36,9 +36,9 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
 
 def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
-    from deploy.fleet_spec import ENGINE_API_KEY_ENV, FleetSpec
-    from deploy.tiny_model import ensure_tiny_model
-    from routing.config import IndexBackend
+    from kvpilot.deploy.fleet_spec import ENGINE_API_KEY_ENV, FleetSpec
+    from kvpilot.deploy.tiny_model import ensure_tiny_model
+    from kvpilot.routing.config import IndexBackend
 
     extra = json.loads(args.connector_extra_config) if args.connector_extra_config else {}
     return FleetSpec(
@@ -68,7 +68,7 @@ def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
 def _ignored_beside_dynamo(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The flags given to ``fleet up --dynamo`` that a Dynamo fleet cannot honour, each
     with the reason (given: set away from its default)."""
-    from routing.config import IndexBackend
+    from kvpilot.routing.config import IndexBackend
 
     checks = [
         (args.observe, "--observe", "Dynamo's mockers publish no vLLM or NIXL metrics for Prometheus to scrape"),
@@ -95,10 +95,10 @@ def _ignored_beside_dynamo(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _dynamo_fleet_up(args: argparse.Namespace) -> int:
     """``fleet up --dynamo``: Dynamo's frontend and mocker workers beside the router."""
-    from deploy import dynamo_fleet
-    from deploy.dynamo_spec import DynamoFleetSpec
-    from deploy.fleet import FleetStartError
-    from deploy.tiny_model import ensure_tiny_model
+    from kvpilot.deploy import dynamo_fleet
+    from kvpilot.deploy.dynamo_spec import DynamoFleetSpec
+    from kvpilot.deploy.fleet import FleetStartError
+    from kvpilot.deploy.tiny_model import ensure_tiny_model
 
     counts = {"workers": args.workers} if args.workers else {"prefill": args.prefill, "decode": args.decode}
     refused = _ignored_beside_dynamo(args)
@@ -132,7 +132,7 @@ def _dynamo_fleet_up(args: argparse.Namespace) -> int:
 
 
 def _fleet(args: argparse.Namespace) -> int:
-    from deploy import fleet
+    from kvpilot.deploy import fleet
 
     if args.action == "up" and args.dynamo:
         return _dynamo_fleet_up(args)
@@ -145,7 +145,7 @@ def _fleet(args: argparse.Namespace) -> int:
         print(f"kvpilot fleet up: {spec.prefill} prefill, {spec.decode} decode, {spec.colocated} co-located")
         observe = None
         if args.observe:
-            from deploy.observe import ObserveSpec
+            from kvpilot.deploy.observe import ObserveSpec
 
             observe = ObserveSpec(port=args.prometheus_port, nixl_telemetry=not args.no_nixl_telemetry)
         try:
@@ -172,7 +172,7 @@ def _fleet(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from deploy.demo import run_demo
+    from kvpilot.deploy.demo import run_demo
 
     return run_demo(args.run_dir, args.disaggregation)
 
@@ -183,10 +183,10 @@ HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvpilot`` command and its subcommands. A flag that sets a router setting has
-    the router's name for it (:func:`routing.config.flag_name`: ``--server-port``,
+    the router's name for it (:func:`kvpilot.routing.config.flag_name`: ``--server-port``,
     ``--index-backend``, ``--sessions-redis-url``, ``--server-ttft-slo-s``)."""
-    from deploy.fleet_spec import FLEET_TTFT_SLO_S
-    from routing.config import IndexBackend
+    from kvpilot.deploy.fleet_spec import FLEET_TTFT_SLO_S
+    from kvpilot.routing.config import IndexBackend
 
     parser = argparse.ArgumentParser(
         prog="kvpilot", description="KV, prefix and session caching for vLLM fleets", formatter_class=HELP_FORMAT
@@ -297,10 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     dyn.add_argument("--frontend-port", type=int, default=8090, help="with --dynamo: the frontend's HTTP port")
     fl.set_defaults(func=_fleet)
 
-    from deploy.dashboards import add_subcommands as add_dashboard_subcommands
-    from deploy.k8s.render import add_subcommands as add_k8s_subcommands
-    from policies.cli import add_subcommands as add_policy_subcommands
-    from routing.cli import add_subcommands as add_router_subcommands
+    from kvpilot.deploy.dashboards import add_subcommands as add_dashboard_subcommands
+    from kvpilot.deploy.k8s.render import add_subcommands as add_k8s_subcommands
+    from kvpilot.policies.cli import add_subcommands as add_policy_subcommands
+    from kvpilot.routing.cli import add_subcommands as add_router_subcommands
 
     add_policy_subcommands(sub)  # cost, plan, agent
     add_router_subcommands(sub)  # router
@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _docs_reference(args: argparse.Namespace) -> int:
-    from deploy.reference import run
+    from kvpilot.deploy.reference import run
 
     return run(args.root, args.check)
 

@@ -293,7 +293,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from grafana.generate import generate
+    from kvpilot.grafana.generate import generate
 
     return generate(args.check)
 

@@ -16,13 +16,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy import fleet as fleet_io
-from deploy.client import complete
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape, settled
-from deploy.tiny_model import ensure_tiny_model
-from kvconnectors.vllm_metrics import NIXL_BYTES_TRANSFERRED, PROMPT_TOKENS_BY_SOURCE, PromptTokenSource
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.client import complete
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import delta, scrape, settled
+from kvpilot.deploy.tiny_model import ensure_tiny_model
+from kvpilot.kvconnectors.vllm_metrics import NIXL_BYTES_TRANSFERRED, PROMPT_TOKENS_BY_SOURCE, PromptTokenSource
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 
 PROMPT_TOKENS = PROMPT_TOKENS_BY_SOURCE.total
 COMPUTED, RECEIVED = PromptTokenSource.LOCAL_COMPUTE.value, PromptTokenSource.EXTERNAL_KV_TRANSFER.value

@@ -1,5 +1,5 @@
 """Start a Dynamo fleet beside the router, and let workers join and leave it: the
-process side of :mod:`deploy.dynamo_spec`.
+process side of :mod:`kvpilot.deploy.dynamo_spec`.
 
 ``up`` clears ``<run_dir>/discovery``, starts the workers (each in its own process
 group, logs in ``<run_dir>/logs``), waits for their system servers, then the frontend, then
@@ -7,14 +7,14 @@ the router, and waits until the router's ``/health`` lists every worker (its dis
 has found them). When the frontend routes on its own (``spec.frontend_routing`` not
 direct: the fleet benchmark's Dynamo arms) no kvpilot router starts: the frontend waits
 for every worker itself and is recorded as the fleet's router. It records everything in ``<run_dir>/fleet.json`` as
-:func:`deploy.fleet.up` does, so ``kvpilot fleet status`` and ``kvpilot fleet down``
-(:func:`deploy.fleet.down`) work unchanged. On any failure it stops what it started and
-raises :class:`~deploy.fleet.FleetStartError`. :func:`join_worker` and
+:func:`kvpilot.deploy.fleet.up` does, so ``kvpilot fleet status`` and ``kvpilot fleet down``
+(:func:`kvpilot.deploy.fleet.down`) work unchanged. On any failure it stops what it started and
+raises :class:`~kvpilot.deploy.fleet.FleetStartError`. :func:`join_worker` and
 :func:`leave_worker` start one more worker or stop one, live; :func:`restart_router` restarts
 the router (the picker) alone.
 
 :func:`up_one_process` is the scale benchmark's fleet: every aggregated worker in one
-``dynamo.mocker`` process (:func:`deploy.dynamo_spec.mocker_group_plan`), the frontend
+``dynamo.mocker`` process (:func:`kvpilot.deploy.dynamo_spec.mocker_group_plan`), the frontend
 in direct mode, optionally a second frontend running Dynamo's own router on the same
 workers, and the router, told each instance's KV-event endpoint by
 :func:`map_kv_events` (the workers share one request-plane port, so no port rule can).
@@ -36,7 +36,7 @@ from pathlib import Path
 import yaml
 import zmq
 
-from deploy.dynamo_spec import (
+from kvpilot.deploy.dynamo_spec import (
     FRONTEND_HEALTH,
     WORKER_HEALTH,
     DynamoFleetSpec,
@@ -48,7 +48,7 @@ from deploy.dynamo_spec import (
     router_plan,
     worker_plan,
 )
-from deploy.fleet import (
+from kvpilot.deploy.fleet import (
     Fleet,
     FleetStartError,
     RunningProcess,
@@ -60,9 +60,9 @@ from deploy.fleet import (
     start_gateway,
     stop_group,
 )
-from deploy.fleet_spec import HOST, ROUTER_CONFIG, PortCollision, ProcessPlan, envoy_plan
-from routing.config import Role
-from routing.index.events import BlockStored, EventDecoder
+from kvpilot.deploy.fleet_spec import HOST, ROUTER_CONFIG, PortCollision, ProcessPlan, envoy_plan
+from kvpilot.routing.config import Role
+from kvpilot.routing.index.events import BlockStored, EventDecoder
 
 Started = tuple[subprocess.Popen[bytes], RunningProcess]
 
@@ -99,7 +99,7 @@ def frontend_models(frontend_url: str) -> list[str]:
 
 def wait_for_frontend(frontend_url: str, model: str, timeout: float) -> None:
     """Until the frontend serves ``model``: its router is up over the workers it waited
-    for (``--router-min-initial-workers``, :func:`deploy.dynamo_spec.frontend_plan`).
+    for (``--router-min-initial-workers``, :func:`kvpilot.deploy.dynamo_spec.frontend_plan`).
     Raises TimeoutError."""
     deadline = time.monotonic() + timeout
     while model not in frontend_models(frontend_url):
@@ -336,7 +336,7 @@ def up_one_process(
     ``kv_frontend_port`` (with ``kv_frontend_flags``) when given, the router
     (its config's sections updated by ``router_overrides``) and, with ``spec.gateway``,
     Envoy in front of it. Recorded in ``fleet.json``
-    (the mocker, then the frontends, as engines): :func:`deploy.fleet.down` stops it.
+    (the mocker, then the frontends, as engines): :func:`kvpilot.deploy.fleet.down` stops it.
     Raises :class:`FleetStartError` as :func:`up` does."""
     if Fleet.load(spec.run_dir) is not None:
         raise FleetStartError(f"a fleet is already recorded in {spec.run_dir}; run `kvpilot fleet down` first")

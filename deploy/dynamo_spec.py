@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.env import DYNAMO_LOOPBACK_ENV
-from deploy.envoy_spec import GatewaySpec, PickerFailure
-from deploy.fleet_spec import FLEET_TTFT_SLO_S, HOST, ROUTER_CONFIG, ProcessPlan, check_ports, envoy_plan
-from routing.config import Role
+from kvpilot.deploy.env import DYNAMO_LOOPBACK_ENV
+from kvpilot.deploy.envoy_spec import GatewaySpec, PickerFailure
+from kvpilot.deploy.fleet_spec import FLEET_TTFT_SLO_S, HOST, ROUTER_CONFIG, ProcessPlan, check_ports, envoy_plan
+from kvpilot.routing.config import Role
 
 DISCOVERY_DIR = "discovery"
 DYNAMO_PLANES = ("--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq")
@@ -35,7 +35,7 @@ DYNAMO_PLANES = ("--discovery-backend", "file", "--request-plane", "tcp", "--eve
 WORKER_HEALTH = "/metrics"
 """What answers 200 once a worker's system server is up. Its ``/health`` stays 503
 ("notready", every endpoint "ready") in Dynamo 1.6.1's mocker: the fleet is ready when
-the router's discovery lists every worker instead (:func:`deploy.dynamo_fleet.up`)."""
+the router's discovery lists every worker instead (:func:`kvpilot.deploy.dynamo_fleet.up`)."""
 FRONTEND_HEALTH = "/v1/models"
 """What answers 200 once the frontend serves."""
 
@@ -279,13 +279,13 @@ def router_config(spec: DynamoFleetSpec) -> dict[str, object]:
 
 
 def router_plan(spec: DynamoFleetSpec) -> ProcessPlan:
-    argv = (sys.executable, "-m", "routing.cli", "router", "--config", str(spec.run_dir / ROUTER_CONFIG))
+    argv = (sys.executable, "-m", "kvpilot.routing.cli", "router", "--config", str(spec.run_dir / ROUTER_CONFIG))
     return ProcessPlan("router", None, argv, spec.dynamo_env, spec.router_port)
 
 
 def plan_dynamo_fleet(spec: DynamoFleetSpec) -> tuple[list[ProcessPlan], ProcessPlan, ProcessPlan, dict[str, object]]:
     """The workers (by ordinal), the frontend, the router, and the router's config (to be
-    written to ``<run_dir>/router.yaml``). Raises :class:`~deploy.fleet_spec.PortCollision`
+    written to ``<run_dir>/router.yaml``). Raises :class:`~kvpilot.deploy.fleet_spec.PortCollision`
     when two of their ports meet (Envoy's and the picker's among them)."""
     counts: dict[Role, int] = {}
     workers = []

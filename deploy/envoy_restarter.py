@@ -1,5 +1,5 @@
 """Envoy's hot restarter: the parent Envoy's hot restart expects
-(``python -m deploy.envoy_restarter ENVOY_ARGV...``).
+(``python -m kvpilot.deploy.envoy_restarter ENVOY_ARGV...``).
 
 Envoy in hot-restart mode asks to be signalled when its parent dies, so its parent must
 outlive it: a launcher that exits after starting it would take it down. This process is
@@ -76,7 +76,7 @@ class Restarter:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
-        print("usage: python -m deploy.envoy_restarter ENVOY [ARG...]", file=sys.stderr)
+        print("usage: python -m kvpilot.deploy.envoy_restarter ENVOY [ARG...]", file=sys.stderr)
         return 2
     return Restarter(args).run()
 

@@ -38,7 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from routing.gateway.contract import ACCESS_LOG_NAME, ANSWER_HEADERS, DESTINATION_HEADER, ROUTING_HEADERS, LogAttribute
+from kvpilot.routing.gateway.contract import (
+    ACCESS_LOG_NAME,
+    ANSWER_HEADERS,
+    DESTINATION_HEADER,
+    ROUTING_HEADERS,
+    LogAttribute,
+)
 
 ADMIN_HOST = "127.0.0.1"
 """Envoy's admin interface listens here, on one machine and in a pod alike."""
@@ -52,7 +58,7 @@ FALLBACK_CLUSTER = "fallback"
 
 
 class ProcessorStyle(str, enum.Enum):
-    """How Envoy talks to the picker (:mod:`routing.gateway.extproc` serves both)."""
+    """How Envoy talks to the picker (:mod:`kvpilot.routing.gateway.extproc` serves both)."""
 
     KVPILOT = "kvpilot"
     """The request body buffered, no response phase: no streamed byte reaches the picker,
@@ -98,7 +104,7 @@ class GatewaySpec:
     """The largest request body Envoy buffers for the picker (the router's ``server.max_body_bytes``)."""
     style: ProcessorStyle = ProcessorStyle.KVPILOT
     drain_s: int = 600
-    """On a hot restart (:func:`deploy.fleet.restart_gateway`), how long the Envoy being
+    """On a hot restart (:func:`kvpilot.deploy.fleet.restart_gateway`), how long the Envoy being
     replaced keeps serving the streams it holds (the new one takes every new connection)."""
 
     def __post_init__(self) -> None:

@@ -1,10 +1,10 @@
-"""Start, inspect and stop a local fleet: the process side of :mod:`deploy.fleet_spec`.
+"""Start, inspect and stop a local fleet: the process side of :mod:`kvpilot.deploy.fleet_spec`.
 
 ``up`` refuses a plan whose ports collide, starts every engine in its own process
 group, with its log in ``<run_dir>/logs/<name>.log``, waits until all answer
 ``/health``, hands KV from every P to every D once (NIXL's handshake, before any
-client request: :mod:`deploy.pair_warmup`), then starts the router (and, when
-observed, Prometheus: :mod:`deploy.observe`) and writes ``<run_dir>/fleet.json``. If
+client request: :mod:`kvpilot.deploy.pair_warmup`), then starts the router (and, when
+observed, Prometheus: :mod:`kvpilot.deploy.observe`) and writes ``<run_dir>/fleet.json``. If
 a process dies while starting, or the wait times out, or the caller is interrupted
 (Ctrl-C, SIGTERM), ``up`` stops everything it started and raises
 :class:`FleetStartError` naming the process, with the tail of its log and, last,
@@ -35,12 +35,12 @@ from typing import Any
 
 import yaml
 
-from deploy.env import child_env
-from deploy.envoy_spec import ENVOY_CONFIG, GatewaySpec, envoy_bootstrap
-from deploy.fleet_spec import HOST, ROUTER_CONFIG, FleetSpec, PortCollision, ProcessPlan, envoy_plan, plan_fleet
-from deploy.observe import PROMETHEUS_CONFIG, ObserveSpec, PrometheusMissing, plan_observe, prometheus_binary
-from deploy.pair_warmup import PairWarmUpError, warm_up_pair
-from routing.config import Role
+from kvpilot.deploy.env import child_env
+from kvpilot.deploy.envoy_spec import ENVOY_CONFIG, GatewaySpec, envoy_bootstrap
+from kvpilot.deploy.fleet_spec import HOST, ROUTER_CONFIG, FleetSpec, PortCollision, ProcessPlan, envoy_plan, plan_fleet
+from kvpilot.deploy.observe import PROMETHEUS_CONFIG, ObserveSpec, PrometheusMissing, plan_observe, prometheus_binary
+from kvpilot.deploy.pair_warmup import PairWarmUpError, warm_up_pair
+from kvpilot.routing.config import Role
 
 STATE_FILE = "fleet.json"
 LOG_TAIL_LINES = 40
@@ -353,7 +353,7 @@ def _warm_up_pairs(
     progress: Callable[[str], object],
     involving: str | None = None,
 ) -> None:
-    """Every (P, D) pair's first KV handoff (:mod:`deploy.pair_warmup`: NIXL's
+    """Every (P, D) pair's first KV handoff (:mod:`kvpilot.deploy.pair_warmup`: NIXL's
     handshake), so that no client request pays it; with ``involving``, only the pairs
     that engine is in (it was restarted: its peers' handshakes with its old agent are
     void). Raises :class:`FleetStartError` naming the pair when one does not succeed
@@ -386,7 +386,7 @@ def up(
     observe: ObserveSpec | None = None,
 ) -> Fleet:
     """Start the fleet and return it once every process is healthy and every (P, D)
-    pair has handed KV over once (its NIXL handshake done: :mod:`deploy.pair_warmup`);
+    pair has handed KV over once (its NIXL handshake done: :mod:`kvpilot.deploy.pair_warmup`);
     with ``observe``, then Prometheus scraping it (and NIXL's exporter in every engine,
     if asked).
 
@@ -482,7 +482,7 @@ def start_gateway(
     gateway: GatewaySpec, run_dir: Path, deadline: float, progress: Callable[[str], object]
 ) -> tuple[subprocess.Popen[bytes], RunningProcess]:
     """Write Envoy's bootstrap to ``<run_dir>/envoy.yaml``, start Envoy under its restarter
-    (:func:`deploy.fleet_spec.envoy_plan`) and return it once ``/health`` passes through it
+    (:func:`kvpilot.deploy.fleet_spec.envoy_plan`) and return it once ``/health`` passes through it
     to the picker (the router must be serving). Raises :class:`FleetStartError` as
     :func:`start` does, after stopping it; the caller stops it on a later failure."""
     (run_dir / ENVOY_CONFIG).write_text(yaml.safe_dump(envoy_bootstrap(gateway), sort_keys=False))
@@ -499,7 +499,7 @@ def start_gateway(
 
 def restart_gateway(run_dir: Path, gateway: GatewaySpec, timeout: float = 60.0) -> Fleet:
     """Hot-restart the Envoy of the fleet recorded in ``run_dir`` (started from ``gateway``):
-    its restarter (:mod:`deploy.envoy_restarter`) starts the next epoch, which takes over the
+    its restarter (:mod:`kvpilot.deploy.envoy_restarter`) starts the next epoch, which takes over the
     listener; the old Envoy stops taking connections but serves the streams it holds for up
     to ``gateway.drain_s``, then exits: no client's stream is cut. Returns the updated fleet
     once the new Envoy is live (its admin interface says so) and ``/health`` passes through

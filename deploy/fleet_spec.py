@@ -15,11 +15,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.env import CPU_EAGER_ENV, HASH_SEED_ENV, NIXL_CPU_ENV
-from deploy.envoy_spec import ENVOY_CONFIG, GatewaySpec, PickerFailure, envoy_binary
-from routing.config import IndexBackend, Role, Worker
-from routing.fleet import kv_events_config
-from routing.ids import WorkerId
+from kvpilot.deploy.env import CPU_EAGER_ENV, HASH_SEED_ENV, NIXL_CPU_ENV
+from kvpilot.deploy.envoy_spec import ENVOY_CONFIG, GatewaySpec, PickerFailure, envoy_binary
+from kvpilot.routing.config import IndexBackend, Role, Worker
+from kvpilot.routing.fleet import kv_events_config
+from kvpilot.routing.ids import WorkerId
 
 HOST = "127.0.0.1"
 ROUTER_CONFIG = "router.yaml"
@@ -75,7 +75,7 @@ class FleetSpec:
     it overrides the planned variables of the same name."""
     kv_events_ipc: bool = False
     """Engine i publishes its KV events on ``ipc://<run_dir>/kv-events-<i>.sock``, which it
-    binds and any number of routers connect to (router replicas, :func:`deploy.fleet.start_router`);
+    binds and any number of routers connect to (router replicas, :func:`kvpilot.deploy.fleet.start_router`);
     ``False``: on ``events_port + i``, which the one router binds."""
     session_store_url: str | None = None
     """Redis at this URL keeps the router's sessions (``sessions.store: redis``), so a
@@ -315,8 +315,8 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
 
 def envoy_plan(spec: GatewaySpec, run_dir: Path) -> ProcessPlan:
     """Envoy with the bootstrap at ``<run_dir>/envoy.yaml`` (written by the launcher from
-    :func:`deploy.envoy_spec.envoy_bootstrap`), under its hot restarter
-    (:mod:`deploy.envoy_restarter`, the parent Envoy's hot restart needs); healthy once
+    :func:`kvpilot.deploy.envoy_spec.envoy_bootstrap`), under its hot restarter
+    (:mod:`kvpilot.deploy.envoy_restarter`, the parent Envoy's hot restart needs); healthy once
     ``/health`` passes through it to the picker. One hot-restart family per Envoy on a box
     (``--base-id``: the gateway's port); a SIGHUP to the restarter starts the next epoch,
     which takes over the listeners while the previous one drains its open streams for up
@@ -324,7 +324,7 @@ def envoy_plan(spec: GatewaySpec, run_dir: Path) -> ProcessPlan:
     argv = (
         sys.executable,
         "-m",
-        "deploy.envoy_restarter",
+        "kvpilot.deploy.envoy_restarter",
         str(envoy_binary()),
         "-c",
         str(run_dir / ENVOY_CONFIG),
@@ -381,7 +381,7 @@ def plan_fleet(spec: FleetSpec) -> tuple[list[ProcessPlan], ProcessPlan, dict[st
         workers += [_worker(spec, role, i, len(workers) + i) for i in range(count)]
     engines = [_engine_plan(spec, worker, ordinal) for ordinal, worker in enumerate(workers)]
     config_path = spec.run_dir / ROUTER_CONFIG
-    argv = (sys.executable, "-m", "routing.cli", "router", "--config", str(config_path))
+    argv = (sys.executable, "-m", "kvpilot.routing.cli", "router", "--config", str(config_path))
     events_ports = () if spec.kv_events_ipc else tuple(spec.events_port + i for i in range(len(workers)))
     router_env = {ENGINE_API_KEY_ENV: spec.engine_api_key} if spec.engine_api_key else {}
     events_uses = tuple(  # none over ipc: the engines bind their event sockets

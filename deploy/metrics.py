@@ -7,8 +7,8 @@ import time
 import urllib.request
 from collections.abc import Callable, Mapping
 
-from kvconnectors import vllm_metrics
-from routing.ingest.engine_metrics import parse_samples
+from kvpilot.kvconnectors import vllm_metrics
+from kvpilot.routing.ingest.engine_metrics import parse_samples
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -16,7 +16,7 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 def parse(text: str) -> Samples:
     """Samples by (name, labels), names as exposed (a counter's ``_total``).
 
-    A line the parser refuses is skipped (see :func:`routing.ingest.engine_metrics.parse_samples`):
+    A line the parser refuses is skipped (see :func:`kvpilot.routing.ingest.engine_metrics.parse_samples`):
     never raises; empty text gives ``{}``.
     """
     return {(s.name, frozenset(s.labels.items())): float(s.value) for s in parse_samples(text)}
@@ -66,7 +66,7 @@ def wait_for_metric(
 
 def settled(base_url: str, before: Samples, finished: int = 1, *, timeout: float = 10.0) -> Samples:
     """An engine's metrics once vLLM counts ``finished`` more finished requests
-    (:data:`~kvconnectors.vllm_metrics.REQUEST_SUCCESS`) than in ``before`` (a scrape
+    (:data:`~kvpilot.kvconnectors.vllm_metrics.REQUEST_SUCCESS`) than in ``before`` (a scrape
     from before the requests).
 
     vLLM answers a request before its stats loop publishes the batch that finished

@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.fleet_spec import HOST, ProcessPlan, check_ports
+from kvpilot.deploy.fleet_spec import HOST, ProcessPlan, check_ports
 
 PROMETHEUS_CONFIG = "prometheus.yml"
 DEFAULT_RULES = Path(__file__).resolve().parents[1] / "grafana" / "alerts.yml"
@@ -101,7 +101,7 @@ def plan_observe(
 ) -> tuple[list[ProcessPlan], ProcessPlan, dict[str, object]]:
     """The engines (with NIXL's exporter when on), the Prometheus process, and its config
     (to be written to ``<run_dir>/prometheus.yml``). Raises
-    :class:`~deploy.fleet_spec.PortCollision` when a port of Prometheus or of an exporter
+    :class:`~kvpilot.deploy.fleet_spec.PortCollision` when a port of Prometheus or of an exporter
     meets another of the fleet's (the router's too)."""
     if spec.nixl_telemetry:
         engines = [

@@ -8,7 +8,7 @@ landed on the first client request (issue 20: ``make demo``'s first request went
 vLLM's own P->D protocol, straight to the engines (the router is not up yet, and
 it picks pairs by cost, not one of each): P prefills a prompt of
 :data:`PROMPT_BLOCKS` full blocks with ``max_tokens=1`` and
-:func:`~kvconnectors.pull_params.handoff_request`, D completes the same prompt with
+:func:`~kvpilot.kvconnectors.pull_params.handoff_request`, D completes the same prompt with
 P's returned params. It has succeeded when D counts prompt tokens received over
 the transfer (``vllm:prompt_tokens_by_source{source="external_kv_transfer"}``);
 a handoff that D recomputed instead (the pull failed) is tried again under a new
@@ -26,9 +26,9 @@ import urllib.request
 import uuid
 from typing import Any
 
-from deploy.metrics import delta, scrape, settled
-from kvconnectors.pull_params import handoff_request
-from kvconnectors.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, PromptTokenSource
+from kvpilot.deploy.metrics import delta, scrape, settled
+from kvpilot.kvconnectors.pull_params import handoff_request
+from kvpilot.kvconnectors.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, PromptTokenSource
 
 PROMPT_BLOCKS = 2
 """Full blocks in the warm-up prompt: KVPilotConnector moves verified full blocks only

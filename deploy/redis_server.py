@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from deploy.fleet_spec import HOST
+from kvpilot.deploy.fleet_spec import HOST
 
 INSTALL_HINT = "redis-server is not installed: `apt-get install -y redis-server` (scripts/bootstrap.sh does it)"
 

@@ -7,13 +7,13 @@ generates (``make test`` runs the check, so a stale page fails CI).
 
 Sources, each read where it is defined:
 
-- config keys: the typed structs (:class:`routing.config.RouterConfig`,
-  :class:`kvconnectors.config.KVPilotConfig`): each field's type and default from msgspec,
+- config keys: the typed structs (:class:`kvpilot.routing.config.RouterConfig`,
+  :class:`kvpilot.kvconnectors.config.KVPilotConfig`): each field's type and default from msgspec,
   its meaning from the docstring under it in the source (a field without one is an error),
   its unit from its name's suffix (:data:`UNIT_SUFFIXES`);
-- the CLI: :func:`deploy.cli.build_parser` (a flag without help is an error);
+- the CLI: :func:`kvpilot.deploy.cli.build_parser` (a flag without help is an error);
 - metrics: the router's registry as a router builds it (its families and their scrape-time
-  collectors) and the connector's counters (:data:`kvconnectors.stats.COUNTERS`);
+  collectors) and the connector's counters (:data:`kvpilot.kvconnectors.stats.COUNTERS`);
 - endpoints: the router's aiohttp routes, each handler's first docstring line.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from policies.typed_config import TypedConfig, field_docs
+from kvpilot.policies.typed_config import TypedConfig, field_docs
 
 REFERENCE_DIR = Path("docs") / "reference"
 """Where the pages live, relative to the repository root."""
@@ -212,9 +212,9 @@ def _series_name(name: str, kind: str) -> str:
 def router_metrics() -> list[MetricEntry]:
     """The families of a router's ``/metrics``, as a 1 P + 1 D router registers them
     (no traffic: each family's labels as declared)."""
-    from routing.config import RouterConfig
-    from routing.fleet import fleet_from_config
-    from routing.serve.app import RouterServer
+    from kvpilot.routing.config import RouterConfig
+    from kvpilot.routing.fleet import fleet_from_config
+    from kvpilot.routing.serve.app import RouterServer
 
     workers = [
         {"name": "prefill-0", "role": "prefill", "url": "http://127.0.0.1:1"},
@@ -236,7 +236,7 @@ def router_metrics() -> list[MetricEntry]:
 
 def connector_metrics() -> list[MetricEntry]:
     """kvpilot's counters on each engine's ``/metrics`` (beside vLLM's ``vllm:`` families)."""
-    from kvconnectors.stats import COUNTERS
+    from kvpilot.kvconnectors.stats import COUNTERS
 
     return [
         MetricEntry(spec.metric.total, "counter", spec.label_names if spec.reasons else (), spec.doc)
@@ -264,9 +264,9 @@ def metrics_page(router: Sequence[MetricEntry], connector: Sequence[MetricEntry]
 
 def endpoints_page() -> str:
     """The router's HTTP routes (the picker's gRPC services are Envoy's, listed after)."""
-    from routing.config import RouterConfig
-    from routing.fleet import fleet_from_config
-    from routing.serve.app import RouterServer
+    from kvpilot.routing.config import RouterConfig
+    from kvpilot.routing.fleet import fleet_from_config
+    from kvpilot.routing.serve.app import RouterServer
 
     config = msgspec.convert(
         {"workers": [{"name": "w", "role": "colocated", "url": "http://127.0.0.1:1"}]}, RouterConfig
@@ -295,9 +295,9 @@ def endpoints_page() -> str:
 
 def pages() -> dict[str, str]:
     """Every reference page by file name."""
-    from deploy.cli import build_parser
-    from kvconnectors.config import KVPilotConfig
-    from routing.config import RouterConfig
+    from kvpilot.deploy.cli import build_parser
+    from kvpilot.kvconnectors.config import KVPilotConfig
+    from kvpilot.routing.config import RouterConfig
 
     return {
         "router-config.md": config_page(

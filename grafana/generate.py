@@ -1,4 +1,4 @@
-"""Build the dashboards of :mod:`grafana.panels` into Grafana JSON with Grafana's
+"""Build the dashboards of :mod:`kvpilot.grafana.panels` into Grafana JSON with Grafana's
 foundation SDK, and write them to ``grafana/dashboards/<uid>.json``.
 
     kvpilot dashboards generate           # write
@@ -36,7 +36,7 @@ from grafana_foundation_sdk.models.dashboard import (
     VariableSort,
 )
 
-from grafana.panels import DASHBOARDS, DashboardSpec, Panel, Variable
+from kvpilot.grafana.panels import DASHBOARDS, DashboardSpec, Panel, Variable
 
 OUT_DIR = Path(__file__).resolve().parent / "dashboards"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")

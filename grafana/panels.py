@@ -1,10 +1,10 @@
 """What each kvpilot dashboard shows, as plain data: rows of panels, each panel a few
-PromQL queries. No Grafana import: :mod:`grafana.generate` turns this into the
-committed JSON, and ``deploy.dashboards`` reads that JSON back (the e2e test, the
+PromQL queries. No Grafana import: :mod:`kvpilot.grafana.generate` turns this into the
+committed JSON, and ``kvpilot.deploy.dashboards`` reads that JSON back (the e2e test, the
 PNG renderer).
 
 Template variables the queries use (Grafana substitutes them; so does
-``deploy.dashboards.substitute``):
+``kvpilot.deploy.dashboards.substitute``):
 
 * ``$datasource``: the Prometheus data source;
 * ``$model``: vLLM's ``model_name`` label;
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvconnectors import vllm_metrics as vm
-from kvconnectors.vllm_metrics import HistogramFamily
+from kvpilot.kvconnectors import vllm_metrics as vm
+from kvpilot.kvconnectors.vllm_metrics import HistogramFamily
 
 ENGINE = 'model_name=~"$model", instance=~"$instance"'
 """Selects the engines the dashboard's ``model`` and ``instance`` variables name."""

@@ -1,6 +1,6 @@
 """Which of a peer's offered blocks one request loads, and why. Pure.
 
-The attaching side of :mod:`kvconnectors.scheduler`, as plain functions of plain
+The attaching side of :mod:`kvpilot.kvconnectors.scheduler`, as plain functions of plain
 values: the request as :class:`PromptView`, the peer's kv_transfer_params, this
 engine's contract and local prefix hit. The scheduler layer reads those from vLLM's
 ``Request`` and holds the live state that two inputs come from: whether to skip the
@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvconnectors.pull_policy import PullDecision
-from kvconnectors.reasons import Reason
-from kvconnectors.transfer_params import (
+from kvpilot.kvconnectors.pull_policy import PullDecision
+from kvpilot.kvconnectors.reasons import Reason
+from kvpilot.kvconnectors.transfer_params import (
     PARAMS_KEY,
     BlockOffer,
     ContractId,
@@ -24,8 +24,8 @@ from kvconnectors.transfer_params import (
     TransferParamsError,
     decode_offer,
 )
-from kvconnectors.verify import verify_offer
-from policies.recompute_vs_transfer import Span
+from kvpilot.kvconnectors.verify import verify_offer
+from kvpilot.policies.recompute_vs_transfer import Span
 
 DecidePull = Callable[[Span], PullDecision]
 """The pull policy on live load and link telemetry, for one verified span."""

@@ -14,7 +14,7 @@ own keys are the fields of :class:`KVPilotConfig`, each documented under it (the
 generated reference lists them: ``docs/reference/connector-config.md``).
 
 Pure: no vLLM import. Whether ``inner_connector`` names a connector vLLM knows is
-checked where the registry is at hand (:mod:`kvconnectors.connector`).
+checked where the registry is at hand (:mod:`kvpilot.kvconnectors.connector`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kvconnectors.pull_policy import PEER_RETRY_AFTER_S, RecomputePolicy
-from policies.typed_config import TypedConfig, TypedConfigError, check_range, convert
+from kvpilot.kvconnectors.pull_policy import PEER_RETRY_AFTER_S, RecomputePolicy
+from kvpilot.policies.typed_config import TypedConfig, TypedConfigError, check_range, convert
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 
@@ -90,7 +90,7 @@ class KVPilotConfig(TypedConfig, frozen=True):
     the live pull policy (this engine's backlog, measured link and prefill rate); ``threshold``,
     the inner connector's fixed ``kv_recompute_threshold`` (implied when that key is given)."""
     policy_hardware: PresetName | None = None
-    """The pull policy's hardware (a ``policies.presets`` name), pricing recomputing until this
+    """The pull policy's hardware (a ``kvpilot.policies.presets`` name), pricing recomputing until this
     engine has timed its own steps; null: the engine's own (its bound CPU cores, or its GPU
     times the tensor-parallel size)."""
     policy_model: PresetName | None = None
@@ -122,7 +122,7 @@ class KVPilotConfig(TypedConfig, frozen=True):
     def parse(cls, raw: object) -> KVPilotConfig:
         """Parse and validate ``raw`` (the extra-config dict; ``None`` means defaults):
         the inner connector's keys merged into ``inner_extra_config``, then
-        :func:`policies.typed_config.convert` against this class's types and checks.
+        :func:`kvpilot.policies.typed_config.convert` against this class's types and checks.
 
         The top-level keys are checked here, not by msgspec: which inner keys may
         stand there depends on ``inner_connector``, and the message lists both kinds.
@@ -157,8 +157,8 @@ _PRESET_KEYS = ("policy_hardware", "policy_model", "policy_link")
 
 
 def _check_presets(names: Mapping[str, str | None]) -> None:
-    from policies.presets import hardware_preset, link_preset, model_preset
-    from policies.specs import SpecError
+    from kvpilot.policies.presets import hardware_preset, link_preset, model_preset
+    from kvpilot.policies.specs import SpecError
 
     for key, lookup in (
         ("policy_hardware", hardware_preset),

@@ -3,12 +3,12 @@
 An inner connector (``NixlConnector`` by default, named in the extra config) owns the
 data plane: NIXL agents, handshakes, pull and push, leases, heartbeats, its metrics.
 This facade forwards every call to it, and adds kvpilot's layers at the
-scheduler-side seams through :class:`kvconnectors.scheduler.KVPilotScheduler`.
+scheduler-side seams through :class:`kvpilot.kvconnectors.scheduler.KVPilotScheduler`.
 The worker side is the inner connector's, unchanged, except that the engine thread
-keeps its CPU binding (:mod:`kvconnectors.thread_binding`).
+keeps its CPU binding (:mod:`kvpilot.kvconnectors.thread_binding`).
 
 Loaded by name through the ``vllm.general_plugins`` entry point
-(:mod:`kvconnectors.plugin`); ``kv_connector_module_path`` is not needed.
+(:mod:`kvpilot.kvconnectors.plugin`); ``kv_connector_module_path`` is not needed.
 """
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvconnectors import CONNECTOR_NAME
-from kvconnectors.attach_plan import apply_plan
-from kvconnectors.config import KVPilotConfig, KVPilotConfigError
-from kvconnectors.policy_setup import build_pull_policy
-from kvconnectors.pull_params import PULL_DONE_KEY
-from kvconnectors.scheduler import KVPilotScheduler
-from kvconnectors.stats import KVPilotPromMetrics, KVPilotStats
-from kvconnectors.thread_binding import keeping_thread_binding
+from kvpilot.kvconnectors import CONNECTOR_NAME
+from kvpilot.kvconnectors.attach_plan import apply_plan
+from kvpilot.kvconnectors.config import KVPilotConfig, KVPilotConfigError
+from kvpilot.kvconnectors.policy_setup import build_pull_policy
+from kvpilot.kvconnectors.pull_params import PULL_DONE_KEY
+from kvpilot.kvconnectors.scheduler import KVPilotScheduler
+from kvpilot.kvconnectors.stats import KVPilotPromMetrics, KVPilotStats
+from kvpilot.kvconnectors.thread_binding import keeping_thread_binding
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents

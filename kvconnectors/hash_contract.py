@@ -2,7 +2,7 @@
 
 The connector's verification builds on it, and it must never import vLLM (it is
 tested, and benchmarked, without an engine). The router does not use it: it names
-blocks by their tokens (:mod:`routing.index.chain`). It restates, and its
+blocks by their tokens (:mod:`kvpilot.routing.index.chain`). It restates, and its
 tests check against, vLLM 0.32's own code in ``vllm/v1/core/kv_cache_utils.py``
 (``init_none_hash``, ``hash_block_tokens``, ``generate_block_hash_extra_keys``,
 ``get_request_block_hasher``) and ``vllm/utils/hashing.py``.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from kvconnectors import CONNECTOR_NAME
+from kvpilot.kvconnectors import CONNECTOR_NAME
 
 
 def log_like_vllm() -> None:
@@ -40,4 +40,4 @@ def register() -> None:
 
     # vLLM's factory refuses a second registration: this process has it already.
     with contextlib.suppress(ValueError):
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvconnectors.connector", "KVPilotConnector")
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvpilot.kvconnectors.connector", "KVPilotConnector")

@@ -7,10 +7,10 @@ platform (a CPU engine's bound cores, or the GPU's name times the tensor-paralle
 size), the link prior from the platform (NIXL over loopback on a CPU box, RDMA on
 GPUs). ``policy_model``, ``policy_hardware`` and ``policy_link`` override them by
 preset name. The link prior stands until the engine has measured its own NIXL
-transfers (see :class:`kvconnectors.pull_policy.LinkMeter`); the hardware (with the
+transfers (see :class:`kvpilot.kvconnectors.pull_policy.LinkMeter`); the hardware (with the
 model) prices recomputing only until the engine has timed
-:data:`~policies.measured_fit.MIN_SAMPLES` of its own steps
-(:mod:`kvconnectors.step_rates`).
+:data:`~kvpilot.policies.measured_fit.MIN_SAMPLES` of its own steps
+(:mod:`kvpilot.kvconnectors.step_rates`).
 """
 
 from __future__ import annotations
@@ -19,12 +19,19 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from kvconnectors.config import RECOMPUTE_THRESHOLD_KEY, KVPilotConfig
-from kvconnectors.pull_policy import PullPolicy, RecomputePolicy, RooflinePullPolicy, ThresholdPullPolicy
-from policies.measured_fit import MIN_SAMPLES
-from policies.presets import GPUS, hardware_preset, kv_format_preset, link_preset, model_from_hf_config, model_preset
-from policies.recompute_vs_transfer import VLLM_RECOMPUTE_BELOW_TOKENS, RecomputeVsTransferPolicy
-from policies.specs import HardwareSpec
+from kvpilot.kvconnectors.config import RECOMPUTE_THRESHOLD_KEY, KVPilotConfig
+from kvpilot.kvconnectors.pull_policy import PullPolicy, RecomputePolicy, RooflinePullPolicy, ThresholdPullPolicy
+from kvpilot.policies.measured_fit import MIN_SAMPLES
+from kvpilot.policies.presets import (
+    GPUS,
+    hardware_preset,
+    kv_format_preset,
+    link_preset,
+    model_from_hf_config,
+    model_preset,
+)
+from kvpilot.policies.recompute_vs_transfer import VLLM_RECOMPUTE_BELOW_TOKENS, RecomputeVsTransferPolicy
+from kvpilot.policies.specs import HardwareSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,7 +72,7 @@ def engine_hardware(vllm_config: VllmConfig) -> HardwareSpec:
 
 
 def build_pull_policy(vllm_config: VllmConfig, config: KVPilotConfig) -> PullPolicy:
-    """The policy that decides this engine's session pulls (see :mod:`kvconnectors.config`)."""
+    """The policy that decides this engine's session pulls (see :mod:`kvpilot.kvconnectors.config`)."""
     if config.recompute_policy is RecomputePolicy.THRESHOLD:
         threshold = config.inner_extra_config.get(RECOMPUTE_THRESHOLD_KEY, VLLM_RECOMPUTE_BELOW_TOKENS)
         return ThresholdPullPolicy(int(threshold))

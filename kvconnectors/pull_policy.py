@@ -6,7 +6,7 @@ vLLM's bidirectional mode), the verified blocks beyond P's local hit form a
 *span*. Pulling it costs the link's fixed cost plus its bytes over the bandwidth
 this engine's own NIXL transfers achieved; recomputing it costs the time it adds
 to P's pass: P's own prefill rate, fitted to its steps, once it has timed enough of
-them (:mod:`kvconnectors.step_rates`), the roofline on its hardware spec given the
+them (:mod:`kvpilot.kvconnectors.step_rates`), the roofline on its hardware spec given the
 prefill work P already has until then. :class:`RooflinePullPolicy` asks
 :class:`policies.RecomputeVsTransferPolicy`; :class:`ThresholdPullPolicy` is
 vLLM's rule, kept for users who pin ``kv_recompute_threshold``.
@@ -14,7 +14,7 @@ vLLM's rule, kept for users who pin ``kv_recompute_threshold``.
 The live inputs are kept as plain counters fed by the connector:
 :class:`PrefillBacklog` (from the scheduler's own outputs), :class:`LinkMeter`
 (from the NIXL worker's transfer telemetry) and
-:class:`kvconnectors.step_rates.StepRates` (from the steps' timings).
+:class:`kvpilot.kvconnectors.step_rates.StepRates` (from the steps' timings).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from policies.recompute_vs_transfer import (
+from kvpilot.policies.recompute_vs_transfer import (
     Choice,
     LinkTelemetry,
     MeasuredPrefill,
@@ -40,7 +40,7 @@ PullChoice = Literal["pull", "recompute"]
 
 class RecomputePolicy(str, enum.Enum):
     """Who decides whether a span is pulled: the connector's ``recompute_policy``
-    (:mod:`kvconnectors.config`)."""
+    (:mod:`kvpilot.kvconnectors.config`)."""
 
     ROOFLINE = "roofline"
     """:class:`RooflinePullPolicy`: :class:`policies.RecomputeVsTransferPolicy` on live inputs."""
@@ -57,7 +57,7 @@ class DecidedBy(str, enum.Enum):
     spec (the prior: this engine has not yet timed enough of its own steps)."""
     MEASURED = "measured"
     """:class:`RooflinePullPolicy` with recomputing priced by this engine's own prefill
-    rate, fitted to its steps (:mod:`kvconnectors.step_rates`)."""
+    rate, fitted to its steps (:mod:`kvpilot.kvconnectors.step_rates`)."""
     THRESHOLD = "threshold"
     """:class:`ThresholdPullPolicy`: vLLM's fixed ``kv_recompute_threshold``."""
 
@@ -172,7 +172,7 @@ class LinkMeter:
     """The last ``window`` transfers this engine's NIXL worker made (bytes and
     seconds each), the failures among the last ``window`` outcomes, and the last
     ``window`` whole pulls as their requests waited for them
-    (:class:`~policies.recompute_vs_transfer.LinkTelemetry`)."""
+    (:class:`~kvpilot.policies.recompute_vs_transfer.LinkTelemetry`)."""
 
     def __init__(self, window: int = 32) -> None:
         self._samples: deque[TransferSample] = deque(maxlen=window)

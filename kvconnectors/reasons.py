@@ -3,7 +3,7 @@ reasons, pure, no vLLM.
 
 Each value is a ``reason`` label of ``vllm:kvpilot_rejected_blocks_total`` and
 ``vllm:kvpilot_recomputed_tokens_total``; dashboards and tests match them as
-strings, so a value never changes once shipped. :func:`kvconnectors.verify.verify_offer`
+strings, so a value never changes once shipped. :func:`kvpilot.kvconnectors.verify.verify_offer`
 decides the first three; the scheduler layer adds the others.
 """
 

@@ -15,12 +15,12 @@ scheduler and the inner connector.
 
 Every remote attach goes through :meth:`KVPilotScheduler.plan_attach`, whatever the
 direction (P->D prefill handoff or a bidirectional pull of the peer's session KV); the
-decision itself is :func:`kvconnectors.attach_plan.plan_attach`, pure and tested
+decision itself is :func:`kvpilot.kvconnectors.attach_plan.plan_attach`, pure and tested
 without vLLM. This class is its vLLM-facing side and holds the live state.
 A session pull (P pulling D's KV of earlier turns) is optional: the verified span
-is pulled or recomputed as the pull policy decides (:mod:`kvconnectors.pull_policy`),
+is pulled or recomputed as the pull policy decides (:mod:`kvpilot.kvconnectors.pull_policy`),
 on this engine's own prefill backlog, measured NIXL transfers and prefill rate (its
-steps timed on the injected clock, :mod:`kvconnectors.step_rates`). A P->D handoff is
+steps timed on the injected clock, :mod:`kvpilot.kvconnectors.step_rates`). A P->D handoff is
 always loaded: P computed it for this request.
 """
 
@@ -33,15 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvconnectors.attach_plan import (
+from kvpilot.kvconnectors.attach_plan import (
     AttachPlan,
     PromptView,
     external_tokens,
     is_session_pull,
     plan_attach,
 )
-from kvconnectors.hash_contract import HashAlgo, SeedId, salt_identity, seed_identity
-from kvconnectors.pull_params import (
+from kvpilot.kvconnectors.hash_contract import HashAlgo, SeedId, salt_identity, seed_identity
+from kvpilot.kvconnectors.pull_params import (
     LEASE_MARGIN_S,
     lease_seconds_left,
     pull_fields_error,
@@ -49,16 +49,16 @@ from kvconnectors.pull_params import (
     strip_pull_fields,
     wants_remote_pull,
 )
-from kvconnectors.pull_policy import (
+from kvpilot.kvconnectors.pull_policy import (
     FailedPeers,
     LinkMeter,
     PrefillBacklog,
     PullPolicy,
 )
-from kvconnectors.reasons import Reason
-from kvconnectors.stats import KVPilotStats
-from kvconnectors.step_rates import Chunk, StepRates
-from kvconnectors.transfer_params import (
+from kvpilot.kvconnectors.reasons import Reason
+from kvpilot.kvconnectors.stats import KVPilotStats
+from kvpilot.kvconnectors.step_rates import Chunk, StepRates
+from kvpilot.kvconnectors.transfer_params import (
     PARAMS_KEY,
     ContractId,
     TransferParamsError,

@@ -26,8 +26,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from kvconnectors import reasons, vllm_metrics
-from kvconnectors.pull_policy import DecidedBy
+from kvpilot.kvconnectors import reasons, vllm_metrics
+from kvpilot.kvconnectors.pull_policy import DecidedBy
 
 
 @dataclass(frozen=True, slots=True)

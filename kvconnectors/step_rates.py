@@ -1,13 +1,13 @@
 """This engine's prefill rate, fitted from the timings of its own steps: the recompute
 side of the pull policy once measured (issue 20). Pure: no vLLM, no clock; the
-scheduler layer (:mod:`kvconnectors.scheduler`) reads the step from vLLM's scheduler
+scheduler layer (:mod:`kvpilot.kvconnectors.scheduler`) reads the step from vLLM's scheduler
 output and the times from its clock.
 
 A *step* is one scheduler output and the model pass that runs it: it begins when vLLM's
 scheduler builds the connector's metadata for it (``build_connector_meta``) and ends
 when the scheduler hands the connector that pass's output (``update_connector_output``,
 which vLLM 0.32 calls after every pass that ran, since a pass with a connector always
-returns connector output). Its model is :mod:`policies.measured_fit`'s prefill model,
+returns connector output). Its model is :mod:`kvpilot.policies.measured_fit`'s prefill model,
 summed over the requests the step ran::
 
     seconds = a + b * N + c * P,   N = sum_r n_r,   P = sum_r attention_pairs(n_r, C_r)
@@ -38,14 +38,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from policies.measured_fit import (
+from kvpilot.policies.measured_fit import (
     MIN_SAMPLES,
     PREFILL_SPREAD_FEATURE,
     WINDOW,
     LinearFit,
     attention_pairs,
 )
-from policies.recompute_vs_transfer import MeasuredPrefill
+from kvpilot.policies.recompute_vs_transfer import MeasuredPrefill
 
 
 @dataclass(frozen=True, slots=True)

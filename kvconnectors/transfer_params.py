@@ -14,7 +14,7 @@ server and an HTTP proxy as JSON, so the wire form holds only JSON types::
 
 ``block_digests`` packs, for each full block P offers (block 0 first), the
 first :data:`DIGEST_BYTES` bytes of vLLM's block hash (the same hashes vLLM
-puts in its KV events; see :mod:`kvconnectors.hash_contract`).
+puts in its KV events; see :mod:`kvpilot.kvconnectors.hash_contract`).
 ``tail_token_ids`` are the token ids of the partial block after them (fewer
 than ``block_size``; vLLM hashes only full blocks). Given a verified chain up
 to it, equal tail tokens mean equal KV for the tail, so D may load it too
@@ -60,7 +60,7 @@ from typing import Annotated, Any, Final, NamedTuple, NewType
 
 import msgspec
 
-from kvconnectors.hash_contract import (
+from kvpilot.kvconnectors.hash_contract import (
     NO_SALT_ID,
     HashAlgo,
     SaltId,
@@ -108,8 +108,8 @@ class ContractId(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     ``block_size`` is the size the offered hashes were computed at (vLLM's hash
     block size); ``seed_id`` and ``salt_id`` come from
-    :func:`~kvconnectors.hash_contract.seed_identity` and
-    :func:`~kvconnectors.hash_contract.salt_identity` (``salt_id`` is ``""``
+    :func:`~kvpilot.kvconnectors.hash_contract.seed_identity` and
+    :func:`~kvpilot.kvconnectors.hash_contract.salt_identity` (``salt_id`` is ``""``
     without a ``cache_salt``). ``kv_dtype`` and ``kv_layout`` are compared as
     opaque strings (e.g. ``"bfloat16"``, ``"NHD"``). Constructing one does not
     validate it; :func:`encode_offer` and :func:`decode_offer` do.
@@ -137,7 +137,7 @@ class BlockOffer(msgspec.Struct, frozen=True):
 
     Packed rather than a tuple of digests so that decoding costs no Python
     object per block and verification compares whole runs of blocks with
-    ``memcmp`` (see :mod:`kvconnectors.verify`).
+    ``memcmp`` (see :mod:`kvpilot.kvconnectors.verify`).
     """
 
     version: int

@@ -3,7 +3,7 @@
 D holds its own block hashes (vLLM's ``request.block_hashes``, computed over
 D's token ids) and the number of leading blocks it already has in its local
 prefix cache. P's offer carries P's contract and a digest per block (see
-:mod:`kvconnectors.transfer_params`). The rule:
+:mod:`kvpilot.kvconnectors.transfer_params`). The rule:
 
 1. If the contracts differ in any field (model, block size, hash algorithm,
    seed, salt, KV dtype or layout), attach nothing.
@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvconnectors.reasons import Reason
-from kvconnectors.transfer_params import (
+from kvpilot.kvconnectors.reasons import Reason
+from kvpilot.kvconnectors.transfer_params import (
     DIGEST_BYTES,
     BlockOffer,
     ContractId,
@@ -38,7 +38,7 @@ class Verdict:
     about to attach (in a bidirectional session pull D offers and P attaches).
 
     - ``reason``: ``VERIFIED_ALL``, ``TOKEN_MISMATCH`` or ``CONTRACT_MISMATCH``
-      (:class:`~kvconnectors.reasons.Reason`, re-exported here).
+      (:class:`~kvpilot.kvconnectors.reasons.Reason`, re-exported here).
     - ``num_verified_blocks``: length of the verified run (0 on a contract
       mismatch); never more than ``min(num_offered_blocks, num_own_blocks)``.
     - ``attach_blocks``: blocks to load from P; empty unless the verified run

@@ -8,7 +8,7 @@ Three owners, one namespace (``vllm:``):
 * NIXL's, as vLLM exports them: ``NixlPromMetrics``
   (``vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py``), which any
   connector wrapping ``NixlConnector`` forwards to (kvpilot's does);
-* kvpilot's, registered by :class:`kvconnectors.stats.KVPilotPromMetrics` through
+* kvpilot's, registered by :class:`kvpilot.kvconnectors.stats.KVPilotPromMetrics` through
   vLLM's connector metrics, so they extend vLLM's families under its prefix.
 
 vLLM's and NIXL's names and kinds are as read from vLLM 0.32.0;
@@ -132,7 +132,7 @@ NIXL_FAMILIES: tuple[Family, ...] = (
     NIXL_NUM_NOTIFICATIONS_AFTER_EXPIRY,
 )
 
-# ---- kvpilot's (KVPilotPromMetrics; what each counts: kvconnectors.stats.COUNTERS) ----
+# ---- kvpilot's (KVPilotPromMetrics; what each counts: kvpilot.kvconnectors.stats.COUNTERS) ----
 KVPILOT_OFFERS = CounterFamily("vllm:kvpilot_offers")
 KVPILOT_VERIFIED_BLOCKS = CounterFamily("vllm:kvpilot_verified_blocks")
 KVPILOT_REJECTED_BLOCKS = CounterFamily("vllm:kvpilot_rejected_blocks")

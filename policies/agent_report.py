@@ -1,6 +1,6 @@
 """The agent benchmark's arms, predicted on the roofline. Pure.
 
-For one session of a :class:`~policies.planner.Workload` (a shared prefix, then
+For one session of a :class:`~kvpilot.policies.planner.Workload` (a shared prefix, then
 per step a generated tool call and a tool output), each arm of
 ``benchmarks/bench_agent.py`` serves step ``k`` as follows (after step ``k-1``,
 D holds the previous prompt and its generated tokens; article section 9.2):
@@ -15,7 +15,7 @@ D holds the previous prompt and its generated tokens; article section 9.2):
   ``kv_aware``): P holds its own last prefill, prefills D's generated tokens
   and the tool output; D loads the tool output;
 - ``kvpilot``: the router's own choice among the five options
-  (:mod:`policies.session_options`, the same code the router runs).
+  (:mod:`kvpilot.policies.session_options`, the same code the router runs).
 
 Step 1 is the same for every arm but ``no_cache``: P prefills the prompt after
 the shared prefix and D loads it all. Each arm reports prefill tokens computed,
@@ -27,9 +27,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from policies.disaggregation import DecodeState, LocalVsRemotePolicy
-from policies.planner import Workload
-from policies.session_options import PrefillSite, SessionOptionPricer, SessionStep, choose
+from kvpilot.policies.disaggregation import DecodeState, LocalVsRemotePolicy
+from kvpilot.policies.planner import Workload
+from kvpilot.policies.session_options import PrefillSite, SessionOptionPricer, SessionStep, choose
 
 ARMS = ("no_cache", "prefix_only", "vllm_pull", "prefix_aware", "kvpilot")
 LABELS = {

@@ -1,7 +1,7 @@
 """``kvpilot cost``, ``kvpilot plan`` and ``kvpilot agent``: the policies package's only I/O.
 
 ``add_subcommands`` registers them on an argparse subparsers object; each sets
-``func(args) -> int``. ``python -m policies.cli {cost,plan,agent} ...`` runs them
+``func(args) -> int``. ``python -m kvpilot.policies.cli {cost,plan,agent} ...`` runs them
 standalone. ``--model``/``--hardware``/``--link`` take a preset name or a path
 (a YAML/JSON spec, an HF ``config.json``, or a model directory holding one).
 Exit codes: 0 done, 2 bad spec or argument.
@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from policies import agent_report
-from policies.disaggregation import KVPILOT_DEFAULT, DecodeState, LocalVsRemotePolicy
-from policies.planner import Workload, plan, render
-from policies.presets import (
+from kvpilot.policies import agent_report
+from kvpilot.policies.disaggregation import KVPILOT_DEFAULT, DecodeState, LocalVsRemotePolicy
+from kvpilot.policies.planner import Workload, plan, render
+from kvpilot.policies.presets import (
     HF_CONFIGS,
     KV_FORMATS,
     LINKS,
@@ -32,10 +32,10 @@ from policies.presets import (
     model_preset,
     parse_document,
 )
-from policies.recompute_vs_transfer import PrefillLoad, RecomputeVsTransferPolicy, Span
-from policies.roofline import kv_bytes, kv_bytes_per_token, prefill
-from policies.scenarios import default_scenarios, evaluate, render_table
-from policies.specs import SpecError
+from kvpilot.policies.recompute_vs_transfer import PrefillLoad, RecomputeVsTransferPolicy, Span
+from kvpilot.policies.roofline import kv_bytes, kv_bytes_per_token, prefill
+from kvpilot.policies.scenarios import default_scenarios, evaluate, render_table
+from kvpilot.policies.specs import SpecError
 
 _T = TypeVar("_T")
 
@@ -256,7 +256,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m policies.cli")
+    parser = argparse.ArgumentParser(prog="python -m kvpilot.policies.cli")
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -13,9 +13,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from policies.roofline import kv_bytes, linear_flops, pass_seconds, prefill
-from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec
-from policies.typed_config import TypedConfig
+from kvpilot.policies.roofline import kv_bytes, linear_flops, pass_seconds, prefill
+from kvpilot.policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec
+from kvpilot.policies.typed_config import TypedConfig
 
 
 class Where(enum.Enum):

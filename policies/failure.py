@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from policies.disaggregation import PromptState, remote_prefill_seconds
-from policies.roofline import prefill
-from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec
+from kvpilot.policies.disaggregation import PromptState, remote_prefill_seconds
+from kvpilot.policies.roofline import prefill
+from kvpilot.policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec
 
 FailureMode = Literal["fail", "recompute", "budgeted"]
 

@@ -1,6 +1,6 @@
 """Fitting measured durations: non-negative least squares over the newest samples,
-and the prefill model both the router (:mod:`routing.decide.rates`) and the
-connector's pull policy (:mod:`kvconnectors.step_rates`) fit. Pure: no I/O, no
+and the prefill model both the router (:mod:`kvpilot.routing.decide.rates`) and the
+connector's pull policy (:mod:`kvpilot.kvconnectors.step_rates`) fit. Pure: no I/O, no
 clock (a window is a count of samples, not a time).
 
 The prefill of ``n`` new (uncached) tokens after ``C`` cached ones::

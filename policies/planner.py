@@ -15,9 +15,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from policies.presets import kv_format_preset
-from policies.roofline import decode_step, kv_bytes, prefill, sessions_per_instance
-from policies.specs import HardwareSpec, LinkSpec, ModelSpec, SpecError
+from kvpilot.policies.presets import kv_format_preset
+from kvpilot.policies.roofline import decode_step, kv_bytes, prefill, sessions_per_instance
+from kvpilot.policies.specs import HardwareSpec, LinkSpec, ModelSpec, SpecError
 
 CacheMode = Literal["none", "prefix", "session"]
 

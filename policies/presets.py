@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 import msgspec
 import yaml
 
-from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecError
-from policies.typed_config import TypedConfig, convert
+from kvpilot.policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecError
+from kvpilot.policies.typed_config import TypedConfig, convert
 
 # --- models, as their config.json ---------------------------------------------------
 
@@ -218,7 +218,7 @@ _T = TypeVar("_T", bound=TypedConfig)
 
 
 def _from_fields(cls: type[_T], data: Mapping[str, Any], source: str) -> _T:
-    """Convert a mapping to a spec (:func:`policies.typed_config.convert`: types,
+    """Convert a mapping to a spec (:func:`kvpilot.policies.typed_config.convert`: types,
     unknown and missing keys, then the spec's own checks); the error names the key
     and ``source``."""
     try:

@@ -10,7 +10,7 @@ rate it costs the time to notice a failure plus the recompute anyway.
 
 The recompute side is priced by the roofline on a hardware spec (the prior) or, once
 P has timed enough of its own passes, by :class:`MeasuredPrefill`: the per-token and
-per-pair terms of the prefill model fitted to them (:mod:`policies.measured_fit`).
+per-pair terms of the prefill model fitted to them (:mod:`kvpilot.policies.measured_fit`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import enum
 import statistics
 from dataclasses import dataclass
 
-from policies.measured_fit import attention_pairs
-from policies.roofline import PassCost, kv_bytes, linear_flops, pass_seconds, prefill
-from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec
+from kvpilot.policies.measured_fit import attention_pairs
+from kvpilot.policies.roofline import PassCost, kv_bytes, linear_flops, pass_seconds, prefill
+from kvpilot.policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec
 
 VLLM_RECOMPUTE_BELOW_TOKENS = 64
 """vLLM's fixed rule for D -> P pulls: recompute spans shorter than this."""

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
-from policies.specs import HardwareSpec, KVFormat, ModelSpec
+from kvpilot.policies.specs import HardwareSpec, KVFormat, ModelSpec
 
 Bound = Literal["compute", "memory", "idle"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from policies.recompute_vs_transfer import (
+from kvpilot.policies.recompute_vs_transfer import (
     Choice,
     LinkTelemetry,
     PrefillLoad,
@@ -22,7 +22,7 @@ from policies.recompute_vs_transfer import (
     TransferSample,
     fixed_threshold_choice,
 )
-from policies.specs import LinkSpec
+from kvpilot.policies.specs import LinkSpec
 
 
 @dataclass(frozen=True, slots=True)

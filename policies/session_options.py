@@ -30,7 +30,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from policies.disaggregation import (
+from kvpilot.policies.disaggregation import (
     DecodeState,
     LocalRemoteDecision,
     LocalVsRemotePolicy,
@@ -38,7 +38,7 @@ from policies.disaggregation import (
     PromptState,
     Where,
 )
-from policies.roofline import kv_bytes, linear_flops, pass_seconds, prefill
+from kvpilot.policies.roofline import kv_bytes, linear_flops, pass_seconds, prefill
 
 
 class Option(str, enum.Enum):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from policies.specs import LinkSpec
+from kvpilot.policies.specs import LinkSpec
 
 RECOMPUTE = "recompute"
 

@@ -1,10 +1,10 @@
 """Frozen, validated specs: a model, a KV format, an instance's hardware, a link.
 
-Every spec is a :class:`~policies.typed_config.TypedConfig`: it validates itself
+Every spec is a :class:`~kvpilot.policies.typed_config.TypedConfig`: it validates itself
 in ``__post_init__`` and raises :class:`SpecError` naming the offending field.
 Units are SI throughout: bytes, seconds, FLOP/s, bytes/s; link rates are given
 the way vendors quote them (Gbit/s per lane). Parsing from presets and files
-lives in :mod:`policies.presets`.
+lives in :mod:`kvpilot.policies.presets`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import typing
 from typing import Literal
 
-from policies.typed_config import TypedConfig, TypedConfigError, check_range
+from kvpilot.policies.typed_config import TypedConfig, TypedConfigError, check_range
 
 AttentionKind = Literal["gqa", "mla"]
 AttentionParallel = Literal["tp", "dp"]

@@ -1,9 +1,9 @@
 """One converter for every typed config: a mapping in, a frozen typed value out,
 or one error that names the dotted key.
 
-The router's YAML (:mod:`routing.config`), ``KVPilotConnector``'s extra config
-(:mod:`kvconnectors.config`) and the planner's spec documents
-(:mod:`policies.presets`) are :class:`TypedConfig` subclasses, and all of them
+The router's YAML (:mod:`kvpilot.routing.config`), ``KVPilotConnector``'s extra config
+(:mod:`kvpilot.kvconnectors.config`) and the planner's spec documents
+(:mod:`kvpilot.policies.presets`) are :class:`TypedConfig` subclasses, and all of them
 go through :func:`convert`. It lives in ``policies`` because that is the pure
 base both other packages already import (``policies <- kvconnectors <-
 routing``); in either of the others, ``policies`` would have to import upward.

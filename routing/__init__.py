@@ -28,10 +28,10 @@ The router recomputes its own chain from the ``token_ids`` in every
 ``BlockStored`` event and keeps, per worker, a map from the engine's block hash
 to its own key (and position) so ``BlockRemoved`` can be applied. Block ``i``
 of a chain is named ``key_i = key_{i-1} XOR mix(i, tokens_i)``
-(:mod:`routing.index.chain`: a per-process random multilinear hash with a 64-bit
+(:mod:`kvpilot.routing.index.chain`: a per-process random multilinear hash with a 64-bit
 finalizer, 60-bit keys, vectorized with numpy, never sent anywhere). Why:
 
-- speed: vLLM's own names (``kvconnectors.hash_contract``: pickle + SHA-256 or
+- speed: vLLM's own names (``kvpilot.kvconnectors.hash_contract``: pickle + SHA-256 or
   XXH3-128 per block in Python) cost 2.5-4.5 ms for a 64K-token prompt on this
   box, against about 0.7 ms for Dynamo's ``compute_block_hash_for_seq``; this
   naming costs about 0.26 ms, and only as far as the match goes;

@@ -1,8 +1,8 @@
 """``kvpilot router --config FILE``: load the config, bind the KV-event endpoints, serve HTTP
-(and, with ``gateway.picker_port``, Envoy's endpoint picker: :mod:`routing.gateway`).
+(and, with ``gateway.picker_port``, Envoy's endpoint picker: :mod:`kvpilot.routing.gateway`).
 
 :func:`add_subcommands` registers ``router`` on a ``kvpilot`` subparsers object;
-``python -m routing.cli router --config FILE`` works standalone (what the launchers run). Every scalar
+``python -m kvpilot.routing.cli router --config FILE`` works standalone (what the launchers run). Every scalar
 of the config's mapping sections has a flag that overrides the YAML (``--port``,
 ``--server-host``, ``--server-model-dir``, ``--cost-overlap-score-credit``...). Binds 127.0.0.1
 unless ``server.host`` says otherwise, and then warns (louder without an API key).
@@ -18,10 +18,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from routing.config import ConfigError, add_cli_flags, load_config
-from routing.fleet import fleet_from_config
+from kvpilot.routing.config import ConfigError, add_cli_flags, load_config
+from kvpilot.routing.fleet import fleet_from_config
 
-log = logging.getLogger("routing.cli")
+log = logging.getLogger("kvpilot.routing.cli")
 
 
 def beyond_loopback(host: str) -> bool:
@@ -39,7 +39,7 @@ def run_router(args: argparse.Namespace) -> int:
     import uvloop
     from aiohttp import web
 
-    from routing.serve.app import build_server
+    from kvpilot.routing.serve.app import build_server
 
     try:
         config = load_config(args.config, args)
@@ -62,7 +62,7 @@ def run_router(args: argparse.Namespace) -> int:
     loop = uvloop.new_event_loop()
     app = server.app()
     if config.gateway.picker_port:
-        from routing.gateway.service import attach
+        from kvpilot.routing.gateway.service import attach
 
         attach(app, server)
     app.on_startup.append(_settle_gc)
@@ -103,7 +103,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m routing.cli")
+    parser = argparse.ArgumentParser(prog="python -m kvpilot.routing.cli")
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -17,7 +17,7 @@ Every scalar leaf outside ``workers`` also has a flag named by its key
 (:func:`flag_name`: ``--cost-overlap-score-credit 0.5``, ``--disaggregation-compare-costs
 true``, ``--disaggregation-max-local-tokens none``, ``--index-backend dynamo``: an enum
 leaf's flag takes only its values); flags override YAML, YAML overrides defaults.
-:func:`policies.typed_config.convert` (the one converter, shared with
+:func:`kvpilot.policies.typed_config.convert` (the one converter, shared with
 ``kvconnectors/config.py`` and ``policies/presets.py``) turns the merged mapping into
 these frozen structs, running each section's own range checks; an unknown key is a
 :class:`ConfigError` naming its path (``cost.overlap_score_credt``), and so is a value
@@ -43,12 +43,12 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
-from policies.disaggregation import LocalPrefillConfig
-from policies.presets import model_from_mapping, model_preset
-from policies.session_options import Option
-from policies.specs import ModelSpec, SpecError
-from policies.typed_config import TypedConfig, TypedConfigError, check_range, convert, field_docs
-from routing.ids import WorkerId
+from kvpilot.policies.disaggregation import LocalPrefillConfig
+from kvpilot.policies.presets import model_from_mapping, model_preset
+from kvpilot.policies.session_options import Option
+from kvpilot.policies.specs import ModelSpec, SpecError
+from kvpilot.policies.typed_config import TypedConfig, TypedConfigError, check_range, convert, field_docs
+from kvpilot.routing.ids import WorkerId
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +64,9 @@ class IndexBackend(str, enum.Enum):
     """``index.backend``: the block index the router keeps."""
 
     KVPILOT = "kvpilot"
-    """:class:`routing.index.block_index.BlockIndex`."""
+    """:class:`kvpilot.routing.index.block_index.BlockIndex`."""
     DYNAMO = "dynamo"
-    """Dynamo's ``RadixTree`` (:mod:`routing.index.dynamo`; needs ``kvpilot[dynamo]``)."""
+    """Dynamo's ``RadixTree`` (:mod:`kvpilot.routing.index.dynamo`; needs ``kvpilot[dynamo]``)."""
 
 
 class TierClass(str, enum.Enum):
@@ -80,7 +80,7 @@ class TierClass(str, enum.Enum):
 
 
 class ForcedOption(str, enum.Enum):
-    """``sessions.force_option``: a :class:`~policies.session_options.Option` by its
+    """``sessions.force_option``: a :class:`~kvpilot.policies.session_options.Option` by its
     name, or ``""`` (:attr:`CHEAPEST`): the cheapest by the roofline."""
 
     CHEAPEST = ""
@@ -100,10 +100,10 @@ class CostObjective(str, enum.Enum):
     """What the router minimizes over its candidates (``cost.objective``)."""
 
     BLOCKS = "blocks"
-    """Dynamo's cost in blocks (:mod:`routing.decide.cost`'s formula): the default."""
+    """Dynamo's cost in blocks (:mod:`kvpilot.routing.decide.cost`'s formula): the default."""
     PREDICTED_TTFT = "predicted_ttft"
     """Each candidate's predicted TTFT from the measured rates
-    (:func:`routing.decide.rates.predict_ttft`: the prefill queue ahead, the prefill of its
+    (:func:`kvpilot.routing.decide.rates.predict_ttft`: the prefill queue ahead, the prefill of its
     uncached tokens, the KV read for a pair, the first decode step beside the worker's
     running streams). Needs ``disaggregation.measured_rates``."""
 
@@ -139,7 +139,7 @@ class CostConfig(TypedConfig, frozen=True):
     router_seed: int = 0
     """The seed of the RNG that breaks ties and samples (decisions repeat run to run)."""
     pair_failure_cost_blocks: float = 32.0
-    """kvpilot's own (``routing.health.pair_health``): blocks added to a (P, D) pair's cost per
+    """kvpilot's own (``kvpilot.routing.health.pair_health``): blocks added to a (P, D) pair's cost per
     recent transfer failure or expired lease, halved every ``pair_failure_half_life_s``."""
     pair_failure_half_life_s: float = 60.0
     """How fast a (P, D) pair's failure penalty fades: halved every this many seconds."""
@@ -174,7 +174,7 @@ class IndexConfig(TypedConfig, frozen=True):
     was evicted since its last one; past it, the step is matched from scratch."""
     events_stale_after_s: float = 0.0
     """A worker that prefilled blocks its entries lacked and then published no KV
-    event for this long is routed on load alone (``routing.health.event_watch``); 0 = off
+    event for this long is routed on load alone (``kvpilot.routing.health.event_watch``); 0 = off
     (the default: right after a router restart the index can lack blocks an engine
     holds, and a prefill of those publishes nothing)."""
     tiers: Mapping[str, TierClass] = msgspec.field(
@@ -194,7 +194,7 @@ class SessionStoreKind(str, enum.Enum):
     MEMORY = "memory"
     """This router's memory only (lost on a restart, not seen by another replica)."""
     REDIS = "redis"
-    """Also Redis at ``sessions.redis_url`` (:mod:`routing.state`; needs ``kvpilot[redis]``)."""
+    """Also Redis at ``sessions.redis_url`` (:mod:`kvpilot.routing.state`; needs ``kvpilot[redis]``)."""
 
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -222,7 +222,7 @@ class SessionConfig(TypedConfig, frozen=True):
     """A session's record not read within this is routed on the local state (counted)."""
     store_write_timeout_s: float = 0.05
     """A write not acknowledged within this is given up (counted); the answer waits for it
-    at most this long (:mod:`routing.state.sync` says why it waits)."""
+    at most this long (:mod:`kvpilot.routing.state.sync` says why it waits)."""
     store_ttl_s: float = 600.0
     """How long a record lives when D stated no hold on the session's blocks (else: D's lease)."""
 
@@ -275,10 +275,10 @@ class ServerConfig(TypedConfig, frozen=True):
     queue_timeout_s: float = 30.0
     """A queued request not admitted within this is refused (503)."""
     ttft_slo_s: float = 0.0
-    """A routed request whose predicted TTFT (:mod:`routing.decide.rates`: queue,
+    """A routed request whose predicted TTFT (:mod:`kvpilot.routing.decide.rates`: queue,
     prefill, transfer, first decode step) is over this is refused before any engine
     sees it: 429 when the queue ahead of it is what puts it over, else 503, both with
-    ``Retry-After`` (:func:`routing.serve.admission.check_ttft_slo`). 0: no SLO (the
+    ``Retry-After`` (:func:`kvpilot.routing.serve.admission.check_ttft_slo`). 0: no SLO (the
     router's default; ``kvpilot fleet up`` sets one, docs/concepts/policies.md)."""
     max_retries: int = 1
     """A request whose decode worker failed before anything reached the client
@@ -316,10 +316,10 @@ class ServerConfig(TypedConfig, frozen=True):
 
 
 class DisaggregationConfig(LocalPrefillConfig, frozen=True):
-    """The policy's own :class:`~policies.disaggregation.LocalPrefillConfig` (one type:
+    """The policy's own :class:`~kvpilot.policies.disaggregation.LocalPrefillConfig` (one type:
     the router hands this section to the policy as it is) plus the preset names it
-    costs with. Its defaults are kvpilot's (:data:`~policies.disaggregation.KVPILOT_DEFAULT`),
-    not Dynamo's (:data:`~policies.disaggregation.DYNAMO_DEFAULT`): the decode-busy guard at
+    costs with. Its defaults are kvpilot's (:data:`~kvpilot.policies.disaggregation.KVPILOT_DEFAULT`),
+    not Dynamo's (:data:`~kvpilot.policies.disaggregation.DYNAMO_DEFAULT`): the decode-busy guard at
     90% of D's KV, and the cost checks (the stall budget on D's running streams, local only
     when cheaper than remote), priced from the measured rates."""
 
@@ -333,19 +333,19 @@ class DisaggregationConfig(LocalPrefillConfig, frozen=True):
     and to be cheaper than the remote one (false: Dynamo's length and share rules alone)."""
     model_preset: str = ""
     """The model the roofline prior prices: ``""``, the served model's own ``config.json`` in
-    ``server.model_dir`` (:func:`prior_model`); a :mod:`policies.presets` name overrides it."""
+    ``server.model_dir`` (:func:`prior_model`); a :mod:`kvpilot.policies.presets` name overrides it."""
     p_hardware: str = "h100"
-    """The prefill workers' hardware for the roofline prior (a :mod:`policies.presets` name),
+    """The prefill workers' hardware for the roofline prior (a :mod:`kvpilot.policies.presets` name),
     until measured rates replace it."""
     d_hardware: str = "h100"
     """The decode workers' hardware for the prior, likewise."""
     link_preset: str = "rdma"
-    """The KV link between P and D for the prior (a :mod:`policies.presets` link name)."""
+    """The KV link between P and D for the prior (a :mod:`kvpilot.policies.presets` link name)."""
     kv_format: str = "bf16"
-    """The KV cache's element format for the prior (a :mod:`policies.presets` format name)."""
+    """The KV cache's element format for the prior (a :mod:`kvpilot.policies.presets` format name)."""
     measured_rates: bool = True
     """True (the default): the local-vs-remote verdict and the session options are priced
-    with the measured rates (:mod:`routing.decide.rates`) where they exist, the roofline
+    with the measured rates (:mod:`kvpilot.routing.decide.rates`) where they exist, the roofline
     prior otherwise; False: the roofline of the presets alone."""
 
     def __post_init__(self) -> None:
@@ -362,7 +362,7 @@ class DiscoveryBackend(str, enum.Enum):
 
 class DynamoConfig(TypedConfig, frozen=True):
     """Routing a Dynamo deployment through its frontend in direct mode
-    (:mod:`routing.ingest.dynamo_discovery`, :mod:`routing.serve.dynamo_upstream`).
+    (:mod:`kvpilot.routing.ingest.dynamo_discovery`, :mod:`kvpilot.routing.serve.dynamo_upstream`).
 
     The workers are the instances of ``decode_endpoint`` (decode, or aggregated when
     no prefill instance exists) and ``prefill_endpoint``, read through Dynamo's own
@@ -435,7 +435,7 @@ class DynamoConfig(TypedConfig, frozen=True):
 
 
 class GatewayConfig(TypedConfig, frozen=True):
-    """kvpilot as Envoy's endpoint picker (:mod:`routing.gateway`): with ``picker_port``
+    """kvpilot as Envoy's endpoint picker (:mod:`kvpilot.routing.gateway`): with ``picker_port``
     set the router also serves, on ``server.host:picker_port``, the gRPC services Envoy
     calls: ``ext_proc`` (each request's headers and body; the answer names the
     destination) and the OpenTelemetry logs service (Envoy's access log: each request's
@@ -464,7 +464,7 @@ _EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 class Worker(TypedConfig, frozen=True):
     """One engine: an OpenAI-compatible server at ``url`` with optional KV events, as
-    written in YAML and as the router uses it (:mod:`routing.fleet` checks the fleet)."""
+    written in YAML and as the router uses it (:mod:`kvpilot.routing.fleet` checks the fleet)."""
 
     error_type = ConfigError
 
@@ -614,7 +614,7 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
 
 def load_config(path: str | Path | None, args: argparse.Namespace | None = None) -> RouterConfig:
     """Defaults, then the YAML file at ``path`` (if any), then flags set in ``args``,
-    converted by :func:`policies.typed_config.convert`. Raises :class:`ConfigError`
+    converted by :func:`kvpilot.policies.typed_config.convert`. Raises :class:`ConfigError`
     naming the first wrong key."""
     data: dict[str, Any] = {}
     if path is not None:

@@ -1,15 +1,15 @@
 """The fleet as the router sees it, and the thread that feeds the index from it.
 
 :func:`fleet_from_config` checks the ``workers`` section of the router config
-(each :class:`~routing.config.Worker` checked itself when it was parsed) and groups
+(each :class:`~kvpilot.routing.config.Worker` checked itself when it was parsed) and groups
 it into a :class:`Fleet` (errors name the worker and the field). A fleet that changes
 while the router runs (Dynamo's discovery) is a new :class:`Fleet` each time
 (:func:`fleet_of`); :func:`fleet_changes` says who joined and who left.
 :func:`kv_events_config` is the ``--kv-events-config`` JSON an engine needs so
 that it publishes to the endpoint the router binds. :class:`IndexFeeder` owns
-one :class:`~routing.ingest.subscriber.EngineSubscriber` per worker with an events
+one :class:`~kvpilot.routing.ingest.subscriber.EngineSubscriber` per worker with an events
 endpoint and polls them in one background thread, applying events to the
-shared :class:`~routing.index.kvindex.KVIndex` under a lock the request path shares.
+shared :class:`~kvpilot.routing.index.kvindex.KVIndex` under a lock the request path shares.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from routing.config import ConfigError, Role, RouterConfig, Worker
-from routing.ids import WorkerId
+from kvpilot.routing.config import ConfigError, Role, RouterConfig, Worker
+from kvpilot.routing.ids import WorkerId
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ class Fleet:
 
 def fleet_of(workers: Iterable[Worker]) -> Fleet:
     """``workers`` grouped by role, in order, unchecked: a fleet discovered live
-    (:mod:`routing.ingest.dynamo_discovery`) may for a while have no decode worker, or
+    (:mod:`kvpilot.routing.ingest.dynamo_discovery`) may for a while have no decode worker, or
     none at all; the router then answers 503 (no worker can decode)."""
     listed = tuple(workers)
     return Fleet(

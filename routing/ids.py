@@ -12,7 +12,7 @@ Tier = NewType("Tier", str)
 DEFAULT_TIER = Tier("GPU")
 
 SessionId = NewType("SessionId", str)
-"""A session's affinity key, scoped to its ``cache_salt`` (:func:`routing.decide.sessions.scoped`)."""
+"""A session's affinity key, scoped to its ``cache_salt`` (:func:`kvpilot.routing.decide.sessions.scoped`)."""
 
 PAIR_SEPARATOR = "->"
 """Between a pair's prefill and decode worker names in metrics labels and ``/debug/route``."""

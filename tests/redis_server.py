@@ -1,4 +1,4 @@
-"""The real ``redis-server`` for the tests (:mod:`deploy.redis_server`), skipping the test
+"""The real ``redis-server`` for the tests (:mod:`kvpilot.deploy.redis_server`), skipping the test
 with the install command when the binary is missing."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy import redis_server
-from deploy.redis_server import RedisMissing
+from kvpilot.deploy import redis_server
+from kvpilot.deploy.redis_server import RedisMissing
 
 
 def redis_binary() -> str:
@@ -23,7 +23,7 @@ def redis_binary() -> str:
 
 @contextmanager
 def running_redis(port: int, workdir: Path) -> Iterator[str]:
-    """:func:`deploy.redis_server.running_redis`, skipped when the binary is missing."""
+    """:func:`kvpilot.deploy.redis_server.running_redis`, skipped when the binary is missing."""
     redis_binary()
     with redis_server.running_redis(port, workdir) as url:
         yield url

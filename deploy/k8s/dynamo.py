@@ -3,7 +3,7 @@ kvpilot's router routes in front of it (docs/guides/dynamo.md, docs/guides/gpu.m
 
 The ``DynamoGraphDeployment`` (``nvidia.com/v1alpha1``) has a frontend and
 ``dynamo.vllm`` prefill and decode workers whose ``--kv-transfer-config`` is the P/D
-fleet's engines' (KVPilotConnector, :func:`deploy.k8s.plan.plan_cluster`) and whose KV
+fleet's engines' (KVPilotConnector, :func:`kvpilot.deploy.k8s.plan.plan_cluster`) and whose KV
 events bind :data:`KV_EVENTS_PORT` on every worker pod; beside it, the router's
 Deployment, Service and config, reading the workers from Dynamo's Kubernetes discovery.
 """
@@ -14,11 +14,11 @@ import json
 from collections.abc import Mapping
 from typing import cast
 
-from deploy.dynamo_spec import DynamoFleetSpec, router_config, router_plan
-from deploy.env import HASH_SEED_ENV
-from deploy.k8s.gateway import envoy_config_map, envoy_deployment, envoy_service
-from deploy.k8s.objects import SIDE_CHANNEL_HOST_FROM_POD, Obj, env_list, meta, obj
-from deploy.k8s.plan import (
+from kvpilot.deploy.dynamo_spec import DynamoFleetSpec, router_config, router_plan
+from kvpilot.deploy.env import HASH_SEED_ENV
+from kvpilot.deploy.k8s.gateway import envoy_config_map, envoy_deployment, envoy_service
+from kvpilot.deploy.k8s.objects import SIDE_CHANNEL_HOST_FROM_POD, Obj, env_list, meta, obj
+from kvpilot.deploy.k8s.plan import (
     ALL_ADDRESSES,
     CONFIG_MOUNT,
     ENVOY_ADMIN_PORT,
@@ -31,7 +31,7 @@ from deploy.k8s.plan import (
     ClusterPlan,
     RouterPod,
 )
-from deploy.k8s.workloads import router_config_map, router_deployment, router_service
+from kvpilot.deploy.k8s.workloads import router_config_map, router_deployment, router_service
 
 GRAPH = NAME
 """The DynamoGraphDeployment's name; the operator names the frontend's Service after it."""

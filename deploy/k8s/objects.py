@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from deploy.k8s.plan import NAME, SIDE_CHANNEL_HOST_ENV
+from kvpilot.deploy.k8s.plan import NAME, SIDE_CHANNEL_HOST_ENV
 
 Obj = dict[str, object]
 """A Kubernetes object as plain data, ready for YAML."""

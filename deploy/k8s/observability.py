@@ -1,7 +1,7 @@
 """Prometheus's operator objects and Grafana's dashboards for the fleet.
 
 A ServiceMonitor scrapes ``/metrics`` on the ``http`` port of every Service labelled
-:data:`~deploy.k8s.objects.METRICS_LABEL` (each engine and the router); a PrometheusRule
+:data:`~kvpilot.deploy.k8s.objects.METRICS_LABEL` (each engine and the router); a PrometheusRule
 carries ``grafana/alerts.yml`` unchanged; each dashboard of ``grafana/dashboards/`` is a
 ConfigMap labelled for Grafana's dashboard sidecar (:data:`DASHBOARD_LABEL`).
 """
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import yaml
 
-from deploy.dashboards import DASHBOARD_DIR
-from deploy.k8s.objects import HTTP_PORT_NAME, METRICS_LABEL, NAME_LABEL, Obj, meta, obj
-from deploy.k8s.plan import NAME, ClusterSpec, service_name
-from deploy.observe import DEFAULT_RULES
+from kvpilot.deploy.dashboards import DASHBOARD_DIR
+from kvpilot.deploy.k8s.objects import HTTP_PORT_NAME, METRICS_LABEL, NAME_LABEL, Obj, meta, obj
+from kvpilot.deploy.k8s.plan import NAME, ClusterSpec, service_name
+from kvpilot.deploy.observe import DEFAULT_RULES
 
 MONITORING_API = "monitoring.coreos.com/v1"
 DASHBOARD_LABEL = {"grafana_dashboard": "1"}

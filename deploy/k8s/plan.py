@@ -1,6 +1,6 @@
 """What a GPU fleet on Kubernetes is made of: the CPU fleet's plan, moved into pods.
 
-:func:`plan_cluster` calls :func:`deploy.fleet_spec.plan_fleet` and changes only what a
+:func:`plan_cluster` calls :func:`kvpilot.deploy.fleet_spec.plan_fleet` and changes only what a
 cluster needs changed, each change named here so that tests can check the rest is the
 CPU fleet's plan verbatim (same flags, same connector config, same ports, same hash seed):
 
@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import cast
 from urllib.parse import urlsplit
 
-from deploy.env import CPU_EAGER_ENV, LOCAL_ONLY_ENV, NIXL_CPU_ENV
-from deploy.fleet_spec import ENGINE_API_KEY_ENV, FleetSpec, ProcessPlan, plan_fleet
-from policies.typed_config import convert
-from routing.config import Role, Worker
-from routing.fleet import kv_events_config
-from routing.ids import WorkerId
+from kvpilot.deploy.env import CPU_EAGER_ENV, LOCAL_ONLY_ENV, NIXL_CPU_ENV
+from kvpilot.deploy.fleet_spec import ENGINE_API_KEY_ENV, FleetSpec, ProcessPlan, plan_fleet
+from kvpilot.policies.typed_config import convert
+from kvpilot.routing.config import Role, Worker
+from kvpilot.routing.fleet import kv_events_config
+from kvpilot.routing.ids import WorkerId
 
 NAME = "kvpilot"
 """The namespace, the ``app.kubernetes.io/name`` label and every object's name prefix."""
@@ -192,7 +192,7 @@ class RouterPod:
 
 @dataclass(frozen=True, slots=True)
 class ClusterPlan:
-    """Everything :mod:`deploy.k8s.workloads` and :mod:`deploy.k8s.network` render."""
+    """Everything :mod:`kvpilot.deploy.k8s.workloads` and :mod:`kvpilot.deploy.k8s.network` render."""
 
     spec: ClusterSpec
     engines: tuple[EnginePod, ...]

@@ -3,7 +3,7 @@
 to ``--out``; ``--check`` says whether the committed files are what the code renders.
 
 Files: ``base.yaml`` (namespace, API-key Secret, ServiceMonitor, PrometheusRule,
-dashboards), one per :class:`~deploy.k8s.plan.Transport` (the P/D engines, the router and
+dashboards), one per :class:`~kvpilot.deploy.k8s.plan.Transport` (the P/D engines, the router and
 its picker, Envoy in front, the InferencePool and HTTPRoute for a GAIE gateway, the
 NetworkPolicies), and ``dynamo.yaml`` (the DynamoGraphDeployment example with the
 router). Apply ``base.yaml`` and one of the others.
@@ -18,13 +18,13 @@ from pathlib import Path
 
 import yaml
 
-from deploy.k8s.dynamo import dynamo_example
-from deploy.k8s.gateway import gateway_objects
-from deploy.k8s.network import network_policies
-from deploy.k8s.objects import Obj
-from deploy.k8s.observability import observability
-from deploy.k8s.plan import ClusterSpec, Transport, plan_cluster
-from deploy.k8s.workloads import api_keys_secret, namespace, workloads
+from kvpilot.deploy.k8s.dynamo import dynamo_example
+from kvpilot.deploy.k8s.gateway import gateway_objects
+from kvpilot.deploy.k8s.network import network_policies
+from kvpilot.deploy.k8s.objects import Obj
+from kvpilot.deploy.k8s.observability import observability
+from kvpilot.deploy.k8s.plan import ClusterSpec, Transport, plan_cluster
+from kvpilot.deploy.k8s.workloads import api_keys_secret, namespace, workloads
 
 MANIFEST_DIR = Path(__file__).resolve().parent / "manifests"
 BASE = "base"

@@ -1,5 +1,5 @@
 """The engines' and the router's Deployments, Services, config and Secret, from a
-:class:`~deploy.k8s.plan.ClusterPlan`.
+:class:`~kvpilot.deploy.k8s.plan.ClusterPlan`.
 
 Each engine is its own Deployment (one replica) and Service: the router's config names
 every engine by its Service, so scaling P or D is re-rendering with other counts
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import yaml
 
-from deploy.fleet_spec import ROUTER_CONFIG
-from deploy.k8s.objects import (
+from kvpilot.deploy.fleet_spec import ROUTER_CONFIG
+from kvpilot.deploy.k8s.objects import (
     ENGINE,
     HTTP_PORT_NAME,
     INSTANCE_LABEL,
@@ -29,7 +29,7 @@ from deploy.k8s.objects import (
     meta,
     obj,
 )
-from deploy.k8s.plan import (
+from kvpilot.deploy.k8s.plan import (
     API_KEYS_SECRET,
     CONFIG_MOUNT,
     GPU_RESOURCE,

@@ -14,13 +14,13 @@ For a request of ``prompt_blocks`` full blocks and a candidate worker (all in bl
          + decode_active_request_weight * active_requests
          - session_affinity_credit * [worker served this session last]
          + pair_penalty_blocks        # kvpilot's own: a (P, D) pair's recent transfer
-                                      # failures and transfer time (routing.health.pair_health)
+                                      # failures and transfer time (kvpilot.routing.health.pair_health)
 
 This is the formula of the article's section 4.4 (Dynamo's routing concepts). With
 ``cost.objective: predicted_ttft`` a candidate's cost is instead its predicted TTFT in
 seconds (:attr:`Candidate.predicted_ttft_s`, from the measured rates); the block terms
 are still computed and shown.
-The load comes from :class:`routing.decide.ledger.LoadLedger`; as in Dynamo, decode
+The load comes from :class:`kvpilot.routing.decide.ledger.LoadLedger`; as in Dynamo, decode
 blocks are unique blocks, so the prompt's leading blocks that the worker's
 active requests already hold (``shared_decode_blocks``) add nothing.
 The decay form is ours (Dynamo does not publish one): hyperbolic in the
@@ -45,9 +45,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from routing.config import CostConfig, CostObjective, TierClass
-from routing.decide.ledger import WorkerLoad
-from routing.ids import Tier
+from kvpilot.routing.config import CostConfig, CostObjective, TierClass
+from kvpilot.routing.decide.ledger import WorkerLoad
+from kvpilot.routing.ids import Tier
 
 
 class TierOverlap(NamedTuple):
@@ -68,8 +68,8 @@ def tier_overlap(
 ) -> TierOverlap:
     """Fold a worker's per-tier prefix depths into :class:`TierOverlap`.
 
-    ``depths`` is one worker's entry of :attr:`routing.index.kvindex.Match.blocks`;
-    ``tier_classes`` maps a medium to its :class:`~routing.config.TierClass`
+    ``depths`` is one worker's entry of :attr:`kvpilot.routing.index.kvindex.Match.blocks`;
+    ``tier_classes`` maps a medium to its :class:`~kvpilot.routing.config.TierClass`
     (unknown media earn nothing). ``shared_depth`` is the deepest prefix any
     worker reported in a ``shared`` tier: a shared cache serves every worker.
 
@@ -107,7 +107,7 @@ class CandidateTable:
     """Every option of one request as columns, one row per candidate, so the cost is a
     few numpy passes however large the fleet (the router fills the columns from its
     sparse per-worker state). ``overlap`` holds :class:`TierOverlap`'s fields and
-    ``load`` :class:`~routing.decide.ledger.WorkerLoad`'s, each row in that order (for a
+    ``load`` :class:`~kvpilot.routing.decide.ledger.WorkerLoad`'s, each row in that order (for a
     pair: P's overlap and active prefill blocks, D's decode blocks and requests)."""
 
     names: Sequence[str]

@@ -6,7 +6,7 @@ requests hold and the number of those requests. Unique, as in Dynamo's
 ``ActiveSequences``: requests sharing a prefix share its KV, so a request adds
 only the blocks no active request on that worker already holds. That is what
 lets a cache-rich worker keep winning a hot prefix (and what the decaying
-overlap credit counters, :mod:`routing.decide.cost`).
+overlap credit counters, :mod:`kvpilot.routing.decide.cost`).
 
 Lifecycle: :meth:`LoadLedger.dispatch` (when the route is taken),
 :meth:`~LoadLedger.first_token` (the prefill is over; or
@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from routing.ids import WorkerId
-from routing.index.chain import BlockKey, Namespace, PromptChain
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.index.chain import BlockKey, Namespace, PromptChain
 
 _PREFILL, _UNIQUE, _REQUESTS = range(3)
 """The columns of the ledger's per-worker counts."""
@@ -216,7 +216,7 @@ class LoadLedger:
     @staticmethod
     def _shared_depth(held: Counter[BlockKey], chain: PromptChain) -> int:
         """Leading blocks of ``chain`` in ``held``. A key names its whole prefix (each
-        key folds in its parent's, :mod:`routing.index.chain`), so an active request
+        key folds in its parent's, :mod:`kvpilot.routing.index.chain`), so an active request
         holding block ``i`` holds blocks ``0..i``: membership falls once along the
         chain, and a galloping search finds where in ``O(log depth)`` lookups, naming
         blocks only up to twice the depth."""

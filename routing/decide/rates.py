@@ -3,7 +3,7 @@ really take, learned from samples and starting from the roofline prior. Pure: no
 I/O, no clock (a sample's window is a count, not a time).
 
 Three models, each fitted by non-negative least squares over the last ``window``
-samples (the fit and the prefill model are :mod:`policies.measured_fit`'s, which the
+samples (the fit and the prefill model are :mod:`kvpilot.policies.measured_fit`'s, which the
 connector's pull policy fits too):
 
 - **prefill** of ``n`` new (uncached) tokens after ``C`` cached ones, per engine::
@@ -42,18 +42,18 @@ from typing import TypeVar
 
 import numpy as np
 
-from policies.measured_fit import (
+from kvpilot.policies.measured_fit import (
     MIN_SAMPLES,
     PREFILL_SPREAD_FEATURE,
     WINDOW,
     LinearFit,
     prefill_features,
 )
-from policies.presets import hardware_preset, kv_format_preset, link_preset
-from policies.roofline import decode_step, kv_bytes, prefill
-from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecError
-from routing.config import ConfigError, DisaggregationConfig, Role
-from routing.health.engine_load import EngineLoad, RateCounters
+from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset
+from kvpilot.policies.roofline import decode_step, kv_bytes, prefill
+from kvpilot.policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecError
+from kvpilot.routing.config import ConfigError, DisaggregationConfig, Role
+from kvpilot.routing.health.engine_load import EngineLoad, RateCounters
 
 DECODE_PRIOR_CONTEXT = 1024
 """The context each running stream is taken to have in the prior's decode step (the
@@ -122,8 +122,8 @@ class RolePriors:
 
     @classmethod
     def from_config(cls, cfg: DisaggregationConfig, model: ModelSpec) -> RolePriors:
-        """The priors pricing ``model`` (:func:`routing.config.prior_model`). Raises
-        :class:`~routing.config.ConfigError` naming the section for an unknown preset."""
+        """The priors pricing ``model`` (:func:`kvpilot.routing.config.prior_model`). Raises
+        :class:`~kvpilot.routing.config.ConfigError` naming the section for an unknown preset."""
         try:
             fmt = kv_format_preset(cfg.kv_format)
             link, p_hw, d_hw = (

@@ -2,28 +2,28 @@
 
 For one request the :class:`Router`:
 
-1. names the prompt's blocks: a fresh :class:`~routing.index.chain.PromptChain`, or
-   the session's incremental one (:class:`~routing.decide.sessions.SessionStore`), so a
+1. names the prompt's blocks: a fresh :class:`~kvpilot.routing.index.chain.PromptChain`, or
+   the session's incremental one (:class:`~kvpilot.routing.decide.sessions.SessionStore`), so a
    session's next step names only its new blocks;
-2. matches it in the index (:class:`~routing.index.kvindex.KVIndex`: per worker, per tier);
-3. builds the candidates' cost columns (:class:`~routing.decide.cost.CandidateTable`),
+2. matches it in the index (:class:`~kvpilot.routing.index.kvindex.KVIndex`: per worker, per tier);
+3. builds the candidates' cost columns (:class:`~kvpilot.routing.decide.cost.CandidateTable`),
    one row per (P, D) pair and per co-located worker, from the sparse per-worker
    overlaps and loads (a large fleet's idle workers cost one array fill). A pair
    is named ``"P->D"``; it is credited with P's overlap (P prefills), loaded with
    P's active prefill blocks and D's decode blocks and requests, earns the session credit if D served the session
    last (after a step the newest KV lives on D, article section 9.2), and is
    charged its recent transfer failures and transfer time (``pair_penalty``);
-4. asks :class:`~routing.decide.cost.CostModel` to pick one (seeded RNG);
-5. for a pair, asks ``policies.disaggregation`` whether to prefill locally on D
+4. asks :class:`~kvpilot.routing.decide.cost.CostModel` to pick one (seeded RNG);
+5. for a pair, asks ``kvpilot.policies.disaggregation`` whether to prefill locally on D
    (D's cached prefix, P's cached prefix and queue, D's KV usage from the
    ledger or D's own ``/metrics``, the larger) or remotely on P (conditional
    disaggregation, article section 7);
 6. for a session's later step on a pair, prices the article's five options
-   instead (:mod:`policies.session_options`: re-prefill on P, pull D's offer
+   instead (:mod:`kvpilot.policies.session_options`: re-prefill on P, pull D's offer
    into P, the last P and D again, a shared tier, local on D) and takes the
    cheapest, or the one ``sessions.force_option`` names while it is available.
 
-:meth:`Router.route` does not touch the :class:`~routing.decide.ledger.LoadLedger`; the
+:meth:`Router.route` does not touch the :class:`~kvpilot.routing.decide.ledger.LoadLedger`; the
 caller dispatches (:meth:`Route.prefill_worker` and :attr:`Route.cached_blocks`
 say what to count) and records the session's decode worker with
 :meth:`Router.served` once the request succeeded. Not thread-safe: callers
@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvconnectors.pull_params import LEASE_MARGIN_S
-from policies.disaggregation import (
+from kvpilot.kvconnectors.pull_params import LEASE_MARGIN_S
+from kvpilot.policies.disaggregation import (
     DecodeState,
     LocalRemoteDecision,
     LocalVsRemotePolicy,
@@ -51,21 +51,21 @@ from policies.disaggregation import (
     PromptState,
     Where,
 )
-from policies.presets import hardware_preset, kv_format_preset, link_preset
-from policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
-from policies.specs import ModelSpec, SpecError
-from routing.config import ConfigError, CostObjective, DisaggregationConfig, RouterConfig, TierClass, Worker
-from routing.decide.cost import CandidateTable, CostModel, Decision, TierOverlap, tier_overlap
-from routing.decide.ledger import LoadLedger, PromptLoads
-from routing.decide.rates import RateEstimator, predict_ttft
-from routing.decide.sessions import OfferUse, SessionOffer, SessionState, SessionStore
-from routing.fleet import Fleet
-from routing.ids import SessionId, WorkerId, pair_name
-from routing.index.chain import PromptChain
-from routing.index.kvindex import KVIndex, Match
+from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset
+from kvpilot.policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
+from kvpilot.policies.specs import ModelSpec, SpecError
+from kvpilot.routing.config import ConfigError, CostObjective, DisaggregationConfig, RouterConfig, TierClass, Worker
+from kvpilot.routing.decide.cost import CandidateTable, CostModel, Decision, TierOverlap, tier_overlap
+from kvpilot.routing.decide.ledger import LoadLedger, PromptLoads
+from kvpilot.routing.decide.rates import RateEstimator, predict_ttft
+from kvpilot.routing.decide.sessions import OfferUse, SessionOffer, SessionState, SessionStore
+from kvpilot.routing.fleet import Fleet
+from kvpilot.routing.ids import SessionId, WorkerId, pair_name
+from kvpilot.routing.index.chain import PromptChain
+from kvpilot.routing.index.kvindex import KVIndex, Match
 
 if TYPE_CHECKING:
-    from routing.health.engine_load import EngineLoad
+    from kvpilot.routing.health.engine_load import EngineLoad
 
 
 class NoHealthyWorker(Exception):
@@ -173,7 +173,7 @@ class _Options:
 
 def policy_from_config(cfg: DisaggregationConfig, model: ModelSpec) -> LocalVsRemotePolicy:
     """The local-vs-remote policy the ``disaggregation`` section describes, pricing
-    ``model`` (:func:`routing.config.prior_model`).
+    ``model`` (:func:`kvpilot.routing.config.prior_model`).
 
     Raises :class:`ConfigError` naming the field for an unknown preset.
     """
@@ -210,11 +210,11 @@ class Router:
         rates: RateEstimator | None = None,
     ) -> None:
         """``available(worker)``: False while the worker's circuit is open
-        (:class:`routing.health.circuit.CircuitBreaker`); such a worker is not routed to.
+        (:class:`kvpilot.routing.health.circuit.CircuitBreaker`); such a worker is not routed to.
         ``events_stale(worker)``: True while the worker's KV events have stopped
-        (:class:`routing.health.event_watch.EventWatch`); it gets no overlap credit (load only).
+        (:class:`kvpilot.routing.health.event_watch.EventWatch`); it gets no overlap credit (load only).
         ``pair_penalty(p, d)``: blocks added to the pair's cost for its recent transfer
-        failures and transfer time (:class:`routing.health.pair_health.PairHealth`).
+        failures and transfer time (:class:`kvpilot.routing.health.pair_health.PairHealth`).
         ``rates``: the measured rates the policy and the session options price with when
         ``disaggregation.measured_rates`` is on."""
         if fleet.prefill and policy is None:

@@ -1,8 +1,8 @@
 """A session's shared state: what another router replica, or this router after a
 restart, needs to route the session's next step as the router that served the last
 one would. Pure: the record's schema, the rule that merges it into a local
-:class:`~routing.decide.sessions.SessionState`, how long it lives, and the contract of
-the store that keeps it (:class:`SessionStateStore`; Redis: :mod:`routing.state.redis_store`).
+:class:`~kvpilot.routing.decide.sessions.SessionState`, how long it lives, and the contract of
+the store that keeps it (:class:`SessionStateStore`; Redis: :mod:`kvpilot.routing.state.redis_store`).
 
 What is shared, per session: its *placement* (the D that served the last step and
 holds its newest KV), its *affinity* (the P that prefilled it, for option 3), D's
@@ -36,8 +36,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from routing.decide.sessions import SessionOffer, SessionState
-from routing.ids import SessionId, WorkerId
+from kvpilot.routing.decide.sessions import SessionOffer, SessionState
+from kvpilot.routing.ids import SessionId, WorkerId
 
 RECORD_VERSION = 1
 
@@ -61,7 +61,7 @@ class RecordError(ValueError):
 
 
 class OfferRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """:class:`~routing.decide.sessions.SessionOffer` as stored."""
+    """:class:`~kvpilot.routing.decide.sessions.SessionOffer` as stored."""
 
     holder: str
     params: dict[str, Any]

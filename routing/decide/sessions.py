@@ -1,7 +1,7 @@
 """Sessions: the affinity key, and each session's incremental block chain. Pure.
 
 An agent's step ``k+1`` prompt is step ``k``'s prompt plus a little more, so a
-session keeps its :class:`~routing.index.chain.PromptChain` (and the index's last
+session keeps its :class:`~kvpilot.routing.index.chain.PromptChain` (and the index's last
 match for it) and only names the new blocks. If the new prompt does not extend
 the old one (history edited, re-rendered, truncated), the chain is cut back to
 the last full block before the first differing token and renamed from there.
@@ -25,9 +25,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-from kvconnectors.pull_params import LEASE_MARGIN_S, lease_expires_at, offers_blocks
-from routing.ids import SessionId, WorkerId
-from routing.index.chain import PromptChain, first_difference, pack_tokens
+from kvpilot.kvconnectors.pull_params import LEASE_MARGIN_S, lease_expires_at, offers_blocks
+from kvpilot.routing.ids import SessionId, WorkerId
+from kvpilot.routing.index.chain import PromptChain, first_difference, pack_tokens
 
 SESSION_FIELDS = ("conversation_id", "prompt_cache_key")
 """The body fields that name a session, by precedence (the router strips them before
@@ -79,7 +79,7 @@ OfferUse = Literal["sent", "expired", "unused", "none"]
 class SessionOffer:
     """D's end-of-turn kv_transfer_params for a session (vLLM's bidirectional mode):
     the blocks of the whole session D holds for a peer to pull, until ``expires_at``
-    (Unix seconds, from KVPilotConnector's :data:`~kvconnectors.pull_params.EXPIRES_AT_KEY`; ``None`` when D
+    (Unix seconds, from KVPilotConnector's :data:`~kvpilot.kvconnectors.pull_params.EXPIRES_AT_KEY`; ``None`` when D
     stated no wall-clock hold)."""
 
     holder: WorkerId
@@ -132,8 +132,8 @@ class SessionState:
         self.offer: SessionOffer | None = None
         """D's offer of the session's KV after its last step, until used or replaced."""
         self.steps = 0
-        """Steps served (:meth:`routing.decide.router.Router.served`): which of two views of the
-        session is newer (:func:`routing.decide.session_record.merge`)."""
+        """Steps served (:meth:`kvpilot.routing.decide.router.Router.served`): which of two views of the
+        session is newer (:func:`kvpilot.routing.decide.session_record.merge`)."""
         self._lora: str | None = None
         self._salt: str | None = None
 

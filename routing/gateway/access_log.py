@@ -1,10 +1,10 @@
 """Envoy's OpenTelemetry access log, received: the OTLP logs service
-(``opentelemetry.proto.collector.logs.v1``) over the :class:`~routing.gateway.picker.Picker`.
+(``opentelemetry.proto.collector.logs.v1``) over the :class:`~kvpilot.routing.gateway.picker.Picker`.
 
 Envoy sends one log record per request as it ends (``deploy/envoy_spec.py`` names the
-attributes, :class:`~routing.gateway.contract.LogAttribute`): the request id, the status, the
+attributes, :class:`~kvpilot.routing.gateway.contract.LogAttribute`): the request id, the status, the
 microseconds to the destination's first body byte and to the last byte sent. Each becomes
-a :class:`~routing.gateway.picker.RequestEnd`. A record without a request id, or with a
+a :class:`~kvpilot.routing.gateway.picker.RequestEnd`. A record without a request id, or with a
 field that is not a number, is logged and skipped; the export is still acknowledged.
 """
 
@@ -18,8 +18,8 @@ from opentelemetry.proto.collector.logs.v1 import logs_service_pb2 as ls
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2_grpc as ls_grpc
 from opentelemetry.proto.logs.v1 import logs_pb2
 
-from routing.gateway.contract import LogAttribute
-from routing.gateway.picker import Picker, RequestEnd
+from kvpilot.routing.gateway.contract import LogAttribute
+from kvpilot.routing.gateway.picker import Picker, RequestEnd
 
 log = logging.getLogger(__name__)
 

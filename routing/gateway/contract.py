@@ -20,7 +20,7 @@ ANSWER_HEADERS = (
     "x-kvpilot-predicted-ttft-ms",
 )
 """The picker's headers on D's request that Envoy copies to the client's answer
-(:class:`~routing.serve.proxy.Begun`'s ``headers``, lower-case)."""
+(:class:`~kvpilot.routing.serve.proxy.Begun`'s ``headers``, lower-case)."""
 ACCESS_LOG_NAME = "kvpilot"
 
 

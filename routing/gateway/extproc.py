@@ -1,4 +1,5 @@
-"""Envoy's ``ext_proc`` protocol (``envoy.service.ext_proc.v3``) over the :class:`~routing.gateway.picker.Picker`.
+"""Envoy's ``ext_proc`` protocol (``envoy.service.ext_proc.v3``) over the
+:class:`~kvpilot.routing.gateway.picker.Picker`.
 
 One gRPC stream per HTTP request, in one of two styles, told by the processing mode Envoy
 announces on its first message (``protocol_config``):
@@ -47,9 +48,9 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from multidict import CIMultiDict
 
-from routing.gateway.contract import DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE
-from routing.gateway.picker import Picked, Picker, Refused, RequestEnd
-from routing.serve.proxy import error_reply
+from kvpilot.routing.gateway.contract import DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE
+from kvpilot.routing.gateway.picker import Picked, Picker, Refused, RequestEnd
+from kvpilot.routing.serve.proxy import error_reply
 
 log = logging.getLogger(__name__)
 

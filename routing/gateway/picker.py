@@ -1,15 +1,15 @@
 """kvpilot's endpoint picker: the router's decision for a request that Envoy carries.
 
-Envoy hands the picker each request's headers and whole body (:mod:`routing.gateway.extproc`)
-and, when the request has ended, one access-log entry (:mod:`routing.gateway.access_log`).
+Envoy hands the picker each request's headers and whole body (:mod:`kvpilot.routing.gateway.extproc`)
+and, when the request has ended, one access-log entry (:mod:`kvpilot.routing.gateway.access_log`).
 Between the two the stream runs from the engine to the client through Envoy alone: no
 response byte reaches Python.
 
 :meth:`Picker.pick` does what the HTTP front does up to D's call
-(:meth:`~routing.serve.app.RouterServer.intake`: check, tokenize once, session, route, TTFT
-SLO; then :meth:`~routing.serve.proxy.Proxy.begin`: ledger, metrics, and P's prefill with its
+(:meth:`~kvpilot.routing.serve.app.RouterServer.intake`: check, tokenize once, session, route, TTFT
+SLO; then :meth:`~kvpilot.routing.serve.proxy.Proxy.begin`: ledger, metrics, and P's prefill with its
 fallback when the route prefills remotely on vLLM engines; beside Dynamo P's step is deferred
-into D's call) and answers with D's :class:`~routing.serve.upstream.Destination` and the
+into D's call) and answers with D's :class:`~kvpilot.routing.serve.upstream.Destination` and the
 answer's ``X-KVPilot-*`` headers (Envoy copies them to the response, see
 ``deploy/envoy_spec.py``). :meth:`Picker.ended` does what the proxy does after D's stream:
 the first-token samples (from Envoy's time to the destination's first body byte), the
@@ -43,14 +43,14 @@ from typing import Any
 
 import msgspec
 
-from routing.decide.router import Route
-from routing.decide.sessions import SESSION_FIELDS
-from routing.serve.admission import Rejected
-from routing.serve.app import UNAUTHORIZED_MESSAGE, RouterServer
-from routing.serve.chat import ChatError
-from routing.serve.proxy import Begun, ProxyRequest, Reply, error_reply
-from routing.serve.refusals import BadRequest
-from routing.serve.upstream import Destination, UpstreamError
+from kvpilot.routing.decide.router import Route
+from kvpilot.routing.decide.sessions import SESSION_FIELDS
+from kvpilot.routing.serve.admission import Rejected
+from kvpilot.routing.serve.app import UNAUTHORIZED_MESSAGE, RouterServer
+from kvpilot.routing.serve.chat import ChatError
+from kvpilot.routing.serve.proxy import Begun, ProxyRequest, Reply, error_reply
+from kvpilot.routing.serve.refusals import BadRequest
+from kvpilot.routing.serve.upstream import Destination, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class _InFlight:
 
 
 class Picker:
-    """Picks for Envoy over a started :class:`~routing.serve.app.RouterServer` (see the
+    """Picks for Envoy over a started :class:`~kvpilot.routing.serve.app.RouterServer` (see the
     module doc). Runs on the router's event loop; not thread-safe."""
 
     def __init__(self, server: RouterServer) -> None:

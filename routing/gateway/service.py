@@ -2,9 +2,9 @@
 
 :func:`attach` adds to the router's aiohttp app a start step (after the router's own: the
 index caught up, the fleet found) that serves, on ``server.host:gateway.picker_port``,
-Envoy's ext_proc service (:mod:`routing.gateway.extproc`) and the OTLP logs service its
-access log exports to (:mod:`routing.gateway.access_log`), and a task that ends requests
-whose access-log record never came (:meth:`~routing.gateway.picker.Picker.expire`).
+Envoy's ext_proc service (:mod:`kvpilot.routing.gateway.extproc`) and the OTLP logs service its
+access log exports to (:mod:`kvpilot.routing.gateway.access_log`), and a task that ends requests
+whose access-log record never came (:meth:`~kvpilot.routing.gateway.picker.Picker.expire`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2_grpc as ls_grpc
 
-from routing.gateway.access_log import AccessLogReceiver
-from routing.gateway.extproc import ExternalProcessor
-from routing.gateway.picker import Picker
-from routing.serve.app import OPEN_PATHS, UNAUTHORIZED_MESSAGE, RouterServer
-from routing.serve.proxy import error_reply
+from kvpilot.routing.gateway.access_log import AccessLogReceiver
+from kvpilot.routing.gateway.extproc import ExternalProcessor
+from kvpilot.routing.gateway.picker import Picker
+from kvpilot.routing.serve.app import OPEN_PATHS, UNAUTHORIZED_MESSAGE, RouterServer
+from kvpilot.routing.serve.proxy import error_reply
 
 log = logging.getLogger(__name__)
 

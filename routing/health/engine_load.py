@@ -1,11 +1,11 @@
 """An engine's self-reported load, as the router's poller last read it
-(:mod:`routing.ingest.engine_metrics`) and as the decision and pair health use it. Pure."""
+(:mod:`kvpilot.routing.ingest.engine_metrics`) and as the decision and pair health use it. Pure."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from routing.health.pair_health import TransferCounters
+from kvpilot.routing.health.pair_health import TransferCounters
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,7 +15,7 @@ class RateCounters:
     ``_count``), ``vllm:prompt_tokens_by_source_total`` by source,
     ``vllm:inter_token_latency_seconds`` (``_sum``, ``_count``), and the bytes it read
     over NIXL (``vllm:nixl_bytes_transferred_sum``; the reads' count and time are in
-    :class:`~routing.health.pair_health.TransferCounters`)."""
+    :class:`~kvpilot.routing.health.pair_health.TransferCounters`)."""
 
     prefill_seconds: float = 0.0
     prefill_requests: float = 0.0

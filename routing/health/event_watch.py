@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from routing.ids import WorkerId
+from kvpilot.routing.ids import WorkerId
 
 
 @dataclass

@@ -17,7 +17,7 @@ sample is shared evenly among the pairs it took part in (as P or D, from
 sample; a counter that went down (the engine restarted) starts a new baseline.
 With one P per D the attribution is exact.
 
-A pair's penalty, added to its Dynamo cost (:func:`routing.decide.cost.worker_terms`)::
+A pair's penalty, added to its Dynamo cost (:func:`kvpilot.routing.decide.cost.worker_terms`)::
 
     penalty = pair_failure_cost_blocks * failures  (halved every pair_failure_half_life_s)
             + pair_transfer_cost_blocks_per_s * mean transfer seconds (its last measured interval)
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from routing.config import CostConfig
-from routing.ids import WorkerId
+from kvpilot.routing.config import CostConfig
+from kvpilot.routing.ids import WorkerId
 
 Pair = tuple[WorkerId, WorkerId]
 """(prefill worker, decode worker)."""

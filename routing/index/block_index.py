@@ -1,6 +1,6 @@
 """The global block index: which worker holds which prefix, per tier. Pure.
 
-Block naming (:mod:`routing.index.chain`; the package docstring says why): the
+Block naming (:mod:`kvpilot.routing.index.chain`; the package docstring says why): the
 router names block ``i`` of a chain ``key_i = key_{i-1} XOR mix(i, tokens_i)``
 inside *one namespace* ``(lora_name?, cache_salt?)``. Engine hashes are mapped
 to these keys per worker (llm-d style), so the engines' hash algorithm and seed
@@ -12,7 +12,7 @@ another salt's (or LoRA's) blocks, whatever the hashes do.
 
 Worked example (block size 2, one worker ``"w1"``)::
 
-    >>> from routing.index.events import BlockStored, BlockRemoved
+    >>> from kvpilot.routing.index.events import BlockStored, BlockRemoved
     >>> idx = BlockIndex(block_size=2)
     >>> idx.apply("w1", BlockStored([b"e0", b"e1"], None, [1, 2, 3, 4], 2, medium="GPU"))
     'applied'
@@ -39,8 +39,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from routing.ids import DEFAULT_TIER, Tier, WorkerId
-from routing.index.chain import (
+from kvpilot.routing.ids import DEFAULT_TIER, Tier, WorkerId
+from kvpilot.routing.index.chain import (
     KEY_BITS,
     ROOT_KEY,
     BlockKey,
@@ -52,8 +52,8 @@ from routing.index.chain import (
     chain_keys,
     freeze,
 )
-from routing.index.events import BlockRemoved, BlockStored
-from routing.index.kvindex import EventApplier, Match
+from kvpilot.routing.index.events import BlockRemoved, BlockStored
+from kvpilot.routing.index.kvindex import EventApplier, Match
 
 _NS_BITS = 20
 _NS_MASK = (1 << _NS_BITS) - 1

@@ -4,7 +4,7 @@ Block ``i`` of a chain is named ``key_i = key_{i-1} XOR mix(i, tokens_i)`` with
 ``key_{-1} = 0``, where ``mix`` is a per-process random multilinear hash of the
 block's tokens and position (uint64 arithmetic, vectorized with numpy) put
 through a 64-bit finalizer. The same function names the engines' stored blocks
-(:mod:`routing.index.block_index`) and the prompts (:class:`PromptChain`); keys live only in
+(:mod:`kvpilot.routing.index.block_index`) and the prompts (:class:`PromptChain`); keys live only in
 this process's memory and are never sent anywhere, so the random lanes differ
 per process. The cost is one ``array('I', ...)`` conversion of the tokens plus
 a few numpy passes: about 5.5 ns per token on this box, against about 9 ns for
@@ -163,7 +163,7 @@ class PromptChain:
     asked to name more than 4,096 tokens at once (then it is packed into the
     chain's own uint32 storage, and :attr:`tokens` is a numpy view of it); the
     caller must not mutate it meanwhile. An incremental chain packs its own
-    copy at once. :meth:`routing.index.block_index.BlockIndex.match` names only
+    copy at once. :meth:`kvpilot.routing.index.block_index.BlockIndex.match` names only
     as many blocks as it needs (it stops at the first block no worker holds);
     an incremental chain (``incremental=True``) also keeps the index's last
     match (``match_state``, owned by the index) so the next match only looks at

@@ -1,4 +1,4 @@
-"""A :class:`routing.index.block_index.BlockIndex` twin backed by NVIDIA Dynamo's ``RadixTree``.
+"""A :class:`kvpilot.routing.index.block_index.BlockIndex` twin backed by NVIDIA Dynamo's ``RadixTree``.
 
 Chosen with ``index.backend: dynamo`` so the two indexes can be compared on
 live traffic; imports ``dynamo`` (``ai-dynamo-runtime``), so import this module
@@ -48,10 +48,10 @@ from typing import Any, cast
 import numpy as np
 from dynamo.llm import RadixTree, compute_block_hash_for_seq
 
-from routing.ids import DEFAULT_TIER, Tier, WorkerId
-from routing.index.chain import Namespace, PromptChain, freeze
-from routing.index.events import BlockRemoved, BlockStored
-from routing.index.kvindex import EventApplier, Match
+from kvpilot.routing.ids import DEFAULT_TIER, Tier, WorkerId
+from kvpilot.routing.index.chain import Namespace, PromptChain, freeze
+from kvpilot.routing.index.events import BlockRemoved, BlockStored
+from kvpilot.routing.index.kvindex import EventApplier, Match
 
 _U64 = (1 << 64) - 1
 _BAD_TOKENS = (OverflowError, TypeError, ValueError)  # what compute_block_hash_for_seq raises

@@ -7,9 +7,9 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
-from routing.ids import DEFAULT_TIER, Tier, WorkerId
-from routing.index.chain import PromptChain
-from routing.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvpilot.routing.ids import DEFAULT_TIER, Tier, WorkerId
+from kvpilot.routing.index.chain import PromptChain
+from kvpilot.routing.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class Match(NamedTuple):
@@ -21,8 +21,8 @@ class Match(NamedTuple):
 
 
 class KVIndex(Protocol):
-    """What the router needs of a block index: :class:`~routing.index.block_index.BlockIndex`
-    (kvpilot's) or :class:`~routing.index.dynamo.DynamoIndex` (Dynamo's ``RadixTree``),
+    """What the router needs of a block index: :class:`~kvpilot.routing.index.block_index.BlockIndex`
+    (kvpilot's) or :class:`~kvpilot.routing.index.dynamo.DynamoIndex` (Dynamo's ``RadixTree``),
     chosen with ``index.backend``. Not thread-safe: callers serialize every call (the
     router and the index feeder share one lock). Both backends run the same scenarios
     against the same expected matches (tests/unit/routing/test_routing_dynamo_index.py)."""

@@ -1,4 +1,4 @@
-"""A Dynamo deployment's workers as the router's :class:`~routing.config.Worker` s,
+"""A Dynamo deployment's workers as the router's :class:`~kvpilot.routing.config.Worker` s,
 read through Dynamo's own discovery client, with joins and departures picked up live.
 
 Dynamo registers each worker as an *instance* of an endpoint (``namespace.component.endpoint``):
@@ -18,12 +18,12 @@ How an instance becomes a worker (:func:`worker_of`, pure):
   the prefill endpoint, else decode (a fleet without prefill workers serves its
   decode workers as co-located ones);
 - url: Dynamo's frontend (every request goes through it, naming the instance:
-  :mod:`routing.serve.dynamo_upstream`);
+  :mod:`kvpilot.routing.serve.dynamo_upstream`);
 - KV events: vLLM's ZMQ format, which ``dynamo.mocker`` (``--zmq-kv-events-ports``) and
   vLLM workers publish on a PUB socket they bind, so the router connects:
   ``tcp://<host>:<port>`` with the host of the instance's request-plane address
   (``127.0.0.1:36559/40c4d0cf81efebb0/dynamo/backend/generate``) and the port given by
-  :class:`~routing.config.DynamoConfig`: that request-plane port plus
+  :class:`~kvpilot.routing.config.DynamoConfig`: that request-plane port plus
   ``kv_events_port_offset`` (``kvpilot fleet up --dynamo`` starts each worker with
   ``DYN_TCP_RPC_PORT`` pinned for this), or ``kv_events_port`` on every host; or, before
   both rules, the endpoint ``kv_events_endpoints`` names for the instance's id (workers
@@ -43,9 +43,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from routing.config import DynamoConfig, Role, Worker
-from routing.fleet import Fleet, fleet_of
-from routing.ids import WorkerId
+from kvpilot.routing.config import DynamoConfig, Role, Worker
+from kvpilot.routing.fleet import Fleet, fleet_of
+from kvpilot.routing.ids import WorkerId
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """What the engines report about their own load, read from their Prometheus ``/metrics``.
 
-The router's :class:`~routing.decide.ledger.LoadLedger` only sees traffic that went
+The router's :class:`~kvpilot.routing.decide.ledger.LoadLedger` only sees traffic that went
 through this router. An engine's own gauges also count traffic that did not
 (a second router, direct clients), so the router polls them:
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
 ``vllm:kv_cache_usage_perc`` (vLLM 0.32; summed over label sets, KV usage is
 the maximum), and the NIXL transfer counters that rate each (P, D) pair
-(:data:`TRANSFER_COUNTERS`, :mod:`routing.health.pair_health`). :func:`parse_engine_load`
+(:data:`TRANSFER_COUNTERS`, :mod:`kvpilot.routing.health.pair_health`). :func:`parse_engine_load`
 is pure and hands only those lines to
 ``prometheus_client``'s parser, so a large exposition costs little on the router's
 loop; :class:`EngineLoadPoller` is the asyncio loop.
@@ -27,11 +27,11 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from kvconnectors import vllm_metrics
-from routing.config import Worker
-from routing.health.engine_load import EngineLoad, RateCounters
-from routing.health.pair_health import TransferCounters
-from routing.ids import WorkerId
+from kvpilot.kvconnectors import vllm_metrics
+from kvpilot.routing.config import Worker
+from kvpilot.routing.health.engine_load import EngineLoad, RateCounters
+from kvpilot.routing.health.pair_health import TransferCounters
+from kvpilot.routing.ids import WorkerId
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ TRANSFER_COUNTERS = {
     vllm_metrics.NIXL_XFER_TIME_SECONDS.sum: "transfer_seconds",
     vllm_metrics.NIXL_XFER_TIME_SECONDS.count: "transfers",
 }
-"""The series behind :class:`~routing.health.pair_health.TransferCounters` (summed over label sets)."""
+"""The series behind :class:`~kvpilot.routing.health.pair_health.TransferCounters` (summed over label sets)."""
 RATE_COUNTERS = {
     vllm_metrics.REQUEST_PREFILL_TIME_SECONDS.sum: "prefill_seconds",
     vllm_metrics.REQUEST_PREFILL_TIME_SECONDS.count: "prefill_requests",
@@ -53,7 +53,7 @@ RATE_COUNTERS = {
     vllm_metrics.INTER_TOKEN_LATENCY_SECONDS.count: "decode_steps",
     vllm_metrics.NIXL_BYTES_TRANSFERRED.sum: "read_bytes",
 }
-"""The series behind :class:`~routing.health.engine_load.RateCounters` (summed over label sets),
+"""The series behind :class:`~kvpilot.routing.health.engine_load.RateCounters` (summed over label sets),
 besides the prompt tokens by source (:data:`TOKENS_BY_SOURCE`)."""
 _BY_SOURCE = vllm_metrics.PROMPT_TOKENS_BY_SOURCE.total
 TOKENS_BY_SOURCE = {
@@ -62,7 +62,7 @@ TOKENS_BY_SOURCE = {
     vllm_metrics.PromptTokenSource.EXTERNAL_KV_TRANSFER.value: "external_tokens",
 }
 """``vllm:prompt_tokens_by_source_total``'s ``source`` label -> its
-:class:`~routing.health.engine_load.RateCounters` field."""
+:class:`~kvpilot.routing.health.engine_load.RateCounters` field."""
 # A sample line of one of these starts with its name and then labels or a space.
 _WANTED_LINES = tuple(
     name + after

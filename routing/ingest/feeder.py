@@ -1,10 +1,10 @@
 """The thread that feeds the index: :class:`IndexFeeder` owns one
-:class:`~routing.ingest.subscriber.EngineSubscriber` per worker with an events
+:class:`~kvpilot.routing.ingest.subscriber.EngineSubscriber` per worker with an events
 endpoint and polls them in one background thread, applying events to the shared
-:class:`~routing.index.kvindex.KVIndex` under a lock the request path shares.
+:class:`~kvpilot.routing.index.kvindex.KVIndex` under a lock the request path shares.
 Workers may join (:meth:`IndexFeeder.add`) and leave (:meth:`IndexFeeder.remove`)
 while it runs. Each new subscriber is first caught up from its engine's replay buffer
-(:meth:`~routing.ingest.subscriber.EngineSubscriber.catch_up`), so a restarted router
+(:meth:`~kvpilot.routing.ingest.subscriber.EngineSubscriber.catch_up`), so a restarted router
 starts from what the engines hold, not from an empty index."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import threading
 
 import zmq
 
-from routing.config import Worker
-from routing.fleet import Fleet
-from routing.ids import WorkerId
-from routing.index.kvindex import KVIndex
-from routing.ingest.subscriber import EngineSubscriber
+from kvpilot.routing.config import Worker
+from kvpilot.routing.fleet import Fleet
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.index.kvindex import KVIndex
+from kvpilot.routing.ingest.subscriber import EngineSubscriber
 
 
 class IndexFeeder:
@@ -32,7 +32,7 @@ class IndexFeeder:
     joins the thread and closes the sockets; it is idempotent.
 
     ``bind``: whether each subscriber binds its endpoint (``None``: vLLM's rule,
-    :func:`~routing.ingest.subscriber.subscriber_binds`; ``False`` for publishers that
+    :func:`~kvpilot.routing.ingest.subscriber.subscriber_binds`; ``False`` for publishers that
     bind, as Dynamo's workers do).
     """
 
@@ -66,7 +66,7 @@ class IndexFeeder:
         self._changed = threading.Event()
         self.caught_up = threading.Event()
         """Set once the thread has caught every subscriber of the starting fleet up from its
-        engine's replay buffer (:meth:`~routing.ingest.subscriber.EngineSubscriber.catch_up`)."""
+        engine's replay buffer (:meth:`~kvpilot.routing.ingest.subscriber.EngineSubscriber.catch_up`)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

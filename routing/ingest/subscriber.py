@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from routing.ids import WorkerId
-from routing.index.events import BlockStored, EventDecoder
-from routing.index.kvindex import KVIndex
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.index.events import BlockStored, EventDecoder
+from kvpilot.routing.index.kvindex import KVIndex
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 

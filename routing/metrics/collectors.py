@@ -2,7 +2,7 @@
 ``instrumented_index.go`` is the model: the component does not know about metrics;
 a collector beside it reads its public state when Prometheus scrapes).
 
-Each collector is registered into :class:`routing.metrics.router_metrics.RouterMetrics`'s
+Each collector is registered into :class:`kvpilot.routing.metrics.router_metrics.RouterMetrics`'s
 registry by the server that owns the component; none reaches into another. The
 per-worker ones ask for the workers at each scrape (``workers()``), so workers that
 join or leave a live fleet are listed as they are.
@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from routing.decide.ledger import LoadLedger
-from routing.ids import Tier, WorkerId
-from routing.index.kvindex import KVIndex
+from kvpilot.routing.decide.ledger import LoadLedger
+from kvpilot.routing.ids import Tier, WorkerId
+from kvpilot.routing.index.kvindex import KVIndex
 
 if TYPE_CHECKING:
-    from routing.health.event_watch import EventWatch
-    from routing.health.pair_health import Pair, PairHealth
-    from routing.ingest.engine_metrics import EngineLoadPoller
-    from routing.ingest.feeder import IndexFeeder
+    from kvpilot.routing.health.event_watch import EventWatch
+    from kvpilot.routing.health.pair_health import Pair, PairHealth
+    from kvpilot.routing.ingest.engine_metrics import EngineLoadPoller
+    from kvpilot.routing.ingest.feeder import IndexFeeder
 
 P = "kvpilot_router_"
 SUBSCRIBER_STATS = ("batches", "replayed", "replayed_blocks", "gaps", "unrecoverable_gaps", "restarts", "bad_frames")

@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING, get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from policies.session_options import Option
-from routing.decide.session_record import StoreOp
-from routing.decide.sessions import OfferUse
-from routing.ids import WorkerId
-from routing.serve.refusals import RejectReason
+from kvpilot.policies.session_options import Option
+from kvpilot.routing.decide.session_record import StoreOp
+from kvpilot.routing.decide.sessions import OfferUse
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.serve.refusals import RejectReason
 
 if TYPE_CHECKING:
-    from routing.decide.router import Route
+    from kvpilot.routing.decide.router import Route
 
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -53,7 +53,7 @@ class RouterMetrics:
     ``kvpilot_router_session_store_restored_total`` (records newer than this router's view).
     Limits and admission: ``kvpilot_router_rejected_total{reason}``. Worker health:
     ``kvpilot_router_circuit_trips_total{worker}``, ``kvpilot_router_circuit_open{worker}``.
-    Read at scrape time by the components' own collectors (:mod:`routing.metrics.collectors`),
+    Read at scrape time by the components' own collectors (:mod:`kvpilot.routing.metrics.collectors`),
     which the server registers into :attr:`registry`: KV-event ingest, index blocks,
     the ledger's load, the engines' own gauges, stopped KV events, pair penalties.
     """

@@ -16,8 +16,8 @@ import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from routing.decide.rates import TTFTPrediction
-from routing.serve.refusals import RejectReason
+from kvpilot.routing.decide.rates import TTFTPrediction
+from kvpilot.routing.serve.refusals import RejectReason
 
 
 class Rejected(Exception):
@@ -79,7 +79,7 @@ class Admission:
 
 
 def check_ttft_slo(prediction: TTFTPrediction, slo_s: float) -> None:
-    """Refuse a routed request whose predicted TTFT (:class:`~routing.decide.rates.TTFTPrediction`:
+    """Refuse a routed request whose predicted TTFT (:class:`~kvpilot.routing.decide.rates.TTFTPrediction`:
     queue + prefill + transfer + first decode step) is over ``slo_s`` seconds, before
     anything is sent to an engine (Mooncake's early rejection). Returns ``None`` when it
     meets the SLO, or when ``slo_s`` is 0 (no SLO).

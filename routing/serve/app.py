@@ -2,15 +2,15 @@
 
 :class:`RouterServer` is the composition root (index, ledger, sessions, health,
 router, proxy, metrics, pollers, the shared session store) and the HTTP handlers. Per request: admit it
-(:mod:`routing.serve.admission`: a full queue is a 429, a queue wait past its
+(:mod:`kvpilot.routing.serve.admission`: a full queue is a 429, a queue wait past its
 timeout a 503, both with ``Retry-After``), parse and validate the body (400 naming
-the field; only the fields of :mod:`routing.serve.request_fields` are accepted, so a
+the field; only the fields of :mod:`kvpilot.routing.serve.request_fields` are accepted, so a
 client cannot set ``kv_transfer_params``), tokenize once (chat: render the model's
 chat template first), take the session's record from the shared store when one is
-configured (:mod:`routing.state.sync`), route (:mod:`routing.decide.router`), refuse a
+configured (:mod:`kvpilot.routing.state.sync`), route (:mod:`kvpilot.routing.decide.router`), refuse a
 route whose predicted TTFT is over ``server.ttft_slo_s`` (429 for load, else 503, with
 ``Retry-After``) and hand the route to the
-proxy (:mod:`routing.serve.proxy`: P, fallback, retry, bookkeeping), whose answer is
+proxy (:mod:`kvpilot.routing.serve.proxy`: P, fallback, retry, bookkeeping), whose answer is
 written here as JSON or as server-sent events.
 
 An upstream failure reaches the client as a JSON error naming the engine (the
@@ -21,8 +21,8 @@ decision without sending anything. Metrics: :class:`RouterMetrics` (listed in
 ``docs/guides/router.md``).
 
 Beside Dynamo (``dynamo.frontend_url`` set, docs/guides/dynamo.md) the engines are Dynamo's
-frontend in direct mode (:mod:`routing.serve.dynamo_upstream`) and the fleet is Dynamo's
-discovery, followed live (:mod:`routing.ingest.dynamo_discovery`, :meth:`RouterServer.set_fleet`).
+frontend in direct mode (:mod:`kvpilot.routing.serve.dynamo_upstream`) and the fleet is Dynamo's
+discovery, followed live (:mod:`kvpilot.routing.ingest.dynamo_discovery`, :meth:`RouterServer.set_fleet`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from routing.config import (
+from kvpilot.routing.config import (
     ConfigError,
     IndexBackend,
     IndexConfig,
@@ -53,23 +53,23 @@ from routing.config import (
     SessionStoreKind,
     prior_model,
 )
-from routing.decide.ledger import LoadLedger
-from routing.decide.rates import RateEstimator, RolePriors, TTFTPrediction
-from routing.decide.router import NoHealthyWorker, Route, Router, policy_from_config
-from routing.decide.session_record import SessionStateStore
-from routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, SessionStore, scoped, session_key
-from routing.fleet import Fleet, fleet_changes, fleet_of
-from routing.health.circuit import CircuitBreaker
-from routing.health.engine_load import EngineLoad
-from routing.health.event_watch import EventWatch
-from routing.health.pair_health import PairHealth
-from routing.ids import SessionId, WorkerId, pair_name
-from routing.index.block_index import BlockIndex
-from routing.index.kvindex import KVIndex
-from routing.ingest.dynamo_discovery import DynamoDiscovery
-from routing.ingest.engine_metrics import EngineLoadPoller
-from routing.ingest.feeder import IndexFeeder
-from routing.metrics.collectors import (
+from kvpilot.routing.decide.ledger import LoadLedger
+from kvpilot.routing.decide.rates import RateEstimator, RolePriors, TTFTPrediction
+from kvpilot.routing.decide.router import NoHealthyWorker, Route, Router, policy_from_config
+from kvpilot.routing.decide.session_record import SessionStateStore
+from kvpilot.routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, SessionStore, scoped, session_key
+from kvpilot.routing.fleet import Fleet, fleet_changes, fleet_of
+from kvpilot.routing.health.circuit import CircuitBreaker
+from kvpilot.routing.health.engine_load import EngineLoad
+from kvpilot.routing.health.event_watch import EventWatch
+from kvpilot.routing.health.pair_health import PairHealth
+from kvpilot.routing.ids import SessionId, WorkerId, pair_name
+from kvpilot.routing.index.block_index import BlockIndex
+from kvpilot.routing.index.kvindex import KVIndex
+from kvpilot.routing.ingest.dynamo_discovery import DynamoDiscovery
+from kvpilot.routing.ingest.engine_metrics import EngineLoadPoller
+from kvpilot.routing.ingest.feeder import IndexFeeder
+from kvpilot.routing.metrics.collectors import (
     EngineLoadCollector,
     EventWatchCollector,
     FeederCollector,
@@ -77,17 +77,17 @@ from routing.metrics.collectors import (
     LedgerCollector,
     PairHealthCollector,
 )
-from routing.metrics.router_metrics import RouterMetrics
-from routing.serve.admission import Admission, Rejected, check_ttft_slo
-from routing.serve.chat import ChatError, ChatTemplate, chat_to_completion_body
-from routing.serve.proxy import Proxy, ProxyRequest, error_reply
-from routing.serve.refusals import BadRequest, RejectReason
-from routing.serve.request_fields import checked_body
-from routing.serve.sse import sse_events
-from routing.serve.tokenizer import PromptError, PromptTokenizer
-from routing.serve.upstream import Upstream
-from routing.serve.vllm_upstream import VllmUpstream
-from routing.state.sync import SessionSync
+from kvpilot.routing.metrics.router_metrics import RouterMetrics
+from kvpilot.routing.serve.admission import Admission, Rejected, check_ttft_slo
+from kvpilot.routing.serve.chat import ChatError, ChatTemplate, chat_to_completion_body
+from kvpilot.routing.serve.proxy import Proxy, ProxyRequest, error_reply
+from kvpilot.routing.serve.refusals import BadRequest, RejectReason
+from kvpilot.routing.serve.request_fields import checked_body
+from kvpilot.routing.serve.sse import sse_events
+from kvpilot.routing.serve.tokenizer import PromptError, PromptTokenizer
+from kvpilot.routing.serve.upstream import Upstream
+from kvpilot.routing.serve.vllm_upstream import VllmUpstream
+from kvpilot.routing.state.sync import SessionSync
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
 
 
 class _SSEResponse:
-    """The proxy's :class:`~routing.serve.proxy.ClientStream` over aiohttp: the
+    """The proxy's :class:`~kvpilot.routing.serve.proxy.ClientStream` over aiohttp: the
     client's streamed response, prepared when the proxy opens it."""
 
     def __init__(self, request: web.Request) -> None:
@@ -147,10 +147,10 @@ class _SSEResponse:
 
 def make_index(cfg: IndexConfig) -> KVIndex:
     """The index ``cfg.backend`` names: kvpilot's :class:`BlockIndex` or Dynamo's
-    ``RadixTree`` (:mod:`routing.index.dynamo`, needs ``ai-dynamo-runtime``)."""
+    ``RadixTree`` (:mod:`kvpilot.routing.index.dynamo`, needs ``ai-dynamo-runtime``)."""
     if cfg.backend is IndexBackend.DYNAMO:
         try:
-            from routing.index.dynamo import DynamoIndex
+            from kvpilot.routing.index.dynamo import DynamoIndex
         except ImportError as exc:
             raise ConfigError(
                 "index.backend", f"'dynamo' needs ai-dynamo-runtime (pip install 'kvpilot[dynamo]'): {exc}"
@@ -164,7 +164,7 @@ def make_session_store(cfg: SessionConfig) -> SessionStateStore | None:
     if cfg.store is SessionStoreKind.MEMORY:
         return None
     try:
-        from routing.state.redis_store import RedisSessionStore
+        from kvpilot.routing.state.redis_store import RedisSessionStore
     except ImportError as exc:
         needs = f"'redis' needs the redis client (pip install 'kvpilot[redis]'): {exc}"
         raise ConfigError("sessions.store", needs) from None
@@ -181,7 +181,7 @@ class Intake:
 
 
 class RouterServer:
-    """Builds the aiohttp app around a :class:`~routing.decide.router.Router`.
+    """Builds the aiohttp app around a :class:`~kvpilot.routing.decide.router.Router`.
 
     ``feed_index`` starts one subscriber per worker with a KV-events endpoint
     at app startup (bound then) and stops them at cleanup.
@@ -337,7 +337,7 @@ class RouterServer:
         """vLLM's engines, or Dynamo's frontend (its discovery opened here)."""
         if not self.config.dynamo.enabled:
             return VllmUpstream(http, self._engine_headers)
-        from routing.serve.dynamo_upstream import DynamoUpstream
+        from kvpilot.routing.serve.dynamo_upstream import DynamoUpstream
 
         self.discovery = await DynamoDiscovery.open(self.config.dynamo)
         return DynamoUpstream(http, self._engine_headers, self.discovery.instance_id)
@@ -495,7 +495,7 @@ class RouterServer:
         return BadRequest(f"request body is over server.max_body_bytes ({self.config.server.max_body_bytes})", 413)
 
     def checked_body(self, raw: bytes, chat: bool | None) -> dict[str, Any]:
-        """``raw`` parsed and checked (:func:`routing.serve.request_fields.checked_body`);
+        """``raw`` parsed and checked (:func:`kvpilot.routing.serve.request_fields.checked_body`);
         raises :class:`BadRequest`, a refusal with a reason counted in
         ``kvpilot_router_rejected_total``."""
         srv = self.config.server
@@ -612,7 +612,7 @@ class RouterServer:
         run first when there is a TTFT SLO, so that a refused step leaves the session as
         it was) and checked against ``server.ttft_slo_s``. Raises :class:`BadRequest` or
         :class:`ChatError` (400 unless they say otherwise), or
-        :class:`~routing.serve.admission.Rejected` for a predicted TTFT over the SLO."""
+        :class:`~kvpilot.routing.serve.admission.Rejected` for a predicted TTFT over the SLO."""
         assert self._proxy is not None, "the app has not started"
         slo_s = self.config.server.ttft_slo_s
         engine_body = chat_to_completion_body(body) if chat else dict(body)

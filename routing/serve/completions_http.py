@@ -1,8 +1,8 @@
 """D's side of an OpenAI completions call over HTTP, for the upstreams that speak it
-(:mod:`routing.serve.vllm_upstream`, :mod:`routing.serve.dynamo_upstream`): the whole
+(:mod:`kvpilot.routing.serve.vllm_upstream`, :mod:`kvpilot.routing.serve.dynamo_upstream`): the whole
 completion or its stream, with an engine's failures mapped to
-:class:`~routing.serve.upstream.UpstreamError` and
-:class:`~routing.serve.upstream.StreamBroke` in this one place. I/O only.
+:class:`~kvpilot.routing.serve.upstream.UpstreamError` and
+:class:`~kvpilot.routing.serve.upstream.StreamBroke` in this one place. I/O only.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from routing.config import Worker
-from routing.serve.sse import sse_batches
-from routing.serve.upstream import StreamBroke, UpstreamError
+from kvpilot.routing.config import Worker
+from kvpilot.routing.serve.sse import sse_batches
+from kvpilot.routing.serve.upstream import StreamBroke, UpstreamError
 
 
 class CompletionsHttp:
@@ -66,7 +66,7 @@ class CompletionsHttp:
         self, worker: Worker, body: dict[str, Any], headers: Mapping[str, str] | None = None
     ) -> AsyncIterator[AsyncIterator[list[str]]]:
         """D's stream, once D answered 200: the ``data`` of its server-sent events, in the
-        batches they arrived in (:func:`~routing.serve.sse.sse_batches`).
+        batches they arrived in (:func:`~kvpilot.routing.serve.sse.sse_batches`).
 
         Raises :class:`UpstreamError` on entry (D unreachable, timed out, not 200);
         while iterating, :class:`StreamBroke` when the stream breaks."""

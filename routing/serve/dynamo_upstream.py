@@ -1,4 +1,4 @@
-"""The :class:`~routing.serve.upstream.Upstream` of a Dynamo deployment: NVIDIA
+"""The :class:`~kvpilot.routing.serve.upstream.Upstream` of a Dynamo deployment: NVIDIA
 Dynamo's frontend in direct mode (``python -m dynamo.frontend --router-mode direct``).
 
 Every request goes to the frontend (each Dynamo worker's ``url`` is the frontend's)
@@ -19,10 +19,10 @@ from typing import Any
 
 import aiohttp
 
-from routing.config import Worker
-from routing.ids import WorkerId
-from routing.serve.completions_http import CompletionsHttp
-from routing.serve.upstream import Destination, PrefillFailure, PrefillOutcome, UpstreamError, host_port
+from kvpilot.routing.config import Worker
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.serve.completions_http import CompletionsHttp
+from kvpilot.routing.serve.upstream import Destination, PrefillFailure, PrefillOutcome, UpstreamError, host_port
 
 WORKER_INSTANCE_HEADER = "x-dynamo-worker-instance-id"
 """The decode (or aggregated) instance Dynamo's frontend sends the request to (Dynamo

@@ -1,19 +1,19 @@
-"""Serves one routed request through an :class:`~routing.serve.upstream.Upstream`:
+"""Serves one routed request through an :class:`~kvpilot.routing.serve.upstream.Upstream`:
 the P->D path with its fallback and retry, and the bookkeeping of every step.
 
-For a :class:`~routing.decide.router.Route`:
+For a :class:`~kvpilot.routing.decide.router.Route`:
 
 - remote prefill: P prefills with ``max_tokens=1`` and a handoff request
-  (:func:`kvconnectors.pull_params.handoff_request`), or, at a session's next step,
+  (:func:`kvpilot.kvconnectors.pull_params.handoff_request`), or, at a session's next step,
   D's offer of the session's KV from its last step (vLLM's bidirectional protocol);
   D then decodes with P's returned params. An upstream whose deployment does the
   handoff itself answers P's step at once with a deferred handoff that names P for D's
-  call (:attr:`~routing.serve.upstream.PrefillOutcome.deferred`): P is then counted
+  call (:attr:`~kvpilot.routing.serve.upstream.PrefillOutcome.deferred`): P is then counted
   as prefilling until D's first token. P is given ``max(server.prefill_timeout_s,
-  k x its predicted queue + prefill)`` (:meth:`~routing.decide.rates.TTFTPrediction.prefill_timeout_s`,
-  k = :data:`~routing.decide.rates.PREFILL_TIMEOUT_FACTOR`), so a box measured slow
+  k x its predicted queue + prefill)`` (:meth:`~kvpilot.routing.decide.rates.TTFTPrediction.prefill_timeout_s`,
+  k = :data:`~kvpilot.routing.decide.rates.PREFILL_TIMEOUT_FACTOR`), so a box measured slow
   waits for P. If P fails (an error, that timeout, no params), D prefills the prompt itself: the route
-  becomes :attr:`~routing.decide.router.Kind.FALLBACK`, counted in
+  becomes :attr:`~kvpilot.routing.decide.router.Kind.FALLBACK`, counted in
   ``kvpilot_router_prefill_fallbacks_total``;
 - local prefill or co-located: one engine does both.
 
@@ -41,19 +41,19 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvconnectors.pull_params import handoff_request
-from policies.session_options import OptionPrice
-from routing.config import Worker
-from routing.decide.ledger import LoadLedger
-from routing.decide.rates import PrefillPath, RateEstimator, TTFTPrediction, predict_ttft
-from routing.decide.router import Kind, Route, Router
-from routing.health.circuit import CircuitBreaker
-from routing.health.event_watch import EventWatch
-from routing.health.pair_health import PairHealth
-from routing.ids import SessionId, WorkerId
-from routing.metrics.router_metrics import RouterMetrics
-from routing.serve.chat import chat_chunk, chat_response
-from routing.serve.upstream import PrefillFailure, StreamBroke, Upstream, UpstreamError
+from kvpilot.kvconnectors.pull_params import handoff_request
+from kvpilot.policies.session_options import OptionPrice
+from kvpilot.routing.config import Worker
+from kvpilot.routing.decide.ledger import LoadLedger
+from kvpilot.routing.decide.rates import PrefillPath, RateEstimator, TTFTPrediction, predict_ttft
+from kvpilot.routing.decide.router import Kind, Route, Router
+from kvpilot.routing.health.circuit import CircuitBreaker
+from kvpilot.routing.health.event_watch import EventWatch
+from kvpilot.routing.health.pair_health import PairHealth
+from kvpilot.routing.ids import SessionId, WorkerId
+from kvpilot.routing.metrics.router_metrics import RouterMetrics
+from kvpilot.routing.serve.chat import chat_chunk, chat_response
+from kvpilot.routing.serve.upstream import PrefillFailure, StreamBroke, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class ProxyRequest:
 @dataclass(frozen=True, slots=True)
 class Begun:
     """A request after :meth:`Proxy.begin`: how it is served (``kind``: a remote prefill
-    that fell back is :attr:`~routing.decide.router.Kind.FALLBACK`), the worker that
+    that fell back is :attr:`~kvpilot.routing.decide.router.Kind.FALLBACK`), the worker that
     prefilled it (or prefills within D's call), P's handoff for D's request (``None``: D
     prefills the prompt itself), whether P prefills within D's call (``deferred``), the
     route's predicted TTFT, and the answer's ``X-KVPilot-*`` headers."""

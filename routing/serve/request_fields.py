@@ -16,8 +16,8 @@ from typing import Any
 
 import msgspec
 
-from routing.decide.sessions import SESSION_FIELDS
-from routing.serve.refusals import BadRequest, RejectReason
+from kvpilot.routing.decide.sessions import SESSION_FIELDS
+from kvpilot.routing.serve.refusals import BadRequest, RejectReason
 
 COMPLETION_FIELDS = frozenset(
     {

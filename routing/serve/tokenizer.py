@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from routing.index.chain import pack_tokens
+from kvpilot.routing.index.chain import pack_tokens
 
 
 class PromptError(ValueError):

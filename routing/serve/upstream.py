@@ -1,4 +1,4 @@
-"""What the proxy (:mod:`routing.serve.proxy`) needs of the engines behind it: the
+"""What the proxy (:mod:`kvpilot.routing.serve.proxy`) needs of the engines behind it: the
 :class:`Upstream` interface, and how an engine's failure reaches the proxy.
 
 - :meth:`Upstream.prefill` never raises: P's handoff params for D, or why there are
@@ -11,8 +11,8 @@
   while iterating.
 
 One implementation per kind of deployment, each a module of its own: vLLM engines
-reached directly (:mod:`routing.serve.vllm_upstream`), and NVIDIA Dynamo's frontend in
-direct mode (:mod:`routing.serve.dynamo_upstream`). The proxy never branches on which
+reached directly (:mod:`kvpilot.routing.serve.vllm_upstream`), and NVIDIA Dynamo's frontend in
+direct mode (:mod:`kvpilot.routing.serve.dynamo_upstream`). The proxy never branches on which
 one it has.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from routing.config import Worker
+from kvpilot.routing.config import Worker
 
 
 class UpstreamError(Exception):

@@ -1,9 +1,9 @@
-"""The :class:`~routing.serve.upstream.Upstream` of vLLM engines reached directly:
+"""The :class:`~kvpilot.routing.serve.upstream.Upstream` of vLLM engines reached directly:
 ``POST {worker}/v1/completions`` with the engines' API key, when one is configured.
 
 P's prefill is one token, not streamed, with ``kv_transfer_params`` asking P to keep
 the prompt's KV for D (vLLM's P->D protocol); D gets P's returned params as its own
-``kv_transfer_params`` (:mod:`routing.serve.completions_http` makes D's call). I/O
+``kv_transfer_params`` (:mod:`kvpilot.routing.serve.completions_http` makes D's call). I/O
 only: no routing, no ledger, no metrics.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 
 import aiohttp
 
-from routing.config import Worker
-from routing.serve.completions_http import CompletionsHttp
-from routing.serve.upstream import Destination, PrefillFailure, PrefillOutcome, host_port
+from kvpilot.routing.config import Worker
+from kvpilot.routing.serve.completions_http import CompletionsHttp
+from kvpilot.routing.serve.upstream import Destination, PrefillFailure, PrefillOutcome, host_port
 
 NOT_FOR_PREFILL = ("stream_options", "min_tokens")
 """Client fields P's one-token prefill must not carry: vLLM refuses ``min_tokens`` above

@@ -10,8 +10,8 @@ needs JetStream and, before NATS server 2.11, had only one TTL per bucket; Dynam
 them for discovery and its event plane, not for per-request state.
 
 No retries and no reconnection backoff here: a command that fails raises
-:class:`~routing.decide.session_record.StoreUnavailable` at once, and the next request
-tries again (:mod:`routing.state.sync` bounds and counts every call).
+:class:`~kvpilot.routing.decide.session_record.StoreUnavailable` at once, and the next request
+tries again (:mod:`kvpilot.routing.state.sync` bounds and counts every call).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from routing.decide.session_record import StoreUnavailable
-from routing.ids import SessionId
+from kvpilot.routing.decide.session_record import StoreUnavailable
+from kvpilot.routing.ids import SessionId
 
 CONNECT_TIMEOUT_S = 1.0
 
 
 class RedisSessionStore:
-    """:class:`~routing.decide.session_record.SessionStateStore` over a Redis server at ``url``
+    """:class:`~kvpilot.routing.decide.session_record.SessionStateStore` over a Redis server at ``url``
     (``redis://host:port/db``); every key starts with ``key_prefix`` and ``session:``."""
 
     def __init__(self, url: str, key_prefix: str) -> None:

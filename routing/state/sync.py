@@ -6,7 +6,7 @@ request for the store.
   router in ``tests/e2e/test_router_state.py`` once forgot a session that way).
 - :meth:`SessionSync.pull`, before a session's step is routed: read its record, at most
   ``sessions.store_read_timeout_s``, and merge it when it is newer than the local view
-  (:func:`~routing.decide.session_record.merge`: after a restart, or when another replica
+  (:func:`~kvpilot.routing.decide.session_record.merge`: after a restart, or when another replica
   served the last step). A read that fails or times out is counted and the step is routed
   on the local state.
 - :meth:`SessionSync.push`, once a step was served: write the session's record, at most
@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from routing.decide.session_record import (
+from kvpilot.routing.decide.session_record import (
     RecordError,
     SessionRecord,
     SessionStateStore,
@@ -36,9 +36,9 @@ from routing.decide.session_record import (
     StoreUnavailable,
     merge,
 )
-from routing.decide.sessions import SessionStore
-from routing.ids import SessionId
-from routing.metrics.router_metrics import RouterMetrics
+from kvpilot.routing.decide.sessions import SessionStore
+from kvpilot.routing.ids import SessionId
+from kvpilot.routing.metrics.router_metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 

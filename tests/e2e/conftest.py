@@ -5,7 +5,7 @@ two engines run at a time: on this 2-core box each idle engine's NIXL/UCX progre
 thread keeps a core busy (NIXL's Python API starts it with no delay between polls, and
 vLLM does not expose ``enable_prog_thread``), and a third engine starves the others. A
 bidirectional D holding an unpulled offer adds most of another core while it holds
-(``deploy.fleet_spec.DECODE_HOLD_TTL_S``). Every fixture stops what it started.
+(``kvpilot.deploy.fleet_spec.DECODE_HOLD_TTL_S``). Every fixture stops what it started.
 
 A fleet start costs about a minute on this box, so the modules of each of
 :data:`SHARED_FLEET_GROUPS` run one after another on one fleet
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from deploy import fleet as fleet_io
-from deploy.fleet_spec import FleetSpec
-from deploy.tiny_model import ensure_tiny_model
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.tiny_model import ensure_tiny_model
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import SharedFleet
 from tests.fakes.ports import block_of
 

@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from deploy import fleet as fleet_io
-from deploy.fleet_spec import FleetSpec
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.fleet_spec import FleetSpec
 
 START_TIMEOUT_S = 600.0
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from deploy.client import Completion, complete
-from deploy.metrics import scrape, settled
-from deploy.prompts import filler_text
-from kvconnectors import vllm_metrics as vm
-from kvconnectors.pull_params import handoff_request
+from kvpilot.deploy.client import Completion, complete
+from kvpilot.deploy.metrics import scrape, settled
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.kvconnectors import vllm_metrics as vm
+from kvpilot.kvconnectors.pull_params import handoff_request
 
 BLOCK_SIZE = 32
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2

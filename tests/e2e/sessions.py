@@ -14,12 +14,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deploy.agent_session import decoded_turn, prefill_next_turn
-from deploy.client import Completion, complete
-from deploy.metrics import Samples, scrape, settled
-from deploy.prompts import filler_text
-from kvconnectors.vllm_metrics import KVPILOT_PULL_DECISIONS
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy.agent_session import decoded_turn, prefill_next_turn
+from kvpilot.deploy.client import Completion, complete
+from kvpilot.deploy.metrics import Samples, scrape, settled
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.kvconnectors.vllm_metrics import KVPILOT_PULL_DECISIONS
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.scenarios import BLOCK_SIZE
 
 GENERATED = 80  # D's tool call: spans blocks, so the session's newest KV is D's

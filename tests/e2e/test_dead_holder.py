@@ -21,16 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from deploy import fleet as fleet_io
-from deploy.agent_session import decoded_turn, prefill_next_turn
-from deploy.client import Completion, complete
-from deploy.fleet import Fleet
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape, settled, total, wait_for_metric
-from deploy.prompts import filler_text
-from kvconnectors.pull_params import handoff_request
-from kvconnectors.vllm_metrics import KVPILOT_LOAD_FAILURES
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.agent_session import decoded_turn, prefill_next_turn
+from kvpilot.deploy.client import Completion, complete
+from kvpilot.deploy.fleet import Fleet
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import delta, scrape, settled, total, wait_for_metric
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.kvconnectors.pull_params import handoff_request
+from kvpilot.kvconnectors.vllm_metrics import KVPILOT_LOAD_FAILURES
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
 from tests.e2e.scenarios import PROMPT_TOKENS, RECOMPUTED, REJECTED
 from tests.e2e.sessions import GENERATED, block_count, colocated, history

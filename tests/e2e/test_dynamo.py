@@ -28,13 +28,13 @@ import psutil
 import pytest
 import zmq
 
-from deploy import dynamo_fleet
-from deploy import fleet as fleet_io
-from deploy.client import complete
-from deploy.dynamo_spec import DynamoFleetSpec
-from deploy.fleet import Fleet, FleetStartError, down
-from routing.config import Role
-from routing.index.events import BlockStored, EventDecoder
+from kvpilot.deploy import dynamo_fleet
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.client import complete
+from kvpilot.deploy.dynamo_spec import DynamoFleetSpec
+from kvpilot.deploy.fleet import Fleet, FleetStartError, down
+from kvpilot.routing.config import Role
+from kvpilot.routing.index.events import BlockStored, EventDecoder
 
 pytest.importorskip("dynamo.mocker", reason="needs ai-dynamo (scripts/bootstrap.sh installs it)")
 pytestmark = pytest.mark.e2e
@@ -332,7 +332,7 @@ def _stream_in_thread(url: str, prompt: list[int], max_tokens: int) -> tuple[thr
 
 def test_an_envoy_hot_restart_cuts_no_stream(fleet, spec):
     """A new Envoy takes over the listener while the old one serves the stream it holds to
-    its end (Envoy's hot restart, ``deploy.fleet.restart_gateway``); new requests go through
+    its end (Envoy's hot restart, ``kvpilot.deploy.fleet.restart_gateway``); new requests go through
     the new one."""
     assert spec.gateway is not None
     thread, out = _stream_in_thread(spec.client_url, _prompt(85, 2), max_tokens=8000)  # ~5 s at speedup 10

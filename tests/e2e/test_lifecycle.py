@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from deploy import fleet as fleet_io
-from deploy.client import HTTPStatusError, complete
-from deploy.env import child_env
-from deploy.fleet_spec import ENGINE_API_KEY_ENV, FleetSpec, plan_fleet
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.client import HTTPStatusError, complete
+from kvpilot.deploy.env import child_env
+from kvpilot.deploy.fleet_spec import ENGINE_API_KEY_ENV, FleetSpec, plan_fleet
 from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
@@ -23,8 +23,12 @@ pytestmark = pytest.mark.e2e
 PORTS = block_of(__name__).fleet()
 
 
+FLAG_OF_PORT = {"router_port": "--server-port"}
+"""The fleet flag of each port that the CLI names after the router's setting (``server.port``)."""
+
+
 def _port_flags() -> list[str]:
-    return [f"--{name.replace('_', '-')}={port}" for name, port in PORTS.items()]
+    return [f"{FLAG_OF_PORT.get(name, '--' + name.replace('_', '-'))}={port}" for name, port in PORTS.items()]
 
 
 def _alive(pid: int) -> bool:
@@ -50,7 +54,7 @@ def test_fresh_process_gets_connector_from_entry_point_alone() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "kvconnectors.connector.KVPilotConnector"
+    assert out.stdout.strip().splitlines()[-1] == "kvpilot.kvconnectors.connector.KVPilotConnector"
 
 
 @pytest.mark.parametrize(
@@ -86,12 +90,12 @@ def test_bad_config_stops_engine_at_start_naming_the_key(
 def test_fleet_down_leaves_no_process_and_frees_ports(model_dir: Path, tmp_path: Path) -> None:
     """Also: with ``KVPILOT_ENGINE_API_KEY`` set, the engine refuses requests without
     the key and the router, which sends it, serves."""
-    cli = [sys.executable, "-m", "deploy.cli", "fleet"]
+    cli = [sys.executable, "-m", "kvpilot.deploy.cli", "fleet"]
     key = f"key-{os.getpid()}"
     common = [
         "--run-dir",
         str(tmp_path),
-        "--model",
+        "--model-dir",
         str(model_dir),
         "--prefill",
         "0",
@@ -127,12 +131,12 @@ def test_ctrl_c_during_up_stops_everything(model_dir: Path, tmp_path: Path) -> N
     cmd = [
         sys.executable,
         "-m",
-        "deploy.cli",
+        "kvpilot.deploy.cli",
         "fleet",
         "up",
         "--run-dir",
         str(tmp_path),
-        "--model",
+        "--model-dir",
         str(model_dir),
         *_port_flags(),
     ]

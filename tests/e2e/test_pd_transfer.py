@@ -8,12 +8,12 @@ import uuid
 import psutil
 import pytest
 
-from deploy.client import complete
-from deploy.fleet import Fleet
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape, settled, total, wait_for_metric
-from kvconnectors import vllm_metrics as vm
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy.client import complete
+from kvpilot.deploy.fleet import Fleet
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import delta, scrape, settled, total, wait_for_metric
+from kvpilot.kvconnectors import vllm_metrics as vm
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.scenarios import BLOCK_SIZE, KV_BYTES_PER_TOKEN, NIXL_BYTES, PROMPT_TOKENS
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +40,7 @@ def _words(n: int, seed: int) -> str:
 def test_the_first_request_after_ready_is_not_a_fallback(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
     """First in this module (``test_verified_attach``, before it on this fleet, sends no
     request through the router). `fleet up` handed KV from P to D once before it returned
-    (deploy.pair_warmup: NIXL's handshake), so the first client request pays no handshake:
+    (kvpilot.deploy.pair_warmup: NIXL's handshake), so the first client request pays no handshake:
     it goes P -> D and D receives the prompt's KV over NIXL (issue 20: `make demo`'s
     first request went `fallback` at 38.5 s TTFT)."""
     decode = pd_fleet.by_role("decode")[0]
@@ -184,7 +184,7 @@ def test_vllm_bench_serve_drives_the_router(pd_fleet: Fleet, model_dir, tmp_path
     import subprocess
     import sys
 
-    from deploy.env import child_env
+    from kvpilot.deploy.env import child_env
 
     router = pd_fleet.router.url
     before = scrape(router)
@@ -234,8 +234,8 @@ def test_an_impossible_ttft_slo_is_refused_and_the_fleet_serves_the_next_request
     """With an SLO no prediction meets, the router refuses at once (503, Retry-After, a
     message naming the predicted TTFT and the SLO) and sends the engines nothing; with the
     fleet's own SLO back, the next request is served P -> D."""
-    from deploy.client import HTTPStatusError
-    from deploy.fleet import restart_router
+    from kvpilot.deploy.client import HTTPStatusError
+    from kvpilot.deploy.fleet import restart_router
 
     token_ids = tokenizer.prompt_token_ids(_words(200, seed=12))
     strict = restart_router(pd_spec, ["--server-ttft-slo-s", "1e-9"])
@@ -258,7 +258,7 @@ def test_an_impossible_ttft_slo_is_refused_and_the_fleet_serves_the_next_request
 def test_prefill_failure_falls_back_to_local_prefill_on_decode(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
     """Last in this module, and in the group that shares its fleet (``tests/e2e/conftest.py``):
     it stops the prefill engine."""
-    from deploy.fleet import stop_group
+    from kvpilot.deploy.fleet import stop_group
 
     decode = pd_fleet.by_role("decode")[0]
     stop_group(pd_fleet.by_role("prefill")[0].pid)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from deploy.client import complete
-from deploy.fleet import Fleet
-from deploy.fleet_spec import FleetSpec
-from kvconnectors.pull_params import handoff_request
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy.client import complete
+from kvpilot.deploy.fleet import Fleet
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.kvconnectors.pull_params import handoff_request
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
 from tests.e2e.scenarios import cases, colocated_reference, common_full_blocks
 from tests.e2e.sessions import EDITS, GENERATED, block_count, colocated, common_prefix, handshake_both_ways, run_session
@@ -28,7 +28,7 @@ PLAIN_HOLD_TTL_S = 300
 NixlConnector's engines carry vLLM's thread binding (the model thread on the last core,
 beside the NIXL progress threads), and on an AMX Xeon (2026-12-02) P's worker took 68 s
 for its first D->P handshake while D held offers; with the CPU fleets' 60 s hold
-(``deploy.fleet_spec.DECODE_HOLD_TTL_S``) D had released the session by then, declined
+(``kvpilot.deploy.fleet_spec.DECODE_HOLD_TTL_S``) D had released the session by then, declined
 the read as expired, and vLLM left P's request unanswered (the test's 900 s timeout)."""
 
 

@@ -31,14 +31,14 @@ from typing import Any
 
 import pytest
 
-from deploy.client import Completion, complete, debug_route, wait_for_overlap
-from deploy.fleet import Fleet
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape
-from deploy.prompts import filler_text
-from kvconnectors.pull_params import handoff_request
-from routing.serve.proxy import PREDICTED_TTFT_HEADER
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy.client import Completion, complete, debug_route, wait_for_overlap
+from kvpilot.deploy.fleet import Fleet
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import delta, scrape
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.kvconnectors.pull_params import handoff_request
+from kvpilot.routing.serve.proxy import PREDICTED_TTFT_HEADER
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
 from tests.e2e.scenarios import BLOCK_SIZE
 from tests.fakes.ports import block_of

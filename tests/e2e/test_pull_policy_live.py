@@ -10,7 +10,7 @@ override:
    interleaved. P's time is its turn-2 prefill's latency (``max_tokens=1``), at P.
 2. **live** (the default policy): after the handshakes, :data:`WARM_SESSIONS` sessions
    (P's link meter: 3 reads replace the link prior) and prefills of distinct lengths
-   (P's step fit: :data:`~policies.measured_fit.MIN_SAMPLES` timed steps replace the
+   (P's step fit: :data:`~kvpilot.policies.measured_fit.MIN_SAMPLES` timed steps replace the
    roofline prior), each case's step runs :data:`REPS` times with D's params; P's
    choice is read from ``vllm:kvpilot_pull_decisions_total``, which must say
    ``reason="measured"`` (P priced recomputing from its own steps, not a preset).
@@ -39,12 +39,12 @@ from pathlib import Path
 
 import pytest
 
-from deploy.client import complete
-from deploy.fleet import Fleet
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta
-from deploy.prompts import filler_text
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy.client import complete
+from kvpilot.deploy.fleet import Fleet
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import delta
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import SharedFleet
 from tests.e2e.scenarios import BLOCK_SIZE, KV_BYTES_PER_TOKEN, NIXL_BYTES, PROMPT_TOKENS, RECOMPUTED, VERIFIED
 from tests.e2e.sessions import EDITS, PULL_DECISIONS, Turn2, handshake_both_ways, run_session

@@ -16,16 +16,16 @@ import pytest
 import yaml
 import zmq
 
-from deploy import fleet as fleet_io
-from deploy.client import Completion, complete, debug_route, wait_for_overlap
-from deploy.fleet import Fleet
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta, scrape, settled, total, wait_for_metric
-from deploy.prompts import filler_text
-from kvconnectors.vllm_metrics import PROMPT_TOKENS_BY_SOURCE
-from routing.config import IndexBackend
-from routing.serve.request_fields import ENGINE_INTERNAL
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.client import Completion, complete, debug_route, wait_for_overlap
+from kvpilot.deploy.fleet import Fleet
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import delta, scrape, settled, total, wait_for_metric
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.kvconnectors.vllm_metrics import PROMPT_TOKENS_BY_SOURCE
+from kvpilot.routing.config import IndexBackend
+from kvpilot.routing.serve.request_fields import ENGINE_INTERNAL
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
 from tests.fakes.ports import block_of
 

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
-from deploy.client import Completion, complete, debug_route, wait_for_overlap
-from deploy.fleet import Fleet, restart_router, start_router, stop_group
-from deploy.fleet_spec import HOST, FleetSpec
-from deploy.metrics import delta, scrape, settled, total
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy.client import Completion, complete, debug_route, wait_for_overlap
+from kvpilot.deploy.fleet import Fleet, restart_router, start_router, stop_group
+from kvpilot.deploy.fleet_spec import HOST, FleetSpec
+from kvpilot.deploy.metrics import delta, scrape, settled, total
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
 from tests.e2e.scenarios import BLOCK_SIZE, PROMPT_TOKENS
 from tests.e2e.sessions import FIRST_PULL_TIMEOUT_S, GENERATED, colocated_steps, history

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from deploy.client import Completion, complete, wait_for_overlap
-from deploy.fleet import Fleet, restart_router
-from deploy.fleet_spec import DECODE_HOLD_TTL_S, ROUTER_CONFIG, FleetSpec
-from deploy.metrics import delta, scrape
-from policies.disaggregation import DecodeState
-from policies.session_options import Option, PrefillSite, SessionOptionPricer, SessionStep
-from routing.config import add_cli_flags, load_config, prior_model
-from routing.decide.router import policy_from_config
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy.client import Completion, complete, wait_for_overlap
+from kvpilot.deploy.fleet import Fleet, restart_router
+from kvpilot.deploy.fleet_spec import DECODE_HOLD_TTL_S, ROUTER_CONFIG, FleetSpec
+from kvpilot.deploy.metrics import delta, scrape
+from kvpilot.policies.disaggregation import DecodeState
+from kvpilot.policies.session_options import Option, PrefillSite, SessionOptionPricer, SessionStep
+from kvpilot.routing.config import add_cli_flags, load_config, prior_model
+from kvpilot.routing.decide.router import policy_from_config
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import SharedFleet
 from tests.e2e.scenarios import BLOCK_SIZE, PROMPT_TOKENS, RECOMPUTED, VERIFIED
 from tests.e2e.sessions import (
@@ -206,7 +206,7 @@ def test_a_session_served_by_each_forced_option_answers_like_colocated(
 
 
 def _priced_independently(spec: FleetSpec, flags: list[str], step: SessionStep) -> dict[str, float]:
-    """``step``'s options priced by :mod:`policies.session_options` under the router's
+    """``step``'s options priced by :mod:`kvpilot.policies.session_options` under the router's
     config as the fleet wrote it (its YAML, then ``flags``), not read back from it."""
     parser = argparse.ArgumentParser()
     add_cli_flags(parser)

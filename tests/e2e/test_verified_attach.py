@@ -8,12 +8,12 @@ import uuid
 
 import pytest
 
-from deploy import fleet as fleet_io
-from deploy.client import complete
-from deploy.fleet import Fleet
-from deploy.metrics import delta, scrape, settled
-from deploy.prompts import filler_text
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.client import complete
+from kvpilot.deploy.fleet import Fleet
+from kvpilot.deploy.metrics import delta, scrape, settled
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.scenarios import (
     BLOCK_SIZE,
     PROMPT_TOKENS,

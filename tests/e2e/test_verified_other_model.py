@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from deploy.fleet import Fleet
-from deploy.fleet_spec import FleetSpec
-from deploy.metrics import delta
-from deploy.prompts import filler_text
-from deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy.fleet import Fleet
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import delta
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
 from tests.e2e.scenarios import BLOCK_SIZE, PROMPT_TOKENS, RECOMPUTED, REJECTED, colocated_reference, run_case
 from tests.fakes.ports import block_of

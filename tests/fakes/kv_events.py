@@ -1,6 +1,6 @@
 """KV events made to order, as an engine would send them.
 
-The router's own event types (:mod:`routing.index.events`), for the index tests:
+The router's own event types (:mod:`kvpilot.routing.index.events`), for the index tests:
 :func:`stored` and :func:`removed` name the blocks of one of :data:`PROMPTS` by a
 stand-in for the engine's hash chain (:func:`block_hash`), so that a table of
 events and the prompts matched against them read as block ranges.
@@ -20,15 +20,15 @@ from typing import Any
 
 import pytest
 
-from deploy.env import LOCAL_ONLY_ENV
-from routing.index.events import BlockRemoved, BlockStored
+from kvpilot.deploy.env import LOCAL_ONLY_ENV
+from kvpilot.routing.index.events import BlockRemoved, BlockStored
 
 BLOCK_SIZE = 2
 PROMPTS = [list(range(1, 13)), [*list(range(1, 7)), 50, 51, 52, 53], [9, 9, 9, 9, 9, 9, 9, 9]]
 """Three prompts: six blocks; five blocks whose first three are the first prompt's;
 four identical blocks."""
 TOPIC = "kv"
-"""What :func:`vllm_publisher` sends on: the router's default (``routing.config.Worker.topic``)."""
+"""What :func:`vllm_publisher` sends on: the router's default (``kvpilot.routing.config.Worker.topic``)."""
 
 
 def block_hash(tokens: list[int], k: int, salt: str | None, as_int: bool = False) -> bytes | int:
@@ -70,7 +70,7 @@ def removed(tokens: list[int], ks: list[int], salt: str | None = None, medium: s
 
 def vllm_kv_events() -> ModuleType:
     """vLLM's ``vllm.distributed.kv_events`` (the router never imports vLLM; these tests
-    do, for its publisher). Sets :data:`deploy.env.LOCAL_ONLY_ENV` where unset before
+    do, for its publisher). Sets :data:`kvpilot.deploy.env.LOCAL_ONLY_ENV` where unset before
     the import; raises pytest's skip (of the calling module, at its import) without vLLM."""
     for name, value in LOCAL_ONLY_ENV.items():
         os.environ.setdefault(name, value)

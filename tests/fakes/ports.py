@@ -18,7 +18,7 @@ to ``E`` = :data:`ENGINES_PER_FLEET` engines, ``L = F * E``, ``S`` = :data:`SPAR
     [2L, 3L)      engines' NIXL side channels
     [3L, 4L)      engines' KV-event ports (the router binds them)
     [4L, 4L + S)  spare: the module's own listeners (Prometheus, its NIXL exporters)
-    [3L + R, 4L + R)  the engines' replay ports (R: deploy.fleet_spec.REPLAY_PORT_OFFSET)
+    [3L + R, 4L + R)  the engines' replay ports (R: kvpilot.deploy.fleet_spec.REPLAY_PORT_OFFSET)
 
 tests/unit/deploy/test_e2e_ports.py plans every module's fleets and checks that no
 two ports meet.
@@ -56,7 +56,7 @@ E2E_MODULES = tuple(
 
 
 class FleetPorts(TypedDict):
-    """The port bases of one fleet, as :class:`deploy.fleet_spec.FleetSpec` takes them
+    """The port bases of one fleet, as :class:`kvpilot.deploy.fleet_spec.FleetSpec` takes them
     (and as ``kvpilot fleet up`` takes them, as ``--engine-port`` and so on)."""
 
     engine_port: int

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.tiny_model import ensure_tiny_model
+from kvpilot.deploy.tiny_model import ensure_tiny_model
 from tests.fakes.engine import word_model_dir
 
 
@@ -20,7 +20,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    """The project's tiny model (:mod:`deploy.tiny_model`), for tests that build a real
+    """The project's tiny model (:mod:`kvpilot.deploy.tiny_model`), for tests that build a real
     vLLM config: built locally on first use and cached (``$KVPILOT_CACHE`` or
     ``~/.cache/kvpilot``), never downloaded."""
     return ensure_tiny_model()

@@ -1,6 +1,6 @@
 """The benchmarks' pure modules, importable as the benchmark scripts import them: by
-their bare names from ``benchmarks/`` (``import fleet_trace``), a folder of scripts and
-not a package."""
+workload package from ``benchmarks/`` (``from fleet.trace import ...``), a folder of
+entry-point scripts (``bench_*.py``) beside one package per workload."""
 
 from __future__ import annotations
 

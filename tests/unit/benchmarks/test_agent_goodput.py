@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from agent_goodput import LoadPoint, goodput, load_point, table
-from agent_results import ArmResult, Outcome, StepCounters
+from agent.goodput import LoadPoint, goodput, load_point, table
+from agent.results import ArmResult, Outcome, StepCounters
 
 
 def _result(requests_per_step: int, walls: list[float]) -> ArmResult:

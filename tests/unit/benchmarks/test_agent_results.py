@@ -10,11 +10,11 @@ import math
 from pathlib import Path
 
 import pytest
-from agent_output import finite, headline_table, result_json
-from agent_results import ArmResult, BenchConfig, Outcome, Run, StepCounters, judge_run
+from agent.output import finite, headline_table, result_json
+from agent.results import ArmResult, BenchConfig, Outcome, Run, StepCounters, judge_run
 from bench_agent import at_load
 
-from deploy.client import Completion
+from kvpilot.deploy.client import Completion
 
 GENERATED = 4
 STEPS = 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from agent_schedule import Spread, describe, plan
+from agent.schedule import Spread, describe, plan
 
 ARMS = {"N": ["a", "b", "c", "d"], "K": ["e"], "B": ["f"]}
 

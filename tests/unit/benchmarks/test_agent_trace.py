@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from agent_trace import AgentShape, agent_trace, hash_ids, main, to_jsonl
-from fleet_trace import TRACE_BLOCK_TOKENS, PromptShape, PromptSynth, load_trace, reuse_ceiling
+from agent.trace import AgentShape, agent_trace, hash_ids, main, to_jsonl
+from fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, PromptSynth, load_trace, reuse_ceiling
 
 SMALL = AgentShape(sessions=3, steps=4, shared_prefix=1_300, task=100, call=150, tool_output=600, seed=5)
 

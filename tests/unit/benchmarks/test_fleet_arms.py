@@ -2,9 +2,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fleet_arms import KVPILOT_SESSION_COST, SESSION_FLAGS, TUNED_DISAGG_FLAGS, TUNED_FLAGS, ArmName, arms
+from fleet.arms import KVPILOT_SESSION_COST, SESSION_FLAGS, TUNED_DISAGG_FLAGS, TUNED_FLAGS, ArmName, arms
 
-from deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting
+from kvpilot.deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting
 
 
 def test_the_arms_in_order_each_on_the_same_fleet_with_its_own_routing():

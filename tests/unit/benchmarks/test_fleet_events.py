@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from fleet_events import StoredPromptBlocks
-from fleet_trace import PromptShape, PromptSynth, TraceRequest, prompt_block_digests
+from fleet.events import StoredPromptBlocks
+from fleet.trace import PromptShape, PromptSynth, TraceRequest, prompt_block_digests
 
 
 def test_only_blocks_of_the_prompts_count_as_computed_prompt_blocks():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fleet_goodput import Slo, SweepPoint, attainment, goodput
-from fleet_results import Outcome
+from fleet.goodput import Slo, SweepPoint, attainment, goodput
+from fleet.results import Outcome
 
 SLO = Slo(ttft_s=0.1, itl_s=0.01)
 

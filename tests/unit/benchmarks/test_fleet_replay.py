@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import json
 
-from fleet_replay import DYNAMO_SESSION_HEADER, JSON, body, headers
+from fleet.replay import DYNAMO_SESSION_HEADER, JSON, body, headers
 
-from routing.decide.sessions import HEADER
+from kvpilot.routing.decide.sessions import HEADER
 
 
 def test_a_request_body_streams_exactly_the_trace_s_output_with_usage_at_the_end():

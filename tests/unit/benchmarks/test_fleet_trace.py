@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from fleet_trace import (
+from fleet.trace import (
     FIRST_ORDINARY_ID,
     PromptShape,
     PromptSynth,

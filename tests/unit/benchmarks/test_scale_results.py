@@ -3,9 +3,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from scale_results import histogram_delta, quantile
+from scale.results import histogram_delta, quantile
 
-from deploy.metrics import parse
+from kvpilot.deploy.metrics import parse
 
 
 def _histogram(name: str, bounds: list[str], counts: list[int], total: float, labels: str = "") -> str:

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy import dashboards
-from deploy.fleet import Fleet, RunningProcess
-from deploy.fleet_spec import FleetSpec, plan_fleet
-from deploy.observe import ObserveSpec, plan_observe, prometheus_config
+from kvpilot.deploy import dashboards
+from kvpilot.deploy.fleet import Fleet, RunningProcess
+from kvpilot.deploy.fleet_spec import FleetSpec, plan_fleet
+from kvpilot.deploy.observe import ObserveSpec, plan_observe, prometheus_config
 
 REPO = Path(__file__).resolve().parents[3]
 ALERTS = REPO / "grafana" / "alerts.yml"
@@ -56,9 +56,9 @@ def _vllm_families() -> set[str]:
 
 def _router_families(model_dir: Path) -> dict[str, str]:
     """The router's families (name -> type), from a real RouterServer's registry."""
-    from routing.config import load_config
-    from routing.fleet import fleet_from_config
-    from routing.serve.app import build_server
+    from kvpilot.routing.config import load_config
+    from kvpilot.routing.fleet import fleet_from_config
+    from kvpilot.routing.serve.app import build_server
 
     workers = [
         {"name": "prefill-0", "role": "prefill", "url": "http://127.0.0.1:1"},
@@ -83,7 +83,7 @@ def _sample_names(family: str, kind: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def known_metrics(model_dir: Path) -> set[str]:
-    from kvconnectors.stats import COUNTERS
+    from kvpilot.kvconnectors.stats import COUNTERS
 
     known = {spec.metric.total for spec in COUNTERS}
     for name, kind in _router_families(model_dir).items():
@@ -95,7 +95,7 @@ def known_metrics(model_dir: Path) -> set[str]:
 
 def test_the_committed_json_is_what_the_generator_builds() -> None:
     pytest.importorskip("grafana_foundation_sdk", reason=NO_SDK)
-    from grafana.generate import DASHBOARDS, path_for, render
+    from kvpilot.grafana.generate import DASHBOARDS, path_for, render
 
     assert [path_for(s).name for s in DASHBOARDS] == ["kvpilot-transfers.json", "kvpilot-router.json"]
     for spec in DASHBOARDS:
@@ -253,8 +253,8 @@ def test_provisioning_points_grafana_at_prometheus_and_the_dashboards() -> None:
 
 
 def test_observe_without_prometheus_refuses_before_starting_anything(tmp_path: Path, monkeypatch) -> None:
-    from deploy import fleet as fleet_io
-    from deploy.fleet import FleetStartError
+    from kvpilot.deploy import fleet as fleet_io
+    from kvpilot.deploy.fleet import FleetStartError
 
     monkeypatch.delenv("KVPILOT_PROMETHEUS", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no prometheus here
@@ -265,7 +265,7 @@ def test_observe_without_prometheus_refuses_before_starting_anything(tmp_path: P
 
 
 def test_cli_fleet_up_takes_observe_flags() -> None:
-    from deploy.cli import build_parser
+    from kvpilot.deploy.cli import build_parser
 
     args = build_parser().parse_args(["fleet", "up", "--observe", "--prometheus-port", "9690", "--no-nixl-telemetry"])
     assert args.observe and args.prometheus_port == 9690 and args.no_nixl_telemetry

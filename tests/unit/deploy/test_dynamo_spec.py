@@ -5,12 +5,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting, mocker_group_plan, plan_dynamo_fleet
-from deploy.env import DYNAMO_LOOPBACK_ENV
-from deploy.fleet_spec import FLEET_TTFT_SLO_S
-from routing.config import CostObjective, Role, load_config
-from routing.fleet import fleet_from_config
-from routing.ingest.dynamo_discovery import kv_events_endpoint
+from kvpilot.deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting, mocker_group_plan, plan_dynamo_fleet
+from kvpilot.deploy.env import DYNAMO_LOOPBACK_ENV
+from kvpilot.deploy.fleet_spec import FLEET_TTFT_SLO_S
+from kvpilot.routing.config import CostObjective, Role, load_config
+from kvpilot.routing.fleet import fleet_from_config
+from kvpilot.routing.ingest.dynamo_discovery import kv_events_endpoint
 
 
 def _spec(**kw) -> DynamoFleetSpec:

@@ -1,4 +1,4 @@
-"""tests.fakes.ports: the e2e modules' fleets, planned as deploy.fleet_spec plans
+"""tests.fakes.ports: the e2e modules' fleets, planned as kvpilot.deploy.fleet_spec plans
 them, never share a port, and none lies where unit tests or the kernel pick theirs."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.fleet_spec import FleetSpec, ProcessPlan, plan_fleet
-from deploy.observe import ObserveSpec, plan_observe
+from kvpilot.deploy.fleet_spec import FleetSpec, ProcessPlan, plan_fleet
+from kvpilot.deploy.observe import ObserveSpec, plan_observe
 from tests.fakes.ports import (
     E2E_BLOCK_SIZE,
     E2E_MODULES,

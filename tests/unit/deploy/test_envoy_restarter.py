@@ -23,7 +23,14 @@ sys.exit(int(sys.argv[3]))
 def _restarter(tmp_path: Path, lifetime_s: float, code: int = 0) -> subprocess.Popen[bytes]:
     script = tmp_path / "fake_envoy.py"
     script.write_text(CHILD)
-    argv = [sys.executable, "-m", "deploy.envoy_restarter", sys.executable, str(script), str(tmp_path / "epoch")]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvpilot.deploy.envoy_restarter",
+        sys.executable,
+        str(script),
+        str(tmp_path / "epoch"),
+    ]
     return subprocess.Popen([*argv, str(lifetime_s), str(code)])
 
 

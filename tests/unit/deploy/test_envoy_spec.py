@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from deploy.envoy_spec import (
+from kvpilot.deploy.envoy_spec import (
     FALLBACK_CLUSTER,
     PICKED_CLUSTER,
     GatewaySpec,
@@ -20,8 +20,8 @@ from deploy.envoy_spec import (
     envoy_binary,
     envoy_bootstrap,
 )
-from deploy.k8s.gateway import gateway_spec
-from routing.gateway.contract import DESTINATION_HEADER, ROUTING_HEADERS, LogAttribute
+from kvpilot.deploy.k8s.gateway import gateway_spec
+from kvpilot.routing.gateway.contract import DESTINATION_HEADER, ROUTING_HEADERS, LogAttribute
 
 REFUSE = GatewaySpec(18080, 18081, 18082)
 GAIE = GatewaySpec(18080, 18081, 18082, style=ProcessorStyle.GAIE)

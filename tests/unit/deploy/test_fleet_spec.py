@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy.envoy_spec import PickerFailure
-from deploy.fleet_spec import DECODE_HOLD_TTL_S, FleetSpec, Role, plan_fleet
-from routing.config import IndexBackend
+from kvpilot.deploy.envoy_spec import PickerFailure
+from kvpilot.deploy.fleet_spec import DECODE_HOLD_TTL_S, FleetSpec, Role, plan_fleet
+from kvpilot.routing.config import IndexBackend
 
 
 def _spec(**kw) -> FleetSpec:
@@ -49,7 +49,7 @@ def test_plan_gives_each_engine_its_ports_core_and_connector() -> None:
 def test_router_config_parses_and_always_disaggregates_on_request(tmp_path: Path) -> None:
     import yaml
 
-    from routing.config import load_config
+    from kvpilot.routing.config import load_config
 
     _, _, config = plan_fleet(_spec(disaggregation="always", index_backend=IndexBackend.DYNAMO))
     (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
@@ -62,7 +62,7 @@ def test_router_config_parses_and_always_disaggregates_on_request(tmp_path: Path
 def test_a_fleet_with_a_session_store_starts_its_router_with_it(tmp_path: Path) -> None:
     import yaml
 
-    from routing.config import SessionStoreKind, load_config
+    from kvpilot.routing.config import SessionStoreKind, load_config
 
     _, _, config = plan_fleet(_spec(session_store_url="redis://127.0.0.1:6390/0"))
     (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
@@ -73,8 +73,8 @@ def test_a_fleet_with_a_session_store_starts_its_router_with_it(tmp_path: Path) 
 
 
 def test_ipc_kv_events_are_bound_by_the_engines_so_replicas_can_subscribe(tmp_path: Path) -> None:
-    from deploy.fleet import FleetStartError, start_router
-    from routing.ingest.subscriber import subscriber_binds
+    from kvpilot.deploy.fleet import FleetStartError, start_router
+    from kvpilot.routing.ingest.subscriber import subscriber_binds
 
     engines, router, config = plan_fleet(_spec(kv_events_ipc=True))
     endpoints = [w["kv_events_endpoint"] for w in config["workers"]]  # type: ignore[index]
@@ -111,7 +111,7 @@ def test_roles_are_named() -> None:
 
 
 def test_an_engine_api_key_reaches_engines_and_router_by_environment_only() -> None:
-    from deploy.fleet_spec import ENGINE_API_KEY_ENV
+    from kvpilot.deploy.fleet_spec import ENGINE_API_KEY_ENV
 
     engines, router, config = plan_fleet(_spec(prefill=1, decode=1, engine_api_key="s3cret"))
     assert all(e.env["VLLM_API_KEY"] == "s3cret" and "s3cret" not in " ".join(e.argv) for e in engines)
@@ -127,8 +127,8 @@ def test_the_measured_collision_is_refused_before_anything_starts_naming_both_us
     """`kvpilot fleet up --observe --prometheus-port 18820 --events-port 18720` put NIXL's
     exporter of the first engine on the second engine's replay port (18721 + 100), and
     the first engine's replay port on Prometheus' own."""
-    from deploy.fleet_spec import PortCollision
-    from deploy.observe import ObserveSpec, plan_observe
+    from kvpilot.deploy.fleet_spec import PortCollision
+    from kvpilot.deploy.observe import ObserveSpec, plan_observe
 
     spec = _spec(events_port=18720)
     engines, router, _ = plan_fleet(spec)  # the fleet alone does not collide
@@ -166,7 +166,7 @@ def test_the_measured_collision_is_refused_before_anything_starts_naming_both_us
     ],
 )
 def test_colliding_fleet_ports_are_refused(kw: dict, port: int, users: tuple[str, str]) -> None:
-    from deploy.fleet_spec import PortCollision
+    from kvpilot.deploy.fleet_spec import PortCollision
 
     with pytest.raises(PortCollision, match=f"port {port} is planned for ") as refused:
         plan_fleet(_spec(**kw))
@@ -175,7 +175,7 @@ def test_colliding_fleet_ports_are_refused(kw: dict, port: int, users: tuple[str
 
 
 def test_a_port_beyond_tcp_is_refused() -> None:
-    from deploy.fleet_spec import PortCollision
+    from kvpilot.deploy.fleet_spec import PortCollision
 
     with pytest.raises(PortCollision, match=r"port 65536 \(prefill-0's KV-event replay .*\) is not in 1..65535"):
         plan_fleet(_spec(events_port=65436))

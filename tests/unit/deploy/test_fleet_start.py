@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy import fleet as fleet_io
-from deploy.fleet_spec import ROUTER_CONFIG, FleetSpec, ProcessPlan, plan_fleet
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.fleet_spec import ROUTER_CONFIG, FleetSpec, ProcessPlan, plan_fleet
 from tests.fakes.ports import free_ports
 
 

@@ -21,11 +21,11 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from deploy.dashboards import DASHBOARD_DIR
-from deploy.fleet_spec import ENGINE_API_KEY_ENV, plan_fleet
-from deploy.k8s.dynamo import FRONTEND_PORT, GRAPH, KV_EVENTS_PORT, WORKER_ROLES
-from deploy.k8s.network import pods_of
-from deploy.k8s.plan import (
+from kvpilot.deploy.dashboards import DASHBOARD_DIR
+from kvpilot.deploy.fleet_spec import ENGINE_API_KEY_ENV, plan_fleet
+from kvpilot.deploy.k8s.dynamo import FRONTEND_PORT, GRAPH, KV_EVENTS_PORT, WORKER_ROLES
+from kvpilot.deploy.k8s.network import pods_of
+from kvpilot.deploy.k8s.plan import (
     CPU_ONLY_ENV,
     CPU_ONLY_FLAGS,
     ROUTER_API_KEY_ENV,
@@ -33,9 +33,9 @@ from deploy.k8s.plan import (
     ClusterSpec,
     Transport,
 )
-from deploy.k8s.render import BASE, DEFAULT, DYNAMO, MANIFEST_DIR, overlays, render
-from deploy.observe import DEFAULT_RULES
-from routing.config import load_config
+from kvpilot.deploy.k8s.render import BASE, DEFAULT, DYNAMO, MANIFEST_DIR, overlays, render
+from kvpilot.deploy.observe import DEFAULT_RULES
+from kvpilot.routing.config import load_config
 
 ROOT = Path(__file__).resolve().parents[3]
 CRDS = Path(__file__).resolve().parents[4] / "shared" / "crds"
@@ -387,7 +387,7 @@ def test_other_counts_render_one_engine_each_and_the_router_names_them_all() -> 
 
 
 def test_render_check_reports_a_stale_file(tmp_path: Path) -> None:
-    from deploy.cli import main
+    from kvpilot.deploy.cli import main
 
     assert main(["k8s", "render", "--out", str(tmp_path)]) == 0
     assert main(["k8s", "render", "--out", str(tmp_path), "--check"]) == 0

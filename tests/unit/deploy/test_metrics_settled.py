@@ -1,4 +1,4 @@
-"""deploy.metrics.settled: waits on vLLM's finished-request count, not a fixed sleep."""
+"""kvpilot.deploy.metrics.settled: waits on vLLM's finished-request count, not a fixed sleep."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from deploy.metrics import parse, settled, total
-from kvconnectors.vllm_metrics import REQUEST_SUCCESS
+from kvpilot.deploy.metrics import parse, settled, total
+from kvpilot.kvconnectors.vllm_metrics import REQUEST_SUCCESS
 from tests.fakes.engine import FakeEngine, serving
 
 

@@ -1,4 +1,4 @@
-"""deploy.pair_warmup against fake engines (tests.fakes.engine): what P and D are sent,
+"""kvpilot.deploy.pair_warmup against fake engines (tests.fakes.engine): what P and D are sent,
 when a handoff counts as done, and what a pair that never hands off says."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from deploy.pair_warmup import PROMPT_BLOCKS, PairWarmUpError, warm_up_pair
-from kvconnectors.pull_params import handoff_request
-from kvconnectors.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, REQUEST_SUCCESS
+from kvpilot.deploy.pair_warmup import PROMPT_BLOCKS, PairWarmUpError, warm_up_pair
+from kvpilot.kvconnectors.pull_params import handoff_request
+from kvpilot.kvconnectors.vllm_metrics import PROMPT_TOKENS_BY_SOURCE, REQUEST_SUCCESS
 from tests.fakes.engine import FakeEngine, serving
 
 BS = 32

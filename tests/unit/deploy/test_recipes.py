@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvconnectors.config import KVPilotConfig
-from routing.config import load_config, prior_model
-from routing.decide.rates import RolePriors
-from routing.fleet import fleet_from_config
+from kvpilot.kvconnectors.config import KVPilotConfig
+from kvpilot.routing.config import load_config, prior_model
+from kvpilot.routing.decide.rates import RolePriors
+from kvpilot.routing.fleet import fleet_from_config
 
 RECIPES = Path(__file__).resolve().parents[3] / "deploy" / "recipes"
 

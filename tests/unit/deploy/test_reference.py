@@ -8,10 +8,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from deploy import reference
-from deploy.cli import build_parser, main
-from policies.typed_config import TypedConfig
-from routing.config import flag_name
+from kvpilot.deploy import reference
+from kvpilot.deploy.cli import build_parser, main
+from kvpilot.policies.typed_config import TypedConfig
+from kvpilot.routing.config import flag_name
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -33,7 +33,7 @@ def test_a_config_field_without_a_docstring_is_refused() -> None:
 
 
 def test_every_router_key_has_its_type_default_and_unit() -> None:
-    from routing.config import RouterConfig
+    from kvpilot.routing.config import RouterConfig
 
     keys = {k.key: k for k in reference.config_keys(RouterConfig)}
     assert keys["server.port"].default == "`8000`" and keys["server.port"].unit == "TCP port"

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deploy.tiny_model import TINY_MODEL_SPEC, build_tiny_model, ensure_tiny_model, model_dir_name, tree_digest
+from kvpilot.deploy.tiny_model import TINY_MODEL_SPEC, build_tiny_model, ensure_tiny_model, model_dir_name, tree_digest
 
 
 def test_rebuild_is_byte_identical(tmp_path: Path) -> None:

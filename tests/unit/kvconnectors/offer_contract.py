@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvconnectors.hash_contract import none_hash, seed_identity
-from kvconnectors.transfer_params import ContractId
+from kvpilot.kvconnectors.hash_contract import none_hash, seed_identity
+from kvpilot.kvconnectors.transfer_params import ContractId
 
 CONTRACT = ContractId(
     model="kvpilot/tiny-llama",

@@ -8,12 +8,12 @@ from typing import Any, NamedTuple
 import msgspec
 import pytest
 
-from kvconnectors.attach_plan import AttachPlan, PromptView, apply_plan, external_tokens, plan_attach
-from kvconnectors.hash_contract import salt_identity
-from kvconnectors.pull_policy import DecidedBy, PullDecision
-from kvconnectors.reasons import Reason
-from kvconnectors.transfer_params import PARAMS_KEY, encode_offer
-from policies.recompute_vs_transfer import Span
+from kvpilot.kvconnectors.attach_plan import AttachPlan, PromptView, apply_plan, external_tokens, plan_attach
+from kvpilot.kvconnectors.hash_contract import salt_identity
+from kvpilot.kvconnectors.pull_policy import DecidedBy, PullDecision
+from kvpilot.kvconnectors.reasons import Reason
+from kvpilot.kvconnectors.transfer_params import PARAMS_KEY, encode_offer
+from kvpilot.policies.recompute_vs_transfer import Span
 from tests.unit.kvconnectors.offer_contract import CONTRACT
 
 BLOCK = CONTRACT.block_size  # 16

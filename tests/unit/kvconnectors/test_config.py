@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvconnectors.config import KVPilotConfig, KVPilotConfigError
-from kvconnectors.pull_policy import RecomputePolicy
-from policies.typed_config import convert
+from kvpilot.kvconnectors.config import KVPilotConfig, KVPilotConfigError
+from kvpilot.kvconnectors.pull_policy import RecomputePolicy
+from kvpilot.policies.typed_config import convert
 
 
 def test_defaults_wrap_nixl() -> None:
@@ -93,7 +93,7 @@ def test_bad_config_names_the_key(raw: object, key: str) -> None:
     ],
 )
 def test_convert_names_the_key_of_the_extra_config(raw: dict[str, object], key: str, problem: str) -> None:
-    """policies.typed_config.convert on the connector's own keys (a flat struct: its keys
+    """kvpilot.policies.typed_config.convert on the connector's own keys (a flat struct: its keys
     are the dotted keys), each error a KVPilotConfigError; ``parse`` adds the inner keys."""
     with pytest.raises(KVPilotConfigError) as err:
         convert(raw, KVPilotConfig)
@@ -111,7 +111,7 @@ def test_unknown_inner_connector_is_refused_against_vllms_registry() -> None:
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
-    from kvconnectors.connector import parse_config
+    from kvpilot.kvconnectors.connector import parse_config
 
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"inner_connector": "NoSuch"})

@@ -20,7 +20,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils as kvu
 from vllm.v1.request import Request
 
-from kvconnectors.hash_contract import (
+from kvpilot.kvconnectors.hash_contract import (
     DEFAULT_NONE_HASH_SEED,
     HASH_ALGOS,
     NO_SALT_ID,
@@ -252,8 +252,9 @@ def test_the_shared_modules_import_without_vllm() -> None:
     """These run without vLLM installed (tests, benchmarks): none may pull it in."""
     code = (
         "import sys\n"
-        "import kvconnectors.hash_contract, kvconnectors.transfer_params, kvconnectors.verify\n"
-        "import kvconnectors.attach_plan, kvconnectors.pull_policy, kvconnectors.thread_binding\n"
+        "import kvpilot.kvconnectors.hash_contract, kvpilot.kvconnectors.transfer_params\n"
+        "import kvpilot.kvconnectors.verify, kvpilot.kvconnectors.attach_plan\n"
+        "import kvpilot.kvconnectors.pull_policy, kvpilot.kvconnectors.thread_binding\n"
         "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

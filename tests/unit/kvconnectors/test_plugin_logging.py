@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from kvconnectors.plugin import log_like_vllm
+from kvpilot.kvconnectors.plugin import log_like_vllm
 
 
 def test_kvpilot_logs_where_vllm_logs_and_only_once(monkeypatch: pytest.MonkeyPatch) -> None:

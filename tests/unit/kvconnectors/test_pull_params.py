@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvconnectors.pull_params import pull_fields_error, wants_remote_pull
+from kvpilot.kvconnectors.pull_params import pull_fields_error, wants_remote_pull
 
 GOOD = {
     "do_remote_prefill": True,

@@ -5,10 +5,22 @@ from __future__ import annotations
 
 import pytest
 
-from kvconnectors.policy_setup import cpu_cores
-from kvconnectors.pull_policy import FailedPeers, LinkMeter, PrefillBacklog, RooflinePullPolicy, ThresholdPullPolicy
-from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
-from policies.recompute_vs_transfer import LinkTelemetry, PrefillLoad, RecomputeVsTransferPolicy, Span, TransferSample
+from kvpilot.kvconnectors.policy_setup import cpu_cores
+from kvpilot.kvconnectors.pull_policy import (
+    FailedPeers,
+    LinkMeter,
+    PrefillBacklog,
+    RooflinePullPolicy,
+    ThresholdPullPolicy,
+)
+from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from kvpilot.policies.recompute_vs_transfer import (
+    LinkTelemetry,
+    PrefillLoad,
+    RecomputeVsTransferPolicy,
+    Span,
+    TransferSample,
+)
 
 
 @pytest.mark.parametrize(("tokens", "threshold", "choice"), [(63, 64, "recompute"), (64, 64, "pull"), (1, 0, "pull")])

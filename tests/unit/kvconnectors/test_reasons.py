@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvconnectors import verify
-from kvconnectors.reasons import RECOMPUTE_REASONS, REJECT_REASONS, Reason
+from kvpilot.kvconnectors import verify
+from kvpilot.kvconnectors.reasons import RECOMPUTE_REASONS, REJECT_REASONS, Reason
 
 # Dashboards, alerts and the e2e tests match these strings: they never change.
 SHIPPED_LABELS = {
@@ -38,8 +38,8 @@ def test_rejections_are_recomputed_and_verified_all_is_neither() -> None:
 def test_the_connector_counts_exactly_these_labels() -> None:
     """stats' label tuples derive from the enum, and the scheduler's records are built by keyword."""
     pytest.importorskip("vllm")
-    from kvconnectors import stats
-    from kvconnectors.attach_plan import AttachPlan
+    from kvpilot.kvconnectors import stats
+    from kvpilot.kvconnectors.attach_plan import AttachPlan
 
     assert stats.REASONS == (
         "token_mismatch",

@@ -1,4 +1,4 @@
-"""Component test of kvpilot's scheduler layer (:mod:`kvconnectors.scheduler`) inside
+"""Component test of kvpilot's scheduler layer (:mod:`kvpilot.kvconnectors.scheduler`) inside
 vLLM's real CPU ``Scheduler``, built from a real ``VllmConfig`` on the tiny model.
 
 Each engine is a ``Scheduler`` with ``KVPilotConnector`` around vLLM's real
@@ -52,14 +52,14 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvconnectors.connector import KVPilotConnector
-from kvconnectors.plugin import register
-from kvconnectors.pull_params import PULL_DONE_KEY, handoff_request
-from kvconnectors.reasons import Reason
-from kvconnectors.scheduler import step_chunks
-from kvconnectors.stats import KVPilotStats, counter_key
-from kvconnectors.step_rates import Chunk
-from kvconnectors.transfer_params import DIGEST_BYTES, PARAMS_KEY
+from kvpilot.kvconnectors.connector import KVPilotConnector
+from kvpilot.kvconnectors.plugin import register
+from kvpilot.kvconnectors.pull_params import PULL_DONE_KEY, handoff_request
+from kvpilot.kvconnectors.reasons import Reason
+from kvpilot.kvconnectors.scheduler import step_chunks
+from kvpilot.kvconnectors.stats import KVPilotStats, counter_key
+from kvpilot.kvconnectors.step_rates import Chunk
+from kvpilot.kvconnectors.transfer_params import DIGEST_BYTES, PARAMS_KEY
 from tests.fakes.inner_connector import INNER_NAME, FakeInnerConnector
 from tests.fakes.inner_connector import register as register_fake_inner
 

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from kvconnectors.pull_policy import RooflinePullPolicy
-from kvconnectors.step_rates import Chunk, StepRates, step_features
-from policies.measured_fit import MIN_SAMPLES, attention_pairs
-from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
-from policies.recompute_vs_transfer import LinkTelemetry, MeasuredPrefill, PrefillLoad, RecomputeVsTransferPolicy, Span
+from kvpilot.kvconnectors.pull_policy import RooflinePullPolicy
+from kvpilot.kvconnectors.step_rates import Chunk, StepRates, step_features
+from kvpilot.policies.measured_fit import MIN_SAMPLES, attention_pairs
+from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from kvpilot.policies.recompute_vs_transfer import (
+    LinkTelemetry,
+    MeasuredPrefill,
+    PrefillLoad,
+    RecomputeVsTransferPolicy,
+    Span,
+)
 
 FIXED, PER_TOKEN, PER_PAIR = 0.02, 1e-4, 2e-8
 

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kvconnectors.thread_binding import keeping_thread_binding
+from kvpilot.kvconnectors.thread_binding import keeping_thread_binding
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to move between"

@@ -15,15 +15,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvconnectors.transfer_params as tp
-from kvconnectors.hash_contract import (
+import kvpilot.kvconnectors.transfer_params as tp
+from kvpilot.kvconnectors.hash_contract import (
     HASH_ALGOS,
     BlockHash,
     block_hash_chain,
     none_hash,
     salt_identity,
 )
-from kvconnectors.transfer_params import (
+from kvpilot.kvconnectors.transfer_params import (
     DIGEST_BYTES,
     MAX_OFFER_BLOCKS,
     PARAMS_KEY,

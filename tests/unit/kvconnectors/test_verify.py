@@ -10,14 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvconnectors.hash_contract import (
+from kvpilot.kvconnectors.hash_contract import (
     BlockHash,
     block_hash_chain,
     none_hash,
     salt_identity,
     seed_identity,
 )
-from kvconnectors.transfer_params import (
+from kvpilot.kvconnectors.transfer_params import (
     SCHEMA_VERSION,
     BlockOffer,
     ContractId,
@@ -26,7 +26,7 @@ from kvconnectors.transfer_params import (
     encode_offer,
     pack_digests,
 )
-from kvconnectors.verify import Reason, Verdict, verify_offer
+from kvpilot.kvconnectors.verify import Reason, Verdict, verify_offer
 from tests.unit.kvconnectors.offer_contract import CONTRACT
 
 

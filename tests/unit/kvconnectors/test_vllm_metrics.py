@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvconnectors import vllm_metrics as vm
+from kvpilot.kvconnectors import vllm_metrics as vm
 
 # prometheus_client's type of each family class.
 KINDS = {vm.GaugeFamily: "gauge", vm.CounterFamily: "counter", vm.HistogramFamily: "histogram"}
@@ -45,7 +45,7 @@ def vllm_registers() -> dict[str, str]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    from deploy.tiny_model import ensure_tiny_model
+    from kvpilot.deploy.tiny_model import ensure_tiny_model
 
     registered: dict[str, str] = {}
     types = _recorder(registered)
@@ -80,7 +80,7 @@ def test_the_prompt_token_sources_are_vllms() -> None:
 
 def test_kvpilots_connector_registers_exactly_its_families_as_counters() -> None:
     pytest.importorskip("vllm")
-    from kvconnectors.stats import COUNTERS, KVPilotPromMetrics
+    from kvpilot.kvconnectors.stats import COUNTERS, KVPilotPromMetrics
 
     registered: dict[str, str] = {}
     types = _recorder(registered)

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from policies.agent_report import ARMS, predict, render
-from policies.cli import main
-from policies.disaggregation import KVPILOT_DEFAULT, DecodeState, LocalVsRemotePolicy
-from policies.planner import Workload
-from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from kvpilot.policies.agent_report import ARMS, predict, render
+from kvpilot.policies.cli import main
+from kvpilot.policies.disaggregation import KVPILOT_DEFAULT, DecodeState, LocalVsRemotePolicy
+from kvpilot.policies.planner import Workload
+from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 
 
 def _arms(link: str, streams: int = 0) -> dict:

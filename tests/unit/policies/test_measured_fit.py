@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.measured_fit import (
+from kvpilot.policies.measured_fit import (
     MIN_SAMPLES,
     PREFILL_SPREAD_FEATURE,
     LinearFit,

@@ -11,9 +11,9 @@ from collections.abc import Callable
 import msgspec
 import pytest
 
-from policies.planner import Workload, plan, task_prefill
-from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
-from policies.roofline import (
+from kvpilot.policies.planner import Workload, plan, task_prefill
+from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from kvpilot.policies.roofline import (
     decode_attention_intensity,
     decode_step,
     handoff_share_of_ttft,
@@ -23,7 +23,7 @@ from policies.roofline import (
     sessions_per_instance,
     weight_stream_seconds,
 )
-from policies.specs import KVFormat, LinkSpec
+from kvpilot.policies.specs import KVFormat, LinkSpec
 
 M = model_preset("llama-70b")
 MLA = model_preset("deepseek-v3")
@@ -138,7 +138,7 @@ FIGURES: list[tuple[str, Callable[[], float], float]] = [
 
 
 def _kv_budget() -> float:
-    from policies.roofline import kv_budget_bytes
+    from kvpilot.policies.roofline import kv_budget_bytes
 
     return kv_budget_bytes(M, HW)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from policies import cli
-from policies.presets import HF_CONFIGS
+from kvpilot.policies import cli
+from kvpilot.policies.presets import HF_CONFIGS
 
 PACKAGE = Path(cli.__file__).parent
 
@@ -146,7 +146,7 @@ def test_add_subcommands_plugs_into_a_host_parser() -> None:
 
 def test_python_dash_m_entry_point() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "policies.cli", "plan", "--json"],
+        [sys.executable, "-m", "kvpilot.policies.cli", "plan", "--json"],
         capture_output=True,
         text=True,
         check=True,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from policies.disaggregation import (
+from kvpilot.policies.disaggregation import (
     DYNAMO_DEFAULT,
     KVPILOT_DEFAULT,
     DecodeState,
@@ -15,17 +15,17 @@ from policies.disaggregation import (
     PromptState,
     Where,
 )
-from policies.failure import (
+from kvpilot.policies.failure import (
     VLLM_DEFAULT,
     VLLM_RECOMPUTE,
     FailureAction,
     FailurePolicyConfig,
     LoadFailurePolicy,
 )
-from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
-from policies.roofline import kv_bytes, prefill
-from policies.session_tier import RECOMPUTE, Tier, choose_tier, default_tiers
-from policies.specs import LinkSpec
+from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from kvpilot.policies.roofline import kv_bytes, prefill
+from kvpilot.policies.session_tier import RECOMPUTE, Tier, choose_tier, default_tiers
+from kvpilot.policies.specs import LinkSpec
 
 M = model_preset("llama-70b")
 BF16 = kv_format_preset("bf16")

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from policies.planner import REGIMES, Workload, plan, render
-from policies.presets import hardware_preset, link_preset, model_preset
-from policies.specs import SpecError
+from kvpilot.policies.planner import REGIMES, Workload, plan, render
+from kvpilot.policies.presets import hardware_preset, link_preset, model_preset
+from kvpilot.policies.specs import SpecError
 
 M = model_preset("llama-70b")
 HW = hardware_preset("b200x2")

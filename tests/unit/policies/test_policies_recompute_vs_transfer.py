@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
-from policies.recompute_vs_transfer import (
+from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from kvpilot.policies.recompute_vs_transfer import (
     Choice,
     LinkTelemetry,
     PrefillLoad,
@@ -14,7 +14,7 @@ from policies.recompute_vs_transfer import (
     TransferSample,
     fixed_threshold_choice,
 )
-from policies.scenarios import default_scenarios, evaluate, link_conditions, render_table
+from kvpilot.policies.scenarios import default_scenarios, evaluate, link_conditions, render_table
 
 M = model_preset("llama-70b")
 BF16 = kv_format_preset("bf16")

@@ -7,8 +7,8 @@ from collections.abc import Callable
 import msgspec
 import pytest
 
-from policies.presets import hardware_preset, kv_format_preset, model_preset
-from policies.roofline import (
+from kvpilot.policies.presets import hardware_preset, kv_format_preset, model_preset
+from kvpilot.policies.roofline import (
     _pairs_window,
     attention_flops,
     decode_step,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from policies.presets import (
+from kvpilot.policies.presets import (
     HF_CONFIGS,
     hardware_from_mapping,
     hardware_preset,
@@ -20,9 +20,9 @@ from policies.presets import (
     model_preset,
     parse_document,
 )
-from policies.roofline import kv_bytes, kv_bytes_per_token
-from policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecError
-from policies.typed_config import convert
+from kvpilot.policies.roofline import kv_bytes, kv_bytes_per_token
+from kvpilot.policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec, SpecError
+from kvpilot.policies.typed_config import convert
 
 LLAMA_70B = HF_CONFIGS["llama-70b"]
 
@@ -248,7 +248,7 @@ FULL_MODEL = {**GOOD_MODEL, "params_active": GOOD_MODEL["params_total"]}
     ],
 )
 def test_convert_names_the_key_of_a_spec_document(cls: type, doc: dict[str, Any], key: str, problem: str) -> None:
-    """policies.typed_config.convert on the spec documents (flat structs: their keys are
+    """kvpilot.policies.typed_config.convert on the spec documents (flat structs: their keys are
     the dotted keys), each error a SpecError."""
     with pytest.raises(SpecError) as err:
         convert(doc, cls)

@@ -6,16 +6,16 @@ import math
 
 import pytest
 
-from policies.disaggregation import (
+from kvpilot.policies.disaggregation import (
     KVPILOT_DEFAULT,
     DecodeState,
     LocalPrefillConfig,
     LocalVsRemotePolicy,
     MeasuredTimes,
 )
-from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
-from policies.session_options import Option, PrefillSite, SessionOptionPricer, SessionStep, choose
-from routing.config import ForcedOption
+from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from kvpilot.policies.session_options import Option, PrefillSite, SessionOptionPricer, SessionStep, choose
+from kvpilot.routing.config import ForcedOption
 
 
 def pricer(link: str = "rdma", config: LocalPrefillConfig = KVPILOT_DEFAULT) -> SessionOptionPricer:

@@ -1,4 +1,4 @@
-"""policies.typed_config: the one converter, on small structs of its own. Each config
+"""kvpilot.policies.typed_config: the one converter, on small structs of its own. Each config
 type's table (router, connector, specs) is in its package's tests."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Literal
 import msgspec
 import pytest
 
-from policies.typed_config import TypedConfig, TypedConfigError, check_range, convert
+from kvpilot.policies.typed_config import TypedConfig, TypedConfigError, check_range, convert
 
 
 class DocumentError(TypedConfigError):

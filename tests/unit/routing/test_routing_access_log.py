@@ -6,9 +6,9 @@ import pytest
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.logs.v1 import logs_pb2
 
-from routing.gateway.access_log import request_end
-from routing.gateway.contract import LogAttribute
-from routing.gateway.picker import RequestEnd
+from kvpilot.routing.gateway.access_log import request_end
+from kvpilot.routing.gateway.contract import LogAttribute
+from kvpilot.routing.gateway.picker import RequestEnd
 
 
 def _record(**fields: str) -> logs_pb2.LogRecord:

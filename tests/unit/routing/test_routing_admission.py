@@ -1,12 +1,12 @@
-"""Admission by predicted TTFT (routing.serve.admission.check_ttft_slo): pure, table-driven."""
+"""Admission by predicted TTFT (kvpilot.routing.serve.admission.check_ttft_slo): pure, table-driven."""
 
 from __future__ import annotations
 
 import pytest
 
-from routing.decide.rates import Estimate, TTFTPrediction
-from routing.serve.admission import Rejected, check_ttft_slo
-from routing.serve.refusals import RejectReason
+from kvpilot.routing.decide.rates import Estimate, TTFTPrediction
+from kvpilot.routing.serve.admission import Rejected, check_ttft_slo
+from kvpilot.routing.serve.refusals import RejectReason
 
 
 def _prediction(queue: float, prefill: float, transfer: float = 0.0, first_step: float = 0.01) -> TTFTPrediction:

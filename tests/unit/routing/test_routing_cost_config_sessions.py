@@ -1,4 +1,4 @@
-"""Table-driven tests of routing.decide.cost, routing.config and routing.decide.sessions."""
+"""Table-driven tests of kvpilot.routing.decide.cost, kvpilot.routing.config and kvpilot.routing.decide.sessions."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import random
 import msgspec
 import pytest
 
-from policies.session_options import Option
-from policies.typed_config import convert
-from routing.config import (
+from kvpilot.policies.session_options import Option
+from kvpilot.policies.typed_config import convert
+from kvpilot.routing.config import (
     ConfigError,
     CostConfig,
     ForcedOption,
@@ -20,11 +20,11 @@ from routing.config import (
     add_cli_flags,
     load_config,
 )
-from routing.decide.cost import Candidate, CandidateTable, CostModel, TierOverlap, tier_overlap
-from routing.decide.ledger import LoadLedger, WorkerLoad
-from routing.decide.sessions import InvalidSessionKey, SessionOffer, SessionStore, scoped, session_key
-from routing.ids import SessionId
-from routing.index.chain import PromptChain, first_difference
+from kvpilot.routing.decide.cost import Candidate, CandidateTable, CostModel, TierOverlap, tier_overlap
+from kvpilot.routing.decide.ledger import LoadLedger, WorkerLoad
+from kvpilot.routing.decide.sessions import InvalidSessionKey, SessionOffer, SessionStore, scoped, session_key
+from kvpilot.routing.ids import SessionId
+from kvpilot.routing.index.chain import PromptChain, first_difference
 
 CFG = CostConfig()
 
@@ -298,7 +298,7 @@ W = {"name": "d", "role": "decode", "url": "http://127.0.0.1:1"}
     ],
 )
 def test_convert_names_the_dotted_key_of_the_router_config(data, key, problem):
-    """policies.typed_config.convert on the router's config: unknown keys, types and
+    """kvpilot.policies.typed_config.convert on the router's config: unknown keys, types and
     enums at depth, each error a ConfigError naming the key."""
     with pytest.raises(ConfigError) as err:
         convert(data, RouterConfig)
@@ -342,7 +342,9 @@ def test_session_chain_names_only_new_blocks_and_rehashes_from_divergence():
     adv = s.advance(list(range(14)))
     assert adv == (10, 4, False) and s.chain.named_blocks == 5  # old names kept
     fresh = list(range(14))
-    assert s.chain.keys(7) == __import__("routing.index.chain", fromlist=["chain_keys"]).chain_keys(fresh, 2, 0, 0)
+    assert s.chain.keys(7) == __import__("kvpilot.routing.index.chain", fromlist=["chain_keys"]).chain_keys(
+        fresh, 2, 0, 0
+    )
     adv = s.advance([0, 1, 2, 99, 4, 5])
     assert adv == (3, 3, True) and s.chain.named_blocks == 1  # cut back to the block before token 3
     assert s.advance([0, 1], cache_salt="t").reused_tokens == 0  # another salt: fresh chain
@@ -408,7 +410,7 @@ def test_an_offer_without_a_wall_clock_hold_is_sent():
 
 
 def test_circuit_opens_after_consecutive_failures_and_closes_on_a_success():
-    from routing.health.circuit import CircuitBreaker
+    from kvpilot.routing.health.circuit import CircuitBreaker
 
     breaker = CircuitBreaker(failures_to_open=3, open_s=10.0)
     assert breaker.allows("d-0", now=0.0)

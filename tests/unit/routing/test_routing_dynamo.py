@@ -16,19 +16,28 @@ import pytest
 import zmq
 from aiohttp.test_utils import TestServer
 
-from routing.config import ConfigError, DynamoConfig, Role, RouterConfig, ServerConfig, Worker, load_config, prior_model
-from routing.decide.ledger import LoadLedger
-from routing.decide.router import NoHealthyWorker, Router, policy_from_config
-from routing.decide.sessions import SessionStore
-from routing.fleet import fleet_changes, fleet_from_config, fleet_of
-from routing.ids import SessionId, WorkerId
-from routing.index.block_index import BlockIndex
-from routing.index.chain import PromptChain
-from routing.ingest.dynamo_discovery import kv_events_endpoint, request_plane_address, worker_of
-from routing.ingest.feeder import IndexFeeder
-from routing.serve.app import build_server
-from routing.serve.dynamo_upstream import PREFILL_INSTANCE_HEADER, WORKER_INSTANCE_HEADER, DynamoUpstream
-from routing.serve.upstream import PrefillFailure, UpstreamError
+from kvpilot.routing.config import (
+    ConfigError,
+    DynamoConfig,
+    Role,
+    RouterConfig,
+    ServerConfig,
+    Worker,
+    load_config,
+    prior_model,
+)
+from kvpilot.routing.decide.ledger import LoadLedger
+from kvpilot.routing.decide.router import NoHealthyWorker, Router, policy_from_config
+from kvpilot.routing.decide.sessions import SessionStore
+from kvpilot.routing.fleet import fleet_changes, fleet_from_config, fleet_of
+from kvpilot.routing.ids import SessionId, WorkerId
+from kvpilot.routing.index.block_index import BlockIndex
+from kvpilot.routing.index.chain import PromptChain
+from kvpilot.routing.ingest.dynamo_discovery import kv_events_endpoint, request_plane_address, worker_of
+from kvpilot.routing.ingest.feeder import IndexFeeder
+from kvpilot.routing.serve.app import build_server
+from kvpilot.routing.serve.dynamo_upstream import PREFILL_INSTANCE_HEADER, WORKER_INSTANCE_HEADER, DynamoUpstream
+from kvpilot.routing.serve.upstream import PrefillFailure, UpstreamError
 from tests.fakes.engine import FakeEngine, word_model_dir
 from tests.fakes.ports import free_ports
 

@@ -2,16 +2,16 @@
 
 Every scenario runs on both backends (the ``backend`` fixture) against the
 same expected matches; the last tests pin the differences the
-routing.index.dynamo docstring lists.
+kvpilot.routing.index.dynamo docstring lists.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from routing.index.block_index import BlockIndex, PromptChain
-from routing.index.dynamo import DynamoIndex
-from routing.index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvpilot.routing.index.block_index import BlockIndex, PromptChain
+from kvpilot.routing.index.dynamo import DynamoIndex
+from kvpilot.routing.index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.fakes.kv_events import BLOCK_SIZE as BS
 from tests.fakes.kv_events import PROMPTS as BASE
 from tests.fakes.kv_events import block_hash, removed, stored

@@ -9,10 +9,10 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from routing.config import Role, Worker
-from routing.health.engine_load import RateCounters
-from routing.ids import WorkerId
-from routing.ingest.engine_metrics import EngineLoadPoller, parse_engine_load, parse_samples
+from kvpilot.routing.config import Role, Worker
+from kvpilot.routing.health.engine_load import RateCounters
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.ingest.engine_metrics import EngineLoadPoller, parse_engine_load, parse_samples
 from tests.fakes.engine import FakeEngine
 
 EXPOSITION = """\

@@ -1,4 +1,4 @@
-"""routing.health.event_watch: a worker whose KV events stop after it prefilled new blocks is
+"""kvpilot.routing.health.event_watch: a worker whose KV events stop after it prefilled new blocks is
 flagged, routed on load alone, and cleared by its next batch."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import random
 
 import pytest
 
-from routing.decide.ledger import LoadLedger
-from routing.decide.router import Router
-from routing.decide.sessions import SessionStore
-from routing.fleet import fleet_from_config
-from routing.health.event_watch import EventWatch
-from routing.ids import WorkerId
-from routing.index.block_index import BlockIndex
+from kvpilot.routing.decide.ledger import LoadLedger
+from kvpilot.routing.decide.router import Router
+from kvpilot.routing.decide.sessions import SessionStore
+from kvpilot.routing.fleet import fleet_from_config
+from kvpilot.routing.health.event_watch import EventWatch
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.index.block_index import BlockIndex
 from tests.unit.routing.test_routing_router import COLOCATED, _config, _prompt, _store
 
 W1, W2 = WorkerId("w1"), WorkerId("w2")

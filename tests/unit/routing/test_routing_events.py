@@ -1,4 +1,4 @@
-"""Table-driven and fuzzed tests of routing.index.events (vLLM's encoder produces the valid cases)."""
+"""Table-driven and fuzzed tests of kvpilot.routing.index.events (vLLM's encoder produces the valid cases)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from routing.index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecoder, RejectReason
+from kvpilot.routing.index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventDecoder, RejectReason
 
 enc = msgspec.msgpack.encode
 STORED = {

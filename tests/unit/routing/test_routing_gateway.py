@@ -24,8 +24,8 @@ import pytest
 import yaml
 from aiohttp import web
 
-from deploy.env import child_env
-from deploy.envoy_spec import GatewaySpec, PickerFailure, ProcessorStyle, envoy_binary, envoy_bootstrap
+from kvpilot.deploy.env import child_env
+from kvpilot.deploy.envoy_spec import GatewaySpec, PickerFailure, ProcessorStyle, envoy_binary, envoy_bootstrap
 from tests.fakes.engine import PROMPT_WORDS, FakeEngine
 from tests.fakes.ports import free_ports
 
@@ -136,7 +136,7 @@ def gateway(
         style=style,
     )
     (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(envoy_bootstrap(spec)))
-    argv = [sys.executable, "-m", "routing.cli", "router", "--config", str(tmp_path / "router.yaml")]
+    argv = [sys.executable, "-m", "kvpilot.routing.cli", "router", "--config", str(tmp_path / "router.yaml")]
     with (tmp_path / "router.log").open("wb") as log:
         env = child_env({API_KEY_ENV: api_key} if api_key else {})
         router = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log)

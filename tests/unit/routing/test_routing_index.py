@@ -1,4 +1,4 @@
-"""Tests of routing.index.block_index: table-driven cases and a model-based property test."""
+"""Tests of kvpilot.routing.index.block_index: table-driven cases and a model-based property test."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routing.index.block_index import BlockIndex
-from routing.index.chain import PromptChain, chain_keys
-from routing.index.events import AllBlocksCleared, BlockStored
+from kvpilot.routing.index.block_index import BlockIndex
+from kvpilot.routing.index.chain import PromptChain, chain_keys
+from kvpilot.routing.index.events import AllBlocksCleared, BlockStored
 from tests.fakes.kv_events import BLOCK_SIZE as BS
 from tests.fakes.kv_events import PROMPTS as BASE
 from tests.fakes.kv_events import block_hash, removed, stored

@@ -9,15 +9,20 @@ import subprocess
 import sys
 
 PURE = (
-    "routing.ids",
-    "routing.config",
-    "routing.fleet",
-    "routing.index",
-    "routing.decide",
-    "routing.health",
-    "routing.gateway.contract",
+    "kvpilot.routing.ids",
+    "kvpilot.routing.config",
+    "kvpilot.routing.fleet",
+    "kvpilot.routing.index",
+    "kvpilot.routing.decide",
+    "kvpilot.routing.health",
+    "kvpilot.routing.gateway.contract",
 )
-IO_FREE = ("routing.serve.proxy", "routing.serve.upstream", "routing.serve.refusals", "routing.serve.request_fields")
+IO_FREE = (
+    "kvpilot.routing.serve.proxy",
+    "kvpilot.routing.serve.upstream",
+    "kvpilot.routing.serve.refusals",
+    "kvpilot.routing.serve.request_fields",
+)
 BLOCKED = ("aiohttp", "zmq", "redis")
 
 SCRIPT = f"""
@@ -32,7 +37,7 @@ for top in {PURE!r}:
     module = importlib.import_module(top)
     names.append(top)
     for info in pkgutil.walk_packages(getattr(module, "__path__", []), top + "."):
-        if info.name != "routing.index.dynamo":  # needs ai-dynamo-runtime, an optional extra
+        if info.name != "kvpilot.routing.index.dynamo":  # needs ai-dynamo-runtime, an optional extra
             importlib.import_module(info.name)
             names.append(info.name)
 for name in {IO_FREE!r}:

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from deploy.env import child_env
+from kvpilot.deploy.env import child_env
 from tests.fakes.engine import PROMPT_WORDS, FakeEngine
 from tests.fakes.ports import free_ports
 
@@ -102,7 +102,7 @@ def test_a_thousand_streams_through_the_router(model_dir: Path, tmp_path: Path) 
         path.write_text(yaml.safe_dump(config))
         with (tmp_path / "router.log").open("wb") as log:  # the child keeps its own copy of the descriptor
             router = subprocess.Popen(
-                [sys.executable, "-m", "routing.cli", "router", "--config", str(path)],
+                [sys.executable, "-m", "kvpilot.routing.cli", "router", "--config", str(path)],
                 env=child_env({}),
                 stdout=subprocess.DEVNULL,
                 stderr=log,

@@ -1,4 +1,4 @@
-"""routing.health.pair_health: a (P, D) pair's recent transfer failures and transfer time raise
+"""kvpilot.routing.health.pair_health: a (P, D) pair's recent transfer failures and transfer time raise
 its cost; failures age out; an engine's counters are shared among the pairs it served."""
 
 from __future__ import annotations
@@ -7,15 +7,15 @@ import random
 
 import pytest
 
-from routing.config import ConfigError, CostConfig, prior_model
-from routing.decide.ledger import LoadLedger
-from routing.decide.router import Router, policy_from_config
-from routing.decide.sessions import SessionStore
-from routing.fleet import fleet_from_config
-from routing.health.pair_health import ATTRIBUTION_WINDOW_S, PairHealth, TransferCounters
-from routing.ids import WorkerId
-from routing.index.block_index import BlockIndex
-from routing.ingest.engine_metrics import parse_engine_load
+from kvpilot.routing.config import ConfigError, CostConfig, prior_model
+from kvpilot.routing.decide.ledger import LoadLedger
+from kvpilot.routing.decide.router import Router, policy_from_config
+from kvpilot.routing.decide.sessions import SessionStore
+from kvpilot.routing.fleet import fleet_from_config
+from kvpilot.routing.health.pair_health import ATTRIBUTION_WINDOW_S, PairHealth, TransferCounters
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.index.block_index import BlockIndex
+from kvpilot.routing.ingest.engine_metrics import parse_engine_load
 from tests.unit.routing.test_routing_router import _config, _prompt, _w
 
 P1, P2, D = WorkerId("p1"), WorkerId("p2"), WorkerId("d")

@@ -1,4 +1,4 @@
-"""routing.serve.proxy on its own: one routed request through an in-process
+"""kvpilot.routing.serve.proxy on its own: one routed request through an in-process
 Upstream (no HTTP, no aiohttp.web), its fallback, retry and bookkeeping."""
 
 from __future__ import annotations
@@ -14,21 +14,21 @@ from typing import Any
 
 import pytest
 
-from kvconnectors.pull_params import handoff_request
-from routing.config import Role, RouterConfig, Worker, prior_model
-from routing.decide.ledger import LoadLedger
-from routing.decide.rates import PREFILL_TIMEOUT_FACTOR, RateEstimator, RolePriors
-from routing.decide.router import Kind, Route, Router, policy_from_config
-from routing.decide.sessions import SessionStore
-from routing.fleet import fleet_from_config
-from routing.health.circuit import CircuitBreaker
-from routing.health.event_watch import EventWatch
-from routing.health.pair_health import PairHealth
-from routing.ids import WorkerId
-from routing.index.block_index import BlockIndex
-from routing.metrics.router_metrics import RouterMetrics
-from routing.serve.proxy import Proxy, ProxyRequest
-from routing.serve.upstream import PrefillFailure, PrefillOutcome, StreamBroke, UpstreamError
+from kvpilot.kvconnectors.pull_params import handoff_request
+from kvpilot.routing.config import Role, RouterConfig, Worker, prior_model
+from kvpilot.routing.decide.ledger import LoadLedger
+from kvpilot.routing.decide.rates import PREFILL_TIMEOUT_FACTOR, RateEstimator, RolePriors
+from kvpilot.routing.decide.router import Kind, Route, Router, policy_from_config
+from kvpilot.routing.decide.sessions import SessionStore
+from kvpilot.routing.fleet import fleet_from_config
+from kvpilot.routing.health.circuit import CircuitBreaker
+from kvpilot.routing.health.event_watch import EventWatch
+from kvpilot.routing.health.pair_health import PairHealth
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.index.block_index import BlockIndex
+from kvpilot.routing.metrics.router_metrics import RouterMetrics
+from kvpilot.routing.serve.proxy import Proxy, ProxyRequest
+from kvpilot.routing.serve.upstream import PrefillFailure, PrefillOutcome, StreamBroke, UpstreamError
 
 BS = 4
 HANDOFF = {"do_remote_decode": False, "remote_block_ids": [[0]], "remote_engine_id": "p"}
@@ -339,8 +339,8 @@ def test_where_engines_publish_no_timings_a_prefill_within_d_s_call_is_timed_by_
 def test_the_predicted_ttft_header_says_uncalibrated_until_a_prefill_is_measured():
     """A fresh fleet's prediction is the prior's (an H100 pricing a CPU box: 0.009 ms): the
     header says so instead of printing it; once a prefill is measured it carries the figure."""
-    from routing.decide.rates import Estimate, TTFTPrediction
-    from routing.serve.proxy import UNCALIBRATED, predicted_ttft_header
+    from kvpilot.routing.decide.rates import Estimate, TTFTPrediction
+    from kvpilot.routing.serve.proxy import UNCALIBRATED, predicted_ttft_header
 
     nothing = Estimate(0.0, None, 0)
     prior_only = TTFTPrediction(nothing, Estimate(9e-6, None, 0), nothing, nothing, nothing)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from policies.measured_fit import MIN_SAMPLES, WINDOW, attention_pairs
-from policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
-from routing.config import (
+from kvpilot.policies.measured_fit import MIN_SAMPLES, WINDOW, attention_pairs
+from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from kvpilot.routing.config import (
     FALLBACK_MODEL_PRESET,
     ConfigError,
     DisaggregationConfig,
@@ -17,7 +17,7 @@ from routing.config import (
     ServerConfig,
     prior_model,
 )
-from routing.decide.rates import (
+from kvpilot.routing.decide.rates import (
     PREFILL_TIMEOUT_FACTOR,
     Estimate,
     PrefillPath,
@@ -27,8 +27,8 @@ from routing.decide.rates import (
     observe_interval,
     predict_ttft,
 )
-from routing.health.engine_load import EngineLoad, RateCounters
-from routing.health.pair_health import TransferCounters
+from kvpilot.routing.health.engine_load import EngineLoad, RateCounters
+from kvpilot.routing.health.pair_health import TransferCounters
 
 LOCAL, REMOTE = PrefillPath.LOCAL, PrefillPath.REMOTE
 PRIOR = Prior(model_preset("llama-8b"), kv_format_preset("bf16"), hardware_preset("h100"), link_preset("rdma"))

@@ -17,11 +17,11 @@ from collections import Counter
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from routing.config import load_config
-from routing.fleet import fleet_from_config
-from routing.ids import WorkerId
-from routing.index.events import BlockStored
-from routing.serve.app import RouterServer, build_server
+from kvpilot.routing.config import load_config
+from kvpilot.routing.fleet import fleet_from_config
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.index.events import BlockStored
+from kvpilot.routing.serve.app import RouterServer, build_server
 from tests.fakes.engine import PROMPT_WORDS as WORDS
 from tests.unit.routing.test_routing_server import BS, run
 

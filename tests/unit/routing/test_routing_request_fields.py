@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from routing.serve.request_fields import BadRequest, checked_body
+from kvpilot.routing.serve.request_fields import BadRequest, checked_body
 
 
 def _check(body: object, chat: bool | None = False) -> dict:

@@ -1,4 +1,4 @@
-"""Table-driven tests of routing.decide.router (the decision glue) and routing.fleet (the fleet)."""
+"""Table-driven tests of kvpilot.routing.decide.router (the decision glue) and kvpilot.routing.fleet (the fleet)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from policies.presets import hardware_preset, kv_format_preset, link_preset
-from policies.roofline import kv_bytes, prefill
-from policies.session_options import Option
-from routing.config import ConfigError, Role, RouterConfig, load_config, prior_model
-from routing.decide.ledger import LoadLedger
-from routing.decide.rates import RateEstimator, RolePriors
-from routing.decide.router import Kind, Router, policy_from_config
-from routing.decide.sessions import SessionOffer, SessionStore
-from routing.fleet import fleet_from_config, kv_events_config
-from routing.ids import SessionId, WorkerId, pair_name
-from routing.index.block_index import BlockIndex
-from routing.index.chain import PromptChain
-from routing.index.events import BlockStored
+from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset
+from kvpilot.policies.roofline import kv_bytes, prefill
+from kvpilot.policies.session_options import Option
+from kvpilot.routing.config import ConfigError, Role, RouterConfig, load_config, prior_model
+from kvpilot.routing.decide.ledger import LoadLedger
+from kvpilot.routing.decide.rates import RateEstimator, RolePriors
+from kvpilot.routing.decide.router import Kind, Router, policy_from_config
+from kvpilot.routing.decide.sessions import SessionOffer, SessionStore
+from kvpilot.routing.fleet import fleet_from_config, kv_events_config
+from kvpilot.routing.ids import SessionId, WorkerId, pair_name
+from kvpilot.routing.index.block_index import BlockIndex
+from kvpilot.routing.index.chain import PromptChain
+from kvpilot.routing.index.events import BlockStored
 
 BS = 4
 
@@ -197,7 +197,7 @@ def test_empty_prompt_is_refused():
         _router(_config(COLOCATED)).route([], "r")
 
 
-# ---- the fleet (routing.fleet) and its config section --------------------------
+# ---- the fleet (kvpilot.routing.fleet) and its config section --------------------------
 @pytest.mark.parametrize(
     ("workers", "message"),
     [
@@ -472,7 +472,7 @@ def test_d_s_gauge_counts_only_what_bypassed_the_router_beyond_its_ledger():
     """D's gauge is as old as its last poll: the router's own requests it counted then are
     taken from the ledger now (one that finished since is no running stream), and only the
     gauge's excess over them (traffic that bypassed the router) is added."""
-    from routing.health.engine_load import EngineLoad
+    from kvpilot.routing.health.engine_load import EngineLoad
 
     cfg = _config(PD)
     fleet = fleet_from_config(cfg)

@@ -1,4 +1,4 @@
-"""The router's HTTP front (routing.serve.app) against fake engines
+"""The router's HTTP front (kvpilot.routing.serve.app) against fake engines
 (:mod:`tests.fakes.engine`), with aiohttp's test client."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvconnectors.pull_params import handoff_request
-from routing.config import load_config
-from routing.decide.ledger import WorkerLoad
-from routing.fleet import fleet_from_config
-from routing.ids import WorkerId
-from routing.index.events import BlockStored
-from routing.serve.app import RouterServer, build_server
+from kvpilot.kvconnectors.pull_params import handoff_request
+from kvpilot.routing.config import load_config
+from kvpilot.routing.decide.ledger import WorkerLoad
+from kvpilot.routing.fleet import fleet_from_config
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.index.events import BlockStored
+from kvpilot.routing.serve.app import RouterServer, build_server
 from tests.fakes.engine import PROMPT_WORDS as WORDS
 from tests.fakes.engine import FakeEngine
 
@@ -291,8 +291,8 @@ def test_no_field_outside_the_allow_list_reaches_an_engine(model_dir):
     """Fuzzed bodies: known fields, engine-internal ones and random names, on both
     endpoints. A refused body is a 400 naming the field and reaches no engine; an
     accepted one reaches the engines with allow-listed fields only."""
-    from routing.decide.sessions import SESSION_FIELDS
-    from routing.serve.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, ENGINE_INTERNAL
+    from kvpilot.routing.decide.sessions import SESSION_FIELDS
+    from kvpilot.routing.serve.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, ENGINE_INTERNAL
 
     rng = random.Random(7)
     candidates = sorted(COMPLETION_FIELDS - {"model", "prompt", "stream", "stream_options"}) + sorted(ENGINE_INTERNAL)
@@ -530,7 +530,7 @@ def test_the_router_sends_the_engines_api_key(model_dir, monkeypatch):
 
 
 def test_an_api_key_variable_that_is_unset_stops_the_router(model_dir, monkeypatch):
-    from routing.config import ConfigError
+    from kvpilot.routing.config import ConfigError
 
     monkeypatch.delenv("KVPILOT_TEST_KEY", raising=False)
     with pytest.raises(ConfigError, match="KVPILOT_TEST_KEY"):
@@ -586,7 +586,7 @@ def test_ds_session_offer_goes_to_p_at_the_next_step_once_and_never_expired_or_a
     ],
 )
 def test_router_cli_refuses_a_bad_config_with_exit_code_2(tmp_path, capsys, yaml_text, message):
-    from routing.cli import main
+    from kvpilot.routing.cli import main
 
     path = tmp_path / "router.yaml"
     path.write_text(yaml_text)
@@ -597,7 +597,7 @@ def test_router_cli_refuses_a_bad_config_with_exit_code_2(tmp_path, capsys, yaml
 def test_router_cli_flags_override_the_yaml(tmp_path):
     import argparse
 
-    from routing.cli import add_subcommands
+    from kvpilot.routing.cli import add_subcommands
 
     parser = argparse.ArgumentParser()
     add_subcommands(parser.add_subparsers(dest="command"))
@@ -707,7 +707,7 @@ def test_a_pairs_transfer_failures_raise_its_cost_and_the_other_pair_wins(model_
     ],
 )
 def test_binding_beyond_loopback_is_recognised(host, beyond):
-    from routing.cli import beyond_loopback
+    from kvpilot.routing.cli import beyond_loopback
 
     assert beyond_loopback(host) is beyond
 
@@ -719,8 +719,8 @@ def test_the_router_reads_the_chat_template_transformers_saves_beside_the_tokeni
     import json
     import shutil
 
-    from deploy.tiny_model import CHAT_TEMPLATE
-    from routing.serve.chat import JINJA_TEMPLATE, ChatTemplate
+    from kvpilot.deploy.tiny_model import CHAT_TEMPLATE
+    from kvpilot.routing.serve.chat import JINJA_TEMPLATE, ChatTemplate
 
     assert (tiny_model_dir / JINJA_TEMPLATE).is_file()
     template = ChatTemplate.from_model_dir(tiny_model_dir)

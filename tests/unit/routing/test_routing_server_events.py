@@ -13,10 +13,10 @@ import time
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from routing.config import RouterConfig
-from routing.fleet import fleet_from_config
-from routing.serve.app import RouterServer
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.routing.config import RouterConfig
+from kvpilot.routing.fleet import fleet_from_config
+from kvpilot.routing.serve.app import RouterServer
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.fakes.kv_events import vllm_batch, vllm_block_stored, vllm_kv_events, vllm_publisher
 from tests.fakes.ports import free_ports
 
@@ -27,8 +27,8 @@ PROMPT = list(range(1000, 1040))  # 10 blocks
 
 
 def _config(model_dir, ports: list[int]) -> RouterConfig:
-    from routing.config import IndexConfig, Role, ServerConfig, Worker
-    from routing.ids import WorkerId
+    from kvpilot.routing.config import IndexConfig, Role, ServerConfig, Worker
+    from kvpilot.routing.ids import WorkerId
 
     workers = tuple(
         Worker(

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from routing.config import ConfigError, RouterConfig
-from routing.decide.session_record import RECORD_VERSION, OfferRecord, SessionRecord, StoreOp, merge
-from routing.decide.sessions import SessionOffer, SessionStore
-from routing.ids import SessionId, WorkerId
-from routing.metrics.router_metrics import RouterMetrics
-from routing.state.redis_store import RedisSessionStore
-from routing.state.sync import SessionSync
+from kvpilot.routing.config import ConfigError, RouterConfig
+from kvpilot.routing.decide.session_record import RECORD_VERSION, OfferRecord, SessionRecord, StoreOp, merge
+from kvpilot.routing.decide.sessions import SessionOffer, SessionStore
+from kvpilot.routing.ids import SessionId, WorkerId
+from kvpilot.routing.metrics.router_metrics import RouterMetrics
+from kvpilot.routing.state.redis_store import RedisSessionStore
+from kvpilot.routing.state.sync import SessionSync
 from tests.fakes.ports import free_ports
 from tests.redis_server import running_redis
 from tests.unit.routing.test_routing_server import PD, PROMPT, run
@@ -168,7 +168,7 @@ def test_a_store_that_does_not_answer_costs_a_step_its_timeouts_at_most(redis_ur
 
 
 def test_redis_needs_a_url():
-    from policies.typed_config import convert
+    from kvpilot.policies.typed_config import convert
 
     with pytest.raises(ConfigError, match=r"sessions\.redis_url"):
         convert({"sessions": {"store": "redis"}}, RouterConfig)
@@ -185,9 +185,9 @@ def test_a_session_alternating_between_two_routers_is_served_as_one_router_would
     holds, here nothing, and the pull option is unavailable to it.)"""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from routing.config import load_config
-    from routing.fleet import fleet_from_config
-    from routing.serve.app import build_server
+    from kvpilot.routing.config import load_config
+    from kvpilot.routing.fleet import fleet_from_config
+    from kvpilot.routing.serve.app import build_server
 
     async def step(client: TestClient, tokens: int) -> str:
         body = {"prompt": PROMPT + [7] * tokens, "conversation_id": "agent", "max_tokens": 2}
@@ -221,9 +221,9 @@ def test_without_the_store_a_second_router_knows_nothing_of_the_session(model_di
     as a new request (no session option), so the test above can fail."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from routing.config import load_config
-    from routing.fleet import fleet_from_config
-    from routing.serve.app import build_server
+    from kvpilot.routing.config import load_config
+    from kvpilot.routing.fleet import fleet_from_config
+    from kvpilot.routing.serve.app import build_server
 
     async def scenario(client_a, router_a, engines):
         cfg = load_config(model_dir / "router.yaml")

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from hypothesis import given
 from hypothesis import strategies as st
 
-from routing.serve.sse import sse_batches, sse_events
+from kvpilot.routing.serve.sse import sse_batches, sse_events
 
 
 async def _chunks(raw: bytes, cuts: list[int]) -> AsyncIterator[bytes]:

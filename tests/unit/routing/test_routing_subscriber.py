@@ -9,10 +9,10 @@ from collections.abc import Callable
 import pytest
 import zmq
 
-from routing.ids import WorkerId
-from routing.index.block_index import BlockIndex
-from routing.index.chain import PromptChain
-from routing.ingest.subscriber import EngineSubscriber, subscriber_binds
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.index.block_index import BlockIndex
+from kvpilot.routing.index.chain import PromptChain
+from kvpilot.routing.ingest.subscriber import EngineSubscriber, subscriber_binds
 from tests.fakes.kv_events import TOPIC, vllm_batch, vllm_block_stored, vllm_kv_events, vllm_publisher
 from tests.fakes.ports import free_ports
 

@@ -15,15 +15,16 @@ class NoVllm:
         if name.split(".")[0] in ("vllm", "torch"):
             raise ImportError(name + " is not installed here")
 sys.meta_path.insert(0, NoVllm())
-import routing.index.chain, routing.cli, routing.index.dynamo, routing.ingest.engine_metrics
-import routing.decide.ledger, routing.serve.app
-from routing.config import IndexConfig, Role, RouterConfig, ServerConfig, Worker
-from routing.ids import WorkerId
-from routing.fleet import fleet_from_config
+import kvpilot.routing.index.chain, kvpilot.routing.cli, kvpilot.routing.index.dynamo
+import kvpilot.routing.ingest.engine_metrics
+import kvpilot.routing.decide.ledger, kvpilot.routing.serve.app
+from kvpilot.routing.config import IndexConfig, Role, RouterConfig, ServerConfig, Worker
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.fleet import fleet_from_config
 for backend in ("kvpilot", "dynamo"):
     cfg = RouterConfig(index=IndexConfig(backend=backend), server=ServerConfig(model_dir={str(model_dir)!r}),
                        workers=(Worker(WorkerId("w"), Role.COLOCATED, "http://127.0.0.1:9"),))
-    routing.serve.app.build_server(cfg, fleet_from_config(cfg), feed_index=False)
+    kvpilot.routing.serve.app.build_server(cfg, fleet_from_config(cfg), feed_index=False)
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -8,7 +8,7 @@ at best give every request that; a queue, a colder worker or a longer path only 
 The floor is measured, not taken from the mocker's preset: calibration requests, each
 alone on an idle worker of the same fleet (same speedup, same frontend), with prompts no
 trace request shares (:func:`calibration_prompt`), give TTFT against the prompt length;
-:func:`fit` fits the prefill model of :mod:`policies.measured_fit` (fixed cost, per
+:func:`fit` fits the prefill model of :mod:`kvpilot.policies.measured_fit` (fixed cost, per
 token, per causal attention pair) with nothing cached, and :func:`floor_ttfts` prices each
 request's new tokens with the attention to its cached prefix left out. Where the fit's
 attention term is positive that makes each floor lower than the same model's price of the
@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from fleet_trace import FIRST_ORDINARY_ID
 
-from policies.measured_fit import PREFILL_SPREAD_FEATURE, LinearFit, prefill_features
+from fleet.trace import FIRST_ORDINARY_ID
+from kvpilot.policies.measured_fit import PREFILL_SPREAD_FEATURE, LinearFit, prefill_features
 
 QUANTILES = (0.0, 0.25, 0.5, 0.75, 1.0)
 """Where the calibration lengths sit among the workload's new-token counts."""

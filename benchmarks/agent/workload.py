@@ -22,8 +22,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from deploy.prompts import filler_text
-from routing.serve.tokenizer import PromptTokenizer
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 
 FIRST_ORDINARY_ID = 7
 """Ids below this are the tiny model's special tokens (``<s>``, ``</s>``, ...)."""

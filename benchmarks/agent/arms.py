@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import agent_workload as aw
-from vllm_router_arm import running_vllm_router
-
-from deploy.agent_session import prefill_then_decode
-from deploy.client import Completion, complete
+from agent import workload as aw
+from agent.vllm_router_arm import running_vllm_router
+from kvpilot.deploy.agent_session import prefill_then_decode
+from kvpilot.deploy.client import Completion, complete
 
 ROUTE_HEADER = "X-KVPilot-Route"
 """The kvpilot router's answer header naming the route it took."""

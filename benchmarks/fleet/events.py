@@ -16,9 +16,9 @@ from collections import Counter
 from collections.abc import Sequence
 
 import zmq
-from fleet_trace import block_digest
 
-from routing.index.events import BlockStored, EventDecoder
+from fleet.trace import block_digest
+from kvpilot.routing.index.events import BlockStored, EventDecoder
 
 
 class StoredPromptBlocks:

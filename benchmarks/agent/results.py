@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import agent_workload as aw
-from agent_schedule import Spread
-
-from deploy.client import Completion
-from deploy.metrics import Samples, delta
-from kvconnectors import vllm_metrics as vm
+from agent import workload as aw
+from agent.schedule import Spread
+from kvpilot.deploy.client import Completion
+from kvpilot.deploy.metrics import Samples, delta
+from kvpilot.kvconnectors import vllm_metrics as vm
 
 PROMPT_TOKENS = vm.PROMPT_TOKENS_BY_SOURCE.total
 NIXL_BYTES = vm.NIXL_BYTES_TRANSFERRED

@@ -8,9 +8,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-import agent_workload as aw
-from agent_arms import Kvpilot
-from agent_results import STALL_S, TPOT, ArmResult, Run, RunSummary
+from provenance import describe, provenance
+
+from agent import workload as aw
+from agent.arms import Kvpilot
+from agent.results import STALL_S, TPOT, ArmResult, Run, RunSummary
 
 
 def finite(obj: Any) -> Any:
@@ -320,5 +322,6 @@ def write_outputs(run: Run, judged: RunSummary) -> None:
         f"Prefill tokens computed per step, {config.sessions} sessions x {config.steps} steps (tiny model, CPU)",
     )
     config.out.parent.mkdir(parents=True, exist_ok=True)
-    config.out.write_text(json.dumps(finite(result_json(run, judged)), indent=1))
-    print(f"- wrote {config.out} and {config.plot}")
+    run_info = provenance()
+    config.out.write_text(json.dumps(finite({**result_json(run, judged), "provenance": run_info}), indent=1))
+    print(f"- wrote {config.out} and {config.plot} ({describe(run_info)})")

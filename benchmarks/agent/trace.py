@@ -23,20 +23,19 @@ Arrivals, seeded: sessions start at exponential gaps of mean ``session_gap_s``; 
 step follows its previous step by ``step_gap_s`` (the model's answer and the tool's run).
 Pure but for :func:`main`, which writes the trace.
 
-    python benchmarks/agent_trace.py --sessions 64 --steps 20 --out /tmp/agent-trace.jsonl
+    python benchmarks/make_agent_trace.py --sessions 64 --steps 20 --out /tmp/agent-trace.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from fleet_trace import TRACE_BLOCK_TOKENS, TraceRequest
+from fleet.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +128,3 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(to_jsonl(requests))
     print(f"{len(requests)} requests ({shape.sessions} sessions x {shape.steps} steps) -> {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deploy.metrics import Samples, total
+from kvpilot.deploy.metrics import Samples, total
 
 
 def buckets(samples: Samples, name: str) -> list[tuple[float, float]]:

@@ -33,9 +33,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from deploy.env import child_env
-from deploy.fleet import is_healthy, log_tail, stop_group
-from deploy.fleet_spec import HOST
+from kvpilot.deploy.env import child_env
+from kvpilot.deploy.fleet import is_healthy, log_tail, stop_group
+from kvpilot.deploy.fleet_spec import HOST
 
 VLLM_ROUTER = str(Path(sys.executable).with_name("vllm-router"))
 

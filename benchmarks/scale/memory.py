@@ -12,11 +12,11 @@ included, and what the allocators keep) and ``tracemalloc`` (Python objects stil
 allocated: not Dynamo's RadixTree, which lives in Rust). ``--backend radix-tree`` is
 Dynamo's ``RadixTree`` alone, fed Dynamo's own events (``apply_event``, its block and
 token hashes precomputed as a Dynamo worker's publisher sends them): Dynamo's index
-without kvpilot's wrapper (:mod:`routing.index.dynamo` keeps, per worker, the engine
+without kvpilot's wrapper (:mod:`kvpilot.routing.index.dynamo` keeps, per worker, the engine
 hashes it holds and their namespaces), the control for Dynamo's own figure. Prints one
 JSON object.
 
-    python benchmarks/scale_memory.py --backend kvpilot --shape shared --measure rss
+    python benchmarks/scale/memory.py --backend kvpilot --shape shared --measure rss
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from array import array
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from routing.config import IndexBackend
-from routing.ids import WorkerId
-from routing.index.events import BlockStored
-from routing.index.kvindex import KVIndex
+from kvpilot.routing.config import IndexBackend
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.index.events import BlockStored
+from kvpilot.routing.index.kvindex import KVIndex
 
 BLOCK_SIZE, EVENT_BLOCKS = 16, 32
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -50,10 +50,10 @@ def rss_bytes() -> int:
 
 def make_index(backend: IndexBackend) -> KVIndex:
     if backend is IndexBackend.DYNAMO:
-        from routing.index.dynamo import DynamoIndex
+        from kvpilot.routing.index.dynamo import DynamoIndex
 
         return DynamoIndex(BLOCK_SIZE)
-    from routing.index.block_index import BlockIndex
+    from kvpilot.routing.index.block_index import BlockIndex
 
     return BlockIndex(BLOCK_SIZE)
 

@@ -1,5 +1,5 @@
 """The fleet benchmark's arms: who routes, with which options, on the same Dynamo
-mocker fleet (:class:`deploy.dynamo_spec.DynamoFleetSpec`, restarted per arm). Pure.
+mocker fleet (:class:`kvpilot.deploy.dynamo_spec.DynamoFleetSpec`, restarted per arm). Pure.
 
 * ``dynamo_round_robin``: Dynamo's frontend, ``--router-mode round-robin``.
 * ``dynamo_kv``: Dynamo's own KV router in the frontend, ``--router-mode kv``, its defaults.
@@ -21,7 +21,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-from deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting
+from kvpilot.deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting
 
 
 class ArmName(str, enum.Enum):

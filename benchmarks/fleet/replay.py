@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
-from fleet_results import Outcome
 
-from routing.decide.sessions import HEADER as KVPILOT_SESSION_HEADER
+from fleet.results import Outcome
+from kvpilot.routing.decide.sessions import HEADER as KVPILOT_SESSION_HEADER
 
 JSON = {"Content-Type": "application/json"}
 DYNAMO_SESSION_HEADER = "x-dynamo-session-id"

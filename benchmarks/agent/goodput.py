@@ -21,8 +21,9 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from agent_results import ArmResult
-from fleet_goodput import ATTAINMENT
+from fleet.goodput import ATTAINMENT
+
+from agent.results import ArmResult
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,1 @@
+"""The scale benchmark's pieces: reading Prometheus histograms, index memory (``bench_router_scale.py``)."""
