@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "fleets": results,
         "index_memory": memory,
-        "run": {"argv": sys.argv, "speedup": args.speedup},
+        "run": {"argv": sys.argv, "speedup": args.speedup, "limit_ms": args.limit_ms},
         "provenance": run,
     }
     args.json.write_text(json.dumps(finite(out), indent=2))

@@ -1,0 +1,67 @@
+"""The Markdown a docs page quotes of a benchmark, rendered from the benchmark's results file,
+never typed by hand::
+
+    python benchmarks/report.py docs/benchmarks/results/scale.json   # writes docs/benchmarks/tables/scale.md
+
+A results file is what ``bench_fleet.py --json`` or ``bench_router_scale.py --json`` wrote
+(with its :mod:`provenance`). The table's head names the run: date, commit, hardware, command.
+``tests/unit/benchmarks/test_report.py`` fails when a committed table differs from what its
+committed results file renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from provenance import describe
+
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "results"
+TABLES_DIR = RESULTS_DIR.parent / "tables"
+RUN_KEYS = ("run", "provenance")
+"""A fleet results file's keys that are not arms."""
+
+
+def _head(results: dict[str, Any]) -> list[str]:
+    argv = results["run"]["argv"]
+    command = shlex.join(["python", f"benchmarks/{Path(argv[0]).name}", *argv[1:]])
+    return [f"Run: {describe(results['provenance'])}.", "", f"Command: `{command}`", ""]
+
+
+def render(results: dict[str, Any]) -> str:
+    """The tables of a ``bench_router_scale.py`` or a ``bench_fleet.py`` results file."""
+    if "fleets" in results:
+        from bench_router_scale import tables
+
+        body = tables(results["fleets"], results["index_memory"], results["run"].get("limit_ms", 5.0))
+    else:
+        from bench_fleet import table
+
+        arms = {k: v for k, v in results.items() if k not in RUN_KEYS}
+        body = table(arms, results["run"]["workload"]["reuse_ceiling"])
+    return "\n".join([*_head(results), body]) + "\n"
+
+
+def table_for(results_path: Path) -> Path:
+    """Where the table of ``results_path`` lives (``tables/<its stem>.md``)."""
+    return TABLES_DIR / f"{results_path.stem}.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, nargs="+", help="results files (JSON)")
+    args = parser.parse_args(argv)
+    for path in args.results:
+        out = table_for(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(render(json.loads(path.read_text())))
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
