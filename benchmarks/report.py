@@ -35,11 +35,11 @@ def _head(results: dict[str, Any]) -> list[str]:
 def render(results: dict[str, Any]) -> str:
     """The tables of a ``bench_router_scale.py`` or a ``bench_fleet.py`` results file."""
     if "fleets" in results:
-        from bench_router_scale import tables
+        from scale.bench import tables
 
         body = tables(results["fleets"], results["index_memory"], results["run"].get("limit_ms", 5.0))
     else:
-        from bench_fleet import table
+        from fleet.bench import table
 
         arms = {k: v for k, v in results.items() if k not in RUN_KEYS}
         body = table(arms, results["run"]["workload"]["reuse_ceiling"])

@@ -10,9 +10,9 @@ import math
 from pathlib import Path
 
 import pytest
+from agent.bench import at_load
 from agent.output import finite, headline_table, result_json
 from agent.results import ArmResult, BenchConfig, Outcome, Run, StepCounters, judge_run
-from bench_agent import at_load
 
 from kvpilot.deploy.client import Completion
 

@@ -1,0 +1,604 @@
+"""The article's coding agent on the CPU box: five ways to serve it, each alone, in shuffled repeats.
+
+The workload (:mod:`agent_workload`, seeded): ``--sessions`` agent sessions of
+``--steps`` steps share a ~1,000-token system + repository prefix; each step appends a
+distinct ~100-token tool output to the session's history and generates a tool call
+of ``--generated`` tokens (greedy, ``ignore_eos``, top-1 logprobs, non-streaming).
+The last ``--editing-sessions`` sessions edit their history at 1/4, 1/2 and 3/4 of the
+run (reasoning trace stripped, message re-rendered, history truncated). Sessions run
+concurrently within a step and steps in lockstep, with the engines' ``/metrics``
+scraped between steps, so every engine counter is attributed to one step of one arm.
+
+Correctness: a reference trajectory is computed first on one engine of fleet N
+(D, co-located use, a fresh ``cache_salt`` per request: no cache). Step k's reference
+tokens feed step k+1's history in every arm, so all arms send the same prompts and
+an arm's wrong output is counted, not propagated. An output is wrong when its tokens
+differ from the reference beyond numeric noise: its max |logprob diff| over the tokens
+up to and including the first differing one exceeds ``--tolerance`` (a greedy choice
+between near-tied tokens flips on bf16 noise alone; such flips are counted apart). The
+numeric noise of known-correct paths is measured in the same run and printed: a
+calibration pass on that engine with its prefix cache on (a stable salt per
+session: content-matched reuse, correct by construction, but other prefill splits),
+and arm (a). The tiny model runs in bf16, so diffs come in steps of ~1/64: in the default
+run every known-correct output (calibration and arms a, b, d, e: ~480 outputs) was
+within one step (max 0.0161), while the outputs of KV attached by position after a
+history edit (arm c) differed by 0.048-0.126 (3 to 8 steps). The default tolerance,
+0.03 (under two steps), sits between the two (their geometric mean is 0.028).
+
+Arms, each repeat of each under its own ``cache_salt`` (no arm, and no repeat,
+inherits another's cache):
+
+Fleet N: 1 P + 1 D, plain ``NixlConnector`` with ``bidirectional_kv_xfer`` (vLLM's
+defaults otherwise: ``kv_recompute_threshold`` 64, D holds its blocks 480 s), engines
+in ``VLLM_SERVER_DEV_MODE``; its kvpilot router is started but unused.
+
+* (a) no prefix cache: a fresh salt per request, through the P->D proxy
+  (:func:`kvpilot.deploy.agent_session.prefill_then_decode`: P with ``{"do_remote_decode": true}``,
+  ``max_tokens=1``; D with P's params).
+* (b) prefix only (article option 1, "P recomputes everything after the shared
+  prefix"): before each step P's prefix cache is reset (``POST /reset_prefix_cache``)
+  and re-warmed with the shared prefix by one uncounted request, emulating a busy
+  fleet where session KV does not survive on P between steps; then the same proxy,
+  without session state. D keeps its own cache (vLLM's D pulls only beyond its local hit).
+* (c) vLLM's own way: the proxy in conversation-id mode, reproducing the behaviour
+  of vLLM's ``examples/online_serving/disaggregated_serving/disagg_proxy_multiturn.py``
+  (the NixlConnector bidirectional guide): D's returned ``kv_transfer_params`` are
+  kept per conversation (single use, 450 s TTL); the next turn sends them to P with
+  ``do_remote_decode=true, do_remote_prefill=false`` (a miss sends
+  ``do_remote_decode=true`` with empty remote fields), P answers with ``max_tokens=1``,
+  D gets P's params. Written in :mod:`agent_arms` as in-process calls, non-streaming
+  (vLLM 0.32 returns kv_transfer_params only in non-streaming answers), not copied.
+* (d) vllm-router 0.1.17 in PD mode in front of fleet N (``vllm_router_arm``), no
+  session state.
+
+Fleet K: 1 P + 1 D, ``KVPilotConnector`` with fleet N's keys only
+(``bidirectional_kv_xfer``): no pinned ``kv_recompute_threshold``, so P's pull policy
+decides each D->P pull live from its measured rates (``recompute_policy`` "roofline",
+the default), and the router prices each choice from the engines' measured rates (its
+defaults); conditional disaggregation.
+
+* (e) kvpilot: requests to the kvpilot router with ``conversation_id`` = the session.
+  The router refuses a request whose predicted TTFT is over the fleet's SLO
+  (:data:`kvpilot.deploy.fleet_spec.FLEET_TTFT_SLO_S`); a refusal counts as a failed request.
+
+The handicap only arms (a)-(d) carry: vLLM 0.32's NIXL worker on CPU moves the engine's
+model thread to the box's last core (:mod:`kvpilot.kvconnectors.thread_binding`), so fleet N's
+P and D compute on one core beside NIXL's progress threads; ``KVPilotConnector``
+restores the binding. ``--handicap-arm`` measures how much of the gap that explains,
+without touching vLLM:
+
+Fleet B: 1 P + 1 D, ``KVPilotConnector`` as a drop-in for fleet N's ``NixlConnector``
+(the same keys at the top level, ``recompute_policy`` "threshold": vLLM's own
+64-token pull rule), dev mode, as fleet N.
+
+* (f) arm (c)'s proxy logic, unchanged, on fleet B. Its engines differ from (c)'s by
+  the thread binding and by kvpilot's scheduler-side layers: D's block verification
+  refuses offered blocks whose digests differ from its own, which after a history edit
+  is exactly the KV that makes (c) wrong, so (c) - (f) in wrong outputs and in the
+  tokens an edited step computes is the verification, not the binding. On steps
+  without edits every offer verifies and the layers change nothing (the proxy sends
+  the same params, the pull rule is vLLM's): ``--editing-sessions 0`` isolates the
+  binding. The report gives, per headline figure, (c) - (f) and its share of (c) - (e).
+
+Run order (:mod:`agent_schedule`): the reference and the calibration run on a start
+of fleet N of their own, stopped before any arm. Then ``--repeats`` repeats; each
+starts every fleet it needs afresh, one fleet at a time (no arm shares the box with
+another arm, no repeat inherits another's cache), and runs that fleet's arms one after
+the other. Within each repeat the fleets' order and each fleet's arm order are
+shuffled from ``--seed``; the order is printed and kept in the JSON. Each fleet start
+gets one uncounted NIXL warm-up session (both handshakes, P->D and D->P) before its
+arms; each is stopped in a ``finally``.
+
+Per arm and repeat: prefill tokens computed (``vllm:prompt_tokens_by_source_total``,
+both engines; also the local-cache and external-KV sources), KV bytes moved
+(``vllm:nixl_bytes_transferred`` histogram sum, both engines), per-step latency and
+TTFT p50/p99 at steps 1, S/2, S, SLO-met requests, wrong outputs. The report gives,
+per arm, the median over its repeats of the headline figures (prefill tokens
+computed, KV bytes moved, TTFT p50 at steps 1, S/2, S, wrong outputs, SLO-met
+requests) with their range (min-max), then each repeat's full tables; the ratios
+against (e) are taken on the medians. TTFT of a non-streaming request is estimated as
+its latency minus (G - 1) x D's mean TPOT over the same lockstep step (D's own
+``vllm:request_time_per_output_token_seconds``).
+
+SLO-met requests are a count at the lockstep's one load (correct, TTFT and the step's
+D TPOT within the SLOs). DistServe's goodput, the highest request rate at which both
+SLOs hold, comes from a sweep of the load: ``--sessions-sweep 1,2,4`` runs the whole
+benchmark (reference, arms, repeats) once per session count, each judged by the same
+``--ttft-slo`` and ``--tpot-slo`` (required with a sweep), and reports each arm's
+achieved rate and SLO attainment per load and its goodput (:mod:`agent_goodput`); each
+load's full results go to ``--out`` with ``-sN`` before the suffix, the sweep's to ``--out``.
+
+The arms are the classes of :mod:`agent_arms`; what a run measured, judged and
+summarized is :mod:`agent_results`; the report, plot and JSON are :mod:`agent_output`.
+
+    python benchmarks/bench_agent.py                            # 4 x 20 steps, 1 repeat
+    python benchmarks/bench_agent.py --sessions 2 --steps 4    # a quick check
+    python benchmarks/bench_agent.py --repeats 3 --handicap-arm # medians of 3, and (f)
+    python benchmarks/bench_agent.py --steps 6 --arms ce --sessions-sweep 1,2,4 --ttft-slo 2 --tpot-slo 0.5
+
+``--repeats`` defaults to 1 (a quick run: no spread). The README's table was measured
+with one repeat, in the fixed order a-d then e and with fleet K's threshold pinned at
+0, before these rules. Wall time is dominated by this 2-core box's contention: the
+default run took 56 min while other fleets shared the box (load average 20-70), a
+2 x 4 run 10-15 min; each repeat adds a start of every fleet it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from fleet.goodput import ATTAINMENT
+from provenance import provenance
+
+from agent import goodput as agent_goodput
+from agent import schedule as agent_schedule
+from agent import workload as aw
+from agent.arms import ARMS, Arm, ArmSetup, FleetName, Served
+from agent.output import print_report, write_outputs
+from agent.results import (
+    HANDICAP_ARM,
+    ArmResult,
+    BenchConfig,
+    Outcome,
+    Run,
+    RunSummary,
+    counters,
+    judge,
+    judge_run,
+)
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.agent_session import prefill_then_decode
+from kvpilot.deploy.client import Completion, complete
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import scrape
+from kvpilot.deploy.tiny_model import ensure_tiny_model
+from kvpilot.kvconnectors.pull_policy import RecomputePolicy
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
+
+FLEET_DESCRIPTIONS = {
+    FleetName.N: "NixlConnector, 1 P + 1 D",
+    FleetName.K: "KVPilotConnector, 1 P + 1 D, kvpilot router, live pull policy",
+    FleetName.B: "KVPilotConnector as a drop-in for NixlConnector (vLLM's pull rule), 1 P + 1 D",
+}
+NIXL_KEYS = {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 480}
+"""Fleet N's ``kv_connector_extra_config``; fleet B's NixlConnector keys. D holds its
+blocks vLLM's default 480 s, not the CPU fleet's 60 s (``kvpilot.deploy.fleet_spec.DECODE_HOLD_TTL_S``):
+the conversation-id proxy arm keeps sessions 450 s, for vLLM's hold (``agent_arms``)."""
+
+
+@dataclass(frozen=True)
+class _FleetPlan:
+    """What a fleet's :class:`FleetSpec` sets beyond the model and run directory."""
+
+    connector: str
+    extra_config: Mapping[str, object]
+    disaggregation: str
+    ports: tuple[int, int, int, int]  # engine, side channel, events, router
+    dev_mode: bool
+    gateway_ports: tuple[int, int, int] | None = None
+    """Envoy's, the picker's and Envoy's admin port: kvpilot's arm goes through Envoy, as a
+    client of ``kvpilot fleet up`` does; ``None``: no Envoy (the baselines' own proxies)."""
+
+
+_FLEETS = {
+    FleetName.N: _FleetPlan("NixlConnector", NIXL_KEYS, "always", (9410, 7640, 7740, 9400), True),
+    FleetName.K: _FleetPlan(
+        "KVPilotConnector", NIXL_KEYS, "conditional", (9510, 7660, 7760, 9500), False, (9520, 9521, 9522)
+    ),
+    FleetName.B: _FleetPlan(
+        "KVPilotConnector",
+        {**NIXL_KEYS, "recompute_policy": RecomputePolicy.THRESHOLD.value},
+        "always",
+        (9610, 7680, 7780, 9600),
+        True,
+    ),
+}
+
+
+def fleet_spec(fleet: FleetName, model_dir: Path, run_dir: Path) -> FleetSpec:
+    """Fleet N, K or B (see the module doc); each on its own ports."""
+    plan = _FLEETS[fleet]
+    engine_port, side_channel_port, events_port, router_port = plan.ports
+    spec = FleetSpec(
+        model_dir=model_dir,
+        run_dir=run_dir,
+        connector=plan.connector,
+        connector_extra_config=dict(plan.extra_config),
+        disaggregation=plan.disaggregation,
+        engine_port=engine_port,
+        side_channel_port=side_channel_port,
+        events_port=events_port,
+        router_port=router_port,
+        engine_env={"VLLM_SERVER_DEV_MODE": "1"} if plan.dev_mode else {},
+    )
+    if plan.gateway_ports is None:
+        return spec
+    gateway_port, picker_port, envoy_admin_port = plan.gateway_ports
+    return dataclasses.replace(
+        spec, gateway_port=gateway_port, picker_port=picker_port, envoy_admin_port=envoy_admin_port
+    )
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+@contextmanager
+def timed(run: Run, what: str) -> Iterator[None]:
+    """Record the seconds the block took as ``run.timings[what]``."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        run.timings[what] = time.perf_counter() - started
+
+
+@contextmanager
+def running(spec: FleetSpec) -> Iterator[fleet_io.Fleet]:
+    started = fleet_io.up(spec, progress=lambda m: log(m.strip()))
+    try:
+        yield started
+    finally:
+        log(f"stopping the fleet in {spec.run_dir}")
+        fleet_io.down(spec.run_dir)
+
+
+# ---- engines --------------------------------------------------------------------------
+def nixl_warm_up(p_url: str, d_url: str, timeout: float) -> float:
+    """One uncounted two-turn session that makes both NIXL handshakes (D reads P,
+    then P reads D: 96 tokens beyond P's own hit, above vLLM's 64-token rule).
+    Returns its seconds."""
+    started = time.perf_counter()
+    salt = f"nixl-warm-up-{uuid.uuid4().hex}"
+    x = [aw.FIRST_ORDINARY_ID + (i * 37) % 1900 for i in range(256)]
+    d1 = prefill_then_decode(p_url, d_url, x, 97, timeout, cache_salt=salt).d
+    x2 = x + list(d1.token_ids) + [aw.FIRST_ORDINARY_ID + (i * 53) % 1900 for i in range(40)]
+    offer = {**(d1.kv_transfer_params or {}), "do_remote_decode": True, "do_remote_prefill": False}
+    prefill_then_decode(p_url, d_url, x2, 2, timeout, offer, cache_salt=salt)
+    return time.perf_counter() - started
+
+
+def logged_warm_up(fleet: str, p_url: str, d_url: str, timeout: float) -> float:
+    """:func:`nixl_warm_up`, logged; ``nan`` seconds if it failed (the arms still run)."""
+    log(f"NIXL warm-up on fleet {fleet} (uncounted)")
+    try:
+        seconds = nixl_warm_up(p_url, d_url, timeout)
+    except Exception as exc:  # noqa: BLE001 - a failed warm-up is reported, the run goes on
+        log(f"  warm-up failed: {exc}")
+        return math.nan
+    log(f"  warm-up took {seconds:.1f} s")
+    return seconds
+
+
+# ---- the lockstep runner -------------------------------------------------------------
+Serve = Callable[[int, list[int]], Served]
+"""``serve(session, prompt)``: one request of the current step."""
+
+
+def lockstep(
+    run: Run,
+    key: str,
+    title: str,
+    serve: Serve,
+    engines: dict[str, str],
+    before_step: Callable[[int], None] | None = None,
+) -> ArmResult:
+    """All sessions' step k concurrently, scrape, step k+1, ... (``engines``: name ->
+    URL, scraped around each step; ``"D"`` is the decoding engine)."""
+    config = run.config
+    result = ArmResult(key, title)
+    started = time.perf_counter()
+
+    def one(session: int, step: int) -> Outcome:
+        t0 = time.perf_counter()
+        try:
+            served = serve(session, run.prompts[(session, step)])
+        except Exception as exc:  # noqa: BLE001 - a failed request is counted, the arm goes on
+            return Outcome(session, step, time.perf_counter() - t0, None, error=f"{type(exc).__name__}: {exc}"[:300])
+        latency = time.perf_counter() - t0
+        return Outcome(session, step, latency, served.completion, route=served.route, p_seconds=served.p_seconds)
+
+    with ThreadPoolExecutor(max_workers=config.sessions) as pool:
+        for step in range(1, config.steps + 1):
+            if before_step is not None:
+                before_step(step)
+            before = {n: scrape(u) for n, u in engines.items()}
+            t0 = time.perf_counter()
+            outcomes = list(pool.map(one, range(config.sessions), [step] * config.sessions))
+            wall = time.perf_counter() - t0
+            time.sleep(config.settle)  # counters reach /metrics on the stats loop's next tick
+            after = {n: scrape(u) for n, u in engines.items()}
+            c = result.steps[step] = counters(before, after, "D")
+            c.wall = wall
+            result.outcomes += outcomes
+            failed = [o.error for o in outcomes if o.error is not None]
+            log(
+                f"  {key} step {step:2d}: {wall:6.2f} s, computed {c.computed:6.0f}, "
+                f"cached {c.cached:6.0f}, external {c.external:6.0f}, KV {c.kv_bytes / 1e6:6.2f} MB"
+                + (f", {len(failed)} failed: {failed[0]}" if failed else "")
+            )
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+# ---- the run ---------------------------------------------------------------------------
+def reference_pass(run: Run, d_url: str, workload: aw.Workload) -> None:
+    """Every session's trajectory on one engine without cache: ``run.reference``, and
+    ``run.prompts``, the prompts every arm sends."""
+    config = run.config
+    with ThreadPoolExecutor(max_workers=config.sessions) as pool:
+        for step in range(1, config.steps + 1):
+            for s in range(config.sessions):
+                run.prompts[(s, step)] = workload.prompt(s, step)
+
+            def ref(s: int, step: int = step) -> Completion:
+                return complete(
+                    d_url,
+                    run.prompts[(s, step)],
+                    max_tokens=config.generated,
+                    ignore_eos=True,
+                    return_token_ids=True,
+                    cache_salt=f"ref-{uuid.uuid4().hex}",
+                    timeout=config.request_timeout,
+                )
+
+            for s, out in enumerate(pool.map(ref, range(config.sessions))):
+                if len(out.token_ids) != config.generated:
+                    raise RuntimeError(f"reference step {step} session {s}: {len(out.token_ids)} tokens")
+                run.reference[(s, step)] = out
+                workload.advance(s, step, list(out.token_ids))
+
+
+def calibrate(run: Run, d_url: str) -> None:
+    """The noise of a known-correct path: the same prompts on D with its prefix cache
+    (a stable salt per session), into ``run.noise["calibration"]``."""
+    config = run.config
+
+    def serve(session: int, prompt: list[int]) -> Served:
+        out = complete(
+            d_url,
+            prompt,
+            max_tokens=config.generated,
+            ignore_eos=True,
+            return_token_ids=True,
+            cache_salt=f"calib-{run.run_id}-{session}",
+            timeout=config.request_timeout,
+        )
+        return Served(out)
+
+    calib = lockstep(run, "calibration", "calibration", serve, {"D": d_url})
+    judge(calib, run.reference, config.generated, math.inf)
+    diffs = [o.max_diff for o in calib.outcomes if o.completion is not None]
+    run.noise["calibration"] = {
+        "max": max(diffs, default=math.nan),
+        "median": statistics.median(diffs) if diffs else math.nan,
+        "token_flips": sum(not o.tokens_match for o in calib.outcomes),
+        "cached_tokens": sum(c.cached for c in calib.steps.values()),
+    }
+
+
+def run_arm(run: Run, arm: Arm, spec: FleetSpec, fleet: fleet_io.Fleet, repeat: int) -> fleet_io.Fleet:
+    """Arm ``arm``'s repeat ``repeat`` in lockstep, its handicaps noted; an engine found
+    unhealthy after it is restarted (and noted). Returns the fleet as it then runs."""
+    engines = {"P": arm.setup.p_url, "D": arm.setup.d_url}
+    with timed(run, f"arm_{arm.key}_r{repeat}"):
+        log(f"arm {arm.describe()}, repeat {repeat}")
+        with arm.running():
+            result = lockstep(run, arm.key, arm.title, arm.serve, engines, arm.before_step)
+        result.notes += arm.handicaps()
+    run.results.setdefault(arm.key, []).append(result)
+    return restart_unhealthy(spec, fleet, f"arm {arm.key}", result.notes)
+
+
+def restart_unhealthy(spec: FleetSpec, fleet: fleet_io.Fleet, after: str, notes: list[str]) -> fleet_io.Fleet:
+    """``fleet`` with each engine that no longer answers ``/health`` restarted, each
+    restart noted in ``notes`` (``after``: what it was found unhealthy after). Returns the
+    fleet as it then runs."""
+    for role, name in (("prefill", "P"), ("decode", "D")):
+        engine = fleet.by_role(role)[0]
+        if not fleet_io.is_healthy(engine.url):
+            notes.append(f"{name} unhealthy after {after}")
+            log(f"  {name} is not healthy after {after}; restarting it")
+            fleet = fleet_io.restart_engine(spec, engine.name)
+    return fleet
+
+
+def reference_fleet(run: Run, model_dir: Path, workload: aw.Workload) -> None:
+    """Fleet N started for the reference and the calibration alone, then stopped: the
+    repeats' fleet order stays free and no arm runs on the fleet that computed them."""
+    spec = fleet_spec(FleetName.N, model_dir, run.root / "fleet-n-reference")
+    log(f"starting fleet N ({FLEET_DESCRIPTIONS[FleetName.N]}) for the reference")
+    with timed(run, "reference_fleet"), running(spec) as fleet:
+        d_url = fleet.by_role("decode")[0].url
+        with timed(run, "reference"):
+            log(f"reference trajectory on D ({d_url}), a fresh cache_salt per request")
+            reference_pass(run, d_url, workload)
+        run.edited_steps = sorted({k + 1 for _, k, _ in workload.edits_done})
+        log(
+            f"reference done in {run.timings['reference']:.0f} s; edits {workload.edits_done}; "
+            f"last prompt {max(len(p) for p in run.prompts.values())} tokens"
+        )
+        with timed(run, "calibration"):
+            log("calibration: the same prompts on D with its prefix cache (a stable salt per session)")
+            calibrate(run, d_url)
+        log(f"calibration noise: {run.noise['calibration']}")
+
+
+def run_fleet(run: Run, planned: agent_schedule.FleetRun, repeat: int, model_dir: Path, workload: aw.Workload) -> None:
+    """Start fleet ``planned.fleet`` afresh for repeat ``repeat``; after a NIXL warm-up,
+    each of its arms in the planned order. Stops the fleet however it ends."""
+    config, name = run.config, FleetName(planned.fleet)
+    fleet_id = f"{name.value.lower()}-r{repeat}"
+    spec = fleet_spec(name, model_dir, run.root / f"fleet-{fleet_id}")
+    started = time.perf_counter()
+    log(f"starting fleet {name.value} ({FLEET_DESCRIPTIONS[name]}), repeat {repeat}")
+    with running(spec) as fleet:
+        run.timings[f"fleet_{fleet_id}_up"] = time.perf_counter() - started
+        p_url, d_url = fleet.by_role("prefill")[0].url, fleet.by_role("decode")[0].url
+        warm_up = logged_warm_up(name.value, p_url, d_url, config.warm_up_timeout)
+        run.warm_ups.setdefault(name.value, []).append(warm_up)
+        # a warm-up that hung can leave an engine dead (plain NixlConnector's first D->P
+        # pull on an AMX Xeon: P's sample_tokens timed out after 300 s): its arms get it back
+        fleet = restart_unhealthy(spec, fleet, f"fleet {name.value}'s warm-up", run.fleet_notes)
+        by_key = {arm.key: arm for arm in ARMS}
+        for key in planned.arms:
+            setup = ArmSetup(
+                p_url,
+                d_url,
+                fleet.client_url,  # Envoy where the fleet has one (kvpilot's), else the router
+                f"arm-{key}-{run.run_id}-r{repeat}",
+                config.generated,
+                config.request_timeout,
+                workload.prefix,
+                run.root,
+            )
+            fleet = run_arm(run, by_key[key](setup), spec, fleet, repeat)
+
+
+def arm_keys(config: BenchConfig) -> list[str]:
+    """The arms to run: ``--arms``' letters, and (f) with ``--handicap-arm``, in :data:`ARMS` order."""
+    wanted = set(config.arms) | ({HANDICAP_ARM} if config.handicap_arm else set())
+    return [arm.key for arm in ARMS if arm.key in wanted]
+
+
+def run_plan(config: BenchConfig) -> list[agent_schedule.Repeat]:
+    """The repeats' shuffled order (:mod:`agent_schedule`) of the arms :func:`arm_keys` names."""
+    keys = arm_keys(config)
+    by_fleet = {name.value: [arm.key for arm in ARMS if arm.fleet is name and arm.key in keys] for name in FleetName}
+    return agent_schedule.plan(by_fleet, config.repeats, config.seed)
+
+
+def parse_args() -> BenchConfig:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--prefix-tokens", type=int, default=1000)
+    parser.add_argument("--tool-tokens", type=int, default=100)
+    parser.add_argument("--generated", type=int, default=32, help="G: tokens of each tool call")
+    parser.add_argument("--editing-sessions", type=int, default=1, help="sessions that edit their history")
+    parser.add_argument(
+        "--edit-steps",
+        type=lambda s: tuple(int(x) for x in s.split(",") if x),
+        default=None,
+        help="steps after which they edit (default: 1/4, 1/2, 3/4 of --steps)",
+    )
+    parser.add_argument("--seed", type=int, default=20261201)
+    parser.add_argument("--arms", default="abcde", help="which arms to run (letters)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of every arm, each on fresh fleets, in a shuffled order"
+    )
+    parser.add_argument(
+        "--handicap-arm",
+        action="store_true",
+        help="also run arm (f): arm (c) on KVPilotConnector engines that keep their thread binding",
+    )
+    parser.add_argument(
+        "--tolerance", type=float, default=0.03, help="max |logprob diff| of a correct output (see the module doc)"
+    )
+    parser.add_argument("--ttft-slo", type=float, default=None, help="default: 1.5 x arm (a)'s TTFT p50 at step 1")
+    parser.add_argument("--tpot-slo", type=float, default=None, help="default: 1.5 x arm (a)'s median step TPOT")
+    parser.add_argument("--request-timeout", type=float, default=240.0)
+    parser.add_argument("--warm-up-timeout", type=float, default=300.0)
+    parser.add_argument("--settle", type=float, default=0.3, help="seconds before each after-step scrape")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/kvpilot-bench-agent.json"))
+    parser.add_argument("--plot", type=Path, default=Path("docs/images/bench_agent_prefill.png"))
+    parser.add_argument(
+        "--sessions-sweep",
+        type=lambda s: tuple(int(x) for x in s.split(",") if x),
+        default=(),
+        help="session counts to run the whole benchmark at, for goodput (needs --ttft-slo and --tpot-slo)",
+    )
+    args = parser.parse_args()
+    if args.sessions_sweep and (args.ttft_slo is None or args.tpot_slo is None):
+        parser.error("--sessions-sweep needs --ttft-slo and --tpot-slo: every load is judged by the same SLOs")
+    return BenchConfig(**vars(args))
+
+
+def at_load(config: BenchConfig, sessions: int) -> BenchConfig:
+    """``config`` at ``sessions`` sessions, its JSON and plot named for the load."""
+    return replace(
+        config,
+        sessions=sessions,
+        editing_sessions=min(config.editing_sessions, sessions),
+        out=config.out.with_name(f"{config.out.stem}-s{sessions}{config.out.suffix}"),
+        plot=config.plot.with_name(f"{config.plot.stem}-s{sessions}{config.plot.suffix}"),
+    )
+
+
+def sweep(config: BenchConfig) -> None:
+    """The whole benchmark at each of ``config.sessions_sweep``, then each arm's goodput."""
+    points: dict[str, list[agent_goodput.LoadPoint]] = {}
+    titles: dict[str, str] = {}
+    for sessions in config.sessions_sweep:
+        log(f"sweep: {sessions} sessions")
+        run, judged = run_once(at_load(config, sessions))
+        for key, repeats in run.results.items():
+            met = [int(s["slo_met"]) for s in judged.summaries[key]["per_repeat"]]
+            points.setdefault(key, []).append(agent_goodput.load_point(sessions, repeats, met))
+            titles[key] = repeats[0].title
+    print(
+        f"\nGoodput (TTFT SLO {config.ttft_slo} s, TPOT SLO {config.tpot_slo} s, "
+        f"{ATTAINMENT:.0%} of requests), {config.steps} steps per session:"
+    )
+    print(agent_goodput.table(points, titles))
+    config.out.write_text(
+        json.dumps(
+            {
+                "ttft_slo_s": config.ttft_slo,
+                "tpot_slo_s": config.tpot_slo,
+                "steps": config.steps,
+                "provenance": provenance(),
+                "goodput_rps": {key: agent_goodput.goodput(ps) for key, ps in points.items()},
+                "points": {key: [asdict(p) for p in ps] for key, ps in points.items()},
+                "per_load_json": [str(at_load(config, s).out) for s in config.sessions_sweep],
+            },
+            indent=1,
+        )
+    )
+    print(f"- wrote {config.out}")
+
+
+def main() -> None:
+    config = parse_args()
+    if config.sessions_sweep:
+        sweep(config)
+    else:
+        run_once(config)
+
+
+def run_once(config: BenchConfig) -> tuple[Run, RunSummary]:
+    """The whole benchmark at ``config``'s load: the reference, every repeat of every arm,
+    the report, the JSON and the plot."""
+    started = time.perf_counter()
+    model_dir = ensure_tiny_model()
+    workload = aw.build(config.workload, PromptTokenizer(model_dir))
+    run = Run(config, Path(tempfile.mkdtemp(prefix="kvpilot-bench-agent-")), uuid.uuid4().hex[:8])
+    log(
+        f"workload: {config.sessions} sessions x {config.steps} steps, prefix {config.prefix_tokens}, tool output "
+        f"{config.tool_tokens}, G={config.generated}; editing sessions {config.editing_sessions} at "
+        f"{config.workload.edit_plan}; logs under {run.root}"
+    )
+    repeats = run_plan(config)
+    run.schedule = agent_schedule.describe(repeats)
+    log(f"order (seed {config.seed}): {run.schedule}")
+    reference_fleet(run, model_dir, workload)
+    for repeat in repeats:
+        for planned in repeat.fleets:
+            run_fleet(run, planned, repeat.index, model_dir, workload)
+    judged = judge_run(run)
+    run.timings["total"] = time.perf_counter() - started
+    print_report(run, judged)
+    write_outputs(run, judged)
+    return run, judged
