@@ -1,0 +1,85 @@
+"""The simulator against Dynamo's own offline replay on the same trace and engine parameters
+(Dynamo 1.6.1: ``dynamo.replay.run_trace_replay``), round robin on both sides: mean and p99
+TTFT, mean inter-token latency and prefix reuse, with their ratios (``bench`` prints them)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from provenance import describe, provenance
+
+from sim.fleet import load_trace, round_robin, simulate
+
+KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "reuse")
+
+
+def dynamo_replay(trace: Path, workers: int, block_size: int) -> dict[str, float]:
+    """Dynamo's replay of ``trace`` (round robin), summarized as :meth:`sim.fleet.Report.summary` is."""
+    from dynamo.replay import run_trace_replay
+
+    report = run_trace_replay(
+        str(trace),
+        extra_engine_args={"engine": {"block_size": block_size}},
+        num_workers=workers,
+        router_mode="round_robin",
+        capture_per_request=True,
+    )
+    rows = report.per_request
+    ttft = sorted(r["ttft_ms"] for r in rows)
+    return {
+        "requests": float(len(rows)),
+        "mean_ttft_ms": float(report.summary["mean_ttft_ms"]),
+        "p99_ttft_ms": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+        "mean_itl_ms": statistics.fmean(r["itl_ms"] for r in rows if r["output_length"] > 1),
+        "reuse": sum(r["reused_input_tokens"] for r in rows) / sum(r["input_length"] for r in rows),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", type=Path, action="append", required=True, help="Mooncake trace(s)")
+    parser.add_argument("--workers", default="16,64", help="comma-separated worker counts")
+    parser.add_argument("--max-requests", type=int, help="the first N requests of each trace")
+    parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-sim-vs-dynamo.json"))
+    args = parser.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    for trace in args.trace:
+        entries = load_trace(trace, args.max_requests)
+        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as sliced, trace.open() as lines:
+            for n, line in enumerate(lines):
+                if args.max_requests is not None and n >= args.max_requests:
+                    break
+                sliced.write(line)
+        for workers in (int(w) for w in args.workers.split(",")):
+            started = time.perf_counter()
+            ours = simulate(entries, workers, round_robin()).summary()
+            ours_s = time.perf_counter() - started
+            started = time.perf_counter()
+            theirs = dynamo_replay(Path(sliced.name), workers, 64)
+            theirs_s = time.perf_counter() - started
+            rows.append(
+                {
+                    "trace": trace.name,
+                    "workers": workers,
+                    "kvpilot_sim": ours,
+                    "dynamo_replay": theirs,
+                    "seconds": {"kvpilot_sim": ours_s, "dynamo_replay": theirs_s},
+                }
+            )
+    run = provenance()
+    print(describe(run))
+    print("| trace | workers | " + " | ".join(f"{k} (sim / Dynamo)" for k in KEYS) + " |")
+    print("|---|---:|" + "---|" * len(KEYS))
+    for row in rows:
+        ours, theirs = row["kvpilot_sim"], row["dynamo_replay"]
+        cells = [f"{ours[k]:.3f} / {theirs[k]:.3f} ({ours[k] / theirs[k]:.4f}x)" for k in KEYS]
+        print(f"| {row['trace']} | {row['workers']} | " + " | ".join(cells) + " |")
+    args.json.write_text(json.dumps({"rows": rows, "run": {"argv": sys.argv}, "provenance": run}, indent=2))
+    return 0

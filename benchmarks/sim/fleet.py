@@ -1,0 +1,161 @@
+"""A fleet of :class:`sim.engine.SimEngine` workers in virtual time, fed a Mooncake trace:
+the arrivals at their timestamps (times ``1 / arrival_speedup``), each routed on arrival,
+each worker running passes back to back while it has work. Pure and deterministic.
+
+Prompts are named as Dynamo's replay names them: each ``hash_id`` of the trace stands for
+``trace_block_size`` tokens, and the engine's blocks of ``block_size`` tokens are named by
+their whole prefix of hash ids (two requests share a block exactly when they share the hash
+ids up to it).
+
+    python benchmarks/sim_vs_dynamo.py --trace ../shared/traces/mooncake_conversation_trace.jsonl --workers 16
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest
+
+DEFAULT_SPEC = EngineSpec()
+"""Dynamo 1.6.1's mocker defaults."""
+TRACE_BLOCK_TOKENS = 512
+"""Tokens per trace hash id (Mooncake's, and Dynamo's replay default)."""
+
+Route = Callable[[SimRequest, Sequence[SimEngine]], int]
+"""A router: the index of the worker a request goes to, given the workers as they are."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceEntry:
+    arrival_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: Path, limit: int | None = None) -> list[TraceEntry]:
+    """The trace's requests in order, timestamps made relative to the first."""
+    entries = []
+    with path.open() as lines:
+        for line in lines:
+            row = json.loads(line)
+            entries.append(
+                TraceEntry(
+                    float(row["timestamp"]), int(row["input_length"]), int(row["output_length"]), tuple(row["hash_ids"])
+                )
+            )
+            if limit is not None and len(entries) >= limit:
+                break
+    start = entries[0].arrival_ms if entries else 0.0
+    return [TraceEntry(e.arrival_ms - start, e.input_length, e.output_length, e.hash_ids) for e in entries]
+
+
+def block_names(entry: TraceEntry, block_size: int, trace_block_tokens: int = TRACE_BLOCK_TOKENS) -> list[object]:
+    """The names of ``entry``'s full engine blocks: each names its prefix of hash ids and its
+    place within the last one."""
+    per = trace_block_tokens // block_size
+    names: list[object] = []
+    parent: object = None
+    for j in range(entry.input_length // block_size):
+        parent = hash((parent, entry.hash_ids[j // per], j % per))
+        names.append(parent)
+    return names
+
+
+def round_robin() -> Route:
+    """Cyclic in arrival order (Dynamo's replay ``round_robin``)."""
+    turn = [0]
+
+    def route(_: SimRequest, workers: Sequence[SimEngine]) -> int:
+        index = turn[0] % len(workers)
+        turn[0] += 1
+        return index
+
+    return route
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """Per request: TTFT, mean inter-token latency, reused prompt tokens."""
+
+    ttft_ms: list[float]
+    itl_ms: list[float]
+    reused_tokens: int
+    input_tokens: int
+    blocked_admissions: int
+
+    def summary(self) -> dict[str, float]:
+        def pct(values: list[float], q: float) -> float:
+            ordered = sorted(values)
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+        return {
+            "requests": float(len(self.ttft_ms)),
+            "mean_ttft_ms": statistics.fmean(self.ttft_ms),
+            "p99_ttft_ms": pct(self.ttft_ms, 0.99),
+            "mean_itl_ms": statistics.fmean(self.itl_ms) if self.itl_ms else float("nan"),
+            "reuse": self.reused_tokens / self.input_tokens if self.input_tokens else 0.0,
+        }
+
+
+def simulate(
+    trace: Iterable[TraceEntry],
+    workers: int,
+    route: Route,
+    spec: EngineSpec = DEFAULT_SPEC,
+    arrival_speedup: float = 1.0,
+) -> Report:
+    """Run ``trace`` through ``workers`` engines of ``spec``; ``route`` places each request."""
+    engines = [SimEngine(spec) for _ in range(workers)]
+    events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload); kind 0: pass end, 1: arrival
+    order = 0
+    requests: list[SimRequest] = []
+    for rid, entry in enumerate(trace):
+        request = SimRequest(
+            rid,
+            entry.input_length,
+            max(1, entry.output_length),
+            block_names(entry, spec.block_size),
+            entry.arrival_ms / arrival_speedup,
+        )
+        requests.append(request)
+        heapq.heappush(events, (request.arrival_ms, order, 1, request))
+        order += 1
+    running_pass: list[PassResult | None] = [None] * workers
+
+    def start(index: int, now: float) -> None:
+        nonlocal order
+        engine = engines[index]
+        if running_pass[index] is None and engine.busy:
+            result = engine.run_pass(now)
+            running_pass[index] = result
+            heapq.heappush(events, (result.end_ms, order, 0, index))
+            order += 1
+
+    while events:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == 1:
+            index = route(payload, engines)
+            engines[index].submit(payload)
+            start(index, now)
+        else:
+            result = running_pass[payload]
+            assert result is not None
+            running_pass[payload] = None
+            engines[payload].finish_pass(result)
+            start(payload, now)
+    ttft = [r.first_token_ms - r.arrival_ms for r in requests if r.first_token_ms is not None]
+    itl = [(r.token_ms[-1] - r.token_ms[0]) / (len(r.token_ms) - 1) for r in requests if len(r.token_ms) > 1]
+    return Report(
+        ttft,
+        itl,
+        sum(r.reused_tokens for r in requests),
+        sum(r.prompt_len for r in requests),
+        sum(e.blocked_admissions for e in engines),
+    )

@@ -1,0 +1,14 @@
+"""The virtual-time simulator's engines against Dynamo's offline replay (:mod:`sim.compare`)::
+
+    python benchmarks/sim_vs_dynamo.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \
+        --trace ../shared/traces/mooncake_synthetic_trace.jsonl --workers 16,64
+"""
+
+from __future__ import annotations
+
+import sys
+
+from sim.compare import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The simulator's engines against Dynamo's own offline replay (Dynamo 1.6.1's mocker model),
+the same trace slice, the same engine parameters, round robin on both sides."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+from sim.engine import EngineSpec, SimEngine, SimRequest, prefill_ms
+from sim.fleet import load_trace, round_robin, simulate
+
+TRACES = Path(__file__).resolve().parents[4] / "shared" / "traces"
+
+
+def test_one_request_alone_pays_its_prefill_then_one_decode_step_a_token() -> None:
+    engine = SimEngine(EngineSpec())
+    request = SimRequest(0, 4834, 3, [object() for _ in range(4834 // 64)], 0.0)
+    engine.submit(request)
+    first = engine.run_pass(0.0)
+    assert first.end_ms == pytest.approx(prefill_ms(4834)) == pytest.approx(99.7359, abs=1e-3)  # Dynamo's replay
+    engine.finish_pass(first)
+    second = engine.run_pass(first.end_ms)
+    assert second.end_ms - first.end_ms == pytest.approx(
+        5.74 + 54.01 * (4835 / (16384 * 64)) - 25.74 * (4835 / (16384 * 64)) ** 2
+    )
+
+
+@pytest.mark.parametrize("trace", ["mooncake_conversation_trace.jsonl", "mooncake_synthetic_trace.jsonl"])
+def test_round_robin_matches_dynamo_s_replay_within_one_percent(trace: str, tmp_path: Path) -> None:
+    replay = pytest.importorskip("dynamo.replay")  # kvpilot[dynamo]: make setup installs it
+    lines = (TRACES / trace).read_text().splitlines()[:600]
+    path = tmp_path / trace
+    path.write_text("\n".join(lines) + "\n")
+    ours = simulate(load_trace(path), 4, round_robin()).summary()
+    report = replay.run_trace_replay(
+        str(path),
+        extra_engine_args={"engine": {"block_size": 64}},
+        num_workers=4,
+        router_mode="round_robin",
+        capture_per_request=True,
+    )
+    rows = report.per_request
+    theirs = {
+        "mean_ttft_ms": report.summary["mean_ttft_ms"],
+        "mean_itl_ms": statistics.fmean(r["itl_ms"] for r in rows if r["output_length"] > 1),
+        "reuse": sum(r["reused_input_tokens"] for r in rows) / sum(r["input_length"] for r in rows),
+    }
+    for key, value in theirs.items():
+        assert ours[key] == pytest.approx(value, rel=0.01), (key, ours[key], value)
