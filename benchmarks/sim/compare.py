@@ -32,6 +32,7 @@ def dynamo_replay(trace: Path, workers: int, block_size: int) -> dict[str, float
         capture_per_request=True,
     )
     rows = report.per_request
+    assert rows is not None  # capture_per_request=True
     ttft = sorted(r["ttft_ms"] for r in rows)
     return {
         "requests": float(len(rows)),
