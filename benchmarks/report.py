@@ -33,8 +33,12 @@ def _head(results: dict[str, Any]) -> list[str]:
 
 
 def render(results: dict[str, Any]) -> str:
-    """The tables of a ``bench_router_scale.py`` or a ``bench_fleet.py`` results file."""
-    if "fleets" in results:
+    """The tables of a ``bench_router_scale.py``, ``bench_fleet.py`` or ``sim_vs_dynamo.py`` results file."""
+    if "rows" in results:
+        from sim.compare import table as sim_table
+
+        body = sim_table(results["rows"])
+    elif "fleets" in results:
         from scale.bench import tables
 
         body = tables(results["fleets"], results["index_memory"], results["run"].get("limit_ms", 5.0))

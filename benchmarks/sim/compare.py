@@ -1,34 +1,44 @@
 """The simulator against Dynamo's own offline replay on the same trace and engine parameters
-(Dynamo 1.6.1: ``dynamo.replay.run_trace_replay``), round robin on both sides: mean and p99
-TTFT, mean inter-token latency and prefix reuse, with their ratios (``bench`` prints them)."""
+(Dynamo 1.6.1: ``dynamo.replay.run_trace_replay``), two ways: round robin on both sides (the
+engine model), and kvpilot's router (``cost.objective: blocks``, Dynamo's weights) against
+Dynamo's KV router (the router; Dynamo's breaks ties at random, so its replay runs
+:data:`KV_ROUTER_REPLAYS` times and the mean is compared). Mean and p99 TTFT, mean
+inter-token latency and prefix reuse, with their ratios."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from provenance import describe, provenance
 
-from sim.fleet import load_trace, round_robin, simulate
+from sim.fleet import DEFAULT_SPEC, Placement, RoundRobin, load_trace, simulate
+from sim.kvpilot import KvpilotPlacement
 
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "reuse")
+KV_ROUTER_REPLAYS = 3
+RouterMode = Literal["round_robin", "kv_router"]
+MODES: tuple[RouterMode, ...] = ("round_robin", "kv_router")
 
 
-def dynamo_replay(trace: Path, workers: int, block_size: int) -> dict[str, float]:
-    """Dynamo's replay of ``trace`` (round robin), summarized as :meth:`sim.fleet.Report.summary` is."""
+def dynamo_replay(trace: Path, workers: int, block_size: int, mode: RouterMode) -> dict[str, float]:
+    """Dynamo's replay of ``trace`` with ``router_mode`` ``mode``, summarized as
+    :meth:`sim.fleet.Report.summary` is."""
+    os.environ.setdefault("DYN_LOG", "warn")  # its KV router logs every decision at info
     from dynamo.replay import run_trace_replay
 
     report = run_trace_replay(
         str(trace),
         extra_engine_args={"engine": {"block_size": block_size}},
         num_workers=workers,
-        router_mode="round_robin",
+        router_mode=mode,
         capture_per_request=True,
     )
     rows = report.per_request
@@ -41,6 +51,17 @@ def dynamo_replay(trace: Path, workers: int, block_size: int) -> dict[str, float
         "mean_itl_ms": statistics.fmean(r["itl_ms"] for r in rows if r["output_length"] > 1),
         "reuse": sum(r["reused_input_tokens"] for r in rows) / sum(r["input_length"] for r in rows),
     }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Each row: the simulator's figure, Dynamo's, and their ratio."""
+    lines = ["| trace | workers | routing | " + " | ".join(f"{k} (sim / Dynamo)" for k in KEYS) + " |"]
+    lines.append("|---|---:|---|" + "---|" * len(KEYS))
+    for row in rows:
+        ours, theirs = row["kvpilot_sim"], row["dynamo_replay"]
+        cells = [f"{ours[k]:.3f} / {theirs[k]:.3f} ({ours[k] / theirs[k]:.4f}x)" for k in KEYS]
+        lines.append(f"| {row['trace']} | {row['workers']} | {row['mode']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,28 +80,32 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 sliced.write(line)
         for workers in (int(w) for w in args.workers.split(",")):
-            started = time.perf_counter()
-            ours = simulate(entries, workers, round_robin()).summary()
-            ours_s = time.perf_counter() - started
-            started = time.perf_counter()
-            theirs = dynamo_replay(Path(sliced.name), workers, 64)
-            theirs_s = time.perf_counter() - started
-            rows.append(
-                {
-                    "trace": trace.name,
-                    "workers": workers,
-                    "kvpilot_sim": ours,
-                    "dynamo_replay": theirs,
-                    "seconds": {"kvpilot_sim": ours_s, "dynamo_replay": theirs_s},
-                }
-            )
+            for mode in MODES:
+                placement: Placement = (
+                    RoundRobin() if mode == "round_robin" else KvpilotPlacement(workers, DEFAULT_SPEC)
+                )
+                started = time.perf_counter()
+                ours = simulate(entries, workers, placement).summary()
+                ours_s = time.perf_counter() - started
+                started = time.perf_counter()
+                replays = [
+                    dynamo_replay(Path(sliced.name), workers, DEFAULT_SPEC.block_size, mode)
+                    for _ in range(1 if mode == "round_robin" else KV_ROUTER_REPLAYS)
+                ]
+                theirs = {k: statistics.fmean(r[k] for r in replays) for k in replays[0]}
+                theirs_s = (time.perf_counter() - started) / len(replays)
+                rows.append(
+                    {
+                        "trace": trace.name,
+                        "workers": workers,
+                        "mode": mode,
+                        "kvpilot_sim": ours,
+                        "dynamo_replay": theirs,
+                        "seconds": {"kvpilot_sim": ours_s, "dynamo_replay": theirs_s},
+                    }
+                )
     run = provenance()
     print(describe(run))
-    print("| trace | workers | " + " | ".join(f"{k} (sim / Dynamo)" for k in KEYS) + " |")
-    print("|---|---:|" + "---|" * len(KEYS))
-    for row in rows:
-        ours, theirs = row["kvpilot_sim"], row["dynamo_replay"]
-        cells = [f"{ours[k]:.3f} / {theirs[k]:.3f} ({ours[k] / theirs[k]:.4f}x)" for k in KEYS]
-        print(f"| {row['trace']} | {row['workers']} | " + " | ".join(cells) + " |")
+    print(table(rows))
     args.json.write_text(json.dumps({"rows": rows, "run": {"argv": sys.argv}, "provenance": run}, indent=2))
     return 0

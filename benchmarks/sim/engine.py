@@ -72,6 +72,8 @@ class SimRequest:
     output_len: int
     blocks: Sequence[object]
     arrival_ms: float
+    hash_ids: Sequence[int] = ()
+    """The trace's hash ids of its prompt (a router that names tokens synthesizes them)."""
     computed: int = 0
     generated: int = 0
     reused_tokens: int = 0
@@ -91,12 +93,18 @@ class SimRequest:
         return self.computed < self.prompt_len
 
 
+Stored = tuple[SimRequest, int]
+"""A block that became cached: the request that computed it and the block's index in its prompt."""
+
+
 @dataclass(slots=True)
 class PassResult:
-    """What a pass did: when it ends, the blocks it stored (KV events), who emits a token."""
+    """What a pass did: when it ends, the blocks it stored and evicted (its KV events), who
+    emits a token."""
 
     end_ms: float
-    stored: list[object]
+    stored: list[Stored]
+    evicted: list[object]
     emitting: list[SimRequest]
 
 
@@ -114,6 +122,8 @@ class SimEngine:
         self.free_cached: OrderedDict[object, None] = OrderedDict()
         self.private_blocks = 0
         self.blocked_admissions = 0
+        self.evicted: list[object] = []
+        """Blocks evicted since the last pass was scheduled (reported with the next one)."""
 
     # ---- the cache ------------------------------------------------------------------
     def _active_blocks(self) -> int:
@@ -134,7 +144,7 @@ class SimEngine:
         """Room for ``blocks`` fresh blocks: evict from the LRU head only what is short."""
         short = self._active_blocks() + len(self.free_cached) + blocks - self.spec.num_gpu_blocks
         while short > 0 and self.free_cached:
-            self.free_cached.popitem(last=False)
+            self.evicted.append(self.free_cached.popitem(last=False)[0])
             short -= 1
 
     def _pin(self, key: object) -> None:
@@ -156,7 +166,7 @@ class SimEngine:
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.spec.block_size)
 
-    def _grow(self, request: SimRequest, stored: list[object]) -> None:
+    def _grow(self, request: SimRequest, stored: list[Stored]) -> None:
         """``request`` has computed ``request.computed`` tokens: its full prompt blocks are cached
         (new ones are stored), the rest of its sequence is private blocks."""
         bs = self.spec.block_size
@@ -165,7 +175,7 @@ class SimEngine:
             key = request.blocks[len(request.held)]
             if key not in self.refs and key not in self.free_cached:
                 self._take(1)
-                stored.append(key)
+                stored.append((request, len(request.held)))
             self._pin(key)
             request.held.append(key)
         private = self._blocks_for(request.computed + request.generated) - len(request.held)
@@ -186,7 +196,7 @@ class SimEngine:
         """Schedule one pass starting at ``now_ms``; the caller calls :meth:`finish_pass` at its end."""
         spec = self.spec
         budget = spec.max_num_batched_tokens
-        stored: list[object] = []
+        stored: list[Stored] = []
         prefill_n = prefill_isl = prefill_prefix = 0
         decoding_context = 0
         decoding = False
@@ -231,7 +241,8 @@ class SimEngine:
         tokens = prefill_n * (prefill_isl // prefill_n - prefill_prefix // prefill_n) if prefill_n else 0
         utilization = decoding_context / (spec.num_gpu_blocks * spec.block_size)
         duration = prefill_ms(tokens) + (decode_ms(utilization) if decoding else 0.0)
-        return PassResult(now_ms + duration / spec.speedup_ratio, stored, emitting)
+        evicted, self.evicted = self.evicted, []
+        return PassResult(now_ms + duration / spec.speedup_ratio, stored, evicted, emitting)
 
     def finish_pass(self, result: PassResult) -> list[SimRequest]:
         """The pass of ``result`` ended: each emitting request gets a token; returns the finished."""

@@ -15,20 +15,36 @@ from __future__ import annotations
 import heapq
 import json
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest
+from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, Stored
 
+PASS_END, KV_EVENTS, ARRIVAL = range(3)
+"""Event kinds, in the order ties at one instant are taken: a pass's end, then its KV events
+(with no lag), then arrivals."""
 DEFAULT_SPEC = EngineSpec()
 """Dynamo 1.6.1's mocker defaults."""
 TRACE_BLOCK_TOKENS = 512
 """Tokens per trace hash id (Mooncake's, and Dynamo's replay default)."""
 
-Route = Callable[[SimRequest, Sequence[SimEngine]], int]
-"""A router: the index of the worker a request goes to, given the workers as they are."""
+
+class Placement(Protocol):
+    """A router in the simulation: it places each request on arrival and hears what a live
+    router hears, in virtual time (the workers' KV events at each pass's end, after
+    ``kv_event_lag_ms``; each request's first token and end)."""
+
+    def place(self, request: SimRequest, workers: Sequence[SimEngine]) -> int:
+        """The index of the worker ``request`` goes to."""
+        ...
+
+    def kv_events(self, worker: int, stored: list[Stored], evicted: list[object]) -> None: ...
+
+    def first_token(self, request: SimRequest) -> None: ...
+
+    def finished(self, request: SimRequest) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,16 +84,25 @@ def block_names(entry: TraceEntry, block_size: int, trace_block_tokens: int = TR
     return names
 
 
-def round_robin() -> Route:
-    """Cyclic in arrival order (Dynamo's replay ``round_robin``)."""
-    turn = [0]
+class RoundRobin:
+    """Cyclic in arrival order (Dynamo's replay ``round_robin``); hears nothing."""
 
-    def route(_: SimRequest, workers: Sequence[SimEngine]) -> int:
-        index = turn[0] % len(workers)
-        turn[0] += 1
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def place(self, request: SimRequest, workers: Sequence[SimEngine]) -> int:
+        index = self._turn % len(workers)
+        self._turn += 1
         return index
 
-    return route
+    def kv_events(self, worker: int, stored: list[Stored], evicted: list[object]) -> None:
+        return None
+
+    def first_token(self, request: SimRequest) -> None:
+        return None
+
+    def finished(self, request: SimRequest) -> None:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,13 +132,14 @@ class Report:
 def simulate(
     trace: Iterable[TraceEntry],
     workers: int,
-    route: Route,
+    placement: Placement,
     spec: EngineSpec = DEFAULT_SPEC,
     arrival_speedup: float = 1.0,
+    kv_event_lag_ms: float = 0.0,
 ) -> Report:
-    """Run ``trace`` through ``workers`` engines of ``spec``; ``route`` places each request."""
+    """Run ``trace`` through ``workers`` engines of ``spec``; ``placement`` places each request."""
     engines = [SimEngine(spec) for _ in range(workers)]
-    events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload); kind 0: pass end, 1: arrival
+    events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload): PASS_END, KV_EVENTS, ARRIVAL
     order = 0
     requests: list[SimRequest] = []
     for rid, entry in enumerate(trace):
@@ -123,9 +149,10 @@ def simulate(
             max(1, entry.output_length),
             block_names(entry, spec.block_size),
             entry.arrival_ms / arrival_speedup,
+            entry.hash_ids,
         )
         requests.append(request)
-        heapq.heappush(events, (request.arrival_ms, order, 1, request))
+        heapq.heappush(events, (request.arrival_ms, order, ARRIVAL, request))
         order += 1
     running_pass: list[PassResult | None] = [None] * workers
 
@@ -135,20 +162,32 @@ def simulate(
         if running_pass[index] is None and engine.busy:
             result = engine.run_pass(now)
             running_pass[index] = result
-            heapq.heappush(events, (result.end_ms, order, 0, index))
+            heapq.heappush(events, (result.end_ms, order, PASS_END, index))
             order += 1
 
     while events:
         now, _, kind, payload = heapq.heappop(events)
-        if kind == 1:
-            index = route(payload, engines)
+        if kind == ARRIVAL:
+            index = placement.place(payload, engines)
             engines[index].submit(payload)
             start(index, now)
+        elif kind == KV_EVENTS:
+            placement.kv_events(*payload)
         else:
             result = running_pass[payload]
             assert result is not None
             running_pass[payload] = None
-            engines[payload].finish_pass(result)
+            first = [r for r in result.emitting if r.first_token_ms is None]
+            finished = engines[payload].finish_pass(result)
+            if result.stored or result.evicted:
+                heapq.heappush(
+                    events, (now + kv_event_lag_ms, order, KV_EVENTS, (payload, result.stored, result.evicted))
+                )
+                order += 1
+            for request in first:
+                placement.first_token(request)
+            for request in finished:
+                placement.finished(request)
             start(payload, now)
     ttft = [r.first_token_ms - r.arrival_ms for r in requests if r.first_token_ms is not None]
     itl = [(r.token_ms[-1] - r.token_ms[0]) / (len(r.token_ms) - 1) for r in requests if len(r.token_ms) > 1]

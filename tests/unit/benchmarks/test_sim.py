@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from sim.engine import EngineSpec, SimEngine, SimRequest, prefill_ms
-from sim.fleet import load_trace, round_robin, simulate
+from sim.fleet import RoundRobin, load_trace, simulate
 
 TRACES = Path(__file__).resolve().parents[4] / "shared" / "traces"
 
@@ -32,7 +32,7 @@ def test_round_robin_matches_dynamo_s_replay_within_one_percent(trace: str, tmp_
     lines = (TRACES / trace).read_text().splitlines()[:600]
     path = tmp_path / trace
     path.write_text("\n".join(lines) + "\n")
-    ours = simulate(load_trace(path), 4, round_robin()).summary()
+    ours = simulate(load_trace(path), 4, RoundRobin()).summary()
     report = replay.run_trace_replay(
         str(path),
         extra_engine_args={"engine": {"block_size": 64}},
@@ -48,3 +48,26 @@ def test_round_robin_matches_dynamo_s_replay_within_one_percent(trace: str, tmp_
     }
     for key, value in theirs.items():
         assert ours[key] == pytest.approx(value, rel=0.01), (key, ours[key], value)
+
+
+@pytest.mark.parametrize("trace", ["mooncake_conversation_trace.jsonl", "mooncake_synthetic_trace.jsonl"])
+def test_kvpilot_s_router_in_the_simulator_matches_dynamo_s_kv_router_within_five_percent(
+    trace: str, tmp_path: Path
+) -> None:
+    """The router side: kvpilot's ``Router`` (Dynamo's cost and weights, its own index fed the
+    simulated workers' KV events) against Dynamo's KV router in its replay (ties broken at
+    random there: the mean of three replays)."""
+    pytest.importorskip("dynamo.replay")
+    from sim.compare import dynamo_replay
+    from sim.fleet import DEFAULT_SPEC
+    from sim.kvpilot import KvpilotPlacement
+
+    lines = (TRACES / trace).read_text().splitlines()[:2000]
+    path = tmp_path / trace
+    path.write_text("\n".join(lines) + "\n")
+    ours = simulate(load_trace(path), 8, KvpilotPlacement(8, DEFAULT_SPEC)).summary()
+    replays = [dynamo_replay(path, 8, DEFAULT_SPEC.block_size, "kv_router") for _ in range(3)]
+    for key in ("mean_ttft_ms", "mean_itl_ms", "reuse"):
+        theirs = statistics.fmean(r[key] for r in replays)
+        assert ours[key] == pytest.approx(theirs, rel=0.05), (key, ours[key], theirs)
+    assert ours["reuse"] > simulate(load_trace(path), 8, RoundRobin()).summary()["reuse"]  # it routes by prefix

@@ -1,0 +1,100 @@
+"""kvpilot's router in the simulation: :class:`kvpilot.routing.decide.router.Router` unchanged,
+over its own :class:`~kvpilot.routing.index.block_index.BlockIndex` fed the simulated workers'
+KV events (vLLM's ``BlockStored`` / ``BlockRemoved`` structs, as a live router reads them) and
+its own :class:`~kvpilot.routing.decide.ledger.LoadLedger` booked as the proxy books it
+(dispatch on the route, the prefill done at the first token, the request's end).
+
+A request's tokens are what Dynamo's replay synthesizes: each trace hash id repeated
+``trace_block_tokens`` times, cut at the prompt's length.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvpilot.routing.config import RouterConfig
+from kvpilot.routing.decide.ledger import LoadLedger
+from kvpilot.routing.decide.router import Router
+from kvpilot.routing.decide.sessions import SessionStore
+from kvpilot.routing.fleet import fleet_from_config
+from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.index.block_index import BlockIndex
+from kvpilot.routing.index.events import BlockRemoved, BlockStored
+from sim.engine import EngineSpec, SimEngine, SimRequest, Stored
+from sim.fleet import TRACE_BLOCK_TOKENS
+
+SESSIONS = 100_000
+"""Sessions the router keeps (the traces here name none)."""
+
+
+class KvpilotPlacement:
+    """``workers`` co-located workers routed by kvpilot's router with ``cost`` (the config's
+    ``cost`` section: Dynamo's names and defaults unless given)."""
+
+    def __init__(
+        self,
+        workers: int,
+        spec: EngineSpec,
+        cost: Mapping[str, Any] | None = None,
+        seed: int = 0,
+        trace_block_tokens: int = TRACE_BLOCK_TOKENS,
+    ) -> None:
+        rows = [{"name": f"w{i}", "role": "colocated", "url": f"http://127.0.0.1:1/w{i}"} for i in range(workers)]
+        config = msgspec.convert(
+            {"index": {"block_size": spec.block_size}, "cost": dict(cost or {}), "workers": rows}, RouterConfig
+        )
+        fleet = fleet_from_config(config)
+        self.names = [WorkerId(row["name"]) for row in rows]
+        self.index = BlockIndex(spec.block_size)
+        self.ledger = LoadLedger()
+        self.router = Router(
+            fleet, config, self.index, self.ledger, SessionStore(spec.block_size, SESSIONS), None, random.Random(seed)
+        )
+        self.block_size = spec.block_size
+        self.trace_block_tokens = trace_block_tokens
+        self._tokens: dict[int, np.ndarray] = {}
+
+    def tokens(self, request: SimRequest) -> np.ndarray:
+        """``request``'s synthesized prompt (kept from its placement to its end)."""
+        tokens = self._tokens.get(request.rid)
+        if tokens is None:
+            ids = np.asarray(request.hash_ids, dtype=np.uint32)
+            tokens = np.repeat(ids, self.trace_block_tokens)[: request.prompt_len]
+        return tokens
+
+    def place(self, request: SimRequest, workers: Sequence[SimEngine]) -> int:
+        tokens = self._tokens[request.rid] = self.tokens(request)
+        route = self.router.route(tokens.tolist(), str(request.rid))  # the HTTP front hands it ints
+        self.ledger.dispatch(
+            str(request.rid), route.prefill_worker.name, route.decode.name, route.chain, route.cached_blocks
+        )
+        return self.names.index(route.decode.name)
+
+    def kv_events(self, worker: int, stored: list[Stored], evicted: list[object]) -> None:
+        name, bs = self.names[worker], self.block_size
+        runs: list[tuple[SimRequest, int, int]] = []  # (request, first block, last block): one event each
+        for request, block in stored:
+            if runs and runs[-1][0] is request and runs[-1][2] == block - 1:
+                runs[-1] = (request, runs[-1][1], block)
+            else:
+                runs.append((request, block, block))
+        for request, first, last in runs:
+            tokens = self.tokens(request)[first * bs : (last + 1) * bs]
+            parent = request.blocks[first - 1] if first else None
+            hashes = [request.blocks[j] for j in range(first, last + 1)]
+            event = BlockStored(hashes, parent, tokens.tolist(), bs, medium="GPU")  # type: ignore[arg-type]
+            self.index.apply(name, event)
+        if evicted:
+            self.index.apply(name, BlockRemoved(list(evicted), medium="GPU"))  # type: ignore[arg-type]
+
+    def first_token(self, request: SimRequest) -> None:
+        self.ledger.first_token(str(request.rid))
+
+    def finished(self, request: SimRequest) -> None:
+        self.ledger.complete(str(request.rid))
+        self._tokens.pop(request.rid, None)
