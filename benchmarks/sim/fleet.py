@@ -53,6 +53,9 @@ class TraceEntry:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    session_id: str | None = None
+    """A multi-turn session's turns (Dynamo's replay: a turn is sent when its session's previous
+    turn has ended plus the gap between their timestamps, not at its own timestamp)."""
 
 
 def load_trace(path: Path, limit: int | None = None) -> list[TraceEntry]:
@@ -63,13 +66,19 @@ def load_trace(path: Path, limit: int | None = None) -> list[TraceEntry]:
             row = json.loads(line)
             entries.append(
                 TraceEntry(
-                    float(row["timestamp"]), int(row["input_length"]), int(row["output_length"]), tuple(row["hash_ids"])
+                    float(row["timestamp"]),
+                    int(row["input_length"]),
+                    int(row["output_length"]),
+                    tuple(row["hash_ids"]),
+                    row.get("session_id"),
                 )
             )
             if limit is not None and len(entries) >= limit:
                 break
     start = entries[0].arrival_ms if entries else 0.0
-    return [TraceEntry(e.arrival_ms - start, e.input_length, e.output_length, e.hash_ids) for e in entries]
+    return [
+        TraceEntry(e.arrival_ms - start, e.input_length, e.output_length, e.hash_ids, e.session_id) for e in entries
+    ]
 
 
 def block_names(entry: TraceEntry, block_size: int, trace_block_tokens: int = TRACE_BLOCK_TOKENS) -> list[object]:
@@ -142,6 +151,8 @@ def simulate(
     events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload): PASS_END, KV_EVENTS, ARRIVAL
     order = 0
     requests: list[SimRequest] = []
+    next_turn: dict[int, tuple[SimRequest, float]] = {}  # a turn's request id -> its session's next turn, its gap
+    last_turn: dict[str, tuple[SimRequest, float]] = {}  # a session -> its latest turn, that turn's timestamp
     for rid, entry in enumerate(trace):
         request = SimRequest(
             rid,
@@ -152,6 +163,12 @@ def simulate(
             entry.hash_ids,
         )
         requests.append(request)
+        previous = last_turn.get(entry.session_id) if entry.session_id is not None else None
+        if entry.session_id is not None:
+            last_turn[entry.session_id] = (request, request.arrival_ms)
+        if previous is not None:  # sent when the previous turn ends, after the gap between their timestamps
+            next_turn[previous[0].rid] = (request, request.arrival_ms - previous[1])
+            continue
         heapq.heappush(events, (request.arrival_ms, order, ARRIVAL, request))
         order += 1
     running_pass: list[PassResult | None] = [None] * workers
@@ -188,6 +205,12 @@ def simulate(
                 placement.first_token(request)
             for request in finished:
                 placement.finished(request)
+                follow = next_turn.pop(request.rid, None)
+                if follow is not None:
+                    turn, gap = follow
+                    turn.arrival_ms = now + gap
+                    heapq.heappush(events, (turn.arrival_ms, order, ARRIVAL, turn))
+                    order += 1
             start(payload, now)
     ttft = [r.first_token_ms - r.arrival_ms for r in requests if r.first_token_ms is not None]
     itl = [(r.token_ms[-1] - r.token_ms[0]) / (len(r.token_ms) - 1) for r in requests if len(r.token_ms) > 1]
