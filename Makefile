@@ -50,6 +50,8 @@ bench: setup
 	.venv/bin/python benchmarks/make_agent_trace.py --sessions 32 --steps 20 --out /tmp/kvpilot-agent-trace.jsonl
 	.venv/bin/python benchmarks/bench_fleet.py --trace /tmp/kvpilot-agent-trace.jsonl --workers 64 --max-requests 640 \
 		--tokens-per-hash 128 --speedup 1 --json /tmp/kvpilot-bench-fleet-agent.json
+	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \
+		--trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64
 	.venv/bin/python benchmarks/bench_dynamo_connections.py
 	.venv/bin/python benchmarks/bench_router_scale.py
 	.venv/bin/python benchmarks/bench_idle_cpu.py
