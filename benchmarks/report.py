@@ -33,8 +33,13 @@ def _head(results: dict[str, Any]) -> list[str]:
 
 
 def render(results: dict[str, Any]) -> str:
-    """The tables of a ``bench_router_scale.py``, ``bench_fleet.py`` or ``sim_vs_dynamo.py`` results file."""
-    if "rows" in results:
+    """The tables of a results file of ``bench_router_scale.py``, ``bench_fleet.py``,
+    ``sim_vs_dynamo.py`` or ``sim_goodput.py``."""
+    if "goodput_rps" in results:
+        from sim.goodput import table as goodput_table
+
+        body = goodput_table(results)
+    elif "rows" in results:
         from sim.compare import table as sim_table
 
         body = sim_table(results["rows"])

@@ -145,8 +145,10 @@ def simulate(
     spec: EngineSpec = DEFAULT_SPEC,
     arrival_speedup: float = 1.0,
     kv_event_lag_ms: float = 0.0,
+    requests_out: list[SimRequest] | None = None,
 ) -> Report:
-    """Run ``trace`` through ``workers`` engines of ``spec``; ``placement`` places each request."""
+    """Run ``trace`` through ``workers`` engines of ``spec``; ``placement`` places each request.
+    ``requests_out`` (when given) receives every request, in trace order, as it ended."""
     engines = [SimEngine(spec) for _ in range(workers)]
     events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload): PASS_END, KV_EVENTS, ARRIVAL
     order = 0
@@ -212,6 +214,8 @@ def simulate(
                     heapq.heappush(events, (turn.arrival_ms, order, ARRIVAL, turn))
                     order += 1
             start(payload, now)
+    if requests_out is not None:
+        requests_out.extend(requests)
     ttft = [r.first_token_ms - r.arrival_ms for r in requests if r.first_token_ms is not None]
     itl = [(r.token_ms[-1] - r.token_ms[0]) / (len(r.token_ms) - 1) for r in requests if len(r.token_ms) > 1]
     return Report(
