@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from fleet.trace import load_trace
 from provenance import describe, provenance
 
-from sim.fleet import DEFAULT_SPEC, Placement, RoundRobin, load_trace, simulate
+from sim.fleet import DEFAULT_SPEC, Placement, RoundRobin, percentile, simulate
 from sim.kvpilot import KvpilotPlacement
 
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "reuse")
@@ -28,9 +29,10 @@ RouterMode = Literal["round_robin", "kv_router"]
 MODES: tuple[RouterMode, ...] = ("round_robin", "kv_router")
 
 
-def dynamo_replay(trace: Path, workers: int, block_size: int, mode: RouterMode) -> dict[str, float]:
-    """Dynamo's replay of ``trace`` with ``router_mode`` ``mode``, summarized as
-    :meth:`sim.fleet.Report.summary` is."""
+def replay_rows(
+    trace: Path, workers: int, block_size: int, mode: RouterMode, arrival_speedup: float = 1.0
+) -> list[dict[str, Any]]:
+    """Dynamo's replay of ``trace`` with ``router_mode`` ``mode``: its per-request records."""
     os.environ.setdefault("DYN_LOG", "warn")  # its KV router logs every decision at info
     from dynamo.replay import run_trace_replay
 
@@ -39,15 +41,22 @@ def dynamo_replay(trace: Path, workers: int, block_size: int, mode: RouterMode) 
         extra_engine_args={"engine": {"block_size": block_size}},
         num_workers=workers,
         router_mode=mode,
+        arrival_speedup_ratio=arrival_speedup,
         capture_per_request=True,
     )
     rows = report.per_request
     assert rows is not None  # capture_per_request=True
-    ttft = sorted(r["ttft_ms"] for r in rows)
+    return rows
+
+
+def dynamo_replay(trace: Path, workers: int, block_size: int, mode: RouterMode) -> dict[str, float]:
+    """:func:`replay_rows` summarized as :meth:`sim.fleet.Report.summary` is."""
+    rows = replay_rows(trace, workers, block_size, mode)
+    ttft = [r["ttft_ms"] for r in rows]
     return {
         "requests": float(len(rows)),
-        "mean_ttft_ms": float(report.summary["mean_ttft_ms"]),
-        "p99_ttft_ms": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+        "mean_ttft_ms": statistics.fmean(ttft),
+        "p99_ttft_ms": percentile(ttft, 0.99),
         "mean_itl_ms": statistics.fmean(r["itl_ms"] for r in rows if r["output_length"] > 1),
         "reuse": sum(r["reused_input_tokens"] for r in rows) / sum(r["input_length"] for r in rows),
     }

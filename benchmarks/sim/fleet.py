@@ -13,12 +13,12 @@ ids up to it).
 from __future__ import annotations
 
 import heapq
-import json
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
+
+from fleet.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, Stored
 
@@ -27,8 +27,6 @@ PASS_END, KV_EVENTS, ARRIVAL = range(3)
 (with no lag), then arrivals."""
 DEFAULT_SPEC = EngineSpec()
 """Dynamo 1.6.1's mocker defaults."""
-TRACE_BLOCK_TOKENS = 512
-"""Tokens per trace hash id (Mooncake's, and Dynamo's replay default)."""
 
 
 class Placement(Protocol):
@@ -47,41 +45,7 @@ class Placement(Protocol):
     def finished(self, request: SimRequest) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class TraceEntry:
-    arrival_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-    session_id: str | None = None
-    """A multi-turn session's turns (Dynamo's replay: a turn is sent when its session's previous
-    turn has ended plus the gap between their timestamps, not at its own timestamp)."""
-
-
-def load_trace(path: Path, limit: int | None = None) -> list[TraceEntry]:
-    """The trace's requests in order, timestamps made relative to the first."""
-    entries = []
-    with path.open() as lines:
-        for line in lines:
-            row = json.loads(line)
-            entries.append(
-                TraceEntry(
-                    float(row["timestamp"]),
-                    int(row["input_length"]),
-                    int(row["output_length"]),
-                    tuple(row["hash_ids"]),
-                    row.get("session_id"),
-                )
-            )
-            if limit is not None and len(entries) >= limit:
-                break
-    start = entries[0].arrival_ms if entries else 0.0
-    return [
-        TraceEntry(e.arrival_ms - start, e.input_length, e.output_length, e.hash_ids, e.session_id) for e in entries
-    ]
-
-
-def block_names(entry: TraceEntry, block_size: int, trace_block_tokens: int = TRACE_BLOCK_TOKENS) -> list[object]:
+def block_names(entry: TraceRequest, block_size: int, trace_block_tokens: int = TRACE_BLOCK_TOKENS) -> list[object]:
     """The names of ``entry``'s full engine blocks: each names its prefix of hash ids and its
     place within the last one."""
     per = trace_block_tokens // block_size
@@ -91,6 +55,12 @@ def block_names(entry: TraceEntry, block_size: int, trace_block_tokens: int = TR
         parent = hash((parent, entry.hash_ids[j // per], j % per))
         names.append(parent)
     return names
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank, as both sides of :mod:`sim.compare` read it)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 class RoundRobin:
@@ -125,21 +95,17 @@ class Report:
     blocked_admissions: int
 
     def summary(self) -> dict[str, float]:
-        def pct(values: list[float], q: float) -> float:
-            ordered = sorted(values)
-            return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
         return {
             "requests": float(len(self.ttft_ms)),
             "mean_ttft_ms": statistics.fmean(self.ttft_ms),
-            "p99_ttft_ms": pct(self.ttft_ms, 0.99),
+            "p99_ttft_ms": percentile(self.ttft_ms, 0.99),
             "mean_itl_ms": statistics.fmean(self.itl_ms) if self.itl_ms else float("nan"),
             "reuse": self.reused_tokens / self.input_tokens if self.input_tokens else 0.0,
         }
 
 
 def simulate(
-    trace: Iterable[TraceEntry],
+    trace: Sequence[TraceRequest],
     workers: int,
     placement: Placement,
     spec: EngineSpec = DEFAULT_SPEC,
@@ -155,13 +121,14 @@ def simulate(
     requests: list[SimRequest] = []
     next_turn: dict[int, tuple[SimRequest, float]] = {}  # a turn's request id -> its session's next turn, its gap
     last_turn: dict[str, tuple[SimRequest, float]] = {}  # a session -> its latest turn, that turn's timestamp
+    first_ms = trace[0].timestamp_ms if trace else 0  # arrivals count from the first request
     for rid, entry in enumerate(trace):
         request = SimRequest(
             rid,
             entry.input_length,
             max(1, entry.output_length),
             block_names(entry, spec.block_size),
-            entry.arrival_ms / arrival_speedup,
+            (entry.timestamp_ms - first_ms) / arrival_speedup,
             entry.hash_ids,
         )
         requests.append(request)

@@ -18,23 +18,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleet.goodput import ATTAINMENT, SweepPoint, goodput
+from fleet.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
 from provenance import describe, provenance
 
-from sim.compare import RouterMode
+from sim.compare import RouterMode, replay_rows
 from sim.engine import EngineSpec, SimRequest, decode_ms, prefill_ms
-from sim.fleet import DEFAULT_SPEC, TraceEntry, load_trace, simulate
+from sim.fleet import DEFAULT_SPEC, simulate
 from sim.kvpilot import KvpilotPlacement
 
 TTFT_SLO_X = 5.0
 ITL_SLO_X = 2.0
-ATTAINMENT = 0.9
 SPEEDUPS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 ARMS = ("kvpilot", "dynamo_kv", "dynamo_round_robin")
 
@@ -47,7 +47,7 @@ class Floor:
     itl_ms: list[float]
 
 
-def floor(trace: Sequence[TraceEntry], spec: EngineSpec = DEFAULT_SPEC) -> Floor:
+def floor(trace: Sequence[TraceRequest], spec: EngineSpec = DEFAULT_SPEC) -> Floor:
     """Each request's floor (module doc): reusable blocks are those of its hash-id prefix that
     an earlier request of the trace already had, at most its last token's block."""
     seen: set[tuple[int, ...]] = set()
@@ -63,7 +63,7 @@ def floor(trace: Sequence[TraceEntry], spec: EngineSpec = DEFAULT_SPEC) -> Floor
         for k in range(len(entry.hash_ids)):
             seen.add(entry.hash_ids[: k + 1])
         cap = (entry.input_length - 1) // spec.block_size * spec.block_size
-        cached = min(cap, reused_ids * 512)
+        cached = min(cap, reused_ids * TRACE_BLOCK_TOKENS)
         ttft.append(prefill_ms(entry.input_length - cached) / spec.speedup_ratio)
         itl.append(decode_ms(entry.input_length / capacity) / spec.speedup_ratio)
     return Floor(ttft, itl)
@@ -79,23 +79,15 @@ def attainment(ttft_ms: Sequence[float], itl_ms: Sequence[float | None], base: F
     return met / len(ttft_ms)
 
 
-def goodput(points: Sequence[tuple[float, float]]) -> float:
-    """The highest rate whose attainment, and every slower rate's, reaches :data:`ATTAINMENT`."""
-    best = 0.0
-    for rate, share in sorted(points):
-        if share < ATTAINMENT:
-            break
-        best = rate
-    return best
-
-
-def arrival_order(trace: Sequence[TraceEntry]) -> list[int]:
+def arrival_order(trace: Sequence[TraceRequest]) -> list[int]:
     """The trace's indices by (arrival, prompt, output length): how both sides' requests are
     paired with their floors (Dynamo's replay reports its requests under random ids)."""
-    return sorted(range(len(trace)), key=lambda i: (trace[i].arrival_ms, trace[i].input_length, trace[i].output_length))
+    return sorted(
+        range(len(trace)), key=lambda i: (trace[i].timestamp_ms, trace[i].input_length, trace[i].output_length)
+    )
 
 
-def _ours(trace: list[TraceEntry], workers: int, speedup: float) -> tuple[list[float], list[float | None]]:
+def _ours(trace: list[TraceRequest], workers: int, speedup: float) -> tuple[list[float], list[float | None]]:
     requests: list[SimRequest] = []
     simulate(trace, workers, KvpilotPlacement(workers, DEFAULT_SPEC), arrival_speedup=speedup, requests_out=requests)
     ordered = [requests[i] for i in arrival_order(trace)]
@@ -107,19 +99,7 @@ def _ours(trace: list[TraceEntry], workers: int, speedup: float) -> tuple[list[f
 
 
 def _dynamo(path: Path, workers: int, speedup: float, mode: RouterMode) -> tuple[list[float], list[float | None]]:
-    os.environ.setdefault("DYN_LOG", "warn")
-    from dynamo.replay import run_trace_replay
-
-    report = run_trace_replay(
-        str(path),
-        extra_engine_args={"engine": {"block_size": DEFAULT_SPEC.block_size}},
-        num_workers=workers,
-        router_mode=mode,
-        arrival_speedup_ratio=speedup,
-        capture_per_request=True,
-    )
-    rows = report.per_request
-    assert rows is not None
+    rows = replay_rows(path, workers, DEFAULT_SPEC.block_size, mode, speedup)
     by_order = sorted(rows, key=lambda r: (r["arrival_time_ms"], r["input_length"], r["requested_output_length"]))
     return [r["ttft_ms"] for r in by_order], [r["itl_ms"] if r["output_length"] > 1 else None for r in by_order]
 
@@ -144,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     unordered = floor(trace)
     order = arrival_order(trace)
     base = Floor([unordered.ttft_ms[i] for i in order], [unordered.itl_ms[i] for i in order])
-    span_s = (trace[-1].arrival_ms - trace[0].arrival_ms) / 1e3
+    span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1e3
     points: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     for speedup in (float(s) for s in args.speedups.split(",")):
         rate = len(trace) / (span_s / speedup)
@@ -157,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             points[arm].append({"speedup": speedup, "rate_rps": rate, "attainment": attainment(ttft, itl, base)})
         print(f"x{speedup:g} ({rate:.1f} req/s): " + ", ".join(f"{a} {points[a][-1]['attainment']:.3f}" for a in ARMS))
     result: dict[str, Any] = {
-        "goodput_rps": {arm: goodput([(p["rate_rps"], p["attainment"]) for p in ps]) for arm, ps in points.items()},
+        "goodput_rps": {
+            arm: goodput([SweepPoint(p["rate_rps"], p["attainment"]) for p in ps]) for arm, ps in points.items()
+        },
         "points": points,
         "slo": {"ttft_x_floor": TTFT_SLO_X, "itl_x_idle": ITL_SLO_X, "attainment": ATTAINMENT},
         "workers": args.workers,

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+from fleet.trace import TRACE_BLOCK_TOKENS
 
 from kvpilot.routing.config import RouterConfig
 from kvpilot.routing.decide.ledger import LoadLedger
@@ -26,7 +27,6 @@ from kvpilot.routing.ids import WorkerId
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.index.events import BlockRemoved, BlockStored
 from sim.engine import EngineSpec, SimEngine, SimRequest, Stored
-from sim.fleet import TRACE_BLOCK_TOKENS
 
 SESSIONS = 100_000
 """Sessions the router keeps (the traces here name none)."""

@@ -7,8 +7,9 @@ import statistics
 from pathlib import Path
 
 import pytest
+from fleet.trace import load_trace
 from sim.engine import EngineSpec, SimEngine, SimRequest, prefill_ms
-from sim.fleet import RoundRobin, load_trace, simulate
+from sim.fleet import RoundRobin, simulate
 
 TRACES = Path(__file__).resolve().parents[4] / "shared" / "traces"
 
@@ -75,22 +76,26 @@ def test_kvpilot_s_router_in_the_simulator_matches_dynamo_s_kv_router_within_fiv
 
 
 def test_goodput_is_the_highest_rate_met_by_90_percent_and_every_slower_one() -> None:
-    from sim.goodput import Floor, attainment, goodput
+    from fleet.goodput import SweepPoint, goodput
+    from sim.goodput import Floor, attainment
 
-    assert goodput([(1.0, 0.99), (2.0, 0.95), (4.0, 0.91), (8.0, 0.5)]) == 4.0
-    assert goodput([(1.0, 0.99), (2.0, 0.85), (4.0, 0.95)]) == 1.0  # a miss ends the sweep
-    assert goodput([(1.0, 0.5)]) == 0.0
+    def sweep(*points: tuple[float, float]) -> list[SweepPoint]:
+        return [SweepPoint(rate, share) for rate, share in points]
+
+    assert goodput(sweep((1.0, 0.99), (2.0, 0.95), (4.0, 0.91), (8.0, 0.5))) == 4.0
+    assert goodput(sweep((1.0, 0.99), (2.0, 0.85), (4.0, 0.95))) == 1.0  # a miss ends the sweep
+    assert goodput(sweep((1.0, 0.5))) == 0.0
     base = Floor([100.0, 100.0, 100.0, 100.0], [6.0, 6.0, 6.0, 6.0])
     # TTFT 5x and ITL 2x are met; one request over each; one output token has no ITL to miss
     assert attainment([500.0, 501.0, 100.0, 100.0], [12.0, 6.0, 12.1, None], base) == 0.5
 
 
 def test_a_request_s_floor_is_its_new_tokens_prefill_alone() -> None:
-    from sim.fleet import TraceEntry
+    from fleet.trace import TraceRequest
     from sim.goodput import floor
 
-    first = TraceEntry(0.0, 1024, 8, (1, 2))
-    second = TraceEntry(5.0, 1536, 8, (1, 2, 3))  # shares 1,024 tokens with the first
+    first = TraceRequest(0, 1024, 8, (1, 2))
+    second = TraceRequest(5, 1536, 8, (1, 2, 3))  # shares 1,024 tokens with the first
     base = floor([first, second])
     assert base.ttft_ms[0] == pytest.approx(prefill_ms(1024))
     assert base.ttft_ms[1] == pytest.approx(prefill_ms(512))
