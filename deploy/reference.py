@@ -30,11 +30,14 @@ import typing
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvpilot.policies.typed_config import TypedConfig, field_docs
+
+if TYPE_CHECKING:
+    from kvpilot.routing.serve.app import RouterServer
 
 REFERENCE_DIR = Path("docs") / "reference"
 """Where the pages live, relative to the repository root."""
@@ -209,9 +212,8 @@ def _series_name(name: str, kind: str) -> str:
     return f"{name}_total" if kind == "counter" else name
 
 
-def router_metrics() -> list[MetricEntry]:
-    """The families of a router's ``/metrics``, as a 1 P + 1 D router registers them
-    (no traffic: each family's labels as declared)."""
+def idle_router() -> RouterServer:
+    """A 1 P + 1 D router as it is built, never started: what its registry and routes declare."""
     from kvpilot.routing.config import RouterConfig
     from kvpilot.routing.fleet import fleet_from_config
     from kvpilot.routing.serve.app import RouterServer
@@ -221,7 +223,11 @@ def router_metrics() -> list[MetricEntry]:
         {"name": "decode-0", "role": "decode", "url": "http://127.0.0.1:2"},
     ]
     config = msgspec.convert({"workers": workers, "disaggregation": {"model_preset": "llama-8b"}}, RouterConfig)
-    server = RouterServer(config, fleet_from_config(config), None, None, feed_index=False)  # type: ignore[arg-type]
+    return RouterServer(config, fleet_from_config(config), None, None, feed_index=False)  # type: ignore[arg-type]
+
+
+def router_metrics(server: RouterServer) -> list[MetricEntry]:
+    """The families of ``server``'s ``/metrics`` (no traffic: each family's labels as declared)."""
     registry = server.metrics.registry
     entries = []
     for collector in list(registry._collector_to_names):
@@ -262,16 +268,8 @@ def metrics_page(router: Sequence[MetricEntry], connector: Sequence[MetricEntry]
 # ---- endpoints ------------------------------------------------------------------------
 
 
-def endpoints_page() -> str:
-    """The router's HTTP routes (the picker's gRPC services are Envoy's, listed after)."""
-    from kvpilot.routing.config import RouterConfig
-    from kvpilot.routing.fleet import fleet_from_config
-    from kvpilot.routing.serve.app import RouterServer
-
-    config = msgspec.convert(
-        {"workers": [{"name": "w", "role": "colocated", "url": "http://127.0.0.1:1"}]}, RouterConfig
-    )  # co-located: no prior model needed
-    server = RouterServer(config, fleet_from_config(config), None, None, feed_index=False)  # type: ignore[arg-type]
+def endpoints_page(server: RouterServer) -> str:
+    """``server``'s HTTP routes, each with its handler's first docstring paragraph."""
     lines = [GENERATED_NOTE, "", "# HTTP endpoints", ""]
     lines += [
         "The router's own (`server.host`:`server.port`).",
@@ -286,7 +284,8 @@ def endpoints_page() -> str:
         doc = inspect.getdoc(route.handler) or ""
         if not doc:
             raise ReferenceError(f"{route.method} {path}: its handler has no docstring")
-        lines.append(f"| {route.method} | `{path}` | {_cell(doc.split(chr(10) + chr(10))[0])} |")
+        first_paragraph = doc.split("\n\n")[0]
+        lines.append(f"| {route.method} | `{path}` | {_cell(first_paragraph)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -295,6 +294,7 @@ def endpoints_page() -> str:
 
 def pages() -> dict[str, str]:
     """Every reference page by file name."""
+    router = idle_router()
     from kvpilot.deploy.cli import build_parser
     from kvpilot.kvconnectors.config import KVPilotConfig
     from kvpilot.routing.config import RouterConfig
@@ -312,8 +312,8 @@ def pages() -> dict[str, str]:
             list(config_keys(KVPilotConfig)),
         ),
         "cli.md": cli_page(build_parser()),
-        "metrics.md": metrics_page(router_metrics(), connector_metrics()),
-        "endpoints.md": endpoints_page(),
+        "metrics.md": metrics_page(router_metrics(router), connector_metrics()),
+        "endpoints.md": endpoints_page(router),
     }
 
 
