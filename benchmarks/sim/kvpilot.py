@@ -50,6 +50,7 @@ class KvpilotPlacement:
         )
         fleet = fleet_from_config(config)
         self.names = [WorkerId(row["name"]) for row in rows]
+        self._position = {name: i for i, name in enumerate(self.names)}
         self.index = BlockIndex(spec.block_size)
         self.ledger = LoadLedger()
         self.router = Router(
@@ -73,7 +74,7 @@ class KvpilotPlacement:
         self.ledger.dispatch(
             str(request.rid), route.prefill_worker.name, route.decode.name, route.chain, route.cached_blocks
         )
-        return self.names.index(route.decode.name)
+        return self._position[route.decode.name]
 
     def kv_events(self, worker: int, stored: list[Stored], evicted: list[object]) -> None:
         name, bs = self.names[worker], self.block_size
