@@ -20,6 +20,7 @@ Sources, each read where it is defined:
 from __future__ import annotations
 
 import argparse
+import difflib
 import enum
 import inspect
 import json
@@ -319,17 +320,20 @@ def pages() -> dict[str, str]:
 
 def run(root: Path, check: bool) -> int:
     """Write the pages under ``root``'s :data:`REFERENCE_DIR`, or with ``check`` only
-    compare; returns the exit code (1: stale pages, named on stderr)."""
+    compare; returns the exit code (1: stale pages, each named on stderr with its diff)."""
     out = root / REFERENCE_DIR
-    stale = []
+    stale = 0
     for name, text in pages().items():
         path = out / name
-        if check:
-            if not path.is_file() or path.read_text() != text:
-                stale.append(str(path))
-        else:
+        if not check:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
-    for name in stale:
-        print(f"stale: {name} (run `kvpilot docs reference`)", file=sys.stderr)
+            continue
+        committed = path.read_text() if path.is_file() else ""
+        if committed != text:
+            stale += 1
+            diff = difflib.unified_diff(
+                committed.splitlines(keepends=True), text.splitlines(keepends=True), str(path), "generated", n=1
+            )
+            print(f"stale: {path} (run `kvpilot docs reference`)", "".join(diff), sep="\n", file=sys.stderr)
     return 1 if stale else 0
