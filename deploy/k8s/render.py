@@ -81,7 +81,11 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--out", type=Path, default=MANIFEST_DIR, help="the folder the YAML files are written to")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="the folder the YAML files are written to (default: the package's deploy/k8s/manifests)",
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 if --out differs from what is rendered")
     parser.add_argument("--prefill", type=int, default=1, help="prefill engines (one GPU pod each)")
     parser.add_argument("--decode", type=int, default=1, help="decode engines (one GPU pod each)")
@@ -104,17 +108,14 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
     )
     files = render(spec)
+    out: Path = args.out if args.out is not None else MANIFEST_DIR
     if args.check:
-        stale = [
-            name
-            for name, text in files.items()
-            if not (args.out / name).is_file() or (args.out / name).read_text() != text
-        ]
+        stale = [name for name, text in files.items() if not (out / name).is_file() or (out / name).read_text() != text]
         for name in stale:
-            print(f"{args.out / name} is not what `kvpilot k8s render` renders", file=sys.stderr)
+            print(f"{out / name} is not what `kvpilot k8s render` renders", file=sys.stderr)
         return 1 if stale else 0
-    args.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
-        (args.out / name).write_text(text)
-        print(args.out / name)
+        (out / name).write_text(text)
+        print(out / name)
     return 0
