@@ -136,6 +136,17 @@ class CostConfig(TypedConfig, frozen=True):
     session_affinity_credit: float = 16.0
     """kvpilot's own: blocks of credit for the decode worker that served the session's last
     step (it holds the session's newest KV). A credit, never a pin."""
+    session_residency_weight: float = 1.0
+    """kvpilot's own: blocks added to a session's first step per block of the sessions living
+    on the decode worker (each one's latest prompt, in flight or between steps:
+    :mod:`kvpilot.routing.decide.residency`), so the first step is placed for the later ones;
+    0: the term is off (Dynamo counts the unique blocks of requests in flight)."""
+    session_stays_unless_sooner: bool = True
+    """kvpilot's own: a session's later step stays on the decode worker that served its last
+    step unless another candidate would start it sooner (less prefill queued plus
+    uncached; with ``objective: predicted_ttft``, a lower predicted TTFT:
+    :func:`kvpilot.routing.decide.cost.eligible`); false: Dynamo's cost decides, the affinity
+    credit aside."""
     router_seed: int = 0
     """The seed of the RNG that breaks ties and samples (decisions repeat run to run)."""
     pair_failure_cost_blocks: float = 32.0
@@ -150,7 +161,11 @@ class CostConfig(TypedConfig, frozen=True):
     candidate's predicted TTFT from the measured rates (needs ``disaggregation.measured_rates``)."""
 
     def __post_init__(self) -> None:
-        weights = (f.name for f in msgspec.structs.fields(self) if f.name not in ("router_seed", "objective"))
+        weights = (
+            f.name
+            for f in msgspec.structs.fields(self)
+            if f.name not in ("router_seed", "objective", "session_stays_unless_sooner")
+        )
         check_range(self, *weights, at_least=0)
         check_range(self, "pair_failure_half_life_s", above=0)
 
@@ -225,10 +240,14 @@ class SessionConfig(TypedConfig, frozen=True):
     at most this long (:mod:`kvpilot.routing.state.sync` says why it waits)."""
     store_ttl_s: float = 600.0
     """How long a record lives when D stated no hold on the session's blocks (else: D's lease)."""
+    resident_s: float = 30.0
+    """A session that sent no step for this long after its latest one ended no longer counts
+    as living on its worker (``cost.session_residency_weight``): an agent's tool call takes
+    seconds; a session idle longer may not come back."""
 
     def __post_init__(self) -> None:
         check_range(self, "max_sessions", above=0)
-        check_range(self, "store_read_timeout_s", "store_write_timeout_s", "store_ttl_s", above=0)
+        check_range(self, "store_read_timeout_s", "store_write_timeout_s", "store_ttl_s", "resident_s", above=0)
         if self.store is SessionStoreKind.REDIS and not self.redis_url.startswith(_REDIS_SCHEMES):
             raise ConfigError(
                 "redis_url", f"must be redis://, rediss:// or unix:// with store: redis, got {self.redis_url!r}"

@@ -1,6 +1,7 @@
 """The simulator against Dynamo's own offline replay on the same trace and engine parameters
 (Dynamo 1.6.1: ``dynamo.replay.run_trace_replay``), two ways: round robin on both sides (the
-engine model), and kvpilot's router (``cost.objective: blocks``, Dynamo's weights) against
+engine model), and kvpilot's router (``cost.objective: blocks``, Dynamo's weights, kvpilot's
+session terms off: :data:`DYNAMO_WEIGHTS`) against
 Dynamo's KV router (the router; Dynamo's breaks ties at random, so its replay runs
 :data:`KV_ROUTER_REPLAYS` times and the mean is compared). Mean and p99 TTFT, mean
 inter-token latency and prefix reuse, with their ratios."""
@@ -24,6 +25,8 @@ from sim.fleet import DEFAULT_SPEC, Placement, RoundRobin, percentile, simulate
 from sim.kvpilot import KvpilotPlacement
 
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "reuse")
+DYNAMO_WEIGHTS = {"session_affinity_credit": 0.0, "session_residency_weight": 0.0, "session_stays_unless_sooner": False}
+"""kvpilot's cost with its own session terms off: Dynamo's KV router's cost, term for term."""
 KV_ROUTER_REPLAYS = 3
 RouterMode = Literal["round_robin", "kv_router"]
 MODES: tuple[RouterMode, ...] = ("round_robin", "kv_router")
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         for workers in (int(w) for w in args.workers.split(",")):
             for mode in MODES:
                 placement: Placement = (
-                    RoundRobin() if mode == "round_robin" else KvpilotPlacement(workers, DEFAULT_SPEC)
+                    RoundRobin() if mode == "round_robin" else KvpilotPlacement(workers, DEFAULT_SPEC, DYNAMO_WEIGHTS)
                 )
                 started = time.perf_counter()
                 ours = simulate(entries, workers, placement).summary()

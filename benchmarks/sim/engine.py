@@ -74,6 +74,8 @@ class SimRequest:
     arrival_ms: float
     hash_ids: Sequence[int] = ()
     """The trace's hash ids of its prompt (a router that names tokens synthesizes them)."""
+    session: str | None = None
+    """The trace's ``session_id`` (a router that knows sessions is told it)."""
     computed: int = 0
     generated: int = 0
     reused_tokens: int = 0

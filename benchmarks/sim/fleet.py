@@ -130,6 +130,7 @@ def simulate(
             block_names(entry, spec.block_size),
             (entry.timestamp_ms - first_ms) / arrival_speedup,
             entry.hash_ids,
+            entry.session_id,
         )
         requests.append(request)
         previous = last_turn.get(entry.session_id) if entry.session_id is not None else None

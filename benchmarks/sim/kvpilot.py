@@ -4,6 +4,9 @@ KV events (vLLM's ``BlockStored`` / ``BlockRemoved`` structs, as a live router r
 its own :class:`~kvpilot.routing.decide.ledger.LoadLedger` booked as the proxy books it
 (dispatch on the route, the prefill done at the first token, the request's end).
 
+A request of a session is routed with its session id (the router's session state, affinity
+and resting sessions, at virtual time), and the router is told it was served at its end.
+
 A request's tokens are what Dynamo's replay synthesizes: each trace hash id repeated
 ``trace_block_tokens`` times, cut at the prompt's length.
 """
@@ -20,16 +23,16 @@ from fleet.trace import TRACE_BLOCK_TOKENS
 
 from kvpilot.routing.config import RouterConfig
 from kvpilot.routing.decide.ledger import LoadLedger
-from kvpilot.routing.decide.router import Router
+from kvpilot.routing.decide.router import Route, Router
 from kvpilot.routing.decide.sessions import SessionStore
 from kvpilot.routing.fleet import fleet_from_config
-from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.ids import SessionId, WorkerId
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.index.events import BlockRemoved, BlockStored
 from sim.engine import EngineSpec, SimEngine, SimRequest, Stored
 
 SESSIONS = 100_000
-"""Sessions the router keeps (the traces here name none)."""
+"""Sessions the router keeps (more than any trace here names)."""
 
 
 class KvpilotPlacement:
@@ -59,6 +62,7 @@ class KvpilotPlacement:
         self.block_size = spec.block_size
         self.trace_block_tokens = trace_block_tokens
         self._tokens: dict[int, np.ndarray] = {}
+        self._routes: dict[int, Route] = {}
 
     def tokens(self, request: SimRequest) -> np.ndarray:
         """``request``'s synthesized prompt (kept from its placement to its end)."""
@@ -70,7 +74,13 @@ class KvpilotPlacement:
 
     def place(self, request: SimRequest, workers: Sequence[SimEngine]) -> int:
         tokens = self._tokens[request.rid] = self.tokens(request)
-        route = self.router.route(tokens.tolist(), str(request.rid))  # the HTTP front hands it ints
+        session = SessionId(request.session) if request.session is not None else None
+        now_s = request.arrival_ms / 1e3
+        route = self.router.route(
+            tokens.tolist(), str(request.rid), session=session, now=now_s
+        )  # the HTTP front hands it ints
+        if session is not None:
+            self._routes[request.rid] = route
         self.ledger.dispatch(
             str(request.rid), route.prefill_worker.name, route.decode.name, route.chain, route.cached_blocks
         )
@@ -98,4 +108,8 @@ class KvpilotPlacement:
 
     def finished(self, request: SimRequest) -> None:
         self.ledger.complete(str(request.rid))
+        route = self._routes.pop(request.rid, None)
+        if route is not None:
+            assert request.session is not None
+            self.router.served(SessionId(request.session), route, now=request.token_ms[-1] / 1e3)
         self._tokens.pop(request.rid, None)

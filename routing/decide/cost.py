@@ -12,11 +12,16 @@ For a request of ``prompt_blocks`` full blocks and a candidate worker (all in bl
     cost = prefill_load_scale * adjusted_prefill_blocks
          + potential_decode_blocks
          + decode_active_request_weight * active_requests
+         + session_residency_weight * resident_session_blocks   # kvpilot's own, a session's
+                                      # first step only: the blocks of the sessions living
+                                      # on the worker (kvpilot.routing.decide.residency)
          - session_affinity_credit * [worker served this session last]
          + pair_penalty_blocks        # kvpilot's own: a (P, D) pair's recent transfer
                                       # failures and transfer time (kvpilot.routing.health.pair_health)
 
-This is the formula of the article's section 4.4 (Dynamo's routing concepts). With
+This is the formula of the article's section 4.4 (Dynamo's routing concepts). A session's
+later step is picked only among the rows :func:`eligible` allows (kvpilot's own: it
+stays on its worker unless another would start it sooner). With
 ``cost.objective: predicted_ttft`` a candidate's cost is instead its predicted TTFT in
 seconds (:attr:`Candidate.predicted_ttft_s`, from the measured rates); the block terms
 are still computed and shown.
@@ -98,6 +103,7 @@ class Candidate(NamedTuple):
     load: WorkerLoad
     session_affinity: bool = False
     pair_penalty_blocks: float = 0.0
+    resident_blocks: int = 0
     predicted_ttft_s: float | None = None
     """The candidate's predicted TTFT (``cost.objective: predicted_ttft``; ``None`` otherwise)."""
 
@@ -119,6 +125,8 @@ class CandidateTable:
     """Shape ``(n,)``, bool: the candidate's D served the session last."""
     pair_penalty_blocks: np.ndarray
     """Shape ``(n,)``."""
+    resident_blocks: np.ndarray
+    """Shape ``(n,)``: the blocks of the sessions living on the candidate's D (0 for a session's later step)."""
     predicted_ttft_s: np.ndarray | None = None
     """Shape ``(n,)``, or ``None`` when the objective does not price by predicted TTFT."""
 
@@ -135,6 +143,7 @@ class CandidateTable:
             np.array([row.load for row in rows], dtype=float).reshape(len(rows), 4),
             np.array([row.session_affinity for row in rows], dtype=bool),
             np.array([row.pair_penalty_blocks for row in rows], dtype=float),
+            np.array([row.resident_blocks for row in rows], dtype=float),
             None if any(p is None for p in predicted) else np.array(predicted, dtype=float),
         )
 
@@ -148,6 +157,7 @@ class Terms(NamedTuple):
     active_request_cost: float
     affinity_credit: float
     pair_penalty: float
+    residency_cost: float
     cost: float
     predicted_ttft_s: float | None = None
 
@@ -162,6 +172,7 @@ class _TermColumns:
     potential_decode_blocks: np.ndarray
     active_request_cost: np.ndarray
     affinity_credit: np.ndarray
+    residency_cost: np.ndarray
     cost: np.ndarray
 
 
@@ -181,12 +192,13 @@ def _term_columns(cfg: CostConfig, prompt_blocks: int, table: CandidateTable) ->
     decode = decode_blocks + prompt_blocks - shared_decode
     request_cost = cfg.decode_active_request_weight * requests
     affinity = np.where(table.session_affinity, cfg.session_affinity_credit, 0.0)
-    cost = cfg.prefill_load_scale * adjusted + decode + request_cost - affinity + table.pair_penalty_blocks
+    residency = cfg.session_residency_weight * table.resident_blocks
+    cost = cfg.prefill_load_scale * adjusted + decode + request_cost + residency - affinity + table.pair_penalty_blocks
     if cfg.objective is CostObjective.PREDICTED_TTFT:
         if table.predicted_ttft_s is None:
             raise ValueError("cost.objective is predicted_ttft and the candidates have no prediction")
         cost = table.predicted_ttft_s
-    return _TermColumns(gpu_credit, credit, adjusted, decode, request_cost, affinity, cost)
+    return _TermColumns(gpu_credit, credit, adjusted, decode, request_cost, affinity, residency, cost)
 
 
 @dataclass(frozen=True)
@@ -199,6 +211,8 @@ class Decision:
     columns: _TermColumns
     probabilities: tuple[float, ...] | None
     config: CostConfig
+    eligible: np.ndarray | None = None
+    """The rows the pick was made among (:func:`eligible`); ``None``: all."""
 
     @property
     def chosen(self) -> str:
@@ -221,6 +235,7 @@ class Decision:
                 float(t.active_request_cost[i]),
                 float(t.affinity_credit[i]),
                 float(table.pair_penalty_blocks[i]),
+                float(t.residency_cost[i]),
                 float(t.cost[i]),
                 None if predicted is None else float(predicted[i]),
             )
@@ -242,15 +257,19 @@ class Decision:
                 f"({t.adjusted_prefill_blocks:.2f}; credit={t.credit_blocks:.2f} "
                 f"gpu_credit/block={t.gpu_credit:.3f}) + potential_decode_blocks"
                 f"({t.potential_decode_blocks}) + active_request_cost({t.active_request_cost:.2f})"
-                f" - session_affinity_credit({t.affinity_credit:.2f})"
+                + (f" + residency_cost({t.residency_cost:.2f})" if t.residency_cost else "")
+                + f" - session_affinity_credit({t.affinity_credit:.2f})"
                 + (f" + pair_penalty({t.pair_penalty:.2f})" if t.pair_penalty else "")
             )
             if t.predicted_ttft_s is not None and c.objective is CostObjective.PREDICTED_TTFT:
                 cost = f"cost=predicted_ttft({t.predicted_ttft_s * 1e3:.2f} ms); in blocks: {blocks}"
             else:
                 cost = f"cost={t.cost:.2f} = {blocks}"
+            barred = self.eligible is not None and not self.eligible[i]
             lines.append(
-                f"request={self.request_id} worker={t.name} {cost}{p}" + (" <- chosen" if t.name == self.chosen else "")
+                f"request={self.request_id} worker={t.name} {cost}{p}"
+                + (" (barred: the session's worker starts it as soon)" if barred else "")
+                + (" <- chosen" if t.name == self.chosen else "")
             )
         return "\n".join(lines)
 
@@ -263,19 +282,45 @@ class CostModel:
         self._rng = rng if rng is not None else random.Random(cfg.router_seed)
 
     def decide(self, request_id: str, prompt_blocks: int, table: CandidateTable) -> Decision:
-        """Pick a candidate; raises ValueError if ``table`` is empty."""
+        """Pick a candidate among :func:`eligible` ones; raises ValueError if ``table`` is empty."""
         if not len(table):
             raise ValueError(f"request {request_id}: no candidate workers")
         columns = _term_columns(self.cfg, prompt_blocks, table)
-        costs = columns.cost
+        allowed = eligible(self.cfg, table, columns)
+        rows = np.flatnonzero(allowed) if allowed is not None else np.arange(len(table))
+        costs = columns.cost[rows]
         probabilities = None
         if self.cfg.router_temperature > 0:
             lo = float(costs.min())
             span = float(costs.max()) - lo
             weights = np.exp(-((costs - lo) / span if span else np.zeros_like(costs)) / self.cfg.router_temperature)
-            probabilities = tuple((weights / weights.sum()).tolist())
+            drawn = np.zeros(len(table))
+            drawn[rows] = weights / weights.sum()
+            probabilities = tuple(drawn.tolist())
             index = self._rng.choices(range(len(table)), weights=probabilities)[0]
         else:
-            ties = np.flatnonzero(costs == costs.min())
+            ties = rows[costs == costs.min()]
             index = int(ties[self._rng.randrange(len(ties))])
-        return Decision(request_id, prompt_blocks, index, table, columns, probabilities, self.cfg)
+        return Decision(request_id, prompt_blocks, index, table, columns, probabilities, self.cfg, allowed)
+
+
+def eligible(cfg: CostConfig, table: CandidateTable, columns: _TermColumns) -> np.ndarray | None:
+    """With ``cost.session_stays_unless_sooner`` and a session's later step (rows whose D
+    served its last step): those rows, unless other rows would start the step sooner;
+    then only those. Sooner: less prefill before the first token (the queue plus what the
+    candidate lacks of the prompt, ``prefill_load_scale * adjusted_prefill_blocks``; with
+    ``objective: predicted_ttft``, the predicted TTFT). ``None``: every row is eligible.
+
+    Dynamo's decode term counts a busy home's unique blocks against it, so a session
+    leaves the worker holding its history for one holding only the shared prefix and
+    prefills its whole history again (a long prefill that stalls every stream there);
+    this rule moves it only when that history's prefill would still be the faster start."""
+    home = table.session_affinity
+    if not cfg.session_stays_unless_sooner or not home.any():
+        return None
+    if cfg.objective is CostObjective.PREDICTED_TTFT and table.predicted_ttft_s is not None:
+        start = table.predicted_ttft_s
+    else:
+        start = cfg.prefill_load_scale * columns.adjusted_prefill_blocks
+    sooner = start < start[home].min()
+    return sooner if sooner.any() else home

@@ -58,6 +58,7 @@ from kvpilot.routing.config import ConfigError, CostObjective, DisaggregationCon
 from kvpilot.routing.decide.cost import CandidateTable, CostModel, Decision, TierOverlap, tier_overlap
 from kvpilot.routing.decide.ledger import LoadLedger, PromptLoads
 from kvpilot.routing.decide.rates import RateEstimator, predict_ttft
+from kvpilot.routing.decide.residency import Residency
 from kvpilot.routing.decide.sessions import OfferUse, SessionOffer, SessionState, SessionStore
 from kvpilot.routing.fleet import Fleet
 from kvpilot.routing.ids import SessionId, WorkerId, pair_name
@@ -240,6 +241,8 @@ class Router:
         self.cost = CostModel(config.cost, rng if rng is not None else random.Random(config.cost.router_seed))
         self._tiers = config.index.tiers
         self._options = _Options.of(fleet)
+        self.residency = Residency(config.sessions.resident_s)
+        """Sessions between steps, by the worker their next step is expected on."""
 
     def set_fleet(self, fleet: Fleet) -> None:
         """Route over ``fleet`` from the next request on (workers joined or left the
@@ -300,7 +303,7 @@ class Router:
                 "no decode or co-located worker is available: every circuit is open"
                 + (f" or it failed this request ({', '.join(sorted(exclude))})" if exclude else "")
             )
-        table = self._candidates(kept, overlaps, loads, last, len(token_ids))
+        table = self._candidates(kept, overlaps, loads, last, len(token_ids), now)
         decision = self.cost.decide(request_id, chain.num_blocks, table)
         p, d = opts.pairs[int(kept[decision.index])]
         local_remote = None
@@ -323,6 +326,8 @@ class Router:
             if kind is Kind.LOCAL_PREFILL:
                 p = None
         prefiller = p if p is not None else d
+        if session is not None and not dry_run and now is not None:
+            self.residency.settle(session, d.name, chain.num_blocks, now)
         return Route(
             request_id=request_id,
             kind=kind,
@@ -452,12 +457,18 @@ class Router:
         why = f"{price.why}; measured rates: {seconds * 1e3:.2f} ms"
         return dataclasses.replace(price, seconds=seconds, why=why)
 
-    def served(self, session: SessionId | None, route: Route, decode_params: object = None) -> None:
-        """Record that ``route``'s decode worker now holds the session's newest KV,
-        and, when its returned ``decode_params`` offer that KV to a peer (vLLM's
-        bidirectional mode), the offer for the session's next step."""
+    def served(
+        self, session: SessionId | None, route: Route, decode_params: object = None, now: float | None = None
+    ) -> None:
+        """Record that ``route``'s decode worker now holds the session's newest KV (the
+        session lives there, :attr:`residency`, until ``sessions.resident_s`` after ``now``,
+        Unix seconds), and, when its
+        returned ``decode_params`` offer that KV to a peer (vLLM's bidirectional mode), the
+        offer for the session's next step."""
         if session is None:
             return
+        if now is not None:
+            self.residency.settle(session, route.decode.name, route.prompt_blocks, now)
         state = self.sessions.get(session)
         state.steps += 1
         state.last_worker = route.decode.name
@@ -515,11 +526,12 @@ class Router:
         loads: PromptLoads,
         last: WorkerId | None,
         prompt_tokens: int,
+        now: float | None,
     ) -> CandidateTable:
         """The ``kept`` options (rows of :class:`_Options`) as cost columns: per worker,
-        arrays filled from the sparse overlaps and loads, then gathered per option (a
-        pair: P's overlap and active prefill blocks, D's decode load; its session
-        credit if D served the session last, its ``pair_penalty``)."""
+        arrays filled from the sparse overlaps, loads and resting sessions, then gathered
+        per option (a pair: P's overlap and active prefill blocks, D's decode load and
+        resting sessions; its session credit if D served the session last, its ``pair_penalty``)."""
         opts = self._options
         idle = overlaps.default_factory
         assert idle is not None
@@ -535,6 +547,11 @@ class Router:
             row = opts.rows.get(worker)
             if row is not None:
                 per_worker_load[row, 3] = depth
+        per_worker_resident = np.zeros(len(opts.workers))
+        for worker, blocks in self.residency.blocks(now).items():
+            row = opts.rows.get(worker)
+            if row is not None:
+                per_worker_resident[row] = blocks
         prefill_rows, decode_rows = opts.prefill_rows[kept], opts.decode_rows[kept]
         load = per_worker_load[decode_rows]
         load[:, 0] = per_worker_load[prefill_rows, 0]
@@ -557,6 +574,7 @@ class Router:
             load,
             decode_rows == (last_row if last_row is not None else -1),
             penalty,
+            per_worker_resident[decode_rows] if last is None else np.zeros(len(kept)),
             predicted,
         )
 

@@ -262,7 +262,7 @@ class Proxy:
         store's write, D's circuit, the KV events the prefilling worker must publish.
         The ledger's completion is the caller's."""
         with self.lock:
-            self.router.served(request.session, route, decode_params)
+            self.router.served(request.session, route, decode_params, now=time.time())
         if request.session is not None and self.session_served is not None:
             await self.session_served(request.session)
         if answered:

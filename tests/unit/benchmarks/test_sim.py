@@ -60,14 +60,14 @@ def test_kvpilot_s_router_in_the_simulator_matches_dynamo_s_kv_router_within_fiv
     at random, so its own replays differ (ITL by up to 6% on this slice): kvpilot's figure must
     lie within 5% of the range of five replays."""
     pytest.importorskip("dynamo.replay")
-    from sim.compare import dynamo_replay
+    from sim.compare import DYNAMO_WEIGHTS, dynamo_replay
     from sim.fleet import DEFAULT_SPEC
     from sim.kvpilot import KvpilotPlacement
 
     lines = (TRACES / trace).read_text().splitlines()[:2000]
     path = tmp_path / trace
     path.write_text("\n".join(lines) + "\n")
-    ours = simulate(load_trace(path), 8, KvpilotPlacement(8, DEFAULT_SPEC)).summary()
+    ours = simulate(load_trace(path), 8, KvpilotPlacement(8, DEFAULT_SPEC, DYNAMO_WEIGHTS)).summary()
     replays = [dynamo_replay(path, 8, DEFAULT_SPEC.block_size, "kv_router") for _ in range(5)]
     for key in ("mean_ttft_ms", "mean_itl_ms", "reuse"):
         low, high = min(r[key] for r in replays), max(r[key] for r in replays)

@@ -96,7 +96,9 @@ def test_prefix_overlap_and_salt_isolation(case, stored, request_salt, expected,
     ],
 )
 def test_session_affinity_is_a_soft_credit(case, credit, w2_prefix_blocks, expected):
-    router = _router(_config(COLOCATED, cost={"session_affinity_credit": credit}))
+    """The credit alone (the stay rule off: it would move the step to w2, which starts it sooner)."""
+    cost = {"session_affinity_credit": credit, "session_stays_unless_sooner": False}
+    router = _router(_config(COLOCATED, cost=cost))
     session = SessionId("conv-1")
     first = router.route(_prompt(10, base=1000), "r0", session=session)
     router.sessions.get(session).last_worker = WorkerId("w1")  # the previous step ran on w1

@@ -274,15 +274,18 @@ def test_session_header_gives_affinity_to_the_last_decode_worker(model_dir):
         first = await client.post("/v1/completions", json={"prompt": PROMPT}, headers={"X-Session-ID": "s1"})
         worker = first.headers["X-KVPilot-Decode-Worker"]
         other = "co-1" if worker == "co-0" else "co-0"
-        # the other worker holds 3 blocks of the prompt: without the affinity credit it would win
-        router.index.apply(WorkerId(other), BlockStored([b"a", b"b", b"c"], None, PROMPT[:12], BS, medium="GPU"))
+        # both hold the prompt's first 3 blocks (the session's worker from its first step): the
+        # other would not start a step sooner, so the session stays
+        for holder in (worker, other):
+            router.index.apply(WorkerId(holder), BlockStored([b"a", b"b", b"c"], None, PROMPT[:12], BS, medium="GPU"))
         for step in range(3):
             body = {"prompt": PROMPT + [7] * (4 * (step + 1)), "conversation_id": "s1"}
             resp = await client.post("/v1/completions", json=body)
             assert resp.headers["X-KVPilot-Decode-Worker"] == worker
             assert "conversation_id" not in engines[worker].bodies[-1]
         resp = await client.post("/v1/completions", json={"prompt": PROMPT + [7] * 4})
-        assert resp.headers["X-KVPilot-Decode-Worker"] == other  # no session: the prefix wins
+        # no session: the session living on its worker counts against it
+        assert resp.headers["X-KVPilot-Decode-Worker"] == other
 
     run(model_dir, {"co-0": "colocated", "co-1": "colocated"}, scenario)
 
