@@ -33,10 +33,17 @@ MODES: tuple[RouterMode, ...] = ("round_robin", "kv_router")
 
 
 def replay_rows(
-    trace: Path, workers: int, block_size: int, mode: RouterMode, arrival_speedup: float = 1.0
+    trace: Path,
+    workers: int,
+    block_size: int,
+    mode: RouterMode,
+    arrival_speedup: float = 1.0,
+    router_config: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Dynamo's replay of ``trace`` with ``router_mode`` ``mode``: its per-request records."""
+    """Dynamo's replay of ``trace`` with ``router_mode`` ``mode`` (and, for its KV router, the
+    options ``router_config``: ``KvRouterConfig``'s names): its per-request records."""
     os.environ.setdefault("DYN_LOG", "warn")  # its KV router logs every decision at info
+    from dynamo._core import KvRouterConfig
     from dynamo.replay import run_trace_replay
 
     report = run_trace_replay(
@@ -44,6 +51,7 @@ def replay_rows(
         extra_engine_args={"engine": {"block_size": block_size}},
         num_workers=workers,
         router_mode=mode,
+        router_config=KvRouterConfig.from_json(json.dumps(router_config)) if router_config else None,
         arrival_speedup_ratio=arrival_speedup,
         capture_per_request=True,
     )

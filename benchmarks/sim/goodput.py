@@ -1,5 +1,5 @@
-"""Goodput in virtual time, as DistServe defines it: the highest arrival rate at which 90% of
-requests meet both SLOs, each rate and every slower one. The SLOs are scale-free:
+"""Goodput in virtual time, as DistServe defines it: the highest offered rate at which 90% of
+requests meet both SLOs, at that rate and every slower one. The SLOs are scale-free:
 
 - TTFT at most ``TTFT_SLO_X`` times the request's floor: its prefill alone on an idle worker that
   holds every block any earlier request of the trace computed (the new tokens' polynomial
@@ -7,36 +7,54 @@ requests meet both SLOs, each rate and every slower one. The SLOs are scale-free
 - mean inter-token latency at most ``ITL_SLO_X`` times an idle worker's decode step at the
   request's context (:func:`sim.engine.decode_ms`).
 
-The rate is swept by compressing the trace's arrival times (``arrival_speedup``); each point
-runs the simulator with kvpilot's router and Dynamo's replay with its KV router and with round
-robin, on the same trace and engine parameters (Dynamo's replay is the baseline)::
+Two workloads, each swept over offered rates (requests over the trace's arrival span):
+
+- a Mooncake trace (no sessions), its arrivals compressed (``--speedups``) on both sides;
+- the article's agent (``--agent``, :mod:`agent.trace`: sessions of 20 steps over a 32,000-token
+  prefix), ``--sessions-per-worker`` sessions per worker starting within
+  :data:`AGENT_START_WINDOW_S` (a session's next step is sent when its previous one ended, plus
+  the tool's 2 s), so the load is the number of sessions live at once.
+
+Each point runs every arm on the same trace and engine parameters, one after another:
+kvpilot's router in the simulator (its defaults: the session terms on), and Dynamo 1.6.1's own
+replay with its KV router at its defaults, with ``--dynamo-router-config`` (its best
+options for the workload, measured: ``docs/benchmarks/simulator.md``), and round robin::
 
     python benchmarks/sim_goodput.py --trace ../shared/traces/mooncake_synthetic_trace.jsonl --workers 64
+    python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 2,3,4,5,6
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.trace import AgentShape, agent_trace, to_jsonl
 from fleet.goodput import ATTAINMENT, SweepPoint, goodput
 from fleet.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
 from provenance import describe, provenance
 
 from sim.compare import RouterMode, replay_rows
 from sim.engine import EngineSpec, SimRequest, decode_ms, prefill_ms
-from sim.fleet import DEFAULT_SPEC, simulate
+from sim.fleet import DEFAULT_SPEC, percentile, simulate
 from sim.kvpilot import KvpilotPlacement
 
 TTFT_SLO_X = 5.0
 ITL_SLO_X = 2.0
 SPEEDUPS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
-ARMS = ("kvpilot", "dynamo_kv", "dynamo_round_robin")
+SESSIONS_PER_WORKER = (0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
+AGENT_START_WINDOW_S = 20.0
+"""The agent workload's sessions start at exponential gaps within about this long: a session
+lasts about 40 s (20 steps 2 s apart), so most of them are live at once."""
+DYNAMO_AGENT_ROUTER_CONFIG = {"decode_active_request_weight": 50}
+"""Dynamo's KV router options that served the agent workload best in its own replay (64
+workers, 4 sessions per worker; the search is in ``docs/benchmarks/simulator.md``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +105,33 @@ def arrival_order(trace: Sequence[TraceRequest]) -> list[int]:
     )
 
 
-def _ours(trace: list[TraceRequest], workers: int, speedup: float) -> tuple[list[float], list[float | None]]:
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One offered rate: the trace both sides run (``path``: as Dynamo's replay reads it) and
+    the arrival compression both apply."""
+
+    label: str
+    trace: list[TraceRequest]
+    path: Path
+    speedup: float
+
+    @property
+    def rate_rps(self) -> float:
+        span_s = (self.trace[-1].timestamp_ms - self.trace[0].timestamp_ms) / 1e3
+        return len(self.trace) / (span_s / self.speedup)
+
+
+Latencies = tuple[list[float], list[float | None]]
+"""Per request in :func:`arrival_order`: TTFT (ms) and mean ITL (ms; ``None`` for one token)."""
+Arm = Callable[[Point, int], Latencies]
+
+
+def kvpilot_arm(point: Point, workers: int) -> Latencies:
+    """kvpilot's router (its defaults) in the simulator."""
     requests: list[SimRequest] = []
-    simulate(trace, workers, KvpilotPlacement(workers, DEFAULT_SPEC), arrival_speedup=speedup, requests_out=requests)
-    ordered = [requests[i] for i in arrival_order(trace)]
+    placement = KvpilotPlacement(workers, DEFAULT_SPEC)
+    simulate(point.trace, workers, placement, arrival_speedup=point.speedup, requests_out=requests)
+    ordered = [requests[i] for i in arrival_order(point.trace)]
     ttft = [r.first_token_ms - r.arrival_ms if r.first_token_ms is not None else float("inf") for r in ordered]
     itl: list[float | None] = [
         (r.token_ms[-1] - r.token_ms[0]) / (len(r.token_ms) - 1) if len(r.token_ms) > 1 else None for r in ordered
@@ -98,52 +139,128 @@ def _ours(trace: list[TraceRequest], workers: int, speedup: float) -> tuple[list
     return ttft, itl
 
 
-def _dynamo(path: Path, workers: int, speedup: float, mode: RouterMode) -> tuple[list[float], list[float | None]]:
-    rows = replay_rows(path, workers, DEFAULT_SPEC.block_size, mode, speedup)
-    by_order = sorted(rows, key=lambda r: (r["arrival_time_ms"], r["input_length"], r["requested_output_length"]))
-    return [r["ttft_ms"] for r in by_order], [r["itl_ms"] if r["output_length"] > 1 else None for r in by_order]
+def dynamo_arm(mode: RouterMode, router_config: dict[str, Any] | None = None) -> Arm:
+    """Dynamo's replay with ``router_mode`` ``mode`` (and KV router options ``router_config``)."""
+
+    def run(point: Point, workers: int) -> Latencies:
+        rows = replay_rows(point.path, workers, DEFAULT_SPEC.block_size, mode, point.speedup, router_config)
+        by_order = sorted(rows, key=lambda r: (r["arrival_time_ms"], r["input_length"], r["requested_output_length"]))
+        return [r["ttft_ms"] for r in by_order], [r["itl_ms"] if r["output_length"] > 1 else None for r in by_order]
+
+    return run
+
+
+def mooncake_points(path: Path, max_requests: int | None, speedups: Sequence[float], out: Path) -> Iterator[Point]:
+    """The trace at ``path`` (its first ``max_requests``), its arrivals compressed by each speedup."""
+    trace = load_trace(path, max_requests)
+    if any(e.session_id for e in trace):
+        raise ValueError(f"{path}: a trace with sessions (use --agent for the agent workload)")
+    sliced = out.with_suffix(".trace.jsonl")
+    with path.open() as lines, sliced.open("w") as written:
+        for n, line in enumerate(lines):
+            if max_requests is not None and n >= max_requests:
+                break
+            written.write(line)
+    for speedup in speedups:
+        yield Point(f"x{speedup:g}", trace, sliced, speedup)
+
+
+def agent_points(workers: int, sessions_per_worker: Sequence[float], out: Path) -> Iterator[Point]:
+    """The agent workload with each number of sessions per worker (at least one session)."""
+    for per_worker in sessions_per_worker:
+        sessions = max(1, round(per_worker * workers))
+        trace = agent_trace(AgentShape(sessions=sessions, session_gap_s=AGENT_START_WINDOW_S / sessions))
+        path = out.with_suffix(f".agent-{per_worker:g}.jsonl")
+        path.write_text(to_jsonl(trace))
+        yield Point(f"{per_worker:g} sessions/worker", trace, path, 1.0)
+
+
+def sweep(points: Sequence[Point], workers: int, arms: dict[str, Arm]) -> dict[str, list[dict[str, Any]]]:
+    """Every arm at every point, one run at a time: attainment, mean and p99 TTFT, mean ITL."""
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
+    for point in points:
+        unordered = floor(point.trace)
+        order = arrival_order(point.trace)
+        base = Floor([unordered.ttft_ms[i] for i in order], [unordered.itl_ms[i] for i in order])
+        for name, arm in arms.items():
+            ttft, itl = arm(point, workers)
+            results[name].append(
+                {
+                    "label": point.label,
+                    "rate_rps": point.rate_rps,
+                    "attainment": attainment(ttft, itl, base),
+                    "mean_ttft_ms": statistics.fmean(ttft),
+                    "p99_ttft_ms": percentile(ttft, 0.99),
+                    "mean_itl_ms": statistics.fmean(i for i in itl if i is not None),
+                    "floor_mean_ttft_ms": statistics.fmean(base.ttft_ms),
+                }
+            )
+        print(
+            f"{point.label} ({point.rate_rps:.1f} req/s): "
+            + ", ".join(f"{n} {results[n][-1]['attainment']:.3f}" for n in arms),
+            flush=True,
+        )
+    return results
+
+
+def ratios(goodputs: dict[str, float], points: dict[str, list[dict[str, Any]]], baseline: str) -> dict[str, float]:
+    """kvpilot's goodput over ``baseline``'s, and its mean TTFT over the baseline's at the
+    baseline's goodput rate (at its slowest rate when the baseline has no goodput)."""
+    ours, theirs = points["kvpilot"], points[baseline]
+    at = max(
+        (i for i, p in enumerate(theirs) if p["rate_rps"] <= goodputs[baseline]),
+        default=min(range(len(theirs)), key=lambda i: theirs[i]["rate_rps"]),
+    )
+    return {
+        "goodput": goodputs["kvpilot"] / goodputs[baseline] if goodputs[baseline] else float("inf"),
+        "mean_ttft_at_baseline_goodput": ours[at]["mean_ttft_ms"] / theirs[at]["mean_ttft_ms"],
+        "at_rate_rps": theirs[at]["rate_rps"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", type=Path, required=True, help="a Mooncake trace without sessions")
+    workload = parser.add_mutually_exclusive_group(required=True)
+    workload.add_argument("--trace", type=Path, help="a Mooncake trace without sessions")
+    workload.add_argument("--agent", action="store_true", help="the article's agent workload")
     parser.add_argument("--workers", type=int, default=64)
-    parser.add_argument("--max-requests", type=int)
-    parser.add_argument("--speedups", default=",".join(f"{s:g}" for s in SPEEDUPS), help="arrival compressions")
+    parser.add_argument("--max-requests", type=int, help="with --trace: its first N requests")
+    parser.add_argument("--speedups", default=",".join(f"{s:g}" for s in SPEEDUPS), help="--trace: compressions")
+    parser.add_argument(
+        "--sessions-per-worker",
+        default=",".join(f"{n:g}" for n in SESSIONS_PER_WORKER),
+        help="--agent: the load points",
+    )
+    parser.add_argument(
+        "--dynamo-router-config",
+        type=json.loads,
+        help="Dynamo's KV router options for its tuned arm (JSON; default with --agent: "
+        f"{json.dumps(DYNAMO_AGENT_ROUTER_CONFIG)}; none with --trace: no tuned arm)",
+    )
     parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-sim-goodput.json"))
     args = parser.parse_args(argv)
-    trace = load_trace(args.trace, args.max_requests)
-    if any(e.session_id for e in trace):
-        parser.error("a trace with sessions: its arrivals depend on the run (use a trace without session_id)")
-    sliced = args.json.with_suffix(".trace.jsonl")
-    with args.trace.open() as lines, sliced.open("w") as out:
-        for n, line in enumerate(lines):
-            if args.max_requests is not None and n >= args.max_requests:
-                break
-            out.write(line)
-    unordered = floor(trace)
-    order = arrival_order(trace)
-    base = Floor([unordered.ttft_ms[i] for i in order], [unordered.itl_ms[i] for i in order])
-    span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1e3
-    points: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
-    for speedup in (float(s) for s in args.speedups.split(",")):
-        rate = len(trace) / (span_s / speedup)
-        runs = {
-            "kvpilot": _ours(trace, args.workers, speedup),
-            "dynamo_kv": _dynamo(sliced, args.workers, speedup, "kv_router"),
-            "dynamo_round_robin": _dynamo(sliced, args.workers, speedup, "round_robin"),
-        }
-        for arm, (ttft, itl) in runs.items():
-            points[arm].append({"speedup": speedup, "rate_rps": rate, "attainment": attainment(ttft, itl, base)})
-        print(f"x{speedup:g} ({rate:.1f} req/s): " + ", ".join(f"{a} {points[a][-1]['attainment']:.3f}" for a in ARMS))
+    tuned = args.dynamo_router_config or (DYNAMO_AGENT_ROUTER_CONFIG if args.agent else None)
+    arms: dict[str, Arm] = {"kvpilot": kvpilot_arm, "dynamo_kv": dynamo_arm("kv_router")}
+    if tuned:
+        arms["dynamo_kv_tuned"] = dynamo_arm("kv_router", tuned)
+    arms["dynamo_round_robin"] = dynamo_arm("round_robin")
+    if args.agent:
+        per_worker = [float(n) for n in args.sessions_per_worker.split(",")]
+        points = list(agent_points(args.workers, per_worker, args.json))
+    else:
+        speedups = [float(s) for s in args.speedups.split(",")]
+        points = list(mooncake_points(args.trace, args.max_requests, speedups, args.json))
+    results = sweep(points, args.workers, arms)
+    goodputs = {arm: goodput([SweepPoint(p["rate_rps"], p["attainment"]) for p in ps]) for arm, ps in results.items()}
+    baseline = "dynamo_kv_tuned" if tuned else "dynamo_kv"
     result: dict[str, Any] = {
-        "goodput_rps": {
-            arm: goodput([SweepPoint(p["rate_rps"], p["attainment"]) for p in ps]) for arm, ps in points.items()
-        },
-        "points": points,
+        "goodput_rps": goodputs,
+        "ratios": {"baseline": baseline, **ratios(goodputs, results, baseline)},
+        "points": results,
         "slo": {"ttft_x_floor": TTFT_SLO_X, "itl_x_idle": ITL_SLO_X, "attainment": ATTAINMENT},
         "workers": args.workers,
-        "trace": args.trace.name,
+        "workload": "agent" if args.agent else args.trace.name,
+        "dynamo_router_config": tuned,
         "run": {"argv": sys.argv},
         "provenance": provenance(),
     }
@@ -154,13 +271,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(result: dict[str, Any]) -> str:
-    """Goodput per arm, and each arm's attainment at each offered rate."""
-    lines = ["| arm | goodput req/s | offered req/s: SLO attainment |", "|---|---:|---|"]
+    """Goodput per arm, and each arm's attainment and mean TTFT at each offered rate."""
+    lines = ["| arm | goodput req/s | offered req/s: SLO attainment (mean TTFT ms) |", "|---|---:|---|"]
     for arm, points in result["points"].items():
-        cells = "; ".join(f"{p['rate_rps']:.1f}: {p['attainment']:.3f}" for p in points)
+        cells = "; ".join(f"{p['rate_rps']:.1f}: {p['attainment']:.3f} ({p['mean_ttft_ms']:.0f})" for p in points)
         lines.append(f"| {arm} | {result['goodput_rps'][arm]:.1f} | {cells} |")
+    r = result["ratios"]
     return (
-        f"{result['trace']}, {result['workers']} workers; SLOs: TTFT at most {result['slo']['ttft_x_floor']:g}x the "
+        f"{result['workload']}, {result['workers']} workers; SLOs: TTFT at most {result['slo']['ttft_x_floor']:g}x the "
         f"floor, ITL at most {result['slo']['itl_x_idle']:g}x an idle worker's, met by "
-        f"{result['slo']['attainment']:.0%} of requests.\n\n" + "\n".join(lines)
+        f"{result['slo']['attainment']:.0%} of requests. kvpilot against {r['baseline']}: goodput "
+        f"{r['goodput']:.2f}x; mean TTFT at {r['at_rate_rps']:.1f} req/s "
+        f"{r['mean_ttft_at_baseline_goodput']:.2f}x.\n\n" + "\n".join(lines)
     )
