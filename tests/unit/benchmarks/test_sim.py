@@ -4,6 +4,7 @@ the same trace slice, the same engine parameters, round robin on both sides."""
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,36 @@ def test_a_request_s_floor_is_its_new_tokens_prefill_alone() -> None:
     base = floor([first, second])
     assert base.ttft_ms[0] == pytest.approx(prefill_ms(1024))
     assert base.ttft_ms[1] == pytest.approx(prefill_ms(512))
+
+
+def _placements(cost: dict[str, object]) -> dict[str, list[int]]:
+    """Each session's workers, step by step, for 16 agents on 8 simulated workers."""
+    from agent.trace import AgentShape, agent_trace
+    from sim.fleet import DEFAULT_SPEC
+    from sim.kvpilot import KvpilotPlacement
+
+    class Recorded(KvpilotPlacement):
+        def place(self, request, workers):  # type: ignore[no-untyped-def]
+            index = super().place(request, workers)
+            steps.setdefault(request.session, []).append(index)
+            return index
+
+    steps: dict[str, list[int]] = {}
+    trace = agent_trace(AgentShape(sessions=16, steps=6, shared_prefix=16_000, session_gap_s=0.5))
+    simulate(trace, 8, Recorded(8, DEFAULT_SPEC, cost))
+    return steps
+
+
+def test_kvpilot_places_each_agent_for_its_later_steps_and_keeps_it_there() -> None:
+    """kvpilot's session terms: the 16 agents spread two per worker and never move. With
+    Dynamo's cost (kvpilot's session terms off) they pile on the workers that hold the prefix
+    and leave them when busy, prefilling their history again elsewhere."""
+    from sim.compare import DYNAMO_WEIGHTS
+
+    ours = _placements({})
+    assert all(len(set(workers)) == 1 for workers in ours.values())
+    assert sorted(Counter(workers[0] for workers in ours.values()).values()) == [2] * 8
+    dynamos = _placements(DYNAMO_WEIGHTS)
+    moved = sum(len(set(workers)) > 1 for workers in dynamos.values())
+    crowded = max(Counter(workers[0] for workers in dynamos.values()).values())
+    assert moved > 0 and crowded > 2, (moved, crowded)
