@@ -18,7 +18,9 @@ Two workloads, each swept over offered rates (requests over the trace's arrival 
 Each point runs every arm on the same trace and engine parameters, one after another:
 kvpilot's router in the simulator (its defaults: the session terms on), and Dynamo 1.6.1's own
 replay with its KV router at its defaults, with ``--dynamo-router-config`` (its best
-options for the workload, measured: ``docs/benchmarks/simulator.md``), and round robin::
+options for the workload, measured: ``docs/benchmarks/simulator.md``), and round robin. On
+the agent workload one more arm, ``dynamo_cost_pinned``: Dynamo's cost with its live
+session options, which its replay lacks (:data:`DYNAMO_PINNED_COST`)::
 
     python benchmarks/sim_goodput.py --trace ../shared/traces/mooncake_synthetic_trace.jsonl --workers 64
     python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 2,3,4,5,6
@@ -40,7 +42,7 @@ from fleet.goodput import ATTAINMENT, SweepPoint, goodput
 from fleet.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
 from provenance import describe, provenance
 
-from sim.compare import RouterMode, replay_rows
+from sim.compare import DYNAMO_WEIGHTS, RouterMode, replay_rows
 from sim.engine import EngineSpec, SimRequest, decode_ms, prefill_ms
 from sim.fleet import DEFAULT_SPEC, percentile, simulate
 from sim.kvpilot import KvpilotPlacement
@@ -55,6 +57,17 @@ lasts about 40 s (20 steps 2 s apart), so most of them are live at once."""
 DYNAMO_AGENT_ROUTER_CONFIG = {"decode_active_request_weight": 50}
 """Dynamo's KV router options that served the agent workload best in its own replay (64
 workers, 4 sessions per worker; the search is in ``docs/benchmarks/simulator.md``)."""
+DYNAMO_PINNED_COST = {
+    **DYNAMO_WEIGHTS,
+    "session_affinity_credit": 1e9,
+    "decode_active_request_weight": 800.0,
+}
+"""Dynamo's cost with its live frontend's session options, which its 1.6.1 replay lacks:
+hard session affinity (``--router-session-affinity-ttl-secs``: every later step on the
+first step's worker, here an affinity credit no cost outweighs) and a request weight that
+spreads the sessions (``--router-decode-active-request-weight``; 800 blocks: 200, 2,000 and
+5,000 measured alike or worse). Run by kvpilot's router in the simulator with kvpilot's own
+session terms off, the arm ``dynamo_cost_pinned``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,17 +139,21 @@ Latencies = tuple[list[float], list[float | None]]
 Arm = Callable[[Point, int], Latencies]
 
 
-def kvpilot_arm(point: Point, workers: int) -> Latencies:
-    """kvpilot's router (its defaults) in the simulator."""
-    requests: list[SimRequest] = []
-    placement = KvpilotPlacement(workers, DEFAULT_SPEC)
-    simulate(point.trace, workers, placement, arrival_speedup=point.speedup, requests_out=requests)
-    ordered = [requests[i] for i in arrival_order(point.trace)]
-    ttft = [r.first_token_ms - r.arrival_ms if r.first_token_ms is not None else float("inf") for r in ordered]
-    itl: list[float | None] = [
-        (r.token_ms[-1] - r.token_ms[0]) / (len(r.token_ms) - 1) if len(r.token_ms) > 1 else None for r in ordered
-    ]
-    return ttft, itl
+def simulated_arm(cost: dict[str, Any] | None = None) -> Arm:
+    """kvpilot's router in the simulator, its ``cost`` section ``cost`` (its defaults: ``None``)."""
+
+    def run(point: Point, workers: int) -> Latencies:
+        requests: list[SimRequest] = []
+        placement = KvpilotPlacement(workers, DEFAULT_SPEC, cost)
+        simulate(point.trace, workers, placement, arrival_speedup=point.speedup, requests_out=requests)
+        ordered = [requests[i] for i in arrival_order(point.trace)]
+        ttft = [r.first_token_ms - r.arrival_ms if r.first_token_ms is not None else float("inf") for r in ordered]
+        itl: list[float | None] = [
+            (r.token_ms[-1] - r.token_ms[0]) / (len(r.token_ms) - 1) if len(r.token_ms) > 1 else None for r in ordered
+        ]
+        return ttft, itl
+
+    return run
 
 
 def dynamo_arm(mode: RouterMode, router_config: dict[str, Any] | None = None) -> Arm:
@@ -240,9 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-sim-goodput.json"))
     args = parser.parse_args(argv)
     tuned = args.dynamo_router_config or (DYNAMO_AGENT_ROUTER_CONFIG if args.agent else None)
-    arms: dict[str, Arm] = {"kvpilot": kvpilot_arm, "dynamo_kv": dynamo_arm("kv_router")}
+    arms: dict[str, Arm] = {"kvpilot": simulated_arm(), "dynamo_kv": dynamo_arm("kv_router")}
     if tuned:
         arms["dynamo_kv_tuned"] = dynamo_arm("kv_router", tuned)
+    if args.agent:
+        arms["dynamo_cost_pinned"] = simulated_arm(DYNAMO_PINNED_COST)
     arms["dynamo_round_robin"] = dynamo_arm("round_robin")
     if args.agent:
         per_worker = [float(n) for n in args.sessions_per_worker.split(",")]
