@@ -2,6 +2,8 @@
 never typed by hand::
 
     python benchmarks/report.py docs/benchmarks/results/scale.json   # writes docs/benchmarks/tables/scale.md
+    python benchmarks/report.py docs/benchmarks/results/sim-goodput-agent-*.json \
+        --plot docs/benchmarks/img/sim-goodput-agent.png
 
 A results file is what ``bench_fleet.py --json`` or ``bench_router_scale.py --json`` wrote
 (with its :mod:`provenance`). The table's head names the run: date, commit, hardware, command.
@@ -63,7 +65,15 @@ def table_for(results_path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, nargs="+", help="results files (JSON)")
+    parser.add_argument(
+        "--plot", type=Path, help="also draw the given sim_goodput.py results side by side (PNG), in the order given"
+    )
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        from sim.goodput import plot
+
+        plot([json.loads(path.read_text()) for path in args.results], args.plot)
+        print(f"wrote {args.plot}")
     for path in args.results:
         out = table_for(path)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,15 @@ from pathlib import Path
 
 from kvpilot.deploy.env import DYNAMO_LOOPBACK_ENV
 from kvpilot.deploy.envoy_spec import GatewaySpec, PickerFailure
-from kvpilot.deploy.fleet_spec import FLEET_TTFT_SLO_S, HOST, ROUTER_CONFIG, ProcessPlan, check_ports, envoy_plan
+from kvpilot.deploy.fleet_spec import (
+    FLEET_CALIBRATION_WORKERS,
+    FLEET_TTFT_SLO_S,
+    HOST,
+    ROUTER_CONFIG,
+    ProcessPlan,
+    check_ports,
+    envoy_plan,
+)
 from kvpilot.routing.config import Role
 
 DISCOVERY_DIR = "discovery"
@@ -261,6 +269,7 @@ def router_config(spec: DynamoFleetSpec) -> dict[str, object]:
             "model_name": spec.served_model_name,
             "model_dir": str(spec.model_dir),
             "ttft_slo_s": spec.ttft_slo_s,
+            "calibration_workers": FLEET_CALIBRATION_WORKERS,
         },
         "index": {"block_size": spec.block_size},
         **({"cost": dict(spec.router_cost)} if spec.router_cost else {}),

@@ -35,6 +35,10 @@ one-token prefill first (the router gives P ``server.prefill_timeout_s`` or more
 long prompt on a CPU engine takes seconds."""
 FLEET_TTFT_SLO_S = 60.0
 """The router's ``server.ttft_slo_s`` in a local fleet (docs/concepts/policies.md says why 60 s)."""
+FLEET_CALIBRATION_WORKERS = 1
+"""The router's ``server.calibration_workers`` in a local fleet: it times one engine per role
+before it serves (:mod:`kvpilot.routing.serve.calibrate`), so the first requests are priced by
+measurement."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +357,7 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
             "model_dir": str(spec.model_dir),
             "max_prompt_tokens": spec.max_model_len,
             "ttft_slo_s": spec.ttft_slo_s,
+            "calibration_workers": FLEET_CALIBRATION_WORKERS,
             **({"engine_api_key_env": ENGINE_API_KEY_ENV} if spec.engine_api_key else {}),
         },
         "index": {"block_size": spec.block_size, "backend": spec.index_backend.value},

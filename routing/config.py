@@ -315,6 +315,16 @@ class ServerConfig(TypedConfig, frozen=True):
     engine_api_key_env: str = ""
     """The environment variable holding the engines' API key (vLLM's ``--api-key``),
     sent to every engine as ``Authorization: Bearer <key>``; ``""``: none."""
+    calibration_prompt_tokens: list[int] = msgspec.field(default_factory=lambda: [256, 1024, 4096])
+    """Before it serves, the router times a prefill of each of these lengths from nothing,
+    and of a few tokens after each (:mod:`kvpilot.routing.serve.calibrate`); lengths over
+    ``max_prompt_tokens`` are skipped."""
+    calibration_decode_streams: list[int] = msgspec.field(default_factory=lambda: [1, 4])
+    """Before it serves, the router times decode steps with each of these numbers of streams."""
+    calibration_workers: int = 0
+    """Workers calibrated per role (prefill, decode, co-located) before the router serves, the
+    fleet's first: the others are predicted from them (one model) until their own traffic is
+    timed. 0: no calibration (the router's default; ``kvpilot fleet up`` sets 1)."""
 
     def __post_init__(self) -> None:
         check_range(self, "port", at_least=0, below=65536)
@@ -332,6 +342,10 @@ class ServerConfig(TypedConfig, frozen=True):
         )
         check_range(self, "max_body_bytes", at_least=1024)
         check_range(self, "queue_timeout_s", "circuit_open_s", "prefill_timeout_s", "request_timeout_s", above=0)
+        check_range(self, "calibration_workers", at_least=0)
+        for key in ("calibration_prompt_tokens", "calibration_decode_streams"):
+            if any(n < 1 for n in getattr(self, key)):
+                raise ConfigError(key, f"must hold positive counts, got {getattr(self, key)}")
 
 
 class DisaggregationConfig(LocalPrefillConfig, frozen=True):

@@ -303,3 +303,34 @@ def table(result: dict[str, Any]) -> str:
         f"{r['goodput']:.2f}x; mean TTFT at {r['at_rate_rps']:.1f} req/s "
         f"{r['mean_ttft_at_baseline_goodput']:.2f}x.\n\n" + "\n".join(lines)
     )
+
+
+def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
+    """One column per results file (a fleet size): mean TTFT (log) and SLO attainment
+    against the offered rate, one line per arm, the attainment target drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(results), figsize=(4.2 * len(results), 6.4), squeeze=False, sharex="col")
+    for column, result in enumerate(results):
+        top, bottom = axes[0][column], axes[1][column]
+        for arm, points in result["points"].items():
+            rates = [p["rate_rps"] for p in points]
+            (line,) = top.plot(rates, [p["mean_ttft_ms"] for p in points], marker="o", ms=3, label=arm)
+            bottom.plot(rates, [p["attainment"] for p in points], marker="o", ms=3, color=line.get_color())
+        top.set_title(f"{result['workload']}, {result['workers']} workers", fontsize=9)
+        top.set_yscale("log")
+        top.grid(alpha=0.3)
+        bottom.axhline(result["slo"]["attainment"], color="grey", lw=0.8, ls=":")
+        bottom.set_ylim(0, 1.02)
+        bottom.set_xlabel("offered requests/s")
+        bottom.grid(alpha=0.3)
+    axes[0][0].set_ylabel("mean TTFT ms")
+    axes[1][0].set_ylabel("requests meeting both SLOs")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -79,6 +79,7 @@ from kvpilot.routing.metrics.collectors import (
 )
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
 from kvpilot.routing.serve.admission import Admission, Rejected, check_ttft_slo
+from kvpilot.routing.serve.calibrate import Calibrated, Calibrator
 from kvpilot.routing.serve.chat import ChatError, ChatTemplate, chat_to_completion_body
 from kvpilot.routing.serve.proxy import Proxy, ProxyRequest, error_reply
 from kvpilot.routing.serve.refusals import BadRequest, RejectReason
@@ -263,6 +264,9 @@ class RouterServer:
             self.metrics.registry.register(collector)
         self._http: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
+        self.calibrated: Calibrated | None = None
+        """What the calibration before serving measured (``None`` until it ran, or with
+        ``disaggregation.measured_rates`` off)."""
         self.discovery: DynamoDiscovery | None = None
         self._api_key = _api_key(config.server.api_key_env)
         engine_key = _api_key(config.server.engine_api_key_env, "server.engine_api_key_env")
@@ -317,8 +321,17 @@ class RouterServer:
         if self.discovery is not None:
             self.set_fleet(fleet_of(self.discovery.workers()))
             self._background.append(asyncio.create_task(self.discovery.watch(self.set_fleet)))
+        if self.config.disaggregation.measured_rates:
+            await self._calibrate()
         if self.engine_load is not None:
             self._background.append(asyncio.create_task(self.engine_load.run(self._http)))
+
+    async def _calibrate(self) -> None:
+        """Time the engines before serving (:mod:`kvpilot.routing.serve.calibrate`); beside
+        Dynamo only its decode and aggregated workers (its frontend streams from those)."""
+        assert self._proxy is not None
+        workers = [w for w in self.fleet.workers if not (self.config.dynamo.enabled and w.role is Role.PREFILL)]
+        self.calibrated = await Calibrator(self._proxy.upstream, self.rates, self.config.server).run(workers)
 
     async def _stop(self, _: web.Application) -> None:
         for task in self._background:

@@ -39,6 +39,7 @@ def test_plan_gives_each_engine_its_ports_core_and_connector() -> None:
         "model_dir": "/m",
         "max_prompt_tokens": 8192,
         "ttft_slo_s": 60.0,  # admission by predicted TTFT is on in a fleet
+        "calibration_workers": 1,  # and its predictions are measured before the first request
     }
     assert router.side_ports == (5700, 5701, 5702)  # the router binds the event endpoints
     workers = config["workers"]  # type: ignore[index]  # plan_fleet types the config dict[str, object]

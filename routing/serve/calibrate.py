@@ -1,0 +1,163 @@
+"""Calibration before ready: the router times its engines itself before it serves, so its
+first predictions are measurements, not the roofline prior of a preset GPU.
+
+Per role (prefill, decode, co-located), the first ``server.calibration_workers`` workers, one at
+a time (an engine timed alone), through the upstream a routed request takes:
+
+- **prefill**: for each length ``L`` of ``server.calibration_prompt_tokens``, a prompt of ``L``
+  fresh token ids answered with one token (its TTFT: ``L`` tokens prefilled from nothing),
+  then the same prompt with :data:`CACHED_EXTENSION` more (those few prefilled after ``L``
+  cached);
+- **decode** (not on prefill workers): for each ``B`` of ``server.calibration_decode_streams``,
+  ``B`` streams at once of :data:`DECODE_TOKENS` tokens on short fresh prompts; the mean gap
+  between a stream's tokens is one sample of the decode step beside ``B - 1`` others.
+
+The samples go to :class:`kvpilot.routing.decide.rates.RateEstimator` as traffic's would; the
+engines the calibration did not reach are predicted from those it did (one model, the rates'
+fallback). A probe that fails or outlasts :data:`PROBE_TIMEOUT_S` is skipped and logged:
+the router then serves on what it has. Fresh ids are drawn from a seeded RNG per start, below
+the model's vocabulary (``config.json``'s ``vocab_size``), so no probe finds another's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpilot.routing.config import Role, ServerConfig, Worker
+from kvpilot.routing.decide.rates import RateEstimator
+from kvpilot.routing.serve.upstream import StreamBroke, Upstream, UpstreamError
+
+log = logging.getLogger(__name__)
+
+CACHED_EXTENSION = 64
+"""Tokens added to a prefill probe's prompt for its cached-prefix twin."""
+DECODE_TOKENS = 16
+"""Tokens each decode probe's streams generate."""
+DECODE_PROMPT_TOKENS = 32
+PROBE_TIMEOUT_S = 60.0
+FIRST_TOKEN_ID = 10
+"""Fresh ids start here (below it: a tokenizer's special tokens)."""
+DEFAULT_VOCAB = 32000
+
+
+@dataclass(frozen=True, slots=True)
+class Calibrated:
+    """What one start measured: per worker, its prefill samples ``(new, cached, seconds)``
+    and decode samples ``(streams, step seconds)``."""
+
+    prefill: dict[str, list[tuple[int, int, float]]]
+    decode: dict[str, list[tuple[int, float]]]
+    seconds: float
+
+
+def vocab_size(model_dir: str) -> int:
+    """The served model's vocabulary (its ``config.json``), or :data:`DEFAULT_VOCAB` when none is readable."""
+    try:
+        return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return DEFAULT_VOCAB
+
+
+def chosen_workers(workers: Sequence[Worker], per_role: int) -> list[Worker]:
+    """The first ``per_role`` workers of each role, in fleet order."""
+    taken: dict[Role, int] = {}
+    chosen = []
+    for worker in workers:
+        if taken.get(worker.role, 0) < per_role:
+            taken[worker.role] = taken.get(worker.role, 0) + 1
+            chosen.append(worker)
+    return chosen
+
+
+class Calibrator:
+    """Times ``workers`` through ``upstream`` into ``rates`` (the module doc)."""
+
+    def __init__(self, upstream: Upstream, rates: RateEstimator, config: ServerConfig, seed: int | None = None) -> None:
+        self.upstream = upstream
+        self.rates = rates
+        self.config = config
+        self._vocab = max(FIRST_TOKEN_ID + 1, vocab_size(config.model_dir))
+        self._rng = random.Random(seed if seed is not None else time.time_ns())
+
+    def _fresh(self, n: int) -> list[int]:
+        return [self._rng.randrange(FIRST_TOKEN_ID, self._vocab) for _ in range(n)]
+
+    def _body(self, prompt: list[int], max_tokens: int) -> dict[str, object]:
+        return {
+            "model": self.config.model_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+        }
+
+    async def _token_times(self, worker: Worker, prompt: list[int], max_tokens: int) -> list[float]:
+        """Seconds from the send to each event batch of ``worker``'s stream."""
+        started = time.perf_counter()
+        times = []
+        async with self.upstream.stream(worker, self._body(prompt, max_tokens), None) as events:
+            async for batch in events:
+                now = time.perf_counter() - started
+                times += [now] * sum(1 for data in batch if data != "[DONE]")
+        return times
+
+    async def _prefill(self, worker: Worker, samples: list[tuple[int, int, float]]) -> None:
+        limit = self.config.max_prompt_tokens or None
+        for length in self.config.calibration_prompt_tokens:
+            if limit is not None and length + CACHED_EXTENSION > limit:
+                continue
+            prompt = self._fresh(length)
+            for new, cached, tokens in (
+                (length, 0, prompt),
+                (CACHED_EXTENSION, length, prompt + self._fresh(CACHED_EXTENSION)),
+            ):
+                times = await asyncio.wait_for(self._token_times(worker, tokens, 1), PROBE_TIMEOUT_S)
+                if times:
+                    self.rates.observe_prefill(worker.name, new, cached, times[0])
+                    samples.append((new, cached, times[0]))
+
+    async def _decode(self, worker: Worker, samples: list[tuple[int, float]]) -> None:
+        for streams in self.config.calibration_decode_streams:
+            runs = await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        self._token_times(worker, self._fresh(DECODE_PROMPT_TOKENS), DECODE_TOKENS)
+                        for _ in range(streams)
+                    )
+                ),
+                PROBE_TIMEOUT_S,
+            )
+            for times in runs:  # each stream's mean gap is one sample
+                if len(times) > 1 and times[-1] > times[0]:
+                    step = (times[-1] - times[0]) / (len(times) - 1)
+                    self.rates.observe_decode(worker.name, streams, step)
+                    samples.append((streams, step))
+
+    async def run(self, workers: Sequence[Worker]) -> Calibrated:
+        """Calibrate the chosen ``workers`` one at a time; never raises for a failed probe."""
+        started = time.perf_counter()
+        prefill: dict[str, list[tuple[int, int, float]]] = {}
+        decode: dict[str, list[tuple[int, float]]] = {}
+        for worker in chosen_workers(workers, self.config.calibration_workers):
+            try:
+                await self._prefill(worker, prefill.setdefault(worker.name, []))
+                if worker.role is not Role.PREFILL:
+                    await self._decode(worker, decode.setdefault(worker.name, []))
+            except (UpstreamError, StreamBroke, TimeoutError, OSError) as exc:
+                log.warning("calibration of %s stopped (%s); it is predicted from what was measured", worker.name, exc)
+        result = Calibrated(prefill, decode, time.perf_counter() - started)
+        log.info(
+            "calibrated %d workers in %.1f s: %d prefill and %d decode samples",
+            len(prefill),
+            result.seconds,
+            sum(map(len, prefill.values())),
+            sum(map(len, decode.values())),
+        )
+        return result

@@ -1,0 +1,131 @@
+"""kvpilot.routing.serve.calibrate: the router times its engines before serving, through an
+upstream whose engine takes a known time, and its first predictions are those times."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
+from kvpilot.routing.config import Role, ServerConfig, Worker
+from kvpilot.routing.decide.rates import Prior, RateEstimator
+from kvpilot.routing.serve.calibrate import Calibrator, chosen_workers, vocab_size
+from kvpilot.routing.serve.upstream import UpstreamError
+
+PREFILL_S_PER_TOKEN = 2e-5  # 4,096 tokens: 82 ms
+PREFILL_FIXED_S = 0.004
+STEP_S = 0.003
+STEP_S_PER_STREAM = 0.001
+
+
+class TimedEngine:
+    """An upstream whose engines prefill ``PREFILL_FIXED_S + PREFILL_S_PER_TOKEN`` a new token
+    (a prompt it has seen before is cached: only the rest is new) and take ``STEP_S +
+    STEP_S_PER_STREAM`` per stream running for each decode step."""
+
+    def __init__(self, broken: frozenset[str] = frozenset()) -> None:
+        self.seen: list[tuple[int, ...]] = []
+        self.running = 0
+        self.bodies: list[dict[str, Any]] = []
+        self.broken = broken
+
+    def _cached(self, prompt: tuple[int, ...]) -> int:
+        return max((len(p) for p in self.seen if prompt[: len(p)] == p), default=0)
+
+    @asynccontextmanager
+    async def stream(
+        self, worker: Worker, body: dict[str, Any], handoff: object
+    ) -> AsyncIterator[AsyncIterator[list[str]]]:
+        if worker.name in self.broken:
+            raise UpstreamError(worker, 503, "down")
+        self.bodies.append(body)
+        prompt = tuple(body["prompt"])
+        new = len(prompt) - self._cached(prompt)
+        self.seen.append(prompt)
+
+        async def events() -> AsyncIterator[list[str]]:
+            self.running += 1
+            try:
+                await asyncio.sleep(PREFILL_FIXED_S + PREFILL_S_PER_TOKEN * new)
+                yield [json.dumps({"choices": [{"text": "a"}]})]
+                for _ in range(body["max_tokens"] - 1):
+                    await asyncio.sleep(STEP_S + STEP_S_PER_STREAM * self.running)
+                    yield [json.dumps({"choices": [{"text": "a"}]})]
+                yield ["[DONE]"]
+            finally:
+                self.running -= 1
+
+        yield events()
+
+
+def _rates() -> RateEstimator:
+    prior = Prior(model_preset("llama-8b"), kv_format_preset("bf16"), hardware_preset("h100"), link_preset("rdma"))
+    return RateEstimator(lambda _: prior)
+
+
+def _worker(name: str, role: Role = Role.COLOCATED) -> Worker:
+    return Worker(name=name, role=role, url=f"http://127.0.0.1:1/{name}")
+
+
+def test_the_first_predictions_are_the_engines_measured_times() -> None:
+    rates, engine = _rates(), TimedEngine()
+    config = ServerConfig(calibration_workers=1, calibration_prompt_tokens=[256, 1024, 4096])
+    done = asyncio.run(Calibrator(engine, rates, config, seed=1).run([_worker("w0"), _worker("w1")]))  # type: ignore[arg-type]
+    assert set(done.prefill) == {"w0"}  # one per role: w1 is predicted from w0
+    assert [(new, cached) for new, cached, _ in done.prefill["w0"]] == [
+        (256, 0),
+        (64, 256),
+        (1024, 0),
+        (64, 1024),
+        (4096, 0),
+        (64, 4096),
+    ]
+    assert all(b["ignore_eos"] and b["stream"] for b in engine.bodies)
+    for worker in ("w0", "w1"):
+        estimate = rates.prefill(worker, 2048, 0)
+        assert estimate.measured_s is not None and estimate.measured_by == "w0"
+        want = PREFILL_FIXED_S + PREFILL_S_PER_TOKEN * 2048
+        assert want / 1.5 < estimate.measured_s < want * 1.5 + 0.01  # asyncio's timer slack
+    alone = [step for streams, step in done.decode["w0"] if streams == 1]
+    beside = [step for streams, step in done.decode["w0"] if streams == 4]
+    assert len(alone) == 1 and len(beside) == 4  # a sample per stream
+    assert min(beside) > max(alone)  # four streams step slower than one
+    assert rates.decode_step("w1", 2).measured_s is not None
+
+
+def test_no_prompt_over_the_engines_limit_and_no_decode_on_a_prefill_worker() -> None:
+    engine = TimedEngine()
+    config = ServerConfig(calibration_workers=1, calibration_prompt_tokens=[256, 4096], max_prompt_tokens=2048)
+    done = asyncio.run(Calibrator(engine, _rates(), config, seed=1).run([_worker("p", Role.PREFILL)]))  # type: ignore[arg-type]
+    assert [new for new, _, _ in done.prefill["p"]] == [256, 64] and done.decode == {}
+    assert max(len(b["prompt"]) for b in engine.bodies) <= 2048
+
+
+def test_a_worker_that_fails_is_skipped_and_the_others_are_calibrated() -> None:
+    engine = TimedEngine(broken=frozenset({"d0"}))
+    config = ServerConfig(calibration_workers=1, calibration_prompt_tokens=[256])
+    workers = [_worker("d0", Role.DECODE), _worker("c0")]
+    done = asyncio.run(Calibrator(engine, _rates(), config, seed=1).run(workers))  # type: ignore[arg-type]
+    assert done.prefill["d0"] == [] and len(done.prefill["c0"]) == 2
+
+
+def test_chosen_workers_and_the_vocabulary(tmp_path: Path) -> None:
+    workers = [_worker("p0", Role.PREFILL), _worker("p1", Role.PREFILL), _worker("d0", Role.DECODE)]
+    assert [w.name for w in chosen_workers(workers, 1)] == ["p0", "d0"]
+    assert chosen_workers(workers, 0) == []
+    (tmp_path / "config.json").write_text('{"vocab_size": 500}')
+    assert vocab_size(str(tmp_path)) == 500 and vocab_size(str(tmp_path / "none")) == 32000
+
+
+@pytest.mark.parametrize("key", ["calibration_prompt_tokens", "calibration_decode_streams"])
+def test_a_count_below_one_is_refused(key: str) -> None:
+    from kvpilot.routing.config import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        ServerConfig(**{key: [4, 0]})
