@@ -86,13 +86,6 @@ less the prefix (about 125 blocks) more than an idle one that recomputes the pre
 outweighs that, where Dynamo's default 0 and kvpilot's affinity alone herded the sessions onto
 the few workers holding the prefix (2026-12-02: ITL 20.9 ms against 10.1 ms spread). The
 weight is in blocks: a full-scale trace's prefix is 4x as many."""
-KVPILOT_SESSION_COST: tuple[tuple[str, object], ...] = (
-    ("session_affinity_credit", 1000.0),
-    ("decode_active_request_weight", float(SESSION_REQUEST_WEIGHT)),
-)
-"""kvpilot's arm's ``cost`` on such a trace: the same spread, and its session affinity (a
-credit, not a pin) large enough to keep every later step on the session's worker, as
-Dynamo's hard affinity does."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,13 +117,15 @@ def arms(
     kvpilot_cost: tuple[tuple[str, object], ...] | None = None,
 ) -> list[Arm]:
     """The arms in the order they run; ``tuned_flags`` replaces the tuned arm's flags
-    and ``kvpilot_cost`` kvpilot's cost (their defaults add :data:`SESSION_FLAGS` and
-    :data:`KVPILOT_SESSION_COST` where the requests name ``sessions``)."""
+    (its default adds :data:`SESSION_FLAGS` where the requests name ``sessions``) and
+    ``kvpilot_cost`` overrides kvpilot's cost (default: none; on a trace naming sessions
+    kvpilot's own session terms spread them and keep them:
+    :mod:`kvpilot.routing.decide.residency`)."""
     if tuned_flags is None:
         tuned_flags = TUNED_DISAGG_FLAGS if disaggregated else TUNED_FLAGS
         tuned_flags += SESSION_FLAGS if sessions else ()
     if kvpilot_cost is None:
-        kvpilot_cost = KVPILOT_SESSION_COST if sessions else ()
+        kvpilot_cost = ()
     return [
         Arm(ArmName.DYNAMO_ROUND_ROBIN, "Dynamo round robin", FrontendRouting.ROUND_ROBIN),
         Arm(ArmName.DYNAMO_KV, "Dynamo KV router (defaults)", FrontendRouting.KV),

@@ -481,8 +481,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kvpilot-cost",
         type=cost_overrides,
         default=None,
-        help="kvpilot's cost section over its defaults (default: none; on a trace naming sessions, "
-        "fleet_arms.KVPILOT_SESSION_COST), comma-separated key=value "
+        help="kvpilot's cost section over its defaults (default: none), comma-separated key=value "
         "(e.g. objective=predicted_ttft,session_affinity_credit=1000; see docs/guides/router.md)",
     )
     parser.add_argument("--seed", type=int, default=20261201)

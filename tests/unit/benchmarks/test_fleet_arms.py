@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fleet.arms import KVPILOT_SESSION_COST, SESSION_FLAGS, TUNED_DISAGG_FLAGS, TUNED_FLAGS, ArmName, arms
+from fleet.arms import SESSION_FLAGS, TUNED_DISAGG_FLAGS, TUNED_FLAGS, ArmName, arms
 
 from kvpilot.deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting
 
@@ -37,13 +37,11 @@ def test_the_tuned_arm_has_the_flags_of_its_fleet_or_those_it_is_given():
     assert tuned(True, ("--router-temperature", "0.1")) == ("--router-temperature", "0.1")
 
 
-def test_on_a_trace_that_names_sessions_both_tuned_routers_spread_then_keep_them():
+def test_on_a_trace_that_names_sessions_dynamo_s_tuned_arm_spreads_and_pins_and_kvpilot_runs_its_defaults():
     chosen = {a.name: a for a in arms(disaggregated=False, sessions=True)}
     assert chosen[ArmName.DYNAMO_KV_TUNED].frontend_flags == TUNED_FLAGS + SESSION_FLAGS
-    assert chosen[ArmName.KVPILOT].router_cost == KVPILOT_SESSION_COST
+    assert chosen[ArmName.KVPILOT].router_cost == ()  # its own session terms
     assert chosen[ArmName.DYNAMO_KV].frontend_flags == () and chosen[ArmName.KVPILOT].frontend_flags == ()
-    weight = SESSION_FLAGS[SESSION_FLAGS.index("--router-decode-active-request-weight") + 1]
-    assert float(weight) == dict(KVPILOT_SESSION_COST)["decode_active_request_weight"]  # the same spread
     given = ("--router-temperature", "0.1")
     assert next(a for a in arms(False, given, True) if a.name is ArmName.DYNAMO_KV_TUNED).frontend_flags == given
     cost = (("objective", "predicted_ttft"),)
