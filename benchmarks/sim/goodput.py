@@ -20,10 +20,12 @@ kvpilot's router in the simulator (its defaults: the session terms on), and Dyna
 replay with its KV router at its defaults, with ``--dynamo-router-config`` (its best
 options for the workload, measured: ``docs/benchmarks/simulator.md``), and round robin. On
 the agent workload one more arm, ``dynamo_cost_pinned``: Dynamo's cost with its live
-session options, which its replay lacks (:data:`DYNAMO_PINNED_COST`)::
+session options, which its replay lacks (:data:`DYNAMO_PINNED_COST`). ``--ablate`` runs
+kvpilot alone with each of its session terms off instead (:data:`ABLATIONS`)::
 
     python benchmarks/sim_goodput.py --trace ../shared/traces/mooncake_synthetic_trace.jsonl --workers 64
     python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 2,3,4,5,6
+    python benchmarks/sim_goodput.py --agent --workers 64 --ablate
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ lasts about 40 s (20 steps 2 s apart), so most of them are live at once."""
 DYNAMO_AGENT_ROUTER_CONFIG = {"decode_active_request_weight": 50}
 """Dynamo's KV router options that served the agent workload best in its own replay (64
 workers, 4 sessions per worker; the search is in ``docs/benchmarks/simulator.md``)."""
-DYNAMO_PINNED_COST = {
+DYNAMO_PINNED_COST: dict[str, Any] = {
     **DYNAMO_WEIGHTS,
     "session_affinity_credit": 1e9,
     "decode_active_request_weight": 800.0,
@@ -68,6 +70,14 @@ first step's worker, here an affinity credit no cost outweighs) and a request we
 spreads the sessions (``--router-decode-active-request-weight``; 800 blocks: 200, 2,000 and
 5,000 measured alike or worse). Run by kvpilot's router in the simulator with kvpilot's own
 session terms off, the arm ``dynamo_cost_pinned``."""
+
+
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "residency": {"session_residency_weight": 0.0},
+    "stay_rule": {"session_stays_unless_sooner": False},
+}
+"""kvpilot's cost with one session term off: a first step priced without the sessions living
+on each worker; a later step left to Dynamo's cost and the affinity credit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,15 +264,25 @@ def main(argv: list[str] | None = None) -> int:
         help="Dynamo's KV router options for its tuned arm (JSON; default with --agent: "
         f"{json.dumps(DYNAMO_AGENT_ROUTER_CONFIG)}; none with --trace: no tuned arm)",
     )
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help="also kvpilot with each session term off (where its margin comes from); no Dynamo arms",
+    )
     parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-sim-goodput.json"))
     args = parser.parse_args(argv)
     tuned = args.dynamo_router_config or (DYNAMO_AGENT_ROUTER_CONFIG if args.agent else None)
-    arms: dict[str, Arm] = {"kvpilot": simulated_arm(), "dynamo_kv": dynamo_arm("kv_router")}
-    if tuned:
-        arms["dynamo_kv_tuned"] = dynamo_arm("kv_router", tuned)
-    if args.agent:
-        arms["dynamo_cost_pinned"] = simulated_arm(DYNAMO_PINNED_COST)
-    arms["dynamo_round_robin"] = dynamo_arm("round_robin")
+    arms: dict[str, Arm] = {"kvpilot": simulated_arm()}
+    if args.ablate:
+        arms.update({f"kvpilot_without_{term}": simulated_arm(cost) for term, cost in ABLATIONS.items()})
+        tuned = None
+    else:
+        arms["dynamo_kv"] = dynamo_arm("kv_router")
+        if tuned:
+            arms["dynamo_kv_tuned"] = dynamo_arm("kv_router", tuned)
+        if args.agent:
+            arms["dynamo_cost_pinned"] = simulated_arm(DYNAMO_PINNED_COST)
+        arms["dynamo_round_robin"] = dynamo_arm("round_robin")
     if args.agent:
         per_worker = [float(n) for n in args.sessions_per_worker.split(",")]
         points = list(agent_points(args.workers, per_worker, args.json))
@@ -271,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         points = list(mooncake_points(args.trace, args.max_requests, speedups, args.json))
     results = sweep(points, args.workers, arms)
     goodputs = {arm: goodput([SweepPoint(p["rate_rps"], p["attainment"]) for p in ps]) for arm, ps in results.items()}
-    baseline = "dynamo_kv_tuned" if tuned else "dynamo_kv"
+    baseline = "dynamo_kv_tuned" if tuned else next(iter(arms.keys() - {"kvpilot"}))
     result: dict[str, Any] = {
         "goodput_rps": goodputs,
         "ratios": {"baseline": baseline, **ratios(goodputs, results, baseline)},
