@@ -26,6 +26,7 @@ kvpilot alone with each of its session terms off instead (:data:`ABLATIONS`)::
     python benchmarks/sim_goodput.py --trace ../shared/traces/mooncake_synthetic_trace.jsonl --workers 64
     python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 2,3,4,5,6
     python benchmarks/sim_goodput.py --agent --workers 64 --ablate
+    python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 4 --search-dynamo '[{}, ...]'
 """
 
 from __future__ import annotations
@@ -269,11 +270,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also kvpilot with each session term off (where its margin comes from); no Dynamo arms",
     )
+    parser.add_argument(
+        "--search-dynamo",
+        type=json.loads,
+        help="instead of the arms: Dynamo's replay with its KV router under each of these option sets "
+        "(a JSON list of KvRouterConfig dicts, e.g. '[{}, {\"decode_active_request_weight\": 50}]')",
+    )
     parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-sim-goodput.json"))
     args = parser.parse_args(argv)
     tuned = args.dynamo_router_config or (DYNAMO_AGENT_ROUTER_CONFIG if args.agent else None)
     arms: dict[str, Arm] = {"kvpilot": simulated_arm()}
-    if args.ablate:
+    if args.search_dynamo is not None:
+        arms = {json.dumps(options): dynamo_arm("kv_router", options) for options in args.search_dynamo}
+        tuned = None
+    elif args.ablate:
         arms.update({f"kvpilot_without_{term}": simulated_arm(cost) for term, cost in ABLATIONS.items()})
         tuned = None
     else:
@@ -292,9 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     results = sweep(points, args.workers, arms)
     goodputs = {arm: goodput([SweepPoint(p["rate_rps"], p["attainment"]) for p in ps]) for arm, ps in results.items()}
     baseline = "dynamo_kv_tuned" if tuned else next(iter(arms.keys() - {"kvpilot"}))
+    compared = "kvpilot" in arms and len(arms) > 1
     result: dict[str, Any] = {
         "goodput_rps": goodputs,
-        "ratios": {"baseline": baseline, **ratios(goodputs, results, baseline)},
+        "ratios": {"baseline": baseline, **ratios(goodputs, results, baseline)} if compared else None,
         "points": results,
         "slo": {"ttft_x_floor": TTFT_SLO_X, "itl_x_idle": ITL_SLO_X, "attainment": ATTAINMENT},
         "workers": args.workers,
@@ -316,12 +327,16 @@ def table(result: dict[str, Any]) -> str:
         cells = "; ".join(f"{p['rate_rps']:.1f}: {p['attainment']:.3f} ({p['mean_ttft_ms']:.0f})" for p in points)
         lines.append(f"| {arm} | {result['goodput_rps'][arm]:.1f} | {cells} |")
     r = result["ratios"]
+    compared = (
+        f" kvpilot against {r['baseline']}: goodput {r['goodput']:.2f}x; mean TTFT at {r['at_rate_rps']:.1f} "
+        f"req/s {r['mean_ttft_at_baseline_goodput']:.2f}x."
+        if r
+        else ""
+    )
     return (
         f"{result['workload']}, {result['workers']} workers; SLOs: TTFT at most {result['slo']['ttft_x_floor']:g}x the "
         f"floor, ITL at most {result['slo']['itl_x_idle']:g}x an idle worker's, met by "
-        f"{result['slo']['attainment']:.0%} of requests. kvpilot against {r['baseline']}: goodput "
-        f"{r['goodput']:.2f}x; mean TTFT at {r['at_rate_rps']:.1f} req/s "
-        f"{r['mean_ttft_at_baseline_goodput']:.2f}x.\n\n" + "\n".join(lines)
+        f"{result['slo']['attainment']:.0%} of requests.{compared}\n\n" + "\n".join(lines)
     )
 
 
