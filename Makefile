@@ -53,6 +53,12 @@ bench: setup
 	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \
 		--trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64
 	.venv/bin/python benchmarks/sim_goodput.py --trace ../shared/traces/mooncake_synthetic_trace.jsonl --workers 64
+	for w in 64 256; do .venv/bin/python benchmarks/sim_goodput.py --agent --workers $$w \
+		--json /tmp/kvpilot-sim-goodput-agent-$$w.json || exit 1; done
+	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 1024 --sessions-per-worker 1 \
+		--json /tmp/kvpilot-sim-goodput-agent-1024.json
+	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 1,2,3,4,5 --ablate \
+		--json /tmp/kvpilot-sim-goodput-agent-64-ablate.json
 	.venv/bin/python benchmarks/bench_dynamo_connections.py
 	.venv/bin/python benchmarks/bench_router_scale.py
 	.venv/bin/python benchmarks/bench_idle_cpu.py
