@@ -112,9 +112,12 @@ def simulate(
     arrival_speedup: float = 1.0,
     kv_event_lag_ms: float = 0.0,
     requests_out: list[SimRequest] | None = None,
+    trace_block_tokens: int = TRACE_BLOCK_TOKENS,
 ) -> Report:
     """Run ``trace`` through ``workers`` engines of ``spec``; ``placement`` places each request.
-    ``requests_out`` (when given) receives every request, in trace order, as it ended."""
+    ``requests_out`` (when given) receives every request, in trace order, as it ended.
+    ``trace_block_tokens``: the tokens each hash id stands for (a trace scaled as the live
+    fleet benchmark's ``--tokens-per-hash`` scales it)."""
     engines = [SimEngine(spec) for _ in range(workers)]
     events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload): PASS_END, KV_EVENTS, ARRIVAL
     order = 0
@@ -127,7 +130,7 @@ def simulate(
             rid,
             entry.input_length,
             max(1, entry.output_length),
-            block_names(entry, spec.block_size),
+            block_names(entry, spec.block_size, trace_block_tokens),
             (entry.timestamp_ms - first_ms) / arrival_speedup,
             entry.hash_ids,
             entry.session_id,
