@@ -39,20 +39,25 @@ def replay_rows(
     mode: RouterMode,
     arrival_speedup: float = 1.0,
     router_config: dict[str, Any] | None = None,
+    trace_block_size: int | None = None,
+    speedup_ratio: float = 1.0,
 ) -> list[dict[str, Any]]:
     """Dynamo's replay of ``trace`` with ``router_mode`` ``mode`` (and, for its KV router, the
-    options ``router_config``: ``KvRouterConfig``'s names): its per-request records."""
+    options ``router_config``: ``KvRouterConfig``'s names; ``trace_block_size``: the tokens a
+    hash id stands for, when not the Mooncake 512; ``speedup_ratio``: the mockers'): its
+    per-request records."""
     os.environ.setdefault("DYN_LOG", "warn")  # its KV router logs every decision at info
     from dynamo._core import KvRouterConfig
     from dynamo.replay import run_trace_replay
 
     report = run_trace_replay(
         str(trace),
-        extra_engine_args={"engine": {"block_size": block_size}},
+        extra_engine_args={"engine": {"block_size": block_size, "speedup_ratio": speedup_ratio}},
         num_workers=workers,
         router_mode=mode,
         router_config=KvRouterConfig.from_json(json.dumps(router_config)) if router_config else None,
         arrival_speedup_ratio=arrival_speedup,
+        trace_block_size=trace_block_size,
         capture_per_request=True,
     )
     rows = report.per_request

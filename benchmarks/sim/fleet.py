@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fleet.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, TraceRequest
 
 from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, Stored
 
@@ -45,14 +45,17 @@ class Placement(Protocol):
     def finished(self, request: SimRequest) -> None: ...
 
 
-def block_names(entry: TraceRequest, block_size: int, trace_block_tokens: int = TRACE_BLOCK_TOKENS) -> list[object]:
-    """The names of ``entry``'s full engine blocks: each names its prefix of hash ids and its
+def block_names(
+    prompt_len: int, hash_ids: Sequence[int], block_size: int, tokens_per_hash: int = TRACE_BLOCK_TOKENS
+) -> list[object]:
+    """The names of the full engine blocks of a ``prompt_len``-token prompt whose hash ids
+    stand for ``tokens_per_hash`` tokens each: each names its prefix of hash ids and its
     place within the last one."""
-    per = trace_block_tokens // block_size
+    per = tokens_per_hash // block_size
     names: list[object] = []
     parent: object = None
-    for j in range(entry.input_length // block_size):
-        parent = hash((parent, entry.hash_ids[j // per], j % per))
+    for j in range(prompt_len // block_size):
+        parent = hash((parent, hash_ids[j // per], j % per))
         names.append(parent)
     return names
 
@@ -112,12 +115,16 @@ def simulate(
     arrival_speedup: float = 1.0,
     kv_event_lag_ms: float = 0.0,
     requests_out: list[SimRequest] | None = None,
-    trace_block_tokens: int = TRACE_BLOCK_TOKENS,
+    tokens_per_hash: int = TRACE_BLOCK_TOKENS,
+    closed_loop_sessions: bool = True,
 ) -> Report:
     """Run ``trace`` through ``workers`` engines of ``spec``; ``placement`` places each request.
     ``requests_out`` (when given) receives every request, in trace order, as it ended.
-    ``trace_block_tokens``: the tokens each hash id stands for (a trace scaled as the live
-    fleet benchmark's ``--tokens-per-hash`` scales it)."""
+    ``tokens_per_hash``: the tokens each hash id stands for, every prompt scaled as the live
+    fleet benchmark's ``--tokens-per-hash`` scales it (:class:`fleet.trace.PromptShape`).
+    ``closed_loop_sessions``: a session's turn is sent when its previous one ended plus the
+    gap between their timestamps (as Dynamo's replay sends it); False: at its own timestamp
+    (as the live fleet benchmark does)."""
     engines = [SimEngine(spec) for _ in range(workers)]
     events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload): PASS_END, KV_EVENTS, ARRIVAL
     order = 0
@@ -125,12 +132,14 @@ def simulate(
     next_turn: dict[int, tuple[SimRequest, float]] = {}  # a turn's request id -> its session's next turn, its gap
     last_turn: dict[str, tuple[SimRequest, float]] = {}  # a session -> its latest turn, that turn's timestamp
     first_ms = trace[0].timestamp_ms if trace else 0  # arrivals count from the first request
+    shape = PromptShape(tokens_per_hash, spec.block_size)
     for rid, entry in enumerate(trace):
+        prompt_len = shape.input_tokens(entry)
         request = SimRequest(
             rid,
-            entry.input_length,
+            prompt_len,
             max(1, entry.output_length),
-            block_names(entry, spec.block_size, trace_block_tokens),
+            block_names(prompt_len, entry.hash_ids, spec.block_size, tokens_per_hash),
             (entry.timestamp_ms - first_ms) / arrival_speedup,
             entry.hash_ids,
             entry.session_id,
@@ -139,7 +148,7 @@ def simulate(
         previous = last_turn.get(entry.session_id) if entry.session_id is not None else None
         if entry.session_id is not None:
             last_turn[entry.session_id] = (request, request.arrival_ms)
-        if previous is not None:  # sent when the previous turn ends, after the gap between their timestamps
+        if previous is not None and closed_loop_sessions:  # sent when the previous turn ends, after the gap
             next_turn[previous[0].rid] = (request, request.arrival_ms - previous[1])
             continue
         heapq.heappush(events, (request.arrival_ms, order, ARRIVAL, request))

@@ -8,7 +8,7 @@ A request of a session is routed with its session id (the router's session state
 and resting sessions, at virtual time), and the router is told it was served at its end.
 
 A request's tokens are what Dynamo's replay synthesizes: each trace hash id repeated
-``trace_block_tokens`` times, cut at the prompt's length.
+``tokens_per_hash`` times, cut at the prompt's length.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class KvpilotPlacement:
         spec: EngineSpec,
         cost: Mapping[str, Any] | None = None,
         seed: int = 0,
-        trace_block_tokens: int = TRACE_BLOCK_TOKENS,
+        tokens_per_hash: int = TRACE_BLOCK_TOKENS,
     ) -> None:
         rows = [{"name": f"w{i}", "role": "colocated", "url": f"http://127.0.0.1:1/w{i}"} for i in range(workers)]
         config = msgspec.convert(
@@ -60,7 +60,7 @@ class KvpilotPlacement:
             fleet, config, self.index, self.ledger, SessionStore(spec.block_size, SESSIONS), None, random.Random(seed)
         )
         self.block_size = spec.block_size
-        self.trace_block_tokens = trace_block_tokens
+        self.tokens_per_hash = tokens_per_hash
         self._tokens: dict[int, np.ndarray] = {}
         self._routes: dict[int, Route] = {}
 
@@ -69,7 +69,7 @@ class KvpilotPlacement:
         tokens = self._tokens.get(request.rid)
         if tokens is None:
             ids = np.asarray(request.hash_ids, dtype=np.uint32)
-            tokens = np.repeat(ids, self.trace_block_tokens)[: request.prompt_len]
+            tokens = np.repeat(ids, self.tokens_per_hash)[: request.prompt_len]
         return tokens
 
     def place(self, request: SimRequest, workers: Sequence[SimEngine]) -> int:

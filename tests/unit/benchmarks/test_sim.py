@@ -133,3 +133,30 @@ def test_kvpilot_places_each_agent_for_its_later_steps_and_keeps_it_there() -> N
     moved = sum(len(set(workers)) > 1 for workers in dynamos.values())
     crowded = max(Counter(workers[0] for workers in dynamos.values()).values())
     assert moved > 0 and crowded > 2, (moved, crowded)
+
+
+def test_a_live_run_is_predicted_arm_by_arm_on_its_scaled_trace(tmp_path: Path) -> None:
+    """``sim_live.py`` on a fleet results file: its trace scaled as the run scaled it, each
+    arm predicted by its counterpart, next to what the run measured."""
+    from agent.trace import AgentShape, agent_trace, to_jsonl
+    from sim.live import predict, table
+
+    trace = tmp_path / "agent.jsonl"
+    trace.write_text(to_jsonl(agent_trace(AgentShape(sessions=4, steps=3, shared_prefix=4096))))
+    measured = {"ttft_mean_s": 0.05, "itl_mean_s": 0.002, "frontend_ttft_mean_s": 0.04}
+    results = {
+        "run": {
+            "argv": ["benchmarks/bench_fleet.py", "--rate-scale", "2"],
+            "workload": {"trace": str(trace), "requests": 12, "tokens_per_hash": 128, "block_size": 32},
+            "fleet": {"workers": 2},
+            "speedup": 1.0,
+            "kvpilot_cost": {},
+        },
+        "kvpilot": measured,
+        "dynamo_round_robin": measured,
+    }
+    rows = predict(results, tmp_path)
+    assert [r["arm"] for r in rows] == ["kvpilot", "dynamo_round_robin"]
+    for row in rows:
+        assert 0 < row["predicted"]["mean_ttft_ms"] < 10_000 and row["live"]["mean_ttft_ms"] == 50.0
+    assert "kvpilot's router, simulated" in table(rows)
