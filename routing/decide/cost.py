@@ -81,6 +81,10 @@ def tier_overlap(
     >>> tier_overlap({"GPU": 10, "CPU": 25}, {"GPU": TierClass.GPU, "CPU": TierClass.HOST})
     TierOverlap(gpu=10, host=15, disk=0, shared=0)
     """
+    if len(depths) == 1:  # the common case, once per matched worker: GPU alone
+        ((tier, depth),) = depths.items()
+        if tier_classes.get(tier) is TierClass.GPU:
+            return TierOverlap(depth, 0, 0, max(0, shared_depth - depth))
     best = dict.fromkeys(_TIER_ORDER, 0)
     for tier, depth in depths.items():
         klass = tier_classes.get(tier)

@@ -341,17 +341,37 @@ class BlockIndex(EventApplier):
                     depths[entry.bit] = hit
         n, get = chain.num_blocks, masks.get
         keys = chain.keys(max(depths.values(), default=0) + 1)
-        walk = get(keys[0], 0)
+        starts: dict[int, int] = {}  # depth -> the slots' bits resuming there
+        resumed = 0
         for bitno, depth in depths.items():
             if depth:
-                walk |= 1 << bitno
-        for bitno in _bits(walk):  # forward from each slot's depth: O(blocks gained)
-            bit, depth = 1 << bitno, depths.get(bitno, 0)
-            while depth < n:
-                if depth == len(keys):
-                    keys = chain.keys(2 * depth + 64)
-                if not get(keys[depth], 0) & bit:
-                    break
-                depth += 1
-            depths[bitno] = depth
-        return {bitno: depth for bitno, depth in depths.items() if depth}
+                starts[depth] = starts.get(depth, 0) | (1 << bitno)
+                resumed |= 1 << bitno
+        fresh = get(keys[0], 0) & ~resumed  # slots that now hold the first block
+        if fresh:
+            starts[0] = fresh
+        # Forward from each slot's depth, the slots at one depth as one mask: O(depths
+        # walked), not O(slots) (a fleet's every worker holds the shared prefix).
+        found: dict[int, int] = {}
+        order = sorted(starts)
+        alive, depth, k = 0, 0, 0
+        while k < len(order) or alive:
+            if not alive:
+                depth = order[k]
+            while k < len(order) and order[k] == depth:
+                alive |= starts[order[k]]
+                k += 1
+            if depth >= n:
+                break
+            if depth >= len(keys):
+                keys = chain.keys(2 * depth + 64)
+            held = alive & get(keys[depth], 0)
+            if depth:
+                for bitno in _bits(alive & ~held):
+                    found[bitno] = depth
+            alive, depth = held, depth + 1
+        for rest in order[k:]:  # slots already at least ``n`` deep
+            alive |= starts[rest]
+        for bitno in _bits(alive):
+            found[bitno] = n
+        return found
