@@ -35,6 +35,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,15 +146,34 @@ class Point:
         return len(self.trace) / (span_s / self.speedup)
 
 
-Latencies = tuple[list[float], list[float | None]]
-"""Per request in :func:`arrival_order`: TTFT (ms) and mean ITL (ms; ``None`` for one token)."""
-Arm = Callable[[Point, int], Latencies]
+@dataclass(frozen=True, slots=True)
+class Served:
+    """Per request in :func:`arrival_order`: TTFT (ms), mean ITL (ms; ``None`` for one
+    token) and the worker that decoded it."""
+
+    ttft_ms: list[float]
+    itl_ms: list[float | None]
+    workers: list[int]
+
+
+Arm = Callable[[Point, int], Served]
+
+
+def turns(trace: Sequence[TraceRequest]) -> list[tuple[str | None, int]]:
+    """Each request's session and its place in it (0 first; every request of no session is 0)."""
+    seen: Counter[str | None] = Counter()
+    out = []
+    for entry in trace:
+        out.append((entry.session_id, seen[entry.session_id] if entry.session_id is not None else 0))
+        if entry.session_id is not None:
+            seen[entry.session_id] += 1
+    return out
 
 
 def simulated_arm(cost: dict[str, Any] | None = None) -> Arm:
     """kvpilot's router in the simulator, its ``cost`` section ``cost`` (its defaults: ``None``)."""
 
-    def run(point: Point, workers: int) -> Latencies:
+    def run(point: Point, workers: int) -> Served:
         requests: list[SimRequest] = []
         placement = KvpilotPlacement(workers, DEFAULT_SPEC, cost)
         simulate(point.trace, workers, placement, arrival_speedup=point.speedup, requests_out=requests)
@@ -162,20 +182,54 @@ def simulated_arm(cost: dict[str, Any] | None = None) -> Arm:
         itl: list[float | None] = [
             (r.token_ms[-1] - r.token_ms[0]) / (len(r.token_ms) - 1) if len(r.token_ms) > 1 else None for r in ordered
         ]
-        return ttft, itl
+        return Served(ttft, itl, [placement.placed[r.rid] for r in ordered])
 
     return run
 
 
 def dynamo_arm(mode: RouterMode, router_config: dict[str, Any] | None = None) -> Arm:
-    """Dynamo's replay with ``router_mode`` ``mode`` (and KV router options ``router_config``)."""
+    """Dynamo's replay with ``router_mode`` ``mode`` (and KV router options ``router_config``).
+    Its records are paired with the trace's requests by session and turn (its arrivals of a
+    session's later turns are its own), else by arrival, prompt and output length."""
 
-    def run(point: Point, workers: int) -> Latencies:
+    def run(point: Point, workers: int) -> Served:
         rows = replay_rows(point.path, workers, DEFAULT_SPEC.block_size, mode, point.speedup, router_config)
-        by_order = sorted(rows, key=lambda r: (r["arrival_time_ms"], r["input_length"], r["requested_output_length"]))
-        return [r["ttft_ms"] for r in by_order], [r["itl_ms"] if r["output_length"] > 1 else None for r in by_order]
+        order = arrival_order(point.trace)
+        if any(e.session_id for e in point.trace):
+            by_turn = {(r["session_id"], r["turn_index"]): r for r in rows}
+            keys = turns(point.trace)
+            ordered = [by_turn[keys[i]] for i in order]
+        else:
+            ordered = sorted(
+                rows, key=lambda r: (r["arrival_time_ms"], r["input_length"], r["requested_output_length"])
+            )
+        return Served(
+            [r["ttft_ms"] for r in ordered],
+            [r["itl_ms"] if r["output_length"] > 1 else None for r in ordered],
+            [r["decode_worker_idx"] for r in ordered],
+        )
 
     return run
+
+
+def placement_stats(trace: Sequence[TraceRequest], workers: Sequence[int]) -> dict[str, int]:
+    """Of ``workers`` (per request in :func:`arrival_order`): the later steps of a session sent
+    to another worker than its previous step (each one prefills the history again), and the
+    most sessions whose first step went to one worker."""
+    keys = turns(trace)
+    last: dict[str, int] = {}
+    firsts: Counter[int] = Counter()
+    moved = 0
+    for i, worker in zip(arrival_order(trace), workers, strict=True):
+        session, turn = keys[i]
+        if session is None:
+            continue
+        if turn == 0:
+            firsts[worker] += 1
+        elif last.get(session, worker) != worker:
+            moved += 1
+        last[session] = worker
+    return {"moved_steps": moved, "most_sessions_on_one_worker": max(firsts.values(), default=0)}
 
 
 def mooncake_points(path: Path, max_requests: int | None, speedups: Sequence[float], out: Path) -> Iterator[Point]:
@@ -204,14 +258,16 @@ def agent_points(workers: int, sessions_per_worker: Sequence[float], out: Path) 
 
 
 def sweep(points: Sequence[Point], workers: int, arms: dict[str, Arm]) -> dict[str, list[dict[str, Any]]]:
-    """Every arm at every point, one run at a time: attainment, mean and p99 TTFT, mean ITL."""
+    """Every arm at every point, one run at a time: attainment, mean and p99 TTFT, mean ITL,
+    and where the sessions went (:func:`placement_stats`)."""
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
     for point in points:
         unordered = floor(point.trace)
         order = arrival_order(point.trace)
         base = Floor([unordered.ttft_ms[i] for i in order], [unordered.itl_ms[i] for i in order])
         for name, arm in arms.items():
-            ttft, itl = arm(point, workers)
+            served = arm(point, workers)
+            ttft, itl = served.ttft_ms, served.itl_ms
             results[name].append(
                 {
                     "label": point.label,
@@ -221,6 +277,7 @@ def sweep(points: Sequence[Point], workers: int, arms: dict[str, Arm]) -> dict[s
                     "p99_ttft_ms": percentile(ttft, 0.99),
                     "mean_itl_ms": statistics.fmean(i for i in itl if i is not None),
                     "floor_mean_ttft_ms": statistics.fmean(base.ttft_ms),
+                    **placement_stats(point.trace, served.workers),
                 }
             )
         print(

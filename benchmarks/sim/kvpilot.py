@@ -63,6 +63,8 @@ class KvpilotPlacement:
         self.tokens_per_hash = tokens_per_hash
         self._tokens: dict[int, np.ndarray] = {}
         self._routes: dict[int, Route] = {}
+        self.placed: dict[int, int] = {}
+        """Each request's worker (its index), by request id."""
 
     def tokens(self, request: SimRequest) -> np.ndarray:
         """``request``'s synthesized prompt (kept from its placement to its end)."""
@@ -84,7 +86,8 @@ class KvpilotPlacement:
         self.ledger.dispatch(
             str(request.rid), route.prefill_worker.name, route.decode.name, route.chain, route.cached_blocks
         )
-        return self._position[route.decode.name]
+        position = self.placed[request.rid] = self._position[route.decode.name]
+        return position
 
     def kv_events(self, worker: int, stored: list[Stored], evicted: list[object]) -> None:
         name, bs = self.names[worker], self.block_size

@@ -108,15 +108,13 @@ def _placements(cost: dict[str, object]) -> dict[str, list[int]]:
     from sim.fleet import DEFAULT_SPEC
     from sim.kvpilot import KvpilotPlacement
 
-    class Recorded(KvpilotPlacement):
-        def place(self, request, workers):  # type: ignore[no-untyped-def]
-            index = super().place(request, workers)
-            steps.setdefault(request.session, []).append(index)
-            return index
-
-    steps: dict[str, list[int]] = {}
     trace = agent_trace(AgentShape(sessions=16, steps=6, shared_prefix=16_000, session_gap_s=0.5))
-    simulate(trace, 8, Recorded(8, DEFAULT_SPEC, cost))
+    placement = KvpilotPlacement(8, DEFAULT_SPEC, cost)
+    simulate(trace, 8, placement)
+    steps: dict[str, list[int]] = {}
+    for rid, entry in enumerate(trace):
+        assert entry.session_id is not None
+        steps.setdefault(entry.session_id, []).append(placement.placed[rid])
     return steps
 
 
@@ -160,3 +158,16 @@ def test_a_live_run_is_predicted_arm_by_arm_on_its_scaled_trace(tmp_path: Path) 
     for row in rows:
         assert 0 < row["predicted"]["mean_ttft_ms"] < 10_000 and row["live"]["mean_ttft_ms"] == 50.0
     assert "kvpilot's router, simulated" in table(rows)
+
+
+def test_placement_stats_count_moves_and_the_most_crowded_worker() -> None:
+    from fleet.trace import TraceRequest
+    from sim.goodput import placement_stats, turns
+
+    def step(at: int, session: str) -> TraceRequest:
+        return TraceRequest(at, 100, 10, (1,), session)
+
+    trace = [step(0, "a"), step(1, "b"), step(2, "a"), step(3, "b"), step(4, "a")]
+    assert turns(trace) == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2)]
+    # a: 0 -> 0 -> 1 (one move); b: 0 -> 2 (one move); both first steps on worker 0
+    assert placement_stats(trace, [0, 0, 0, 2, 1]) == {"moved_steps": 2, "most_sessions_on_one_worker": 2}
