@@ -378,10 +378,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(result: dict[str, Any]) -> str:
-    """Goodput per arm, and each arm's attainment and mean TTFT at each offered rate."""
-    lines = ["| arm | goodput req/s | offered req/s: SLO attainment (mean TTFT ms) |", "|---|---:|---|"]
+    """Goodput per arm, and each arm's attainment and mean TTFT at each offered rate (and,
+    on a trace with sessions, where they went: :func:`placement_stats`)."""
+    placed = any("moved_steps" in p for points in result["points"].values() for p in points)
+    what = "mean TTFT ms; steps moved, most sessions on one worker" if placed else "mean TTFT ms"
+    lines = [f"| arm | goodput req/s | offered req/s: SLO attainment ({what}) |", "|---|---:|---|"]
     for arm, points in result["points"].items():
-        cells = "; ".join(f"{p['rate_rps']:.1f}: {p['attainment']:.3f} ({p['mean_ttft_ms']:.0f})" for p in points)
+        cells = "; ".join(
+            f"{p['rate_rps']:.1f}: {p['attainment']:.3f} ({p['mean_ttft_ms']:.0f}"
+            + (f"; {p['moved_steps']}, {p['most_sessions_on_one_worker']}" if placed and "moved_steps" in p else "")
+            + ")"
+            for p in points
+        )
         lines.append(f"| {arm} | {result['goodput_rps'][arm]:.1f} | {cells} |")
     r = result["ratios"]
     compared = (
