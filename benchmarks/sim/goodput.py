@@ -259,9 +259,10 @@ def agent_points(workers: int, sessions_per_worker: Sequence[float], out: Path) 
 
 def sweep(points: Sequence[Point], workers: int, arms: dict[str, Arm]) -> dict[str, list[dict[str, Any]]]:
     """Every arm at every point, one run at a time: attainment, mean and p99 TTFT, mean ITL,
-    and where the sessions went (:func:`placement_stats`)."""
+    and, on a trace with sessions, where they went (:func:`placement_stats`)."""
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
     for point in points:
+        sessions = any(e.session_id for e in point.trace)
         unordered = floor(point.trace)
         order = arrival_order(point.trace)
         base = Floor([unordered.ttft_ms[i] for i in order], [unordered.itl_ms[i] for i in order])
@@ -277,7 +278,7 @@ def sweep(points: Sequence[Point], workers: int, arms: dict[str, Arm]) -> dict[s
                     "p99_ttft_ms": percentile(ttft, 0.99),
                     "mean_itl_ms": statistics.fmean(i for i in itl if i is not None),
                     "floor_mean_ttft_ms": statistics.fmean(base.ttft_ms),
-                    **placement_stats(point.trace, served.workers),
+                    **(placement_stats(point.trace, served.workers) if sessions else {}),
                 }
             )
         print(
@@ -386,7 +387,7 @@ def table(result: dict[str, Any]) -> str:
     for arm, points in result["points"].items():
         cells = "; ".join(
             f"{p['rate_rps']:.1f}: {p['attainment']:.3f} ({p['mean_ttft_ms']:.0f}"
-            + (f"; {p['moved_steps']}, {p['most_sessions_on_one_worker']}" if placed and "moved_steps" in p else "")
+            + (f"; {p['moved_steps']}, {p['most_sessions_on_one_worker']}" if "moved_steps" in p else "")
             + ")"
             for p in points
         )
