@@ -12,8 +12,12 @@ For one request the :class:`Router`:
    is named ``"P->D"``; it is credited with P's overlap (P prefills), loaded with
    P's active prefill blocks and D's decode blocks and requests, earns the session credit if D served the session
    last (after a step the newest KV lives on D, article section 9.2), and is
-   charged its recent transfer failures and transfer time (``pair_penalty``);
-4. asks :class:`~kvpilot.routing.decide.cost.CostModel` to pick one (seeded RNG);
+   charged its recent transfer failures and transfer time (``pair_penalty``); a session's
+   first step (and a request of no session) is charged the blocks of the sessions living on
+   D (:mod:`~kvpilot.routing.decide.residency`: placed for its later steps);
+4. asks :class:`~kvpilot.routing.decide.cost.CostModel` to pick one (seeded RNG; a
+   session's later step stays on its worker unless another starts it sooner:
+   :func:`~kvpilot.routing.decide.cost.eligible`);
 5. for a pair, asks ``kvpilot.policies.disaggregation`` whether to prefill locally on D
    (D's cached prefix, P's cached prefix and queue, D's KV usage from the
    ledger or D's own ``/metrics``, the larger) or remotely on P (conditional
@@ -242,7 +246,7 @@ class Router:
         self._tiers = config.index.tiers
         self._options = _Options.of(fleet)
         self.residency = Residency(config.sessions.resident_s)
-        """Sessions between steps, by the worker their next step is expected on."""
+        """The sessions living on each worker (a session's first step is charged for them)."""
 
     def set_fleet(self, fleet: Fleet) -> None:
         """Route over ``fleet`` from the next request on (workers joined or left the
@@ -462,9 +466,8 @@ class Router:
     ) -> None:
         """Record that ``route``'s decode worker now holds the session's newest KV (the
         session lives there, :attr:`residency`, until ``sessions.resident_s`` after ``now``,
-        Unix seconds), and, when its
-        returned ``decode_params`` offer that KV to a peer (vLLM's bidirectional mode), the
-        offer for the session's next step."""
+        Unix seconds), and, when its returned ``decode_params`` offer that KV to a peer
+        (vLLM's bidirectional mode), the offer for the session's next step."""
         if session is None:
             return
         if now is not None:
@@ -529,9 +532,10 @@ class Router:
         now: float | None,
     ) -> CandidateTable:
         """The ``kept`` options (rows of :class:`_Options`) as cost columns: per worker,
-        arrays filled from the sparse overlaps, loads and resting sessions, then gathered
-        per option (a pair: P's overlap and active prefill blocks, D's decode load and
-        resting sessions; its session credit if D served the session last, its ``pair_penalty``)."""
+        arrays filled from the sparse overlaps, loads and living sessions, then gathered
+        per option (a pair: P's overlap and active prefill blocks, D's decode load and, unless
+        this is a session's later step, the sessions living on D; its session credit if D
+        served the session last, its ``pair_penalty``)."""
         opts = self._options
         idle = overlaps.default_factory
         assert idle is not None
