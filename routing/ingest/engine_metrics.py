@@ -132,6 +132,17 @@ def parse_engine_load(text: str, at: float) -> EngineLoad | None:
     return EngineLoad(sums[_RUNNING], sums[_WAITING], usage, at, TransferCounters(**transfer), RateCounters(**rates))
 
 
+async def read_engine_load(http: aiohttp.ClientSession, worker: Worker, timeout_s: float = 5.0) -> EngineLoad | None:
+    """``worker``'s ``/metrics`` now, parsed; ``None`` when unreadable (no error raised)."""
+    try:
+        async with http.get(f"{worker.url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                return None
+            return parse_engine_load(await resp.text(), time.monotonic())
+    except (asyncio.TimeoutError, aiohttp.ClientError, UnicodeDecodeError):
+        return None
+
+
 class EngineLoadPoller:
     """Polls every worker's ``/metrics`` each ``interval_s``; keeps the last good sample.
 

@@ -67,7 +67,7 @@ from kvpilot.routing.ids import SessionId, WorkerId, pair_name
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.index.kvindex import KVIndex
 from kvpilot.routing.ingest.dynamo_discovery import DynamoDiscovery
-from kvpilot.routing.ingest.engine_metrics import EngineLoadPoller
+from kvpilot.routing.ingest.engine_metrics import EngineLoadPoller, read_engine_load
 from kvpilot.routing.ingest.feeder import IndexFeeder
 from kvpilot.routing.metrics.collectors import (
     EngineLoadCollector,
@@ -327,11 +327,17 @@ class RouterServer:
             self._background.append(asyncio.create_task(self.engine_load.run(self._http)))
 
     async def _calibrate(self) -> None:
-        """Time the engines before serving (:mod:`kvpilot.routing.serve.calibrate`); beside
-        Dynamo only its decode and aggregated workers (its frontend streams from those)."""
+        """Time the engines before serving (:mod:`kvpilot.routing.serve.calibrate`), each
+        engine's prefill as its traffic's is timed (by its ``/metrics`` where they are
+        polled); beside Dynamo only its decode and aggregated workers (its frontend streams
+        from those)."""
         assert self._proxy is not None
         workers = [w for w in self.fleet.workers if not (self.config.dynamo.enabled and w.role is Role.PREFILL)]
-        self.calibrated = await Calibrator(self._proxy.upstream, self.rates, self.config.server).run(workers)
+        http = self._http
+        assert http is not None
+        metrics = None if self.engine_load is None else (lambda worker: read_engine_load(http, worker))
+        calibrator = Calibrator(self._proxy.upstream, self.rates, self.config.server, read_metrics=metrics)
+        self.calibrated = await calibrator.run(workers)
 
     async def _stop(self, _: web.Application) -> None:
         for task in self._background:

@@ -5,9 +5,13 @@ Per role (prefill, decode, co-located), the first ``server.calibration_workers``
 a time (an engine timed alone), through the upstream a routed request takes:
 
 - **prefill**: for each length ``L`` of ``server.calibration_prompt_tokens``, a prompt of ``L``
-  fresh token ids answered with one token (its TTFT: ``L`` tokens prefilled from nothing),
-  then the same prompt with :data:`CACHED_EXTENSION` more (those few prefilled after ``L``
-  cached);
+  fresh token ids answered with one token (``L`` tokens prefilled from nothing), then the
+  same prompt with :data:`CACHED_EXTENSION` more (those few prefilled after ``L`` cached).
+  Each is timed as the worker's traffic is: a prefill worker's by its TTFT (the proxy times
+  P's one-token prefills so), a worker whose prefills the router learns from its own
+  ``/metrics`` by those metrics, read before and after the probe
+  (:func:`kvpilot.routing.decide.rates.observe_interval`: the engine's own prefill time,
+  without the HTTP around it; mixing the two would blend two measures in one fit);
 - **decode** (not on prefill workers): for each ``B`` of ``server.calibration_decode_streams``,
   ``B`` streams at once of :data:`DECODE_TOKENS` tokens on short fresh prompts; the mean gap
   between a stream's tokens is one sample of the decode step beside ``B - 1`` others.
@@ -26,12 +30,13 @@ import json
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvpilot.routing.config import Role, ServerConfig, Worker
-from kvpilot.routing.decide.rates import RateEstimator
+from kvpilot.routing.decide.rates import RateEstimator, observe_interval
+from kvpilot.routing.health.engine_load import EngineLoad
 from kvpilot.routing.serve.upstream import StreamBroke, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -76,13 +81,27 @@ def chosen_workers(workers: Sequence[Worker], per_role: int) -> list[Worker]:
     return chosen
 
 
-class Calibrator:
-    """Times ``workers`` through ``upstream`` into ``rates`` (the module doc)."""
+MetricsReader = Callable[[Worker], Awaitable[EngineLoad | None]]
+"""A worker's ``/metrics`` now (``None`` when unreadable)."""
 
-    def __init__(self, upstream: Upstream, rates: RateEstimator, config: ServerConfig, seed: int | None = None) -> None:
+
+class Calibrator:
+    """Times ``workers`` through ``upstream`` into ``rates`` (the module doc). With
+    ``read_metrics``, the prefills of every worker but a prefill worker are timed by the
+    worker's own metrics, as its traffic's are."""
+
+    def __init__(
+        self,
+        upstream: Upstream,
+        rates: RateEstimator,
+        config: ServerConfig,
+        seed: int | None = None,
+        read_metrics: MetricsReader | None = None,
+    ) -> None:
         self.upstream = upstream
         self.rates = rates
         self.config = config
+        self.read_metrics = read_metrics
         self._vocab = max(FIRST_TOKEN_ID + 1, vocab_size(config.model_dir))
         self._rng = random.Random(seed if seed is not None else time.time_ns())
 
@@ -118,10 +137,25 @@ class Calibrator:
                 (length, 0, prompt),
                 (CACHED_EXTENSION, length, prompt + self._fresh(CACHED_EXTENSION)),
             ):
-                times = await asyncio.wait_for(self._token_times(worker, tokens, 1), PROBE_TIMEOUT_S)
-                if times:
-                    self.rates.observe_prefill(worker.name, new, cached, times[0])
-                    samples.append((new, cached, times[0]))
+                seconds = await asyncio.wait_for(self._prefill_seconds(worker, tokens, new, cached), PROBE_TIMEOUT_S)
+                if seconds is not None:
+                    samples.append((new, cached, seconds))
+
+    async def _prefill_seconds(self, worker: Worker, prompt: list[int], new: int, cached: int) -> float | None:
+        """One probe's prefill, fed to the rates as the worker's traffic's is (module doc)."""
+        if self.read_metrics is None or worker.role is Role.PREFILL:
+            times = await self._token_times(worker, prompt, 1)
+            if not times:
+                return None
+            self.rates.observe_prefill(worker.name, new, cached, times[0])
+            return times[0]
+        before = await self.read_metrics(worker)
+        await self._token_times(worker, prompt, 1)
+        after = await self.read_metrics(worker)
+        if before is None or after is None or after.rates.prefill_requests <= before.rates.prefill_requests:
+            return None
+        observe_interval(self.rates, worker.name, before, after)
+        return after.rates.prefill_seconds - before.rates.prefill_seconds
 
     async def _decode(self, worker: Worker, samples: list[tuple[int, float]]) -> None:
         for streams in self.config.calibration_decode_streams:

@@ -4,6 +4,7 @@ upstream whose engine takes a known time, and its first predictions are those ti
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,6 +16,7 @@ import pytest
 from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from kvpilot.routing.config import Role, ServerConfig, Worker
 from kvpilot.routing.decide.rates import Prior, RateEstimator
+from kvpilot.routing.health.engine_load import EngineLoad, RateCounters
 from kvpilot.routing.serve.calibrate import Calibrator, chosen_workers, vocab_size
 from kvpilot.routing.serve.upstream import UpstreamError
 
@@ -129,3 +131,45 @@ def test_a_count_below_one_is_refused(key: str) -> None:
 
     with pytest.raises(ConfigError, match=key):
         ServerConfig(**{key: [4, 0]})
+
+
+class MetricsEngine(TimedEngine):
+    """A :class:`TimedEngine` that also counts its prefills as vLLM's ``/metrics`` do: the
+    engine's own prefill time, without the HTTP around it (here: half the TTFT)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counters = RateCounters()
+
+    @asynccontextmanager
+    async def stream(
+        self, worker: Worker, body: dict[str, Any], handoff: object
+    ) -> AsyncIterator[AsyncIterator[list[str]]]:
+        prompt = tuple(body["prompt"])
+        new = len(prompt) - self._cached(prompt)
+        async with super().stream(worker, body, handoff) as events:
+            yield events
+        c = self.counters
+        self.counters = dataclasses.replace(
+            c,
+            prefill_seconds=c.prefill_seconds + (PREFILL_FIXED_S + PREFILL_S_PER_TOKEN * new) / 2,
+            prefill_requests=c.prefill_requests + 1,
+            computed_tokens=c.computed_tokens + new,
+            cached_tokens=c.cached_tokens + len(prompt) - new,
+        )
+
+    async def read(self, worker: Worker) -> EngineLoad:
+        return EngineLoad(running=0, waiting=0, kv_usage=0.0, at=0.0, rates=self.counters)
+
+
+def test_a_worker_timed_by_its_metrics_is_calibrated_by_them_and_a_prefill_worker_by_its_ttft() -> None:
+    """D's traffic is timed by its ``/metrics`` (engine time), P's by the proxy (its TTFT):
+    each probe is timed the same way, so one fit never mixes the two measures."""
+    rates, engine = _rates(), MetricsEngine()
+    config = ServerConfig(calibration_workers=1, calibration_prompt_tokens=[1024, 4096], calibration_decode_streams=[])
+    workers = [_worker("p", Role.PREFILL), _worker("d", Role.DECODE)]
+    done = asyncio.run(Calibrator(engine, rates, config, seed=1, read_metrics=engine.read).run(workers))  # type: ignore[arg-type]
+    by_metrics = {new: seconds for new, _, seconds in done.prefill["d"]}
+    assert by_metrics[4096] == pytest.approx((PREFILL_FIXED_S + PREFILL_S_PER_TOKEN * 4096) / 2)
+    by_ttft = {new: seconds for new, _, seconds in done.prefill["p"]}
+    assert by_ttft[4096] > PREFILL_FIXED_S + PREFILL_S_PER_TOKEN * 4096  # the TTFT: all of it
