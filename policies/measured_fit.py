@@ -78,14 +78,27 @@ class LinearFit:
     min_samples: int = MIN_SAMPLES
     flat_spread_ok: bool = False
     _rows: deque[tuple[tuple[float, ...], float]] = field(init=False)
+    _provisional: deque[bool] = field(init=False)
+    """Per row (in step with ``_rows``): whether it was added provisionally."""
     _fitted: tuple[tuple[float, ...] | None] | None = field(init=False, default=None)
     """The last :meth:`coefficients`, until the next :meth:`add` (each route asks many times)."""
 
     def __post_init__(self) -> None:
         self._rows = deque(maxlen=self.window)
+        self._provisional = deque(maxlen=self.window)
 
-    def add(self, features: Sequence[float], y: float) -> None:
+    def add(self, features: Sequence[float], y: float, *, provisional: bool = False) -> None:
+        """One sample. A ``provisional`` one (a calibration probe's, timed before any
+        traffic) stands in until ``min_samples`` samples that are not have arrived, and is
+        then dropped: probes are not the traffic, and kept in the window they would blend
+        into its fit (their lengths, not the traffic's, would set its curve)."""
         self._rows.append((tuple(float(f) for f in features), float(y)))
+        self._provisional.append(provisional)
+        if not provisional and any(self._provisional):
+            kept = [row for row, flag in zip(self._rows, self._provisional, strict=True) if not flag]
+            if len(kept) >= self.min_samples:
+                self._rows = deque(kept, maxlen=self.window)
+                self._provisional = deque([False] * len(kept), maxlen=self.window)
         self._fitted = None
 
     def __len__(self) -> int:

@@ -207,17 +207,21 @@ class RateEstimator:
         return self._fit(self._transfer, engine, spread=1)
 
     # ---- samples -----------------------------------------------------------------
-    def observe_prefill(self, engine: str, new: float, cached: float, seconds: float) -> None:
+    def observe_prefill(
+        self, engine: str, new: float, cached: float, seconds: float, *, provisional: bool = False
+    ) -> None:
         """``engine`` prefilled ``new`` tokens after ``cached`` ones in ``seconds`` (a
         request, or the mean request of a poll interval). Non-positive ``new`` or
-        ``seconds`` is ignored."""
+        ``seconds`` is ignored. ``provisional``: a calibration probe's, dropped once the
+        engine's traffic gave the model enough samples (:meth:`LinearFit.add`)."""
         if new > 0 and seconds > 0:
-            self._prefill_fit(engine).add(prefill_features(round(new), round(cached)), seconds)
+            self._prefill_fit(engine).add(prefill_features(round(new), round(cached)), seconds, provisional=provisional)
 
-    def observe_decode(self, engine: str, streams: float, step_s: float) -> None:
-        """``engine`` took ``step_s`` per decode step with ``streams`` running."""
+    def observe_decode(self, engine: str, streams: float, step_s: float, *, provisional: bool = False) -> None:
+        """``engine`` took ``step_s`` per decode step with ``streams`` running
+        (``provisional`` as for :meth:`observe_prefill`)."""
         if streams > 0 and step_s > 0:
-            self._decode_fit(engine).add(_decode_features(streams), step_s)
+            self._decode_fit(engine).add(_decode_features(streams), step_s, provisional=provisional)
 
     def observe_sample(self, engine: str, sample: EngineLoad, *, prefill: bool = True) -> None:
         """``engine``'s newest poll: the interval since its previous one becomes samples
@@ -318,7 +322,13 @@ class RateEstimator:
 
 
 def observe_interval(
-    estimator: RateEstimator, engine: str, before: EngineLoad, after: EngineLoad, *, prefill: bool = True
+    estimator: RateEstimator,
+    engine: str,
+    before: EngineLoad,
+    after: EngineLoad,
+    *,
+    prefill: bool = True,
+    provisional: bool = False,
 ) -> None:
     """Feed ``estimator`` what ``engine`` did between two polls of its counters.
 
@@ -332,6 +342,7 @@ def observe_interval(
       when the interval loaded no KV over the connector (a request waiting for its KV
       would count the wait as prefill). Pass ``prefill=False`` for an engine whose
       prefills the router times itself (P: :meth:`RateEstimator.observe_prefill`).
+      ``provisional``: the interval was a calibration probe (:meth:`RateEstimator.observe_prefill`).
 
     Any counter that went down (the engine restarted) skips the interval."""
     d = {name: getattr(after.rates, name) - getattr(before.rates, name) for name in RateCounters.__dataclass_fields__}
@@ -341,12 +352,14 @@ def observe_interval(
         return
     if d["decode_steps"] > 0:
         streams = max(1.0, (before.running + after.running) / 2)
-        estimator.observe_decode(engine, streams, d["decode_step_seconds"] / d["decode_steps"])
+        estimator.observe_decode(engine, streams, d["decode_step_seconds"] / d["decode_steps"], provisional=provisional)
     if d["reads"] > 0:
         estimator.observe_transfer(engine, d["reads"], d["external_tokens"], d["read_seconds"], d["read_bytes"])
     if prefill and d["prefill_requests"] > 0 and d["external_tokens"] == 0:
         n = d["prefill_requests"]
-        estimator.observe_prefill(engine, d["computed_tokens"] / n, d["cached_tokens"] / n, d["prefill_seconds"] / n)
+        estimator.observe_prefill(
+            engine, d["computed_tokens"] / n, d["cached_tokens"] / n, d["prefill_seconds"] / n, provisional=provisional
+        )
 
 
 PREFILL_TIMEOUT_FACTOR = 3.0

@@ -327,17 +327,15 @@ class RouterServer:
             self._background.append(asyncio.create_task(self.engine_load.run(self._http)))
 
     async def _calibrate(self) -> None:
-        """Time the engines before serving (:mod:`kvpilot.routing.serve.calibrate`), each
-        engine's prefill as its traffic's is timed (by its ``/metrics`` where they are
-        polled); beside Dynamo only its decode and aggregated workers (its frontend streams
-        from those)."""
+        """Time the decode and co-located engines before serving
+        (:mod:`kvpilot.routing.serve.calibrate`), each prefill as its traffic's is timed (by
+        the engine's ``/metrics`` where they are polled)."""
         assert self._proxy is not None
-        workers = [w for w in self.fleet.workers if not (self.config.dynamo.enabled and w.role is Role.PREFILL)]
         http = self._http
         assert http is not None
         metrics = None if self.engine_load is None else (lambda worker: read_engine_load(http, worker))
         calibrator = Calibrator(self._proxy.upstream, self.rates, self.config.server, read_metrics=metrics)
-        self.calibrated = await calibrator.run(workers)
+        self.calibrated = await calibrator.run(self.fleet.workers)
 
     async def _stop(self, _: web.Application) -> None:
         for task in self._background:

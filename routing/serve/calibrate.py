@@ -1,26 +1,31 @@
 """Calibration before ready: the router times its engines itself before it serves, so its
 first predictions are measurements, not the roofline prior of a preset GPU.
 
-Per role (prefill, decode, co-located), the first ``server.calibration_workers`` workers, one at
-a time (an engine timed alone), through the upstream a routed request takes:
+Per role (decode, co-located), the first ``server.calibration_workers`` workers, one at a
+time (an engine timed alone), through the upstream a routed request takes:
 
 - **prefill**: for each length ``L`` of ``server.calibration_prompt_tokens``, a prompt of ``L``
   fresh token ids answered with one token (``L`` tokens prefilled from nothing), then the
   same prompt with :data:`CACHED_EXTENSION` more (those few prefilled after ``L`` cached).
-  Each is timed as the worker's traffic is: a prefill worker's by its TTFT (the proxy times
-  P's one-token prefills so), a worker whose prefills the router learns from its own
-  ``/metrics`` by those metrics, read before and after the probe
-  (:func:`kvpilot.routing.decide.rates.observe_interval`: the engine's own prefill time,
-  without the HTTP around it; mixing the two would blend two measures in one fit);
-- **decode** (not on prefill workers): for each ``B`` of ``server.calibration_decode_streams``,
-  ``B`` streams at once of :data:`DECODE_TOKENS` tokens on short fresh prompts; the mean gap
-  between a stream's tokens is one sample of the decode step beside ``B - 1`` others.
+  Each is timed as the worker's traffic is: by the engine's own ``/metrics`` where the router
+  polls them, read before and after the probe
+  (:func:`kvpilot.routing.decide.rates.observe_interval`: the engine's prefill time, without
+  the HTTP around it), else (beside Dynamo) by its TTFT, as the proxy times requests there;
+- **decode**: for each ``B`` of ``server.calibration_decode_streams``, ``B`` streams at once of
+  :data:`DECODE_TOKENS` tokens on short fresh prompts; the mean gap between a stream's tokens
+  is one sample of the decode step beside ``B - 1`` others.
 
-The samples go to :class:`kvpilot.routing.decide.rates.RateEstimator` as traffic's would; the
-engines the calibration did not reach are predicted from those it did (one model, the rates'
-fallback). A probe that fails or outlasts :data:`PROBE_TIMEOUT_S` is skipped and logged:
-the router then serves on what it has. Fresh ids are drawn from a seeded RNG per start, below
-the model's vocabulary (``config.json``'s ``vocab_size``), so no probe finds another's blocks.
+The samples are provisional: they price the first requests, and each model drops them once
+the engine's own traffic gave it enough samples (probes are not the traffic: kept in the
+window, their lengths would bend its fit; :meth:`kvpilot.policies.measured_fit.LinearFit.add`).
+Prefill workers are not probed: the proxy times P on real handoffs (its one-token prefill for
+a remote decode), and a plain request costs P less than that (no KV held for a peer), so
+probes would underprice the remote path (measured: an e2e check then chose remote prefill
+where local was 25% faster). Until P's own handoffs are timed, P is predicted from the
+calibrated workers' fit (one model, the rates' fallback), as every uncalibrated engine is.
+A probe that fails or outlasts :data:`PROBE_TIMEOUT_S` is skipped and logged: the router then
+serves on what it has. Fresh ids are drawn from a seeded RNG per start, below the model's
+vocabulary (``config.json``'s ``vocab_size``), so no probe finds another's blocks.
 """
 
 from __future__ import annotations
@@ -87,8 +92,7 @@ MetricsReader = Callable[[Worker], Awaitable[EngineLoad | None]]
 
 class Calibrator:
     """Times ``workers`` through ``upstream`` into ``rates`` (the module doc). With
-    ``read_metrics``, the prefills of every worker but a prefill worker are timed by the
-    worker's own metrics, as its traffic's are."""
+    ``read_metrics``, prefills are timed by each worker's own metrics, as its traffic's are."""
 
     def __init__(
         self,
@@ -143,18 +147,18 @@ class Calibrator:
 
     async def _prefill_seconds(self, worker: Worker, prompt: list[int], new: int, cached: int) -> float | None:
         """One probe's prefill, fed to the rates as the worker's traffic's is (module doc)."""
-        if self.read_metrics is None or worker.role is Role.PREFILL:
+        if self.read_metrics is None:
             times = await self._token_times(worker, prompt, 1)
             if not times:
                 return None
-            self.rates.observe_prefill(worker.name, new, cached, times[0])
+            self.rates.observe_prefill(worker.name, new, cached, times[0], provisional=True)
             return times[0]
         before = await self.read_metrics(worker)
         await self._token_times(worker, prompt, 1)
         after = await self.read_metrics(worker)
         if before is None or after is None or after.rates.prefill_requests <= before.rates.prefill_requests:
             return None
-        observe_interval(self.rates, worker.name, before, after)
+        observe_interval(self.rates, worker.name, before, after, provisional=True)
         return after.rates.prefill_seconds - before.rates.prefill_seconds
 
     async def _decode(self, worker: Worker, samples: list[tuple[int, float]]) -> None:
@@ -171,19 +175,20 @@ class Calibrator:
             for times in runs:  # each stream's mean gap is one sample
                 if len(times) > 1 and times[-1] > times[0]:
                     step = (times[-1] - times[0]) / (len(times) - 1)
-                    self.rates.observe_decode(worker.name, streams, step)
+                    self.rates.observe_decode(worker.name, streams, step, provisional=True)
                     samples.append((streams, step))
 
     async def run(self, workers: Sequence[Worker]) -> Calibrated:
-        """Calibrate the chosen ``workers`` one at a time; never raises for a failed probe."""
+        """Calibrate the chosen ``workers`` (prefill workers never: module doc) one at a time;
+        never raises for a failed probe."""
         started = time.perf_counter()
         prefill: dict[str, list[tuple[int, int, float]]] = {}
         decode: dict[str, list[tuple[int, float]]] = {}
-        for worker in chosen_workers(workers, self.config.calibration_workers):
+        probed = [w for w in workers if w.role is not Role.PREFILL]
+        for worker in chosen_workers(probed, self.config.calibration_workers):
             try:
                 await self._prefill(worker, prefill.setdefault(worker.name, []))
-                if worker.role is not Role.PREFILL:
-                    await self._decode(worker, decode.setdefault(worker.name, []))
+                await self._decode(worker, decode.setdefault(worker.name, []))
             except (UpstreamError, StreamBroke, TimeoutError, OSError) as exc:
                 log.warning("calibration of %s stopped (%s); it is predicted from what was measured", worker.name, exc)
         result = Calibrated(prefill, decode, time.perf_counter() - started)

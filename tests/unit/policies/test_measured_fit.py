@@ -95,3 +95,18 @@ def test_a_fixed_cost_that_dominates_is_kept_when_the_slope_comes_out_negative()
     coef = fit.coefficients()
     assert coef is not None and coef[0] == pytest.approx(0.05, rel=0.05) and coef[1] == 0.0
     assert fit.predict(prefill_features(1152, 0)) == pytest.approx(0.05, rel=0.05)
+
+
+def test_provisional_rows_price_until_enough_real_ones_then_leave_the_fit() -> None:
+    """Calibration's probes stand in for traffic, then leave: kept, they would bend the
+    traffic's fit (here a probe set on another line entirely)."""
+    fit = LinearFit(spread_feature=1, min_samples=4)
+    for x in (1.0, 2.0, 3.0, 4.0):
+        fit.add((1.0, x), 10.0 * x, provisional=True)  # the probes: y = 10 x
+    assert fit.coefficients() == pytest.approx((0.0, 10.0), abs=1e-9)
+    for x in (1.0, 2.0, 3.0):
+        fit.add((1.0, x), 1.0 + x)  # traffic: y = 1 + x, not enough of it yet
+    assert len(fit) == 7
+    fit.add((1.0, 4.0), 5.0)  # the fourth: the probes leave
+    assert len(fit) == 4
+    assert fit.coefficients() == pytest.approx((1.0, 1.0), abs=1e-9)
