@@ -552,10 +552,11 @@ class Router:
             if row is not None:
                 per_worker_load[row, 3] = depth
         per_worker_resident = np.zeros(len(opts.workers))
-        for worker, blocks in self.residency.blocks(now).items():
-            row = opts.rows.get(worker)
-            if row is not None:
-                per_worker_resident[row] = blocks
+        if last is None:  # a session's later step is not charged for the sessions living on D
+            for worker, blocks in self.residency.blocks(now).items():
+                row = opts.rows.get(worker)
+                if row is not None:
+                    per_worker_resident[row] = blocks
         prefill_rows, decode_rows = opts.prefill_rows[kept], opts.decode_rows[kept]
         load = per_worker_load[decode_rows]
         load[:, 0] = per_worker_load[prefill_rows, 0]
@@ -578,7 +579,7 @@ class Router:
             load,
             decode_rows == (last_row if last_row is not None else -1),
             penalty,
-            per_worker_resident[decode_rows] if last is None else np.zeros(len(kept)),
+            per_worker_resident[decode_rows],
             predicted,
         )
 
