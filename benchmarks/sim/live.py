@@ -34,7 +34,7 @@ from fleet.trace import PromptShape, TraceRequest, load_trace
 from provenance import describe, provenance
 
 from sim.compare import DYNAMO_WEIGHTS, replay_rows
-from sim.engine import EngineSpec, SimRequest
+from sim.engine import EngineSpec
 from sim.fleet import Placement, RoundRobin, simulate
 from sim.kvpilot import KvpilotPlacement
 
@@ -50,20 +50,11 @@ def _summary(ttft_ms: list[float], itl_ms: list[float]) -> dict[str, float]:
 def _simulated(
     trace: list[TraceRequest], workers: int, placement: Placement, spec: EngineSpec, rate: float, tph: int
 ) -> dict[str, float]:
-    requests: list[SimRequest] = []
-    simulate(
-        trace,
-        workers,
-        placement,
-        spec,
-        arrival_speedup=rate,
-        requests_out=requests,
-        tokens_per_hash=tph,
-        closed_loop_sessions=False,
+    report = simulate(
+        trace, workers, placement, spec, arrival_speedup=rate, tokens_per_hash=tph, closed_loop_sessions=False
     )
-    ttft = [r.first_token_ms - r.arrival_ms for r in requests if r.first_token_ms is not None]
-    itl = [(r.token_ms[-1] - r.token_ms[0]) / (len(r.token_ms) - 1) for r in requests if len(r.token_ms) > 1]
-    return _summary(ttft, itl)
+    summary = report.summary()
+    return {key: summary[key] for key in ("mean_ttft_ms", "mean_itl_ms")}
 
 
 def predict(results: dict[str, Any], scratch: Path) -> list[dict[str, Any]]:
