@@ -168,6 +168,17 @@ class SimEngine:
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.spec.block_size)
 
+    def _prefill_chunk(
+        self, request: SimRequest, budget: int, stored: list[Stored], chunks: list[tuple[int, int]]
+    ) -> int:
+        """Compute ``request``'s next prefill chunk (at most ``budget`` tokens) in this pass,
+        noting it in ``chunks``; returns its tokens."""
+        chunk = min(request.prompt_len - request.computed, budget)
+        chunks.append((request.computed, chunk))
+        request.computed += chunk
+        self._grow(request, stored)
+        return chunk
+
     def _grow(self, request: SimRequest, stored: list[Stored]) -> None:
         """``request`` has computed ``request.computed`` tokens: its full prompt blocks are cached
         (new ones are stored), the rest of its sequence is private blocks."""
@@ -199,7 +210,7 @@ class SimEngine:
         spec = self.spec
         budget = spec.max_num_batched_tokens
         stored: list[Stored] = []
-        prefill_n = prefill_isl = prefill_prefix = 0
+        chunks: list[tuple[int, int]] = []  # per prefilling request: tokens computed before the pass, its chunk
         decoding_context = 0
         decoding = False
         emitting: list[SimRequest] = []
@@ -207,13 +218,7 @@ class SimEngine:
             if budget <= 0:
                 break
             if request.prefilling:
-                chunk = min(request.prompt_len - request.computed, budget)
-                prefill_n += 1
-                prefill_isl += request.computed + chunk
-                prefill_prefix += request.computed
-                request.computed += chunk
-                budget -= chunk
-                self._grow(request, stored)
+                budget -= self._prefill_chunk(request, budget, stored, chunks)
                 if request.computed >= request.prompt_len:  # its prefill ends in this pass
                     emitting.append(request)
             else:
@@ -230,17 +235,13 @@ class SimEngine:
                 break
             self.waiting.popleft()
             head.computed = head.reused_tokens = cached * spec.block_size
-            chunk = min(head.prompt_len - head.computed, budget)
-            prefill_n += 1
-            prefill_isl += head.computed + chunk
-            prefill_prefix += head.computed
-            head.computed += chunk
-            budget -= chunk
             self.running.append(head)
-            self._grow(head, stored)
+            budget -= self._prefill_chunk(head, budget, stored, chunks)
             if not head.prefilling:
                 emitting.append(head)
-        tokens = prefill_n * (prefill_isl // prefill_n - prefill_prefix // prefill_n) if prefill_n else 0
+        n = len(chunks)
+        isl, prefix = sum(before + chunk for before, chunk in chunks), sum(before for before, _ in chunks)
+        tokens = n * (isl // n - prefix // n) if n else 0
         utilization = decoding_context / (spec.num_gpu_blocks * spec.block_size)
         duration = prefill_ms(tokens) + (decode_ms(utilization) if decoding else 0.0)
         evicted, self.evicted = self.evicted, []
