@@ -132,15 +132,24 @@ def parse_engine_load(text: str, at: float) -> EngineLoad | None:
     return EngineLoad(sums[_RUNNING], sums[_WAITING], usage, at, TransferCounters(**transfer), RateCounters(**rates))
 
 
-async def read_engine_load(http: aiohttp.ClientSession, worker: Worker, timeout_s: float = 5.0) -> EngineLoad | None:
-    """``worker``'s ``/metrics`` now, parsed; ``None`` when unreadable (no error raised)."""
+async def read_engine_load(
+    http: aiohttp.ClientSession,
+    worker: Worker,
+    timeout: aiohttp.ClientTimeout,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[EngineLoad | None, str | None]:
+    """``worker``'s ``/metrics`` now (stamped by ``clock``), parsed, or why not
+    (``http_<status>``, ``no_kv_usage``, ``timeout``, ``connection``); never raises."""
     try:
-        async with http.get(f"{worker.url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with http.get(f"{worker.url}/metrics", timeout=timeout) as resp:
             if resp.status != 200:
-                return None
-            return parse_engine_load(await resp.text(), time.monotonic())
-    except (asyncio.TimeoutError, aiohttp.ClientError, UnicodeDecodeError):
-        return None
+                return None, f"http_{resp.status}"
+            sample = parse_engine_load(await resp.text(), clock())
+            return (sample, None) if sample is not None else (None, "no_kv_usage")
+    except asyncio.TimeoutError:
+        return None, "timeout"
+    except (aiohttp.ClientError, UnicodeDecodeError):
+        return None, "connection"
 
 
 class EngineLoadPoller:
@@ -183,23 +192,11 @@ class EngineLoadPoller:
             await asyncio.sleep(self.interval_s)
 
     async def _poll(self, http: aiohttp.ClientSession, worker: Worker, timeout: aiohttp.ClientTimeout) -> None:
-        reason = None
-        try:
-            async with http.get(f"{worker.url}/metrics", timeout=timeout) as resp:
-                if resp.status != 200:
-                    reason = f"http_{resp.status}"
-                else:
-                    sample = parse_engine_load(await resp.text(), self._clock())
-                    if sample is None:
-                        reason = "no_kv_usage"
-                    else:
-                        self._samples[worker.name] = sample
-                        if self._on_sample is not None:
-                            self._on_sample(worker.name, sample)
-        except asyncio.TimeoutError:
-            reason = "timeout"
-        except (aiohttp.ClientError, UnicodeDecodeError):
-            reason = "connection"
+        sample, reason = await read_engine_load(http, worker, timeout, self._clock)
+        if sample is not None:
+            self._samples[worker.name] = sample
+            if self._on_sample is not None:
+                self._on_sample(worker.name, sample)
         if reason is None:
             self._failing.discard(worker.name)
             return

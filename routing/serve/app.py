@@ -51,6 +51,7 @@ from kvpilot.routing.config import (
     RouterConfig,
     SessionConfig,
     SessionStoreKind,
+    Worker,
     prior_model,
 )
 from kvpilot.routing.decide.ledger import LoadLedger
@@ -333,7 +334,12 @@ class RouterServer:
         assert self._proxy is not None
         http = self._http
         assert http is not None
-        metrics = None if self.engine_load is None else (lambda worker: read_engine_load(http, worker))
+        timeout = aiohttp.ClientTimeout(total=5.0)
+
+        async def metrics_now(worker: Worker) -> EngineLoad | None:
+            return (await read_engine_load(http, worker, timeout))[0]
+
+        metrics = None if self.engine_load is None else metrics_now
         calibrator = Calibrator(self._proxy.upstream, self.rates, self.config.server, read_metrics=metrics)
         self.calibrated = await calibrator.run(self.fleet.workers)
 
