@@ -80,7 +80,7 @@ from kvpilot.routing.metrics.collectors import (
 )
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
 from kvpilot.routing.serve.admission import Admission, Rejected, check_ttft_slo
-from kvpilot.routing.serve.calibrate import Calibrated, Calibrator
+from kvpilot.routing.serve.calibrate import Calibrator
 from kvpilot.routing.serve.chat import ChatError, ChatTemplate, chat_to_completion_body
 from kvpilot.routing.serve.proxy import Proxy, ProxyRequest, error_reply
 from kvpilot.routing.serve.refusals import BadRequest, RejectReason
@@ -265,9 +265,6 @@ class RouterServer:
             self.metrics.registry.register(collector)
         self._http: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
-        self.calibrated: Calibrated | None = None
-        """What the calibration before serving measured (``None`` until it ran, or with
-        ``disaggregation.measured_rates`` off)."""
         self.discovery: DynamoDiscovery | None = None
         self._api_key = _api_key(config.server.api_key_env)
         engine_key = _api_key(config.server.engine_api_key_env, "server.engine_api_key_env")
@@ -341,7 +338,7 @@ class RouterServer:
 
         metrics = None if self.engine_load is None else metrics_now
         calibrator = Calibrator(self._proxy.upstream, self.rates, self.config.server, read_metrics=metrics)
-        self.calibrated = await calibrator.run(self.fleet.workers)
+        await calibrator.run(self.fleet.workers)  # it logs what it measured; the rates hold it
 
     async def _stop(self, _: web.Application) -> None:
         for task in self._background:
