@@ -70,11 +70,14 @@ KVPILOT_DEFAULT = LocalPrefillConfig(decode_busy_kv_usage=0.9, compare_costs=Tru
 
 @dataclass(frozen=True, slots=True)
 class MeasuredTimes:
-    """Measured seconds of the local prefill on D and of the remote path (P's queue,
-    P's prefill, D's read), which replace the roofline's in :meth:`LocalVsRemotePolicy.decide`."""
+    """Measured predicted TTFTs of the local path (D prefills) and of the remote path
+    (P's queue and prefill, D's read), each with D's first step and the overhead
+    measured around that path, and D's prefill alone (what a local prefill stalls D's
+    running streams for); they replace the roofline's in :meth:`LocalVsRemotePolicy.decide`."""
 
     local_s: float
     remote_s: float
+    local_prefill_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +132,11 @@ class LocalVsRemotePolicy:
         c = self.config
         eff = prompt.effective_tokens
         if measured is not None:
-            local_s, remote_s = measured.local_s, measured.remote_s
+            local_s, remote_s, local_prefill_s = measured.local_s, measured.remote_s, measured.local_prefill_s
         else:
-            local_s = prefill(self.model, self.fmt, self.d_hw, eff, prompt.d_cached_tokens).seconds
+            local_s = local_prefill_s = prefill(self.model, self.fmt, self.d_hw, eff, prompt.d_cached_tokens).seconds
             remote_s = remote_prefill_seconds(self.model, self.fmt, self.p_hw, self.link, prompt)
-        stall_s = local_s if decode.running_streams else 0.0
+        stall_s = local_prefill_s if decode.running_streams else 0.0
         checks: list[tuple[bool, str]] = []
         if c.max_local_tokens is not None:
             checks.append((eff < c.max_local_tokens, f"effective prompt {eff} vs limit {c.max_local_tokens}"))
@@ -158,7 +161,8 @@ class LocalVsRemotePolicy:
                     ),
                 )
             )
-            checks.append((local_s <= remote_s, "local cheaper" if local_s <= remote_s else "remote cheaper"))
+            cheaper = "local cheaper" if local_s <= remote_s else "remote cheaper"
+            checks.append((local_s <= remote_s, f"{cheaper}: {local_s * 1e3:.1f} ms vs {remote_s * 1e3:.1f} ms"))
         where = Where.LOCAL if all(ok for ok, _ in checks) else Where.REMOTE
         reasons = tuple(f"{'ok' if ok else 'NO'}: {text}" for ok, text in checks)
         return LocalRemoteDecision(where, local_s, remote_s, stall_s, reasons, guards_ok)

@@ -408,8 +408,10 @@ class Router:
         return prices if despite is None else tuple(despite if p is local else p for p in prices)
 
     def _measured(self, p: Worker, d: Worker, prompt: PromptState, decode: DecodeState) -> MeasuredTimes | None:
-        """The local prefill on D and the remote path through P, from the measured rates
-        (each term measured where it can be, else its prior); ``None`` while they are off."""
+        """The predicted TTFTs of the local prefill on D and of the remote path through P,
+        from the measured rates (each term measured where it can be, else its prior; each
+        path with its own measured overhead: the terms a request's TTFT is predicted by);
+        ``None`` while they are off."""
         if self.rates is None:
             return None
         local = predict_ttft(
@@ -432,7 +434,7 @@ class Router:
             transfer_tokens=prompt.effective_tokens,
             streams=decode.running_streams,
         )
-        return MeasuredTimes(local.prefill_s, remote.prefill_s + remote.transfer.seconds)
+        return MeasuredTimes(local.seconds, remote.seconds, local.prefill_s)
 
     def _measured_price(
         self,
@@ -442,8 +444,9 @@ class Router:
         loads: PromptLoads,
         decode: DecodeState,
     ) -> OptionPrice:
-        """``price`` with its seconds from the measured rates (queue, prefill, D's read of the
-        KV it moves), or as it is while they are off or the option is unavailable."""
+        """``price`` with its seconds the predicted TTFT from the measured rates (queue,
+        prefill, D's read of the KV it moves, D's first step, the path's overhead), or as it
+        is while they are off or the option is unavailable."""
         if self.rates is None or not price.available or price.prefill_worker is None:
             return price
         worker = WorkerId(price.prefill_worker)
@@ -457,8 +460,8 @@ class Router:
             transfer_tokens=price.moved_tokens if worker != d.name else 0,
             streams=decode.running_streams,
         )
-        seconds = predicted.prefill_s + predicted.transfer.seconds  # the option's own work: queue, prefill, read
-        why = f"{price.why}; measured rates: {seconds * 1e3:.2f} ms"
+        seconds = predicted.seconds
+        why = f"{price.why}; measured rates: TTFT {seconds * 1e3:.2f} ms"
         return dataclasses.replace(price, seconds=seconds, why=why)
 
     def served(

@@ -144,7 +144,7 @@ LOCKSTEP = SessionStep(
     decode=DecodeState(kv_usage=0.01, running_streams=1),
     last_p=None,
     last_d_chosen=True,
-    measured=MeasuredTimes(local_s=0.5, remote_s=4.4),
+    measured=MeasuredTimes(local_s=0.5, remote_s=4.4, local_prefill_s=0.5),
 )
 
 

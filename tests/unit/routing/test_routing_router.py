@@ -395,7 +395,8 @@ def test_measured_rates_decide_local_vs_remote_when_switched_on(measured_rates, 
     assert route.kind is expected, route.explain()
     assert route.local_remote is not None
     if measured_rates:
-        assert route.local_remote.local_s == pytest.approx(BS * 1.0)  # D's one block at 1 s a token
+        # D's one block at 1 s a token, then its first step (on the prior: no decode timed)
+        assert route.local_remote.local_s == pytest.approx(BS * 1.0 + rates.decode_step("d1", 1).seconds)
 
 
 def test_the_measured_rates_switch_is_on_by_default_and_turns_off():
