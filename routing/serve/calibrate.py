@@ -1,8 +1,8 @@
 """Calibration before ready: the router times its engines itself before it serves, so its
 first predictions are measurements, not the roofline prior of a preset GPU.
 
-Per role (decode, co-located), the first ``server.calibration_workers`` workers, one at a
-time (an engine timed alone), through the upstream a routed request takes:
+Per role (decode, co-located, prefill), the first ``server.calibration_workers`` workers,
+one at a time (an engine timed alone), through the upstream a routed request takes:
 
 - **prefill**: for each length ``L`` of ``server.calibration_prompt_tokens``, a prompt of ``L``
   fresh token ids answered with one token (``L`` tokens prefilled from nothing), then the
@@ -13,16 +13,21 @@ time (an engine timed alone), through the upstream a routed request takes:
   the HTTP around it), else (beside Dynamo) by its TTFT, as the proxy times requests there;
 - **decode**: for each ``B`` of ``server.calibration_decode_streams``, ``B`` streams at once of
   :data:`DECODE_TOKENS` tokens on short fresh prompts; the mean gap between a stream's tokens
-  is one sample of the decode step beside ``B - 1`` others.
+  is one sample of the decode step beside ``B - 1`` others;
+- **prefill workers**: each probe above as a real handoff, the router's own remote path: P
+  prefills with a handoff request (``max_tokens=1``), timed as the proxy times P's
+  handoffs (the call, since P's KV held for a peer costs P more than a plain request: a
+  plain probe underpriced the remote path, and an e2e check then chose remote prefill where
+  local was 25% faster), then the first calibrated decode worker reads that KV with one
+  token, so P frees it as after any handoff. A deployment that prefills on P within D's
+  call (Dynamo's frontend: a deferred handoff) is not probed there: P's prefill has no time
+  of its own to take.
 
 The samples are provisional: they price the first requests, and each model drops them once
 the engine's own traffic gave it enough samples (probes are not the traffic: kept in the
 window, their lengths would bend its fit; :meth:`kvpilot.policies.measured_fit.LinearFit.add`).
-Prefill workers are not probed: the proxy times P on real handoffs (its one-token prefill for
-a remote decode), and a plain request costs P less than that (no KV held for a peer), so
-probes would underprice the remote path (measured: an e2e check then chose remote prefill
-where local was 25% faster). Until P's own handoffs are timed, P is predicted from the
-calibrated workers' fit (one model, the rates' fallback), as every uncalibrated engine is.
+Until an engine is calibrated or timed on traffic, it is predicted from the fit of the one
+with the most samples (the fleet serves one model: the rates' fallback).
 A probe that fails or outlasts :data:`PROBE_TIMEOUT_S` is skipped and logged: the router then
 serves on what it has. Fresh ids are drawn from a seeded RNG per start, below the model's
 vocabulary (``config.json``'s ``vocab_size``), so no probe finds another's blocks.
@@ -39,6 +44,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpilot.kvconnectors.pull_params import handoff_request
 from kvpilot.routing.config import Role, ServerConfig, Worker
 from kvpilot.routing.decide.rates import RateEstimator, observe_interval
 from kvpilot.routing.health.engine_load import EngineLoad
@@ -131,19 +137,38 @@ class Calibrator:
                 times += [now] * sum(1 for data in batch if data != "[DONE]")
         return times
 
-    async def _prefill(self, worker: Worker, samples: list[tuple[int, int, float]]) -> None:
+    def _prefill_probes(self) -> list[tuple[int, int, list[int]]]:
+        """Each prefill probe: its new and cached tokens, its prompt (module doc)."""
         limit = self.config.max_prompt_tokens or None
+        probes = []
         for length in self.config.calibration_prompt_tokens:
             if limit is not None and length + CACHED_EXTENSION > limit:
                 continue
             prompt = self._fresh(length)
-            for new, cached, tokens in (
-                (length, 0, prompt),
-                (CACHED_EXTENSION, length, prompt + self._fresh(CACHED_EXTENSION)),
-            ):
-                seconds = await asyncio.wait_for(self._prefill_seconds(worker, tokens, new, cached), PROBE_TIMEOUT_S)
-                if seconds is not None:
-                    samples.append((new, cached, seconds))
+            probes += [(length, 0, prompt), (CACHED_EXTENSION, length, prompt + self._fresh(CACHED_EXTENSION))]
+        return probes
+
+    async def _prefill(self, worker: Worker, samples: list[tuple[int, int, float]]) -> None:
+        for new, cached, prompt in self._prefill_probes():
+            seconds = await asyncio.wait_for(self._prefill_seconds(worker, prompt, new, cached), PROBE_TIMEOUT_S)
+            if seconds is not None:
+                samples.append((new, cached, seconds))
+
+    async def _handoffs(self, p: Worker, d: Worker, samples: list[tuple[int, int, float]]) -> None:
+        """P's prefill probes as handoffs that ``d`` reads (module doc)."""
+        for new, cached, prompt in self._prefill_probes():
+            body = self._body(prompt, 1)
+            started = time.perf_counter()
+            outcome = await self.upstream.prefill(p, body, handoff_request(), PROBE_TIMEOUT_S)
+            seconds = time.perf_counter() - started
+            if outcome.params is None:
+                raise UpstreamError(p, outcome.status or 0, f"handoff probe failed: {outcome.reason} {outcome.detail}")
+            if outcome.deferred:
+                log.info("%s prefills within its decode worker's call: not calibrated", p.name)
+                return
+            await asyncio.wait_for(self.upstream.complete(d, body, outcome.params), PROBE_TIMEOUT_S)
+            self.rates.observe_prefill(p.name, new, cached, seconds, provisional=True)
+            samples.append((new, cached, seconds))
 
     async def _prefill_seconds(self, worker: Worker, prompt: list[int], new: int, cached: int) -> float | None:
         """One probe's prefill, fed to the rates as the worker's traffic's is (module doc)."""
@@ -179,16 +204,21 @@ class Calibrator:
                     samples.append((streams, step))
 
     async def run(self, workers: Sequence[Worker]) -> Calibrated:
-        """Calibrate the chosen ``workers`` (prefill workers never: module doc) one at a time;
-        never raises for a failed probe."""
+        """Calibrate the chosen ``workers`` one at a time, prefill workers last (their
+        handoffs are read by the first chosen decode worker; none without one); never
+        raises for a failed probe."""
         started = time.perf_counter()
         prefill: dict[str, list[tuple[int, int, float]]] = {}
         decode: dict[str, list[tuple[int, float]]] = {}
-        probed = [w for w in workers if w.role is not Role.PREFILL]
-        for worker in chosen_workers(probed, self.config.calibration_workers):
+        chosen = chosen_workers(workers, self.config.calibration_workers)
+        reader = next((w for w in chosen if w.role is Role.DECODE), None)
+        for worker in sorted(chosen, key=lambda w: w.role is Role.PREFILL):
             try:
-                await self._prefill(worker, prefill.setdefault(worker.name, []))
-                await self._decode(worker, decode.setdefault(worker.name, []))
+                if worker.role is not Role.PREFILL:
+                    await self._prefill(worker, prefill.setdefault(worker.name, []))
+                    await self._decode(worker, decode.setdefault(worker.name, []))
+                elif reader is not None:
+                    await self._handoffs(worker, reader, prefill.setdefault(worker.name, []))
             except (UpstreamError, StreamBroke, TimeoutError, OSError) as exc:
                 log.warning("calibration of %s stopped (%s); it is predicted from what was measured", worker.name, exc)
         result = Calibrated(prefill, decode, time.perf_counter() - started)

@@ -18,7 +18,7 @@ from kvpilot.routing.config import Role, ServerConfig, Worker
 from kvpilot.routing.decide.rates import Prior, RateEstimator
 from kvpilot.routing.health.engine_load import EngineLoad, RateCounters
 from kvpilot.routing.serve.calibrate import Calibrator, chosen_workers, vocab_size
-from kvpilot.routing.serve.upstream import UpstreamError
+from kvpilot.routing.serve.upstream import PrefillOutcome, UpstreamError
 
 PREFILL_S_PER_TOKEN = 2e-5  # 4,096 tokens: 82 ms
 PREFILL_FIXED_S = 0.004
@@ -31,11 +31,14 @@ class TimedEngine:
     (a prompt it has seen before is cached: only the rest is new) and take ``STEP_S +
     STEP_S_PER_STREAM`` per stream running for each decode step."""
 
-    def __init__(self, broken: frozenset[str] = frozenset()) -> None:
+    def __init__(self, broken: frozenset[str] = frozenset(), deferred: bool = False) -> None:
         self.seen: list[tuple[int, ...]] = []
         self.running = 0
         self.bodies: list[dict[str, Any]] = []
         self.broken = broken
+        self.deferred = deferred
+        self.held: set[tuple[int, ...]] = set()
+        """Prompts whose KV a prefill worker holds for a decode worker to read."""
 
     def _cached(self, prompt: tuple[int, ...]) -> int:
         return max((len(p) for p in self.seen if prompt[: len(p)] == p), default=0)
@@ -64,6 +67,25 @@ class TimedEngine:
                 self.running -= 1
 
         yield events()
+
+    async def prefill(self, worker: Worker, body: dict[str, Any], params: dict[str, Any], timeout_s: float) -> Any:
+        """P's handoff: the prefill of what it has not seen, then params naming it for D
+        (or, with ``deferred``, at once: P would prefill within D's call)."""
+        self.bodies.append({**body, "kv_transfer_params": params})
+        if self.deferred:
+            return PrefillOutcome({"prefill": worker.name}, deferred=True)
+        prompt = tuple(body["prompt"])
+        new = len(prompt) - self._cached(prompt)
+        self.seen.append(prompt)
+        await asyncio.sleep(PREFILL_FIXED_S + PREFILL_S_PER_TOKEN * new)
+        self.held.add(prompt)
+        return PrefillOutcome({"held_by": worker.name, "prompt": len(prompt)})
+
+    async def complete(self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None) -> dict[str, Any]:
+        """D reads P's KV of ``body``'s prompt: P frees it."""
+        assert handoff is not None and worker.role is Role.DECODE
+        self.held.discard(tuple(body["prompt"]))
+        return {"choices": [{"text": "a"}]}
 
 
 def _rates() -> RateEstimator:
@@ -101,15 +123,29 @@ def test_the_first_predictions_are_the_engines_measured_times() -> None:
     assert rates.decode_step("w1", 2).measured_s is not None
 
 
-def test_no_prompt_over_the_engines_limit_and_no_prefill_worker_probed() -> None:
-    """P is timed on real handoffs only (a plain request costs P less than one)."""
-    engine = TimedEngine()
-    config = ServerConfig(calibration_workers=1, calibration_prompt_tokens=[256, 4096], max_prompt_tokens=2048)
+def test_no_prompt_over_the_engines_limit_and_p_probed_by_handoffs_that_d_reads() -> None:
+    """P is timed as the proxy times it, on handoffs (a plain request costs P less than
+    one); D reads each, so P holds no probe's KV afterwards."""
+    engine, rates = TimedEngine(), _rates()
+    config = ServerConfig(calibration_workers=1, calibration_prompt_tokens=[256, 1024, 4096], max_prompt_tokens=2048)
+    workers = [_worker("p", Role.PREFILL), _worker("d", Role.DECODE)]
+    done = asyncio.run(Calibrator(engine, rates, config, seed=1).run(workers))  # type: ignore[arg-type]
+    assert [new for new, _, _ in done.prefill["d"]] == [256, 64, 1024, 64]
+    assert [(new, cached) for new, cached, _ in done.prefill["p"]] == [(256, 0), (64, 256), (1024, 0), (64, 1024)]
+    assert "p" not in done.decode and not engine.held
+    handoffs = [b for b in engine.bodies if "kv_transfer_params" in b]
+    assert len(handoffs) == 4 and all(b["kv_transfer_params"]["do_remote_decode"] for b in handoffs)
+    assert rates.prefill("p", 1500, 0).measured_by == "p"
+    assert max(len(b["prompt"]) for b in engine.bodies) <= 2048
+
+
+def test_a_p_that_prefills_within_d_s_call_is_not_probed() -> None:
+    """Beside Dynamo's frontend P's handoff is deferred: its prefill has no time of its own."""
+    engine = TimedEngine(deferred=True)
+    config = ServerConfig(calibration_workers=1, calibration_prompt_tokens=[256])
     workers = [_worker("p", Role.PREFILL), _worker("d", Role.DECODE)]
     done = asyncio.run(Calibrator(engine, _rates(), config, seed=1).run(workers))  # type: ignore[arg-type]
-    assert "p" not in done.prefill and "p" not in done.decode
-    assert [new for new, _, _ in done.prefill["d"]] == [256, 64]
-    assert max(len(b["prompt"]) for b in engine.bodies) <= 2048
+    assert done.prefill["p"] == [] and len(done.prefill["d"]) == 2
 
 
 def test_a_worker_that_fails_is_skipped_and_the_others_are_calibrated() -> None:
