@@ -128,7 +128,7 @@ def _tool_output(tokenizer: PromptTokenizer, n: int, words: int, seed: int) -> l
 def _terms(predicted: dict[str, Any]) -> str:
     """A ``/debug/route`` prediction's terms: each one's seconds and whose measurement it is."""
     parts = []
-    for name in ("queue", "prefill", "transfer", "first_step"):
+    for name in ("queue", "prefill", "transfer", "first_step", "overhead"):
         term = predicted[name]
         seconds = term["measured_s"] if term["measured_s"] is not None else term["prior_s"]
         parts.append(f"{name} {seconds * 1e3:.1f} ms ({term['measured_by'] or 'prior'}, {term['samples']})")
@@ -330,6 +330,8 @@ def _report(title: str, served: Served, priced: dict, streams: Streams | None) -
     print(f"\n{title}: option {priced['session_option']}, the router's stages {priced['stages_ms']}")
     for o in priced["options"]:
         print("  ", o["why"])
+        if o["predicted"] is not None:
+            print("      terms:", _terms(o["predicted"]))
     for m in (served.chosen, *(m for way in WAYS for m in served.straight[way])):
         gap = f", worst gap on D's streams {m.worst_gap_s(streams) * 1e3:.1f} ms" if streams is not None else ""
         on_p = f" (P's prefill {m.prefill_s * 1e3:.1f} ms)" if m.prefill_s else ""
