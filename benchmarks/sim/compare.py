@@ -21,7 +21,7 @@ from typing import Any, Literal
 from fleet.trace import load_trace
 from provenance import describe, provenance
 
-from sim.fleet import DEFAULT_SPEC, Placement, RoundRobin, percentile, simulate
+from sim.fleet import DEFAULT_SPEC, INSTANT, KvTransfer, Placement, RoundRobin, percentile, simulate
 from sim.kvpilot import KvpilotPlacement
 
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "reuse")
@@ -41,19 +41,32 @@ def replay_rows(
     router_config: dict[str, Any] | None = None,
     trace_block_size: int | None = None,
     speedup_ratio: float = 1.0,
+    prefill_workers: int = 0,
+    transfer: KvTransfer = INSTANT,
 ) -> list[dict[str, Any]]:
     """Dynamo's replay of ``trace`` with ``router_mode`` ``mode`` (and, for its KV router, the
     options ``router_config``: ``KvRouterConfig``'s names; ``trace_block_size``: the tokens a
     hash id stands for, when not the Mooncake 512; ``speedup_ratio``: the mockers'): its
-    per-request records."""
+    per-request records. With ``prefill_workers``, disaggregated: ``workers`` decode workers
+    behind them, each handoff priced by ``transfer`` (the replay's prefill router weighs KV
+    overlap on P's events; its decode router, load alone)."""
     os.environ.setdefault("DYN_LOG", "warn")  # its KV router logs every decision at info
     from dynamo._core import KvRouterConfig
     from dynamo.replay import run_trace_replay
 
+    engine = {"block_size": block_size, "speedup_ratio": speedup_ratio}
+    if prefill_workers:
+        pools: dict[str, Any] = {
+            "prefill_engine_args": {"engine": {**engine, "worker_type": "prefill", **transfer.engine_args()}},
+            "decode_engine_args": {"engine": {**engine, "worker_type": "decode"}},
+            "num_prefill_workers": prefill_workers,
+            "num_decode_workers": workers,
+        }
+    else:
+        pools = {"extra_engine_args": {"engine": engine}, "num_workers": workers}
     report = run_trace_replay(
         str(trace),
-        extra_engine_args={"engine": {"block_size": block_size, "speedup_ratio": speedup_ratio}},
-        num_workers=workers,
+        **pools,
         router_mode=mode,
         router_config=KvRouterConfig.from_json(json.dumps(router_config)) if router_config else None,
         arrival_speedup_ratio=arrival_speedup,
@@ -65,9 +78,11 @@ def replay_rows(
     return rows
 
 
-def dynamo_replay(trace: Path, workers: int, block_size: int, mode: RouterMode) -> dict[str, float]:
+def dynamo_replay(
+    trace: Path, workers: int, block_size: int, mode: RouterMode, prefill_workers: int = 0
+) -> dict[str, float]:
     """:func:`replay_rows` summarized as :meth:`sim.fleet.Report.summary` is."""
-    rows = replay_rows(trace, workers, block_size, mode)
+    rows = replay_rows(trace, workers, block_size, mode, prefill_workers=prefill_workers)
     ttft = [r["ttft_ms"] for r in rows]
     return {
         "requests": float(len(rows)),
@@ -85,7 +100,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         ours, theirs = row["kvpilot_sim"], row["dynamo_replay"]
         cells = [f"{ours[k]:.3f} / {theirs[k]:.3f} ({ours[k] / theirs[k]:.4f}x)" for k in KEYS]
-        lines.append(f"| {row['trace']} | {row['workers']} | {row['mode']} | " + " | ".join(cells) + " |")
+        prefill = row.get("prefill_workers", 0)
+        pools = f"{prefill} P + {row['workers']} D" if prefill else str(row["workers"])
+        lines.append(f"| {row['trace']} | {pools} | {row['mode']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -94,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", type=Path, action="append", required=True, help="Mooncake trace(s)")
     parser.add_argument("--workers", default="16,64", help="comma-separated worker counts")
     parser.add_argument("--max-requests", type=int, help="the first N requests of each trace")
+    parser.add_argument(
+        "--prefill-workers",
+        default="0",
+        help="comma-separated prefill pool sizes, each run beside every --workers decode pool (0: aggregated)",
+    )
     parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-sim-vs-dynamo.json"))
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
@@ -104,17 +126,20 @@ def main(argv: list[str] | None = None) -> int:
                 if args.max_requests is not None and n >= args.max_requests:
                     break
                 sliced.write(line)
-        for workers in (int(w) for w in args.workers.split(",")):
+        pools = [(int(p), int(w)) for p in args.prefill_workers.split(",") for w in args.workers.split(",")]
+        for prefill_workers, workers in pools:
             for mode in MODES:
                 placement: Placement = (
-                    RoundRobin() if mode == "round_robin" else KvpilotPlacement(workers, DEFAULT_SPEC, DYNAMO_WEIGHTS)
+                    RoundRobin()
+                    if mode == "round_robin"
+                    else KvpilotPlacement(workers, DEFAULT_SPEC, DYNAMO_WEIGHTS, prefill_workers=prefill_workers)
                 )
                 started = time.perf_counter()
-                ours = simulate(entries, workers, placement).summary()
+                ours = simulate(entries, workers, placement, prefill_workers=prefill_workers).summary()
                 ours_s = time.perf_counter() - started
                 started = time.perf_counter()
                 replays = [
-                    dynamo_replay(Path(sliced.name), workers, DEFAULT_SPEC.block_size, mode)
+                    dynamo_replay(Path(sliced.name), workers, DEFAULT_SPEC.block_size, mode, prefill_workers)
                     for _ in range(1 if mode == "round_robin" else KV_ROUTER_REPLAYS)
                 ]
                 theirs = {k: statistics.fmean(r[k] for r in replays) for k in replays[0]}
@@ -123,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                     {
                         "trace": trace.name,
                         "workers": workers,
+                        "prefill_workers": prefill_workers,
                         "mode": mode,
                         "kvpilot_sim": ours,
                         "dynamo_replay": theirs,

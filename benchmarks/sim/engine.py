@@ -23,6 +23,11 @@ the caller passes the time in and gets the time a pass ends.
   the same pass; a finished request's blocks go to the LRU tail leaf first, and eviction takes
   the LRU head only when fresh blocks are needed. The pass's new blocks are its stored KV
   events.
+- **Disaggregated** (the mocker's prefill-first handoff): a prefill worker serves a copy of the
+  request capped at one output token (hidden from the report); once its KV has moved, the
+  decode worker admits the request with its whole prompt computed (its blocks installed, no
+  prefill compute) and decodes it from the pass that admits it: its first token ends that
+  pass.
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ class SimRequest:
     """The trace's hash ids of its prompt (a router that names tokens synthesizes them)."""
     session: str | None = None
     """The trace's ``session_id`` (a router that knows sessions is told it)."""
+    transferred: bool = False
+    """Its prompt's KV was computed elsewhere and moved here: admitted computed (module doc)."""
     computed: int = 0
     generated: int = 0
     reused_tokens: int = 0
@@ -234,8 +241,16 @@ class SimEngine:
                 self.blocked_admissions += 1
                 break
             self.waiting.popleft()
-            head.computed = head.reused_tokens = cached * spec.block_size
             self.running.append(head)
+            if head.transferred:  # its KV installed, it decodes in this pass
+                head.computed = head.prompt_len
+                self._grow(head, stored)
+                budget -= 1
+                decoding = True
+                decoding_context += head.seq_len
+                emitting.append(head)
+                continue
+            head.computed = head.reused_tokens = cached * spec.block_size
             budget -= self._prefill_chunk(head, budget, stored, chunks)
             if not head.prefilling:
                 emitting.append(head)

@@ -2,6 +2,11 @@
 the arrivals at their timestamps (times ``1 / arrival_speedup``), each routed on arrival,
 each worker running passes back to back while it has work. Pure and deterministic.
 
+Aggregated (every worker prefills and decodes) or disaggregated (``prefill_workers`` more:
+a request placed on a (P, D) pair is prefilled on P as the mocker does it, its KV moves to
+D in :meth:`KvTransfer.delay_ms`, and D decodes it; a request placed on D alone is prefilled
+there, as kvpilot's conditional disaggregation may choose).
+
 Prompts are named as Dynamo's replay names them: each ``hash_id`` of the trace stands for
 ``trace_block_size`` tokens, and the engine's blocks of ``block_size`` tokens are named by
 their whole prefix of hash ids (two requests share a block exactly when they share the hash
@@ -22,20 +27,50 @@ from fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, TraceRequest
 
 from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, Stored
 
-PASS_END, KV_EVENTS, ARRIVAL = range(3)
+PASS_END, KV_EVENTS, HANDOFF, ARRIVAL = range(4)
 """Event kinds, in the order ties at one instant are taken: a pass's end, then its KV events
-(with no lag), then arrivals."""
+(with no lag), then KV handed to a decode worker, then arrivals."""
 DEFAULT_SPEC = EngineSpec()
 """Dynamo 1.6.1's mocker defaults."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransfer:
+    """The time a request's KV takes from P to D, as the mocker prices its handoff
+    (``kv_transfer_bandwidth`` in GB/s and ``kv_transfer_bytes_per_token`` on the prefill
+    engine, the whole prompt moved): instant unless both are set, as in Dynamo 1.6.1."""
+
+    bandwidth_gb_s: float | None = None
+    bytes_per_token: int | None = None
+
+    def delay_ms(self, tokens: int) -> float:
+        if not self.bandwidth_gb_s or not self.bytes_per_token or self.bandwidth_gb_s <= 0:
+            return 0.0
+        return tokens * self.bytes_per_token / (self.bandwidth_gb_s * 1e9) * 1e3
+
+    def engine_args(self) -> dict[str, float | int]:
+        """The mocker's prefill-engine arguments for this transfer (none when instant)."""
+        if self.delay_ms(1) == 0.0:
+            return {}
+        assert self.bandwidth_gb_s is not None and self.bytes_per_token is not None
+        return {"kv_transfer_bandwidth": self.bandwidth_gb_s, "kv_transfer_bytes_per_token": self.bytes_per_token}
+
+
+INSTANT = KvTransfer()
+
+Placed = tuple[int | None, int]
+"""Where a request goes: the index of its prefill worker (``None``: its decode worker
+prefills it) and of its decode worker, each within its pool."""
 
 
 class Placement(Protocol):
     """A router in the simulation: it places each request on arrival and hears what a live
     router hears, in virtual time (the workers' KV events at each pass's end, after
-    ``kv_event_lag_ms``; each request's first token and end)."""
+    ``kv_event_lag_ms``, each worker by its index in ``[*prefill, *decode]``; each request's
+    prefill done (its first token, or P's answer) and its end)."""
 
-    def place(self, request: SimRequest, workers: Sequence[SimEngine]) -> int:
-        """The index of the worker ``request`` goes to."""
+    def place(self, request: SimRequest, prefill: Sequence[SimEngine], decode: Sequence[SimEngine]) -> Placed:
+        """Where ``request`` goes; ``prefill`` is empty in an aggregated fleet."""
         ...
 
     def kv_events(self, worker: int, stored: list[Stored], evicted: list[object]) -> None: ...
@@ -67,15 +102,15 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 class RoundRobin:
-    """Cyclic in arrival order (Dynamo's replay ``round_robin``); hears nothing."""
+    """Cyclic in arrival order, each pool on its own (Dynamo's replay ``round_robin``); hears nothing."""
 
     def __init__(self) -> None:
         self._turn = 0
 
-    def place(self, request: SimRequest, workers: Sequence[SimEngine]) -> int:
-        index = self._turn % len(workers)
+    def place(self, request: SimRequest, prefill: Sequence[SimEngine], decode: Sequence[SimEngine]) -> Placed:
+        turn = self._turn
         self._turn += 1
-        return index
+        return (turn % len(prefill) if prefill else None), turn % len(decode)
 
     def kv_events(self, worker: int, stored: list[Stored], evicted: list[object]) -> None:
         return None
@@ -117,16 +152,22 @@ def simulate(
     requests_out: list[SimRequest] | None = None,
     tokens_per_hash: int = TRACE_BLOCK_TOKENS,
     closed_loop_sessions: bool = True,
+    prefill_workers: int = 0,
+    transfer: KvTransfer = INSTANT,
 ) -> Report:
-    """Run ``trace`` through ``workers`` engines of ``spec``; ``placement`` places each request.
+    """Run ``trace`` through ``workers`` engines of ``spec`` (decode workers when
+    ``prefill_workers`` is not 0, with ``transfer`` pricing each handoff); ``placement``
+    places each request.
     ``requests_out`` (when given) receives every request, in trace order, as it ended.
     ``tokens_per_hash``: the tokens each hash id stands for, every prompt scaled as the live
     fleet benchmark's ``--tokens-per-hash`` scales it (:class:`fleet.trace.PromptShape`).
     ``closed_loop_sessions``: a session's turn is sent when its previous one ended plus the
     gap between their timestamps (as Dynamo's replay sends it); False: at its own timestamp
     (as the live fleet benchmark does)."""
-    engines = [SimEngine(spec) for _ in range(workers)]
-    events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload): PASS_END, KV_EVENTS, ARRIVAL
+    engines = [SimEngine(spec) for _ in range(prefill_workers + workers)]
+    prefill_pool, decode_pool = engines[:prefill_workers], engines[prefill_workers:]
+    handoffs: dict[int, tuple[SimRequest, int]] = {}  # request id -> the request, its decode worker's index
+    events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload): see PASS_END
     order = 0
     requests: list[SimRequest] = []
     next_turn: dict[int, tuple[SimRequest, float]] = {}  # a turn's request id -> its session's next turn, its gap
@@ -153,7 +194,7 @@ def simulate(
             continue
         heapq.heappush(events, (request.arrival_ms, order, ARRIVAL, request))
         order += 1
-    running_pass: list[PassResult | None] = [None] * workers
+    running_pass: list[PassResult | None] = [None] * len(engines)
 
     def start(index: int, now: float) -> None:
         nonlocal order
@@ -167,22 +208,44 @@ def simulate(
     while events:
         now, _, kind, payload = heapq.heappop(events)
         if kind == ARRIVAL:
-            index = placement.place(payload, engines)
-            engines[index].submit(payload)
-            start(index, now)
+            p, d = placement.place(payload, prefill_pool, decode_pool)
+            if p is None:
+                engines[prefill_workers + d].submit(payload)
+                start(prefill_workers + d, now)
+            else:  # P serves a one-token copy; the request waits for its KV
+                handoffs[payload.rid] = (payload, prefill_workers + d)
+                prefill_pool[p].submit(
+                    SimRequest(payload.rid, payload.prompt_len, 1, payload.blocks, payload.arrival_ms, payload.hash_ids)
+                )
+                start(p, now)
         elif kind == KV_EVENTS:
             placement.kv_events(*payload)
+        elif kind == HANDOFF:
+            request, d = payload
+            request.transferred = True
+            engines[d].submit(request)
+            start(d, now)
         else:
             result = running_pass[payload]
             assert result is not None
             running_pass[payload] = None
-            first = [r for r in result.emitting if r.first_token_ms is None]
+            first = [r for r in result.emitting if r.first_token_ms is None and not r.transferred]
             finished = engines[payload].finish_pass(result)
             if result.stored or result.evicted:
                 heapq.heappush(
                     events, (now + kv_event_lag_ms, order, KV_EVENTS, (payload, result.stored, result.evicted))
                 )
                 order += 1
+            if payload < prefill_workers:  # P's copies: their prefill is done, their KV moves to D
+                for copy in finished:
+                    request, d = handoffs.pop(copy.rid)
+                    request.reused_tokens = copy.reused_tokens
+                    placement.first_token(request)
+                    handoff_at = now + transfer.delay_ms(request.prompt_len)
+                    heapq.heappush(events, (handoff_at, order, HANDOFF, (request, d)))
+                    order += 1
+                start(payload, now)
+                continue
             for request in first:
                 placement.first_token(request)
             for request in finished:

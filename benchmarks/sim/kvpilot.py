@@ -21,23 +21,34 @@ import msgspec
 import numpy as np
 from fleet.trace import TRACE_BLOCK_TOKENS
 
-from kvpilot.routing.config import RouterConfig
+from kvpilot.routing.config import RouterConfig, prior_model
 from kvpilot.routing.decide.ledger import LoadLedger
-from kvpilot.routing.decide.router import Route, Router
+from kvpilot.routing.decide.router import Route, Router, policy_from_config
 from kvpilot.routing.decide.sessions import SessionStore
 from kvpilot.routing.fleet import fleet_from_config
 from kvpilot.routing.ids import SessionId, WorkerId
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.index.events import BlockRemoved, BlockStored
 from sim.engine import EngineSpec, SimEngine, SimRequest, Stored
+from sim.fleet import Placed
 
 SESSIONS = 100_000
 """Sessions the router keeps (more than any trace here names)."""
+DISAGGREGATED: dict[str, Any] = {"max_local_tokens": 0}
+"""A disaggregated fleet's ``disaggregation`` section: every request prefilled on P, as
+Dynamo's replay and frontend serve one (kvpilot's local prefill on D is the roofline's call
+on an H100 preset here, not the mocker's timing, so it is left out of the comparison)."""
+
+
+def _row(name: str, role: str) -> dict[str, str]:
+    return {"name": name, "role": role, "url": f"http://127.0.0.1:1/{name}"}
 
 
 class KvpilotPlacement:
     """``workers`` co-located workers routed by kvpilot's router with ``cost`` (the config's
-    ``cost`` section: Dynamo's names and defaults unless given)."""
+    ``cost`` section: Dynamo's names and defaults unless given); with ``prefill_workers``,
+    ``workers`` decode workers behind that many prefill workers, every request prefilled on
+    P (:data:`DISAGGREGATED`)."""
 
     def __init__(
         self,
@@ -46,18 +57,26 @@ class KvpilotPlacement:
         cost: Mapping[str, Any] | None = None,
         seed: int = 0,
         tokens_per_hash: int = TRACE_BLOCK_TOKENS,
+        prefill_workers: int = 0,
     ) -> None:
-        rows = [{"name": f"w{i}", "role": "colocated", "url": f"http://127.0.0.1:1/w{i}"} for i in range(workers)]
-        config = msgspec.convert(
-            {"index": {"block_size": spec.block_size}, "cost": dict(cost or {}), "workers": rows}, RouterConfig
-        )
+        if prefill_workers:
+            rows = [_row(f"p{i}", "prefill") for i in range(prefill_workers)]
+            rows += [_row(f"d{i}", "decode") for i in range(workers)]
+        else:
+            rows = [_row(f"w{i}", "colocated") for i in range(workers)]
+        sections: dict[str, Any] = {"index": {"block_size": spec.block_size}, "cost": dict(cost or {}), "workers": rows}
+        if prefill_workers:
+            sections["disaggregation"] = DISAGGREGATED
+        config = msgspec.convert(sections, RouterConfig)
         fleet = fleet_from_config(config)
         self.names = [WorkerId(row["name"]) for row in rows]
         self._position = {name: i for i, name in enumerate(self.names)}
+        self._prefill_workers = prefill_workers
         self.index = BlockIndex(spec.block_size)
         self.ledger = LoadLedger()
+        policy = policy_from_config(config.disaggregation, prior_model(config)) if prefill_workers else None
         self.router = Router(
-            fleet, config, self.index, self.ledger, SessionStore(spec.block_size, SESSIONS), None, random.Random(seed)
+            fleet, config, self.index, self.ledger, SessionStore(spec.block_size, SESSIONS), policy, random.Random(seed)
         )
         self.block_size = spec.block_size
         self.tokens_per_hash = tokens_per_hash
@@ -74,7 +93,7 @@ class KvpilotPlacement:
             tokens = np.repeat(ids, self.tokens_per_hash)[: request.prompt_len]
         return tokens
 
-    def place(self, request: SimRequest, workers: Sequence[SimEngine]) -> int:
+    def place(self, request: SimRequest, prefill: Sequence[SimEngine], decode: Sequence[SimEngine]) -> Placed:
         tokens = self._tokens[request.rid] = self.tokens(request)
         session = SessionId(request.session) if request.session is not None else None
         now_s = request.arrival_ms / 1e3
@@ -86,8 +105,9 @@ class KvpilotPlacement:
         self.ledger.dispatch(
             str(request.rid), route.prefill_worker.name, route.decode.name, route.chain, route.cached_blocks
         )
-        position = self.placed[request.rid] = self._position[route.decode.name]
-        return position
+        d = self.placed[request.rid] = self._position[route.decode.name] - self._prefill_workers
+        remote = route.prefill_worker.name != route.decode.name
+        return (self._position[route.prefill_worker.name] if remote else None), d
 
     def kv_events(self, worker: int, stored: list[Stored], evicted: list[object]) -> None:
         name, bs = self.names[worker], self.block_size
