@@ -73,7 +73,7 @@ def replay_rows(
         trace_block_size=trace_block_size,
         capture_per_request=True,
     )
-    rows = report.per_request
+    rows: list[dict[str, Any]] | None = report.per_request
     assert rows is not None  # capture_per_request=True
     return rows
 
