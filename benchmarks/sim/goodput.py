@@ -27,6 +27,12 @@ kvpilot alone with each of its session terms off instead (:data:`ABLATIONS`)::
     python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 2,3,4,5,6
     python benchmarks/sim_goodput.py --agent --workers 64 --ablate
     python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 4 --search-dynamo '[{}, ...]'
+    python benchmarks/sim_goodput.py --agent --workers 64 --prefill-workers 32
+
+With ``--prefill-workers`` the fleet is disaggregated (``--workers`` decode workers behind
+that many prefill workers, :mod:`sim.fleet`), on both sides: every request is prefilled on
+P, its KV handed to D (instant unless ``--kv-transfer-gb-s`` and ``--kv-bytes-per-token``
+are given, as in Dynamo's replay), and a request's floor adds the handoff and D's first step.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from provenance import describe, provenance
 
 from sim.compare import DYNAMO_WEIGHTS, RouterMode, replay_rows
 from sim.engine import EngineSpec, SimRequest, decode_ms, prefill_ms
-from sim.fleet import DEFAULT_SPEC, percentile, simulate
+from sim.fleet import DEFAULT_SPEC, INSTANT, KvTransfer, percentile, simulate
 from sim.kvpilot import KvpilotPlacement
 
 TTFT_SLO_X = 5.0
@@ -90,9 +96,10 @@ class Floor:
     itl_ms: list[float]
 
 
-def floor(trace: Sequence[TraceRequest], spec: EngineSpec = DEFAULT_SPEC) -> Floor:
+def floor(trace: Sequence[TraceRequest], spec: EngineSpec = DEFAULT_SPEC, handoff: KvTransfer | None = None) -> Floor:
     """Each request's floor (module doc): reusable blocks are those of its hash-id prefix that
-    an earlier request of the trace already had, at most its last token's block."""
+    an earlier request of the trace already had, at most its last token's block. With a
+    ``handoff`` (a disaggregated fleet), plus its KV's move to D and D's first step."""
     seen: set[tuple[int, ...]] = set()
     ttft, itl = [], []
     capacity = spec.num_gpu_blocks * spec.block_size
@@ -107,8 +114,12 @@ def floor(trace: Sequence[TraceRequest], spec: EngineSpec = DEFAULT_SPEC) -> Flo
             seen.add(entry.hash_ids[: k + 1])
         cap = (entry.input_length - 1) // spec.block_size * spec.block_size
         cached = min(cap, reused_ids * TRACE_BLOCK_TOKENS)
-        ttft.append(prefill_ms(entry.input_length - cached) / spec.speedup_ratio)
-        itl.append(decode_ms(entry.input_length / capacity) / spec.speedup_ratio)
+        step_ms = decode_ms(entry.input_length / capacity) / spec.speedup_ratio
+        alone_ms = prefill_ms(entry.input_length - cached) / spec.speedup_ratio
+        if handoff is not None:
+            alone_ms += handoff.delay_ms(entry.input_length) + step_ms
+        ttft.append(alone_ms)
+        itl.append(step_ms)
     return Floor(ttft, itl)
 
 
@@ -156,7 +167,20 @@ class Served:
     workers: list[int]
 
 
-Arm = Callable[[Point, int], Served]
+@dataclass(frozen=True, slots=True)
+class Pools:
+    """The fleet's shape: ``workers`` co-located workers, or decode workers behind
+    ``prefill_workers`` with each ``handoff`` priced as :class:`sim.fleet.KvTransfer` prices it."""
+
+    workers: int
+    prefill_workers: int = 0
+    handoff: KvTransfer = INSTANT
+
+    def __str__(self) -> str:
+        return f"{self.prefill_workers} P + {self.workers} D" if self.prefill_workers else f"{self.workers} workers"
+
+
+Arm = Callable[[Point, Pools], Served]
 
 
 def turns(trace: Sequence[TraceRequest]) -> list[tuple[str | None, int]]:
@@ -173,10 +197,18 @@ def turns(trace: Sequence[TraceRequest]) -> list[tuple[str | None, int]]:
 def simulated_arm(cost: dict[str, Any] | None = None) -> Arm:
     """kvpilot's router in the simulator, its ``cost`` section ``cost`` (its defaults: ``None``)."""
 
-    def run(point: Point, workers: int) -> Served:
+    def run(point: Point, pools: Pools) -> Served:
         requests: list[SimRequest] = []
-        placement = KvpilotPlacement(workers, DEFAULT_SPEC, cost)
-        simulate(point.trace, workers, placement, arrival_speedup=point.speedup, requests_out=requests)
+        placement = KvpilotPlacement(pools.workers, DEFAULT_SPEC, cost, prefill_workers=pools.prefill_workers)
+        simulate(
+            point.trace,
+            pools.workers,
+            placement,
+            arrival_speedup=point.speedup,
+            requests_out=requests,
+            prefill_workers=pools.prefill_workers,
+            transfer=pools.handoff,
+        )
         ordered = [requests[i] for i in arrival_order(point.trace)]
         ttft = [r.first_token_ms - r.arrival_ms if r.first_token_ms is not None else float("inf") for r in ordered]
         itl: list[float | None] = [
@@ -192,8 +224,17 @@ def dynamo_arm(mode: RouterMode, router_config: dict[str, Any] | None = None) ->
     Its records are paired with the trace's requests by session and turn (its arrivals of a
     session's later turns are its own), else by arrival, prompt and output length."""
 
-    def run(point: Point, workers: int) -> Served:
-        rows = replay_rows(point.path, workers, DEFAULT_SPEC.block_size, mode, point.speedup, router_config)
+    def run(point: Point, pools: Pools) -> Served:
+        rows = replay_rows(
+            point.path,
+            pools.workers,
+            DEFAULT_SPEC.block_size,
+            mode,
+            point.speedup,
+            router_config,
+            prefill_workers=pools.prefill_workers,
+            transfer=pools.handoff,
+        )
         order = arrival_order(point.trace)
         if any(e.session_id for e in point.trace):
             by_turn = {(r["session_id"], r["turn_index"]): r for r in rows}
@@ -257,17 +298,17 @@ def agent_points(workers: int, sessions_per_worker: Sequence[float], out: Path) 
         yield Point(f"{per_worker:g} sessions/worker", trace, path, 1.0)
 
 
-def sweep(points: Sequence[Point], workers: int, arms: dict[str, Arm]) -> dict[str, list[dict[str, Any]]]:
+def sweep(points: Sequence[Point], pools: Pools, arms: dict[str, Arm]) -> dict[str, list[dict[str, Any]]]:
     """Every arm at every point, one run at a time: attainment, mean and p99 TTFT, mean ITL,
     and, on a trace with sessions, where they went (:func:`placement_stats`)."""
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
     for point in points:
         sessions = any(e.session_id for e in point.trace)
-        unordered = floor(point.trace)
+        unordered = floor(point.trace, handoff=pools.handoff if pools.prefill_workers else None)
         order = arrival_order(point.trace)
         base = Floor([unordered.ttft_ms[i] for i in order], [unordered.itl_ms[i] for i in order])
         for name, arm in arms.items():
-            served = arm(point, workers)
+            served = arm(point, pools)
             ttft, itl = served.ttft_ms, served.itl_ms
             results[name].append(
                 {
@@ -309,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     workload = parser.add_mutually_exclusive_group(required=True)
     workload.add_argument("--trace", type=Path, help="a Mooncake trace without sessions")
     workload.add_argument("--agent", action="store_true", help="the article's agent workload")
-    parser.add_argument("--workers", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=64, help="co-located workers, or decode workers")
+    parser.add_argument("--prefill-workers", type=int, default=0, help="a disaggregated fleet: its prefill workers")
+    parser.add_argument("--kv-transfer-gb-s", type=float, help="with --prefill-workers: the handoff's GB/s")
+    parser.add_argument("--kv-bytes-per-token", type=int, help="with --prefill-workers: the KV's bytes a token")
     parser.add_argument("--max-requests", type=int, help="with --trace: its first N requests")
     parser.add_argument("--speedups", default=",".join(f"{s:g}" for s in SPEEDUPS), help="--trace: compressions")
     parser.add_argument(
@@ -357,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         speedups = [float(s) for s in args.speedups.split(",")]
         points = list(mooncake_points(args.trace, args.max_requests, speedups, args.json))
-    results = sweep(points, args.workers, arms)
+    pools = Pools(args.workers, args.prefill_workers, KvTransfer(args.kv_transfer_gb_s, args.kv_bytes_per_token))
+    results = sweep(points, pools, arms)
     goodputs = {arm: goodput([SweepPoint(p["rate_rps"], p["attainment"]) for p in ps]) for arm, ps in results.items()}
     baseline = "dynamo_kv_tuned" if tuned else next(iter(arms.keys() - {"kvpilot"}))
     compared = "kvpilot" in arms and len(arms) > 1
@@ -367,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         "points": results,
         "slo": {"ttft_x_floor": TTFT_SLO_X, "itl_x_idle": ITL_SLO_X, "attainment": ATTAINMENT},
         "workers": args.workers,
+        "prefill_workers": args.prefill_workers,
+        "kv_transfer": {"gb_s": args.kv_transfer_gb_s, "bytes_per_token": args.kv_bytes_per_token},
         "workload": "agent" if args.agent else args.trace.name,
         "dynamo_router_config": tuned,
         "run": {"argv": sys.argv},
@@ -400,10 +447,15 @@ def table(result: dict[str, Any]) -> str:
         else ""
     )
     return (
-        f"{result['workload']}, {result['workers']} workers; SLOs: TTFT at most {result['slo']['ttft_x_floor']:g}x the "
+        f"{result['workload']}, {_pools(result)}; SLOs: TTFT at most {result['slo']['ttft_x_floor']:g}x the "
         f"floor, ITL at most {result['slo']['itl_x_idle']:g}x an idle worker's, met by "
         f"{result['slo']['attainment']:.0%} of requests.{compared}\n\n" + "\n".join(lines)
     )
+
+
+def _pools(result: dict[str, Any]) -> str:
+    """A results file's fleet, as :class:`Pools` names it (files before disaggregation: co-located)."""
+    return str(Pools(result["workers"], result.get("prefill_workers", 0)))
 
 
 def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
@@ -421,7 +473,7 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
             rates = [p["rate_rps"] for p in points]
             (line,) = top.plot(rates, [p["mean_ttft_ms"] for p in points], marker="o", ms=3, label=arm)
             bottom.plot(rates, [p["attainment"] for p in points], marker="o", ms=3, color=line.get_color())
-        top.set_title(f"{result['workload']}, {result['workers']} workers", fontsize=9)
+        top.set_title(f"{result['workload']}, {_pools(result)}", fontsize=9)
         top.set_yscale("log")
         top.grid(alpha=0.3)
         bottom.axhline(result["slo"]["attainment"], color="grey", lw=0.8, ls=":")
