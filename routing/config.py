@@ -146,7 +146,9 @@ class CostConfig(TypedConfig, frozen=True):
     step unless another candidate would start it sooner (less prefill queued plus
     uncached; with ``objective: predicted_ttft``, a lower predicted TTFT:
     :func:`kvpilot.routing.decide.cost.eligible`); false: Dynamo's cost decides, the affinity
-    credit aside."""
+    credit aside. Not applied where decode workers never prefill (prefill workers and
+    ``disaggregation.max_local_tokens: 0``, as beside Dynamo): the history a step reuses is
+    then P's, which the pair's prefix overlap already credits, and D is free to follow load."""
     router_seed: int = 0
     """The seed of the RNG that breaks ties and samples (decisions repeat run to run)."""
     pair_failure_cost_blocks: float = 32.0

@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 from kvpilot.kvconnectors.pull_params import LEASE_MARGIN_S
@@ -58,7 +59,15 @@ from kvpilot.policies.disaggregation import (
 from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset
 from kvpilot.policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
 from kvpilot.policies.specs import ModelSpec, SpecError
-from kvpilot.routing.config import ConfigError, CostObjective, DisaggregationConfig, RouterConfig, TierClass, Worker
+from kvpilot.routing.config import (
+    ConfigError,
+    CostConfig,
+    CostObjective,
+    DisaggregationConfig,
+    RouterConfig,
+    TierClass,
+    Worker,
+)
 from kvpilot.routing.decide.cost import CandidateTable, CostModel, Decision, TierOverlap, tier_overlap
 from kvpilot.routing.decide.ledger import LoadLedger, PromptLoads
 from kvpilot.routing.decide.rates import RateEstimator, predict_ttft
@@ -195,6 +204,15 @@ def policy_from_config(cfg: DisaggregationConfig, model: ModelSpec) -> LocalVsRe
         raise ConfigError("disaggregation", str(exc)) from None
 
 
+def _effective_cost(config: RouterConfig, fleet: Fleet) -> CostConfig:
+    """The ``cost`` section as it applies to ``fleet``: ``session_stays_unless_sooner`` off
+    where decode workers never prefill (its docstring)."""
+    never_local = bool(fleet.prefill) and config.disaggregation.max_local_tokens == 0
+    if never_local and config.cost.session_stays_unless_sooner:
+        return msgspec.structs.replace(config.cost, session_stays_unless_sooner=False)
+    return config.cost
+
+
 class Router:
     """Decides (P, D) or the co-located worker for each request; see the module doc."""
 
@@ -242,7 +260,9 @@ class Router:
         if self._by_ttft and self.rates is None:
             raise ValueError("cost.objective predicted_ttft needs the measured rates")
         self._forced = config.sessions.force_option.option
-        self.cost = CostModel(config.cost, rng if rng is not None else random.Random(config.cost.router_seed))
+        self.cost = CostModel(
+            _effective_cost(config, fleet), rng if rng is not None else random.Random(config.cost.router_seed)
+        )
         self._tiers = config.index.tiers
         self._options = _Options.of(fleet)
         self.residency = Residency(config.sessions.resident_s)
@@ -256,6 +276,7 @@ class Router:
             raise ValueError("a fleet with prefill workers needs a local-vs-remote policy")
         self.fleet = fleet
         self._options = _Options.of(fleet)
+        self.cost.cfg = _effective_cost(self.config, fleet)
 
     def route(
         self,

@@ -504,3 +504,25 @@ def test_d_s_gauge_counts_only_what_bypassed_the_router_beyond_its_ledger():
     assert streams() == "3"
     ledger.complete("r0")
     assert streams() == "2"  # r0 finished since the poll: no longer a stream
+
+
+@pytest.mark.parametrize(("max_local_tokens", "stays"), [(2048, True), (0, False)])
+def test_a_later_step_stays_on_its_d_only_where_d_may_prefill_it(max_local_tokens, stays):
+    """The stay rule keeps a session's step on the D that holds its history, which can then
+    prefill the increment itself; where D never prefills (``max_local_tokens: 0``, as beside
+    Dynamo) that history buys nothing, and the step follows Dynamo's cost off a busy D."""
+    cfg = _config(
+        [_w("p1", "prefill"), _w("d1", "decode"), _w("d2", "decode")],
+        disaggregation={"max_local_tokens": max_local_tokens},
+        cost={"session_affinity_credit": 0.0},
+    )
+    router, session = _router(cfg), SessionId("s")
+    first = router.route(_prompt(8), "s1", session=session, now=0.0)
+    router.served(session, first, now=1.0)
+    busy = "d1" if first.decode.name == "d1" else "d2"
+    for n in range(3):  # the first step's D is now running long streams
+        router.ledger.dispatch(
+            f"busy{n}", WorkerId(busy), WorkerId(busy), PromptChain(_prompt(40, 1000 + 100 * n), BS), 0
+        )
+    second = router.route(_prompt(9), "s2", session=session, now=2.0)
+    assert (second.decode.name == first.decode.name) is stays, second.explain()
