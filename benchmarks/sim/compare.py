@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prefill-workers",
         default="0",
-        help="comma-separated prefill pool sizes, each run beside every --workers decode pool (0: aggregated)",
+        help="comma-separated prefill pool sizes, each beside the --workers entry at its place (0: aggregated; "
+        "one value: beside every entry)",
     )
     parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-sim-vs-dynamo.json"))
     args = parser.parse_args(argv)
@@ -126,7 +127,13 @@ def main(argv: list[str] | None = None) -> int:
                 if args.max_requests is not None and n >= args.max_requests:
                     break
                 sliced.write(line)
-        pools = [(int(p), int(w)) for p in args.prefill_workers.split(",") for w in args.workers.split(",")]
+        decode = [int(w) for w in args.workers.split(",")]
+        prefill = [int(p) for p in args.prefill_workers.split(",")]
+        if len(prefill) == 1:
+            prefill *= len(decode)
+        if len(prefill) != len(decode):
+            parser.error("--prefill-workers: one value, or one per --workers entry")
+        pools = list(zip(prefill, decode, strict=True))
         for prefill_workers, workers in pools:
             for mode in MODES:
                 placement: Placement = (
