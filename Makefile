@@ -59,6 +59,11 @@ bench: setup
 		--json /tmp/kvpilot-sim-goodput-agent-1024.json
 	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 1,2,3,4,5 --ablate \
 		--json /tmp/kvpilot-sim-goodput-agent-64-ablate.json
+	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \
+		--trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64 \
+		--prefill-workers 8,32 --json /tmp/kvpilot-sim-vs-dynamo-disaggregated.json
+	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 64 --prefill-workers 32 --sessions-per-worker 2,4,6,8 \
+		--json /tmp/kvpilot-sim-goodput-agent-32p64d.json
 	.venv/bin/python benchmarks/bench_dynamo_connections.py
 	.venv/bin/python benchmarks/bench_router_scale.py
 	.venv/bin/python benchmarks/bench_idle_cpu.py

@@ -330,6 +330,15 @@ def sweep(points: Sequence[Point], pools: Pools, arms: dict[str, Arm]) -> dict[s
     return results
 
 
+def best_dynamo_arm(goodputs: dict[str, float], tuned: bool) -> str:
+    """The arm kvpilot is held against: of the arms other than kvpilot's own, the one with
+    the highest goodput, a tie going to Dynamo's tuned KV router, then to its default."""
+    preference = ["dynamo_kv_tuned"] if tuned else []
+    preference += ["dynamo_kv", *sorted(goodputs)]
+    others = [arm for arm in dict.fromkeys(preference) if arm in goodputs and arm != "kvpilot"]
+    return max(others, key=lambda arm: (goodputs[arm], -others.index(arm)))
+
+
 def ratios(goodputs: dict[str, float], points: dict[str, list[dict[str, Any]]], baseline: str) -> dict[str, float]:
     """kvpilot's goodput over ``baseline``'s, and its mean TTFT over the baseline's at the
     baseline's goodput rate (at its slowest rate when the baseline has no goodput)."""
@@ -404,11 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     pools = Pools(args.workers, args.prefill_workers, KvTransfer(args.kv_transfer_gb_s, args.kv_bytes_per_token))
     results = sweep(points, pools, arms)
     goodputs = {arm: goodput([SweepPoint(p["rate_rps"], p["attainment"]) for p in ps]) for arm, ps in results.items()}
-    baseline = "dynamo_kv_tuned" if tuned else next(iter(arms.keys() - {"kvpilot"}))
     compared = "kvpilot" in arms and len(arms) > 1
+    baseline = best_dynamo_arm(goodputs, tuned is not None) if compared else None
     result: dict[str, Any] = {
         "goodput_rps": goodputs,
-        "ratios": {"baseline": baseline, **ratios(goodputs, results, baseline)} if compared else None,
+        "ratios": {"baseline": baseline, **ratios(goodputs, results, baseline)} if baseline else None,
         "points": results,
         "slo": {"ttft_x_floor": TTFT_SLO_X, "itl_x_idle": ITL_SLO_X, "attainment": ATTAINMENT},
         "workers": args.workers,

@@ -208,3 +208,13 @@ def test_placement_stats_count_moves_and_the_most_crowded_worker() -> None:
     assert turns(trace) == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2)]
     # a: 0 -> 0 -> 1 (one move); b: 0 -> 2 (one move); both first steps on worker 0
     assert placement_stats(trace, [0, 0, 0, 2, 1]) == {"moved_steps": 2, "most_sessions_on_one_worker": 2}
+
+
+def test_kvpilot_is_held_against_dynamo_s_best_arm_a_tie_going_to_the_tuned_one() -> None:
+    from sim.goodput import best_dynamo_arm
+
+    tie = {"kvpilot": 5.0, "dynamo_kv": 3.0, "dynamo_kv_tuned": 3.0, "dynamo_round_robin": 0.0}
+    assert best_dynamo_arm(tie, tuned=True) == "dynamo_kv_tuned"
+    tuned_worse = {"kvpilot": 5.0, "dynamo_kv": 4.0, "dynamo_kv_tuned": 3.0, "dynamo_cost_pinned": 4.0}
+    assert best_dynamo_arm(tuned_worse, tuned=True) == "dynamo_kv"  # the default beats the tuned one here
+    assert best_dynamo_arm({"kvpilot": 1.0, "dynamo_kv": 0.0, "dynamo_round_robin": 0.0}, tuned=False) == "dynamo_kv"
