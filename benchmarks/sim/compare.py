@@ -43,13 +43,15 @@ def replay_rows(
     speedup_ratio: float = 1.0,
     prefill_workers: int = 0,
     transfer: KvTransfer = INSTANT,
+    kv_event_lag_ms: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Dynamo's replay of ``trace`` with ``router_mode`` ``mode`` (and, for its KV router, the
     options ``router_config``: ``KvRouterConfig``'s names; ``trace_block_size``: the tokens a
     hash id stands for, when not the Mooncake 512; ``speedup_ratio``: the mockers'): its
     per-request records. With ``prefill_workers``, disaggregated: ``workers`` decode workers
     behind them, each handoff priced by ``transfer`` (the replay's prefill router weighs KV
-    overlap on P's events; its decode router, load alone)."""
+    overlap on P's events; its decode router, load alone). ``kv_event_lag_ms``: how late its
+    router's index sees the workers' KV events (its KV router only)."""
     os.environ.setdefault("DYN_LOG", "warn")  # its KV router logs every decision at info
     from dynamo._core import KvRouterConfig
     from dynamo.replay import run_trace_replay
@@ -71,6 +73,7 @@ def replay_rows(
         router_config=KvRouterConfig.from_json(json.dumps(router_config)) if router_config else None,
         arrival_speedup_ratio=arrival_speedup,
         trace_block_size=trace_block_size,
+        kv_event_lag_ms=(kv_event_lag_ms or None) if mode == "kv_router" else None,  # round robin hears none
         capture_per_request=True,
     )
     rows: list[dict[str, Any]] | None = report.per_request
@@ -79,10 +82,12 @@ def replay_rows(
 
 
 def dynamo_replay(
-    trace: Path, workers: int, block_size: int, mode: RouterMode, prefill_workers: int = 0
+    trace: Path, workers: int, block_size: int, mode: RouterMode, prefill_workers: int = 0, kv_event_lag_ms: float = 0.0
 ) -> dict[str, float]:
     """:func:`replay_rows` summarized as :meth:`sim.fleet.Report.summary` is."""
-    rows = replay_rows(trace, workers, block_size, mode, prefill_workers=prefill_workers)
+    rows = replay_rows(
+        trace, workers, block_size, mode, prefill_workers=prefill_workers, kv_event_lag_ms=kv_event_lag_ms
+    )
     ttft = [r["ttft_ms"] for r in rows]
     return {
         "requests": float(len(rows)),
@@ -117,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated prefill pool sizes, each beside the --workers entry at its place (0: aggregated; "
         "one value: beside every entry)",
     )
+    parser.add_argument(
+        "--kv-event-lag-ms", type=float, default=0.0, help="how late the routers' indexes see KV events, both sides"
+    )
     parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-sim-vs-dynamo.json"))
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
@@ -142,11 +150,15 @@ def main(argv: list[str] | None = None) -> int:
                     else KvpilotPlacement(workers, DEFAULT_SPEC, DYNAMO_WEIGHTS, prefill_workers=prefill_workers)
                 )
                 started = time.perf_counter()
-                ours = simulate(entries, workers, placement, prefill_workers=prefill_workers).summary()
+                ours = simulate(
+                    entries, workers, placement, kv_event_lag_ms=args.kv_event_lag_ms, prefill_workers=prefill_workers
+                ).summary()
                 ours_s = time.perf_counter() - started
                 started = time.perf_counter()
                 replays = [
-                    dynamo_replay(Path(sliced.name), workers, DEFAULT_SPEC.block_size, mode, prefill_workers)
+                    dynamo_replay(
+                        Path(sliced.name), workers, DEFAULT_SPEC.block_size, mode, prefill_workers, args.kv_event_lag_ms
+                    )
                     for _ in range(1 if mode == "round_robin" else KV_ROUTER_REPLAYS)
                 ]
                 theirs = {k: statistics.fmean(r[k] for r in replays) for k in replays[0]}
