@@ -2,9 +2,11 @@
 (Dynamo 1.6.1: ``dynamo.replay.run_trace_replay``), two ways: round robin on both sides (the
 engine model), and kvpilot's router (``cost.objective: blocks``, Dynamo's weights, kvpilot's
 session terms off: :data:`DYNAMO_WEIGHTS`) against
-Dynamo's KV router (the router; Dynamo's breaks ties at random, so its replay runs
-:data:`KV_ROUTER_REPLAYS` times and the mean is compared). Mean and p99 TTFT, mean
-inter-token latency and prefix reuse, with their ratios."""
+Dynamo's KV router (the router). Both routers break ties among equally cheap workers at
+random, and where sessions meet idle workers one draw decides a session's whole run, so the
+routers are compared on their means over ``--repeats`` runs: Dynamo's replay that many times,
+kvpilot's router with that many seeds (``cost.router_seed`` 0, 1, ...). Mean and p99 TTFT,
+mean inter-token latency and prefix reuse, with their ratios."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from sim.kvpilot import KvpilotPlacement
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "reuse")
 DYNAMO_WEIGHTS = {"session_affinity_credit": 0.0, "session_residency_weight": 0.0, "session_stays_unless_sooner": False}
 """kvpilot's cost with its own session terms off: Dynamo's KV router's cost, term for term."""
-KV_ROUTER_REPLAYS = 3
+REPEATS = 3
+"""Runs of each router per row (round robin draws nothing: one run each)."""
 RouterMode = Literal["round_robin", "kv_router"]
 MODES: tuple[RouterMode, ...] = ("round_robin", "kv_router")
 
@@ -125,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kv-event-lag-ms", type=float, default=0.0, help="how late the routers' indexes see KV events, both sides"
     )
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="runs of each router (its seeds, its replays)")
     parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-sim-vs-dynamo.json"))
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
@@ -144,25 +148,37 @@ def main(argv: list[str] | None = None) -> int:
         pools = list(zip(prefill, decode, strict=True))
         for prefill_workers, workers in pools:
             for mode in MODES:
-                placement: Placement = (
-                    RoundRobin()
-                    if mode == "round_robin"
-                    else KvpilotPlacement(workers, DEFAULT_SPEC, DYNAMO_WEIGHTS, prefill_workers=prefill_workers)
-                )
+                repeats = 1 if mode == "round_robin" else args.repeats
                 started = time.perf_counter()
-                ours = simulate(
-                    entries, workers, placement, kv_event_lag_ms=args.kv_event_lag_ms, prefill_workers=prefill_workers
-                ).summary()
-                ours_s = time.perf_counter() - started
+                runs = []
+                for seed in range(repeats):
+                    placement: Placement = (
+                        RoundRobin()
+                        if mode == "round_robin"
+                        else KvpilotPlacement(
+                            workers, DEFAULT_SPEC, DYNAMO_WEIGHTS, seed=seed, prefill_workers=prefill_workers
+                        )
+                    )
+                    runs.append(
+                        simulate(
+                            entries,
+                            workers,
+                            placement,
+                            kv_event_lag_ms=args.kv_event_lag_ms,
+                            prefill_workers=prefill_workers,
+                        ).summary()
+                    )
+                ours = {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
+                ours_s = (time.perf_counter() - started) / repeats
                 started = time.perf_counter()
                 replays = [
                     dynamo_replay(
                         Path(sliced.name), workers, DEFAULT_SPEC.block_size, mode, prefill_workers, args.kv_event_lag_ms
                     )
-                    for _ in range(1 if mode == "round_robin" else KV_ROUTER_REPLAYS)
+                    for _ in range(repeats)
                 ]
                 theirs = {k: statistics.fmean(r[k] for r in replays) for k in replays[0]}
-                theirs_s = (time.perf_counter() - started) / len(replays)
+                theirs_s = (time.perf_counter() - started) / repeats
                 rows.append(
                     {
                         "trace": trace.name,
@@ -171,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                         "mode": mode,
                         "kvpilot_sim": ours,
                         "dynamo_replay": theirs,
+                        "repeats": repeats,
                         "seconds": {"kvpilot_sim": ours_s, "dynamo_replay": theirs_s},
                     }
                 )
