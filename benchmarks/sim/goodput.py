@@ -41,6 +41,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -404,12 +405,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.agent:
             arms["dynamo_cost_pinned"] = simulated_arm(DYNAMO_PINNED_COST)
         arms["dynamo_round_robin"] = dynamo_arm("round_robin")
+    scratch = Path(tempfile.mkdtemp(prefix="kvpilot-sim-goodput-")) / args.json.name  # the traces Dynamo reads
     if args.agent:
         per_worker = [float(n) for n in args.sessions_per_worker.split(",")]
-        points = list(agent_points(args.workers, per_worker, args.json))
+        points = list(agent_points(args.workers, per_worker, scratch))
     else:
         speedups = [float(s) for s in args.speedups.split(",")]
-        points = list(mooncake_points(args.trace, args.max_requests, speedups, args.json))
+        points = list(mooncake_points(args.trace, args.max_requests, speedups, scratch))
     pools = Pools(args.workers, args.prefill_workers, KvTransfer(args.kv_transfer_gb_s, args.kv_bytes_per_token))
     results = sweep(points, pools, arms)
     goodputs = {arm: goodput([SweepPoint(p["rate_rps"], p["attainment"]) for p in ps]) for arm, ps in results.items()}
