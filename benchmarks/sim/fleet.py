@@ -28,8 +28,10 @@ from fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, TraceRequest
 from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, Stored
 
 PASS_END, KV_EVENTS, HANDOFF, ARRIVAL = range(4)
-"""Event kinds, in the order ties at one instant are taken: a pass's end, then its KV events
-(with no lag), then KV handed to a decode worker, then arrivals."""
+"""Event kinds. Events at one instant are taken in the order they were scheduled; only once
+the instant's events are all taken do the handoffs of the prefills that ended in it go to
+their decode workers (by prefill worker, as the replay does) and idle workers with work
+start their passes, so requests that arrive together share a pass, as in Dynamo's replay."""
 DEFAULT_SPEC = EngineSpec()
 """Dynamo 1.6.1's mocker defaults."""
 
@@ -58,9 +60,10 @@ class KvTransfer:
 
 INSTANT = KvTransfer()
 
-Placed = tuple[int | None, int]
+Placed = tuple[int | None, int | None]
 """Where a request goes: the index of its prefill worker (``None``: its decode worker
-prefills it) and of its decode worker, each within its pool."""
+prefills it) and of its decode worker, each within its pool; a decode worker ``None``
+(with a prefill worker) is chosen when P's prefill ends (:meth:`Placement.place_decode`)."""
 
 
 class Placement(Protocol):
@@ -71,6 +74,10 @@ class Placement(Protocol):
 
     def place(self, request: SimRequest, prefill: Sequence[SimEngine], decode: Sequence[SimEngine]) -> Placed:
         """Where ``request`` goes; ``prefill`` is empty in an aggregated fleet."""
+        ...
+
+    def place_decode(self, request: SimRequest, decode: Sequence[SimEngine]) -> int:
+        """The decode worker of a request placed without one, once its prefill ended."""
         ...
 
     def kv_events(self, worker: int, stored: list[Stored], evicted: list[object]) -> None: ...
@@ -102,15 +109,23 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 class RoundRobin:
-    """Cyclic in arrival order, each pool on its own (Dynamo's replay ``round_robin``); hears nothing."""
+    """Cyclic, as Dynamo's replay ``round_robin``: a worker in arrival order, or, disaggregated,
+    a prefill worker in arrival order and a decode worker in the order prefills end, each pool
+    with its own turn; hears nothing."""
 
     def __init__(self) -> None:
         self._turn = 0
+        self._decode_turn = 0
 
     def place(self, request: SimRequest, prefill: Sequence[SimEngine], decode: Sequence[SimEngine]) -> Placed:
         turn = self._turn
         self._turn += 1
-        return (turn % len(prefill) if prefill else None), turn % len(decode)
+        return (turn % len(prefill), None) if prefill else (None, turn % len(decode))
+
+    def place_decode(self, request: SimRequest, decode: Sequence[SimEngine]) -> int:
+        turn = self._decode_turn
+        self._decode_turn += 1
+        return turn % len(decode)
 
     def kv_events(self, worker: int, stored: list[Stored], evicted: list[object]) -> None:
         return None
@@ -166,7 +181,7 @@ def simulate(
     (as the live fleet benchmark does)."""
     engines = [SimEngine(spec) for _ in range(prefill_workers + workers)]
     prefill_pool, decode_pool = engines[:prefill_workers], engines[prefill_workers:]
-    handoffs: dict[int, tuple[SimRequest, int]] = {}  # request id -> the request, its decode worker's index
+    handoffs: dict[int, tuple[SimRequest, int | None]] = {}  # request id -> the request, its decode worker
     events: list[tuple[float, int, int, Any]] = []  # (time, order, kind, payload): see PASS_END
     order = 0
     requests: list[SimRequest] = []
@@ -195,36 +210,51 @@ def simulate(
         heapq.heappush(events, (request.arrival_ms, order, ARRIVAL, request))
         order += 1
     running_pass: list[PassResult | None] = [None] * len(engines)
+    woken: set[int] = set()  # workers given work this instant
+    prefilled: list[tuple[int, SimRequest]] = []  # prefills that ended this instant: P's index, the request
 
-    def start(index: int, now: float) -> None:
+    def end_of_instant(now: float) -> None:
+        """The instant's events are all taken: hand the prefills that ended in it to their
+        decode workers, then start a pass on every idle worker that has work."""
         nonlocal order
-        engine = engines[index]
-        if running_pass[index] is None and engine.busy:
-            result = engine.run_pass(now)
-            running_pass[index] = result
-            heapq.heappush(events, (result.end_ms, order, PASS_END, index))
+        for _, request in sorted(prefilled, key=lambda ended: ended[0]):
+            _, d = handoffs.pop(request.rid)
+            if d is None:
+                d = placement.place_decode(request, decode_pool)
+            handoff_at = now + transfer.delay_ms(request.prompt_len)
+            heapq.heappush(events, (handoff_at, order, HANDOFF, (request, prefill_workers + d)))
             order += 1
+        prefilled.clear()
+        for index in sorted(woken):
+            engine = engines[index]
+            if running_pass[index] is None and engine.busy:
+                result = engine.run_pass(now)
+                running_pass[index] = result
+                heapq.heappush(events, (result.end_ms, order, PASS_END, index))
+                order += 1
+        woken.clear()
 
     while events:
         now, _, kind, payload = heapq.heappop(events)
         if kind == ARRIVAL:
             p, d = placement.place(payload, prefill_pool, decode_pool)
             if p is None:
+                assert d is not None, "a request prefilled on its decode worker needs one"
                 engines[prefill_workers + d].submit(payload)
-                start(prefill_workers + d, now)
+                woken.add(prefill_workers + d)
             else:  # P serves a one-token copy; the request waits for its KV
-                handoffs[payload.rid] = (payload, prefill_workers + d)
+                handoffs[payload.rid] = (payload, d)
                 prefill_pool[p].submit(
                     SimRequest(payload.rid, payload.prompt_len, 1, payload.blocks, payload.arrival_ms, payload.hash_ids)
                 )
-                start(p, now)
+                woken.add(p)
         elif kind == KV_EVENTS:
             placement.kv_events(*payload)
         elif kind == HANDOFF:
             request, d = payload
             request.transferred = True
             engines[d].submit(request)
-            start(d, now)
+            woken.add(d)
         else:
             result = running_pass[payload]
             assert result is not None
@@ -236,15 +266,13 @@ def simulate(
                     events, (now + kv_event_lag_ms, order, KV_EVENTS, (payload, result.stored, result.evicted))
                 )
                 order += 1
+            woken.add(payload)
             if payload < prefill_workers:  # P's copies: their prefill is done, their KV moves to D
                 for copy in finished:
-                    request, d = handoffs.pop(copy.rid)
+                    request, _ = handoffs[copy.rid]
                     request.reused_tokens = copy.reused_tokens
                     placement.first_token(request)
-                    handoff_at = now + transfer.delay_ms(request.prompt_len)
-                    heapq.heappush(events, (handoff_at, order, HANDOFF, (request, d)))
-                    order += 1
-                start(payload, now)
+                    prefilled.append((payload, request))
                 continue
             for request in first:
                 placement.first_token(request)
@@ -256,7 +284,8 @@ def simulate(
                     turn.arrival_ms = now + gap
                     heapq.heappush(events, (turn.arrival_ms, order, ARRIVAL, turn))
                     order += 1
-            start(payload, now)
+        if not events or events[0][0] > now:
+            end_of_instant(now)
     if requests_out is not None:
         requests_out.extend(requests)
     ttft = [r.first_token_ms - r.arrival_ms for r in requests if r.first_token_ms is not None]

@@ -109,6 +109,10 @@ class KvpilotPlacement:
         remote = route.prefill_worker.name != route.decode.name
         return (self._position[route.prefill_worker.name] if remote else None), d
 
+    def place_decode(self, request: SimRequest, decode: Sequence[SimEngine]) -> int:
+        """The decode worker chosen with the prefill worker on arrival (the router prices the pair)."""
+        return self.placed[request.rid]
+
     def kv_events(self, worker: int, stored: list[Stored], evicted: list[object]) -> None:
         name, bs = self.names[worker], self.block_size
         runs: list[tuple[SimRequest, int, int]] = []  # (request, first block, last block): one event each
