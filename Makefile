@@ -64,6 +64,20 @@ bench: setup
 		--prefill-workers 8,32 --json /tmp/kvpilot-sim-vs-dynamo-disaggregated.json
 	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 64 --prefill-workers 32 --sessions-per-worker 2,4,6,8 \
 		--json /tmp/kvpilot-sim-goodput-agent-32p64d.json
+	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64 --repeats 10 \
+		--json /tmp/kvpilot-sim-vs-dynamo-agent-10.json
+	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \
+		--trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64 \
+		--kv-event-lag-ms 100 --json /tmp/kvpilot-sim-vs-dynamo-lag-100ms.json
+	.venv/bin/python benchmarks/sim_goodput.py --trace ../shared/traces/mooncake_conversation_trace.jsonl --workers 64 \
+		--json /tmp/kvpilot-sim-goodput-conversation-64.json
+	for t in synthetic conversation; do .venv/bin/python benchmarks/sim_goodput.py \
+		--trace ../shared/traces/mooncake_$${t}_trace.jsonl --workers 256 --speedups 16,32,64,128,256 \
+		--json /tmp/kvpilot-sim-goodput-$$t-256.json && .venv/bin/python benchmarks/sim_goodput.py \
+		--trace ../shared/traces/mooncake_$${t}_trace.jsonl --workers 1024 --speedups 64,128,256,512,1024 \
+		--json /tmp/kvpilot-sim-goodput-$$t-1024.json || exit 1; done
+	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 256 --prefill-workers 128 --sessions-per-worker 2,4,6,8 \
+		--json /tmp/kvpilot-sim-goodput-agent-128p256d.json
 	.venv/bin/python benchmarks/bench_dynamo_connections.py
 	.venv/bin/python benchmarks/bench_router_scale.py
 	.venv/bin/python benchmarks/bench_idle_cpu.py
