@@ -325,9 +325,9 @@ class RouterServer:
             self._background.append(asyncio.create_task(self.engine_load.run(self._http)))
 
     async def _calibrate(self) -> None:
-        """Time the decode and co-located engines before serving
-        (:mod:`kvpilot.routing.serve.calibrate`), each prefill as its traffic's is timed (by
-        the engine's ``/metrics`` where they are polled)."""
+        """Time the engines before serving (:mod:`kvpilot.routing.serve.calibrate`), each
+        prefill as its traffic's is timed (by the engine's ``/metrics`` where they are
+        polled; P's by its handoffs)."""
         assert self._proxy is not None
         http = self._http
         assert http is not None
