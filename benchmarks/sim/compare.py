@@ -23,7 +23,7 @@ from typing import Any, Literal
 from fleet.trace import load_trace
 from provenance import describe, provenance
 
-from sim.fleet import DEFAULT_SPEC, INSTANT, KvTransfer, Placement, RoundRobin, percentile, simulate
+from sim.fleet import DEFAULT_SPEC, INSTANT, KvTransfer, Placement, Pools, RoundRobin, percentile, simulate
 from sim.kvpilot import KvpilotPlacement
 
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "reuse")
@@ -103,13 +103,12 @@ def dynamo_replay(
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Each row: the simulator's figure, Dynamo's, and their ratio."""
-    lines = ["| trace | workers | routing | " + " | ".join(f"{k} (sim / Dynamo)" for k in KEYS) + " |"]
+    lines = ["| trace | fleet | routing | " + " | ".join(f"{k} (sim / Dynamo)" for k in KEYS) + " |"]
     lines.append("|---|---:|---|" + "---|" * len(KEYS))
     for row in rows:
         ours, theirs = row["kvpilot_sim"], row["dynamo_replay"]
         cells = [f"{ours[k]:.3f} / {theirs[k]:.3f} ({ours[k] / theirs[k]:.4f}x)" for k in KEYS]
-        prefill = row.get("prefill_workers", 0)
-        pools = f"{prefill} P + {row['workers']} D" if prefill else str(row["workers"])
+        pools = Pools(row["workers"], row.get("prefill_workers", 0))
         lines.append(f"| {row['trace']} | {pools} | {row['mode']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

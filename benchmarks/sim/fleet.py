@@ -60,6 +60,20 @@ class KvTransfer:
 
 INSTANT = KvTransfer()
 
+
+@dataclass(frozen=True, slots=True)
+class Pools:
+    """The fleet's shape: ``workers`` co-located workers, or decode workers behind
+    ``prefill_workers`` with each ``handoff`` priced as :class:`KvTransfer` prices it."""
+
+    workers: int
+    prefill_workers: int = 0
+    handoff: KvTransfer = INSTANT
+
+    def __str__(self) -> str:
+        return f"{self.prefill_workers} P + {self.workers} D" if self.prefill_workers else f"{self.workers} workers"
+
+
 Placed = tuple[int | None, int | None]
 """Where a request goes: the index of its prefill worker (``None``: its decode worker
 prefills it) and of its decode worker, each within its pool; a decode worker ``None``

@@ -55,7 +55,7 @@ from provenance import describe, provenance
 
 from sim.compare import DYNAMO_WEIGHTS, RouterMode, replay_rows
 from sim.engine import EngineSpec, SimRequest, decode_ms, prefill_ms
-from sim.fleet import DEFAULT_SPEC, INSTANT, KvTransfer, percentile, simulate
+from sim.fleet import DEFAULT_SPEC, KvTransfer, Pools, percentile, simulate
 from sim.kvpilot import KvpilotPlacement
 
 TTFT_SLO_X = 5.0
@@ -166,19 +166,6 @@ class Served:
     ttft_ms: list[float]
     itl_ms: list[float | None]
     workers: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class Pools:
-    """The fleet's shape: ``workers`` co-located workers, or decode workers behind
-    ``prefill_workers`` with each ``handoff`` priced as :class:`sim.fleet.KvTransfer` prices it."""
-
-    workers: int
-    prefill_workers: int = 0
-    handoff: KvTransfer = INSTANT
-
-    def __str__(self) -> str:
-        return f"{self.prefill_workers} P + {self.workers} D" if self.prefill_workers else f"{self.workers} workers"
 
 
 Arm = Callable[[Point, Pools], Served]
