@@ -59,7 +59,8 @@ def outliers(y: np.ndarray, fitted: np.ndarray) -> np.ndarray:
 
 @dataclass
 class LinearFit:
-    """``y ~ features . coef`` over the newest ``window`` samples, coefficients >= 0: the
+    """``y ~ features . coef`` over the traffic's newest ``window`` samples (and the
+    calibration probes where the traffic has not been: :meth:`add`), coefficients >= 0: the
     exact non-negative least squares (of every subset of the features whose own fit has
     no negative coefficient, the one with the least squared error; the models have two
     or three features). A greedy "drop a term while one is negative" is not it: samples
@@ -78,31 +79,40 @@ class LinearFit:
     min_samples: int = MIN_SAMPLES
     flat_spread_ok: bool = False
     _rows: deque[tuple[tuple[float, ...], float]] = field(init=False)
-    _provisional: deque[bool] = field(init=False)
-    """Per row (in step with ``_rows``): whether it was added provisionally."""
+    """The traffic's newest ``window`` samples."""
+    _probes: list[tuple[tuple[float, ...], float]] = field(init=False, default_factory=list)
+    """The provisional samples (:meth:`add`), outside the window."""
     _fitted: tuple[tuple[float, ...] | None] | None = field(init=False, default=None)
     """The last :meth:`coefficients`, until the next :meth:`add` (each route asks many times)."""
 
     def __post_init__(self) -> None:
         self._rows = deque(maxlen=self.window)
-        self._provisional = deque(maxlen=self.window)
 
     def add(self, features: Sequence[float], y: float, *, provisional: bool = False) -> None:
         """One sample. A ``provisional`` one (a calibration probe's, timed before any
-        traffic) stands in until ``min_samples`` samples that are not have arrived, and is
-        then dropped: probes are not the traffic, and kept in the window they would blend
-        into its fit (their lengths, not the traffic's, would set its curve)."""
-        self._rows.append((tuple(float(f) for f in features), float(y)))
-        self._provisional.append(provisional)
-        if not provisional and any(self._provisional):
-            kept = [row for row, flag in zip(self._rows, self._provisional, strict=True) if not flag]
-            if len(kept) >= self.min_samples:
-                self._rows = deque(kept, maxlen=self.window)
-                self._provisional = deque([False] * len(kept), maxlen=self.window)
+        traffic) stands in until ``min_samples`` samples that are not have arrived and
+        theirs span its ``spread_feature`` (a probe of 1,024 tokens, once the traffic has
+        prefilled both shorter and longer prompts); then it leaves the fit: probes are not
+        the traffic, and kept where the traffic has been they would blend into its fit
+        (their lengths, not the traffic's, would set its curve). Where the traffic has not
+        been, the probe is the engine's only measurement, and stays however much traffic
+        passes: a D whose traffic was a session's short increments alone, its probes
+        dropped, priced a 1,132-token local prefill at 1.4x its TTFT (its per-token rate
+        extrapolated 20x from increments of 60 tokens)."""
+        row = (tuple(float(f) for f in features), float(y))
+        (self._probes if provisional else self._rows).append(row)
         self._fitted = None
 
+    def _fitted_rows(self) -> list[tuple[tuple[float, ...], float]]:
+        """The traffic's rows and the probes that still stand in (:meth:`add`)."""
+        if len(self._rows) < self.min_samples:
+            return [*self._probes, *self._rows]
+        spread = [features[self.spread_feature] for features, _ in self._rows]
+        low, high = min(spread), max(spread)
+        return [*(p for p in self._probes if not low <= p[0][self.spread_feature] <= high), *self._rows]
+
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._fitted_rows())
 
     def coefficients(self) -> tuple[float, ...] | None:
         """The fit, once more with the samples it explains worst left out
@@ -113,10 +123,11 @@ class LinearFit:
         return self._fitted[0]
 
     def _fit(self) -> tuple[float, ...] | None:
-        if len(self._rows) < self.min_samples:
+        rows = self._fitted_rows()
+        if len(rows) < self.min_samples:
             return None
-        x = np.array([row for row, _ in self._rows])
-        y = np.array([value for _, value in self._rows])
+        x = np.array([features for features, _ in rows])
+        y = np.array([value for _, value in rows])
         coef = self._solve(x, y)
         if coef is None:
             return None

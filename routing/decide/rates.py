@@ -213,7 +213,7 @@ class RateEstimator:
         """``engine`` prefilled ``new`` tokens after ``cached`` ones in ``seconds`` (a
         request, or the mean request of a poll interval). Non-positive ``new`` or
         ``seconds`` is ignored. ``provisional``: a calibration probe's, dropped once the
-        engine's traffic gave the model enough samples (:meth:`LinearFit.add`)."""
+        engine's traffic gave the model enough samples spanning its length (:meth:`LinearFit.add`)."""
         if new > 0 and seconds > 0:
             self._prefill_fit(engine).add(prefill_features(round(new), round(cached)), seconds, provisional=provisional)
 

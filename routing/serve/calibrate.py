@@ -2,7 +2,9 @@
 first predictions are measurements, not the roofline prior of a preset GPU.
 
 Per role (decode, co-located, prefill), the first ``server.calibration_workers`` workers,
-one at a time (an engine timed alone), through the upstream a routed request takes:
+one at a time (an engine timed alone), through the upstream a routed request takes, every
+probe below sent once untimed and then timed on fresh prompts (:data:`WARM_PASSES`: a cold
+engine's first prefill of a length is slow):
 
 - **prefill**: for each length ``L`` of ``server.calibration_prompt_tokens``, a prompt of ``L``
   fresh token ids answered with one token (``L`` tokens prefilled from nothing), then the
@@ -24,8 +26,11 @@ one at a time (an engine timed alone), through the upstream a routed request tak
   of its own to take.
 
 The samples are provisional: they price the first requests, and each model drops them once
-the engine's own traffic gave it enough samples (probes are not the traffic: kept in the
-window, their lengths would bend its fit; :meth:`kvpilot.policies.measured_fit.LinearFit.add`).
+the engine's own traffic gave it enough samples spanning their length (probes are not the
+traffic: kept where it has been, they would bend its fit), and keeps those beyond it (where
+the traffic has not been, a probe is the engine's only measurement; a D serving short
+session increments prices a long one by its probes:
+:meth:`kvpilot.policies.measured_fit.LinearFit.add`).
 Until an engine is calibrated or timed on traffic, it is predicted from the fit of the one
 with the most samples (the fleet serves one model: the rates' fallback).
 A probe that fails or outlasts :data:`PROBE_TIMEOUT_S` is skipped and logged: the router then
@@ -58,6 +63,11 @@ DECODE_TOKENS = 16
 """Tokens each decode probe's streams generate."""
 DECODE_PROMPT_TOKENS = 32
 PROBE_TIMEOUT_S = 60.0
+WARM_PASSES = 1
+"""Untimed passes of a worker's probes (fresh prompts of the same lengths) before the timed
+one: an engine's first prefill of a length runs cold (on the CPU fleet a 1,024-token prompt
+took 100-107 ms on its first prefill, 50-56 ms on later ones; priced by the cold probes, D's
+local prefill of a 1,132-token session step was predicted at 1.4x its TTFT)."""
 FIRST_TOKEN_ID = 10
 """Fresh ids start here (below it: a tokenizer's special tokens)."""
 DEFAULT_VOCAB = 32000
@@ -118,12 +128,12 @@ class Calibrator:
     def _fresh(self, n: int) -> list[int]:
         return [self._rng.randrange(FIRST_TOKEN_ID, self._vocab) for _ in range(n)]
 
-    def _body(self, prompt: list[int], max_tokens: int) -> dict[str, object]:
+    def _body(self, prompt: list[int], max_tokens: int, stream: bool = True) -> dict[str, object]:
         return {
             "model": self.config.model_name,
             "prompt": prompt,
             "max_tokens": max_tokens,
-            "stream": True,
+            "stream": stream,
             "ignore_eos": True,
         }
 
@@ -148,16 +158,19 @@ class Calibrator:
             probes += [(length, 0, prompt), (CACHED_EXTENSION, length, prompt + self._fresh(CACHED_EXTENSION))]
         return probes
 
-    async def _prefill(self, worker: Worker, samples: list[tuple[int, int, float]]) -> None:
+    async def _prefill(self, worker: Worker, samples: list[tuple[int, int, float]], timed: bool) -> None:
         for new, cached, prompt in self._prefill_probes():
+            if not timed:
+                await asyncio.wait_for(self._token_times(worker, prompt, 1), PROBE_TIMEOUT_S)
+                continue
             seconds = await asyncio.wait_for(self._prefill_seconds(worker, prompt, new, cached), PROBE_TIMEOUT_S)
             if seconds is not None:
                 samples.append((new, cached, seconds))
 
-    async def _handoffs(self, p: Worker, d: Worker, samples: list[tuple[int, int, float]]) -> None:
+    async def _handoffs(self, p: Worker, d: Worker, samples: list[tuple[int, int, float]], timed: bool) -> None:
         """P's prefill probes as handoffs that ``d`` reads (module doc)."""
         for new, cached, prompt in self._prefill_probes():
-            body = self._body(prompt, 1)
+            body = self._body(prompt, 1, stream=False)  # D's read is one whole completion
             started = time.perf_counter()
             outcome = await self.upstream.prefill(p, body, handoff_request(), PROBE_TIMEOUT_S)
             seconds = time.perf_counter() - started
@@ -167,8 +180,9 @@ class Calibrator:
                 log.info("%s prefills within its decode worker's call: not calibrated", p.name)
                 return
             await asyncio.wait_for(self.upstream.complete(d, body, outcome.params), PROBE_TIMEOUT_S)
-            self.rates.observe_prefill(p.name, new, cached, seconds, provisional=True)
-            samples.append((new, cached, seconds))
+            if timed:
+                self.rates.observe_prefill(p.name, new, cached, seconds, provisional=True)
+                samples.append((new, cached, seconds))
 
     async def _prefill_seconds(self, worker: Worker, prompt: list[int], new: int, cached: int) -> float | None:
         """One probe's prefill, fed to the rates as the worker's traffic's is (module doc)."""
@@ -186,7 +200,7 @@ class Calibrator:
         observe_interval(self.rates, worker.name, before, after, provisional=True)
         return after.rates.prefill_seconds - before.rates.prefill_seconds
 
-    async def _decode(self, worker: Worker, samples: list[tuple[int, float]]) -> None:
+    async def _decode(self, worker: Worker, samples: list[tuple[int, float]], timed: bool) -> None:
         for streams in self.config.calibration_decode_streams:
             runs = await asyncio.wait_for(
                 asyncio.gather(
@@ -198,14 +212,15 @@ class Calibrator:
                 PROBE_TIMEOUT_S,
             )
             for times in runs:  # each stream's mean gap is one sample
-                if len(times) > 1 and times[-1] > times[0]:
+                if timed and len(times) > 1 and times[-1] > times[0]:
                     step = (times[-1] - times[0]) / (len(times) - 1)
                     self.rates.observe_decode(worker.name, streams, step, provisional=True)
                     samples.append((streams, step))
 
     async def run(self, workers: Sequence[Worker]) -> Calibrated:
         """Calibrate the chosen ``workers`` one at a time, prefill workers last (their
-        handoffs are read by the first chosen decode worker; none without one); never
+        handoffs are read by the first chosen decode worker; none without one), each
+        with every probe twice, timed the second time (:data:`WARM_PASSES`); never
         raises for a failed probe."""
         started = time.perf_counter()
         prefill: dict[str, list[tuple[int, int, float]]] = {}
@@ -214,11 +229,12 @@ class Calibrator:
         reader = next((w for w in chosen if w.role is Role.DECODE), None)
         for worker in sorted(chosen, key=lambda w: w.role is Role.PREFILL):
             try:
-                if worker.role is not Role.PREFILL:
-                    await self._prefill(worker, prefill.setdefault(worker.name, []))
-                    await self._decode(worker, decode.setdefault(worker.name, []))
-                elif reader is not None:
-                    await self._handoffs(worker, reader, prefill.setdefault(worker.name, []))
+                for timed in [False] * WARM_PASSES + [True]:
+                    if worker.role is not Role.PREFILL:
+                        await self._prefill(worker, prefill.setdefault(worker.name, []), timed)
+                        await self._decode(worker, decode.setdefault(worker.name, []), timed)
+                    elif reader is not None:
+                        await self._handoffs(worker, reader, prefill.setdefault(worker.name, []), timed)
             except (UpstreamError, StreamBroke, TimeoutError, OSError) as exc:
                 log.warning("calibration of %s stopped (%s); it is predicted from what was measured", worker.name, exc)
         result = Calibrated(prefill, decode, time.perf_counter() - started)

@@ -110,3 +110,17 @@ def test_provisional_rows_price_until_enough_real_ones_then_leave_the_fit() -> N
     fit.add((1.0, 4.0), 5.0)  # the fourth: the probes leave
     assert len(fit) == 4
     assert fit.coefficients() == pytest.approx((1.0, 1.0), abs=1e-9)
+
+
+def test_a_probe_beyond_the_traffic_stays_however_much_traffic_passes() -> None:
+    """Traffic of short prefills alone cannot tell a per-token rate from a fixed cost: a
+    long probe where the traffic has not been stays in the fit (outside the window), and
+    prices a long prefill as measured; a probe within the traffic's span leaves."""
+    fit = LinearFit(spread_feature=1, min_samples=4, window=8)
+    for x in (50.0, 1000.0):
+        fit.add((1.0, x), 1.0 + 0.01 * x, provisional=True)  # the engine: y = 1 + 0.01 x
+    for n in range(20):  # traffic of short prefills, timed with noise that tilts the slope
+        x = 40.0 + n % 3 * 10
+        fit.add((1.0, x), 1.0 + 0.01 * x + (0.2 if x == 60.0 else 0.0))
+    assert len(fit) == 9  # the window's 8 and the 1,000-token probe; the 50-token one is covered
+    assert fit.predict((1.0, 1000.0)) == pytest.approx(11.0, rel=0.05)

@@ -17,19 +17,22 @@ from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_pre
 from kvpilot.routing.config import Role, ServerConfig, Worker
 from kvpilot.routing.decide.rates import Prior, RateEstimator
 from kvpilot.routing.health.engine_load import EngineLoad, RateCounters
-from kvpilot.routing.serve.calibrate import Calibrator, chosen_workers, vocab_size
+from kvpilot.routing.serve.calibrate import WARM_PASSES, Calibrator, chosen_workers, vocab_size
 from kvpilot.routing.serve.upstream import PrefillOutcome, UpstreamError
 
 PREFILL_S_PER_TOKEN = 2e-5  # 4,096 tokens: 82 ms
 PREFILL_FIXED_S = 0.004
 STEP_S = 0.003
 STEP_S_PER_STREAM = 0.001
+COLD_FACTOR = 3.0
+"""An engine's first prefill of a length takes this many times longer (a cold engine's)."""
 
 
 class TimedEngine:
     """An upstream whose engines prefill ``PREFILL_FIXED_S + PREFILL_S_PER_TOKEN`` a new token
     (a prompt it has seen before is cached: only the rest is new) and take ``STEP_S +
-    STEP_S_PER_STREAM`` per stream running for each decode step."""
+    STEP_S_PER_STREAM`` per stream running for each decode step; a worker's first prefill of
+    a number of new tokens takes :data:`COLD_FACTOR` times as long."""
 
     def __init__(self, broken: frozenset[str] = frozenset(), deferred: bool = False) -> None:
         self.seen: list[tuple[int, ...]] = []
@@ -39,6 +42,13 @@ class TimedEngine:
         self.deferred = deferred
         self.held: set[tuple[int, ...]] = set()
         """Prompts whose KV a prefill worker holds for a decode worker to read."""
+        self.warm: set[tuple[str, int]] = set()
+        """(worker, new tokens) prefilled once already."""
+
+    def _prefill_s(self, worker: Worker, new: int) -> float:
+        cold = (worker.name, new) not in self.warm
+        self.warm.add((worker.name, new))
+        return (PREFILL_FIXED_S + PREFILL_S_PER_TOKEN * new) * (COLD_FACTOR if cold else 1.0)
 
     def _cached(self, prompt: tuple[int, ...]) -> int:
         return max((len(p) for p in self.seen if prompt[: len(p)] == p), default=0)
@@ -53,11 +63,12 @@ class TimedEngine:
         prompt = tuple(body["prompt"])
         new = len(prompt) - self._cached(prompt)
         self.seen.append(prompt)
+        prefill_s = self._prefill_s(worker, new)
 
         async def events() -> AsyncIterator[list[str]]:
             self.running += 1
             try:
-                await asyncio.sleep(PREFILL_FIXED_S + PREFILL_S_PER_TOKEN * new)
+                await asyncio.sleep(prefill_s)
                 yield [json.dumps({"choices": [{"text": "a"}]})]
                 for _ in range(body["max_tokens"] - 1):
                     await asyncio.sleep(STEP_S + STEP_S_PER_STREAM * self.running)
@@ -77,13 +88,15 @@ class TimedEngine:
         prompt = tuple(body["prompt"])
         new = len(prompt) - self._cached(prompt)
         self.seen.append(prompt)
-        await asyncio.sleep(PREFILL_FIXED_S + PREFILL_S_PER_TOKEN * new)
+        await asyncio.sleep(self._prefill_s(worker, new))
         self.held.add(prompt)
         return PrefillOutcome({"held_by": worker.name, "prompt": len(prompt)})
 
     async def complete(self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None) -> dict[str, Any]:
-        """D reads P's KV of ``body``'s prompt: P frees it."""
+        """D reads P's KV of ``body``'s prompt: P frees it. A whole completion, as vLLM
+        answers one: to a body that asks for a stream it would send events, not one JSON."""
         assert handoff is not None and worker.role is Role.DECODE
+        assert not body["stream"], "a streamed body's answer is no whole completion"
         self.held.discard(tuple(body["prompt"]))
         return {"choices": [{"text": "a"}]}
 
@@ -98,6 +111,7 @@ def _worker(name: str, role: Role = Role.COLOCATED) -> Worker:
 
 
 def test_the_first_predictions_are_the_engines_measured_times() -> None:
+    """Warm times, not a cold engine's first prefills: each probe runs once untimed first."""
     rates, engine = _rates(), TimedEngine()
     config = ServerConfig(calibration_workers=1, calibration_prompt_tokens=[256, 1024, 4096])
     done = asyncio.run(Calibrator(engine, rates, config, seed=1).run([_worker("w0"), _worker("w1")]))  # type: ignore[arg-type]
@@ -110,7 +124,7 @@ def test_the_first_predictions_are_the_engines_measured_times() -> None:
         (4096, 0),
         (64, 4096),
     ]
-    assert all(b["ignore_eos"] and b["stream"] for b in engine.bodies)
+    assert all(b["ignore_eos"] and b["stream"] for b in engine.bodies)  # prefills timed by their first event
     for worker in ("w0", "w1"):
         estimate = rates.prefill(worker, 2048, 0)
         assert estimate.measured_s is not None and estimate.measured_by == "w0"
@@ -134,7 +148,7 @@ def test_no_prompt_over_the_engines_limit_and_p_probed_by_handoffs_that_d_reads(
     assert [(new, cached) for new, cached, _ in done.prefill["p"]] == [(256, 0), (64, 256), (1024, 0), (64, 1024)]
     assert "p" not in done.decode and not engine.held
     handoffs = [b for b in engine.bodies if "kv_transfer_params" in b]
-    assert len(handoffs) == 4 and all(b["kv_transfer_params"]["do_remote_decode"] for b in handoffs)
+    assert len(handoffs) == 4 * (WARM_PASSES + 1) and all(b["kv_transfer_params"]["do_remote_decode"] for b in handoffs)
     assert rates.prefill("p", 1500, 0).measured_by == "p"
     assert max(len(b["prompt"]) for b in engine.bodies) <= 2048
 
