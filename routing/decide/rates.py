@@ -37,7 +37,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -148,7 +148,31 @@ def _transfer_features(transfers: float, tokens: float) -> tuple[float, float]:
     return (float(transfers), float(tokens))
 
 
-_Model = TypeVar("_Model", LinearFit, deque[float])
+@dataclass
+class Residuals:
+    """One decode worker's overhead residuals on one path (:meth:`RateEstimator.observe_overhead`):
+    the traffic's newest ``window``, and calibration's, which stand in until the traffic
+    has ``min_samples`` (probes are not the traffic: they skip the router's parse and
+    route)."""
+
+    window: int
+    min_samples: int
+    traffic: deque[float] = field(init=False)
+    probes: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.traffic = deque(maxlen=self.window)
+
+    def values(self) -> list[float]:
+        if len(self.traffic) >= self.min_samples:
+            return list(self.traffic)
+        return [*self.probes, *self.traffic]
+
+    def __len__(self) -> int:
+        return len(self.values())
+
+
+_Model = TypeVar("_Model", LinearFit, Residuals)
 
 
 def _answering(models: Mapping[str, _Model], engine: str, ready: Callable[[_Model], bool]) -> str | None:
@@ -186,7 +210,7 @@ class RateEstimator:
         self._window, self._min = window, min_samples
         self._prefill: dict[str, LinearFit] = {}
         self._decode: dict[str, LinearFit] = {}
-        self._overhead: dict[PrefillPath, dict[str, deque[float]]] = {path: {} for path in PrefillPath}
+        self._overhead: dict[PrefillPath, dict[str, Residuals]] = {path: {} for path in PrefillPath}
         self._transfer: dict[str, LinearFit] = {}
         self._read: dict[str, tuple[float, float]] = {}  # per reader: bytes, seconds of its sampled reads
         self._last: dict[str, EngineLoad] = {}
@@ -240,28 +264,34 @@ class RateEstimator:
             read = self._read.get(reader, (0.0, 0.0))
             self._read[reader] = (read[0] + nbytes, read[1] + seconds)
 
-    def observe_overhead(self, decode_worker: str, path: PrefillPath, residual_s: float) -> None:
+    def observe_overhead(
+        self, decode_worker: str, path: PrefillPath, residual_s: float, *, provisional: bool = False
+    ) -> None:
         """A streamed request decoded on ``decode_worker`` and prefilled by ``path``
         reached its first token ``residual_s`` later than its queue, prefill, read and
         first step predicted (the router's parse and route, the HTTP hops, the handoff,
-        the engines' scheduling; may be negative)."""
-        self._overhead[path].setdefault(decode_worker, deque(maxlen=self._window)).append(residual_s)
+        the engines' scheduling; may be negative). ``provisional``: a calibration probe's
+        (:class:`Residuals`)."""
+        residuals = self._overhead[path].get(decode_worker)
+        if residuals is None:
+            residuals = self._overhead[path][decode_worker] = Residuals(self._window, self._min)
+        (residuals.probes if provisional else residuals.traffic).append(residual_s)
 
     # ---- predictions -------------------------------------------------------------
     def overhead(self, decode_worker: str, path: PrefillPath) -> Estimate:
         """What a request decoded on ``decode_worker`` and prefilled by ``path`` spends
         outside the modelled terms: the median of its last ``window`` residuals on that
-        path (:meth:`observe_overhead`). It is negative where the modelled terms overprice
-        the path: a prefill on D priced, until D has its own samples, by P's fit, which
-        holds P's call around its prefill. While it has fewer than
-        ``min_samples``, the worker's with the most on that path; prior 0. Never another
-        path's: a remote prefill's handoff is no part of a local one."""
+        path (:meth:`observe_overhead`; calibration's while the traffic has too few). It
+        is negative where the modelled terms overprice the path: a prefill on D priced,
+        until D has its own samples, by P's fit, which holds P's call around its prefill.
+        While it has fewer than ``min_samples``, the worker's with the most on that path;
+        prior 0. Never another path's: a remote prefill's handoff is no part of a local one."""
         residuals_by_worker = self._overhead[path]
         name = _answering(residuals_by_worker, decode_worker, lambda residuals: len(residuals) >= self._min)
         if name is None:
             own = residuals_by_worker.get(decode_worker)
             return Estimate(0.0, None, len(own) if own is not None else 0)
-        residuals = residuals_by_worker[name]
+        residuals = residuals_by_worker[name].values()
         return Estimate(0.0, float(np.median(residuals)), len(residuals), name)
 
     @staticmethod

@@ -21,9 +21,13 @@ engine's first prefill of a length is slow):
   handoffs (the call, since P's KV held for a peer costs P more than a plain request: a
   plain probe underpriced the remote path, and an e2e check then chose remote prefill where
   local was 25% faster), then the first calibrated decode worker reads that KV with one
-  token, so P frees it as after any handoff. A deployment that prefills on P within D's
-  call (Dynamo's frontend: a deferred handoff) is not probed there: P's prefill has no time
-  of its own to take.
+  token, streamed (and timed by D's metrics: its KV reads), so P frees it as after any
+  handoff. A deployment that prefills on P within D's call (Dynamo's frontend: a deferred
+  handoff) is not probed there: P's prefill has no time of its own to take;
+- **overhead**: each timed prefill probe's first token, against the terms the calibrated fits
+  predict for it (:class:`FirstToken`): the overhead of its path, local for a probe of D
+  or a co-located worker, remote for a handoff (what P's call, the handoff and the HTTP
+  around them add: on the CPU fleet 10-14 ms, half the first remote step's TTFT).
 
 The samples are provisional: they price the first requests, and each model drops them once
 the engine's own traffic gave it enough samples spanning their length (probes are not the
@@ -51,7 +55,7 @@ from pathlib import Path
 
 from kvpilot.kvconnectors.pull_params import handoff_request
 from kvpilot.routing.config import Role, ServerConfig, Worker
-from kvpilot.routing.decide.rates import RateEstimator, observe_interval
+from kvpilot.routing.decide.rates import PrefillPath, RateEstimator, observe_interval, predict_ttft
 from kvpilot.routing.health.engine_load import EngineLoad
 from kvpilot.routing.serve.upstream import StreamBroke, Upstream, UpstreamError
 
@@ -74,12 +78,43 @@ DEFAULT_VOCAB = 32000
 
 
 @dataclass(frozen=True, slots=True)
+class FirstToken:
+    """A timed probe's first token: ``prefill_worker`` prefilled ``new`` tokens after
+    ``cached`` ones, ``decode_worker`` read ``moved`` tokens of KV from it (0: it prefilled
+    them itself) and answered ``seconds`` after the probe was sent."""
+
+    prefill_worker: str
+    decode_worker: str
+    new: int
+    cached: int
+    moved: int
+    seconds: float
+
+    def residual_s(self, rates: RateEstimator) -> float:
+        """What it spent beyond the modelled terms as ``rates`` now predict them: its
+        path's overhead (:meth:`~kvpilot.routing.decide.rates.RateEstimator.observe_overhead`)."""
+        predicted = predict_ttft(
+            rates,
+            self.prefill_worker,
+            self.decode_worker,
+            new=self.new,
+            cached=self.cached,
+            queued=0,
+            transfer_tokens=self.moved,
+            streams=0,
+        )
+        return self.seconds - predicted.modelled_s
+
+
+@dataclass(frozen=True, slots=True)
 class Calibrated:
     """What one start measured: per worker, its prefill samples ``(new, cached, seconds)``
-    and decode samples ``(streams, step seconds)``."""
+    and decode samples ``(streams, step seconds)``; the overhead samples' count."""
 
     prefill: dict[str, list[tuple[int, int, float]]]
     decode: dict[str, list[tuple[int, float]]]
+    overheads: int
+    """Probes whose first token gave an overhead sample (:class:`FirstToken`)."""
     seconds: float
 
 
@@ -137,11 +172,14 @@ class Calibrator:
             "ignore_eos": True,
         }
 
-    async def _token_times(self, worker: Worker, prompt: list[int], max_tokens: int) -> list[float]:
-        """Seconds from the send to each event batch of ``worker``'s stream."""
+    async def _token_times(
+        self, worker: Worker, prompt: list[int], max_tokens: int, handoff: dict[str, object] | None = None
+    ) -> list[float]:
+        """Seconds from the send to each event batch of ``worker``'s stream (``handoff``:
+        P's params, for ``worker`` to read P's KV)."""
         started = time.perf_counter()
         times = []
-        async with self.upstream.stream(worker, self._body(prompt, max_tokens), None) as events:
+        async with self.upstream.stream(worker, self._body(prompt, max_tokens), handoff) as events:
             async for batch in events:
                 now = time.perf_counter() - started
                 times += [now] * sum(1 for data in batch if data != "[DONE]")
@@ -158,19 +196,32 @@ class Calibrator:
             probes += [(length, 0, prompt), (CACHED_EXTENSION, length, prompt + self._fresh(CACHED_EXTENSION))]
         return probes
 
-    async def _prefill(self, worker: Worker, samples: list[tuple[int, int, float]], timed: bool) -> None:
+    async def _metrics_before(self, worker: Worker, timed: bool) -> EngineLoad | None:
+        """``worker``'s metrics before a timed probe (``None`` untimed, or without them)."""
+        return await self.read_metrics(worker) if timed and self.read_metrics is not None else None
+
+    async def _prefill(self, worker: Worker, samples: list[tuple[int, int, float]], timed: bool) -> list[FirstToken]:
+        """``worker``'s prefill probes; timed, their samples and first tokens."""
+        first_tokens: list[FirstToken] = []
         for new, cached, prompt in self._prefill_probes():
-            if not timed:
-                await asyncio.wait_for(self._token_times(worker, prompt, 1), PROBE_TIMEOUT_S)
+            before = await self._metrics_before(worker, timed)
+            times = await asyncio.wait_for(self._token_times(worker, prompt, 1), PROBE_TIMEOUT_S)
+            if not timed or not times:
                 continue
-            seconds = await asyncio.wait_for(self._prefill_seconds(worker, prompt, new, cached), PROBE_TIMEOUT_S)
+            seconds = await self._observe_prefill(worker, new, cached, times[0], before)
             if seconds is not None:
                 samples.append((new, cached, seconds))
+                first_tokens.append(FirstToken(worker.name, worker.name, new, cached, 0, times[0]))
+        return first_tokens
 
-    async def _handoffs(self, p: Worker, d: Worker, samples: list[tuple[int, int, float]], timed: bool) -> None:
-        """P's prefill probes as handoffs that ``d`` reads (module doc)."""
+    async def _handoffs(
+        self, p: Worker, d: Worker, samples: list[tuple[int, int, float]], timed: bool
+    ) -> list[FirstToken]:
+        """P's prefill probes as handoffs that ``d`` reads (module doc); timed, P's samples,
+        D's KV reads (by D's metrics) and each handoff's first token."""
+        first_tokens: list[FirstToken] = []
         for new, cached, prompt in self._prefill_probes():
-            body = self._body(prompt, 1, stream=False)  # D's read is one whole completion
+            body = self._body(prompt, 1)
             started = time.perf_counter()
             outcome = await self.upstream.prefill(p, body, handoff_request(), PROBE_TIMEOUT_S)
             seconds = time.perf_counter() - started
@@ -178,22 +229,28 @@ class Calibrator:
                 raise UpstreamError(p, outcome.status or 0, f"handoff probe failed: {outcome.reason} {outcome.detail}")
             if outcome.deferred:
                 log.info("%s prefills within its decode worker's call: not calibrated", p.name)
-                return
-            await asyncio.wait_for(self.upstream.complete(d, body, outcome.params), PROBE_TIMEOUT_S)
-            if timed:
-                self.rates.observe_prefill(p.name, new, cached, seconds, provisional=True)
-                samples.append((new, cached, seconds))
+                return first_tokens
+            before = await self._metrics_before(d, timed)
+            times = await asyncio.wait_for(self._token_times(d, prompt, 1, outcome.params), PROBE_TIMEOUT_S)
+            if not timed:
+                continue
+            after = await self.read_metrics(d) if before is not None and self.read_metrics is not None else None
+            if before is not None and after is not None:
+                observe_interval(self.rates, d.name, before, after, prefill=False, provisional=True)
+            self.rates.observe_prefill(p.name, new, cached, seconds, provisional=True)
+            samples.append((new, cached, seconds))
+            if times:  # D lacks the new tokens alone: it read the cached ones at the probe before
+                first_tokens.append(FirstToken(p.name, d.name, new, cached, new, seconds + times[0]))
+        return first_tokens
 
-    async def _prefill_seconds(self, worker: Worker, prompt: list[int], new: int, cached: int) -> float | None:
-        """One probe's prefill, fed to the rates as the worker's traffic's is (module doc)."""
+    async def _observe_prefill(
+        self, worker: Worker, new: int, cached: int, first_token_s: float, before: EngineLoad | None
+    ) -> float | None:
+        """One probe's prefill, fed to the rates as the worker's traffic's is (module doc):
+        by its metrics ``before`` the probe and now, else (no metrics) by its first token."""
         if self.read_metrics is None:
-            times = await self._token_times(worker, prompt, 1)
-            if not times:
-                return None
-            self.rates.observe_prefill(worker.name, new, cached, times[0], provisional=True)
-            return times[0]
-        before = await self.read_metrics(worker)
-        await self._token_times(worker, prompt, 1)
+            self.rates.observe_prefill(worker.name, new, cached, first_token_s, provisional=True)
+            return first_token_s
         after = await self.read_metrics(worker)
         if before is None or after is None or after.rates.prefill_requests <= before.rates.prefill_requests:
             return None
@@ -225,24 +282,29 @@ class Calibrator:
         started = time.perf_counter()
         prefill: dict[str, list[tuple[int, int, float]]] = {}
         decode: dict[str, list[tuple[int, float]]] = {}
+        first_tokens: list[FirstToken] = []
         chosen = chosen_workers(workers, self.config.calibration_workers)
         reader = next((w for w in chosen if w.role is Role.DECODE), None)
         for worker in sorted(chosen, key=lambda w: w.role is Role.PREFILL):
             try:
                 for timed in [False] * WARM_PASSES + [True]:
                     if worker.role is not Role.PREFILL:
-                        await self._prefill(worker, prefill.setdefault(worker.name, []), timed)
+                        first_tokens += await self._prefill(worker, prefill.setdefault(worker.name, []), timed)
                         await self._decode(worker, decode.setdefault(worker.name, []), timed)
                     elif reader is not None:
-                        await self._handoffs(worker, reader, prefill.setdefault(worker.name, []), timed)
+                        first_tokens += await self._handoffs(worker, reader, prefill.setdefault(worker.name, []), timed)
             except (UpstreamError, StreamBroke, TimeoutError, OSError) as exc:
                 log.warning("calibration of %s stopped (%s); it is predicted from what was measured", worker.name, exc)
-        result = Calibrated(prefill, decode, time.perf_counter() - started)
+        for first in first_tokens:  # against the calibrated fits, every probe in
+            path = PrefillPath.of(first.prefill_worker, first.decode_worker)
+            self.rates.observe_overhead(first.decode_worker, path, first.residual_s(self.rates), provisional=True)
+        result = Calibrated(prefill, decode, len(first_tokens), time.perf_counter() - started)
         log.info(
-            "calibrated %d workers in %.1f s: %d prefill and %d decode samples",
+            "calibrated %d workers in %.1f s: %d prefill, %d decode and %d overhead samples",
             len(prefill),
             result.seconds,
             sum(map(len, prefill.values())),
             sum(map(len, decode.values())),
+            result.overheads,
         )
         return result

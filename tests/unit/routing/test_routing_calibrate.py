@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from kvpilot.policies.measured_fit import MIN_SAMPLES
 from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from kvpilot.routing.config import Role, ServerConfig, Worker
-from kvpilot.routing.decide.rates import Prior, RateEstimator
+from kvpilot.routing.decide.rates import PrefillPath, Prior, RateEstimator
 from kvpilot.routing.health.engine_load import EngineLoad, RateCounters
 from kvpilot.routing.serve.calibrate import WARM_PASSES, Calibrator, chosen_workers, vocab_size
 from kvpilot.routing.serve.upstream import PrefillOutcome, UpstreamError
@@ -24,6 +25,8 @@ PREFILL_S_PER_TOKEN = 2e-5  # 4,096 tokens: 82 ms
 PREFILL_FIXED_S = 0.004
 STEP_S = 0.003
 STEP_S_PER_STREAM = 0.001
+HANDOFF_S = 0.02
+"""From D's call with P's params to its first token (the read, D's scheduling)."""
 COLD_FACTOR = 3.0
 """An engine's first prefill of a length takes this many times longer (a cold engine's)."""
 
@@ -32,7 +35,8 @@ class TimedEngine:
     """An upstream whose engines prefill ``PREFILL_FIXED_S + PREFILL_S_PER_TOKEN`` a new token
     (a prompt it has seen before is cached: only the rest is new) and take ``STEP_S +
     STEP_S_PER_STREAM`` per stream running for each decode step; a worker's first prefill of
-    a number of new tokens takes :data:`COLD_FACTOR` times as long."""
+    a number of new tokens takes :data:`COLD_FACTOR` times as long; D answers a handoff
+    :data:`HANDOFF_S` after its call."""
 
     def __init__(self, broken: frozenset[str] = frozenset(), deferred: bool = False) -> None:
         self.seen: list[tuple[int, ...]] = []
@@ -64,6 +68,10 @@ class TimedEngine:
         new = len(prompt) - self._cached(prompt)
         self.seen.append(prompt)
         prefill_s = self._prefill_s(worker, new)
+        if handoff is not None:  # D reads P's KV of the prompt: P frees it
+            assert worker.role is Role.DECODE and prompt in self.held
+            self.held.discard(prompt)
+            prefill_s = HANDOFF_S
 
         async def events() -> AsyncIterator[list[str]]:
             self.running += 1
@@ -91,14 +99,6 @@ class TimedEngine:
         await asyncio.sleep(self._prefill_s(worker, new))
         self.held.add(prompt)
         return PrefillOutcome({"held_by": worker.name, "prompt": len(prompt)})
-
-    async def complete(self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None) -> dict[str, Any]:
-        """D reads P's KV of ``body``'s prompt: P frees it. A whole completion, as vLLM
-        answers one: to a body that asks for a stream it would send events, not one JSON."""
-        assert handoff is not None and worker.role is Role.DECODE
-        assert not body["stream"], "a streamed body's answer is no whole completion"
-        self.held.discard(tuple(body["prompt"]))
-        return {"choices": [{"text": "a"}]}
 
 
 def _rates() -> RateEstimator:
@@ -151,6 +151,25 @@ def test_no_prompt_over_the_engines_limit_and_p_probed_by_handoffs_that_d_reads(
     assert len(handoffs) == 4 * (WARM_PASSES + 1) and all(b["kv_transfer_params"]["do_remote_decode"] for b in handoffs)
     assert rates.prefill("p", 1500, 0).measured_by == "p"
     assert max(len(b["prompt"]) for b in engine.bodies) <= 2048
+
+
+def test_each_path_s_overhead_is_calibrated_from_its_probes_first_tokens() -> None:
+    """A handoff's first token comes P's call plus :data:`HANDOFF_S` after it is sent: what
+    the remote path adds beyond P's prefill and D's first step is measured before the first
+    request, as the traffic's residuals measure it later."""
+    engine, rates = TimedEngine(), _rates()
+    config = ServerConfig(calibration_workers=1, calibration_prompt_tokens=[256, 1024])
+    workers = [_worker("p", Role.PREFILL), _worker("d", Role.DECODE)]
+    done = asyncio.run(Calibrator(engine, rates, config, seed=1).run(workers))  # type: ignore[arg-type]
+    assert done.overheads == 8  # four local probes on D, four handoffs
+    remote, local = rates.overhead("d", PrefillPath.REMOTE), rates.overhead("d", PrefillPath.LOCAL)
+    first_step = rates.decode_step("d", 1).seconds
+    assert remote.measured_by == "d" and remote.measured_s is not None
+    assert HANDOFF_S - first_step - 0.003 < remote.measured_s < HANDOFF_S - first_step + 0.003  # timer slack
+    assert local.measured_s is not None and abs(local.measured_s) < 0.003 + first_step  # a local probe adds nothing
+    for _ in range(MIN_SAMPLES):
+        rates.observe_overhead("d", PrefillPath.REMOTE, 0.1)
+    assert rates.overhead("d", PrefillPath.REMOTE).measured_s == pytest.approx(0.1)  # the traffic's, once it has enough
 
 
 def test_a_p_that_prefills_within_d_s_call_is_not_probed() -> None:
