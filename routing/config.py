@@ -138,9 +138,10 @@ class CostConfig(TypedConfig, frozen=True):
     step (it holds the session's newest KV). A credit, never a pin."""
     session_residency_weight: float = 1.0
     """kvpilot's own: blocks added to a session's first step per block of the sessions living
-    on the decode worker (each one's latest prompt, in flight or between steps:
-    :mod:`kvpilot.routing.decide.residency`), so the first step is placed for the later ones;
-    0: the term is off (Dynamo counts the unique blocks of requests in flight)."""
+    on the decode worker, and on a pair's prefill worker (each one's latest prompt, in flight
+    or between steps: :mod:`kvpilot.routing.decide.residency`), so the first step is placed
+    for the later ones; 0: the term is off (Dynamo counts the unique blocks of requests in
+    flight)."""
     session_stays_unless_sooner: bool = True
     """kvpilot's own: a session's later step stays on the decode worker that served its last
     step unless another candidate would start it sooner (less prefill queued plus

@@ -12,7 +12,10 @@ The router adds them to a session's first step's cost (``cost.session_residency_
 so the first step is placed for the later ones.
 
 A session moves when a step is routed elsewhere and leaves ``horizon_s`` after its
-latest step (its tool may never return).
+latest step (its tool may never return). The router keeps one :class:`Residency` for decode
+(and co-located) workers and one for prefill workers: in a disaggregated fleet a session's
+later steps prefill on the P that holds its history, and the first steps of many sessions
+piled on one P would queue there at every later step.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ For one request the :class:`Router`:
    last (after a step the newest KV lives on D, article section 9.2), and is
    charged its recent transfer failures and transfer time (``pair_penalty``); a session's
    first step (and a request of no session) is charged the blocks of the sessions living on
-   D (:mod:`~kvpilot.routing.decide.residency`: placed for its later steps);
+   D and, for a pair, on P (:mod:`~kvpilot.routing.decide.residency`: placed for its later
+   steps, which prefill on P where D does not);
 4. asks :class:`~kvpilot.routing.decide.cost.CostModel` to pick one (seeded RNG; a
    session's later step stays on its worker unless another starts it sooner:
    :func:`~kvpilot.routing.decide.cost.eligible`);
@@ -266,7 +267,10 @@ class Router:
         self._tiers = config.index.tiers
         self._options = _Options.of(fleet)
         self.residency = Residency(config.sessions.resident_s)
-        """The sessions living on each worker (a session's first step is charged for them)."""
+        """The sessions living on each decode worker (a session's first step is charged for them)."""
+        self.prefill_residency = Residency(config.sessions.resident_s)
+        """The sessions whose latest step a prefill worker prefilled: its later steps' history
+        is cached there, and a pair's P is charged for them as D is for its own."""
 
     def set_fleet(self, fleet: Fleet) -> None:
         """Route over ``fleet`` from the next request on (workers joined or left the
@@ -353,6 +357,8 @@ class Router:
         prefiller = p if p is not None else d
         if session is not None and not dry_run and now is not None:
             self.residency.settle(session, d.name, chain.num_blocks, now)
+            if p is not None:
+                self.prefill_residency.settle(session, p.name, chain.num_blocks, now)
         return Route(
             request_id=request_id,
             kind=kind,
@@ -496,6 +502,8 @@ class Router:
             return
         if now is not None:
             self.residency.settle(session, route.decode.name, route.prompt_blocks, now)
+            if route.prefill is not None:
+                self.prefill_residency.settle(session, route.prefill.name, route.prompt_blocks, now)
         state = self.sessions.get(session)
         state.steps += 1
         state.last_worker = route.decode.name
@@ -558,8 +566,8 @@ class Router:
         """The ``kept`` options (rows of :class:`_Options`) as cost columns: per worker,
         arrays filled from the sparse overlaps, loads and living sessions, then gathered
         per option (a pair: P's overlap and active prefill blocks, D's decode load and, unless
-        this is a session's later step, the sessions living on D; its session credit if D
-        served the session last, its ``pair_penalty``)."""
+        this is a session's later step, the sessions living on D and on P; its session credit
+        if D served the session last, its ``pair_penalty``)."""
         opts = self._options
         idle = overlaps.default_factory
         assert idle is not None
@@ -576,12 +584,15 @@ class Router:
             if row is not None:
                 per_worker_load[row, 3] = depth
         per_worker_resident = np.zeros(len(opts.workers))
-        if last is None:  # a session's later step is not charged for the sessions living on D
-            for worker, blocks in self.residency.blocks(now).items():
-                row = opts.rows.get(worker)
-                if row is not None:
-                    per_worker_resident[row] = blocks
+        if last is None:  # a session's later step is not charged for the sessions living on D or P
+            for residency in (self.residency, self.prefill_residency):
+                for worker, blocks in residency.blocks(now).items():
+                    row = opts.rows.get(worker)
+                    if row is not None:
+                        per_worker_resident[row] += blocks
         prefill_rows, decode_rows = opts.prefill_rows[kept], opts.decode_rows[kept]
+        resident = per_worker_resident[decode_rows]  # D's, and a pair's P's
+        resident += np.where(prefill_rows != decode_rows, per_worker_resident[prefill_rows], 0.0)
         load = per_worker_load[decode_rows]
         load[:, 0] = per_worker_load[prefill_rows, 0]
         last_row = opts.rows.get(last) if last is not None else None
@@ -603,7 +614,7 @@ class Router:
             load,
             decode_rows == (last_row if last_row is not None else -1),
             penalty,
-            per_worker_resident[decode_rows],
+            resident,
             predicted,
         )
 

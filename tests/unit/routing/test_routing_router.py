@@ -526,3 +526,21 @@ def test_a_later_step_stays_on_its_d_only_where_d_may_prefill_it(max_local_token
         )
     second = router.route(_prompt(9), "s2", session=session, now=2.0)
     assert (second.decode.name == first.decode.name) is stays, second.explain()
+
+
+@pytest.mark.parametrize(("weight", "second_p"), [(1.0, "p2"), (0.0, "p1")])
+def test_a_first_step_avoids_the_p_where_a_session_lives_though_it_holds_the_shared_prefix(weight, second_p):
+    """Where D never prefills, a session's later steps prefill on the P that holds its
+    history: a second agent's first step placed there would meet the first's prefills at
+    every step. A pair's P is charged for the sessions living on it as D is for its own
+    (``cost.session_residency_weight``; 0: Dynamo's cost piles both on the P holding the
+    shared prefix)."""
+    cfg = _config(PD, disaggregation={"max_local_tokens": 0}, cost={"session_residency_weight": weight})
+    router = _router(cfg)
+    prefix = _prompt(6)
+    _store(router.index, "p1", prefix)
+    first = router.route(prefix + _prompt(2, base=1000), "a-0", session=SessionId("a"), now=0.0)
+    assert first.prefill is not None and first.prefill.name == "p1"
+    router.served(SessionId("a"), first, now=1.0)
+    second = router.route(prefix + _prompt(2, base=2000), "b-0", session=SessionId("b"), now=1.5)
+    assert second.prefill is not None and second.prefill.name == second_p, second.explain()
