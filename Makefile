@@ -64,7 +64,7 @@ bench: setup
 	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \
 		--trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64 \
 		--prefill-workers 8,32 --json /tmp/kvpilot-sim-vs-dynamo-disaggregated.json
-	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 64 --prefill-workers 32 --sessions-per-worker 2,4,6,8 \
+	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 64 --prefill-workers 32 --sessions-per-worker 2,4,6,7,8 \
 		--json /tmp/kvpilot-sim-goodput-agent-32p64d.json
 	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64 --repeats 10 \
 		--json /tmp/kvpilot-sim-vs-dynamo-agent-10.json
