@@ -78,8 +78,10 @@ bench: setup
 		--json /tmp/kvpilot-sim-goodput-$$t-256.json && .venv/bin/python benchmarks/sim_goodput.py \
 		--trace ../shared/traces/mooncake_$${t}_trace.jsonl --workers 1024 --speedups 64,128,256,512,1024 \
 		--json /tmp/kvpilot-sim-goodput-$$t-1024.json || exit 1; done
-	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 256 --prefill-workers 128 --sessions-per-worker 2,4,6,8 \
+	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 256 --prefill-workers 128 --sessions-per-worker 2,4 \
 		--json /tmp/kvpilot-sim-goodput-agent-128p256d.json
+	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 256 --prefill-workers 128 --sessions-per-worker 6 \
+		--json /tmp/kvpilot-sim-goodput-agent-128p256d-6.json
 	.venv/bin/python benchmarks/bench_dynamo_connections.py
 	.venv/bin/python benchmarks/bench_router_scale.py
 	.venv/bin/python benchmarks/bench_idle_cpu.py
