@@ -169,7 +169,8 @@ class Residuals:
         return [*self.probes, *self.traffic]
 
     def __len__(self) -> int:
-        return len(self.values())
+        traffic = len(self.traffic)
+        return traffic if traffic >= self.min_samples else traffic + len(self.probes)
 
 
 _Model = TypeVar("_Model", LinearFit, Residuals)
