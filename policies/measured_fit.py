@@ -84,6 +84,8 @@ class LinearFit:
     """The provisional samples (:meth:`add`), outside the window."""
     _fitted: tuple[tuple[float, ...] | None] | None = field(init=False, default=None)
     """The last :meth:`coefficients`, until the next :meth:`add` (each route asks many times)."""
+    _in_fit: list[tuple[tuple[float, ...], float]] | None = field(init=False, default=None)
+    """The last :meth:`_fitted_rows`, until the next :meth:`add` (``len`` is asked per estimate)."""
 
     def __post_init__(self) -> None:
         self._rows = deque(maxlen=self.window)
@@ -101,15 +103,18 @@ class LinearFit:
         extrapolated 20x from increments of 60 tokens)."""
         row = (tuple(float(f) for f in features), float(y))
         (self._probes if provisional else self._rows).append(row)
-        self._fitted = None
+        self._fitted = self._in_fit = None
 
     def _fitted_rows(self) -> list[tuple[tuple[float, ...], float]]:
         """The traffic's rows and the probes that still stand in (:meth:`add`)."""
-        if len(self._rows) < self.min_samples:
-            return [*self._probes, *self._rows]
-        spread = [features[self.spread_feature] for features, _ in self._rows]
-        low, high = min(spread), max(spread)
-        return [*(p for p in self._probes if not low <= p[0][self.spread_feature] <= high), *self._rows]
+        if self._in_fit is None:
+            probes = self._probes
+            if len(self._rows) >= self.min_samples:
+                spread = [features[self.spread_feature] for features, _ in self._rows]
+                low, high = min(spread), max(spread)
+                probes = [p for p in probes if not low <= p[0][self.spread_feature] <= high]
+            self._in_fit = [*probes, *self._rows]
+        return self._in_fit
 
     def __len__(self) -> int:
         return len(self._fitted_rows())
