@@ -163,12 +163,12 @@ class Calibrator:
     def _fresh(self, n: int) -> list[int]:
         return [self._rng.randrange(FIRST_TOKEN_ID, self._vocab) for _ in range(n)]
 
-    def _body(self, prompt: list[int], max_tokens: int, stream: bool = True) -> dict[str, object]:
+    def _body(self, prompt: list[int], max_tokens: int) -> dict[str, object]:
         return {
             "model": self.config.model_name,
             "prompt": prompt,
             "max_tokens": max_tokens,
-            "stream": stream,
+            "stream": True,
             "ignore_eos": True,
         }
 
@@ -196,15 +196,15 @@ class Calibrator:
             probes += [(length, 0, prompt), (CACHED_EXTENSION, length, prompt + self._fresh(CACHED_EXTENSION))]
         return probes
 
-    async def _metrics_before(self, worker: Worker, timed: bool) -> EngineLoad | None:
-        """``worker``'s metrics before a timed probe (``None`` untimed, or without them)."""
+    async def _metrics(self, worker: Worker, timed: bool) -> EngineLoad | None:
+        """``worker``'s metrics now, around a timed probe (``None`` untimed, or without them)."""
         return await self.read_metrics(worker) if timed and self.read_metrics is not None else None
 
     async def _prefill(self, worker: Worker, samples: list[tuple[int, int, float]], timed: bool) -> list[FirstToken]:
         """``worker``'s prefill probes; timed, their samples and first tokens."""
         first_tokens: list[FirstToken] = []
         for new, cached, prompt in self._prefill_probes():
-            before = await self._metrics_before(worker, timed)
+            before = await self._metrics(worker, timed)
             times = await asyncio.wait_for(self._token_times(worker, prompt, 1), PROBE_TIMEOUT_S)
             if not timed or not times:
                 continue
@@ -230,11 +230,11 @@ class Calibrator:
             if outcome.deferred:
                 log.info("%s prefills within its decode worker's call: not calibrated", p.name)
                 return first_tokens
-            before = await self._metrics_before(d, timed)
+            before = await self._metrics(d, timed)
             times = await asyncio.wait_for(self._token_times(d, prompt, 1, outcome.params), PROBE_TIMEOUT_S)
             if not timed:
                 continue
-            after = await self.read_metrics(d) if before is not None and self.read_metrics is not None else None
+            after = await self._metrics(d, before is not None)  # D's read, by its metrics
             if before is not None and after is not None:
                 observe_interval(self.rates, d.name, before, after, prefill=False, provisional=True)
             self.rates.observe_prefill(p.name, new, cached, seconds, provisional=True)
