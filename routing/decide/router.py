@@ -356,9 +356,7 @@ class Router:
                 p = None
         prefiller = p if p is not None else d
         if session is not None and not dry_run and now is not None:
-            self.residency.settle(session, d.name, chain.num_blocks, now)
-            if p is not None:
-                self.prefill_residency.settle(session, p.name, chain.num_blocks, now)
+            self._settle(session, p, d, chain.num_blocks, now)
         return Route(
             request_id=request_id,
             kind=kind,
@@ -491,6 +489,13 @@ class Router:
         why = f"{price.why}; measured rates: TTFT {seconds * 1e3:.2f} ms"
         return dataclasses.replace(price, seconds=seconds, why=why)
 
+    def _settle(self, session: SessionId, p: Worker | None, d: Worker, blocks: int, now: float) -> None:
+        """``session`` (its latest prompt ``blocks`` long) lives on ``d`` and, prefilled
+        remotely, on ``p`` from ``now`` (:attr:`residency`, :attr:`prefill_residency`)."""
+        self.residency.settle(session, d.name, blocks, now)
+        if p is not None:
+            self.prefill_residency.settle(session, p.name, blocks, now)
+
     def served(
         self, session: SessionId | None, route: Route, decode_params: object = None, now: float | None = None
     ) -> None:
@@ -501,9 +506,7 @@ class Router:
         if session is None:
             return
         if now is not None:
-            self.residency.settle(session, route.decode.name, route.prompt_blocks, now)
-            if route.prefill is not None:
-                self.prefill_residency.settle(session, route.prefill.name, route.prompt_blocks, now)
+            self._settle(session, route.prefill, route.decode, route.prompt_blocks, now)
         state = self.sessions.get(session)
         state.steps += 1
         state.last_worker = route.decode.name
