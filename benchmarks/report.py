@@ -37,10 +37,10 @@ def _head(results: dict[str, Any]) -> list[str]:
 def render(results: dict[str, Any]) -> str:
     """The tables of a results file of ``bench_router_scale.py``, ``bench_fleet.py``,
     ``sim_vs_dynamo.py``, ``sim_goodput.py`` or ``sim_live.py``."""
-    if "live_rows" in results:
-        from sim.live import table as live_table
+    if "runs" in results:
+        from sim.live import tables as live_tables
 
-        body = live_table(results["live_rows"])
+        body = live_tables(results)
     elif "goodput_rps" in results:
         from sim.goodput import table as goodput_table
 

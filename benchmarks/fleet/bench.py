@@ -34,6 +34,12 @@ each trace request's floor is that fit's price of the tokens no cache could have
 for it. The floor's mean is the mean TTFT no router can beat on this workload, and the
 report says whether 20% below each Dynamo KV arm (the issue's target) lies above it.
 
+Each arm's SLO attainment (:mod:`fleet_goodput`): by default scale-free on the floor (TTFT at
+most 5x each request's floor, ITL at most 2x the calibration's, each request alone on an
+idle worker), as the simulator's goodput judges its runs, so that ``sim_live.py`` compares
+like with like; ``--ttft-slo`` and ``--itl-slo`` set absolute ones. ``--rate-sweep`` runs
+every arm at more rates and gives each arm's goodput.
+
     python benchmarks/bench_fleet.py --workers 4 --max-requests 200
     python benchmarks/bench_fleet.py --prefill 16 --decode 48 --rate-scale 4 --json out.json
 """
@@ -62,7 +68,7 @@ from provenance import describe, provenance
 from fleet import floor as fleet_floor
 from fleet.arms import TUNED_DISAGG_FLAGS, TUNED_FLAGS, Arm, ArmName, arms
 from fleet.events import EventTap, StoredPromptBlocks
-from fleet.goodput import Slo, SweepPoint, attainment, goodput
+from fleet.goodput import ATTAINMENT, ITL_SLO_X, TTFT_SLO_X, Slo, SweepPoint, attainment, goodput
 from fleet.replay import Connections, Send, body, headers, replay
 from fleet.results import Outcome, ReuseCounts, reuse_from_computed, summarize
 from fleet.trace import (
@@ -222,7 +228,10 @@ class Workload:
         return len(self.sends) / span if span > 0 else math.nan
 
 
-def run_arm(arm: Arm, base: DynamoFleetSpec, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+def run_arm(
+    arm: Arm, base: DynamoFleetSpec, workload: Workload, slo: Slo | None, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One arm on a fresh fleet: its summary, with its SLO attainment where ``slo`` is given."""
     spec = arm.spec(base)
     log(f"arm {arm.name.value}: {arm.title} {' '.join(arm.frontend_flags)}")
     started = time.perf_counter()
@@ -274,7 +283,8 @@ def run_arm(arm: Arm, base: DynamoFleetSpec, workload: Workload, args: argparse.
         "kv_event_rejections": tap.rejected,
     }
     extra["offered_rps"] = workload.offered_rps
-    extra["slo_attainment"] = attainment(outcomes, Slo(args.ttft_slo, args.itl_slo))
+    if slo is not None:
+        extra["slo_attainment"] = attainment(outcomes, slo)
     summary = summarize(outcomes, events if spec.prefill else usage, cpu, extra)
     log(
         f"  {summary['completed']} completed, {summary['failed']} failed, TTFT mean {summary['ttft_mean_s']:.3f} s, "
@@ -296,7 +306,11 @@ def measure_floor(base: DynamoFleetSpec, new_tokens: list[int], args: argparse.N
     lengths = [*[min(new_tokens)] * fleet_floor.WARMUP, *fleet_floor.calibration_lengths(new_tokens, args.block_size)]
     vocab = TINY_MODEL_SPEC.vocab_size
     sends = [
-        Send(i, i * CALIBRATION_GAP_S, body(fleet_floor.calibration_prompt(n, i, vocab, args.seed), 2))
+        Send(
+            i,
+            i * CALIBRATION_GAP_S,
+            body(fleet_floor.calibration_prompt(n, i, vocab, args.seed), fleet_floor.OUTPUT_TOKENS),
+        )
         for i, n in enumerate(lengths)
     ]
     log(f"floor: {len(sends)} calibration requests of {sorted(set(lengths))} tokens, one at a time")
@@ -305,14 +319,33 @@ def measure_floor(base: DynamoFleetSpec, new_tokens: list[int], args: argparse.N
     failed = [o.error for o in outcomes if not o.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} calibration requests failed, the first: {failed[0]}")
-    samples = [(lengths[o.index], o.ttft) for o in outcomes[fleet_floor.WARMUP :] if o.ttft is not None]
-    floor = fleet_floor.measure(samples, new_tokens)
+    timed = outcomes[fleet_floor.WARMUP :]
+    samples = [(lengths[o.index], o.ttft) for o in timed if o.ttft is not None]
+    floor = fleet_floor.measure(samples, new_tokens, [itl for o in timed if (itl := o.itl) is not None])
     fixed, per_token, per_pair = floor.coefficients
     log(
         f"  floor: mean {floor.mean_s * 1e3:.1f} ms (fit: {fixed * 1e3:.2f} ms + {per_token * 1e6:.3f} us/token "
-        f"+ {per_pair * 1e12:.3f} ps/attention pair)"
+        f"+ {per_pair * 1e12:.3f} ps/attention pair); idle ITL {floor.idle_itl_s * 1e3:.2f} ms"
     )
     return floor
+
+
+def run_slo(args: argparse.Namespace, floor: fleet_floor.Floor | None) -> Slo | None:
+    """The SLOs every arm is judged by: ``--ttft-slo`` and ``--itl-slo`` where given, else
+    scale-free on the measured floor (:meth:`Slo.scale_free`); none without either."""
+    if args.ttft_slo is not None:
+        return Slo(args.ttft_slo, args.itl_slo)
+    return None if floor is None else Slo.scale_free(floor.request_ttft_s, floor.idle_itl_s)
+
+
+def slo_text(slo: Slo, floor: fleet_floor.Floor | None) -> str:
+    """The SLOs in words."""
+    if isinstance(slo.ttft_s, tuple) and floor is not None:
+        return (
+            f"TTFT at most {TTFT_SLO_X:g}x each request's floor (mean {floor.mean_s * 1e3:.1f} ms), ITL at most "
+            f"{ITL_SLO_X:g}x an idle worker's ({slo.itl_s * 1e3:.2f} ms)"
+        )
+    return f"TTFT {slo.ttft_limit(0) * 1e3:g} ms, ITL {slo.itl_s * 1e3:g} ms"
 
 
 def floor_lines(results: dict[str, dict[str, Any]], floor: fleet_floor.Floor) -> list[str]:
@@ -352,7 +385,7 @@ def sweep_point(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot_ttft_vs_rate(results: dict[str, dict[str, Any]], path: Path, slo: Slo) -> None:
-    """Mean and p99 TTFT against the offered rate, one line per arm, the TTFT SLO drawn."""
+    """Mean and p99 TTFT against the offered rate, one line per arm, an absolute TTFT SLO drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -364,7 +397,8 @@ def plot_ttft_vs_rate(results: dict[str, dict[str, Any]], path: Path, slo: Slo) 
         rates = [p["offered_rps"] for p in points]
         (line,) = ax.plot(rates, [p["ttft_mean_s"] * 1e3 for p in points], marker="o", label=f"{name} mean")
         ax.plot(rates, [p["ttft_p99_s"] * 1e3 for p in points], ls="--", color=line.get_color(), alpha=0.6)
-    ax.axhline(slo.ttft_s * 1e3, color="grey", lw=0.8, ls=":", label=f"TTFT SLO {slo.ttft_s * 1e3:g} ms")
+    if not isinstance(slo.ttft_s, tuple):
+        ax.axhline(slo.ttft_s * 1e3, color="grey", lw=0.8, ls=":", label=f"TTFT SLO {slo.ttft_s * 1e3:g} ms")
     ax.set_xlabel("offered requests/s")
     ax.set_ylabel("TTFT ms (solid: mean, dashed: p99)")
     ax.set_yscale("log")
@@ -446,8 +480,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="comma-separated --rate-scale values to run every arm at as well (goodput and the plot), e.g. 1,2,4,8",
     )
-    parser.add_argument("--ttft-slo", type=float, default=0.2, help="TTFT SLO in seconds, for goodput")
-    parser.add_argument("--itl-slo", type=float, default=0.005, help="ITL SLO in seconds, for goodput")
+    parser.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=None,
+        help="an absolute TTFT SLO in seconds (with --itl-slo; default: scale-free, on the measured floor)",
+    )
+    parser.add_argument("--itl-slo", type=float, default=None, help="an absolute ITL SLO in seconds (with --ttft-slo)")
     parser.add_argument("--plot", type=Path, default=None, help="PNG: TTFT against the offered rate (--rate-sweep)")
     parser.add_argument(
         "--kvpilot-replicas",
@@ -493,6 +532,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.prefill or args.decode:
             parser.error("--prefill and --decode go together")
         args.workers = 4
+    if (args.ttft_slo is None) != (args.itl_slo is None):
+        parser.error("--ttft-slo and --itl-slo go together")
+    if args.rate_sweep and not args.floor and args.ttft_slo is None:
+        parser.error("--rate-sweep needs SLOs: the measured floor's (drop --no-floor) or --ttft-slo and --itl-slo")
     return args
 
 
@@ -546,23 +589,26 @@ def main(argv: list[str] | None = None) -> int:
     wanted = {name.strip() for name in args.arms.split(",")}
     chosen = [a for a in arms(bool(args.prefill), tuned, sessions > 0, args.kvpilot_cost) if a.name.value in wanted]
     floor = measure_floor(base, [n - hit for n, hit in zip(lengths, hits, strict=True)], args) if args.floor else None
+    slo = run_slo(args, floor)
     results: dict[str, dict[str, Any]] = {}
     for arm in chosen:
-        results[arm.name.value] = run_arm(arm, replace(base, run_dir=base.run_dir / arm.name.value), workload, args)
+        results[arm.name.value] = run_arm(
+            arm, replace(base, run_dir=base.run_dir / arm.name.value), workload, slo, args
+        )
     sweep_rates = sorted({float(x) for x in args.rate_sweep.split(",") if x.strip()} - {args.rate_scale})
     for rate_scale in sweep_rates:  # rate by rate, every arm at one rate before the next rate
         for arm in chosen:
             run_dir = base.run_dir / f"{arm.name.value}-x{rate_scale:g}"
-            point = run_arm(arm, replace(base, run_dir=run_dir), at_rate(rate_scale), args)
+            point = run_arm(arm, replace(base, run_dir=run_dir), at_rate(rate_scale), slo, args)
             results[arm.name.value].setdefault("sweep", []).append({"rate_scale": rate_scale, **sweep_point(point)})
-    if sweep_rates:
+    if sweep_rates and slo is not None:
         for summary in results.values():
             main_point = {"rate_scale": args.rate_scale, **sweep_point(summary)}
             summary["sweep"] = sorted([main_point, *summary["sweep"]], key=lambda p: p["offered_rps"])
             points = [SweepPoint(p["offered_rps"], p["slo_attainment"]) for p in summary["sweep"]]
             summary["goodput_rps"] = goodput(points)
         if args.plot:
-            plot_ttft_vs_rate(results, args.plot, Slo(args.ttft_slo, args.itl_slo))
+            plot_ttft_vs_rate(results, args.plot, slo)
     out = {
         **results,
         "run": {
@@ -576,7 +622,21 @@ def main(argv: list[str] | None = None) -> int:
             "kvpilot_cost": {a.name.value: dict(a.router_cost) for a in chosen if a.router_cost},
             "ttft_floor": None
             if floor is None
-            else {"mean_s": floor.mean_s, "coefficients": floor.coefficients, "samples": floor.samples},
+            else {
+                "mean_s": floor.mean_s,
+                "coefficients": floor.coefficients,
+                "samples": floor.samples,
+                "request_ttft_s": floor.request_ttft_s,
+                "idle_itl_s": floor.idle_itl_s,
+            },
+            "slo": None
+            if slo is None
+            else {
+                "ttft_s": None if isinstance(slo.ttft_s, tuple) else slo.ttft_s,
+                "ttft_x_floor": TTFT_SLO_X if isinstance(slo.ttft_s, tuple) else None,
+                "itl_s": slo.itl_s,
+                "attainment": ATTAINMENT,
+            },
         },
     }
     out["provenance"] = run = provenance()
@@ -595,8 +655,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{key}: the router's own TTFT stages: {stages}")
     if floor is not None:
         print("\n" + "\n".join(floor_lines(results, floor)))
-    if sweep_rates:
-        print(f"\nSLOs: TTFT {args.ttft_slo * 1e3:g} ms, ITL {args.itl_slo * 1e3:g} ms, met by 90% of requests")
+    if slo is not None:
+        print(f"\nSLOs: {slo_text(slo, floor)}, met by {ATTAINMENT:.0%} of requests")
+    if sweep_rates and slo is not None:
         print(sweep_table(results))
     print(f"\nJSON: {args.json}")
     return 0

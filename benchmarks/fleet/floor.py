@@ -15,11 +15,14 @@ attention term is positive that makes each floor lower than the same model's pri
 request: a lower bound under the model, whatever the mocker charges for cached context.
 
 So a target of ``(1 - margin)`` times an arm's mean TTFT is out of every router's reach
-when it lies below the floor's mean (:func:`reachable`).
+when it lies below the floor's mean (:func:`reachable`). Each request's floor and the
+calibration's ITL (each request alone on its worker) are what the scale-free SLOs multiply
+(:meth:`fleet_goodput.Slo.scale_free`).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +36,8 @@ QUANTILES = (0.0, 0.25, 0.5, 0.75, 1.0)
 """Where the calibration lengths sit among the workload's new-token counts."""
 REPEATS = 2
 """Calibration requests per length."""
+OUTPUT_TOKENS = 16
+"""Tokens each calibration request asks for: its ITL is an idle worker's."""
 WARMUP = 2
 """Calibration requests sent first and left out of the fit (a path's first request pays
 its connections and caches)."""
@@ -40,13 +45,17 @@ its connections and caches)."""
 
 @dataclass(frozen=True, slots=True)
 class Floor:
-    """The fitted floor: ``(fixed s, s per token, s per attention pair)`` and its mean over
-    the workload's requests."""
+    """The fitted floor: ``(fixed s, s per token, s per attention pair)``, each request's
+    floor and their mean over the workload, and an idle worker's ITL."""
 
     coefficients: tuple[float, ...]
     mean_s: float
     samples: tuple[tuple[int, float], ...]
     """The calibration's (prompt tokens, TTFT s), warm-up excluded."""
+    request_ttft_s: tuple[float, ...] = ()
+    """Each request's floor (:func:`floor_ttfts`), by index."""
+    idle_itl_s: float = math.nan
+    """The median ITL of the calibration's requests, each alone on its worker."""
 
 
 def calibration_lengths(new_tokens: Sequence[int], floor_tokens: int = 32) -> list[int]:
@@ -88,10 +97,13 @@ def floor_ttfts(coefficients: Sequence[float], new_tokens: Sequence[int]) -> lis
     return [float(np.dot(coefficients, prefill_features(n, 0))) for n in new_tokens]
 
 
-def measure(samples: Sequence[tuple[int, float]], new_tokens: Sequence[int]) -> Floor:
-    """:func:`fit` of ``samples`` and the mean of its :func:`floor_ttfts` over ``new_tokens``."""
+def measure(samples: Sequence[tuple[int, float]], new_tokens: Sequence[int], itls: Sequence[float] = ()) -> Floor:
+    """:func:`fit` of ``samples``, its :func:`floor_ttfts` of ``new_tokens`` and their mean,
+    and the median of the calibration's ``itls`` (NaN without one)."""
     coefficients = fit(samples)
-    return Floor(coefficients, statistics.fmean(floor_ttfts(coefficients, new_tokens)), tuple(samples))
+    floors = tuple(floor_ttfts(coefficients, new_tokens))
+    idle_itl = statistics.median(itls) if itls else math.nan
+    return Floor(coefficients, statistics.fmean(floors), tuple(samples), floors, idle_itl)
 
 
 def reachable(ttft_mean_s: float, margin: float, floor: Floor) -> bool:

@@ -1,7 +1,7 @@
 """Goodput in virtual time, as DistServe defines it: the highest offered rate at which 90% of
 requests meet both SLOs, at that rate and every slower one. The SLOs are scale-free:
 
-- TTFT at most ``TTFT_SLO_X`` times the request's floor: its prefill alone on an idle worker that
+- TTFT at most ``TTFT_SLO_X`` (:mod:`fleet.goodput`) times the request's floor: its prefill alone on an idle worker that
   holds every block any earlier request of the trace computed (the new tokens' polynomial
   prefill, :func:`sim.engine.prefill_ms`);
 - mean inter-token latency at most ``ITL_SLO_X`` times an idle worker's decode step at the
@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.trace import AgentShape, agent_trace, to_jsonl
-from fleet.goodput import ATTAINMENT, SweepPoint, goodput
-from fleet.trace import TRACE_BLOCK_TOKENS, TraceRequest, load_trace
+from fleet.goodput import ATTAINMENT, ITL_SLO_X, TTFT_SLO_X, SweepPoint, goodput
+from fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, TraceRequest, load_trace
 from provenance import describe, provenance
 
 from sim.compare import DYNAMO_WEIGHTS, RouterMode, replay_rows
@@ -58,8 +58,6 @@ from sim.engine import EngineSpec, SimRequest, decode_ms, prefill_ms
 from sim.fleet import DEFAULT_SPEC, KvTransfer, Pools, percentile, simulate
 from sim.kvpilot import KvpilotPlacement
 
-TTFT_SLO_X = 5.0
-ITL_SLO_X = 2.0
 SPEEDUPS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 SESSIONS_PER_WORKER = (0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
 AGENT_START_WINDOW_S = 20.0
@@ -97,14 +95,23 @@ class Floor:
     itl_ms: list[float]
 
 
-def floor(trace: Sequence[TraceRequest], spec: EngineSpec = DEFAULT_SPEC, handoff: KvTransfer | None = None) -> Floor:
+def floor(
+    trace: Sequence[TraceRequest],
+    spec: EngineSpec = DEFAULT_SPEC,
+    handoff: KvTransfer | None = None,
+    tokens_per_hash: int = TRACE_BLOCK_TOKENS,
+) -> Floor:
     """Each request's floor (module doc): reusable blocks are those of its hash-id prefix that
     an earlier request of the trace already had, at most its last token's block. With a
-    ``handoff`` (a disaggregated fleet), plus its KV's move to D and D's first step."""
+    ``handoff`` (a disaggregated fleet), plus its KV's move to D and D's first step.
+    ``tokens_per_hash``: the tokens each hash id stands for, every prompt scaled as the live
+    fleet benchmark scales it (:class:`fleet.trace.PromptShape`)."""
     seen: set[tuple[int, ...]] = set()
     ttft, itl = [], []
     capacity = spec.num_gpu_blocks * spec.block_size
+    shape = PromptShape(tokens_per_hash, spec.block_size)
     for entry in trace:
+        input_length = shape.input_tokens(entry)
         reused_ids = 0
         for k in range(len(entry.hash_ids)):
             if entry.hash_ids[: k + 1] in seen:
@@ -113,12 +120,12 @@ def floor(trace: Sequence[TraceRequest], spec: EngineSpec = DEFAULT_SPEC, handof
                 break
         for k in range(len(entry.hash_ids)):
             seen.add(entry.hash_ids[: k + 1])
-        cap = (entry.input_length - 1) // spec.block_size * spec.block_size
-        cached = min(cap, reused_ids * TRACE_BLOCK_TOKENS)
-        step_ms = decode_ms(entry.input_length / capacity) / spec.speedup_ratio
-        alone_ms = prefill_ms(entry.input_length - cached) / spec.speedup_ratio
+        cap = (input_length - 1) // spec.block_size * spec.block_size
+        cached = min(cap, reused_ids * tokens_per_hash)
+        step_ms = decode_ms(input_length / capacity) / spec.speedup_ratio
+        alone_ms = prefill_ms(input_length - cached) / spec.speedup_ratio
         if handoff is not None:
-            alone_ms += handoff.delay_ms(entry.input_length) + step_ms
+            alone_ms += handoff.delay_ms(input_length) + step_ms
         ttft.append(alone_ms)
         itl.append(step_ms)
     return Floor(ttft, itl)

@@ -42,8 +42,10 @@ def test_the_fit_recovers_the_path_and_prices_new_tokens_alone() -> None:
     assert coefficients == pytest.approx((0.005, 2e-5, 1e-9), rel=1e-6)
     # A request with 8,000 of its 10,000 tokens cached is priced on its 2,000 new ones.
     assert floor_ttfts(coefficients, [2_000]) == pytest.approx([_ttft(2_000)], rel=1e-6)
-    floor = measure(samples, [2_000, 10_000])
+    floor = measure(samples, [2_000, 10_000], itls=[0.004, 0.009, 0.005])
     assert floor.mean_s == pytest.approx((_ttft(2_000) + _ttft(10_000)) / 2, rel=1e-6)
+    assert floor.request_ttft_s == pytest.approx((_ttft(2_000), _ttft(10_000)), rel=1e-6)
+    assert floor.idle_itl_s == 0.005
 
 
 def test_one_length_does_not_determine_a_fit() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fleet.goodput import Slo, SweepPoint, attainment, goodput
+from fleet.goodput import ITL_SLO_X, TTFT_SLO_X, Slo, SweepPoint, attainment, goodput
 from fleet.results import Outcome
 
 SLO = Slo(ttft_s=0.1, itl_s=0.01)
@@ -22,3 +22,15 @@ def test_goodput_is_the_highest_rate_below_the_first_that_failed() -> None:
     points = [SweepPoint(4.0, 0.95), SweepPoint(1.0, 1.0), SweepPoint(8.0, 0.5), SweepPoint(16.0, 0.92)]
     assert goodput(points) == 4.0
     assert goodput([SweepPoint(1.0, 0.89)]) == 0.0
+
+
+def test_scale_free_slos_judge_each_request_by_its_own_floor() -> None:
+    slo = Slo.scale_free(floor_ttft_s=[0.01, 0.1], idle_itl_s=0.004)
+    assert slo.itl_s == ITL_SLO_X * 0.004
+    # 0.2 s is within 5x of the second request's floor, not of the first's.
+    first = Outcome(0, sent=0.0, first_token=0.2, last_token=0.26, output_tokens=11)
+    second = Outcome(1, sent=0.0, first_token=0.2, last_token=0.26, output_tokens=11)
+    assert TTFT_SLO_X * 0.01 < 0.2 <= TTFT_SLO_X * 0.1
+    assert attainment([first, second], slo) == 1 / 2
+    too_slow_decode = Outcome(1, sent=0.0, first_token=0.2, last_token=0.2 + 10 * 0.009, output_tokens=11)
+    assert attainment([too_slow_decode], slo) == 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fleet.trace import load_trace
@@ -183,7 +184,13 @@ def test_a_live_run_is_predicted_arm_by_arm_on_its_scaled_trace(tmp_path: Path) 
 
     trace = tmp_path / "agent.jsonl"
     trace.write_text(to_jsonl(agent_trace(AgentShape(sessions=4, steps=3, shared_prefix=4096))))
-    measured = {"ttft_mean_s": 0.05, "itl_mean_s": 0.002, "frontend_ttft_mean_s": 0.04}
+    measured = {
+        "ttft_mean_s": 0.05,
+        "itl_mean_s": 0.002,
+        "frontend_ttft_mean_s": 0.04,
+        "slo_attainment": 0.95,
+        "offered_rps": 3.0,
+    }
     results = {
         "run": {
             "argv": ["benchmarks/bench_fleet.py", "--rate-scale", "2"],
@@ -191,15 +198,37 @@ def test_a_live_run_is_predicted_arm_by_arm_on_its_scaled_trace(tmp_path: Path) 
             "fleet": {"workers": 2},
             "speedup": 1.0,
             "kvpilot_cost": {},
+            "slo": {"ttft_x_floor": 5.0},
         },
         "kvpilot": measured,
         "dynamo_round_robin": measured,
+        "dynamo_kv": measured,
     }
     rows = predict(results, tmp_path)
-    assert [r["arm"] for r in rows] == ["kvpilot", "dynamo_round_robin"]
+    assert [r["arm"] for r in rows] == ["kvpilot", "dynamo_round_robin", "dynamo_kv"]
     for row in rows:
         assert 0 < row["predicted"]["mean_ttft_ms"] < 10_000 and row["live"]["mean_ttft_ms"] == 50.0
+        assert 0.0 <= row["predicted"]["attainment"] <= 1.0 and row["live"]["attainment"] == 0.95
     assert "kvpilot's router, simulated" in table(rows)
+    # An absolute SLO is not predicted (the simulator judges by the floor).
+    absolute = predict({**results, "run": {**results["run"], "slo": {"ttft_s": 0.2}}}, tmp_path)
+    assert all(r["predicted"]["attainment"] is None for r in absolute)
+
+
+def test_a_sweep_of_live_runs_gives_each_arm_s_goodput_live_and_predicted() -> None:
+    from sim.live import goodputs
+
+    def row(arm: str, rate: float, live: float, predicted: float) -> dict[str, Any]:
+        return {"arm": arm, "live": {"offered_rps": rate, "attainment": live}, "predicted": {"attainment": predicted}}
+
+    runs = [
+        [row("kvpilot", 5.0, 0.95, 0.97), row("dynamo_kv", 5.0, 0.92, 0.85)],
+        [row("kvpilot", 10.0, 0.93, 0.91), row("dynamo_kv", 10.0, 0.7, 0.8)],
+    ]
+    assert goodputs(runs) == {
+        "dynamo_kv": {"live": 5.0, "predicted": 0.0},
+        "kvpilot": {"live": 10.0, "predicted": 10.0},
+    }
 
 
 def test_placement_stats_count_moves_and_the_most_crowded_worker() -> None:
