@@ -183,7 +183,7 @@ HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvpilot`` command and its subcommands. A flag that sets a router setting has
-    the router's name for it (:func:`kvpilot.routing.config.flag_name`: ``--server-port``,
+    the router's name for it (:func:`kvpilot.routing.config_load.flag_name`: ``--server-port``,
     ``--index-backend``, ``--sessions-redis-url``, ``--server-ttft-slo-s``)."""
     from kvpilot.deploy.fleet_spec import FLEET_TTFT_SLO_S
     from kvpilot.routing.config import IndexBackend

@@ -18,7 +18,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvpilot.routing.config import ConfigError, add_cli_flags, load_config
+from kvpilot.routing.config import ConfigError
+from kvpilot.routing.config_load import add_cli_flags, load_config
 from kvpilot.routing.fleet import fleet_from_config
 
 log = logging.getLogger("kvpilot.routing.cli")

@@ -14,7 +14,7 @@ lists them all with type, default and unit. A minimal 1 P + 1 D file::
          kv_events_endpoint: "tcp://127.0.0.1:5701", replay_endpoint: "tcp://127.0.0.1:5801"}
 
 Every scalar leaf outside ``workers`` also has a flag named by its key
-(:func:`flag_name`: ``--cost-overlap-score-credit 0.5``, ``--disaggregation-compare-costs
+(:mod:`kvpilot.routing.config_load`: ``--cost-overlap-score-credit 0.5``, ``--disaggregation-compare-costs
 true``, ``--disaggregation-max-local-tokens none``, ``--index-backend dynamo``: an enum
 leaf's flag takes only its values); flags override YAML, YAML overrides defaults.
 :func:`kvpilot.policies.typed_config.convert` (the one converter, shared with
@@ -28,26 +28,21 @@ enum (``index.backend``, ``index.tiers.GPU``, ``sessions.force_option``,
 
 from __future__ import annotations
 
-import argparse
 import enum
 import json
 import logging
-import types
-import typing
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
-import yaml
 
 from kvpilot.policies.disaggregation import LocalPrefillConfig
 from kvpilot.policies.presets import model_from_mapping, model_preset
 from kvpilot.policies.session_options import Option
 from kvpilot.policies.specs import ModelSpec, SpecError
-from kvpilot.policies.typed_config import TypedConfig, TypedConfigError, check_range, convert, field_docs
+from kvpilot.policies.typed_config import TypedConfig, TypedConfigError, check_range
 from kvpilot.routing.ids import WorkerId
 
 log = logging.getLogger(__name__)
@@ -562,111 +557,6 @@ class RouterConfig(TypedConfig, frozen=True):
     def __post_init__(self) -> None:
         if self.cost.objective is CostObjective.PREDICTED_TTFT and not self.disaggregation.measured_rates:
             raise ConfigError("cost.objective", "predicted_ttft needs disaggregation.measured_rates: true")
-
-
-_FLAG_KINDS = (int, float, str, bool)
-_NULL = object()
-"""A flag's ``none``: the leaf set to null (distinct from a flag not given)."""
-
-
-def _scalar(annotation: Any) -> tuple[type, bool] | None:
-    """(type, nullable) of a scalar leaf's annotation (a bool, number, string or
-    enum, maybe ``| None``), or None for anything else."""
-    nullable = False
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
-        (annotation,) = [a for a in args if a is not type(None)]
-        nullable = True
-    if annotation in _FLAG_KINDS or (isinstance(annotation, type) and issubclass(annotation, enum.Enum)):
-        return annotation, nullable
-    return None
-
-
-def _leaves() -> list[tuple[str, str, type, bool]]:
-    """(section, field, type, nullable) of every scalar leaf of the mapping sections."""
-    out = []
-    for section in msgspec.structs.fields(RouterConfig):
-        if not (isinstance(section.type, type) and issubclass(section.type, TypedConfig)):
-            continue
-        for leaf in msgspec.structs.fields(section.type):
-            scalar = _scalar(leaf.type)
-            if scalar is not None:
-                out.append((section.name, leaf.name, *scalar))
-    return out
-
-
-def _flag_parser(kind: type[Any], nullable: bool) -> Any:
-    """argparse's ``type=`` for a leaf: ``true``/``false`` for a bool, ``none`` for
-    null, the text itself for an enum (its ``choices`` check it)."""
-
-    def parse(text: str) -> Any:
-        if nullable and text.lower() in ("none", "null"):
-            return _NULL
-        if kind is bool:
-            if text.lower() not in ("true", "false"):
-                raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-            return text.lower() == "true"
-        return text if issubclass(kind, enum.Enum) else kind(text)
-
-    parse.__name__ = kind.__name__  # argparse names the type in its error
-    return parse
-
-
-def flag_name(section: str, name: str) -> str:
-    """The flag of the YAML key ``section.name``: ``--section-name``, ``_`` as ``-``
-    (``server.port``: ``--server-port``; ``index.backend``: ``--index-backend``). The one
-    name of that setting in every ``kvpilot`` command."""
-    return "--" + f"{section}_{name}".replace("_", "-")
-
-
-def add_cli_flags(parser: argparse.ArgumentParser) -> None:
-    """Add :func:`flag_name` for every scalar leaf (default None = not given, the YAML's
-    or the struct's value stands); a nullable leaf takes ``none``, a boolean ``true`` or
-    ``false``, an enum one of its values (argparse's ``choices``). Each flag's help is its
-    field's docstring, with the key and its default."""
-    group = parser.add_argument_group("router config (each flag overrides the YAML key it names)")
-    sections = {f.name: f.type for f in msgspec.structs.fields(RouterConfig)}
-    docs = {section: field_docs(struct) for section, struct in sections.items() if isinstance(struct, type)}
-    for section, name, kind, nullable in _leaves():
-        choices: list[object] | None = None
-        metavar = kind.__name__.upper()
-        if issubclass(kind, enum.Enum):
-            values = [member.value for member in kind]
-            choices, metavar = [*values, *([_NULL] if nullable else [])], "{" + ",".join(values) + "}"
-        struct = sections[section]
-        default = next(f.default for f in msgspec.structs.fields(struct) if f.name == name)
-        shown = default.value if isinstance(default, enum.Enum) else default
-        meaning = docs[section].get(name, "")
-        group.add_argument(
-            flag_name(section, name),
-            dest=f"{section}__{name}",
-            type=_flag_parser(kind, nullable),
-            choices=choices,
-            default=None,
-            metavar=metavar + ("|none" if nullable else ""),
-            help=f"{meaning} (YAML: {section}.{name}; default: {json.dumps(shown)})".replace("%", "%%"),
-        )
-
-
-def load_config(path: str | Path | None, args: argparse.Namespace | None = None) -> RouterConfig:
-    """Defaults, then the YAML file at ``path`` (if any), then flags set in ``args``,
-    converted by :func:`kvpilot.policies.typed_config.convert`. Raises :class:`ConfigError`
-    naming the first wrong key."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
-        if loaded is not None and not isinstance(loaded, Mapping):
-            raise ConfigError(ConfigError.ROOT_KEY, f"must be a mapping, got {type(loaded).__name__} ({path})")
-        data = {k: dict(v) if isinstance(v, Mapping) else v for k, v in (loaded or {}).items()}
-    if args is not None:
-        for section, name, _, _ in _leaves():
-            value = getattr(args, f"{section}__{name}", None)
-            if value is not None:
-                target = data.setdefault(section, {})
-                if not isinstance(target, dict):
-                    raise ConfigError(section, "must be a mapping")
-                target[name] = None if value is _NULL else value
-    return convert(data, RouterConfig)
 
 
 FALLBACK_MODEL_PRESET = "llama-8b"

@@ -16,7 +16,8 @@ from kvpilot.deploy.fleet_spec import DECODE_HOLD_TTL_S, ROUTER_CONFIG, FleetSpe
 from kvpilot.deploy.metrics import delta, scrape
 from kvpilot.policies.disaggregation import DecodeState
 from kvpilot.policies.session_options import Option, PrefillSite, SessionOptionPricer, SessionStep
-from kvpilot.routing.config import add_cli_flags, load_config, prior_model
+from kvpilot.routing.config import prior_model
+from kvpilot.routing.config_load import add_cli_flags, load_config
 from kvpilot.routing.decide.router import policy_from_config
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import SharedFleet

@@ -56,7 +56,7 @@ def _vllm_families() -> set[str]:
 
 def _router_families(model_dir: Path) -> dict[str, str]:
     """The router's families (name -> type), from a real RouterServer's registry."""
-    from kvpilot.routing.config import load_config
+    from kvpilot.routing.config_load import load_config
     from kvpilot.routing.fleet import fleet_from_config
     from kvpilot.routing.serve.app import build_server
 

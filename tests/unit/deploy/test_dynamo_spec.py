@@ -8,7 +8,8 @@ import yaml
 from kvpilot.deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting, mocker_group_plan, plan_dynamo_fleet
 from kvpilot.deploy.env import DYNAMO_LOOPBACK_ENV
 from kvpilot.deploy.fleet_spec import FLEET_TTFT_SLO_S
-from kvpilot.routing.config import CostObjective, Role, load_config
+from kvpilot.routing.config import CostObjective, Role
+from kvpilot.routing.config_load import load_config
 from kvpilot.routing.fleet import fleet_from_config
 from kvpilot.routing.ingest.dynamo_discovery import kv_events_endpoint
 

@@ -50,7 +50,7 @@ def test_plan_gives_each_engine_its_ports_core_and_connector() -> None:
 def test_router_config_parses_and_always_disaggregates_on_request(tmp_path: Path) -> None:
     import yaml
 
-    from kvpilot.routing.config import load_config
+    from kvpilot.routing.config_load import load_config
 
     _, _, config = plan_fleet(_spec(disaggregation="always", index_backend=IndexBackend.DYNAMO))
     (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
@@ -63,7 +63,8 @@ def test_router_config_parses_and_always_disaggregates_on_request(tmp_path: Path
 def test_a_fleet_with_a_session_store_starts_its_router_with_it(tmp_path: Path) -> None:
     import yaml
 
-    from kvpilot.routing.config import SessionStoreKind, load_config
+    from kvpilot.routing.config import SessionStoreKind
+    from kvpilot.routing.config_load import load_config
 
     _, _, config = plan_fleet(_spec(session_store_url="redis://127.0.0.1:6390/0"))
     (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))

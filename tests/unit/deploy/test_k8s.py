@@ -35,7 +35,7 @@ from kvpilot.deploy.k8s.plan import (
 )
 from kvpilot.deploy.k8s.render import BASE, DEFAULT, DYNAMO, MANIFEST_DIR, overlays, render
 from kvpilot.deploy.observe import DEFAULT_RULES
-from kvpilot.routing.config import load_config
+from kvpilot.routing.config_load import load_config
 
 ROOT = Path(__file__).resolve().parents[3]
 CRDS = Path(__file__).resolve().parents[4] / "shared" / "crds"

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvpilot.kvconnectors.config import KVPilotConfig
-from kvpilot.routing.config import load_config, prior_model
+from kvpilot.routing.config import prior_model
+from kvpilot.routing.config_load import load_config
 from kvpilot.routing.decide.rates import RolePriors
 from kvpilot.routing.fleet import fleet_from_config
 

@@ -11,7 +11,7 @@ import pytest
 from kvpilot.deploy import reference
 from kvpilot.deploy.cli import build_parser, main
 from kvpilot.policies.typed_config import TypedConfig
-from kvpilot.routing.config import flag_name
+from kvpilot.routing.config_load import flag_name
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -17,9 +17,8 @@ from kvpilot.routing.config import (
     IndexBackend,
     RouterConfig,
     TierClass,
-    add_cli_flags,
-    load_config,
 )
+from kvpilot.routing.config_load import add_cli_flags, load_config
 from kvpilot.routing.decide.cost import Candidate, CandidateTable, CostModel, TierOverlap, tier_overlap
 from kvpilot.routing.decide.ledger import LoadLedger, WorkerLoad
 from kvpilot.routing.decide.sessions import InvalidSessionKey, SessionOffer, SessionStore, scoped, session_key

@@ -23,9 +23,9 @@ from kvpilot.routing.config import (
     RouterConfig,
     ServerConfig,
     Worker,
-    load_config,
     prior_model,
 )
+from kvpilot.routing.config_load import load_config
 from kvpilot.routing.decide.ledger import LoadLedger
 from kvpilot.routing.decide.router import NoHealthyWorker, Router, policy_from_config
 from kvpilot.routing.decide.sessions import SessionStore

@@ -17,7 +17,7 @@ from collections import Counter
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvpilot.routing.config import load_config
+from kvpilot.routing.config_load import load_config
 from kvpilot.routing.fleet import fleet_from_config
 from kvpilot.routing.ids import WorkerId
 from kvpilot.routing.index.events import BlockStored

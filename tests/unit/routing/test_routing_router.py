@@ -15,7 +15,8 @@ import yaml
 from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset
 from kvpilot.policies.roofline import kv_bytes, prefill
 from kvpilot.policies.session_options import Option
-from kvpilot.routing.config import ConfigError, Role, RouterConfig, load_config, prior_model
+from kvpilot.routing.config import ConfigError, Role, RouterConfig, prior_model
+from kvpilot.routing.config_load import load_config
 from kvpilot.routing.decide.ledger import LoadLedger
 from kvpilot.routing.decide.rates import RateEstimator, RolePriors
 from kvpilot.routing.decide.router import Kind, Router, policy_from_config

@@ -185,7 +185,7 @@ def test_a_session_alternating_between_two_routers_is_served_as_one_router_would
     holds, here nothing, and the pull option is unavailable to it.)"""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from kvpilot.routing.config import load_config
+    from kvpilot.routing.config_load import load_config
     from kvpilot.routing.fleet import fleet_from_config
     from kvpilot.routing.serve.app import build_server
 
@@ -221,7 +221,7 @@ def test_without_the_store_a_second_router_knows_nothing_of_the_session(model_di
     as a new request (no session option), so the test above can fail."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from kvpilot.routing.config import load_config
+    from kvpilot.routing.config_load import load_config
     from kvpilot.routing.fleet import fleet_from_config
     from kvpilot.routing.serve.app import build_server
 
