@@ -127,9 +127,9 @@ class Picker:
         if not server.authorized(headers):
             raise Refused(401, UNAUTHORIZED_MESSAGE, "authentication_error", **{"www-authenticate": "Bearer"})
         if len(raw) > server.config.server.max_body_bytes:
-            raise Refused(413, str(server.body_too_large()))
+            raise Refused(413, str(server.intake.body_too_large()))
         try:
-            intake = await server.intake(headers, server.checked_body(raw, chat), chat, arrived)
+            intake = await server.intake.take(headers, server.intake.checked_body(raw, chat), chat, arrived)
         except (BadRequest, ChatError) as exc:
             raise Refused(getattr(exc, "status", 400), str(exc)) from None
         except Rejected as exc:

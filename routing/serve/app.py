@@ -3,12 +3,12 @@
 :class:`RouterServer` is the composition root (index, ledger, sessions, health,
 router, proxy, metrics, pollers, the shared session store) and the HTTP handlers. Per request: admit it
 (:mod:`kvpilot.routing.serve.admission`: a full queue is a 429, a queue wait past its
-timeout a 503, both with ``Retry-After``), parse and validate the body (400 naming
-the field; only the fields of :mod:`kvpilot.routing.serve.request_fields` are accepted, so a
-client cannot set ``kv_transfer_params``), tokenize once (chat: render the model's
-chat template first), take the session's record from the shared store when one is
-configured (:mod:`kvpilot.routing.state.sync`), route (:mod:`kvpilot.routing.decide.router`), refuse a
-route whose predicted TTFT is over ``server.ttft_slo_s`` (429 for load, else 503, with
+timeout a 503, both with ``Retry-After``), take it in (:mod:`kvpilot.routing.serve.intake`:
+parse and validate the body, 400 naming the field; only the fields of
+:mod:`kvpilot.routing.serve.request_fields` are accepted, so a client cannot set
+``kv_transfer_params``; tokenize once; take the session's record from the shared store
+(:mod:`kvpilot.routing.state.sync`); route (:mod:`kvpilot.routing.decide.router`); refuse a
+route whose predicted TTFT is over ``server.ttft_slo_s``: 429 for load, else 503, with
 ``Retry-After``) and hand the route to the
 proxy (:mod:`kvpilot.routing.serve.proxy`: P, fallback, retry, bookkeeping), whose answer is
 written here as JSON or as server-sent events.
@@ -33,9 +33,7 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +54,15 @@ from kvpilot.routing.config import (
 )
 from kvpilot.routing.decide.ledger import LoadLedger
 from kvpilot.routing.decide.rates import RateEstimator, RolePriors, TTFTPrediction
-from kvpilot.routing.decide.router import NoHealthyWorker, Route, Router, policy_from_config
+from kvpilot.routing.decide.router import Router, policy_from_config
 from kvpilot.routing.decide.session_record import SessionStateStore
-from kvpilot.routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, SessionStore, scoped, session_key
+from kvpilot.routing.decide.sessions import SessionStore
 from kvpilot.routing.fleet import Fleet, fleet_changes, fleet_of
 from kvpilot.routing.health.circuit import CircuitBreaker
 from kvpilot.routing.health.engine_load import EngineLoad
 from kvpilot.routing.health.event_watch import EventWatch
 from kvpilot.routing.health.pair_health import PairHealth
-from kvpilot.routing.ids import SessionId, WorkerId, pair_name
+from kvpilot.routing.ids import WorkerId, pair_name
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.index.kvindex import KVIndex
 from kvpilot.routing.ingest.dynamo_discovery import DynamoDiscovery
@@ -79,14 +77,14 @@ from kvpilot.routing.metrics.collectors import (
     PairHealthCollector,
 )
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
-from kvpilot.routing.serve.admission import Admission, Rejected, check_ttft_slo
+from kvpilot.routing.serve.admission import Admission, Rejected
 from kvpilot.routing.serve.calibrate import Calibrator
-from kvpilot.routing.serve.chat import ChatError, ChatTemplate, chat_to_completion_body
-from kvpilot.routing.serve.proxy import Proxy, ProxyRequest, error_reply
+from kvpilot.routing.serve.chat import ChatError, ChatTemplate
+from kvpilot.routing.serve.intake import RequestIntake
+from kvpilot.routing.serve.proxy import Proxy, error_reply
 from kvpilot.routing.serve.refusals import BadRequest, RejectReason
-from kvpilot.routing.serve.request_fields import checked_body
 from kvpilot.routing.serve.sse import sse_events
-from kvpilot.routing.serve.tokenizer import PromptError, PromptTokenizer
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from kvpilot.routing.serve.upstream import Upstream
 from kvpilot.routing.serve.vllm_upstream import VllmUpstream
 from kvpilot.routing.state.sync import SessionSync
@@ -173,15 +171,6 @@ def make_session_store(cfg: SessionConfig) -> SessionStateStore | None:
     return RedisSessionStore(cfg.redis_url, cfg.store_key_prefix)
 
 
-@dataclass(frozen=True, slots=True)
-class Intake:
-    """A request routed by :meth:`RouterServer.intake`: what the proxy serves, and the
-    client's checked body (its session fields and messages as sent)."""
-
-    request: ProxyRequest
-    client_body: dict[str, Any]
-
-
 class RouterServer:
     """Builds the aiohttp app around a :class:`~kvpilot.routing.decide.router.Router`.
 
@@ -250,6 +239,17 @@ class RouterServer:
                 write_timeout_s=config.sessions.store_write_timeout_s,
                 ttl_s=config.sessions.store_ttl_s,
             )
+        )
+        self.intake = RequestIntake(
+            config,
+            self.router,
+            self.lock,
+            self.metrics,
+            tokenizer,
+            chat_template,
+            self.session_sync,
+            self.watch_events,
+            lambda route: self.proxy.predict(route),
         )
         for collector in (
             LedgerCollector(self.ledger, self.worker_names),
@@ -459,9 +459,9 @@ class RouterServer:
         try:
             body = await self._body(request, chat=None)
             chat = "messages" in body
-            token_ids, session = self._prompt(request.headers, body, chat)
-            await self._pull_session(session)
-            route = self._route(request.headers, token_ids, body, chat, session, dry_run=True)
+            token_ids, session = self.intake.prompt(request.headers, body, chat)
+            await self.intake.pull_session(session)
+            route = self.intake.route(request.headers, token_ids, body, chat, session, dry_run=True)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
         assert self._proxy is not None
@@ -506,88 +506,8 @@ class RouterServer:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise self.body_too_large() from None
-        return self.checked_body(raw, chat)
-
-    def body_too_large(self) -> BadRequest:
-        """The 413 for a body over ``server.max_body_bytes``, counted."""
-        self.metrics.rejected.labels(RejectReason.BODY_TOO_LARGE.value).inc()
-        return BadRequest(f"request body is over server.max_body_bytes ({self.config.server.max_body_bytes})", 413)
-
-    def checked_body(self, raw: bytes, chat: bool | None) -> dict[str, Any]:
-        """``raw`` parsed and checked (:func:`kvpilot.routing.serve.request_fields.checked_body`);
-        raises :class:`BadRequest`, a refusal with a reason counted in
-        ``kvpilot_router_rejected_total``."""
-        srv = self.config.server
-        try:
-            return checked_body(raw, chat, model_name=srv.model_name, max_output_tokens=srv.max_output_tokens)
-        except BadRequest as exc:
-            if exc.reason is not None:
-                self.metrics.rejected.labels(exc.reason.value).inc()
-            raise
-
-    def _prompt(
-        self, headers: Mapping[str, str], body: dict[str, Any], chat: bool
-    ) -> tuple[list[int], SessionId | None]:
-        """The prompt's token ids (a chat rendered first) and the request's session;
-        raises :class:`BadRequest`."""
-        try:
-            if chat:
-                if self.chat_template is None:
-                    raise BadRequest("this model has no chat template: use /v1/completions")
-                token_ids = self.tokenizer.prompt_token_ids(self.chat_template.render(body.get("messages")))
-            else:
-                token_ids = self.tokenizer.prompt_token_ids(body.get("prompt"))
-            key = session_key(body, headers)
-            session = None if key is None else scoped(key, body.get("cache_salt"))
-        except (PromptError, ChatError, InvalidSessionKey) as exc:
-            raise BadRequest(str(exc)) from None
-        if not token_ids:
-            raise BadRequest("the prompt renders to no tokens")
-        limit = self.config.server.max_prompt_tokens
-        if limit and len(token_ids) > limit:
-            self.metrics.rejected.labels(RejectReason.PROMPT_TOO_LONG.value).inc()
-            raise BadRequest(f"the prompt has {len(token_ids)} tokens, over server.max_prompt_tokens ({limit})")
-        return token_ids, session
-
-    async def _pull_session(self, session: SessionId | None) -> None:
-        """Take the shared store's record of ``session`` when it is newer than this router's
-        view (bounded by ``sessions.store_read_timeout_s``; a store outage routes on the local view)."""
-        if session is not None and self.session_sync is not None:
-            await self.session_sync.pull(session)
-
-    def _route(
-        self,
-        headers: Mapping[str, str],
-        token_ids: list[int],
-        body: dict[str, Any],
-        chat: bool,
-        session: SessionId | None,
-        *,
-        dry_run: bool = False,
-        exclude: frozenset[WorkerId] = frozenset(),
-    ) -> Route:
-        """Decide where ``token_ids`` go (under the index lock); raises :class:`BadRequest`."""
-        prefix = "chatcmpl" if chat else "cmpl"
-        request_id = headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
-        self.watch_events()
-        with self.lock:
-            started = time.perf_counter()
-            try:
-                route = self.router.route(
-                    token_ids,
-                    request_id,
-                    cache_salt=body.get("cache_salt"),
-                    session=session,
-                    dry_run=dry_run,
-                    now=time.time(),
-                    exclude=exclude,
-                )
-            except NoHealthyWorker as exc:
-                raise BadRequest(str(exc), 503) from None
-            if not dry_run:
-                self.metrics.decision.observe(time.perf_counter() - started)
-            return route
+            raise self.intake.body_too_large() from None
+        return self.intake.checked_body(raw, chat)
 
     # ---- the proxy ---------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -616,7 +536,7 @@ class RouterServer:
         started = time.perf_counter()
         assert self._proxy is not None, "the app has not started"
         try:
-            intake = await self.intake(request.headers, await self._body(request, chat), chat, started)
+            intake = await self.intake.take(request.headers, await self._body(request, chat), chat, started)
         except (BadRequest, ChatError) as exc:
             return _error(getattr(exc, "status", 400), str(exc))
         client = _SSEResponse(request)
@@ -625,37 +545,6 @@ class RouterServer:
             assert client.response is not None
             return client.response
         return web.json_response(reply.payload, status=reply.status, headers=reply.headers)
-
-    async def intake(self, headers: Mapping[str, str], body: dict[str, Any], chat: bool, started: float) -> Intake:
-        """A checked ``body`` (:meth:`checked_body`) tokenized once (a chat rendered
-        first), its session taken from the shared store, routed (a session's step on a dry
-        run first when there is a TTFT SLO, so that a refused step leaves the session as
-        it was) and checked against ``server.ttft_slo_s``. Raises :class:`BadRequest` or
-        :class:`ChatError` (400 unless they say otherwise), or
-        :class:`~kvpilot.routing.serve.admission.Rejected` for a predicted TTFT over the SLO."""
-        assert self._proxy is not None, "the app has not started"
-        slo_s = self.config.server.ttft_slo_s
-        engine_body = chat_to_completion_body(body) if chat else dict(body)
-        token_ids, session = self._prompt(headers, body, chat)
-        await self._pull_session(session)
-        checked_first = bool(slo_s) and session is not None
-        route = self._route(headers, token_ids, body, chat, session, dry_run=checked_first)
-        prediction = self._proxy.predict(route) if slo_s else None
-        if prediction is not None:
-            check_ttft_slo(prediction, slo_s)
-        if checked_first:
-            route = self._route(headers, token_ids, body, chat, session)
-        for key in SESSION_FIELDS:
-            engine_body.pop(key, None)
-        engine_body["prompt"] = token_ids
-
-        def reroute(exclude: frozenset[WorkerId]) -> Route | None:
-            try:
-                return self._route(headers, token_ids, body, chat, session, exclude=exclude)
-            except BadRequest:
-                return None
-
-        return Intake(ProxyRequest(route, engine_body, chat, session, started, reroute), body)
 
     @property
     def proxy(self) -> Proxy:

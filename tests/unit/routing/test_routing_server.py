@@ -17,7 +17,7 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvpilot.kvconnectors.pull_params import handoff_request
-from kvpilot.routing.config import load_config
+from kvpilot.routing.config_load import load_config
 from kvpilot.routing.decide.ledger import WorkerLoad
 from kvpilot.routing.fleet import fleet_from_config
 from kvpilot.routing.ids import WorkerId
@@ -376,9 +376,9 @@ def test_a_request_predicted_over_the_ttft_slo_is_refused_before_any_engine_sees
         metrics = await (await client.get("/metrics")).text()
         assert 'kvpilot_router_rejected_total{reason="ttft_slo"} 2.0' in metrics
         assert (await client.get("/health")).status == 200 and _idle(router)
-        # the same router with the SLO off serves the next request
+        # the same router with the SLO off (where requests are taken in) serves the next request
         off = msgspec.structs.replace(router.config.server, ttft_slo_s=0.0)
-        router.config = msgspec.structs.replace(router.config, server=off)
+        router.intake.config = msgspec.structs.replace(router.config, server=off)
         resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert resp.status == 200 and engines["decode-0"].bodies
 

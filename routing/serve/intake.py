@@ -1,0 +1,181 @@
+"""A request's way in, before the proxy: its body checked, its prompt tokenized once (a chat
+rendered with the model's chat template first), its session taken from the shared store,
+routed under the index lock and held against ``server.ttft_slo_s``.
+
+:class:`RequestIntake` serves both fronts: the router's own HTTP handlers
+(:mod:`kvpilot.routing.serve.app`) and Envoy's picker (:mod:`kvpilot.routing.gateway.picker`).
+Every refusal is a :class:`~kvpilot.routing.serve.refusals.BadRequest` naming the problem
+(400 unless it says otherwise; counted by reason in ``kvpilot_router_rejected_total``), a
+:class:`~kvpilot.routing.serve.chat.ChatError`, or a
+:class:`~kvpilot.routing.serve.admission.Rejected` for a predicted TTFT over the SLO.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.routing.config import RouterConfig
+from kvpilot.routing.decide.rates import TTFTPrediction
+from kvpilot.routing.decide.router import NoHealthyWorker, Route, Router
+from kvpilot.routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, scoped, session_key
+from kvpilot.routing.ids import SessionId, WorkerId
+from kvpilot.routing.metrics.router_metrics import RouterMetrics
+from kvpilot.routing.serve.admission import check_ttft_slo
+from kvpilot.routing.serve.chat import ChatError, ChatTemplate, chat_to_completion_body
+from kvpilot.routing.serve.proxy import ProxyRequest
+from kvpilot.routing.serve.refusals import BadRequest, RejectReason
+from kvpilot.routing.serve.request_fields import checked_body
+from kvpilot.routing.serve.tokenizer import PromptError, PromptTokenizer
+from kvpilot.routing.state.sync import SessionSync
+
+
+@dataclass(frozen=True, slots=True)
+class Intake:
+    """A request routed by :meth:`RequestIntake.take`: what the proxy serves, and the
+    client's checked body (its session fields and messages as sent)."""
+
+    request: ProxyRequest
+    client_body: dict[str, Any]
+
+
+class RequestIntake:
+    """Checks, tokenizes and routes requests for ``router`` (module doc). ``watch_events``
+    refreshes which workers' KV events stopped before each decision; ``predict`` is the
+    proxy's predicted TTFT of a route."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        router: Router,
+        lock: threading.Lock,
+        metrics: RouterMetrics,
+        tokenizer: PromptTokenizer,
+        chat_template: ChatTemplate | None,
+        session_sync: SessionSync | None,
+        watch_events: Callable[[], None],
+        predict: Callable[[Route], TTFTPrediction | None],
+    ) -> None:
+        self.config = config
+        self.router = router
+        self.lock = lock
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.session_sync = session_sync
+        self.watch_events = watch_events
+        self.predict = predict
+
+    def body_too_large(self) -> BadRequest:
+        """The 413 for a body over ``server.max_body_bytes``, counted."""
+        self.metrics.rejected.labels(RejectReason.BODY_TOO_LARGE.value).inc()
+        return BadRequest(f"request body is over server.max_body_bytes ({self.config.server.max_body_bytes})", 413)
+
+    def checked_body(self, raw: bytes, chat: bool | None) -> dict[str, Any]:
+        """``raw`` parsed and checked (:func:`kvpilot.routing.serve.request_fields.checked_body`);
+        raises :class:`BadRequest`, a refusal with a reason counted in
+        ``kvpilot_router_rejected_total``."""
+        srv = self.config.server
+        try:
+            return checked_body(raw, chat, model_name=srv.model_name, max_output_tokens=srv.max_output_tokens)
+        except BadRequest as exc:
+            if exc.reason is not None:
+                self.metrics.rejected.labels(exc.reason.value).inc()
+            raise
+
+    def prompt(
+        self, headers: Mapping[str, str], body: dict[str, Any], chat: bool
+    ) -> tuple[list[int], SessionId | None]:
+        """The prompt's token ids (a chat rendered first) and the request's session;
+        raises :class:`BadRequest`."""
+        try:
+            if chat:
+                if self.chat_template is None:
+                    raise BadRequest("this model has no chat template: use /v1/completions")
+                token_ids = self.tokenizer.prompt_token_ids(self.chat_template.render(body.get("messages")))
+            else:
+                token_ids = self.tokenizer.prompt_token_ids(body.get("prompt"))
+            key = session_key(body, headers)
+            session = None if key is None else scoped(key, body.get("cache_salt"))
+        except (PromptError, ChatError, InvalidSessionKey) as exc:
+            raise BadRequest(str(exc)) from None
+        if not token_ids:
+            raise BadRequest("the prompt renders to no tokens")
+        limit = self.config.server.max_prompt_tokens
+        if limit and len(token_ids) > limit:
+            self.metrics.rejected.labels(RejectReason.PROMPT_TOO_LONG.value).inc()
+            raise BadRequest(f"the prompt has {len(token_ids)} tokens, over server.max_prompt_tokens ({limit})")
+        return token_ids, session
+
+    async def pull_session(self, session: SessionId | None) -> None:
+        """Take the shared store's record of ``session`` when it is newer than this router's
+        view (bounded by ``sessions.store_read_timeout_s``; a store outage routes on the local view)."""
+        if session is not None and self.session_sync is not None:
+            await self.session_sync.pull(session)
+
+    def route(
+        self,
+        headers: Mapping[str, str],
+        token_ids: list[int],
+        body: dict[str, Any],
+        chat: bool,
+        session: SessionId | None,
+        *,
+        dry_run: bool = False,
+        exclude: frozenset[WorkerId] = frozenset(),
+    ) -> Route:
+        """Decide where ``token_ids`` go (under the index lock); raises :class:`BadRequest`."""
+        prefix = "chatcmpl" if chat else "cmpl"
+        request_id = headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
+        self.watch_events()
+        with self.lock:
+            started = time.perf_counter()
+            try:
+                route = self.router.route(
+                    token_ids,
+                    request_id,
+                    cache_salt=body.get("cache_salt"),
+                    session=session,
+                    dry_run=dry_run,
+                    now=time.time(),
+                    exclude=exclude,
+                )
+            except NoHealthyWorker as exc:
+                raise BadRequest(str(exc), 503) from None
+            if not dry_run:
+                self.metrics.decision.observe(time.perf_counter() - started)
+            return route
+
+    async def take(self, headers: Mapping[str, str], body: dict[str, Any], chat: bool, started: float) -> Intake:
+        """A checked ``body`` (:meth:`checked_body`) tokenized once (a chat rendered
+        first), its session taken from the shared store, routed (a session's step on a dry
+        run first when there is a TTFT SLO, so that a refused step leaves the session as
+        it was) and checked against ``server.ttft_slo_s``. Raises :class:`BadRequest` or
+        :class:`ChatError` (400 unless they say otherwise), or
+        :class:`~kvpilot.routing.serve.admission.Rejected` for a predicted TTFT over the SLO."""
+        slo_s = self.config.server.ttft_slo_s
+        engine_body = chat_to_completion_body(body) if chat else dict(body)
+        token_ids, session = self.prompt(headers, body, chat)
+        await self.pull_session(session)
+        checked_first = bool(slo_s) and session is not None
+        route = self.route(headers, token_ids, body, chat, session, dry_run=checked_first)
+        prediction = self.predict(route) if slo_s else None
+        if prediction is not None:
+            check_ttft_slo(prediction, slo_s)
+        if checked_first:
+            route = self.route(headers, token_ids, body, chat, session)
+        for key in SESSION_FIELDS:
+            engine_body.pop(key, None)
+        engine_body["prompt"] = token_ids
+
+        def reroute(exclude: frozenset[WorkerId]) -> Route | None:
+            try:
+                return self.route(headers, token_ids, body, chat, session, exclude=exclude)
+            except BadRequest:
+                return None
+
+        return Intake(ProxyRequest(route, engine_body, chat, session, started, reroute), body)
