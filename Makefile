@@ -50,6 +50,21 @@ bench: setup
 	.venv/bin/python benchmarks/make_agent_trace.py --sessions 32 --steps 20 --out /tmp/kvpilot-agent-trace.jsonl
 	.venv/bin/python benchmarks/bench_fleet.py --trace /tmp/kvpilot-agent-trace.jsonl --workers 64 --max-requests 640 \
 		--tokens-per-hash 128 --speedup 1 --json /tmp/kvpilot-bench-fleet-agent.json
+	for p in 16:16:1.25 16:32:0.625 16:64:0.3125 64:32:0.625 64:64:0.3125 64:128:0.15625; do w=$${p%%:*}; \
+		g=$${p##*:}; s=$${p#*:}; s=$${s%:*}; .venv/bin/python benchmarks/make_agent_trace.py --sessions $$s --steps 20 \
+		--session-gap-s $$g --out /tmp/kvpilot-agent-s$$s.jsonl && .venv/bin/python benchmarks/bench_fleet.py \
+		--trace /tmp/kvpilot-agent-s$$s.jsonl --workers $$w --max-requests 100000 --tokens-per-hash 128 --speedup 1 \
+		--arms dynamo_kv,dynamo_kv_tuned,kvpilot --json /tmp/kvpilot-live-agent-$$w-s$$s.json || exit 1; done
+	.venv/bin/python benchmarks/sim_live.py /tmp/kvpilot-live-agent-16-s16.json /tmp/kvpilot-live-agent-16-s32.json \
+		/tmp/kvpilot-live-agent-16-s64.json --json /tmp/kvpilot-sim-live-agent-16-sweep.json
+	.venv/bin/python benchmarks/sim_live.py /tmp/kvpilot-live-agent-64-s32.json /tmp/kvpilot-live-agent-64-s64.json \
+		/tmp/kvpilot-live-agent-64-s128.json --json /tmp/kvpilot-sim-live-agent-64-sweep.json
+	for r in 4 8 16; do .venv/bin/python benchmarks/bench_fleet.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \
+		--workers 64 --max-requests 200 --rate-scale $$r --speedup 1 --arms dynamo_kv,dynamo_kv_tuned,kvpilot \
+		--json /tmp/kvpilot-live-conversation-64-x$$r.json || exit 1; done
+	.venv/bin/python benchmarks/sim_live.py /tmp/kvpilot-live-conversation-64-x4.json \
+		/tmp/kvpilot-live-conversation-64-x8.json /tmp/kvpilot-live-conversation-64-x16.json \
+		--json /tmp/kvpilot-sim-live-conversation-64-sweep.json
 	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \
 		--trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64
 	.venv/bin/python benchmarks/sim_goodput.py --trace ../shared/traces/mooncake_synthetic_trace.jsonl --workers 64

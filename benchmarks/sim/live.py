@@ -34,6 +34,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -253,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", type=Path, nargs="+", help="bench_fleet.py --json files (a sweep: one per load)")
     parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-sim-live.json"))
     args = parser.parse_args(argv)
-    predicted = [predict(json.loads(path.read_text()), args.json.parent) for path in args.results]
+    with tempfile.TemporaryDirectory(prefix="kvpilot-sim-live-") as scratch:  # the scaled traces
+        predicted = [predict(json.loads(path.read_text()), Path(scratch)) for path in args.results]
     runs = [
         {
             "results": str(path),
