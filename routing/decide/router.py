@@ -37,7 +37,6 @@ serialize calls with the lock that guards the index.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import random
 from collections import defaultdict
@@ -71,6 +70,7 @@ from kvpilot.routing.config import (
 )
 from kvpilot.routing.decide.cost import CandidateTable, CostModel, Decision, TierOverlap, tier_overlap
 from kvpilot.routing.decide.ledger import LoadLedger, PromptLoads
+from kvpilot.routing.decide.measured_prices import option_price, path_times
 from kvpilot.routing.decide.rates import RateEstimator, predict_ttft
 from kvpilot.routing.decide.residency import Residency
 from kvpilot.routing.decide.sessions import OfferUse, SessionOffer, SessionState, SessionStore
@@ -424,7 +424,13 @@ class Router:
             measured=self._measured(p, d, prompt, decode),
         )
         priced = self.pricer.price(step)
-        prices = tuple(self._measured_price(price, prompt_tokens, d, loads, decode) for price in priced)
+        block_size = self.index.block_size
+        prices = tuple(
+            price
+            if self.rates is None
+            else option_price(self.rates, price, prompt_tokens, d.name, loads, block_size, decode.running_streams)
+            for price in priced
+        )
         local = next(price for price in prices if price.option is Option.LOCAL)
         others = [price.seconds for price in prices if price.available]
         if local.available or not others:
@@ -433,61 +439,8 @@ class Router:
         return prices if despite is None else tuple(despite if p is local else p for p in prices)
 
     def _measured(self, p: Worker, d: Worker, prompt: PromptState, decode: DecodeState) -> MeasuredTimes | None:
-        """The predicted TTFTs of the local prefill on D and of the remote path through P,
-        from the measured rates (each term measured where it can be, else its prior; each
-        path with its own measured overhead: the terms a request's TTFT is predicted by);
-        ``None`` while they are off."""
-        if self.rates is None:
-            return None
-        local = predict_ttft(
-            self.rates,
-            d.name,
-            d.name,
-            new=prompt.effective_tokens,
-            cached=prompt.d_cached_tokens,
-            queued=0,
-            transfer_tokens=0,
-            streams=decode.running_streams,
-        )
-        remote = predict_ttft(
-            self.rates,
-            p.name,
-            d.name,
-            new=prompt.prompt_tokens - prompt.p_cached_tokens,
-            cached=prompt.p_cached_tokens,
-            queued=prompt.p_queued_tokens,
-            transfer_tokens=prompt.effective_tokens,
-            streams=decode.running_streams,
-        )
-        return MeasuredTimes(local.seconds, remote.seconds, local.prefill_s)
-
-    def _measured_price(
-        self,
-        price: OptionPrice,
-        prompt_tokens: int,
-        d: Worker,
-        loads: PromptLoads,
-        decode: DecodeState,
-    ) -> OptionPrice:
-        """``price`` with its seconds the predicted TTFT from the measured rates (queue,
-        prefill, D's read of the KV it moves, D's first step, the path's overhead), or as it
-        is while they are off or the option is unavailable."""
-        if self.rates is None or not price.available or price.prefill_worker is None:
-            return price
-        worker = WorkerId(price.prefill_worker)
-        predicted = predict_ttft(
-            self.rates,
-            worker,
-            d.name,
-            new=price.prefill_tokens,
-            cached=prompt_tokens - price.prefill_tokens,
-            queued=loads[worker].active_prefill_blocks * self.index.block_size,
-            transfer_tokens=price.moved_tokens if worker != d.name else 0,
-            streams=decode.running_streams,
-        )
-        seconds = predicted.seconds
-        why = f"{price.why}; measured rates: TTFT {seconds * 1e3:.2f} ms"
-        return dataclasses.replace(price, seconds=seconds, why=why)
+        """Both paths' predicted TTFTs on the measured rates (:func:`path_times`); ``None`` while they are off."""
+        return None if self.rates is None else path_times(self.rates, p.name, d.name, prompt, decode)
 
     def _settle(self, session: SessionId, p: Worker | None, d: Worker, blocks: int, now: float) -> None:
         """``session`` (its latest prompt ``blocks`` long) lives on ``d`` and, prefilled
