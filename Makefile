@@ -74,6 +74,8 @@ bench: setup
 		--json /tmp/kvpilot-sim-goodput-agent-1024.json
 	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 1024 --sessions-per-worker 2 \
 		--json /tmp/kvpilot-sim-goodput-agent-1024-2.json
+	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 1024 --sessions-per-worker 4 \
+		--json /tmp/kvpilot-sim-goodput-agent-1024-4.json
 	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 1,2,3,4,5 --ablate \
 		--json /tmp/kvpilot-sim-goodput-agent-64-ablate.json
 	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \
