@@ -340,7 +340,7 @@ def run_slo(args: argparse.Namespace, floor: fleet_floor.Floor | None) -> Slo | 
 
 def slo_text(slo: Slo, floor: fleet_floor.Floor | None) -> str:
     """The SLOs in words."""
-    if isinstance(slo.ttft_s, tuple) and floor is not None:
+    if slo.per_request and floor is not None:
         return (
             f"TTFT at most {TTFT_SLO_X:g}x each request's floor (mean {floor.mean_s * 1e3:.1f} ms), ITL at most "
             f"{ITL_SLO_X:g}x an idle worker's ({slo.itl_s * 1e3:.2f} ms)"
@@ -397,8 +397,9 @@ def plot_ttft_vs_rate(results: dict[str, dict[str, Any]], path: Path, slo: Slo) 
         rates = [p["offered_rps"] for p in points]
         (line,) = ax.plot(rates, [p["ttft_mean_s"] * 1e3 for p in points], marker="o", label=f"{name} mean")
         ax.plot(rates, [p["ttft_p99_s"] * 1e3 for p in points], ls="--", color=line.get_color(), alpha=0.6)
-    if not isinstance(slo.ttft_s, tuple):
-        ax.axhline(slo.ttft_s * 1e3, color="grey", lw=0.8, ls=":", label=f"TTFT SLO {slo.ttft_s * 1e3:g} ms")
+    if not slo.per_request:
+        limit_ms = slo.ttft_limit(0) * 1e3
+        ax.axhline(limit_ms, color="grey", lw=0.8, ls=":", label=f"TTFT SLO {limit_ms:g} ms")
     ax.set_xlabel("offered requests/s")
     ax.set_ylabel("TTFT ms (solid: mean, dashed: p99)")
     ax.set_yscale("log")
@@ -632,8 +633,8 @@ def main(argv: list[str] | None = None) -> int:
             "slo": None
             if slo is None
             else {
-                "ttft_s": None if isinstance(slo.ttft_s, tuple) else slo.ttft_s,
-                "ttft_x_floor": TTFT_SLO_X if isinstance(slo.ttft_s, tuple) else None,
+                "ttft_s": None if slo.per_request else slo.ttft_limit(0),
+                "ttft_x_floor": TTFT_SLO_X if slo.per_request else None,
                 "itl_s": slo.itl_s,
                 "attainment": ATTAINMENT,
             },

@@ -49,13 +49,17 @@ class Floor:
     floor and their mean over the workload, and an idle worker's ITL."""
 
     coefficients: tuple[float, ...]
-    mean_s: float
     samples: tuple[tuple[int, float], ...]
     """The calibration's (prompt tokens, TTFT s), warm-up excluded."""
-    request_ttft_s: tuple[float, ...] = ()
+    request_ttft_s: tuple[float, ...]
     """Each request's floor (:func:`floor_ttfts`), by index."""
     idle_itl_s: float = math.nan
     """The median ITL of the calibration's requests, each alone on its worker."""
+
+    @property
+    def mean_s(self) -> float:
+        """The mean of the requests' floors: the mean TTFT no router can beat."""
+        return statistics.fmean(self.request_ttft_s)
 
 
 def calibration_lengths(new_tokens: Sequence[int], floor_tokens: int = 32) -> list[int]:
@@ -103,7 +107,7 @@ def measure(samples: Sequence[tuple[int, float]], new_tokens: Sequence[int], itl
     coefficients = fit(samples)
     floors = tuple(floor_ttfts(coefficients, new_tokens))
     idle_itl = statistics.median(itls) if itls else math.nan
-    return Floor(coefficients, statistics.fmean(floors), tuple(samples), floors, idle_itl)
+    return Floor(coefficients, tuple(samples), floors, idle_itl)
 
 
 def reachable(ttft_mean_s: float, margin: float, floor: Floor) -> bool:

@@ -40,6 +40,11 @@ class Slo:
         times ``idle_itl_s``."""
         return cls(tuple(TTFT_SLO_X * f for f in floor_ttft_s), ITL_SLO_X * idle_itl_s)
 
+    @property
+    def per_request(self) -> bool:
+        """Whether each request has a TTFT limit of its own (:meth:`scale_free`)."""
+        return isinstance(self.ttft_s, tuple)
+
     def ttft_limit(self, index: int) -> float:
         """Request ``index``'s TTFT limit."""
         return self.ttft_s[index] if isinstance(self.ttft_s, tuple) else self.ttft_s

@@ -141,12 +141,22 @@ def attainment(ttft_ms: Sequence[float], itl_ms: Sequence[float | None], base: F
     return met / len(ttft_ms)
 
 
-def arrival_order(trace: Sequence[TraceRequest]) -> list[int]:
+def arrival_order(trace: Sequence[TraceRequest], lengths: Sequence[int] | None = None) -> list[int]:
     """The trace's indices by (arrival, prompt, output length): how both sides' requests are
-    paired with their floors (Dynamo's replay reports its requests under random ids)."""
-    return sorted(
-        range(len(trace)), key=lambda i: (trace[i].timestamp_ms, trace[i].input_length, trace[i].output_length)
-    )
+    paired with their floors (Dynamo's replay reports its requests under random ids).
+    ``lengths``: the prompts' lengths where they were scaled (else each ``input_length``)."""
+    prompt = [e.input_length for e in trace] if lengths is None else lengths
+    return sorted(range(len(trace)), key=lambda i: (trace[i].timestamp_ms, prompt[i], trace[i].output_length))
+
+
+def request_times(requests: Sequence[SimRequest]) -> tuple[list[float], list[float | None]]:
+    """Each simulated request's TTFT (ms; infinite if it never started) and mean ITL (ms;
+    ``None`` for one token), in the order given."""
+    ttft = [r.first_token_ms - r.arrival_ms if r.first_token_ms is not None else float("inf") for r in requests]
+    itl: list[float | None] = [
+        (r.token_ms[-1] - r.token_ms[0]) / (len(r.token_ms) - 1) if len(r.token_ms) > 1 else None for r in requests
+    ]
+    return ttft, itl
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,10 +215,7 @@ def simulated_arm(cost: dict[str, Any] | None = None) -> Arm:
             transfer=pools.handoff,
         )
         ordered = [requests[i] for i in arrival_order(point.trace)]
-        ttft = [r.first_token_ms - r.arrival_ms if r.first_token_ms is not None else float("inf") for r in ordered]
-        itl: list[float | None] = [
-            (r.token_ms[-1] - r.token_ms[0]) / (len(r.token_ms) - 1) if len(r.token_ms) > 1 else None for r in ordered
-        ]
+        ttft, itl = request_times(ordered)
         return Served(ttft, itl, [placement.placed[r.rid] for r in ordered])
 
     return run

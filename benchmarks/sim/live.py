@@ -46,7 +46,7 @@ from provenance import describe, provenance
 from sim.compare import DYNAMO_WEIGHTS, replay_rows
 from sim.engine import EngineSpec, SimRequest
 from sim.fleet import Placement, RoundRobin, simulate
-from sim.goodput import attainment, floor
+from sim.goodput import arrival_order, attainment, floor, request_times
 from sim.kvpilot import KvpilotPlacement
 
 
@@ -76,10 +76,7 @@ def _simulated(
         closed_loop_sessions=False,
         requests_out=requests,
     )
-    return Served(
-        [r.first_token_ms - r.arrival_ms if r.first_token_ms is not None else float("inf") for r in requests],
-        [(r.token_ms[-1] - r.token_ms[0]) / (len(r.token_ms) - 1) if len(r.token_ms) > 1 else None for r in requests],
-    )
+    return Served(*request_times(requests))
 
 
 def _replayed(
@@ -92,10 +89,9 @@ def _replayed(
         path, workers, spec.block_size, "kv_router", rate, trace_block_size=tph, speedup_ratio=spec.speedup_ratio
     )
     rows.sort(key=lambda r: (r["arrival_time_ms"], r["input_length"], r["requested_output_length"]))
-    order = sorted(range(len(trace)), key=lambda i: (trace[i].timestamp_ms, lengths[i], trace[i].output_length))
     ttft: list[float] = [0.0] * len(trace)
     itl: list[float | None] = [None] * len(trace)
-    for index, row in zip(order, rows, strict=True):
+    for index, row in zip(arrival_order(trace, lengths), rows, strict=True):
         ttft[index] = row["ttft_ms"]
         itl[index] = row["itl_ms"] if row["output_length"] > 1 else None
     return Served(ttft, itl)

@@ -58,5 +58,5 @@ def test_one_length_does_not_determine_a_fit() -> None:
     [(0.050, True), (0.0375, True), (0.037, False), (0.031, False)],
 )
 def test_a_target_below_the_floor_is_out_of_reach(arm_mean: float, expected: bool) -> None:
-    floor = Floor((0.0, 0.0, 0.0), mean_s=0.030, samples=())
+    floor = Floor((0.0, 0.0, 0.0), samples=(), request_ttft_s=(0.020, 0.040))  # mean 0.030
     assert reachable(arm_mean, 0.2, floor) is expected
