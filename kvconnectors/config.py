@@ -46,10 +46,13 @@ NIXL_KEYS = frozenset(
         "kv_recompute_threshold",
         "num_threads",
         "push_registration_timeout",
+        "ucx_backend_params",
     }
 )
-"""Every ``kv_connector_extra_config`` key vLLM 0.32's NIXL connectors read
-(``get_from_extra_config`` in ``kv_connector/v1/nixl/``)."""
+"""Every ``kv_connector_extra_config`` key vLLM 0.32-0.34's NIXL connectors read
+(``get_from_extra_config`` in ``kv_connector/v1/nixl/``; ``ucx_backend_params`` from
+0.34, which earlier versions ignore). :mod:`kvpilot.kvconnectors.vllm_contract` reports
+a key a checked vLLM reads that is missing here."""
 
 INNER_KEYS: Mapping[str, frozenset[str]] = MappingProxyType(
     {
