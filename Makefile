@@ -33,6 +33,14 @@ lint:
 	.venv/bin/python -m mypy -p kvpilot
 	.venv/bin/python -m mypy benchmarks
 
+# vLLM compatibility: the contract KVPilotConnector relies on (kvconnectors/vllm_contract.py),
+# checked against each vLLM release of scripts/compat.sh by reading its wheel's source (no
+# install, no GPU; wheels cached under $${KVPILOT_CACHE:-~/.cache/kvpilot}/compat). `make test`
+# checks the installed vLLM with the same contract (tests/unit/kvconnectors/test_vllm_contract.py).
+.PHONY: compat
+compat: setup
+	./scripts/compat.sh
+
 # The benchmarks: ratios against baselines measured in the same run (see README).
 .PHONY: bench
 bench: setup
