@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.kvconnectors.group_clip import GroupLayout, Refused, cut_to_prefix
 from kvpilot.kvconnectors.pull_policy import PullDecision
 from kvpilot.kvconnectors.reasons import Reason
 from kvpilot.kvconnectors.transfer_params import (
@@ -67,6 +68,10 @@ class AttachPlan:
     """On a contract mismatch: each contract field that differs from the peer's."""
     pull_decision: PullDecision | None = None
     """For a session pull: the policy's decision on the verified span."""
+    block_ids: tuple[tuple[int, ...], ...] | None = None
+    """For a partial plan: the peer's block list of each KV cache group, cut to what
+    vLLM's pull pairs with this engine's blocks (:func:`~kvpilot.kvconnectors.group_clip.cut_to_prefix`);
+    ``None`` where the peer sent none."""
 
     @property
     def policy_recomputed_tokens(self) -> int:
@@ -89,12 +94,16 @@ def plan_attach(
     screened_out: str | None = None,
     skip: tuple[Reason, str] | None = None,
     decide_pull: DecidePull,
+    groups: Sequence[GroupLayout],
 ) -> AttachPlan:
     """Plan the request's load from the offer in ``params``.
 
     ``screened_out``: why its pull fields were dropped on arrival (malformed).
     ``skip``: why not to try this peer at all (lease ending, recent failure).
     ``decide_pull`` is asked only for a session pull with verified blocks to load.
+    ``groups``: this engine's KV cache groups, in the order of the peer's block
+    lists. A partial plan whose prefix some group cannot attach (a sliding window
+    the peer no longer holds) recomputes beyond the local hit instead.
     """
     block_size = contract.block_size
     own_hashes = prompt.block_hashes[: prompt.num_prompt_tokens // block_size]
@@ -102,6 +111,7 @@ def plan_attach(
     recompute_all = prompt.num_prompt_tokens - num_computed_tokens
 
     def nothing(reason: Reason, rejected: int, recomputed: int, explanation: str) -> AttachPlan:
+        lists = params.get("remote_block_ids")
         return AttachPlan(
             attach_blocks=0,
             reason=reason,
@@ -109,6 +119,7 @@ def plan_attach(
             recomputed_tokens=recomputed,
             attached_blocks=0,
             explanation=explanation,
+            block_ids=None if lists is None else tuple(() for _ in lists),
         )
 
     if screened_out is not None:
@@ -125,7 +136,7 @@ def plan_attach(
     plan = _verified_plan(prompt, offer, contract, own_hashes, num_computed_tokens)
     if plan.attached_blocks and is_session_pull(params):
         plan = _with_pull_decision(prompt, plan, offer.num_tokens, num_computed_tokens, block_size, decide_pull)
-    return plan
+    return _cut_per_group(plan, params, groups, offer.num_tokens, num_computed_tokens, block_size)
 
 
 def _verified_plan(
@@ -196,6 +207,46 @@ def _with_pull_decision(
     )
 
 
+def _cut_per_group(
+    plan: AttachPlan,
+    params: Mapping[str, Any],
+    groups: Sequence[GroupLayout],
+    peer_tokens: int,
+    num_computed_tokens: int,
+    block_size: int,
+) -> AttachPlan:
+    """``plan`` with the peer's block lists cut to its prefix, group by group; or, if
+    some group cannot attach that prefix, the plan that loads nothing beyond the
+    local hit, its verified blocks counted as rejected and recomputed."""
+    lists = params.get("remote_block_ids")
+    if plan.attach_blocks is None or lists is None:
+        return plan
+    local_hit = num_computed_tokens // block_size
+    cut = cut_to_prefix(
+        groups,
+        lists,
+        attach_blocks=plan.attach_blocks,
+        local_hit=local_hit,
+        peer_tokens=peer_tokens,
+        block_size=block_size,
+    )
+    if not isinstance(cut, Refused):
+        return dataclasses.replace(plan, block_ids=cut)
+    fallback = cut_to_prefix(
+        groups, lists, attach_blocks=local_hit, local_hit=local_hit, peer_tokens=peer_tokens, block_size=block_size
+    )
+    assert not isinstance(fallback, Refused)  # nothing to pull: never refused
+    return dataclasses.replace(
+        plan,
+        attach_blocks=local_hit,
+        rejected_blocks=plan.rejected_blocks + plan.attached_blocks,
+        recomputed_tokens=plan.recomputed_tokens + plan.attach_blocks * block_size - num_computed_tokens,
+        attached_blocks=0,
+        explanation=f"{plan.explanation}; {cut.why}: recompute beyond the local hit",
+        block_ids=fallback,
+    )
+
+
 def tail_verified(
     prompt: PromptView, offer: BlockOffer, reason: Reason, num_verified: int, num_own_blocks: int, block_size: int
 ) -> bool:
@@ -219,10 +270,10 @@ def external_tokens(plan: AttachPlan, num_computed_tokens: int, block_size: int)
 def apply_plan(plan: AttachPlan, params: dict[str, Any]) -> None:
     """Rewrite ``params`` so that the inner connector pulls only what ``plan`` allows.
 
-    The peer's block list is cut to the verified prefix, which vLLM's pull pairs with
-    this engine's blocks beyond its local hit. The list stays even when nothing is
-    attached, so the peer is told to free its blocks. A screened-out request has no
-    list left: nothing to do.
+    Each group's block list becomes the plan's cut of it, which vLLM's pull pairs with
+    this engine's blocks beyond its local hit. The lists stay even when nothing is
+    attached, so the peer is told to free its blocks. A plan that loads the whole
+    offer leaves them as they are; a screened-out request has none left: nothing to do.
     """
-    if plan.attach_blocks is not None and "remote_block_ids" in params:
-        params["remote_block_ids"] = [group[: plan.attach_blocks] for group in params["remote_block_ids"]]
+    if plan.attach_blocks is not None and plan.block_ids is not None and "remote_block_ids" in params:
+        params["remote_block_ids"] = [list(group) for group in plan.block_ids]

@@ -11,7 +11,9 @@ scheduler and the inner connector.
   attached; the rest is prefilled locally. vLLM's NIXL pull pairs the blocks it
   allocated with the end of the peer's block list, so attaching the verified prefix
   of ``k`` blocks means handing the inner connector the peer's first ``k`` block ids
-  and reporting ``k * block_size - num_computed_tokens`` external tokens.
+  and reporting ``k * block_size - num_computed_tokens`` external tokens. A hybrid
+  model's sliding-window groups hold only their in-window tail: each group's list is
+  cut by its own rule, or the prefix is recomputed (:mod:`kvpilot.kvconnectors.group_clip`).
 
 Every remote attach goes through :meth:`KVPilotScheduler.plan_attach`, whatever the
 direction (P->D prefill handoff or a bidirectional pull of the peer's session KV); the
@@ -29,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +42,7 @@ from kvpilot.kvconnectors.attach_plan import (
     is_session_pull,
     plan_attach,
 )
+from kvpilot.kvconnectors.group_clip import GroupKind, GroupLayout
 from kvpilot.kvconnectors.hash_contract import HashAlgo, SeedId, salt_identity, seed_identity
 from kvpilot.kvconnectors.pull_params import (
     LEASE_MARGIN_S,
@@ -69,7 +72,7 @@ from kvpilot.kvconnectors.transfer_params import (
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -128,6 +131,41 @@ def step_chunks(scheduler_output: SchedulerOutput) -> list[Chunk]:
     return chunks
 
 
+def group_layouts(kv_cache_config: KVCacheConfig) -> tuple[GroupLayout, ...]:
+    """This engine's transfer groups, in the order of the block lists the NIXL
+    connector exchanges. A kind is matched by its exact vLLM type: a subclass may keep
+    its blocks otherwise (``RSWASpec`` evicts a middle gap) and counts as other."""
+    return tuple(_layout(i, g.kv_cache_spec) for i, g in enumerate(kv_cache_config.transfer_groups))
+
+
+def _layout(index: int, spec: KVCacheSpec) -> GroupLayout:
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    name = type(spec).__name__
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        kinds = {_layout(index, s) for s in spec.kv_cache_specs.values()}
+        if len(kinds) == 1:
+            return replace(kinds.pop(), spec_name=name)
+    elif type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+        return GroupLayout(index=index, spec_name=name, kind=GroupKind.FULL)
+    elif type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec):
+        assert isinstance(spec, SlidingWindowSpec)
+        return GroupLayout(
+            index=index,
+            spec_name=name,
+            kind=GroupKind.SLIDING,
+            sliding_window=spec.sliding_window,
+            extra_retained_tokens=spec.extra_retained_tokens,
+        )
+    return GroupLayout(index=index, spec_name=name, kind=GroupKind.OTHER)
+
+
 class KVPilotScheduler:
     """Scheduler-side state of one ``KVPilotConnector``. Not thread-safe: vLLM's
     scheduler calls it from one thread. ``clock`` (seconds, monotonic) times this
@@ -154,6 +192,7 @@ class KVPilotScheduler:
         self._kv_dtype = _dtype_name(cache_config.cache_dtype, vllm_config.model_config.dtype)
         self._kv_layout = kv_layout or "default"
         self._seed_id: SeedId | None = None
+        self._groups = group_layouts(kv_cache_config)
         self._plans: dict[str, AttachPlan] = {}
         # request id -> why its pull fields were dropped: a malformed field's description,
         # or None for an incompatible peer (its offer is still verified, to count it)
@@ -354,6 +393,7 @@ class KVPilotScheduler:
             num_computed_tokens,
             screened_out=screened_out,
             skip=self._skip_reason(params, is_session_pull(params)),
+            groups=self._groups,
             decide_pull=lambda span: self._pull_policy.decide(
                 span, self._backlog.load(request.request_id), self._link.telemetry(), self._steps.measured()
             ),

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from kvpilot.kvconnectors.attach_plan import AttachPlan, PromptView, apply_plan, external_tokens, plan_attach
+from kvpilot.kvconnectors.group_clip import ONE_FULL_GROUP, GroupKind, GroupLayout
 from kvpilot.kvconnectors.hash_contract import salt_identity
 from kvpilot.kvconnectors.pull_policy import DecidedBy, PullDecision
 from kvpilot.kvconnectors.reasons import Reason
@@ -99,7 +100,7 @@ HANDOFFS = {
 @pytest.mark.parametrize("name", HANDOFFS)
 def test_a_handoff_loads_only_what_verifies(name: str) -> None:
     case = HANDOFFS[name]
-    plan = plan_attach(case.prompt, case.params, CONTRACT, case.computed, decide_pull=_never)
+    plan = plan_attach(case.prompt, case.params, CONTRACT, case.computed, decide_pull=_never, groups=ONE_FULL_GROUP)
     got = (plan.attach_blocks, plan.reason, plan.attached_blocks, plan.rejected_blocks, plan.recomputed_tokens)
     assert got == (case.attach_blocks, case.reason, case.attached, case.rejected, case.recomputed), plan.explanation
     assert plan.pull_decision is None
@@ -108,7 +109,7 @@ def test_a_handoff_loads_only_what_verifies(name: str) -> None:
 def test_another_tenants_offer_is_a_contract_mismatch() -> None:
     theirs = msgspec.structs.replace(CONTRACT, salt_id=salt_identity("tenant-b"))
     params = {PARAMS_KEY: encode_offer(theirs, _hashes("abcd"), TAIL), "do_remote_prefill": True}
-    plan = plan_attach(_prompt("abcd"), params, CONTRACT, 0, decide_pull=_never)
+    plan = plan_attach(_prompt("abcd"), params, CONTRACT, 0, decide_pull=_never, groups=ONE_FULL_GROUP)
     assert (plan.attach_blocks, plan.reason, plan.recomputed_tokens) == (0, Reason.CONTRACT_MISMATCH, 69)
     # the differing field, without this request's sizes: what the scheduler logs once per peer config
     assert [d.field for d in plan.contract_diffs] == ["salt_id"]
@@ -116,7 +117,13 @@ def test_another_tenants_offer_is_a_contract_mismatch() -> None:
 
 def test_screened_out_and_skipped_offers_load_nothing_and_say_why() -> None:
     screened = plan_attach(
-        _prompt("abcd"), _params(), CONTRACT, BLOCK, screened_out="malformed remote_port", decide_pull=_never
+        _prompt("abcd"),
+        _params(),
+        CONTRACT,
+        BLOCK,
+        screened_out="malformed remote_port",
+        decide_pull=_never,
+        groups=ONE_FULL_GROUP,
     )
     assert (screened.reason, screened.attach_blocks, screened.recomputed_tokens) == (Reason.MALFORMED, 0, 69 - BLOCK)
     assert screened.explanation == "malformed remote_port"
@@ -127,6 +134,7 @@ def test_screened_out_and_skipped_offers_load_nothing_and_say_why() -> None:
         BLOCK,
         skip=(Reason.LEASE_EXPIRED, "the peer's lease ends in 1.0 s"),
         decide_pull=_never,
+        groups=ONE_FULL_GROUP,
     )
     # offered 69 tokens of a 89-token prompt, 16 of them already here
     assert (skipped.reason, skipped.attach_blocks, skipped.rejected_blocks, skipped.recomputed_tokens) == (
@@ -141,7 +149,7 @@ def test_screened_out_and_skipped_offers_load_nothing_and_say_why() -> None:
 def test_a_session_pull_asks_the_policy_about_the_verified_span_beyond_the_local_hit() -> None:
     decide, asked = _policy(pull=True)
     prompt = _prompt("abcd", extra=20)  # the next turn: the peer's session plus 20 new tokens
-    plan = plan_attach(prompt, _params(handoff=False), CONTRACT, BLOCK, decide_pull=decide)
+    plan = plan_attach(prompt, _params(handoff=False), CONTRACT, BLOCK, decide_pull=decide, groups=ONE_FULL_GROUP)
     assert asked == [Span(tokens=3 * BLOCK, context=BLOCK, new_tokens=prompt.num_prompt_tokens - 4 * BLOCK)]
     assert (plan.attach_blocks, plan.attached_blocks, plan.policy_recomputed_tokens) == (4, 3, 0)
     assert plan.pull_decision is not None and plan.pull_decision.pull
@@ -150,7 +158,9 @@ def test_a_session_pull_asks_the_policy_about_the_verified_span_beyond_the_local
 
 def test_a_session_pull_the_policy_declines_keeps_only_the_local_hit() -> None:
     decide, asked = _policy(pull=False)
-    plan = plan_attach(_prompt("abcd"), _params(handoff=False), CONTRACT, BLOCK, decide_pull=decide)
+    plan = plan_attach(
+        _prompt("abcd"), _params(handoff=False), CONTRACT, BLOCK, decide_pull=decide, groups=ONE_FULL_GROUP
+    )
     # everything verified, tail too: the span runs to the offer's end (69 tokens)
     assert asked == [Span(tokens=69 - BLOCK, context=BLOCK, new_tokens=0)]
     assert (plan.attach_blocks, plan.attached_blocks, plan.policy_recomputed_tokens) == (1, 0, 69 - BLOCK)
@@ -158,13 +168,13 @@ def test_a_session_pull_the_policy_declines_keeps_only_the_local_hit() -> None:
 
 
 def test_a_session_pull_with_nothing_beyond_the_local_hit_asks_nobody() -> None:
-    plan = plan_attach(_prompt("abcd"), _params(handoff=False), CONTRACT, 69, decide_pull=_never)
+    plan = plan_attach(_prompt("abcd"), _params(handoff=False), CONTRACT, 69, decide_pull=_never, groups=ONE_FULL_GROUP)
     assert plan.attached_blocks == 0 and plan.pull_decision is None
 
 
 def test_applying_a_plan_cuts_the_peers_block_list_to_the_verified_prefix() -> None:
     params = _params()
-    plan = plan_attach(_prompt("abXd"), params, CONTRACT, 0, decide_pull=_never)
+    plan = plan_attach(_prompt("abXd"), params, CONTRACT, 0, decide_pull=_never, groups=ONE_FULL_GROUP)
     apply_plan(plan, params)
     assert params["remote_block_ids"] == [[10, 11]]
     assert external_tokens(plan, 0, BLOCK) == 2 * BLOCK
@@ -179,3 +189,32 @@ def test_applying_a_plan_cuts_the_peers_block_list_to_the_verified_prefix() -> N
     untouched = _params()
     apply_plan(everything, untouched)
     assert untouched["remote_block_ids"] == [[10, 11, 12, 13]]
+
+
+HYBRID = (
+    GroupLayout(index=0, spec_name="SlidingWindowSpec", kind=GroupKind.SLIDING, sliding_window=BLOCK),
+    GroupLayout(index=1, spec_name="FullAttentionSpec", kind=GroupKind.FULL),
+)
+
+
+def _hybrid_params() -> dict[str, Any]:
+    """The offer of 69 tokens in 5 blocks; the window group sends its last 2 (positions 3, 4)."""
+    return {**_params(), "remote_block_ids": [[23, 24], [10, 11, 12, 13, 14]]}
+
+
+def test_a_hybrid_plan_cuts_each_group_by_its_own_rule() -> None:
+    params = _hybrid_params()
+    plan = plan_attach(_prompt("abcd", tail=(7, 8, 9, 10, 99)), params, CONTRACT, 0, decide_pull=_never, groups=HYBRID)
+    assert (plan.attach_blocks, plan.attached_blocks, plan.reason) == (4, 4, Reason.TOKEN_MISMATCH)
+    apply_plan(plan, params)
+    assert params["remote_block_ids"] == [[23], [10, 11, 12, 13]]  # the window's block 3; blocks 0-3
+
+
+def test_a_hybrid_prefix_whose_window_the_peer_freed_is_recomputed() -> None:
+    params = _hybrid_params()
+    plan = plan_attach(_prompt("abXd"), params, CONTRACT, 0, decide_pull=_never, groups=HYBRID)
+    assert (plan.attach_blocks, plan.attached_blocks) == (0, 0)
+    assert (plan.reason, plan.rejected_blocks, plan.recomputed_tokens) == (Reason.TOKEN_MISMATCH, 4, 69)
+    assert "KV cache group 0 (SlidingWindowSpec, window 16)" in plan.explanation
+    apply_plan(plan, params)
+    assert params["remote_block_ids"] == [[], []]  # still sent: the peer frees its blocks
