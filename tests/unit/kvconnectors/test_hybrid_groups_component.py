@@ -26,14 +26,23 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    RSWASpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvpilot.kvconnectors.group_clip import GroupKind
 from kvpilot.kvconnectors.plugin import register
 from kvpilot.kvconnectors.pull_params import handoff_request
 from kvpilot.kvconnectors.reasons import Reason
+from kvpilot.kvconnectors.scheduler import group_layouts
 from tests.unit.kvconnectors.test_scheduler_component import (
     SAMPLED,
     Engine,
@@ -205,3 +214,32 @@ def test_a_whole_verified_offer_leaves_the_inner_plan(make_engine: Any) -> None:
     here = positions(decode, "d-1")
     for group, pairs in enumerate(paired(pull.local_block_ids, pull.remote.block_ids)):
         assert pairs and all(here[group][mine] == peer[group][theirs] for mine, theirs in pairs)
+
+
+def _group(spec: Any) -> Any:
+    return KVCacheGroupSpec(["layer"], spec)
+
+
+SHAPE: dict[str, Any] = {"block_size": BS, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+LAYOUTS = {
+    "full attention": (FullAttentionSpec(**SHAPE), GroupKind.FULL, 0, 0),
+    "sliding window": (
+        SlidingWindowSpec(sliding_window=WINDOW, extra_retained_tokens=3, **SHAPE),
+        GroupKind.SLIDING,
+        WINDOW,
+        3,
+    ),
+    "R-SWA keeps a middle gap": (RSWASpec(rswa_window=WINDOW, **SHAPE), GroupKind.OTHER, 0, 0),
+    "chunked local attention": (ChunkedLocalAttentionSpec(attention_chunk_size=64, **SHAPE), GroupKind.OTHER, 0, 0),
+}
+
+
+@pytest.mark.parametrize(("spec", "kind", "window", "retained"), LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_each_vllm_spec_maps_to_its_kind(spec: Any, kind: GroupKind, window: int, retained: int) -> None:
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[_group(FullAttentionSpec(**SHAPE)), _group(spec)]
+    )
+    full, layout = group_layouts(config)
+    assert full.kind is GroupKind.FULL
+    assert (layout.index, layout.spec_name, layout.kind) == (1, type(spec).__name__, kind)
+    assert (layout.sliding_window, layout.extra_retained_tokens) == (window, retained)
