@@ -224,7 +224,7 @@ def idle_router() -> RouterServer:
         {"name": "decode-0", "role": "decode", "url": "http://127.0.0.1:2"},
     ]
     config = msgspec.convert({"workers": workers, "disaggregation": {"model_preset": "llama-8b"}}, RouterConfig)
-    return RouterServer(config, fleet_from_config(config), None, None, feed_index=False)  # type: ignore[arg-type]
+    return RouterServer(config, fleet_from_config(config), None, feed_index=False)  # type: ignore[arg-type]
 
 
 def router_metrics(server: RouterServer) -> list[MetricEntry]:
@@ -290,6 +290,30 @@ def endpoints_page(server: RouterServer) -> str:
     return "\n".join(lines) + "\n"
 
 
+def request_fields_page() -> str:
+    """The request fields a client may send, by group and API (:mod:`kvpilot.routing.serve.request_fields`)."""
+    from kvpilot.routing.serve.request_fields import ENGINE_INTERNAL, FIELD_GROUPS
+
+    lines = [GENERATED_NOTE, "", "# Request fields", ""]
+    lines += [
+        (
+            "What a client may send to `/v1/completions` and `/v1/chat/completions`, through Envoy or the router. "
+            "Accepted fields reach the engines as the client sent them (the session keys excepted); any other "
+            "field is a 400 naming it, and never reaches an engine."
+        ),
+        "",
+        "| group | APIs | fields |",
+        "|---|---|---|",
+    ]
+    for group in FIELD_GROUPS:
+        apis = ", ".join(f"`{api.value}`" for api in sorted(group.apis, key=lambda a: a.value))
+        fields = ", ".join(f"`{name}`" for name in group.names)
+        lines.append(f"| {_cell(group.title)} | {apis} | {fields} |")
+    refused = ", ".join(f"`{name}`" for name in sorted(ENGINE_INTERNAL))
+    lines += ["", f"Refused as set by the router or by the engines' own flags: {refused}."]
+    return "\n".join(lines) + "\n"
+
+
 # ---- pages -----------------------------------------------------------------------------
 
 
@@ -315,6 +339,7 @@ def pages() -> dict[str, str]:
         "cli.md": cli_page(build_parser()),
         "metrics.md": metrics_page(router_metrics(router), connector_metrics()),
         "endpoints.md": endpoints_page(router),
+        "request-fields.md": request_fields_page(),
     }
 
 

@@ -44,18 +44,14 @@ from typing import Any
 import msgspec
 
 from kvpilot.routing.decide.router import Route
-from kvpilot.routing.decide.sessions import SESSION_FIELDS
 from kvpilot.routing.serve.admission import Rejected
 from kvpilot.routing.serve.app import UNAUTHORIZED_MESSAGE, RouterServer
 from kvpilot.routing.serve.chat import ChatError
 from kvpilot.routing.serve.proxy import Begun, ProxyRequest, Reply, error_reply
 from kvpilot.routing.serve.refusals import BadRequest
-from kvpilot.routing.serve.upstream import Destination, UpstreamError
+from kvpilot.routing.serve.upstream import Api, Destination, UpstreamError
 
 log = logging.getLogger(__name__)
-
-COMPLETIONS_PATH = "/v1/completions"
-CHAT_PATH = "/v1/chat/completions"
 
 
 class Refused(Exception):
@@ -120,16 +116,19 @@ class Picker:
         body (naming the problem), 409 for a request id
         in flight, 429 or 503 for a predicted TTFT over the SLO, 503 when no worker can
         serve it, 502 when the chosen worker left."""
-        chat = {COMPLETIONS_PATH: False, CHAT_PATH: True}.get(path.split("?", 1)[0])
-        if chat is None:
-            raise Refused(404, f"kvpilot serves POST {COMPLETIONS_PATH} and {CHAT_PATH}, not {path!r}")
+        try:
+            api = Api(path.split("?", 1)[0])
+        except ValueError:
+            raise Refused(
+                404, f"kvpilot serves POST {Api.COMPLETIONS.value} and {Api.CHAT.value}, not {path!r}"
+            ) from None
         server = self._server
         if not server.authorized(headers):
             raise Refused(401, UNAUTHORIZED_MESSAGE, "authentication_error", **{"www-authenticate": "Bearer"})
         if len(raw) > server.config.server.max_body_bytes:
             raise Refused(413, str(server.intake.body_too_large()))
         try:
-            intake = await server.intake.take(headers, server.intake.checked_body(raw, chat), chat, arrived)
+            intake = await server.intake.take(headers, server.intake.checked_body(raw, api), api, arrived)
         except (BadRequest, ChatError) as exc:
             raise Refused(getattr(exc, "status", 400), str(exc)) from None
         except Rejected as exc:
@@ -139,11 +138,8 @@ class Picker:
         begun = await server.proxy.begin(request, route)
         if isinstance(begun, Reply):
             raise Refused(begun.status, begun.payload["error"]["message"])
-        body = request.body
-        if chat:  # D renders the messages itself; Dynamo's frontend is given the token ids too
-            body = {k: v for k, v in intake.client_body.items() if k not in SESSION_FIELDS}
         try:
-            destination = server.proxy.upstream.destination(route.decode, body, begun.handoff, request.body["prompt"])
+            destination = server.proxy.upstream.destination(route.decode, request.engine, begun.handoff)
         except UpstreamError as exc:
             server.proxy.worker_failed(exc.worker)
             server.ledger.complete(route.request_id)
@@ -152,7 +148,7 @@ class Picker:
         self._in_flight[route.request_id] = _InFlight(
             request, begun, picked_s, self._prefill_timer(route, begun, picked_s)
         )
-        unchanged = destination.body == intake.client_body  # a client that sent token ids and no session fields
+        unchanged = destination.body == intake.client_body  # no session fields, no handoff
         return Picked(destination, None if unchanged else body_bytes(destination.body), begun.headers)
 
     def _prefill_timer(self, route: Route, begun: Begun, picked_s: float) -> asyncio.TimerHandle | None:

@@ -6,12 +6,13 @@ router, proxy, metrics, pollers, the shared session store) and the HTTP handlers
 timeout a 503, both with ``Retry-After``), take it in (:mod:`kvpilot.routing.serve.intake`:
 parse and validate the body, 400 naming the field; only the fields of
 :mod:`kvpilot.routing.serve.request_fields` are accepted, so a client cannot set
-``kv_transfer_params``; tokenize once; take the session's record from the shared store
+``kv_transfer_params``; compute the prompt's token ids as the engine will; take the session's
+record from the shared store
 (:mod:`kvpilot.routing.state.sync`); route (:mod:`kvpilot.routing.decide.router`); refuse a
 route whose predicted TTFT is over ``server.ttft_slo_s``: 429 for load, else 503, with
 ``Retry-After``) and hand the route to the
-proxy (:mod:`kvpilot.routing.serve.proxy`: P, fallback, retry, bookkeeping), whose answer is
-written here as JSON or as server-sent events.
+proxy (:mod:`kvpilot.routing.serve.proxy`: P, fallback, retry, bookkeeping), whose answer (the
+engine's, as it wrote it) is written here as JSON or as server-sent events.
 
 An upstream failure reaches the client as a JSON error naming the engine (the
 engine's 4xx status is kept, anything else is a 502); the router keeps serving.
@@ -81,11 +82,12 @@ from kvpilot.routing.serve.admission import Admission, Rejected
 from kvpilot.routing.serve.calibrate import Calibrator
 from kvpilot.routing.serve.chat import ChatError, ChatTemplate
 from kvpilot.routing.serve.intake import RequestIntake
+from kvpilot.routing.serve.prompt import EnginePrompt
 from kvpilot.routing.serve.proxy import Proxy, error_reply
 from kvpilot.routing.serve.refusals import BadRequest, RejectReason
 from kvpilot.routing.serve.sse import sse_events
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
-from kvpilot.routing.serve.upstream import Upstream
+from kvpilot.routing.serve.upstream import Api, Upstream
 from kvpilot.routing.serve.vllm_upstream import VllmUpstream
 from kvpilot.routing.state.sync import SessionSync
 
@@ -182,15 +184,13 @@ class RouterServer:
         self,
         config: RouterConfig,
         fleet: Fleet,
-        tokenizer: PromptTokenizer,
-        chat_template: ChatTemplate | None,
+        prompts: EnginePrompt,
         *,
         feed_index: bool = True,
     ) -> None:
         self.config = config
         self.fleet = fleet
-        self.tokenizer = tokenizer
-        self.chat_template = chat_template
+        self.prompts = prompts
         self.lock = threading.Lock()
         self.index = make_index(config.index)
         self.ledger = LoadLedger()
@@ -245,8 +245,7 @@ class RouterServer:
             self.router,
             self.lock,
             self.metrics,
-            tokenizer,
-            chat_template,
+            prompts,
             self.session_sync,
             self.watch_events,
             lambda route: self.proxy.predict(route),
@@ -457,11 +456,11 @@ class RouterServer:
         candidate's cost term by term, the local-vs-remote verdict, a session's five options,
         the predicted TTFT, prior and measured."""
         try:
-            body = await self._body(request, chat=None)
-            chat = "messages" in body
-            token_ids, session = self.intake.prompt(request.headers, body, chat)
+            body = await self._body(request, api=None)
+            api = Api.CHAT if "messages" in body else Api.COMPLETIONS
+            token_ids, session = self.intake.prompt(request.headers, body, api)
             await self.intake.pull_session(session)
-            route = self.intake.route(request.headers, token_ids, body, chat, session, dry_run=True)
+            route = self.intake.route(request.headers, token_ids, body, api, session, dry_run=True)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
         assert self._proxy is not None
@@ -501,42 +500,42 @@ class RouterServer:
         )
 
     # ---- parsing and routing -------------------------------------------------
-    async def _body(self, request: web.Request, chat: bool | None) -> dict[str, Any]:
+    async def _body(self, request: web.Request, api: Api | None) -> dict[str, Any]:
         """The request's body, checked (:meth:`checked_body`)."""
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise self.intake.body_too_large() from None
-        return self.intake.checked_body(raw, chat)
+        return self.intake.checked_body(raw, api)
 
     # ---- the proxy ---------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         """OpenAI completions (streamed or not): routed, prefilled on P or D, answered by D.
         Sessions from ``conversation_id`` / ``prompt_cache_key`` or ``X-Session-ID``."""
-        return await self._serve(request, chat=False)
+        return await self._serve(request, Api.COMPLETIONS)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI chat completions: the messages rendered with the model's chat template, then
-        as ``/v1/completions``."""
-        return await self._serve(request, chat=True)
+        """OpenAI chat completions, served as ``/v1/completions`` is, by the engines' own chat
+        endpoint (their templates, tool-call and reasoning parsers)."""
+        return await self._serve(request, Api.CHAT)
 
-    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, api: Api) -> web.StreamResponse:
         """Admit (or refuse early, with ``Retry-After``), then serve."""
         try:
             async with self.admission.admit():
-                return await self._serve_admitted(request, chat)
+                return await self._serve_admitted(request, api)
         except Rejected as exc:
             self.metrics.rejected.labels(exc.reason.value).inc()
             response = _error(exc.status, str(exc), "overloaded")
             response.headers["Retry-After"] = str(exc.retry_after_s)
             return response
 
-    async def _serve_admitted(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _serve_admitted(self, request: web.Request, api: Api) -> web.StreamResponse:
         """Parse, route and hand the route to the proxy."""
         started = time.perf_counter()
         assert self._proxy is not None, "the app has not started"
         try:
-            intake = await self.intake.take(request.headers, await self._body(request, chat), chat, started)
+            intake = await self.intake.take(request.headers, await self._body(request, api), api, started)
         except (BadRequest, ChatError) as exc:
             return _error(getattr(exc, "status", 400), str(exc))
         client = _SSEResponse(request)
@@ -565,5 +564,5 @@ class RouterServer:
 def build_server(config: RouterConfig, fleet: Fleet, *, feed_index: bool = True) -> RouterServer:
     """A server for ``config`` reading ``server.model_dir`` (tokenizer and chat template)."""
     model_dir = Path(config.server.model_dir)
-    template = ChatTemplate.from_model_dir(model_dir)
-    return RouterServer(config, fleet, PromptTokenizer(model_dir), template, feed_index=feed_index)
+    prompts = EnginePrompt(PromptTokenizer(model_dir), ChatTemplate.from_model_dir(model_dir))
+    return RouterServer(config, fleet, prompts, feed_index=feed_index)

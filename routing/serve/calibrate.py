@@ -57,7 +57,7 @@ from kvpilot.kvconnectors.pull_params import handoff_request
 from kvpilot.routing.config import Role, ServerConfig, Worker
 from kvpilot.routing.decide.rates import PrefillPath, RateEstimator, observe_interval, predict_ttft
 from kvpilot.routing.health.engine_load import EngineLoad
-from kvpilot.routing.serve.upstream import StreamBroke, Upstream, UpstreamError
+from kvpilot.routing.serve.upstream import Api, EngineRequest, StreamBroke, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -163,14 +163,9 @@ class Calibrator:
     def _fresh(self, n: int) -> list[int]:
         return [self._rng.randrange(FIRST_TOKEN_ID, self._vocab) for _ in range(n)]
 
-    def _body(self, prompt: list[int], max_tokens: int) -> dict[str, object]:
-        return {
-            "model": self.config.model_name,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "stream": True,
-            "ignore_eos": True,
-        }
+    def _request(self, prompt: list[int], max_tokens: int) -> EngineRequest:
+        body = {"model": self.config.model_name, "prompt": prompt, "max_tokens": max_tokens}
+        return EngineRequest(Api.COMPLETIONS, {**body, "stream": True, "ignore_eos": True}, prompt)
 
     async def _token_times(
         self, worker: Worker, prompt: list[int], max_tokens: int, handoff: dict[str, object] | None = None
@@ -179,7 +174,7 @@ class Calibrator:
         P's params, for ``worker`` to read P's KV)."""
         started = time.perf_counter()
         times = []
-        async with self.upstream.stream(worker, self._body(prompt, max_tokens), handoff) as events:
+        async with self.upstream.stream(worker, self._request(prompt, max_tokens), handoff) as events:
             async for batch in events:
                 now = time.perf_counter() - started
                 times += [now] * sum(1 for data in batch if data != "[DONE]")
@@ -221,9 +216,8 @@ class Calibrator:
         D's KV reads (by D's metrics) and each handoff's first token."""
         first_tokens: list[FirstToken] = []
         for new, cached, prompt in self._prefill_probes():
-            body = self._body(prompt, 1)
             started = time.perf_counter()
-            outcome = await self.upstream.prefill(p, body, handoff_request(), PROBE_TIMEOUT_S)
+            outcome = await self.upstream.prefill(p, self._request(prompt, 1), handoff_request(), PROBE_TIMEOUT_S)
             seconds = time.perf_counter() - started
             if outcome.params is None:
                 raise UpstreamError(p, outcome.status or 0, f"handoff probe failed: {outcome.reason} {outcome.detail}")

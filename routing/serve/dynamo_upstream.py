@@ -7,8 +7,9 @@ with the router's choice in headers: :data:`WORKER_INSTANCE_HEADER` names the de
 the prefill instance. The frontend then prefills on that instance and hands its KV to
 the decode instance itself (Dynamo's bootstrap rendezvous, NIXL on GPUs), so P's step
 here makes no call: it returns a deferred handoff holding P's header, which D's call
-carries. The body's ``prompt`` is the router's token ids, so the frontend does not
-tokenize again. I/O only: no routing, no ledger, no metrics.
+carries. The body is the client's, with the router's token ids in ``nvext.token_data``, so
+the frontend does not tokenize again (it still renders a chat's template). I/O only: no
+routing, no ledger, no metrics.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ import aiohttp
 from kvpilot.routing.config import Worker
 from kvpilot.routing.ids import WorkerId
 from kvpilot.routing.serve.completions_http import CompletionsHttp
-from kvpilot.routing.serve.upstream import Destination, PrefillFailure, PrefillOutcome, UpstreamError, host_port
+from kvpilot.routing.serve.upstream import (
+    Destination,
+    EngineRequest,
+    PrefillFailure,
+    PrefillOutcome,
+    UpstreamError,
+    host_port,
+)
 
 WORKER_INSTANCE_HEADER = "x-dynamo-worker-instance-id"
 """The decode (or aggregated) instance Dynamo's frontend sends the request to (Dynamo
@@ -46,7 +54,7 @@ class DynamoUpstream:
         self._instance_id = instance_id
 
     async def prefill(
-        self, worker: Worker, body: dict[str, Any], params: dict[str, Any], timeout_s: float
+        self, worker: Worker, request: EngineRequest, params: dict[str, Any], timeout_s: float
     ) -> PrefillOutcome:
         """P's header for D's call, deferred (no call is made; ``params`` are not used:
         Dynamo hands P's KV to D itself). A prefill worker that left: a connection
@@ -56,27 +64,23 @@ class DynamoUpstream:
             return PrefillOutcome(None, PrefillFailure.CONNECTION)
         return PrefillOutcome({PREFILL_INSTANCE_HEADER: str(instance)}, deferred=True)
 
-    async def complete(self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None) -> dict[str, Any]:
-        """The whole completion from ``worker`` (prefilled first on the instance that
+    async def complete(self, worker: Worker, request: EngineRequest, handoff: dict[str, Any] | None) -> dict[str, Any]:
+        """The whole answer from ``worker`` (prefilled first on the instance that
         ``handoff`` names, if any), parsed; raises :class:`UpstreamError`."""
-        return await self._completions.complete(worker, body, self._headers(worker, handoff))
+        headers = self._headers(worker, handoff)
+        return await self._completions.complete(worker, request.api, with_token_data(request), headers)
 
     def stream(
-        self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None
+        self, worker: Worker, request: EngineRequest, handoff: dict[str, Any] | None
     ) -> AbstractAsyncContextManager[AsyncIterator[list[str]]]:
         """The stream from ``worker``, as :meth:`complete` routes it."""
-        return self._completions.stream(worker, body, self._headers(worker, handoff))
+        headers = self._headers(worker, handoff)
+        return self._completions.stream(worker, request.api, with_token_data(request), headers)
 
-    def destination(
-        self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None, token_ids: list[int]
-    ) -> Destination:
-        """The frontend, with the instance headers; a chat body carries ``token_ids`` in
-        ``nvext.token_data`` so the frontend does not tokenize again (a completions body
-        already has them as its ``prompt``)."""
-        if "messages" in body:
-            body = {**body, "nvext": {**(body.get("nvext") or {}), "token_data": token_ids}}
+    def destination(self, worker: Worker, request: EngineRequest, handoff: dict[str, Any] | None) -> Destination:
+        """The frontend, with the instance headers and the token ids (:func:`with_token_data`)."""
         headers = {**self._engine_headers, **self._headers(worker, handoff)}
-        return Destination(host_port(worker.url), headers, body)
+        return Destination(host_port(worker.url), headers, with_token_data(request))
 
     def _headers(self, worker: Worker, handoff: dict[str, Any] | None) -> dict[str, str]:
         """The instance headers; raises :class:`UpstreamError` (502) for a worker that left."""
@@ -84,3 +88,11 @@ class DynamoUpstream:
         if instance is None:
             raise UpstreamError(worker, 502, "left the Dynamo deployment")
         return {WORKER_INSTANCE_HEADER: str(instance), **(handoff or {})}
+
+
+def with_token_data(request: EngineRequest) -> dict[str, Any]:
+    """The client's body with the router's token ids in ``nvext.token_data`` (a token-id
+    prompt already is its token ids: sent as it is)."""
+    if request.body.get("prompt") is request.token_ids:
+        return request.body
+    return {**request.body, "nvext": {"token_data": request.token_ids}}

@@ -1,6 +1,7 @@
-"""A request's way in, before the proxy: its body checked, its prompt tokenized once (a chat
-rendered with the model's chat template first), its session taken from the shared store,
-routed under the index lock and held against ``server.ttft_slo_s``.
+"""A request's way in, before the proxy: its body checked, its prompt's token ids computed as
+the engine will compute them (:mod:`kvpilot.routing.serve.prompt`), its session taken from the
+shared store, routed under the index lock and held against ``server.ttft_slo_s``. The engines
+are sent the client's body as it came, less the session fields the router reads.
 
 :class:`RequestIntake` serves both fronts: the router's own HTTP handlers
 (:mod:`kvpilot.routing.serve.app`) and Envoy's picker (:mod:`kvpilot.routing.gateway.picker`).
@@ -26,11 +27,13 @@ from kvpilot.routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, s
 from kvpilot.routing.ids import SessionId, WorkerId
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
 from kvpilot.routing.serve.admission import check_ttft_slo
-from kvpilot.routing.serve.chat import ChatError, ChatTemplate, chat_to_completion_body
+from kvpilot.routing.serve.chat import ChatError
+from kvpilot.routing.serve.prompt import EnginePrompt
 from kvpilot.routing.serve.proxy import ProxyRequest
 from kvpilot.routing.serve.refusals import BadRequest, RejectReason
 from kvpilot.routing.serve.request_fields import checked_body
-from kvpilot.routing.serve.tokenizer import PromptError, PromptTokenizer
+from kvpilot.routing.serve.tokenizer import PromptError
+from kvpilot.routing.serve.upstream import Api, EngineRequest
 from kvpilot.routing.state.sync import SessionSync
 
 
@@ -54,8 +57,7 @@ class RequestIntake:
         router: Router,
         lock: threading.Lock,
         metrics: RouterMetrics,
-        tokenizer: PromptTokenizer,
-        chat_template: ChatTemplate | None,
+        prompts: EnginePrompt,
         session_sync: SessionSync | None,
         watch_events: Callable[[], None],
         predict: Callable[[Route], TTFTPrediction | None],
@@ -64,8 +66,7 @@ class RequestIntake:
         self.router = router
         self.lock = lock
         self.metrics = metrics
-        self.tokenizer = tokenizer
-        self.chat_template = chat_template
+        self.prompts = prompts
         self.session_sync = session_sync
         self.watch_events = watch_events
         self.predict = predict
@@ -75,30 +76,23 @@ class RequestIntake:
         self.metrics.rejected.labels(RejectReason.BODY_TOO_LARGE.value).inc()
         return BadRequest(f"request body is over server.max_body_bytes ({self.config.server.max_body_bytes})", 413)
 
-    def checked_body(self, raw: bytes, chat: bool | None) -> dict[str, Any]:
+    def checked_body(self, raw: bytes, api: Api | None) -> dict[str, Any]:
         """``raw`` parsed and checked (:func:`kvpilot.routing.serve.request_fields.checked_body`);
         raises :class:`BadRequest`, a refusal with a reason counted in
         ``kvpilot_router_rejected_total``."""
         srv = self.config.server
         try:
-            return checked_body(raw, chat, model_name=srv.model_name, max_output_tokens=srv.max_output_tokens)
+            return checked_body(raw, api, model_name=srv.model_name, max_output_tokens=srv.max_output_tokens)
         except BadRequest as exc:
             if exc.reason is not None:
                 self.metrics.rejected.labels(exc.reason.value).inc()
             raise
 
-    def prompt(
-        self, headers: Mapping[str, str], body: dict[str, Any], chat: bool
-    ) -> tuple[list[int], SessionId | None]:
-        """The prompt's token ids (a chat rendered first) and the request's session;
+    def prompt(self, headers: Mapping[str, str], body: dict[str, Any], api: Api) -> tuple[list[int], SessionId | None]:
+        """The prompt's token ids, as the engine computes them, and the request's session;
         raises :class:`BadRequest`."""
         try:
-            if chat:
-                if self.chat_template is None:
-                    raise BadRequest("this model has no chat template: use /v1/completions")
-                token_ids = self.tokenizer.prompt_token_ids(self.chat_template.render(body.get("messages")))
-            else:
-                token_ids = self.tokenizer.prompt_token_ids(body.get("prompt"))
+            token_ids = self.prompts.token_ids(api, body)
             key = session_key(body, headers)
             session = None if key is None else scoped(key, body.get("cache_salt"))
         except (PromptError, ChatError, InvalidSessionKey) as exc:
@@ -122,14 +116,14 @@ class RequestIntake:
         headers: Mapping[str, str],
         token_ids: list[int],
         body: dict[str, Any],
-        chat: bool,
+        api: Api,
         session: SessionId | None,
         *,
         dry_run: bool = False,
         exclude: frozenset[WorkerId] = frozenset(),
     ) -> Route:
         """Decide where ``token_ids`` go (under the index lock); raises :class:`BadRequest`."""
-        prefix = "chatcmpl" if chat else "cmpl"
+        prefix = "chatcmpl" if api is Api.CHAT else "cmpl"
         request_id = headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
         self.watch_events()
         with self.lock:
@@ -150,32 +144,30 @@ class RequestIntake:
                 self.metrics.decision.observe(time.perf_counter() - started)
             return route
 
-    async def take(self, headers: Mapping[str, str], body: dict[str, Any], chat: bool, started: float) -> Intake:
-        """A checked ``body`` (:meth:`checked_body`) tokenized once (a chat rendered
-        first), its session taken from the shared store, routed (a session's step on a dry
+    async def take(self, headers: Mapping[str, str], body: dict[str, Any], api: Api, started: float) -> Intake:
+        """A checked ``body`` (:meth:`checked_body`) sent to ``api``, its token ids computed,
+        its session taken from the shared store, routed (a session's step on a dry
         run first when there is a TTFT SLO, so that a refused step leaves the session as
         it was) and checked against ``server.ttft_slo_s``. Raises :class:`BadRequest` or
         :class:`ChatError` (400 unless they say otherwise), or
         :class:`~kvpilot.routing.serve.admission.Rejected` for a predicted TTFT over the SLO."""
         slo_s = self.config.server.ttft_slo_s
-        engine_body = chat_to_completion_body(body) if chat else dict(body)
-        token_ids, session = self.prompt(headers, body, chat)
+        token_ids, session = self.prompt(headers, body, api)
         await self.pull_session(session)
         checked_first = bool(slo_s) and session is not None
-        route = self.route(headers, token_ids, body, chat, session, dry_run=checked_first)
+        route = self.route(headers, token_ids, body, api, session, dry_run=checked_first)
         prediction = self.predict(route) if slo_s else None
         if prediction is not None:
             check_ttft_slo(prediction, slo_s)
         if checked_first:
-            route = self.route(headers, token_ids, body, chat, session)
-        for key in SESSION_FIELDS:
-            engine_body.pop(key, None)
-        engine_body["prompt"] = token_ids
+            route = self.route(headers, token_ids, body, api, session)
+        engine_body = {k: v for k, v in body.items() if k not in SESSION_FIELDS}
 
         def reroute(exclude: frozenset[WorkerId]) -> Route | None:
             try:
-                return self.route(headers, token_ids, body, chat, session, exclude=exclude)
+                return self.route(headers, token_ids, body, api, session, exclude=exclude)
             except BadRequest:
                 return None
 
-        return Intake(ProxyRequest(route, engine_body, chat, session, started, reroute), body)
+        engine = EngineRequest(api, engine_body, token_ids)
+        return Intake(ProxyRequest(route, engine, session, started, reroute), body)

@@ -15,7 +15,12 @@ For a :class:`~kvpilot.routing.decide.router.Route`:
   waits for P. If P fails (an error, that timeout, no params), D prefills the prompt itself: the route
   becomes :attr:`~kvpilot.routing.decide.router.Kind.FALLBACK`, counted in
   ``kvpilot_router_prefill_fallbacks_total``;
-- local prefill or co-located: one engine does both.
+- local prefill or co-located: one engine does both. A request for several samples
+  (:attr:`~kvpilot.routing.serve.upstream.EngineRequest.parallel_samples`) routed to a
+  remote prefill is prefilled on D instead (counted as a local prefill): vLLM would fan
+  its samples out into requests that each read P's one handoff.
+
+D's answer reaches the client as D wrote it (tool calls, reasoning, usage, logprobs).
 
 A decode worker that fails before anything reached the client is left out and the
 request routed again, up to ``server.max_retries`` times (counted in
@@ -52,14 +57,10 @@ from kvpilot.routing.health.event_watch import EventWatch
 from kvpilot.routing.health.pair_health import PairHealth
 from kvpilot.routing.ids import SessionId, WorkerId
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
-from kvpilot.routing.serve.chat import chat_chunk, chat_response
-from kvpilot.routing.serve.upstream import PrefillFailure, StreamBroke, Upstream, UpstreamError
+from kvpilot.routing.serve.upstream import EngineRequest, PrefillFailure, StreamBroke, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 
-STREAM_BREAKS = (StreamBroke, ValueError, KeyError, TypeError)
-"""What relaying a stream raises when it breaks: the upstream's :class:`StreamBroke`,
-or an event that is not the JSON chunk it should be."""
 PREDICTED_TTFT_HEADER = "X-KVPilot-Predicted-TTFT-Ms"
 """The answer's header carrying the route's predicted TTFT in milliseconds, or
 :data:`UNCALIBRATED` (when the router has a rate estimator): the client can hold it against
@@ -103,14 +104,12 @@ class ClientStream(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ProxyRequest:
-    """A parsed, routed request. ``body`` is the engines' completions body (token ids
-    as ``prompt``, session fields stripped); ``started`` is ``time.perf_counter()`` at
-    arrival; ``reroute`` routes it again without the given decode workers (``None``
-    when no other worker can decode it)."""
+    """A parsed, routed request. ``engine`` is what the engines are sent; ``started`` is
+    ``time.perf_counter()`` at arrival; ``reroute`` routes it again without the given decode
+    workers (``None`` when no other worker can decode it)."""
 
     route: Route
-    body: dict[str, Any]
-    chat: bool
+    engine: EngineRequest
     session: SessionId | None
     started: float
     reroute: Callable[[frozenset[WorkerId]], Route | None]
@@ -210,7 +209,7 @@ class Proxy:
             return begun
         try:
             reply: Reply | None
-            if request.body.get("stream"):  # vLLM streams no kv_transfer_params: no offer to keep
+            if request.engine.body.get("stream"):  # vLLM streams no kv_transfer_params: no offer to keep
                 decode_params = None
                 answered = await self._stream(request, route, begun, client)
                 reply = None
@@ -238,9 +237,12 @@ class Proxy:
         try:
             kind, handoff, deferred = route.kind, None, False
             offer = self._session_offer(request.session, route)
-            if route.prefill is not None:
+            if route.prefill is not None and request.engine.parallel_samples:
+                self.ledger.move_prefill(rid, d, route.decode_cached_blocks)
+                kind, p = Kind.LOCAL_PREFILL, d
+            elif route.prefill is not None:
                 self.pair_health.routed(route.prefill.name, route.decode.name, time.monotonic())
-                handoff, deferred = await self._prefill(route, request.body, offer, prediction)
+                handoff, deferred = await self._prefill(route, request.engine, offer, prediction)
                 if handoff is None:
                     kind, p = Kind.FALLBACK, d
         except BaseException:
@@ -321,7 +323,7 @@ class Proxy:
         )
 
     async def _prefill(
-        self, route: Route, body: dict[str, Any], offer: dict[str, Any] | None, prediction: TTFTPrediction | None
+        self, route: Route, engine: EngineRequest, offer: dict[str, Any] | None, prediction: TTFTPrediction | None
     ) -> tuple[dict[str, Any] | None, bool]:
         """P's handoff params for D, or None after a failure (then D prefills; counted),
         and whether P prefills within D's call (deferred: Dynamo's frontend).
@@ -335,7 +337,7 @@ class Proxy:
         timeout_s = (
             self.prefill_timeout_s if prediction is None else prediction.prefill_timeout_s(self.prefill_timeout_s)
         )
-        outcome = await self.upstream.prefill(p, body, offer if offer is not None else handoff_request(), timeout_s)
+        outcome = await self.upstream.prefill(p, engine, offer if offer is not None else handoff_request(), timeout_s)
         if outcome.params is None:
             if outcome.engine_fault:
                 self.worker_failed(p)
@@ -375,24 +377,17 @@ class Proxy:
     async def _unary(
         self, request: ProxyRequest, route: Route, handoff: dict[str, Any] | None, headers: dict[str, str]
     ) -> tuple[Reply, object]:
-        """D's answer, and the kv_transfer_params D returned (its offer of the
+        """D's answer as D wrote it, and the kv_transfer_params D returned (its offer of the
         session's KV in bidirectional mode; ``None`` when absent)."""
-        d = route.decode
-        payload = await self.upstream.complete(d, request.body, handoff)
-        try:
-            decode_params = payload.get("kv_transfer_params")
-            if request.chat:
-                payload = chat_response(payload, route.request_id)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise UpstreamError(d, 502, f"sent an unreadable completion: {exc}") from None
-        return Reply(200, payload, headers), decode_params
+        payload = await self.upstream.complete(route.decode, request.engine, handoff)
+        return Reply(200, payload, headers), payload.get("kv_transfer_params")
 
     async def _stream(self, request: ProxyRequest, route: Route, begun: Begun, client: ClientStream) -> bool:
         """D's stream relayed to ``client``; whether it ended normally (a break is sent
         to the client as an error event and counted against D)."""
         d = route.decode
         sent_at = time.perf_counter()
-        async with self.upstream.stream(d, request.body, begun.handoff) as events:
+        async with self.upstream.stream(d, request.engine, begun.handoff) as events:
             await client.open(begun.headers)
             first = True
             try:
@@ -400,20 +395,12 @@ class Proxy:
                     if first:
                         now = time.perf_counter()
                         self.first_token(route, begun, now - sent_at, now - request.started)
-                    if request.chat:
-                        batch = [
-                            data
-                            if data == "[DONE]"
-                            else json.dumps(chat_chunk(json.loads(data), route.request_id, first and i == 0))
-                            for i, data in enumerate(batch)
-                        ]
                     first = False
                     await client.send(batch)
-            except STREAM_BREAKS as exc:
+            except StreamBroke as exc:
                 self.metrics.upstream_errors.labels(d.name).inc()
                 self.worker_failed(d)
-                detail = str(exc) if isinstance(exc, StreamBroke) else f"unreadable event: {exc!r}"
-                message = f"engine {d.name} ({d.url}): stream broke: {detail}"
+                message = f"engine {d.name} ({d.url}): stream broke: {exc}"
                 await client.send([json.dumps(error_reply(502, message, "upstream_error").payload)])
                 await client.close()
                 return False

@@ -1,4 +1,5 @@
-"""Tokenize once, at the router, so prefill and decode engines see identical token ids."""
+"""The model's tokenizer at the router: ``tokenizer.json`` read by the ``tokenizers`` library,
+no vLLM and no transformers. The same file every engine of the fleet loads."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ class PromptError(ValueError):
 
 
 class PromptTokenizer:
-    """Wraps the model's ``tokenizer.json`` (the ``tokenizers`` library, no vLLM)."""
+    """Encodes text as the engines' tokenizer does (its post-processor adds BOS where the
+    model's does), and checks token-id prompts against the vocabulary."""
 
     def __init__(self, model_dir: Path) -> None:
         from tokenizers import Tokenizer
@@ -22,21 +24,24 @@ class PromptTokenizer:
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def prompt_token_ids(self, prompt: object) -> list[int]:
-        """Token ids for an OpenAI completions ``prompt``: a string or a list of ints.
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """``text``'s token ids; ``add_special_tokens`` as vLLM's request field of that name
+        (true for a completions prompt, false for a rendered chat, by default)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-        A list is returned as given (not copied). Raises :class:`PromptError` for
-        anything else (batches of prompts included) and for a token id outside
-        the vocabulary (JSON ``true``/``false`` read as 1/0, as in Python).
-        """
-        if isinstance(prompt, str):
-            return self._tokenizer.encode(prompt, add_special_tokens=False).ids
-        if isinstance(prompt, list) and prompt:
-            try:  # packed once and checked with numpy: a per-item Python check of 64K ids took ~4 ms
-                packed = np.frombuffer(pack_tokens(prompt), dtype=np.uint32)
-            except ValueError:
-                packed = None
-            if packed is None or packed.max() >= self.vocab_size:
-                raise PromptError(f"'prompt' token ids must be integers in [0, {self.vocab_size}) (the vocabulary)")
-            return prompt
-        raise PromptError("'prompt' must be a non-empty string or a non-empty list of token ids")
+    def text_token_ids(self, text: str) -> list[int]:
+        """The token ids of a piece of text, without special tokens: for building token-id
+        prompts (a history plus a tool's output), never BOS in the middle."""
+        return self.encode(text, add_special_tokens=False)
+
+    def checked_ids(self, prompt: list[object], field: str = "prompt") -> list[int]:
+        """``prompt`` itself (not copied) once every item is a token id of the vocabulary;
+        raises :class:`PromptError` naming ``field`` (JSON ``true``/``false`` read as 1/0,
+        as in Python)."""
+        try:  # packed once and checked with numpy: a per-item Python check of 64K ids took ~4 ms
+            packed = np.frombuffer(pack_tokens(prompt), dtype=np.uint32)  # type: ignore[arg-type]
+        except ValueError:
+            packed = None
+        if packed is None or not len(packed) or packed.max() >= self.vocab_size:
+            raise PromptError(f"'{field}' token ids must be integers in [0, {self.vocab_size}) (the vocabulary)")
+        return prompt  # type: ignore[return-value]

@@ -10,6 +10,11 @@
   504, anything else a 502); a stream that breaks later raises :class:`StreamBroke`
   while iterating.
 
+Every call carries an :class:`EngineRequest`: the client's body as it was sent, for the
+OpenAI API it called (:class:`Api`), with the token ids the router routed it on. The engines
+render and tokenize it themselves (a chat on their own ``/v1/chat/completions``, so vLLM's
+tool-call and reasoning parsers run), and their answers reach the client as they wrote them.
+
 One implementation per kind of deployment, each a module of its own: vLLM engines
 reached directly (:mod:`kvpilot.routing.serve.vllm_upstream`), and NVIDIA Dynamo's frontend in
 direct mode (:mod:`kvpilot.routing.serve.dynamo_upstream`). The proxy never branches on which
@@ -26,6 +31,31 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from kvpilot.routing.config import Worker
+
+
+class Api(str, enum.Enum):
+    """The OpenAI API a request called: its path on every engine (and on Dynamo's frontend)."""
+
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """What the engines are sent: ``body``, the client's body as sent (without the session
+    fields the router reads), for ``api``; ``token_ids``, the prompt's token ids as the engine
+    itself computes them (:mod:`kvpilot.routing.serve.prompt`), which the router routed on."""
+
+    api: Api
+    body: dict[str, Any]
+    token_ids: list[int]
+
+    @property
+    def parallel_samples(self) -> bool:
+        """Whether the request asks for several samples (``n`` > 1): vLLM fans them out into
+        requests that would each read one P's handoff, so D prefills such a request itself."""
+        n = self.body.get("n")
+        return isinstance(n, int) and n > 1
 
 
 class UpstreamError(Exception):
@@ -90,7 +120,7 @@ class PrefillOutcome:
 class Destination:
     """Where D's request goes when something other than the proxy sends it (Envoy, with
     kvpilot's endpoint picker): the ``host:port`` to connect to, the headers to set, and
-    the body to send."""
+    the body to send (to the path the client called)."""
 
     host_port: str
     headers: dict[str, str]
@@ -105,37 +135,32 @@ def host_port(url: str) -> str:
 
 
 class Upstream(Protocol):
-    """The engines a routed request is sent to. ``body`` is the engines' completions
-    body (token ids as ``prompt``); ``handoff`` is what P's prefill returned for D
-    (``None``: D prefills the prompt itself)."""
+    """The engines a routed request is sent to (its :class:`EngineRequest`); ``handoff`` is
+    what P's prefill returned for D (``None``: D prefills the prompt itself)."""
 
     async def prefill(
-        self, worker: Worker, body: dict[str, Any], params: dict[str, Any], timeout_s: float
+        self, worker: Worker, request: EngineRequest, params: dict[str, Any], timeout_s: float
     ) -> PrefillOutcome:
-        """P computes ``body``'s prompt for a peer to pull, with ``params`` as its
+        """P computes ``request``'s prompt for a peer to pull, with ``params`` as its
         ``kv_transfer_params`` (a fresh handoff request, or D's offer of the session's
         KV for P to pull first), within ``timeout_s``, or a deferred outcome naming P
         for D's call (an upstream whose deployment hands P's KV to D itself may ignore
         ``params`` and ``timeout_s``); never raises."""
         ...
 
-    async def complete(self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None) -> dict[str, Any]:
-        """D's whole completion, parsed; raises :class:`UpstreamError`."""
+    async def complete(self, worker: Worker, request: EngineRequest, handoff: dict[str, Any] | None) -> dict[str, Any]:
+        """D's whole answer, parsed, as D wrote it; raises :class:`UpstreamError`."""
         ...
 
     def stream(
-        self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None
+        self, worker: Worker, request: EngineRequest, handoff: dict[str, Any] | None
     ) -> AbstractAsyncContextManager[AsyncIterator[list[str]]]:
         """D's stream, entered once D answered: the ``data`` of its server-sent events, in
         batches (each batch what one read delivered, never empty).
         Raises :class:`UpstreamError` on entry, :class:`StreamBroke` while iterating."""
         ...
 
-    def destination(
-        self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None, token_ids: list[int]
-    ) -> Destination:
-        """D's request for a sender other than the proxy: ``body`` is the engines'
-        completions body (token ids as ``prompt``) or the client's chat body (its
-        ``messages``), whose prompt tokenizes to ``token_ids``. Raises
-        :class:`UpstreamError` (502) for a worker that can no longer be reached."""
+    def destination(self, worker: Worker, request: EngineRequest, handoff: dict[str, Any] | None) -> Destination:
+        """D's request for a sender other than the proxy. Raises :class:`UpstreamError`
+        (502) for a worker that can no longer be reached."""
         ...

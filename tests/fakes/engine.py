@@ -1,7 +1,7 @@
 """The one fake vLLM engine of the unit tests (vLLM itself is tested end to end in
 tests/e2e; these tests need engines that fail, hang or answer thousands at once on
-demand): an OpenAI completions server with knobs that records every body it gets
-and counts its scrapes, :func:`serving` to run it beside blocking callers, and a
+demand): an OpenAI completions and chat completions server with knobs that records every
+body it gets and counts its scrapes, :func:`serving` to run it beside blocking callers, and a
 word-level tokenizer directory for the router."""
 
 from __future__ import annotations
@@ -75,10 +75,13 @@ class FakeEngine:
     scrapes: int = 0
     headers: list[dict[str, str]] = field(default_factory=list)
     """The headers of each completions request, in order."""
+    paths: list[str] = field(default_factory=list)
+    """The path of each completions request, in order."""
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/metrics", self._metrics)
         return app
 
@@ -95,29 +98,32 @@ class FakeEngine:
         body = await request.json()
         self.bodies.append(body)
         self.headers.append(dict(request.headers))
+        self.paths.append(request.path)
         await asyncio.sleep(self.delay_s)
         if self.status != 200:
             return web.json_response({"error": {"message": f"{self.name} is broken"}}, status=self.status)
-        text = f"{self.name}:{len(body['prompt'])}"
+        chat = request.path.endswith("/chat/completions")
+        prompt = body["messages"] if chat else body["prompt"]
+        text = f"{self.name}:{len(prompt.split()) if isinstance(prompt, str) else len(prompt)}"
         lp = {
             "tokens": [" a"],
             "token_logprobs": [-0.5],
             "top_logprobs": [{" a": -0.5, " b": -1.0}],
             "text_offset": [0],
         }
-        choice = {
+        choice: dict[str, Any] = {
             "index": 0,
-            "text": text,
-            "logprobs": lp if body.get("logprobs") is not None else None,
+            "logprobs": lp if body.get("logprobs") else None,
             "finish_reason": "length",
+            **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
         }
         payload: dict[str, Any] = {
-            "id": "cmpl-x",
-            "object": "text_completion",
+            "id": "chatcmpl-x" if chat else "cmpl-x",
+            "object": "chat.completion" if chat else "text_completion",
             "created": 1,
             "model": "tiny",
             "choices": [choice],
-            "usage": {"prompt_tokens": len(body["prompt"])},
+            "usage": {"prompt_tokens": len(prompt)},
         }
         if (body.get("kv_transfer_params") or {}).get("do_remote_decode") and self.kv_params:
             payload["kv_transfer_params"] = {"remote_engine_id": self.name, "remote_block_ids": [1, 2]}
@@ -128,7 +134,8 @@ class FakeEngine:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         for piece in ("x", "y"):
-            chunk = {**payload, "choices": [{**choice, "text": piece, "finish_reason": None}]}
+            delta = {"delta": {"content": piece}} if chat else {"text": piece}
+            chunk = {**payload, "choices": [{**choice, **delta, "finish_reason": None}]}
             await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await asyncio.sleep(self.token_delay_s)
         await out.write(b"data: [DONE]\n\n")

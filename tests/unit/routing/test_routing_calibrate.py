@@ -19,7 +19,7 @@ from kvpilot.routing.config import Role, ServerConfig, Worker
 from kvpilot.routing.decide.rates import PrefillPath, Prior, RateEstimator
 from kvpilot.routing.health.engine_load import EngineLoad, RateCounters
 from kvpilot.routing.serve.calibrate import WARM_PASSES, Calibrator, chosen_workers, vocab_size
-from kvpilot.routing.serve.upstream import PrefillOutcome, UpstreamError
+from kvpilot.routing.serve.upstream import EngineRequest, PrefillOutcome, UpstreamError
 
 PREFILL_S_PER_TOKEN = 2e-5  # 4,096 tokens: 82 ms
 PREFILL_FIXED_S = 0.004
@@ -59,10 +59,11 @@ class TimedEngine:
 
     @asynccontextmanager
     async def stream(
-        self, worker: Worker, body: dict[str, Any], handoff: object
+        self, worker: Worker, request: EngineRequest, handoff: object
     ) -> AsyncIterator[AsyncIterator[list[str]]]:
         if worker.name in self.broken:
             raise UpstreamError(worker, 503, "down")
+        body = request.body
         self.bodies.append(body)
         prompt = tuple(body["prompt"])
         new = len(prompt) - self._cached(prompt)
@@ -87,9 +88,10 @@ class TimedEngine:
 
         yield events()
 
-    async def prefill(self, worker: Worker, body: dict[str, Any], params: dict[str, Any], timeout_s: float) -> Any:
+    async def prefill(self, worker: Worker, request: EngineRequest, params: dict[str, Any], timeout_s: float) -> Any:
         """P's handoff: the prefill of what it has not seen, then params naming it for D
         (or, with ``deferred``, at once: P would prefill within D's call)."""
+        body = request.body
         self.bodies.append({**body, "kv_transfer_params": params})
         if self.deferred:
             return PrefillOutcome({"prefill": worker.name}, deferred=True)
@@ -215,11 +217,11 @@ class MetricsEngine(TimedEngine):
 
     @asynccontextmanager
     async def stream(
-        self, worker: Worker, body: dict[str, Any], handoff: object
+        self, worker: Worker, request: EngineRequest, handoff: object
     ) -> AsyncIterator[AsyncIterator[list[str]]]:
-        prompt = tuple(body["prompt"])
+        prompt = tuple(request.token_ids)
         new = len(prompt) - self._cached(prompt)
-        async with super().stream(worker, body, handoff) as events:
+        async with super().stream(worker, request, handoff) as events:
             yield events
         c = self.counters
         self.counters = dataclasses.replace(

@@ -37,7 +37,7 @@ from kvpilot.routing.ingest.dynamo_discovery import kv_events_endpoint, request_
 from kvpilot.routing.ingest.feeder import IndexFeeder
 from kvpilot.routing.serve.app import build_server
 from kvpilot.routing.serve.dynamo_upstream import PREFILL_INSTANCE_HEADER, WORKER_INSTANCE_HEADER, DynamoUpstream
-from kvpilot.routing.serve.upstream import PrefillFailure, UpstreamError
+from kvpilot.routing.serve.upstream import Api, EngineRequest, PrefillFailure, UpstreamError
 from tests.fakes.engine import FakeEngine, word_model_dir
 from tests.fakes.ports import free_ports
 
@@ -277,9 +277,11 @@ def _frontend_run(scenario: Any) -> tuple[FakeEngine, Any]:
 def test_dynamo_s_prefill_is_deferred_and_d_s_call_names_both_instances():
     async def scenario(upstream: DynamoUpstream, url: str) -> Any:
         p, d = Worker(WorkerId("p0"), Role.PREFILL, url), Worker(WorkerId("d0"), Role.DECODE, url)
-        outcome = await upstream.prefill(p, {"prompt": [1, 2]}, {"do_remote_decode": True}, 30.0)
-        payload = await upstream.complete(d, {"model": "tiny", "prompt": [1, 2]}, outcome.params)
-        async with upstream.stream(d, {"model": "tiny", "prompt": [1, 2, 3], "stream": True}, None) as events:
+        ids = [1, 2]
+        outcome = await upstream.prefill(p, _completion({"prompt": ids}, ids), {"do_remote_decode": True}, 30.0)
+        payload = await upstream.complete(d, _completion({"model": "tiny", "prompt": ids}, ids), outcome.params)
+        text = _completion({"model": "tiny", "prompt": "a b c", "stream": True}, [1, 2, 3])
+        async with upstream.stream(d, text, None) as events:
             streamed = [data async for batch in events for data in batch]
         return outcome, payload, streamed
 
@@ -291,15 +293,22 @@ def test_dynamo_s_prefill_is_deferred_and_d_s_call_names_both_instances():
     assert second[WORKER_INSTANCE_HEADER] == "22" and PREFILL_INSTANCE_HEADER not in second
     assert first["Authorization"] == "Bearer k"
     assert all("kv_transfer_params" not in body for body in frontend.bodies)  # Dynamo hands the KV over itself
-    assert frontend.bodies[0]["prompt"] == [1, 2]  # token ids: the frontend does not tokenize again
+    assert frontend.bodies[0]["prompt"] == [1, 2] and "nvext" not in frontend.bodies[0]  # token ids as sent
+    # a text prompt goes as the client sent it, with the router's ids: the frontend does not tokenize again
+    assert frontend.bodies[1]["prompt"] == "a b c" and frontend.bodies[1]["nvext"] == {"token_data": [1, 2, 3]}
+
+
+def _completion(body: dict[str, Any], token_ids: list[int]) -> EngineRequest:
+    return EngineRequest(Api.COMPLETIONS, body, body["prompt"] if isinstance(body["prompt"], list) else token_ids)
 
 
 def test_a_worker_that_left_dynamo_fails_before_any_call():
     async def scenario(upstream: DynamoUpstream, url: str) -> Any:
         gone = Worker(WorkerId("d9"), Role.DECODE, url)
-        outcome = await upstream.prefill(Worker(WorkerId("p9"), Role.PREFILL, url), {}, {}, 30.0)
+        gone_p = Worker(WorkerId("p9"), Role.PREFILL, url)
+        outcome = await upstream.prefill(gone_p, _completion({"prompt": [1]}, []), {}, 30.0)
         with pytest.raises(UpstreamError) as raised:
-            await upstream.complete(gone, {"prompt": [1]}, None)
+            await upstream.complete(gone, _completion({"prompt": [1]}, []), None)
         return outcome, raised.value
 
     frontend, (outcome, error) = _frontend_run(scenario)

@@ -28,7 +28,14 @@ from kvpilot.routing.ids import WorkerId
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
 from kvpilot.routing.serve.proxy import Proxy, ProxyRequest
-from kvpilot.routing.serve.upstream import PrefillFailure, PrefillOutcome, StreamBroke, UpstreamError
+from kvpilot.routing.serve.upstream import (
+    Api,
+    EngineRequest,
+    PrefillFailure,
+    PrefillOutcome,
+    StreamBroke,
+    UpstreamError,
+)
 
 BS = 4
 HANDOFF = {"do_remote_decode": False, "remote_block_ids": [[0]], "remote_engine_id": "p"}
@@ -50,10 +57,10 @@ class ScriptedUpstream:
         self.timeouts: list[float] = []
 
     async def prefill(
-        self, worker: Worker, body: dict[str, Any], params: dict[str, Any], timeout_s: float
+        self, worker: Worker, request: EngineRequest, params: dict[str, Any], timeout_s: float
     ) -> PrefillOutcome:
         self.timeouts.append(timeout_s)
-        self.calls.append(("prefill", worker.name, body, params))
+        self.calls.append(("prefill", worker.name, request.body, params))
         return self.prefill_outcome
 
     def _refuse(self, worker: Worker) -> None:
@@ -61,16 +68,16 @@ class ScriptedUpstream:
         if status is not None:
             raise UpstreamError(worker, status, f"answered {status}")
 
-    async def complete(self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None) -> dict[str, Any]:
-        self.calls.append(("complete", worker.name, body, handoff))
+    async def complete(self, worker: Worker, request: EngineRequest, handoff: dict[str, Any] | None) -> dict[str, Any]:
+        self.calls.append(("complete", worker.name, request.body, handoff))
         self._refuse(worker)
         return {"id": "x", "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
 
     @asynccontextmanager
     async def stream(
-        self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None
+        self, worker: Worker, request: EngineRequest, handoff: dict[str, Any] | None
     ) -> AsyncIterator[AsyncIterator[list[str]]]:
-        self.calls.append(("stream", worker.name, body, handoff))
+        self.calls.append(("stream", worker.name, request.body, handoff))
         self._refuse(worker)
         breaks_after = self.stream_breaks_after
 
@@ -154,7 +161,8 @@ class Rig:
                 return None
             return _remote(again, self.router)
 
-        return ProxyRequest(forced, {"prompt": prompt, **body}, False, None, 0.0, reroute)
+        engine = EngineRequest(Api.COMPLETIONS, {"prompt": prompt, **body}, prompt)
+        return ProxyRequest(forced, engine, None, 0.0, reroute)
 
     def value(self, name: str, **labels: str) -> float:
         got = self.metrics.registry.get_sample_value(name, labels)
@@ -260,6 +268,17 @@ def test_a_stream_is_relayed_and_a_break_ends_it_with_an_error_event_against_d()
     assert not rig.breaker.allows(WorkerId(d), time.monotonic())
 
 
+def test_several_samples_are_prefilled_on_d_and_p_is_never_asked():
+    """``n`` > 1 routed to a remote prefill: vLLM would fan the samples out into requests that
+    each read P's one handoff, so D prefills it, without a handoff, as a local prefill."""
+    rig = Rig(ScriptedUpstream())
+    reply = asyncio.run(rig.proxy.serve(rig.request({"n": 2}), RecordingClient()))
+    assert reply is not None and reply.status == 200
+    assert reply.headers["X-KVPilot-Route"] == "local_prefill"
+    assert [(kind, handoff) for kind, _, _, handoff in rig.upstream.calls] == [("complete", None)]
+    assert rig.value("kvpilot_router_prefill_fallbacks_total") == 0
+
+
 def test_a_request_id_already_in_flight_is_refused():
     rig = Rig(ScriptedUpstream())
     request = rig.request({})
@@ -277,9 +296,9 @@ class DeferringUpstream(ScriptedUpstream):
         self.ledger_of = ledger_of
         self.p_prefill_blocks_during_d: list[int] = []
 
-    async def complete(self, worker: Worker, body: dict[str, Any], handoff: dict[str, Any] | None) -> dict[str, Any]:
+    async def complete(self, worker: Worker, request: EngineRequest, handoff: dict[str, Any] | None) -> dict[str, Any]:
         self.p_prefill_blocks_during_d.append(self.ledger_of().load(WorkerId("p0")).active_prefill_blocks)
-        return await super().complete(worker, body, handoff)
+        return await super().complete(worker, request, handoff)
 
 
 @pytest.mark.parametrize("deferred", [True, False])

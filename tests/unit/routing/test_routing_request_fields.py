@@ -7,11 +7,12 @@ import re
 
 import pytest
 
-from kvpilot.routing.serve.request_fields import BadRequest, checked_body
+from kvpilot.routing.serve.request_fields import ACCEPTED, FIELD_GROUPS, BadRequest, checked_body
+from kvpilot.routing.serve.upstream import Api
 
 
-def _check(body: object, chat: bool | None = False) -> dict:
-    return checked_body(json.dumps(body).encode(), chat, model_name="tiny", max_output_tokens=64)
+def _check(body: object, api: Api | None = Api.COMPLETIONS) -> dict:
+    return checked_body(json.dumps(body).encode(), api, model_name="tiny", max_output_tokens=64)
 
 
 @pytest.mark.parametrize(
@@ -24,6 +25,9 @@ def _check(body: object, chat: bool | None = False) -> dict:
         ({"max_tokens": True}, 400, None, "'max_tokens' must be a positive integer"),
         ({"max_tokens": 0}, 400, None, "'max_tokens' must be a positive integer"),
         ({"max_tokens": 65}, 400, "max_tokens", "'max_tokens' 65 is over server.max_output_tokens (64)"),
+        ({"n": 0}, 400, None, "'n' must be a positive integer"),
+        ({"add_special_tokens": "no"}, 400, None, "'add_special_tokens' must be true or false"),
+        ({"chat_template": "{{ x }}"}, 400, None, "'chat_template' is set by the router or the engine's own flags"),
     ],
 )
 def test_a_refused_body_says_why(body: object, status: int, reason: str | None, message: str) -> None:
@@ -34,12 +38,21 @@ def test_a_refused_body_says_why(body: object, status: int, reason: str | None, 
 
 def test_json_that_does_not_parse_is_refused() -> None:
     with pytest.raises(BadRequest, match="not valid JSON"):
-        checked_body(b"{", False, model_name="tiny", max_output_tokens=0)
+        checked_body(b"{", Api.COMPLETIONS, model_name="tiny", max_output_tokens=0)
 
 
 def test_chat_fields_are_accepted_only_on_a_chat_request() -> None:
-    body = {"messages": [], "max_completion_tokens": 8}
-    assert _check(body, chat=True) == body
-    assert _check(body, chat=None) == body  # "messages" makes it a chat request
-    with pytest.raises(BadRequest, match="'messages' is not a field"):
-        _check(body, chat=False)
+    body = {"messages": [], "max_completion_tokens": 8, "tools": [], "tool_choice": "none"}
+    assert _check(body, api=Api.CHAT) == body
+    assert _check(body, api=None) == body  # "messages" makes it a chat request
+    with pytest.raises(BadRequest, match="'messages' is a field of /v1/chat/completions, not of /v1/completions"):
+        _check(body, api=Api.COMPLETIONS)
+    with pytest.raises(BadRequest, match="'prompt' is a field of /v1/completions"):
+        _check({"messages": [], "prompt": "x"}, api=Api.CHAT)
+
+
+def test_every_field_is_in_one_group_per_api() -> None:
+    """A field listed twice for one API would be a second place to change it."""
+    for api in Api:
+        names = [n for g in FIELD_GROUPS if api in g.apis for n in g.names]
+        assert len(names) == len(set(names)) == len(ACCEPTED[api]), api

@@ -163,28 +163,34 @@ def test_streaming_completions_are_relayed(model_dir):
     run(model_dir, PD, scenario)
 
 
-def test_chat_renders_the_template_once_and_answers_in_chat_format(model_dir):
+def test_chat_goes_to_the_engines_chat_endpoint_and_answers_as_the_engine_wrote(model_dir):
+    """A chat is forwarded as the client sent it, to P's and D's own ``/v1/chat/completions``
+    (P cut to one token, D with P's handoff), and D's answer, whole or streamed, reaches the
+    client as D wrote it; the router routed it on the template's rendering."""
     messages = [{"role": "user", "content": "fix the bug"}]
+    tools = [{"type": "function", "function": {"name": "fix", "parameters": {"type": "object"}}}]
 
     async def scenario(client, router, engines):
-        body = {"messages": messages, "max_completion_tokens": 4, "logprobs": True, "top_logprobs": 2}
+        body = {"messages": messages, "max_completion_tokens": 4, "logprobs": True, "top_logprobs": 2, "tools": tools}
         resp = await client.post("/v1/chat/completions", json=body)
         assert resp.status == 200, await resp.text()
         answer = await resp.json()
-        assert answer["object"] == "chat.completion"
-        (sent,) = engines["co-0"].bodies
-        assert answer["choices"][0]["message"] == {"role": "assistant", "content": f"co-0:{len(sent['prompt'])}"}
-        assert answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"][1]["token"] == " b"
+        (p_body,) = engines["prefill-0"].bodies
+        (d_body,) = engines["decode-0"].bodies
+        assert engines["prefill-0"].paths == engines["decode-0"].paths == ["/v1/chat/completions"]
+        assert {k: v for k, v in d_body.items() if k != "kv_transfer_params"} == body
+        assert p_body["max_tokens"] == 1 and "max_completion_tokens" not in p_body and p_body["tools"] == tools
+        assert d_body["kv_transfer_params"] == {"remote_engine_id": "prefill-0", "remote_block_ids": [1, 2]}
+        assert answer["object"] == "chat.completion" and answer["id"] == "chatcmpl-x"
+        assert answer["choices"][0]["message"] == {"role": "assistant", "content": "decode-0:1"}
+        route = await (await client.post("/debug/route", json={"messages": messages})).json()
         rendered = "hello<|user|> fix the bug <|end|> <|assistant|> "
-        assert sent["prompt"] == router.tokenizer.prompt_token_ids(rendered)
-        assert sent["max_tokens"] == 4 and sent["logprobs"] == 2 and "messages" not in sent
+        assert route["prompt_tokens"] == len(router.prompts.tokenizer.text_token_ids(rendered))
         resp = await client.post("/v1/chat/completions", json={"messages": messages, "stream": True})
         chunks = [json.loads(e[6:]) for e in (await resp.text()).split("\n\n") if e and e != "data: [DONE]"]
-        assert chunks[0]["object"] == "chat.completion.chunk"
-        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "x"}
-        assert chunks[1]["choices"][0]["delta"] == {"content": "y"}
+        assert [c["choices"][0]["delta"] for c in chunks] == [{"content": "x"}, {"content": "y"}]
 
-    run(model_dir, {"co-0": "colocated"}, scenario)
+    run(model_dir, PD, scenario)
 
 
 @pytest.mark.parametrize(
@@ -221,7 +227,7 @@ def test_chat_renders_the_template_once_and_answers_in_chat_format(model_dir):
             "'messages[1].role'",
         ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "'messages[0].content'"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{}]}, 400, "'tools'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{}]}, 400, "'tools[0]"),
         ("/debug/route", {"prompt": {}}, 400, "'prompt'"),
     ],
 )
@@ -295,32 +301,34 @@ def test_no_field_outside_the_allow_list_reaches_an_engine(model_dir):
     endpoints. A refused body is a 400 naming the field and reaches no engine; an
     accepted one reaches the engines with allow-listed fields only."""
     from kvpilot.routing.decide.sessions import SESSION_FIELDS
-    from kvpilot.routing.serve.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, ENGINE_INTERNAL
+    from kvpilot.routing.serve.request_fields import ACCEPTED, ENGINE_INTERNAL
+    from kvpilot.routing.serve.upstream import Api
 
     rng = random.Random(7)
-    candidates = sorted(COMPLETION_FIELDS - {"model", "prompt", "stream", "stream_options"}) + sorted(ENGINE_INTERNAL)
+    fixed = {"model", "prompt", "messages", "stream", "stream_options", "tools", "n"}
+    candidates = sorted((ACCEPTED[Api.COMPLETIONS] | ACCEPTED[Api.CHAT]) - fixed) + sorted(ENGINE_INTERNAL)
     candidates += ["x_internal", "__proto__", "remote_host", "do_remote_prefill", "best_of", ""]
     values = [1, 0.5, True, "v", [1, 2], {"do_remote_decode": True, "remote_host": "10.0.0.1"}, None]
 
     async def scenario(client, router, engines):
         for i in range(120):
-            chat = i % 2 == 1
-            body: dict[str, Any] = (
-                {"messages": [{"role": "user", "content": "hello world"}]} if chat else {"prompt": PROMPT[:8]}
-            )
+            api = Api.CHAT if i % 2 == 1 else Api.COMPLETIONS
+            chat = {"messages": [{"role": "user", "content": "hello world"}]}
+            body: dict[str, Any] = chat if api is Api.CHAT else {"prompt": PROMPT[:8]}
             extra = {rng.choice(candidates): rng.choice(values) for _ in range(rng.randint(0, 3))}
             body.update(extra)
             sent_before = sum(len(e.bodies) for e in engines.values())
-            resp = await client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+            resp = await client.post(api.value, json=body)
             reached = [b for e in engines.values() for b in e.bodies[sent_before:]]
-            bad = [k for k in extra if k not in COMPLETION_FIELDS | frozenset(SESSION_FIELDS) | CHAT_FIELDS]
+            bad = [k for k in extra if k not in ACCEPTED[api]]
             if bad:
                 assert resp.status == 400, (body, resp.status)
                 message = (await resp.json())["error"]["message"]
                 assert any(f"'{k}'" in message for k in bad), message
                 assert not reached
+            allowed = ACCEPTED[api] - frozenset(SESSION_FIELDS)
             for engine_body in reached:  # what the router itself sets is allowed too
-                assert set(engine_body) <= COMPLETION_FIELDS | {"kv_transfer_params"}, engine_body
+                assert set(engine_body) <= allowed | {"kv_transfer_params"}, engine_body
                 if "kv_transfer_params" in engine_body:
                     assert engine_body["kv_transfer_params"] != {"do_remote_decode": True, "remote_host": "10.0.0.1"}
 
@@ -722,17 +730,18 @@ def test_the_router_reads_the_chat_template_transformers_saves_beside_the_tokeni
     import json
     import shutil
 
-    from kvpilot.deploy.tiny_model import CHAT_TEMPLATE
+    from kvpilot.deploy.tiny_model import PLAIN_CHAT_TEMPLATE
     from kvpilot.routing.serve.chat import JINJA_TEMPLATE, ChatTemplate
 
     assert (tiny_model_dir / JINJA_TEMPLATE).is_file()
     template = ChatTemplate.from_model_dir(tiny_model_dir)
     assert template is not None
-    assert template.render([{"role": "user", "content": "hi"}]) == "<s><|user|>\nhi<|end|>\n<|assistant|>\n"
+    hi = {"messages": [{"role": "user", "content": "hi"}]}
+    assert template.render(hi) == "<s><|user|>\nhi<|end|>\n<|assistant|>\n"
     old = tmp_path / "old"
     old.mkdir()
     config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
-    (old / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    (old / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": PLAIN_CHAT_TEMPLATE}))
     shutil.copy(tiny_model_dir / "tokenizer.json", old / "tokenizer.json")
     legacy = ChatTemplate.from_model_dir(old)
-    assert legacy is not None and legacy.render([{"role": "user", "content": "hi"}]).endswith("<|assistant|>\n")
+    assert legacy is not None and legacy.render(hi).endswith("<|assistant|>\n")

@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from kvpilot.routing.config import RouterConfig
 from kvpilot.routing.fleet import fleet_from_config
 from kvpilot.routing.serve.app import RouterServer
+from kvpilot.routing.serve.prompt import EnginePrompt
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.fakes.kv_events import vllm_batch, vllm_block_stored, vllm_kv_events, vllm_publisher
 from tests.fakes.ports import free_ports
@@ -57,7 +58,7 @@ def _batch(blocks: int) -> object:
 def test_debug_route_picks_the_worker_that_published_the_blocks(model_dir):
     ports = free_ports(4)
     cfg = _config(model_dir, ports)
-    server = RouterServer(cfg, fleet_from_config(cfg), PromptTokenizer(model_dir), None)
+    server = RouterServer(cfg, fleet_from_config(cfg), EnginePrompt(PromptTokenizer(model_dir), None))
 
     async def main() -> None:
         async with TestClient(TestServer(server.app(), host="127.0.0.1")) as client:

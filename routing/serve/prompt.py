@@ -1,0 +1,53 @@
+"""A request's prompt as the engine's token ids, computed at the router without vLLM.
+
+The engines render and tokenize every request themselves; the router routes on the token
+ids they will compute (the block hashes of :mod:`kvpilot.routing.index.chain`), and beside
+Dynamo hands them to the frontend (``nvext.token_data``). So the ids follow vLLM's rules:
+
+- completions: a text ``prompt`` is encoded with special tokens unless the request's
+  ``add_special_tokens`` is false (BOS on Llama-, Mistral- and Gemma-family models); a
+  token-id ``prompt`` is taken as it is;
+- chat: the messages rendered as vLLM renders them (:mod:`kvpilot.routing.serve.chat`:
+  the template, tools, ``chat_template_kwargs``, ``add_generation_prompt``,
+  ``continue_final_message``), encoded without special tokens unless the request's
+  ``add_special_tokens`` is true.
+
+A mismatch would cost a cache miss, never a wrong answer (each engine tokenizes for itself
+and the connector verifies every block it attaches); tests/e2e/test_parity.py holds these
+ids equal to the engine's own ``POST /tokenize``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvpilot.routing.serve.chat import ChatError, ChatTemplate
+from kvpilot.routing.serve.tokenizer import PromptError, PromptTokenizer
+from kvpilot.routing.serve.upstream import Api
+
+
+class EnginePrompt:
+    """The token ids an engine computes for a request's prompt (module doc)."""
+
+    def __init__(self, tokenizer: PromptTokenizer, chat_template: ChatTemplate | None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    def token_ids(self, api: Api, body: Mapping[str, Any]) -> list[int]:
+        """The prompt's token ids for ``body`` sent to ``api``; raises :class:`PromptError`
+        or :class:`ChatError` naming the field (a batch of prompts, a model without a chat
+        template, a value of the wrong type)."""
+        add_special = body.get("add_special_tokens", api is Api.COMPLETIONS)
+        if not isinstance(add_special, bool):
+            raise PromptError("'add_special_tokens' must be true or false")
+        if api is Api.CHAT:
+            if self.chat_template is None:
+                raise ChatError("this model has no chat template: use /v1/completions")
+            return self.tokenizer.encode(self.chat_template.render(body), add_special_tokens=add_special)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) and prompt:
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special)
+        if isinstance(prompt, list) and prompt:
+            return self.tokenizer.checked_ids(prompt)
+        raise PromptError("'prompt' must be a non-empty string or a non-empty list of token ids")
