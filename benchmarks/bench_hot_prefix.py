@@ -93,7 +93,7 @@ def tokens(tokenizer: PromptTokenizer, n: int, seed: int, lead: str = "") -> lis
     """Exactly ``n`` token ids of ``lead`` followed by filler text."""
     words = n
     for _ in range(8):  # bounded: each round doubles the text
-        ids = tokenizer.prompt_token_ids(lead + filler_text(words, seed))
+        ids = tokenizer.text_token_ids(lead + filler_text(words, seed))
         if len(ids) >= n:
             return ids[:n]
         words *= 2

@@ -70,7 +70,7 @@ CASES = (Case("long context, 1 block", 3500, 1), Case("short context, 3 blocks",
 def history(tokenizer: PromptTokenizer, case: Case, seed: int) -> list[int]:
     """A history of whole blocks, so that D's ``span_blocks * 32 + 1`` generated
     tokens complete exactly ``span_blocks`` more blocks (the last token has no KV yet)."""
-    ids = tokenizer.prompt_token_ids(f"session {seed}: " + filler_text(case.history_words, seed))
+    ids = tokenizer.text_token_ids(f"session {seed}: " + filler_text(case.history_words, seed))
     return ids[: len(ids) // BLOCK * BLOCK]
 
 
@@ -78,7 +78,7 @@ def turn_two_ttft(p_url: str, d_url: str, tokenizer: PromptTokenizer, case: Case
     """One session; P's turn-2 TTFT, with D's params (P may pull) or without."""
     x = history(tokenizer, case, seed)
     turn = decoded_turn(p_url, d_url, x, case.span_tokens + 1, timeout=900)
-    x2 = x + turn.generated + tokenizer.prompt_token_ids(" tool: " + filler_text(40, seed + 1))
+    x2 = x + turn.generated + tokenizer.text_token_ids(" tool: " + filler_text(40, seed + 1))
     p2 = prefill_next_turn(p_url, x2, turn.d_params if pull else None, timeout=900)
     complete(d_url, x2, max_tokens=1, kv_transfer_params=p2.kv_transfer_params, timeout=900)  # frees P's blocks
     return p2.total_seconds

@@ -42,9 +42,9 @@ CONNECTORS = ("NixlConnector", "KVPilotConnector")
 
 def session(p_url: str, d_url: str, tokenizer: PromptTokenizer, seed: int, history: int, generated: int) -> None:
     """One two-turn agent session: P->D, then D->P and P->D again."""
-    x = tokenizer.prompt_token_ids(f"session {seed}: " + filler_text(history, seed))
+    x = tokenizer.text_token_ids(f"session {seed}: " + filler_text(history, seed))
     turn = decoded_turn(p_url, d_url, x, generated)
-    x2 = x + turn.generated + tokenizer.prompt_token_ids(" tool: " + filler_text(60, seed + 1))
+    x2 = x + turn.generated + tokenizer.text_token_ids(" tool: " + filler_text(60, seed + 1))
     p2 = prefill_next_turn(p_url, x2, turn.d_params)
     complete(d_url, x2, max_tokens=2, kv_transfer_params=p2.kv_transfer_params)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -62,6 +63,7 @@ def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
         on_picker_failure=PickerFailure(args.on_picker_failure),
         session_store_url=args.sessions_redis_url,
         engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None,
+        engine_args=tuple(shlex.split(args.engine_args)),
     )
 
 
@@ -89,6 +91,7 @@ def _ignored_beside_dynamo(args: argparse.Namespace) -> list[tuple[str, str]]:
             "it must be refuse: Dynamo's direct-mode frontend routes nothing the picker did not name",
         ),
         (args.sessions_redis_url, "--sessions-redis-url", "the Dynamo fleet keeps the router's sessions in memory"),
+        (args.engine_args, "--engine-args", "Dynamo's mockers are not vLLM engines"),
     ]
     return [(flag, why) for given, flag, why in checks if given]
 
@@ -226,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
         "YAML: sessions.redis_url with sessions.store: redis)",
     )
     fl.add_argument("--connector-extra-config", help="JSON for kv_connector_extra_config")
+    fl.add_argument(
+        "--engine-args",
+        default="",
+        help="more `vllm serve` arguments for every engine, as one shell-quoted string (tool calling: "
+        "'--enable-auto-tool-choice --tool-call-parser hermes'; a reasoning parser: '--reasoning-parser qwen3')",
+    )
     fl.add_argument(
         "--disaggregation",
         choices=["conditional", "always"],

@@ -1,4 +1,4 @@
-"""A small OpenAI-completions client for the demo, benchmarks and tests.
+"""A small OpenAI completions and chat client for the demo, benchmarks and tests.
 
 Greedy decoding with logprobs, so that two runs can be compared token by token and
 logprob by logprob (random-weight models can keep the same greedy text on wrong KV;
@@ -143,6 +143,57 @@ def complete(
         headers,
         token_ids,
         tuple(arrivals),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ChatAnswer:
+    """A whole chat completion's first choice: its content, reasoning and tool calls (each
+    ``(name, arguments)``; the call ids are random), its tokens with their logprobs, the
+    prompt's token count and the answer's headers."""
+
+    content: str | None
+    reasoning: str | None
+    tool_calls: tuple[tuple[str, str], ...]
+    tokens: tuple[str, ...]
+    logprobs: tuple[float, ...]
+    prompt_tokens: int
+    seconds: float
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def same_output(self, other: ChatAnswer) -> bool:
+        """Same content, reasoning, tool calls, tokens and bit-identical logprobs."""
+        mine = (self.content, self.reasoning, self.tool_calls, self.tokens, self.logprobs)
+        return mine == (other.content, other.reasoning, other.tool_calls, other.tokens, other.logprobs)
+
+    def max_logprob_diff(self, other: ChatAnswer) -> float:
+        if len(self.logprobs) != len(other.logprobs):
+            return float("inf")
+        return max((abs(a - b) for a, b in zip(self.logprobs, other.logprobs, strict=True)), default=0.0)
+
+
+def chat(base_url: str, body: dict[str, Any], *, timeout: float = 300.0) -> ChatAnswer:
+    """``body`` sent to ``/v1/chat/completions`` as it is (greedy with top-1 logprobs unless
+    it says otherwise), not streamed."""
+    sent = {"model": "tiny", "temperature": 0.0, "logprobs": True, "top_logprobs": 1, **body}
+    started = time.perf_counter()
+    with _post(f"{base_url}/v1/chat/completions", sent, timeout) as resp:
+        headers = CIMultiDict(resp.headers.items())
+        payload = json.load(resp)
+    seconds = time.perf_counter() - started
+    choice = payload["choices"][0]
+    message = choice["message"]
+    calls = tuple((c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ())
+    content = (choice.get("logprobs") or {}).get("content") or ()
+    return ChatAnswer(
+        message.get("content"),
+        message.get("reasoning") or message.get("reasoning_content"),
+        calls,
+        tuple(t["token"] for t in content),
+        tuple(t["logprob"] for t in content),
+        payload["usage"]["prompt_tokens"],
+        seconds,
+        headers,
     )
 
 

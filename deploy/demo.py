@@ -2,10 +2,11 @@
 
 Brings up a 1 P + 1 D tiny fleet, sends a few requests through the router (two of
 them share a long prefix; one extends an earlier prompt, like an agent's next
-step), prints per request: TTFT, prompt tokens prefilled on P and on D, tokens D
-received over NIXL, KV bytes NIXL moved (from the engines' own ``vllm:*`` metrics),
-and whether D's output equals a co-located run of the same prompt (tokens and
-logprobs). Then it brings the fleet down.
+step, and one is an agent's chat step that calls a tool), prints per request: TTFT,
+prompt tokens prefilled on P and on D, tokens D received over NIXL, KV bytes NIXL moved
+(from the engines' own ``vllm:*`` metrics), and whether D's output equals a co-located run
+of the same request (tokens and logprobs; for the chat, its tool call too). Then it brings
+the fleet down.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpilot.deploy import fleet as fleet_io
-from kvpilot.deploy.client import complete
+from kvpilot.deploy.client import ChatAnswer, Completion, chat, complete
 from kvpilot.deploy.fleet_spec import FleetSpec
 from kvpilot.deploy.metrics import delta, scrape, settled
-from kvpilot.deploy.tiny_model import ensure_tiny_model
+from kvpilot.deploy.tiny_model import TINY_MODEL_ENGINE_ARGS, ensure_tiny_model
 from kvpilot.kvconnectors.vllm_metrics import NIXL_BYTES_TRANSFERRED, PROMPT_TOKENS_BY_SOURCE, PromptTokenSource
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
 
@@ -59,6 +60,32 @@ def demo_prompts(seed: int = 7) -> list[tuple[str, str]]:
     ]
 
 
+RUN_TESTS_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "run_tests",
+        "description": "Run the repository's tests and return their output.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+    },
+}
+
+
+def demo_chat(seed: int = 7) -> tuple[str, dict[str, object]]:
+    """(label, body): an agent's chat step: a history with a tool call and its result, the
+    tool declared, and the next call forced by name (vLLM forces it with structured outputs,
+    so even the random-weight model answers with a tool call)."""
+    system, _, _, step_2 = (prompt for _, prompt in demo_prompts(seed))
+    call = {"id": "call-0", "type": "function", "function": {"name": "run_tests", "arguments": '{"path": "tests"}'}}
+    messages = [
+        {"role": "system", "content": system.split("\n", 1)[0]},
+        {"role": "user", "content": "Fix the failing test in the scheduler."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call-0", "content": step_2.rsplit("Tool output: ", 1)[1]},
+    ]
+    named = {"type": "function", "function": {"name": "run_tests"}}
+    return "agent chat, tool call", {"messages": messages, "tools": [RUN_TESTS_TOOL], "tool_choice": named}
+
+
 @dataclass(frozen=True, slots=True)
 class DemoRow:
     label: str
@@ -71,33 +98,47 @@ class DemoRow:
     nixl_bytes: int
     same_as_colocated: bool
     max_logprob_diff: float
+    tool_call: str = ""
+    """The chat's tool call, ``name(arguments)``, as D answered it through the fleet."""
 
 
 def run_requests(started: fleet_io.Fleet, tokenizer: PromptTokenizer) -> list[DemoRow]:
     prefill, decode = started.by_role("prefill")[0], started.by_role("decode")[0]
-    # Co-located reference: the same token ids, request after request, on D alone under
+    # Co-located reference: the same request, request after request, on D alone under
     # one fresh cache salt, so nothing of the disaggregated runs is reused while prefix
     # hits split each prefill at the same blocks as on the disaggregated path.
     reference_salt = f"demo-ref-{uuid.uuid4().hex}"
+    requests: list[tuple[str, list[int] | dict[str, object]]] = [
+        (label, tokenizer.encode(prompt, add_special_tokens=True)) for label, prompt in demo_prompts()
+    ]
+    requests.append(demo_chat())
     rows = []
-    for label, prompt in demo_prompts():
-        token_ids = tokenizer.prompt_token_ids(prompt)
+    for label, request in requests:
         p0, d0 = scrape(prefill.url), scrape(decode.url)
-        disagg = complete(started.client_url, token_ids, stream=True)
-        p1, d1 = settled(prefill.url, p0), settled(decode.url, d0)
-        reference = complete(decode.url, token_ids, cache_salt=reference_salt)
+        disagg: Completion | ChatAnswer
+        if isinstance(request, list):  # token ids, as vLLM encodes a text prompt (BOS first)
+            disagg = complete(started.client_url, request, stream=True)
+            p1, d1 = settled(prefill.url, p0), settled(decode.url, d0)
+            reference: Completion | ChatAnswer = complete(decode.url, request, cache_salt=reference_salt)
+            prompt_tokens, ttft_s = len(request), disagg.ttft_seconds
+        else:
+            disagg = chat(started.client_url, request)
+            p1, d1 = settled(prefill.url, p0), settled(decode.url, d0)
+            reference = chat(decode.url, {**request, "cache_salt": reference_salt})
+            prompt_tokens, ttft_s = disagg.prompt_tokens, disagg.seconds
         rows.append(
             DemoRow(
                 label=label,
                 route=disagg.headers.get("X-KVPilot-Route", "?"),
-                prompt_tokens=len(token_ids),
-                ttft_ms=disagg.ttft_seconds * 1e3,
+                prompt_tokens=prompt_tokens,
+                ttft_ms=ttft_s * 1e3,
                 prefilled_on_p=int(delta(p1, p0, PROMPT_TOKENS, source=COMPUTED)),
                 prefilled_on_d=int(delta(d1, d0, PROMPT_TOKENS, source=COMPUTED)),
                 received_by_d=int(delta(d1, d0, PROMPT_TOKENS, source=RECEIVED)),
                 nixl_bytes=int(delta(d1, d0, NIXL_BYTES_TRANSFERRED.sum)),
-                same_as_colocated=disagg.same_output(reference),
-                max_logprob_diff=disagg.max_logprob_diff(reference),
+                same_as_colocated=disagg.same_output(reference),  # type: ignore[arg-type]
+                max_logprob_diff=disagg.max_logprob_diff(reference),  # type: ignore[arg-type]
+                tool_call=", ".join(f"{name}({args})" for name, args in getattr(disagg, "tool_calls", ())),
             )
         )
     return rows
@@ -117,6 +158,7 @@ def render(rows: list[DemoRow]) -> str:
             f"{r.label:<28}{r.route:<16}{r.prompt_tokens:>7}{r.ttft_ms:>9.0f}{r.prefilled_on_p:>10}{r.prefilled_on_d:>10}"
             f"{r.received_by_d:>11}{r.nixl_bytes:>12,}  {verdict}"
         )
+    lines += [f"{r.label}: {r.tool_call}" for r in rows if r.tool_call]
     return "\n".join(lines)
 
 
@@ -133,7 +175,11 @@ def run_demo(run_dir: Path, disaggregation: str = "always") -> int:
         f"router ({disaggregation}), Envoy"
     )
     spec = FleetSpec(
-        model_dir=model_dir, run_dir=run_dir, disaggregation=disaggregation, gateway_port=DEMO_GATEWAY_PORT
+        model_dir=model_dir,
+        run_dir=run_dir,
+        disaggregation=disaggregation,
+        gateway_port=DEMO_GATEWAY_PORT,
+        engine_args=TINY_MODEL_ENGINE_ARGS,
     )
     t0 = time.monotonic()
     started = fleet_io.up(spec)

@@ -39,6 +39,20 @@ FLEET_CALIBRATION_WORKERS = 1
 """The router's ``server.calibration_workers`` in a local fleet: it times one engine per role
 before it serves (:mod:`kvpilot.routing.serve.calibrate`), so the first requests are priced by
 measurement."""
+PLANNED_ENGINE_FLAGS = frozenset(
+    {
+        "--model",
+        "--served-model-name",
+        "--host",
+        "--port",
+        "--enforce-eager",
+        "--block-size",
+        "--max-model-len",
+        "--kv-transfer-config",
+        "--kv-events-config",
+    }
+)
+"""The engine flags a fleet sets itself; :attr:`FleetSpec.engine_args` may not repeat them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +115,10 @@ class FleetSpec:
     given in the engines' environment (``VLLM_API_KEY``, never on a command line) and
     the router's (:data:`ENGINE_API_KEY_ENV`, named by ``server.engine_api_key_env``),
     which sends it. ``None``: the engines take any request."""
+    engine_args: tuple[str, ...] = ()
+    """More ``vllm serve`` arguments for every engine, after the planned ones (a tool-call
+    parser: ``("--enable-auto-tool-choice", "--tool-call-parser", "hermes")``; a reasoning
+    parser); none of :data:`PLANNED_ENGINE_FLAGS`."""
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -117,6 +135,9 @@ class FleetSpec:
             raise ValueError(f"ttft_slo_s must be >= 0, got {self.ttft_slo_s}")
         if not isinstance(self.index_backend, IndexBackend):
             raise ValueError(f"index_backend must be an IndexBackend, got {self.index_backend!r}")
+        planned = sorted({arg.split("=", 1)[0] for arg in self.engine_args} & PLANNED_ENGINE_FLAGS)
+        if planned:
+            raise ValueError(f"engine_args may not set {', '.join(planned)}: the fleet sets them itself")
         if self.on_picker_failure is PickerFailure.ROUND_ROBIN and self.engine_api_key:
             raise ValueError(
                 "on_picker_failure round_robin cannot work with an engine API key: requests Envoy sends on "
@@ -287,6 +308,7 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
         json.dumps(kv_transfer),
         "--kv-events-config",
         kv_events_config(worker),
+        *spec.engine_args,
     )
     core = (spec.first_core + ordinal) % spec.cores
     env = {

@@ -2,7 +2,15 @@
 
 The model is made here, never downloaded: a byte-level BPE tokenizer trained on a
 corpus this module generates, and a 4-layer Llama (hidden 256, 4 query heads,
-2 KV heads, head_dim 64) with seeded random weights. The build is deterministic:
+2 KV heads, head_dim 64) with seeded random weights.
+
+It is shaped like the models users serve (:data:`TINY_MODEL_SPEC`): its tokenizer adds
+BOS to encoded text (Llama, Mistral and Gemma do), its vocabulary has the tool-call and
+thinking tokens vLLM's ``hermes`` tool parser and ``qwen3`` reasoning parser look for, and
+its chat template (:data:`TOOLS_CHAT_TEMPLATE`) renders tools, assistant ``tool_calls``
+(arguments as objects, as vLLM hands them to templates), tool results, reasoning and an
+``enable_thinking`` switch. :data:`PLAIN_MODEL_SPEC` is the older shape (no BOS, a
+template without tools), kept so that the parity tests cover both. The build is deterministic:
 the same :data:`TINY_MODEL_SPEC` gives byte-identical files on every rebuild, so
 the model directory is named by a digest of the spec and built once per cache.
 
@@ -38,20 +46,75 @@ class TinyModelSpec:
     initializer_range: float = 0.05
     seed: int = 20261130
     corpus_lines: int = 4000
-    layout_version: int = 1  # bump when this module changes what it writes
+    add_bos_token: bool = True
+    """The tokenizer adds BOS to encoded text (a post-processor), as Llama-family ones do."""
+    tools_template: bool = True
+    """The chat template renders tools and thinking (:data:`TOOLS_CHAT_TEMPLATE`), else
+    :data:`PLAIN_CHAT_TEMPLATE`."""
+    layout_version: int = 2  # bump when this module changes what it writes
 
 
 TINY_MODEL_SPEC = TinyModelSpec()
+"""The model every test, benchmark and the demo run on."""
+PLAIN_MODEL_SPEC = TinyModelSpec(add_bos_token=False, tools_template=False)
+"""The older shape: no BOS added to text, a chat template without tools."""
 
-SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+BOS_TOKEN = "<s>"
+SPECIAL_TOKENS = [
+    BOS_TOKEN,
+    "</s>",
+    "<pad>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+]
+"""Their ids are their positions (BOS is 0): the trainer gives special tokens the first ids."""
 
-CHAT_TEMPLATE = (
+PLAIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}{% set turns = messages[1:] %}"
+    "{% else %}{% set system = none %}{% set turns = messages %}{% endif %}"
+    "{% if system is not none or tools %}<|system|>\n{% if system is not none %}{{ system }}{% endif %}"
+    "{% if tools %}{% if system is not none %}{{ '\\n\\n' }}{% endif %}# Tools\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\nCall a function with a"
+    " JSON object of its name and arguments within <tool_call></tool_call> tags.{% endif %}<|end|>\n{% endif %}"
+    "{% for message in turns %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|>\n"
+    "{% if message['reasoning_content'] is defined and message['reasoning_content'] %}"
+    "<think>\n{{ message['reasoning_content'] }}\n</think>\n\n{% endif %}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{% if not loop.first or message['content'] %}{{ '\\n' }}{% endif %}<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}{% endif %}<|end|>\n"
+    "{% elif message['role'] == 'tool' %}<|user|>\n<tool_response>\n{{ message['content'] }}\n</tool_response><|end|>\n"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+"""A hermes-style template: tools in the system turn, ``<tool_call>`` blocks, tool results
+as ``<tool_response>``, reasoning in ``<think>``, and ``enable_thinking: false`` rendering an
+empty thought (as Qwen3's template does)."""
+TINY_MODEL_ENGINE_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+"""The ``vllm serve`` flags that parse :data:`TOOLS_CHAT_TEMPLATE`'s tool calls and thinking, as
+a server for such a model runs (``--enable-auto-tool-choice`` needs a tool-call parser; a
+named ``tool_choice`` needs one too in vLLM 0.32)."""
 
 _WORDS = [
     "the",
@@ -209,7 +272,7 @@ def default_cache_dir() -> Path:
 
 
 def _write_tokenizer(spec: TinyModelSpec, out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
@@ -222,12 +285,17 @@ def _write_tokenizer(spec: TinyModelSpec, out: Path) -> None:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(spec), trainer=trainer)
+    if spec.add_bos_token:
+        bos = (BOS_TOKEN, tokenizer.token_to_id(BOS_TOKEN))
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[bos]
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        bos_token="<s>",
+        bos_token=BOS_TOKEN,
         eos_token="</s>",
         pad_token="<pad>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=TOOLS_CHAT_TEMPLATE if spec.tools_template else PLAIN_CHAT_TEMPLATE,
     )
     fast.save_pretrained(out)
 

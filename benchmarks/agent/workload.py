@@ -126,17 +126,17 @@ def build(spec: WorkloadSpec, tokenizer: PromptTokenizer) -> Workload:
     and one distinct tool output per (session, step): a tokenized header naming
     them, then seeded draws from the repository's tokens."""
     rng = random.Random(spec.seed)
-    system = tokenizer.prompt_token_ids(
+    system = tokenizer.text_token_ids(
         "<|system|>\nYou are a coding agent. You call tools to read, edit and test the repository.<|end|>\n"
         "<|user|>\nRepository files:\n"
     )
-    repo = tokenizer.prompt_token_ids(filler_text(spec.prefix_tokens, spec.seed % 13))
+    repo = tokenizer.text_token_ids(filler_text(spec.prefix_tokens, spec.seed % 13))
     pool = [t for t in repo if t >= FIRST_ORDINARY_ID] or list(range(FIRST_ORDINARY_ID, 64))
     prefix = _exactly(system + repo, spec.prefix_tokens, pool)
     tools: dict[tuple[int, int], list[int]] = {}
     for s in range(spec.sessions):
         for k in range(1, spec.steps + 1):
-            header = tokenizer.prompt_token_ids(f"<|end|>\n<|user|>\ntool output, session {s}, step {k}:\n")
+            header = tokenizer.text_token_ids(f"<|end|>\n<|user|>\ntool output, session {s}, step {k}:\n")
             body = [rng.choice(pool) for _ in range(spec.tool_tokens)]
             tools[(s, k)] = (header + body)[: spec.tool_tokens]
     return Workload(spec, prefix, tools, tokenizer.vocab_size)

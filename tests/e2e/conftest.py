@@ -21,13 +21,13 @@ import pytest
 
 from kvpilot.deploy import fleet as fleet_io
 from kvpilot.deploy.fleet_spec import FleetSpec
-from kvpilot.deploy.tiny_model import ensure_tiny_model
+from kvpilot.deploy.tiny_model import TINY_MODEL_ENGINE_ARGS, ensure_tiny_model
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import SharedFleet
 from tests.fakes.ports import block_of
 
 SHARED_FLEET_GROUPS: tuple[tuple[str, ...], ...] = (
-    ("tests.e2e.test_verified_attach", "tests.e2e.test_pd_transfer"),
+    ("tests.e2e.test_verified_attach", "tests.e2e.test_parity", "tests.e2e.test_pd_transfer"),
     ("tests.e2e.test_sessions", "tests.e2e.test_pull_policy_live"),
 )
 """Modules that run in this order, one after another, at the place of the first of them
@@ -107,6 +107,7 @@ def pd_shared(
             gateway_port=block.spare(0),  # Envoy in front, as `kvpilot fleet up` starts it
             picker_port=block.spare(1),
             envoy_admin_port=block.spare(2),
+            engine_args=TINY_MODEL_ENGINE_ARGS,  # tool calls and thinking parsed, as a real model's server does
             **block.fleet(),
         )
     )

@@ -77,7 +77,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def history(tokenizer: PromptTokenizer, seed: int) -> list[int]:
-    return tokenizer.prompt_token_ids(f"session {seed}: " + filler_text(300, seed))
+    return tokenizer.text_token_ids(f"session {seed}: " + filler_text(300, seed))
 
 
 FIRST_PULL_TIMEOUT_S = 900.0
@@ -103,7 +103,7 @@ def run_session(
     take ``timeout`` seconds."""
     x = history(tokenizer, seed) if x is None else x
     turn = decoded_turn(p_url, d_url, x, generated, timeout=timeout)
-    x2 = edit(x, turn.generated) + tokenizer.prompt_token_ids(" tool: " + filler_text(NEW_TOOL_OUTPUT, seed + 1))
+    x2 = edit(x, turn.generated) + tokenizer.text_token_ids(" tool: " + filler_text(NEW_TOOL_OUTPUT, seed + 1))
     extra = {"cache_salt": turn2_salt} if turn2_salt else {}
     before = scrape(p_url)
     p2 = prefill_next_turn(p_url, x2, mutate_params(turn.d_params), timeout=timeout, **extra)

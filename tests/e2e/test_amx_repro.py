@@ -63,7 +63,7 @@ def test_an_unwarmed_decode_engine_still_dies_on_its_first_pulled_decode(
                 assert time.monotonic() < deadline, "engines not healthy in 600 s"
                 time.sleep(1)
             (p_plan, _), (d_plan, _) = procs["prefill-0"], procs["decode-0"]
-            prompt = tokenizer.prompt_token_ids("the first forward of D is a decode over pulled KV " * 8)
+            prompt = tokenizer.text_token_ids("the first forward of D is a decode over pulled KV " * 8)
             handoff = complete(p_plan.url, prompt, max_tokens=1, kv_transfer_params=handoff_request())
             with pytest.raises((HTTPStatusError, OSError)):
                 complete(d_plan.url, prompt, max_tokens=4, kv_transfer_params=handoff.kv_transfer_params, timeout=300)

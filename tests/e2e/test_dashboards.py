@@ -109,7 +109,7 @@ def _drive(fleet: Fleet, prom: dashboards.Prometheus, tokenizer: PromptTokenizer
     prefill, decode = fleet.by_role("prefill")[0].url, fleet.by_role("decode")[0].url
 
     def ids(seed: int, words: int = 300) -> list[int]:
-        return tokenizer.prompt_token_ids(f"dash {seed}: " + filler_text(words, seed))
+        return tokenizer.text_token_ids(f"dash {seed}: " + filler_text(words, seed))
 
     # Verified transfers P -> D through the router; the repeat hits P's prefix cache.
     x = ids(1)
@@ -128,7 +128,7 @@ def _drive(fleet: Fleet, prom: dashboards.Prometheus, tokenizer: PromptTokenizer
         out = complete(
             router, prompt, max_tokens=8, ignore_eos=True, return_token_ids=True, conversation_id="dash-session"
         )
-        prompt = prompt + list(out.token_ids) + tokenizer.prompt_token_ids(f" tool: step {step} ok")
+        prompt = prompt + list(out.token_ids) + tokenizer.text_token_ids(f" tool: step {step} ok")
         if step == 1:
             _wait_scraped(prom, 'kvpilot_router_session_options_total{option="reprefill"}')
             _wait_scraped(prom, 'kvpilot_router_session_offers_total{outcome="unused"}')

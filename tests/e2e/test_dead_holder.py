@@ -81,7 +81,7 @@ def test_a_dead_holder_is_recomputed_with_correct_output(fleet: Fleet, tokenizer
     # the dead peer (peer_retry_after_s); the co-located references come after.
     served = []
     for turn in turns:
-        x, x2 = turn.prompt, turn.prompt + turn.generated + tokenizer.prompt_token_ids(" tool: ok")
+        x, x2 = turn.prompt, turn.prompt + turn.generated + tokenizer.text_token_ids(" tool: ok")
         before = scrape(prefill.url)
         out = prefill_next_turn(prefill.url, x2, turn.d_params, timeout=120)
         served.append((x, x2, out, before, settled(prefill.url, before)))
@@ -113,7 +113,7 @@ def test_p_killed_mid_prefill_is_served_by_d_with_correct_output(
     above killed D, so D is started again first."""
     restarted = fleet_io.restart_engine(spec, "decode-0")
     prefill, decode = restarted.by_role("prefill")[0], restarted.by_role("decode")[0]
-    x = tokenizer.prompt_token_ids(filler_text(600, 41))
+    x = tokenizer.text_token_ids(filler_text(600, 41))
     router_before = scrape(fleet.router.url)
     answers: list[Completion] = []
     os.killpg(prefill.pid, signal.SIGSTOP)  # P accepts the request and never answers...
@@ -148,7 +148,7 @@ def test_p_killed_after_returning_params_is_recomputed_on_d(
     started again first."""
     restarted = fleet_io.restart_engine(spec, "prefill-0")
     prefill, decode = restarted.by_role("prefill")[0], restarted.by_role("decode")[0]
-    x = tokenizer.prompt_token_ids(filler_text(600, 43))
+    x = tokenizer.text_token_ids(filler_text(600, 43))
     params = complete(prefill.url, x, max_tokens=1, kv_transfer_params=handoff_request()).kv_transfer_params
     assert params and params.get("do_remote_prefill"), params
     os.killpg(prefill.pid, signal.SIGKILL)

@@ -47,7 +47,7 @@ def test_the_first_request_after_ready_is_not_a_fallback(pd_fleet: Fleet, tokeni
     before_d, before_router = scrape(decode.url), scrape(pd_fleet.router.url)
     assert total(before_router, "kvpilot_router_decisions_total") == 0  # nothing routed before this one
     assert delta(before_d, {}, PROMPT_TOKENS, source="external_kv_transfer") > 0  # the warm-up's handoff
-    token_ids = tokenizer.prompt_token_ids(_words(300, seed=11))
+    token_ids = tokenizer.text_token_ids(_words(300, seed=11))
     out = complete(pd_fleet.router.url, token_ids, max_tokens=4)
     after_d = settled(decode.url, before_d)
     assert out.headers.get("X-KVPilot-Route") == "remote_prefill", out.headers
@@ -58,7 +58,7 @@ def test_the_first_request_after_ready_is_not_a_fallback(pd_fleet: Fleet, tokeni
 
 def test_disaggregated_output_equals_colocated(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
     prefill, decode = pd_fleet.by_role("prefill")[0], pd_fleet.by_role("decode")[0]
-    token_ids = tokenizer.prompt_token_ids(_words(400, seed=1))
+    token_ids = tokenizer.text_token_ids(_words(400, seed=1))
     d0 = scrape(decode.url)
     disagg = complete(pd_fleet.router.url, token_ids, max_tokens=12)
     d1 = settled(decode.url, d0)
@@ -80,7 +80,7 @@ def test_through_envoy_p_then_d_and_the_output_equals_colocated(pd_fleet: Fleet,
     the co-located run's, logprobs identical."""
     assert pd_fleet.gateway is not None
     decode = pd_fleet.by_role("decode")[0]
-    token_ids = tokenizer.prompt_token_ids(_words(400, seed=21))
+    token_ids = tokenizer.text_token_ids(_words(400, seed=21))
     d0, r0 = scrape(decode.url), scrape(pd_fleet.router.url)
     disagg = complete(pd_fleet.client_url, token_ids, max_tokens=12, stream=True)
     d1 = settled(decode.url, d0)
@@ -119,11 +119,11 @@ def test_a_chat_request_through_envoy_is_answered_in_chat_format(pd_fleet: Fleet
 
 def test_decode_moves_only_blocks_beyond_its_local_hit(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
     decode = pd_fleet.by_role("decode")[0]
-    first = tokenizer.prompt_token_ids(_words(640, seed=2))
+    first = tokenizer.text_token_ids(_words(640, seed=2))
     complete(pd_fleet.router.url, first, max_tokens=2)
     cached_blocks = len(first) // BLOCK_SIZE
 
-    extended = first + tokenizer.prompt_token_ids(" " + _words(200, seed=3))
+    extended = first + tokenizer.text_token_ids(" " + _words(200, seed=3))
     d0 = scrape(decode.url)
     out = complete(pd_fleet.router.url, extended, max_tokens=8)
     d1 = settled(decode.url, d0)
@@ -237,7 +237,7 @@ def test_an_impossible_ttft_slo_is_refused_and_the_fleet_serves_the_next_request
     from kvpilot.deploy.client import HTTPStatusError
     from kvpilot.deploy.fleet import restart_router
 
-    token_ids = tokenizer.prompt_token_ids(_words(200, seed=12))
+    token_ids = tokenizer.text_token_ids(_words(200, seed=12))
     strict = restart_router(pd_spec, ["--server-ttft-slo-s", "1e-9"])
     finished = {e.url: total(scrape(e.url), vm.REQUEST_SUCCESS.total) for e in pd_fleet.engines}
     with pytest.raises(HTTPStatusError) as refused:
@@ -262,7 +262,7 @@ def test_prefill_failure_falls_back_to_local_prefill_on_decode(pd_fleet: Fleet, 
 
     decode = pd_fleet.by_role("decode")[0]
     stop_group(pd_fleet.by_role("prefill")[0].pid)
-    token_ids = tokenizer.prompt_token_ids(_words(300, seed=9))
+    token_ids = tokenizer.text_token_ids(_words(300, seed=9))
     before = scrape(pd_fleet.router.url)
     out = complete(pd_fleet.router.url, token_ids, max_tokens=8)
     assert out.headers.get("X-KVPilot-Route") == "fallback"

@@ -52,7 +52,7 @@ def nixl_fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 def test_plain_nixl_attaches_by_position_and_answers_wrong(nixl_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
     case = cases()[0]  # a reasoning trace stripped from the middle of history
     prefill, decode = nixl_fleet.by_role("prefill")[0].url, nixl_fleet.by_role("decode")[0].url
-    x, x_prime = tokenizer.prompt_token_ids(case.x), tokenizer.prompt_token_ids(case.x_prime)
+    x, x_prime = tokenizer.text_token_ids(case.x), tokenizer.text_token_ids(case.x_prime)
     params = complete(prefill, x, max_tokens=1, kv_transfer_params=handoff_request()).kv_transfer_params
     out = complete(decode, x_prime, max_tokens=10, kv_transfer_params=params)
     reference = colocated_reference(decode, x, x_prime, common_full_blocks(x, x_prime))

@@ -80,7 +80,7 @@ def _urls(fleet: Fleet) -> tuple[str, str, str]:
 
 def _unlearned(router: str, tokenizer: PromptTokenizer) -> list[str]:
     """The models the warm-up must fit before anything is asserted, that are still on the prior."""
-    route = debug_route(router, tokenizer.prompt_token_ids("rates?"))
+    route = debug_route(router, tokenizer.text_token_ids("rates?"))
     learned: dict[str, Any] = route["learned_rates"]
     wanted = (("prefill-0", "prefill"), ("decode-0", "decode_step"), ("decode-0", "kv_read"))
     missing = [f"{engine} {model}" for engine, model in wanted if (learned.get(engine) or {}).get(model) is None]
@@ -99,10 +99,10 @@ def warmed(fleet: Fleet, tokenizer: PromptTokenizer) -> Fleet:
     while n < len(WARM_UP_WORDS) or _unlearned(router, tokenizer):
         assert time.monotonic() < deadline, f"still on the prior: {_unlearned(router, tokenizer)}"
         words = WARM_UP_WORDS[n % len(WARM_UP_WORDS)]
-        prompt = tokenizer.prompt_token_ids(f"warm {n}: " + filler_text(words, 90 + n))
+        prompt = tokenizer.text_token_ids(f"warm {n}: " + filler_text(words, 90 + n))
         complete(router, prompt, max_tokens=GENERATED, stream=True)
         time.sleep(0.5)
-        extension = tokenizer.prompt_token_ids(" more: " + filler_text(WARM_UP_EXTENSION_WORDS, 190 + n))
+        extension = tokenizer.text_token_ids(" more: " + filler_text(WARM_UP_EXTENSION_WORDS, 190 + n))
         complete(router, prompt + extension, max_tokens=GENERATED, stream=True)
         n += 1
         time.sleep(0.5)
@@ -122,7 +122,7 @@ def _step(router: str, prompt: list[int], session: str, max_tokens: int = GENERA
 
 
 def _tool_output(tokenizer: PromptTokenizer, n: int, words: int, seed: int) -> list[int]:
-    return tokenizer.prompt_token_ids(f" tool: step {n} ok; " + filler_text(words, seed))
+    return tokenizer.text_token_ids(f" tool: step {n} ok; " + filler_text(words, seed))
 
 
 def _terms(predicted: dict[str, Any]) -> str:
@@ -145,12 +145,12 @@ def test_on_a_fresh_fleet_the_first_agent_steps_are_priced_within_2x(fleet: Flee
     real handoffs that D reads), so the first steps of the first session are priced by
     measurement, not the H100 prior."""
     router, _, _ = _urls(fleet)
-    route = debug_route(router, tokenizer.prompt_token_ids("rates?"))
+    route = debug_route(router, tokenizer.text_token_ids("rates?"))
     learned = route["learned_rates"]
     for engine, model in (("decode-0", "prefill"), ("decode-0", "decode_step"), ("prefill-0", "prefill")):
         assert (learned.get(engine) or {}).get(model) is not None, (engine, model, learned)
     assert route["predicted"]["prefill"]["measured_s"] is not None, route["predicted"]
-    prompt = tokenizer.prompt_token_ids("session 4100: " + filler_text(600, 4100))
+    prompt = tokenizer.text_token_ids("session 4100: " + filler_text(600, 4100))
     rows = []
     for n in range(FIRST_STEPS):
         out = _step(router, prompt, "fresh-4100")
@@ -168,7 +168,7 @@ def test_predicted_ttft_is_within_2x_of_the_measured_on_most_agent_steps(
     warmed: Fleet, tokenizer: PromptTokenizer
 ) -> None:
     router, _, _ = _urls(warmed)
-    prompt = tokenizer.prompt_token_ids("session 5100: " + filler_text(600, 5100))
+    prompt = tokenizer.text_token_ids("session 5100: " + filler_text(600, 5100))
     rows, terms = [], []
     for n in range(STEPS):
         terms.append(_terms(debug_route(router, prompt, conversation_id="predicted-5100")["predicted"]))
@@ -220,7 +220,7 @@ def _long_streams(d: str, tokenizer: PromptTokenizer, pool: ThreadPoolExecutor) 
     started: list[float] = []
     futures = []
     for n in range(LONG_STREAMS):
-        prompt = tokenizer.prompt_token_ids(f"stream {n}: " + filler_text(60, 7000 + n))
+        prompt = tokenizer.text_token_ids(f"stream {n}: " + filler_text(60, 7000 + n))
         started.append(time.perf_counter())
         futures.append(pool.submit(complete, d, prompt, max_tokens=LONG_STREAM_TOKENS, stream=True, ignore_eos=True))
     return Streams(started, futures)
@@ -257,7 +257,7 @@ class Measured:
 def _first_step(router: str, tokenizer: PromptTokenizer, seed: int) -> list[int]:
     """A session's first step through the router; the next step's prompt, with a large
     tool output, once the router's index shows D holding the first."""
-    x = tokenizer.prompt_token_ids(f"session {seed}: " + filler_text(700, seed))
+    x = tokenizer.text_token_ids(f"session {seed}: " + filler_text(700, seed))
     out = _step(router, x, f"large-{seed}")
     wait_for_overlap(router, x, "decode-0", len(x) // BLOCK_SIZE)
     return x + list(out.token_ids) + _tool_output(tokenizer, 1, LARGE_INCREMENT_WORDS, seed + 1)

@@ -109,8 +109,8 @@ def session_history(tokenizer: PromptTokenizer, case: Case, seed: int) -> list[i
     """Whole blocks of the case's history, the same in every session of the case (P and D
     keep its KV after the first session, so later sessions do not prefill it again), then
     a tail naming the session: no session's span of D's tokens is in another's chain."""
-    shared = tokenizer.prompt_token_ids(filler_text(case.history_words, SHARED_HISTORY_SEED))
-    tail = tokenizer.prompt_token_ids(f" session {seed}: " + filler_text(TAIL_WORDS, seed))
+    shared = tokenizer.text_token_ids(filler_text(case.history_words, SHARED_HISTORY_SEED))
+    tail = tokenizer.text_token_ids(f" session {seed}: " + filler_text(TAIL_WORDS, seed))
     x = shared[: len(shared) // BLOCK_SIZE * BLOCK_SIZE] + tail
     return x[: len(x) // BLOCK_SIZE * BLOCK_SIZE]
 
@@ -174,7 +174,7 @@ def live(
     for seed in range(2, 2 + WARM_SESSIONS):
         run_session(p_url, d_url, tokenizer, seed, EDITS["unedited"])
     for i, n in enumerate(WARM_PREFILLS):
-        ids = tokenizer.prompt_token_ids(f"warm {i}: " + filler_text(n, 900 + i))[:n]
+        ids = tokenizer.text_token_ids(f"warm {i}: " + filler_text(n, 900 + i))[:n]
         complete(p_url, ids, max_tokens=1)
     return fleet
 

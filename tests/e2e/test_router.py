@@ -58,7 +58,7 @@ def fleet(spec: FleetSpec) -> Iterator[Fleet]:
 @pytest.fixture(scope="module")
 def warmed(fleet: Fleet, tokenizer: PromptTokenizer) -> tuple[list[int], list[int]]:
     """Prompt A cached on colocated-0, prompt B on colocated-1 (sent to them directly)."""
-    a, b = tokenizer.prompt_token_ids(filler_text(600, 21)), tokenizer.prompt_token_ids(filler_text(600, 22))
+    a, b = tokenizer.text_token_ids(filler_text(600, 21)), tokenizer.text_token_ids(filler_text(600, 22))
     complete(fleet.engines[0].url, a, max_tokens=1)
     complete(fleet.engines[1].url, b, max_tokens=1)
     assert wait_for_overlap(fleet.router.url, a, "colocated-0", len(a) // 32)["overlap"]["colocated-0"]["GPU"] > 0
@@ -75,7 +75,7 @@ def test_prefix_routing_beats_round_robin(
 ) -> None:
     a, b = warmed
     extensions = [
-        (base + tokenizer.prompt_token_ids(f" step {i} " + filler_text(40, 30 + i)), want)
+        (base + tokenizer.text_token_ids(f" step {i} " + filler_text(40, 30 + i)), want)
         for i in range(4)
         for base, want in ((a, "colocated-0"), (b, "colocated-1"))
     ]
@@ -137,7 +137,7 @@ def test_malformed_events_are_counted_and_skipped(fleet: Fleet, spec: FleetSpec,
         + total(after, "kvpilot_router_kv_events_rejected_total")
         >= 2
     )
-    out = complete(fleet.router.url, tokenizer.prompt_token_ids(filler_text(50, 5)), max_tokens=2)
+    out = complete(fleet.router.url, tokenizer.text_token_ids(filler_text(50, 5)), max_tokens=2)
     assert out.tokens  # still serving
 
 
@@ -148,7 +148,7 @@ def test_engine_restart_clears_its_entries(
     assert debug_route(fleet.router.url, a)["overlap"].get("colocated-0", {}).get("GPU", 0) > 0
     restarted = fleet_io.restart_engine(spec, "colocated-0")
     # The new engine publishes from sequence 0 again once it stores blocks.
-    other = tokenizer.prompt_token_ids(filler_text(100, 77))
+    other = tokenizer.text_token_ids(filler_text(100, 77))
     complete(restarted.engines[0].url, other, max_tokens=1)
     deadline = time.monotonic() + 30
     while (
@@ -198,7 +198,7 @@ def test_an_engine_whose_events_stop_is_flagged_and_routed_on_load_alone(
         router = fleet_io.restart_router(spec, ["--config", str(tmp_path / "router.yaml")]).router.url
         served: dict[str, tuple[list[int], Completion]] = {}
         for seed in range(700, 712):  # fresh prompts: no overlap anywhere, so ties go to either worker
-            prompt = tokenizer.prompt_token_ids(filler_text(200, seed))
+            prompt = tokenizer.text_token_ids(filler_text(200, seed))
             out = complete(router, prompt, max_tokens=4)
             served.setdefault(out.headers["X-KVPilot-Decode-Worker"], (prompt, out))
             if silenced in served:
@@ -234,7 +234,7 @@ def test_clients_cannot_make_engines_dial_anywhere(fleet: Fleet, tokenizer: Prom
         "remote_port": port,
         "remote_block_ids": [1, 2, 3],
     }
-    prompt = tokenizer.prompt_token_ids(filler_text(100, 90))
+    prompt = tokenizer.text_token_ids(filler_text(100, 90))
     bodies = [({"prompt": prompt, "kv_transfer_params": steer}, "/v1/completions", "kv_transfer_params")]
     chat = {"messages": [{"role": "user", "content": "hi"}], "kv_transfer_params": steer}
     bodies.append((chat, "/v1/chat/completions", "kv_transfer_params"))

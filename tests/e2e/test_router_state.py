@@ -103,7 +103,7 @@ def _step(router: str, prompt: list[int], session: str, timeout: float = 300.0) 
 
 def _next(prompt: list[int], out: Completion, tokenizer: PromptTokenizer, n: int) -> list[int]:
     """The history resent: D's tool call appended, then a new tool output."""
-    return prompt + list(out.token_ids) + tokenizer.prompt_token_ids(f" tool: step {n} ok, {n + 3} tests pass")
+    return prompt + list(out.token_ids) + tokenizer.text_token_ids(f" tool: step {n} ok, {n + 3} tests pass")
 
 
 def _decision(route: dict[str, Any]) -> dict[str, Any]:

@@ -164,7 +164,7 @@ def _agent_steps(
         # D holds the step's prompt now: the next step is routed once the router's index
         # shows it (D's KV events lag on a loaded box, and a stale index prices D cold).
         wait_for_overlap(router, prompt, "decode-0", len(prompt) // BLOCK_SIZE)
-        tool = tokenizer.prompt_token_ids(f" tool: step {n} ok, {n + 3} tests pass")
+        tool = tokenizer.text_token_ids(f" tool: step {n} ok, {n + 3} tests pass")
         edit = edit_step3 if n == 1 else EDITS["unedited"]
         prompt = edit(prompt, list(out.token_ids)) + tool
     return steps

@@ -36,7 +36,7 @@ def test_misaligned_kv_is_never_attached(pd_fleet: Fleet, tokenizer: PromptToken
     prefill, decode = pd_fleet.by_role("prefill")[0].url, pd_fleet.by_role("decode")[0].url
     unique = uuid.uuid4().hex[:8]  # no accidental local prefix hit from earlier tests
     p_salt, d_salt = f"{case.p_salt or 'case'}-{unique}", f"{case.d_salt or 'case'}-{unique}"
-    x, x_prime = tokenizer.prompt_token_ids(case.x), tokenizer.prompt_token_ids(case.x_prime)
+    x, x_prime = tokenizer.text_token_ids(case.x), tokenizer.text_token_ids(case.x_prime)
     expected_verified = common_full_blocks(x, x_prime) if p_salt == d_salt else 0
 
     out, before, after = run_case(prefill, decode, x, x_prime, p_salt, d_salt)
@@ -81,7 +81,7 @@ def test_malformed_params_are_served_by_local_prefill(
     pd_fleet: Fleet, tokenizer: PromptTokenizer, mutation: str
 ) -> None:
     prefill, decode = pd_fleet.by_role("prefill")[0].url, pd_fleet.by_role("decode")[0].url
-    x = tokenizer.prompt_token_ids(filler_text(300, 9))
+    x = tokenizer.text_token_ids(filler_text(300, 9))
     params = MALFORMED[mutation](prefill_on(prefill, x, salt=None))
     salt = f"fuzz-{uuid.uuid4().hex}"  # no local hit: D must prefill everything itself
     before = scrape(decode)

@@ -48,7 +48,7 @@ def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def test_prefill_from_another_model_is_refused(engines: tuple[Fleet, Fleet], tokenizer: PromptTokenizer) -> None:
     p_engine, d_engine = engines[0].engines[0], engines[1].engines[0]
-    x = tokenizer.prompt_token_ids(filler_text(500, 7))
+    x = tokenizer.text_token_ids(filler_text(500, 7))
     salt = f"model-{uuid.uuid4().hex}"
     out, before, after = run_case(p_engine.url, d_engine.url, x, x, salt, salt)
     reference = colocated_reference(d_engine.url, x, x, verified_blocks=0)
