@@ -20,7 +20,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     CopyBlocksOp,
@@ -75,18 +75,28 @@ def parse_config(vllm_config: VllmConfig) -> KVPilotConfig:
     return config
 
 
-def inner_vllm_config(vllm_config: VllmConfig, config: KVPilotConfig) -> VllmConfig:
-    """A shallow copy of ``vllm_config`` whose kv_transfer_config names the inner connector."""
-    ktc = vllm_config.kv_transfer_config
-    assert ktc is not None
-    inner = copy.copy(vllm_config)
-    inner.kv_transfer_config = dataclasses.replace(
+def inner_transfer_config(ktc: KVTransferConfig, config: KVPilotConfig) -> KVTransferConfig:
+    """``ktc`` naming the inner connector, with its extra config."""
+    return dataclasses.replace(
         ktc,
         kv_connector=config.inner_connector,
         kv_connector_module_path=None,
         kv_connector_extra_config=config.inner_config_for_vllm(),
     )
+
+
+def inner_vllm_config(vllm_config: VllmConfig, config: KVPilotConfig) -> VllmConfig:
+    """A shallow copy of ``vllm_config`` whose kv_transfer_config names the inner connector."""
+    ktc = vllm_config.kv_transfer_config
+    assert ktc is not None
+    inner = copy.copy(vllm_config)
+    inner.kv_transfer_config = inner_transfer_config(ktc, config)
     return inner
+
+
+def _inner_of_transfer_config(ktc: KVTransferConfig) -> tuple[type[KVConnectorBase_V1], KVTransferConfig]:
+    config = KVPilotConfig.parse(ktc.kv_connector_extra_config)
+    return KVConnectorFactory.get_connector_class_by_name(config.inner_connector), inner_transfer_config(ktc, config)
 
 
 def _inner_class(vllm_config: VllmConfig) -> tuple[type[KVConnectorBase_V1], VllmConfig]:
@@ -145,6 +155,20 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         return inner_cls.requires_piecewise_for_cudagraph(config.inner_config_for_vllm())
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """The inner connector's answer (vLLM 0.33 on asks; NixlConnector follows sleep mode's
+        KV cache remap only over UCX)."""
+        inner_cls, inner = _inner_of_transfer_config(kv_transfer_config)
+        return bool(getattr(inner_cls, "supports_sleep_mode")(inner))  # noqa: B009 - not in vLLM 0.32's base
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> Any:
+        """How the inner connector's workers reach the KV cache (vLLM 0.34 on asks: NIXL
+        registers it, which decides how the extensible KV cache allocates it)."""
+        inner_cls, inner = _inner_of_transfer_config(kv_transfer_config)
+        return getattr(inner_cls, "kv_cache_access")(inner)  # noqa: B009 - not in vLLM 0.32's base
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVPilotStats() if data is None else KVPilotStats.from_dict(data)
 
@@ -196,6 +220,14 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
         self._inner.set_host_xfer_buffer_ops(copy_operation)
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep (vLLM 0.33 on): the inner connector drops its NIXL registrations."""
+        getattr(self._inner, "unregister_kv_caches")()  # noqa: B009 - not in vLLM 0.32's base
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up (vLLM 0.33 on): the inner connector registers the KV cache again."""
+        getattr(self._inner, "restore_kv_caches")()  # noqa: B009 - not in vLLM 0.32's base
 
     def finish_forward(self) -> None:
         self._inner.finish_forward()

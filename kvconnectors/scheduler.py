@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -124,10 +124,13 @@ def step_chunks(scheduler_output: SchedulerOutput) -> list[Chunk]:
         for new in scheduler_output.scheduled_new_reqs
     ]
     cached = scheduler_output.scheduled_cached_reqs
+    # vLLM 0.32-0.33 list the requests resumed after a preemption here; 0.34 sends them again
+    # whole, among the new ones
+    resumed: Collection[str] = getattr(cached, "resumed_req_ids", frozenset())
     for req_id, computed, outputs in zip(
         cached.req_ids, cached.num_computed_tokens, cached.num_output_tokens, strict=True
     ):
-        chunks.append(Chunk(scheduled.get(req_id, 0), computed, outputs == 0 or req_id in cached.resumed_req_ids))
+        chunks.append(Chunk(scheduled.get(req_id, 0), computed, outputs == 0 or req_id in resumed))
     return chunks
 
 

@@ -31,6 +31,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.version import InvalidVersion, Version
+
 from kvpilot.kvconnectors import vllm_metrics
 from kvpilot.kvconnectors.config import NIXL_KEYS, RECOMPUTE_THRESHOLD_KEY
 from kvpilot.kvconnectors.hash_contract import HASH_ALGOS
@@ -41,11 +43,14 @@ from kvpilot.kvconnectors.vllm_source import Kind, SourceTree, parameters
 @dataclass(frozen=True, slots=True)
 class Method:
     """A member kvpilot calls or overrides: its parameters after ``self``/``cls``,
-    in order, ``*args``/``**kwargs`` with their stars (none for a property)."""
+    in order, ``*args``/``**kwargs`` with their stars (none for a property); ``since``, the
+    first vLLM version that has it (older ones lack it, and kvpilot's override of it is
+    never called there), empty for every supported version."""
 
     name: str
     params: tuple[str, ...] = ()
     kind: Kind = "method"
+    since: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +145,10 @@ _CONNECTOR_API = (
     M("get_mem_pool_context"),
     M("register_kv_caches", ("kv_caches",)),
     M("set_host_xfer_buffer_ops", ("copy_operation",)),
+    M("supports_sleep_mode", ("kv_transfer_config",), "classmethod", since="0.33.0"),
+    M("unregister_kv_caches", since="0.33.0"),
+    M("restore_kv_caches", since="0.33.0"),
+    M("kv_cache_access", ("kv_transfer_config",), "classmethod", since="0.34.0"),
     M("finish_forward"),
     M("reset_capture_state"),
     M("handle_preemptions", ("kv_connector_metadata",)),
@@ -237,7 +246,7 @@ CONTRACT = Contract(
         ClassSeam(
             "vllm.v1.core.sched.output",
             "CachedRequestData",
-            attributes=("req_ids", "num_computed_tokens", "num_output_tokens", "resumed_req_ids"),
+            attributes=("req_ids", "num_computed_tokens", "num_output_tokens"),  # resumed_req_ids: up to 0.33 only
         ),
         ClassSeam(
             "vllm.v1.outputs",
@@ -397,8 +406,10 @@ def _check_class(tree: SourceTree, seam: ClassSeam, version: str) -> list[Violat
     for method in seam.methods:
         name = f"{seam.name}.{method.name}"
         found = tree.lookup(cls, method.name)
-        if found is None:
+        if found is None and not _before(version, method.since):
             violations.append(Violation(name, f"missing in vLLM {version}"))
+        elif found is None:
+            continue
         elif found[1].kind != method.kind:
             violations.append(Violation(name, f"a {found[1].kind} in vLLM {version}, expected a {method.kind}"))
         else:
@@ -415,6 +426,16 @@ def _check_class(tree: SourceTree, seam: ClassSeam, version: str) -> list[Violat
         if keywords.get(key) != value
     ]
     return violations
+
+
+def _before(version: str, since: str) -> bool:
+    """Whether vLLM ``version`` is older than ``since`` (empty: no version is)."""
+    if not since:
+        return False
+    try:
+        return Version(version) < Version(since)
+    except InvalidVersion:
+        return False
 
 
 def _check_function(tree: SourceTree, seam: FunctionSeam, version: str) -> list[Violation]:
