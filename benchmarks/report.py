@@ -36,8 +36,12 @@ def _head(results: dict[str, Any]) -> list[str]:
 
 def render(results: dict[str, Any]) -> str:
     """The tables of a results file of ``bench_router_scale.py``, ``bench_fleet.py``,
-    ``sim_vs_dynamo.py``, ``sim_goodput.py`` or ``sim_live.py``."""
-    if "runs" in results:
+    ``bench_tokenize.py``, ``sim_vs_dynamo.py``, ``sim_goodput.py`` or ``sim_live.py``."""
+    if "tokenize" in results:
+        from bench_tokenize import table as tokenize_table
+
+        body = tokenize_table(results["tokenize"])
+    elif "runs" in results:
         from sim.live import tables as live_tables
 
         body = live_tables(results)

@@ -73,7 +73,8 @@ RUN_TESTS_TOOL = {
 def demo_chat(seed: int = 7) -> tuple[str, dict[str, object]]:
     """(label, body): an agent's chat step: a history with a tool call and its result, the
     tool declared, and the next call forced by name (vLLM forces it with structured outputs,
-    so even the random-weight model answers with a tool call)."""
+    so even the random-weight model answers with a tool call; the template's empty thought
+    ends the reasoning that the qwen3 parser would otherwise wait for)."""
     system, _, _, step_2 = (prompt for _, prompt in demo_prompts(seed))
     call = {"id": "call-0", "type": "function", "function": {"name": "run_tests", "arguments": '{"path": "tests"}'}}
     messages = [
@@ -83,7 +84,9 @@ def demo_chat(seed: int = 7) -> tuple[str, dict[str, object]]:
         {"role": "tool", "tool_call_id": "call-0", "content": step_2.rsplit("Tool output: ", 1)[1]},
     ]
     named = {"type": "function", "function": {"name": "run_tests"}}
-    return "agent chat, tool call", {"messages": messages, "tools": [RUN_TESTS_TOOL], "tool_choice": named}
+    body = {"messages": messages, "tools": [RUN_TESTS_TOOL], "tool_choice": named, "max_completion_tokens": 40}
+    # thinking off: with a reasoning parser vLLM forces the call once the reasoning ended
+    return "agent chat, tool call", {**body, "chat_template_kwargs": {"enable_thinking": False}}
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,11 +28,14 @@ from tests.e2e.parity import (
     HISTORY,
     LOGPROB_TOLERANCE,
     NAMED,
+    NO_THINKING,
     TOOLS,
     Case,
     answer,
     differences,
     engine_token_ids,
+    forcing,
+    no_whitespace,
 )
 
 
@@ -58,10 +61,11 @@ def test_the_router_s_token_ids_are_the_engine_s(pd_fleet: Fleet, prompts: Engin
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_an_answer_through_the_fleet_equals_the_engine_s_own(
-    pd_fleet: Fleet, prompts: EnginePrompt, case: Case
+    pd_fleet: Fleet, model_dir: Path, prompts: EnginePrompt, case: Case
 ) -> None:
-    headers, through, usage = answer(pd_fleet.client_url, case)
-    _, direct, direct_usage = answer(_d(pd_fleet), case, cache_salt=f"parity-{uuid.uuid4().hex}")
+    extra = forcing(case, model_dir)
+    headers, through, usage = answer(pd_fleet.client_url, case, **extra)
+    _, direct, direct_usage = answer(_d(pd_fleet), case, cache_salt=f"parity-{uuid.uuid4().hex}", **extra)
     assert not differences(through, direct), (case.name, differences(through, direct))
     assert usage is not None and direct_usage is not None
     assert usage["prompt_tokens"] == direct_usage["prompt_tokens"] == len(prompts.token_ids(case.api, case.body))
@@ -72,11 +76,12 @@ def test_an_answer_through_the_fleet_equals_the_engine_s_own(
         json.loads(through[0]["tool_calls"][0][1])  # the arguments are JSON, as forced
 
 
-def test_an_agent_loop_with_the_openai_sdk_equals_the_engine_step_by_step(pd_fleet: Fleet) -> None:
+def test_an_agent_loop_with_the_openai_sdk_equals_the_engine_step_by_step(pd_fleet: Fleet, model_dir: Path) -> None:
     """Three steps of an agent through Envoy: tools declared, the call forced by name (thinking
-    off, so vLLM's structured outputs apply from the first token), the tool's result fed back
-    with the call in the history (content null); one session. Each step's tool call and
-    logprobs equal D's own answer to the same messages."""
+    off, so vLLM's structured outputs apply from the first token; whitespace biased away, so
+    the random-weight model closes the call), the tool's result fed back with the call in the
+    history (content null); one session. Each step's tool call and logprobs equal D's own
+    answer to the same messages."""
     from openai import OpenAI
 
     fleet_client = OpenAI(base_url=f"{pd_fleet.client_url}/v1", api_key="unused", max_retries=0)
@@ -89,12 +94,12 @@ def test_an_agent_loop_with_the_openai_sdk_equals_the_engine_step_by_step(pd_fle
             "messages": messages,
             "tools": TOOLS,
             "tool_choice": NAMED,
-            "max_completion_tokens": 40,
+            "max_completion_tokens": 80,
             "temperature": 0.0,
             "logprobs": True,
             "top_logprobs": 1,
         }
-        thinking_off = {"chat_template_kwargs": {"enable_thinking": False}}
+        thinking_off = {"chat_template_kwargs": NO_THINKING, **no_whitespace(model_dir)}
         got = fleet_client.chat.completions.create(**kwargs, extra_body={**thinking_off, "conversation_id": session})
         want = engine_client.chat.completions.create(
             **kwargs, extra_body={**thinking_off, "cache_salt": f"agent-ref-{uuid.uuid4().hex}"}

@@ -1,0 +1,156 @@
+"""The router's token ids: computed at the router, or asked of the engine's ``POST /tokenize``.
+
+The router routes on the token ids the engine will compute for a request
+(``routing/serve/prompt.py``). It can compute them itself (the model's ``tokenizer.json`` and
+chat template, rendered as vLLM renders them: no vLLM on the router's box) or ask an engine,
+whose ``/tokenize`` returns exactly its own ids. This times both on request shapes of a coding
+agent, in one run on one engine (a co-located tiny engine started here, the tiny model shaped
+like real ones): per shape, the median of ``--repeats`` calls each way (the engine's over one
+kept-alive connection, as a router's client would hold it), and checks the two give the same
+ids. ::
+
+    python benchmarks/bench_tokenize.py --json docs/benchmarks/results/tokenize.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from provenance import provenance
+
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.deploy.tiny_model import TINY_MODEL_ENGINE_ARGS, ensure_tiny_model
+from kvpilot.routing.serve.chat import ChatTemplate
+from kvpilot.routing.serve.prompt import EnginePrompt
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
+from kvpilot.routing.serve.upstream import Api
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name} in the repository.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    }
+    for name in ("read_file", "edit_file", "run_tests", "grep")
+]
+
+
+def _agent_history(steps: int, tool_words: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent. " + filler_text(600, 1)},
+        {"role": "user", "content": "Fix the failing scheduler test."},
+    ]
+    for k in range(steps):
+        call = {"id": f"c{k}", "type": "function", "function": {"name": "run_tests", "arguments": '{"path": "t"}'}}
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        messages.append({"role": "tool", "tool_call_id": f"c{k}", "content": filler_text(tool_words, 10 + k)})
+    return messages
+
+
+SHAPES: tuple[tuple[str, Api, dict[str, Any]], ...] = (
+    ("completions, 200-word text", Api.COMPLETIONS, {"prompt": filler_text(200, 1)}),
+    ("completions, 6,000-word text", Api.COMPLETIONS, {"prompt": filler_text(6000, 2)}),
+    ("chat, agent step 2 (tools, tool calls)", Api.CHAT, {"messages": _agent_history(2, 150), "tools": TOOLS}),
+    ("chat, agent step 30 (tools, tool calls)", Api.CHAT, {"messages": _agent_history(30, 150), "tools": TOOLS}),
+)
+
+
+def _engine_ids(conn: http.client.HTTPConnection, body: dict[str, Any]) -> list[int]:
+    conn.request("POST", "/tokenize", json.dumps({"model": "tiny", **body}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    payload = json.loads(resp.read())
+    if resp.status != 200:
+        raise RuntimeError(f"/tokenize answered {resp.status}: {payload}")
+    return list(payload["tokens"])
+
+
+def _median_ms(call: Any, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def measure(repeats: int) -> list[dict[str, Any]]:
+    model_dir = ensure_tiny_model()
+    prompts = EnginePrompt(PromptTokenizer(model_dir), ChatTemplate.from_model_dir(model_dir))
+    spec = FleetSpec(
+        model_dir=model_dir,
+        run_dir=Path(tempfile.mkdtemp(prefix="kvpilot-bench-tokenize-")),
+        prefill=0,
+        decode=0,
+        colocated=1,
+        engine_port=8930,
+        side_channel_port=6930,
+        events_port=7030,
+        router_port=8920,
+        engine_args=TINY_MODEL_ENGINE_ARGS,
+    )
+    started = fleet_io.up(spec, progress=lambda _: None)
+    rows = []
+    try:
+        host, port = started.engines[0].url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        for name, api, body in SHAPES:
+            local = prompts.token_ids(api, body)
+            engine = _engine_ids(conn, body)
+            rows.append(
+                {
+                    "shape": name,
+                    "tokens": len(engine),
+                    "same_ids": local == engine,
+                    "local_ms": _median_ms(lambda a=api, b=body: prompts.token_ids(a, b), repeats),
+                    "engine_ms": _median_ms(lambda b=body: _engine_ids(conn, b), repeats),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+        conn.close()
+    finally:
+        fleet_io.down(spec.run_dir)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| request | prompt tokens | same ids | at the router (ms) | engine's `/tokenize` (ms) | engine / router |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio = r["engine_ms"] / r["local_ms"] if r["local_ms"] else float("inf")
+        same = "yes" if r["same_ids"] else "NO"
+        lines.append(
+            f"| {r['shape']} | {r['tokens']:,} | {same} | {r['local_ms']:.2f} | {r['engine_ms']:.2f} | {ratio:.1f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=50, help="calls per shape and way (median)")
+    parser.add_argument("--json", type=Path, help="write the results file here")
+    args = parser.parse_args(argv)
+    rows = measure(args.repeats)
+    print(table(rows))
+    if args.json is not None:
+        run = {"argv": sys.argv, "repeats": args.repeats}
+        args.json.write_text(json.dumps({"run": run, "provenance": provenance(), "tokenize": rows}, indent=1) + "\n")
+    return 0 if all(r["same_ids"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

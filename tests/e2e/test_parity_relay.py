@@ -1,0 +1,79 @@
+"""The parity table of tests/e2e/parity.py on the project's other tiny model (the older shape:
+no BOS added to text, a chat template without tools) and on the router's own HTTP front,
+which relays the engine's answer (no Envoy): one co-located engine behind the router.
+
+For each case the router's token ids are the engine's own ``POST /tokenize``'s, and the
+answer through the router equals the engine's answer to the same request sent directly.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpilot.deploy.fleet import Fleet
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.tiny_model import PLAIN_MODEL_SPEC, TINY_MODEL_ENGINE_ARGS, ensure_tiny_model
+from kvpilot.routing.serve.chat import ChatTemplate
+from kvpilot.routing.serve.prompt import EnginePrompt
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
+from kvpilot.routing.serve.upstream import Api
+from tests.e2e.fleets import running_fleet
+from tests.e2e.parity import CASES, Case, answer, differences, engine_token_ids, forcing
+from tests.fakes.ports import block_of
+
+
+@pytest.fixture(scope="module")
+def plain_model() -> Path:
+    return ensure_tiny_model(spec=PLAIN_MODEL_SPEC)
+
+
+@pytest.fixture(scope="module")
+def fleet(plain_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    spec = FleetSpec(
+        model_dir=plain_model,
+        run_dir=tmp_path_factory.mktemp("parity-relay"),
+        prefill=0,
+        decode=0,
+        colocated=1,
+        engine_args=TINY_MODEL_ENGINE_ARGS,
+        **block_of(__name__).fleet(),
+    )
+    with running_fleet(spec) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def prompts(plain_model: Path) -> EnginePrompt:
+    return EnginePrompt(PromptTokenizer(plain_model), ChatTemplate.from_model_dir(plain_model))
+
+
+def _engine(fleet: Fleet) -> str:
+    return fleet.by_role("colocated")[0].url
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_router_s_token_ids_are_the_engine_s(fleet: Fleet, prompts: EnginePrompt, case: Case) -> None:
+    ids = prompts.token_ids(case.api, case.body)
+    if isinstance(case.body.get("prompt"), list):
+        assert ids == case.body["prompt"]
+    else:
+        assert ids == engine_token_ids(_engine(fleet), case)
+    if case.api is Api.COMPLETIONS and isinstance(case.body["prompt"], str):
+        assert ids[0] != 0  # this tokenizer adds no BOS
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_an_answer_relayed_by_the_router_equals_the_engine_s_own(
+    fleet: Fleet, plain_model: Path, prompts: EnginePrompt, case: Case
+) -> None:
+    extra = forcing(case, plain_model)
+    headers, through, usage = answer(fleet.client_url, case, **extra)
+    _, direct, direct_usage = answer(_engine(fleet), case, cache_salt=f"parity-{uuid.uuid4().hex}", **extra)
+    assert not differences(through, direct), (case.name, differences(through, direct))
+    assert usage is not None and direct_usage is not None
+    assert usage["prompt_tokens"] == direct_usage["prompt_tokens"] == len(prompts.token_ids(case.api, case.body))
+    assert headers["x-kvpilot-route"] == "colocated"
