@@ -48,6 +48,7 @@ bench: setup
 	.venv/bin/python benchmarks/bench_verify_e2e.py
 	taskset -c 1 .venv/bin/python benchmarks/bench_router_index.py
 	.venv/bin/python benchmarks/bench_router_overhead.py
+	.venv/bin/python benchmarks/bench_tokenize.py --json /tmp/kvpilot-bench-tokenize.json
 	.venv/bin/python benchmarks/bench_hot_prefix.py
 	.venv/bin/python benchmarks/bench_transfer.py
 	.venv/bin/python benchmarks/bench_pull_policy.py
