@@ -205,6 +205,50 @@ def _blocks(tokens: list[int]) -> list[list[int]]:
     return [tokens[i : i + BS] for i in range(0, len(tokens), BS)]
 
 
+def _instance_of(spec: DynamoFleetSpec, proc: Any) -> int:
+    """The Dynamo instance id of a launched worker (its request-plane port in discovery)."""
+    for path in (spec.discovery_dir / "v1" / "instances").iterdir():
+        entry = json.loads(path.read_text())
+        if entry.get("endpoint") == "generate" and entry["transport"]["tcp"].split("/")[0].endswith(
+            f":{proc.side_ports[0]}"
+        ):
+            return int(entry["instance_id"])
+    raise KeyError(proc.name)
+
+
+def test_a_chat_with_tools_is_prefilled_on_the_frontend_s_own_tokens(fleet, spec, events, model_dir):
+    """Beside Dynamo the frontend is the oracle: a chat with tools and a tool-call history sent
+    through kvpilot (the router's token ids in ``nvext.token_data``) is prefilled on exactly the
+    token ids the frontend computes for the same chat sent to it directly (each read from the
+    prefill worker's own KV events), and both answers count the same prompt tokens."""
+    from kvpilot.routing.serve.chat import ChatTemplate
+    from kvpilot.routing.serve.prompt import EnginePrompt
+    from kvpilot.routing.serve.tokenizer import PromptTokenizer
+    from kvpilot.routing.serve.upstream import Api
+    from tests.e2e.parity import HISTORY, TOOLS
+
+    body = {"model": "tiny", "messages": HISTORY, "tools": TOOLS, "max_tokens": 3}
+    ours = EnginePrompt(PromptTokenizer(model_dir), ChatTemplate.from_model_dir(model_dir)).token_ids(Api.CHAT, body)
+    events.stored(0.0)
+    status, headers, through = _post(f"{spec.client_url}/v1/chat/completions", body)
+    assert status == 200, through
+    p = _worker_of(spec, headers["X-KVPilot-Prefill-Worker"])
+    d = _worker_of(spec, headers["X-KVPilot-Decode-Worker"])
+    prefilled_through = events.stored()[p.name]
+    other_p = next(e for e in fleet.engines if e.role == Role.PREFILL.value and e.name != p.name)
+    direct_headers = {
+        "x-dynamo-worker-instance-id": str(_instance_of(spec, d)),
+        "x-dynamo-prefill-instance-id": str(_instance_of(spec, other_p)),
+    }
+    status, _, direct = _post(f"{spec.frontend_url}/v1/chat/completions", body, direct_headers)
+    assert status == 200, direct
+    prefilled_direct = events.stored()[other_p.name]
+    full = len(ours) // BS * BS  # KV events name full blocks only
+    assert prefilled_direct[:full] == ours[:full], "the frontend tokenizes the chat otherwise than the router"
+    assert prefilled_through[:full] == ours[:full]
+    assert through["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"] == len(ours)
+
+
 def test_the_router_reads_each_worker_s_events_from_its_own_port(fleet, spec, events):
     prompt = _prompt(2)
     first = _complete(spec, prompt)
