@@ -6,7 +6,7 @@ Between the two the stream runs from the engine to the client through Envoy alon
 response byte reaches Python.
 
 :meth:`Picker.pick` does what the HTTP front does up to D's call
-(:meth:`~kvpilot.routing.serve.app.RouterServer.intake`: check, tokenize once, session, route, TTFT
+(:meth:`~kvpilot.routing.serve.app.RouterServer.intake`: check, the engine's token ids, session, route, TTFT
 SLO; then :meth:`~kvpilot.routing.serve.proxy.Proxy.begin`: ledger, metrics, and P's prefill with its
 fallback when the route prefills remotely on vLLM engines; beside Dynamo P's step is deferred
 into D's call) and answers with D's :class:`~kvpilot.routing.serve.upstream.Destination` and the
