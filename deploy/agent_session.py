@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.deploy.client import Completion, complete
+from kvpilot.deploy.client import Completion, Prompt, complete
 from kvpilot.kvconnectors.pull_params import handoff_request
 
 
@@ -41,13 +41,14 @@ class Handoff:
 def prefill_then_decode(
     p_url: str,
     d_url: str,
-    prompt: list[int],
+    prompt: Prompt,
     generated: int,
     timeout: float = 300.0,
     p_params: dict[str, Any] | None = None,
     **extra: Any,
 ) -> Handoff:
-    """The P->D proxy: P prefills ``prompt`` (``max_tokens=1``) with ``p_params``
+    """The P->D proxy: P prefills ``prompt`` (token ids, or chat messages sent to both
+    engines' chat endpoint; ``max_tokens=1``) with ``p_params``
     (default: vLLM's plain handoff; D's end-of-turn params let P pull D's KV first); D
     generates ``generated`` tokens (greedy, ``ignore_eos``, token ids returned) with
     the params P returned, or prefills the prompt itself if P returned none.

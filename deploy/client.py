@@ -32,11 +32,16 @@ class Completion:
     token_ids: tuple[int, ...] = ()
     """The generated token ids, when the request asked ``return_token_ids``."""
     token_seconds: tuple[float, ...] = ()
-    """Streamed: when each token arrived, in seconds since the request was sent."""
+    """When each token arrived, in seconds since the request was sent (a whole answer's
+    all at once)."""
+    tool_calls: tuple[tuple[str, str], ...] = ()
+    """A chat's tool calls, each ``(name, arguments)`` (their ids are random)."""
+    prompt_tokens: int = 0
+    """The prompt's token count, as the engine's usage says."""
 
     def same_output(self, other: Completion) -> bool:
-        """Same tokens and bit-identical logprobs."""
-        return self.tokens == other.tokens and self.logprobs == other.logprobs
+        """Same tokens, bit-identical logprobs, the same tool calls."""
+        return (self.tokens, self.logprobs, self.tool_calls) == (other.tokens, other.logprobs, other.tool_calls)
 
     def max_logprob_diff(self, other: Completion) -> float:
         if len(self.logprobs) != len(other.logprobs):
@@ -81,9 +86,19 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> HTTPResponse:
         raise HTTPStatusError(exc.code, exc.read().decode(errors="replace"), CIMultiDict(exc.headers.items())) from None
 
 
+Prompt = str | list[int] | list[dict[str, Any]]
+"""What :func:`complete` sends: text or token ids to ``/v1/completions``, chat messages to
+``/v1/chat/completions``."""
+
+
+def is_chat(prompt: Prompt) -> bool:
+    """Whether ``prompt`` is a list of chat messages."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+
+
 def complete(
     base_url: str,
-    prompt: str | list[int],
+    prompt: Prompt,
     *,
     max_tokens: int = 8,
     stream: bool = False,
@@ -91,110 +106,86 @@ def complete(
     timeout: float = 300.0,
     **extra: Any,
 ) -> Completion:
-    """Greedy completion with top-1 logprobs. ``extra`` goes into the body as is."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "logprobs": 1,
-        "stream": stream,
-        **extra,
-    }
+    """Greedy, with top-1 logprobs: a completion of text or token ids, or a chat completion
+    of messages (its content as ``text``, its tool calls, its logprobs' tokens). ``extra``
+    goes into the body as is."""
+    chat = is_chat(prompt)
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
+    if chat:
+        body |= {"messages": prompt, "logprobs": True, "top_logprobs": 1}
+    else:
+        body |= {"prompt": prompt, "logprobs": 1}
+    body |= extra
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     started = time.perf_counter()
-    tokens: list[str] = []
-    logprobs: list[float] = []
-    ttft = 0.0
-    arrivals: list[float] = []
-    with _post(f"{base_url}/v1/completions", body, timeout) as resp:
+    with _post(f"{base_url}{path}", body, timeout) as resp:
         headers = CIMultiDict(resp.headers.items())
         if not stream:
             payload = json.load(resp)
-            choice = payload["choices"][0]
-            ttft = time.perf_counter() - started
-            tokens, logprobs = choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
-            text, params = choice["text"], payload.get("kv_transfer_params")
-            token_ids = tuple(choice.get("token_ids") or ())
+            parsed = _Parsed(headers, started)
+            parsed.add(payload, time.perf_counter() - started)
         else:
-            text, params, streamed_ids = "", None, list[int]()
+            parsed = _Parsed(headers, started)
             for raw in resp:
                 line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                for choice in chunk.get("choices", []):
-                    now = time.perf_counter() - started
-                    if not ttft and (choice.get("text") or choice.get("token_ids") or choice.get("logprobs")):
-                        ttft = now  # the first token, with logprobs or without (Dynamo's mocker sends none)
-                    if choice.get("logprobs"):
-                        arrivals += [now] * len(choice["logprobs"]["tokens"])
-                        tokens += choice["logprobs"]["tokens"]
-                        logprobs += choice["logprobs"]["token_logprobs"]
-                    text += choice.get("text", "")
-                    streamed_ids += choice.get("token_ids") or ()
-            token_ids = tuple(streamed_ids)
-    return Completion(
-        text,
-        tuple(tokens),
-        tuple(logprobs),
-        ttft,
-        time.perf_counter() - started,
-        params,
-        headers,
-        token_ids,
-        tuple(arrivals),
-    )
+                if line.startswith("data:") and line != "data: [DONE]":
+                    parsed.add(json.loads(line[5:]), time.perf_counter() - started)
+    return parsed.completion(time.perf_counter() - started)
 
 
-@dataclass(frozen=True, slots=True)
-class ChatAnswer:
-    """A whole chat completion's first choice: its content, reasoning and tool calls (each
-    ``(name, arguments)``; the call ids are random), its tokens with their logprobs, the
-    prompt's token count and the answer's headers."""
+class _Parsed:
+    """A completion's or chat completion's first choice, whole or from its chunks in order."""
 
-    content: str | None
-    reasoning: str | None
-    tool_calls: tuple[tuple[str, str], ...]
-    tokens: tuple[str, ...]
-    logprobs: tuple[float, ...]
-    prompt_tokens: int
-    seconds: float
-    headers: Mapping[str, str] = field(default_factory=dict)
+    def __init__(self, headers: Mapping[str, str], started: float) -> None:
+        self.headers = headers
+        self.text = ""
+        self.tokens: list[str] = []
+        self.logprobs: list[float] = []
+        self.arrivals: list[float] = []
+        self.token_ids: list[int] = []
+        self.calls: dict[int, tuple[str, str]] = {}
+        self.params: dict[str, Any] | None = None
+        self.prompt_tokens = 0
+        self.ttft = 0.0
 
-    def same_output(self, other: ChatAnswer) -> bool:
-        """Same content, reasoning, tool calls, tokens and bit-identical logprobs."""
-        mine = (self.content, self.reasoning, self.tool_calls, self.tokens, self.logprobs)
-        return mine == (other.content, other.reasoning, other.tool_calls, other.tokens, other.logprobs)
+    def add(self, payload: dict[str, Any], now: float) -> None:
+        self.params = payload.get("kv_transfer_params") or self.params
+        self.prompt_tokens = (payload.get("usage") or {}).get("prompt_tokens") or self.prompt_tokens
+        for choice in payload.get("choices") or ():
+            part = choice.get("message") or choice.get("delta") or {}
+            text = choice.get("text") or part.get("content") or ""
+            lp = choice.get("logprobs") or {}
+            if "content" in lp:  # a chat's
+                tokens = [t["token"] for t in lp["content"] or ()]
+                logprobs = [t["logprob"] for t in lp["content"] or ()]
+            else:
+                tokens, logprobs = list(lp.get("tokens") or ()), list(lp.get("token_logprobs") or ())
+            if not self.ttft and (text or tokens or choice.get("token_ids")):
+                self.ttft = now  # the first token, with logprobs or without (Dynamo's mocker sends none)
+            self.text += text
+            self.tokens += tokens
+            self.logprobs += logprobs
+            self.arrivals += [now] * len(tokens)
+            self.token_ids += choice.get("token_ids") or ()
+            for k, call in enumerate(part.get("tool_calls") or ()):
+                index, function = call.get("index", k), call.get("function") or {}
+                name, args = self.calls.get(index, ("", ""))
+                self.calls[index] = (name + (function.get("name") or ""), args + (function.get("arguments") or ""))
 
-    def max_logprob_diff(self, other: ChatAnswer) -> float:
-        if len(self.logprobs) != len(other.logprobs):
-            return float("inf")
-        return max((abs(a - b) for a, b in zip(self.logprobs, other.logprobs, strict=True)), default=0.0)
-
-
-def chat(base_url: str, body: dict[str, Any], *, timeout: float = 300.0) -> ChatAnswer:
-    """``body`` sent to ``/v1/chat/completions`` as it is (greedy with top-1 logprobs unless
-    it says otherwise), not streamed."""
-    sent = {"model": "tiny", "temperature": 0.0, "logprobs": True, "top_logprobs": 1, **body}
-    started = time.perf_counter()
-    with _post(f"{base_url}/v1/chat/completions", sent, timeout) as resp:
-        headers = CIMultiDict(resp.headers.items())
-        payload = json.load(resp)
-    seconds = time.perf_counter() - started
-    choice = payload["choices"][0]
-    message = choice["message"]
-    calls = tuple((c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ())
-    content = (choice.get("logprobs") or {}).get("content") or ()
-    return ChatAnswer(
-        message.get("content"),
-        message.get("reasoning") or message.get("reasoning_content"),
-        calls,
-        tuple(t["token"] for t in content),
-        tuple(t["logprob"] for t in content),
-        payload["usage"]["prompt_tokens"],
-        seconds,
-        headers,
-    )
+    def completion(self, total: float) -> Completion:
+        return Completion(
+            self.text,
+            tuple(self.tokens),
+            tuple(self.logprobs),
+            self.ttft or total,
+            total,
+            self.params,
+            self.headers,
+            tuple(self.token_ids),
+            tuple(self.arrivals),
+            tuple(self.calls[k] for k in sorted(self.calls)),
+            self.prompt_tokens,
+        )
 
 
 def debug_route(router_url: str, prompt: list[int], *, timeout: float = 60.0, **extra: object) -> dict[str, Any]:

@@ -16,12 +16,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvpilot.deploy import fleet as fleet_io
-from kvpilot.deploy.client import ChatAnswer, Completion, chat, complete
+from kvpilot.deploy.client import Prompt, complete
 from kvpilot.deploy.fleet_spec import FleetSpec
 from kvpilot.deploy.metrics import delta, scrape, settled
-from kvpilot.deploy.tiny_model import TINY_MODEL_ENGINE_ARGS, ensure_tiny_model
+from kvpilot.deploy.tiny_model import TINY_MODEL_ENGINE_ARGS, ensure_tiny_model, whitespace_logit_bias
 from kvpilot.kvconnectors.vllm_metrics import NIXL_BYTES_TRANSFERRED, PROMPT_TOKENS_BY_SOURCE, PromptTokenSource
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
 
@@ -64,29 +65,36 @@ RUN_TESTS_TOOL = {
     "type": "function",
     "function": {
         "name": "run_tests",
-        "description": "Run the repository's tests and return their output.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        "description": "Run the repository's tests under a path and return their output.",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string", "enum": ["tests", "src"]}},
+            "required": ["path"],
+            "additionalProperties": False,
+        },
+        "strict": True,
     },
 }
 
 
-def demo_chat(seed: int = 7) -> tuple[str, dict[str, object]]:
-    """(label, body): an agent's chat step: a history with a tool call and its result, the
-    tool declared, and the next call forced by name (vLLM forces it with structured outputs,
-    so even the random-weight model answers with a tool call; the template's empty thought
-    ends the reasoning that the qwen3 parser would otherwise wait for)."""
-    system, _, _, step_2 = (prompt for _, prompt in demo_prompts(seed))
+def demo_chat(model_dir: Path, seed: int = 7) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    """(label, messages, the rest of the body): an agent's chat step: a history with a tool
+    call and its result, the tool declared, and the next call forced by name. vLLM forces it
+    with structured outputs (the strict tool's arguments pinned to its schema) once the
+    reasoning ended (the template's empty thought ends it); the random-weight model is kept
+    off whitespace so that it closes the call (:func:`~kvpilot.deploy.tiny_model.whitespace_logit_bias`)."""
+    _, task_a, _, step_2 = (prompt for _, prompt in demo_prompts(seed))
     call = {"id": "call-0", "type": "function", "function": {"name": "run_tests", "arguments": '{"path": "tests"}'}}
-    messages = [
-        {"role": "system", "content": system.split("\n", 1)[0]},
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": task_a.split("\n", 1)[0]},
         {"role": "user", "content": "Fix the failing test in the scheduler."},
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call-0", "content": step_2.rsplit("Tool output: ", 1)[1]},
     ]
     named = {"type": "function", "function": {"name": "run_tests"}}
-    body = {"messages": messages, "tools": [RUN_TESTS_TOOL], "tool_choice": named, "max_completion_tokens": 40}
-    # thinking off: with a reasoning parser vLLM forces the call once the reasoning ended
-    return "agent chat, tool call", {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    rest = {"tools": [RUN_TESTS_TOOL], "tool_choice": named, "max_completion_tokens": 80}
+    rest |= {"chat_template_kwargs": {"enable_thinking": False}, **whitespace_logit_bias(model_dir)}
+    return "agent chat, tool call", messages, rest
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,43 +113,36 @@ class DemoRow:
     """The chat's tool call, ``name(arguments)``, as D answered it through the fleet."""
 
 
-def run_requests(started: fleet_io.Fleet, tokenizer: PromptTokenizer) -> list[DemoRow]:
+def run_requests(started: fleet_io.Fleet, model_dir: Path) -> list[DemoRow]:
+    tokenizer = PromptTokenizer(model_dir)
     prefill, decode = started.by_role("prefill")[0], started.by_role("decode")[0]
     # Co-located reference: the same request, request after request, on D alone under
     # one fresh cache salt, so nothing of the disaggregated runs is reused while prefix
     # hits split each prefill at the same blocks as on the disaggregated path.
     reference_salt = f"demo-ref-{uuid.uuid4().hex}"
-    requests: list[tuple[str, list[int] | dict[str, object]]] = [
-        (label, tokenizer.encode(prompt, add_special_tokens=True)) for label, prompt in demo_prompts()
-    ]
-    requests.append(demo_chat())
+    requests: list[tuple[str, Prompt, dict[str, Any]]] = [
+        (label, tokenizer.encode(prompt, add_special_tokens=True), {}) for label, prompt in demo_prompts()
+    ]  # token ids as vLLM encodes a text prompt (BOS first)
+    requests.append(demo_chat(model_dir))
     rows = []
-    for label, request in requests:
+    for label, prompt, extra in requests:
         p0, d0 = scrape(prefill.url), scrape(decode.url)
-        disagg: Completion | ChatAnswer
-        if isinstance(request, list):  # token ids, as vLLM encodes a text prompt (BOS first)
-            disagg = complete(started.client_url, request, stream=True)
-            p1, d1 = settled(prefill.url, p0), settled(decode.url, d0)
-            reference: Completion | ChatAnswer = complete(decode.url, request, cache_salt=reference_salt)
-            prompt_tokens, ttft_s = len(request), disagg.ttft_seconds
-        else:
-            disagg = chat(started.client_url, request)
-            p1, d1 = settled(prefill.url, p0), settled(decode.url, d0)
-            reference = chat(decode.url, {**request, "cache_salt": reference_salt})
-            prompt_tokens, ttft_s = disagg.prompt_tokens, disagg.seconds
+        disagg = complete(started.client_url, prompt, stream=not extra, **extra)
+        p1, d1 = settled(prefill.url, p0), settled(decode.url, d0)
+        reference = complete(decode.url, prompt, cache_salt=reference_salt, **extra)
         rows.append(
             DemoRow(
                 label=label,
                 route=disagg.headers.get("X-KVPilot-Route", "?"),
-                prompt_tokens=prompt_tokens,
-                ttft_ms=ttft_s * 1e3,
+                prompt_tokens=disagg.prompt_tokens or len(prompt),
+                ttft_ms=disagg.ttft_seconds * 1e3,
                 prefilled_on_p=int(delta(p1, p0, PROMPT_TOKENS, source=COMPUTED)),
                 prefilled_on_d=int(delta(d1, d0, PROMPT_TOKENS, source=COMPUTED)),
                 received_by_d=int(delta(d1, d0, PROMPT_TOKENS, source=RECEIVED)),
                 nixl_bytes=int(delta(d1, d0, NIXL_BYTES_TRANSFERRED.sum)),
-                same_as_colocated=disagg.same_output(reference),  # type: ignore[arg-type]
-                max_logprob_diff=disagg.max_logprob_diff(reference),  # type: ignore[arg-type]
-                tool_call=", ".join(f"{name}({args})" for name, args in getattr(disagg, "tool_calls", ())),
+                same_as_colocated=disagg.same_output(reference),
+                max_logprob_diff=disagg.max_logprob_diff(reference),
+                tool_call=", ".join(f"{name}({args})" for name, args in disagg.tool_calls),
             )
         )
     return rows
@@ -192,7 +193,7 @@ def run_demo(run_dir: Path, disaggregation: str = "always") -> int:
             f"[3/4] requests through Envoy on {started.client_url}, the router's picker deciding (prefill on P or "
             "locally on D, KV over NIXL, decode on D streamed by Envoy)"
         )
-        rows = run_requests(started, PromptTokenizer(model_dir))
+        rows = run_requests(started, model_dir)
         print()
         print(render(rows))
         print()

@@ -363,6 +363,19 @@ def ensure_tiny_model(cache_dir: Path | None = None, spec: TinyModelSpec = TINY_
     return target
 
 
+def whitespace_logit_bias(model_dir: Path) -> dict[str, dict[str, int]]:
+    """``{"logit_bias": ...}`` against every token of ``model_dir``'s vocabulary that is only
+    whitespace. A tiny model's random weights prefer whitespace wherever a grammar allows it:
+    in a named tool call that vLLM forces (xgrammar's ``hermes`` structural tag allows it
+    between JSON tokens) they never close the call. Sent with such a request, a strict tool
+    whose arguments are an enum is called in a few tokens."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    text = {i: tokenizer.decode([i], skip_special_tokens=False) for i in range(tokenizer.get_vocab_size())}
+    return {"logit_bias": {str(i): -100 for i, t in text.items() if t and not t.strip()}}
+
+
 def tree_digest(path: Path) -> str:
     """sha256 over every file's relative name and bytes: equal digests, equal trees."""
     h = hashlib.sha256()

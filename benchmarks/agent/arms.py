@@ -59,7 +59,7 @@ class ArmSetup:
     """The arm's ``cache_salt``: no arm inherits another's cache."""
     generated: int
     timeout: float
-    shared_prefix: list[int]
+    shared_prefix: list[aw.Message]
     log_dir: Path
 
 
@@ -99,19 +99,21 @@ class Arm(ABC):
         return None
 
     @abstractmethod
-    def serve(self, session: int, prompt: list[int]) -> Served:
-        """Send ``session``'s prompt of the current step; thread-safe."""
+    def serve(self, session: int, prompt: list[aw.Message]) -> Served:
+        """Send ``session``'s messages of the current step (with the workload's tools); thread-safe."""
 
     def handicaps(self) -> list[str]:
         """What this arm did that the others did not, for its line of the report."""
         return []
 
-    def _through_proxy(self, prompt: list[int], salt: str, p_params: dict[str, Any] | None = None) -> Served:
+    def _through_proxy(self, prompt: list[aw.Message], salt: str, p_params: dict[str, Any] | None = None) -> Served:
         s = self.setup
-        handoff = prefill_then_decode(s.p_url, s.d_url, prompt, s.generated, s.timeout, p_params, cache_salt=salt)
+        handoff = prefill_then_decode(
+            s.p_url, s.d_url, prompt, s.generated, s.timeout, p_params, cache_salt=salt, tools=aw.TOOLS
+        )
         return Served(handoff.d, p_seconds=handoff.p.total_seconds)
 
-    def _generate(self, url: str, prompt: list[int], **extra: Any) -> Completion:
+    def _generate(self, url: str, prompt: list[aw.Message], **extra: Any) -> Completion:
         s = self.setup
         return complete(
             url,
@@ -121,6 +123,7 @@ class Arm(ABC):
             return_token_ids=True,
             cache_salt=s.salt,
             timeout=s.timeout,
+            tools=aw.TOOLS,
             **extra,
         )
 
@@ -132,7 +135,7 @@ class NoPrefixCache(Arm):
     title = "(a) no prefix cache"
     fleet = FleetName.N
 
-    def serve(self, session: int, prompt: list[int]) -> Served:
+    def serve(self, session: int, prompt: list[aw.Message]) -> Served:
         return self._through_proxy(prompt, f"a-{uuid.uuid4().hex}")
 
 
@@ -151,9 +154,9 @@ class PrefixOnly(Arm):
     def before_step(self, step: int) -> None:
         s = self.setup
         self.reset_attempts.append(reset_prefix_cache(s.p_url))
-        complete(s.p_url, s.shared_prefix, max_tokens=1, cache_salt=s.salt, timeout=s.timeout)
+        complete(s.p_url, s.shared_prefix, max_tokens=1, cache_salt=s.salt, timeout=s.timeout, tools=aw.TOOLS)
 
-    def serve(self, session: int, prompt: list[int]) -> Served:
+    def serve(self, session: int, prompt: list[aw.Message]) -> Served:
         return self._through_proxy(prompt, self.setup.salt)
 
     def handicaps(self) -> list[str]:
@@ -195,7 +198,7 @@ class ConversationIdProxy(Arm):
             self.hits += 1
         return {**entry[0], "do_remote_decode": True, "do_remote_prefill": False}
 
-    def serve(self, session: int, prompt: list[int]) -> Served:
+    def serve(self, session: int, prompt: list[aw.Message]) -> Served:
         conversation_id = f"session-{session}"
         served = self._through_proxy(prompt, self.setup.salt, self._take(conversation_id))
         if served.completion.kv_transfer_params:
@@ -228,7 +231,7 @@ class VllmRouterPD(Arm):
             finally:
                 self._url = None
 
-    def serve(self, session: int, prompt: list[int]) -> Served:
+    def serve(self, session: int, prompt: list[aw.Message]) -> Served:
         if self._url is None:
             raise RuntimeError("vllm-router is not running (serve outside running())")
         return Served(self._generate(self._url, prompt))
@@ -244,7 +247,7 @@ class Kvpilot(Arm):
     def describe(self) -> str:
         return f"{self.title} via {self.setup.router_url}"
 
-    def serve(self, session: int, prompt: list[int]) -> Served:
+    def serve(self, session: int, prompt: list[aw.Message]) -> Served:
         out = self._generate(self.setup.router_url, prompt, conversation_id=f"session-{session}")
         return Served(out, route=out.headers.get(ROUTE_HEADER))
 

@@ -1,11 +1,14 @@
 """The article's coding agent on the CPU box: five ways to serve it, each alone, in shuffled repeats.
 
-The workload (:mod:`agent_workload`, seeded): ``--sessions`` agent sessions of
-``--steps`` steps share a ~1,000-token system + repository prefix; each step appends a
-distinct ~100-token tool output to the session's history and generates a tool call
-of ``--generated`` tokens (greedy, ``ignore_eos``, top-1 logprobs, non-streaming).
-The last ``--editing-sessions`` sessions edit their history at 1/4, 1/2 and 3/4 of the
-run (reasoning trace stripped, message re-rendered, history truncated). Sessions run
+The workload (:mod:`agent_workload`, seeded), sent as an agent client sends it: chat
+requests to ``/v1/chat/completions`` with a tool declared and the history's tool calls
+and tool results. ``--sessions`` agent sessions of ``--steps`` steps share a system prompt
+(~1,000 words of instructions and repository files, ~1,270 tokens with the tool); each step
+resends the session's messages plus a distinct ~100-word tool output and generates
+``--generated`` tokens (greedy, ``ignore_eos``, top-1 logprobs, non-streaming), which the
+next step resends as the reasoning before the step's tool call. The last
+``--editing-sessions`` sessions edit their history at 1/4, 1/2 and 3/4 of the run
+(reasoning stripped, message re-rendered, history truncated). Sessions run
 concurrently within a step and steps in lockstep, with the engines' ``/metrics``
 scraped between steps, so every engine counter is attributed to one step of one arm.
 
@@ -165,7 +168,6 @@ from kvpilot.deploy.fleet_spec import FleetSpec
 from kvpilot.deploy.metrics import scrape
 from kvpilot.deploy.tiny_model import ensure_tiny_model
 from kvpilot.kvconnectors.pull_policy import RecomputePolicy
-from kvpilot.routing.serve.tokenizer import PromptTokenizer
 
 FLEET_DESCRIPTIONS = {
     FleetName.N: "NixlConnector, 1 P + 1 D",
@@ -283,8 +285,8 @@ def logged_warm_up(fleet: str, p_url: str, d_url: str, timeout: float) -> float:
 
 
 # ---- the lockstep runner -------------------------------------------------------------
-Serve = Callable[[int, list[int]], Served]
-"""``serve(session, prompt)``: one request of the current step."""
+Serve = Callable[[int, list[aw.Message]], Served]
+"""``serve(session, messages)``: one request of the current step."""
 
 
 def lockstep(
@@ -352,13 +354,14 @@ def reference_pass(run: Run, d_url: str, workload: aw.Workload) -> None:
                     return_token_ids=True,
                     cache_salt=f"ref-{uuid.uuid4().hex}",
                     timeout=config.request_timeout,
+                    tools=aw.TOOLS,
                 )
 
             for s, out in enumerate(pool.map(ref, range(config.sessions))):
                 if len(out.token_ids) != config.generated:
                     raise RuntimeError(f"reference step {step} session {s}: {len(out.token_ids)} tokens")
                 run.reference[(s, step)] = out
-                workload.advance(s, step, list(out.token_ids))
+                workload.advance(s, step, out.text)
 
 
 def calibrate(run: Run, d_url: str) -> None:
@@ -366,7 +369,7 @@ def calibrate(run: Run, d_url: str) -> None:
     (a stable salt per session), into ``run.noise["calibration"]``."""
     config = run.config
 
-    def serve(session: int, prompt: list[int]) -> Served:
+    def serve(session: int, prompt: list[aw.Message]) -> Served:
         out = complete(
             d_url,
             prompt,
@@ -375,6 +378,7 @@ def calibrate(run: Run, d_url: str) -> None:
             return_token_ids=True,
             cache_salt=f"calib-{run.run_id}-{session}",
             timeout=config.request_timeout,
+            tools=aw.TOOLS,
         )
         return Served(out)
 
@@ -428,7 +432,7 @@ def reference_fleet(run: Run, model_dir: Path, workload: aw.Workload) -> None:
         run.edited_steps = sorted({k + 1 for _, k, _ in workload.edits_done})
         log(
             f"reference done in {run.timings['reference']:.0f} s; edits {workload.edits_done}; "
-            f"last prompt {max(len(p) for p in run.prompts.values())} tokens"
+            f"last prompt {max(c.prompt_tokens for c in run.reference.values())} tokens"
         )
         with timed(run, "calibration"):
             log("calibration: the same prompts on D with its prefix cache (a stable salt per session)")
@@ -461,7 +465,7 @@ def run_fleet(run: Run, planned: agent_schedule.FleetRun, repeat: int, model_dir
                 f"arm-{key}-{run.run_id}-r{repeat}",
                 config.generated,
                 config.request_timeout,
-                workload.prefix,
+                workload.shared_prefix,
                 run.root,
             )
             fleet = run_arm(run, by_key[key](setup), spec, fleet, repeat)
@@ -583,7 +587,7 @@ def run_once(config: BenchConfig) -> tuple[Run, RunSummary]:
     the report, the JSON and the plot."""
     started = time.perf_counter()
     model_dir = ensure_tiny_model()
-    workload = aw.build(config.workload, PromptTokenizer(model_dir))
+    workload = aw.build(config.workload)
     run = Run(config, Path(tempfile.mkdtemp(prefix="kvpilot-bench-agent-")), uuid.uuid4().hex[:8])
     log(
         f"workload: {config.sessions} sessions x {config.steps} steps, prefix {config.prefix_tokens}, tool output "

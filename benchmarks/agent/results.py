@@ -126,7 +126,7 @@ class Run:
     """Where the fleets' run directories and logs go."""
     run_id: str
     """Part of every arm's ``cache_salt``: no run inherits another's cache."""
-    prompts: dict[Key, list[int]] = field(default_factory=dict)
+    prompts: dict[Key, list[aw.Message]] = field(default_factory=dict)
     reference: dict[Key, Completion] = field(default_factory=dict)
     edited_steps: list[int] = field(default_factory=list)
     """Steps whose prompt resends an edited history."""

@@ -33,7 +33,8 @@ import numpy as np
 TRACE_BLOCK_TOKENS = 512
 """Tokens per hash id in a Mooncake trace."""
 FIRST_ORDINARY_ID = 7
-"""Ids below this are the tiny model's special tokens (``<s>``, ``</s>``, ...)."""
+"""Ids below this are not drawn (the tiny model's first special tokens; a mocker gives no id
+a meaning, so the traces keep the range they were first measured with)."""
 
 
 @dataclass(frozen=True, slots=True)

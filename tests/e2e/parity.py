@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
-
 from kvpilot.deploy.prompts import filler_text
+from kvpilot.deploy.tiny_model import whitespace_logit_bias
 from kvpilot.routing.serve.upstream import Api
 
 LOGPROB_TOLERANCE = 1e-2
@@ -64,21 +63,11 @@ NO_THINKING = {"enable_thinking": False}
 format) once the reasoning ended: the template's empty thought ends it in the prompt."""
 
 
-def no_whitespace(model_dir: Path) -> dict[str, Any]:
-    """A ``logit_bias`` against every token that is only whitespace. vLLM forces a named call
-    with xgrammar's ``hermes`` structural tag (a ``strict`` tool's arguments pinned to its
-    schema), which allows whitespace between JSON tokens: the random-weight model prefers
-    ``\\r`` there and never closes the call. Without whitespace the strict tool's call is
-    ``{"path": "tests"}`` or ``{"path": "src"}``."""
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    vocab = range(tokenizer.get_vocab_size())
-    text = {i: tokenizer.decode([i], skip_special_tokens=False) for i in vocab}
-    return {"logit_bias": {str(i): -100 for i, t in text.items() if t and not t.strip()}}
-
-
 def forcing(case: Case, model_dir: Path) -> dict[str, Any]:
-    """What a case that forces a structure is sent beside its body (:func:`no_whitespace`)."""
-    return no_whitespace(model_dir) if "tool_choice" in case.body or "response_format" in case.body else {}
+    """What a case that forces a structure is sent beside its body (the random-weight model
+    kept off whitespace: :func:`~kvpilot.deploy.tiny_model.whitespace_logit_bias`)."""
+    forced = "tool_choice" in case.body or "response_format" in case.body
+    return whitespace_logit_bias(model_dir) if forced else {}
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvpilot.deploy.fleet import Fleet
+from kvpilot.deploy.tiny_model import whitespace_logit_bias
 from kvpilot.routing.serve.chat import ChatTemplate
 from kvpilot.routing.serve.prompt import EnginePrompt
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
@@ -35,7 +36,6 @@ from tests.e2e.parity import (
     differences,
     engine_token_ids,
     forcing,
-    no_whitespace,
 )
 
 
@@ -99,7 +99,7 @@ def test_an_agent_loop_with_the_openai_sdk_equals_the_engine_step_by_step(pd_fle
             "logprobs": True,
             "top_logprobs": 1,
         }
-        thinking_off = {"chat_template_kwargs": NO_THINKING, **no_whitespace(model_dir)}
+        thinking_off = {"chat_template_kwargs": NO_THINKING, **whitespace_logit_bias(model_dir)}
         got = fleet_client.chat.completions.create(**kwargs, extra_body={**thinking_off, "conversation_id": session})
         want = engine_client.chat.completions.create(
             **kwargs, extra_body={**thinking_off, "cache_salt": f"agent-ref-{uuid.uuid4().hex}"}
