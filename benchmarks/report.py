@@ -36,8 +36,12 @@ def _head(results: dict[str, Any]) -> list[str]:
 
 def render(results: dict[str, Any]) -> str:
     """The tables of a results file of ``bench_router_scale.py``, ``bench_fleet.py``,
-    ``bench_tokenize.py``, ``sim_vs_dynamo.py``, ``sim_goodput.py`` or ``sim_live.py``."""
-    if "tokenize" in results:
+    ``bench_tokenize.py``, ``bench_agent.py``, ``sim_vs_dynamo.py``, ``sim_goodput.py`` or ``sim_live.py``."""
+    if "summaries" in results:
+        from agent.output import results_table
+
+        body = results_table(results)
+    elif "tokenize" in results:
         from bench_tokenize import table as tokenize_table
 
         body = tokenize_table(results["tokenize"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,11 @@ def headline_table(summaries: dict[str, dict[str, Any]], report_steps: list[int]
             f"{spread_cell(sp['slo_met'])} |"
         )
     return "\n".join(lines)
+
+
+def results_table(results: dict[str, Any]) -> str:
+    """:func:`headline_table` of a results file (``--out``), for ``benchmarks/report.py``."""
+    return headline_table(results["summaries"], results["report_steps"], results["total_requests"])
 
 
 def tables(summaries: dict[str, dict[str, Any]], report_steps: list[int], total_requests: int) -> str:
@@ -255,6 +261,9 @@ def result_json(run: Run, judged: RunSummary) -> dict[str, Any]:
     ``per_step`` and ``requests``: per arm a list, one entry per repeat in repeat order."""
     config, wspec = run.config, run.config.workload
     return {
+        "run": {"argv": sys.argv},
+        "report_steps": judged.report_steps,
+        "total_requests": config.sessions * config.steps,
         "config": {
             **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(config).items()},
             "edit_plan": wspec.edit_plan,
