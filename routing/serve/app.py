@@ -564,5 +564,9 @@ class RouterServer:
 def build_server(config: RouterConfig, fleet: Fleet, *, feed_index: bool = True) -> RouterServer:
     """A server for ``config`` reading ``server.model_dir`` (tokenizer and chat template)."""
     model_dir = Path(config.server.model_dir)
-    prompts = EnginePrompt(PromptTokenizer(model_dir), ChatTemplate.from_model_dir(model_dir))
+    prompts = EnginePrompt(
+        PromptTokenizer(model_dir),
+        ChatTemplate.from_model_dir(model_dir),
+        completion_special_tokens=not config.dynamo.enabled,  # Dynamo's frontend adds none
+    )
     return RouterServer(config, fleet, prompts, feed_index=feed_index)

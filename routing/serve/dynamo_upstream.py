@@ -7,9 +7,12 @@ with the router's choice in headers: :data:`WORKER_INSTANCE_HEADER` names the de
 the prefill instance. The frontend then prefills on that instance and hands its KV to
 the decode instance itself (Dynamo's bootstrap rendezvous, NIXL on GPUs), so P's step
 here makes no call: it returns a deferred handoff holding P's header, which D's call
-carries. The body is the client's, with the router's token ids in ``nvext.token_data``, so
-the frontend does not tokenize again (it still renders a chat's template). I/O only: no
-routing, no ledger, no metrics.
+carries. The body is the client's: a completion with the router's token ids in
+``nvext.token_data``, so the frontend does not tokenize again; a chat as it came, for the
+frontend to render and tokenize itself. Dynamo 1.6.1's frontend renders a chat otherwise than
+vLLM (the tools' JSON in the template: measured in tests/e2e/test_dynamo.py), and its own
+rendering is what its workers serve; the router's ids, vLLM's, then name the chat's blocks
+up to the first difference. I/O only: no routing, no ledger, no metrics.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvpilot.routing.config import Worker
 from kvpilot.routing.ids import WorkerId
 from kvpilot.routing.serve.completions_http import CompletionsHttp
 from kvpilot.routing.serve.upstream import (
+    Api,
     Destination,
     EngineRequest,
     PrefillFailure,
@@ -78,7 +82,7 @@ class DynamoUpstream:
         return self._completions.stream(worker, request.api, with_token_data(request), headers)
 
     def destination(self, worker: Worker, request: EngineRequest, handoff: dict[str, Any] | None) -> Destination:
-        """The frontend, with the instance headers and the token ids (:func:`with_token_data`)."""
+        """The frontend, with the instance headers (a text completion's token ids: :func:`with_token_data`)."""
         headers = {**self._engine_headers, **self._headers(worker, handoff)}
         return Destination(host_port(worker.url), headers, with_token_data(request))
 
@@ -91,8 +95,9 @@ class DynamoUpstream:
 
 
 def with_token_data(request: EngineRequest) -> dict[str, Any]:
-    """The client's body with the router's token ids in ``nvext.token_data`` (a token-id
-    prompt already is its token ids: sent as it is)."""
-    if request.body.get("prompt") is request.token_ids:
+    """The client's body; a text completion's with the router's token ids in
+    ``nvext.token_data`` (a token-id prompt already is its token ids, and a chat is the
+    frontend's to render: each sent as it is)."""
+    if request.api is Api.CHAT or request.body.get("prompt") is request.token_ids:
         return request.body
     return {**request.body, "nvext": {"token_data": request.token_ids}}

@@ -5,8 +5,8 @@ ids they will compute (the block hashes of :mod:`kvpilot.routing.index.chain`), 
 Dynamo hands them to the frontend (``nvext.token_data``). So the ids follow vLLM's rules:
 
 - completions: a text ``prompt`` is encoded with special tokens unless the request's
-  ``add_special_tokens`` is false (BOS on Llama-, Mistral- and Gemma-family models); a
-  token-id ``prompt`` is taken as it is;
+  ``add_special_tokens`` is false (BOS on Llama-, Mistral- and Gemma-family models), or,
+  beside Dynamo, without them (its frontend's rule); a token-id ``prompt`` is taken as it is;
 - chat: the messages rendered as vLLM renders them (:mod:`kvpilot.routing.serve.chat`:
   the template, tools, ``chat_template_kwargs``, ``add_generation_prompt``,
   ``continue_final_message``), encoded without special tokens unless the request's
@@ -28,17 +28,23 @@ from kvpilot.routing.serve.upstream import Api
 
 
 class EnginePrompt:
-    """The token ids an engine computes for a request's prompt (module doc)."""
+    """The token ids an engine computes for a request's prompt (module doc).
+    ``completion_special_tokens``: whether the engines add special tokens to a text
+    completion by default (vLLM's completions endpoint does; Dynamo 1.6.1's frontend does
+    not, measured in tests/e2e/test_dynamo.py)."""
 
-    def __init__(self, tokenizer: PromptTokenizer, chat_template: ChatTemplate | None) -> None:
+    def __init__(
+        self, tokenizer: PromptTokenizer, chat_template: ChatTemplate | None, *, completion_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.completion_special_tokens = completion_special_tokens
 
     def token_ids(self, api: Api, body: Mapping[str, Any]) -> list[int]:
         """The prompt's token ids for ``body`` sent to ``api``; raises :class:`PromptError`
         or :class:`ChatError` naming the field (a batch of prompts, a model without a chat
         template, a value of the wrong type)."""
-        add_special = body.get("add_special_tokens", api is Api.COMPLETIONS)
+        add_special = body.get("add_special_tokens", api is Api.COMPLETIONS and self.completion_special_tokens)
         if not isinstance(add_special, bool):
             raise PromptError("'add_special_tokens' must be true or false")
         if api is Api.CHAT:

@@ -32,8 +32,9 @@ SHARED_FLEET_GROUPS: tuple[tuple[str, ...], ...] = (
 )
 """Modules that run in this order, one after another, at the place of the first of them
 that was collected; where they ask for the same fleet (:meth:`SharedFleet.get`), it is
-started once. ``test_pull_policy_live`` asks for ``test_sessions``' fleet first, then
-for another; ``test_pd_transfer`` stops its P at the end."""
+started once. ``test_parity``'s first request is its fleet's first through the router;
+``test_pull_policy_live`` asks for ``test_sessions``' fleet first, then for another;
+``test_pd_transfer`` stops its P at the end."""
 MODULE_ORDER = pytest.StashKey[list[str]]()
 
 

@@ -6,7 +6,8 @@ engines with vLLM's hermes tool-call and qwen3 reasoning parsers).
 For each case: the router's token ids (:mod:`kvpilot.routing.serve.prompt`) are the engine's
 own ``POST /tokenize``'s, and the answer through the fleet equals D's answer to the same
 request sent to it directly (greedy tokens, logprobs within bf16 noise, content, reasoning,
-tool calls, usage). Then an agent loop with the OpenAI SDK: tools declared, the call forced by
+tool calls, usage); first, the fleet's first request is a handoff, not a fallback. Then an
+agent loop with the OpenAI SDK: tools declared, the call forced by
 name, tool results fed back, each step equal to D's own answer.
 """
 
@@ -18,7 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.deploy.client import complete
 from kvpilot.deploy.fleet import Fleet
+from kvpilot.deploy.metrics import delta, scrape, settled, total
+from kvpilot.deploy.prompts import filler_text
 from kvpilot.deploy.tiny_model import whitespace_logit_bias
 from kvpilot.routing.serve.chat import ChatTemplate
 from kvpilot.routing.serve.prompt import EnginePrompt
@@ -37,6 +41,7 @@ from tests.e2e.parity import (
     engine_token_ids,
     forcing,
 )
+from tests.e2e.scenarios import BLOCK_SIZE, PROMPT_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +51,25 @@ def prompts(model_dir: Path) -> EnginePrompt:
 
 def _d(fleet: Fleet) -> str:
     return fleet.by_role("decode")[0].url
+
+
+def test_the_first_request_after_ready_is_not_a_fallback(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
+    """First on its fleet (``test_verified_attach``, before it in the group, sends no request
+    through the router). `fleet up` handed KV from P to D once before it returned
+    (kvpilot.deploy.pair_warmup: NIXL's handshake), so the first client request pays no
+    handshake: it goes P -> D and D receives the prompt's KV over NIXL (issue 20: `make demo`'s
+    first request went `fallback` at 38.5 s TTFT)."""
+    decode = pd_fleet.by_role("decode")[0]
+    before_d, before_router = scrape(decode.url), scrape(pd_fleet.router.url)
+    assert total(before_router, "kvpilot_router_decisions_total") == 0  # nothing routed before this one
+    assert delta(before_d, {}, PROMPT_TOKENS, source="external_kv_transfer") > 0  # the warm-up's handoff
+    token_ids = tokenizer.text_token_ids(filler_text(300, 11))
+    out = complete(pd_fleet.router.url, token_ids, max_tokens=4)
+    after_d = settled(decode.url, before_d)
+    assert out.headers.get("X-KVPilot-Route") == "remote_prefill", out.headers
+    assert delta(scrape(pd_fleet.router.url), before_router, "kvpilot_router_prefill_fallbacks_total") == 0
+    received = delta(after_d, before_d, PROMPT_TOKENS, source="external_kv_transfer")
+    assert received >= len(token_ids) // BLOCK_SIZE * BLOCK_SIZE, received
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -37,25 +37,6 @@ def _words(n: int, seed: int) -> str:
     return " ".join(vocab[(seed * 7 + i * 13 + i // 5) % len(vocab)] for i in range(n))
 
 
-def test_the_first_request_after_ready_is_not_a_fallback(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
-    """First in this module (``test_verified_attach``, before it on this fleet, sends no
-    request through the router). `fleet up` handed KV from P to D once before it returned
-    (kvpilot.deploy.pair_warmup: NIXL's handshake), so the first client request pays no handshake:
-    it goes P -> D and D receives the prompt's KV over NIXL (issue 20: `make demo`'s
-    first request went `fallback` at 38.5 s TTFT)."""
-    decode = pd_fleet.by_role("decode")[0]
-    before_d, before_router = scrape(decode.url), scrape(pd_fleet.router.url)
-    assert total(before_router, "kvpilot_router_decisions_total") == 0  # nothing routed before this one
-    assert delta(before_d, {}, PROMPT_TOKENS, source="external_kv_transfer") > 0  # the warm-up's handoff
-    token_ids = tokenizer.text_token_ids(_words(300, seed=11))
-    out = complete(pd_fleet.router.url, token_ids, max_tokens=4)
-    after_d = settled(decode.url, before_d)
-    assert out.headers.get("X-KVPilot-Route") == "remote_prefill", out.headers
-    assert delta(scrape(pd_fleet.router.url), before_router, "kvpilot_router_prefill_fallbacks_total") == 0
-    received = delta(after_d, before_d, PROMPT_TOKENS, source="external_kv_transfer")
-    assert received >= len(token_ids) // BLOCK_SIZE * BLOCK_SIZE, received
-
-
 def test_disaggregated_output_equals_colocated(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
     prefill, decode = pd_fleet.by_role("prefill")[0], pd_fleet.by_role("decode")[0]
     token_ids = tokenizer.text_token_ids(_words(400, seed=1))
