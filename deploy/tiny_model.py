@@ -111,10 +111,12 @@ TOOLS_CHAT_TEMPLATE = (
 """A hermes-style template: tools in the system turn, ``<tool_call>`` blocks, tool results
 as ``<tool_response>``, reasoning in ``<think>``, and ``enable_thinking: false`` rendering an
 empty thought (as Qwen3's template does)."""
-TINY_MODEL_ENGINE_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-"""The ``vllm serve`` flags that parse :data:`TOOLS_CHAT_TEMPLATE`'s tool calls and thinking, as
-a server for such a model runs (``--enable-auto-tool-choice`` needs a tool-call parser; a
-named ``tool_choice`` needs one too in vLLM 0.32)."""
+TOOL_CALLING_ENGINE_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+"""The ``vllm serve`` flags that parse :data:`TOOLS_CHAT_TEMPLATE`'s tool calls, as a server for
+tool-calling agents runs (a request with ``tools`` and no ``tool_choice`` is ``auto``, which
+needs them; a named ``tool_choice`` needs a parser too in vLLM 0.32)."""
+TINY_MODEL_ENGINE_ARGS = (*TOOL_CALLING_ENGINE_ARGS, "--reasoning-parser", "qwen3")
+""":data:`TOOL_CALLING_ENGINE_ARGS` and the parser of the template's thinking."""
 
 _WORDS = [
     "the",

@@ -166,7 +166,7 @@ from kvpilot.deploy.agent_session import prefill_then_decode
 from kvpilot.deploy.client import Completion, complete
 from kvpilot.deploy.fleet_spec import FleetSpec
 from kvpilot.deploy.metrics import scrape
-from kvpilot.deploy.tiny_model import ensure_tiny_model
+from kvpilot.deploy.tiny_model import TOOL_CALLING_ENGINE_ARGS, ensure_tiny_model
 from kvpilot.kvconnectors.pull_policy import RecomputePolicy
 
 FLEET_DESCRIPTIONS = {
@@ -224,6 +224,7 @@ def fleet_spec(fleet: FleetName, model_dir: Path, run_dir: Path) -> FleetSpec:
         events_port=events_port,
         router_port=router_port,
         engine_env={"VLLM_SERVER_DEV_MODE": "1"} if plan.dev_mode else {},
+        engine_args=TOOL_CALLING_ENGINE_ARGS,  # every request declares a tool (tool_choice auto)
     )
     if plan.gateway_ports is None:
         return spec
