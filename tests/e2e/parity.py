@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -227,3 +228,51 @@ def differences(through: list[dict[str, Any]], direct: list[dict[str, Any]]) -> 
         if len(a["logprobs"]) != len(b["logprobs"]) or diff > LOGPROB_TOLERANCE:
             out.append(f"choice {i} logprobs differ by {diff:.2e}")
     return out
+
+
+def agent_loop(fleet_url: str, engine_url: str, model_dir: Path, steps: int = 3) -> None:
+    """An agent's ``steps`` steps with the OpenAI SDK through ``fleet_url``: tools declared, the
+    call forced by name (thinking off, so vLLM's structured outputs apply from the first
+    token; whitespace biased away, so the random-weight model closes the call), each tool's
+    result fed back with its call in the history (content null); one session. Each step's tool
+    call, logprobs and prompt tokens equal the engine's own answer to the same messages."""
+    from openai import OpenAI
+
+    fleet_client = OpenAI(base_url=f"{fleet_url}/v1", api_key="unused", max_retries=0)
+    engine_client = OpenAI(base_url=f"{engine_url}/v1", api_key="unused", max_retries=0)
+    messages: list[dict[str, Any]] = [dict(m) for m in HISTORY]
+    session = f"agent-{uuid.uuid4().hex}"
+    forcing_extra = {"chat_template_kwargs": NO_THINKING, **whitespace_logit_bias(model_dir)}
+    for step in range(steps):
+        kwargs: dict[str, Any] = {
+            "model": "tiny",
+            "messages": messages,
+            "tools": TOOLS,
+            "tool_choice": NAMED,
+            "max_completion_tokens": 80,
+            "temperature": 0.0,
+            "logprobs": True,
+            "top_logprobs": 1,
+        }
+        got = fleet_client.chat.completions.create(**kwargs, extra_body={**forcing_extra, "conversation_id": session})
+        want = engine_client.chat.completions.create(
+            **kwargs, extra_body={**forcing_extra, "cache_salt": f"agent-ref-{uuid.uuid4().hex}"}
+        )
+        (call,) = got.choices[0].message.tool_calls or []
+        (ref,) = want.choices[0].message.tool_calls or []
+        assert (call.function.name, call.function.arguments) == (ref.function.name, ref.function.arguments), step
+        assert call.function.name == "run_tests" and isinstance(json.loads(call.function.arguments), dict)
+        got_lp = [t.logprob for t in got.choices[0].logprobs.content]
+        want_lp = [t.logprob for t in want.choices[0].logprobs.content]
+        assert len(got_lp) == len(want_lp)
+        assert max(abs(a - b) for a, b in zip(got_lp, want_lp, strict=True)) <= LOGPROB_TOLERANCE, step
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens, step
+        function = call.function.model_dump()
+        messages.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": call.id, "type": "function", "function": function}],
+            }
+        )
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": f"step {step}: 3 passed, 1 failed"})

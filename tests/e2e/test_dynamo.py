@@ -234,9 +234,9 @@ def test_through_kvpilot_a_request_is_prefilled_on_the_frontend_s_own_tokens(fle
     frontend computes for the same request sent to it directly (each read from a prefill
     worker's own KV events), and both answers count the same prompt tokens. A text
     completion goes with the router's ids (``nvext.token_data``), computed by the frontend's
-    rule (it adds no BOS to text, where vLLM's completions endpoint does); a chat goes as it came: the frontend renders tools otherwise than vLLM (the router's ids,
-    vLLM's, part from the frontend's within the tools' JSON), and its rendering is what its
-    workers serve."""
+    rule (it adds no BOS to text, where vLLM's completions endpoint does); a chat goes as it
+    came: the frontend renders tools otherwise than vLLM (the router's ids, vLLM's, part from
+    the frontend's within the tools' JSON), and its rendering is what its workers serve."""
     sent = {"model": "tiny", "max_tokens": 3, **body}
     events.stored(0.0)
     status, headers, through = _post(f"{spec.client_url}{path}", sent)

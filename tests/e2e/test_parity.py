@@ -23,19 +23,15 @@ from kvpilot.deploy.client import complete
 from kvpilot.deploy.fleet import Fleet
 from kvpilot.deploy.metrics import delta, scrape, settled, total
 from kvpilot.deploy.prompts import filler_text
-from kvpilot.deploy.tiny_model import whitespace_logit_bias
 from kvpilot.routing.serve.chat import ChatTemplate
 from kvpilot.routing.serve.prompt import EnginePrompt
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from kvpilot.routing.serve.upstream import Api
 from tests.e2e.parity import (
     CASES,
-    HISTORY,
-    LOGPROB_TOLERANCE,
     NAMED,
-    NO_THINKING,
-    TOOLS,
     Case,
+    agent_loop,
     answer,
     differences,
     engine_token_ids,
@@ -101,47 +97,6 @@ def test_an_answer_through_the_fleet_equals_the_engine_s_own(
 
 
 def test_an_agent_loop_with_the_openai_sdk_equals_the_engine_step_by_step(pd_fleet: Fleet, model_dir: Path) -> None:
-    """Three steps of an agent through Envoy: tools declared, the call forced by name (thinking
-    off, so vLLM's structured outputs apply from the first token; whitespace biased away, so
-    the random-weight model closes the call), the tool's result fed back with the call in the
-    history (content null); one session. Each step's tool call and logprobs equal D's own
-    answer to the same messages."""
-    from openai import OpenAI
-
-    fleet_client = OpenAI(base_url=f"{pd_fleet.client_url}/v1", api_key="unused", max_retries=0)
-    engine_client = OpenAI(base_url=f"{_d(pd_fleet)}/v1", api_key="unused", max_retries=0)
-    messages: list[dict[str, object]] = [dict(m) for m in HISTORY]
-    session = f"agent-{uuid.uuid4().hex}"
-    for step in range(3):
-        kwargs: dict[str, object] = {
-            "model": "tiny",
-            "messages": messages,
-            "tools": TOOLS,
-            "tool_choice": NAMED,
-            "max_completion_tokens": 80,
-            "temperature": 0.0,
-            "logprobs": True,
-            "top_logprobs": 1,
-        }
-        thinking_off = {"chat_template_kwargs": NO_THINKING, **whitespace_logit_bias(model_dir)}
-        got = fleet_client.chat.completions.create(**kwargs, extra_body={**thinking_off, "conversation_id": session})
-        want = engine_client.chat.completions.create(
-            **kwargs, extra_body={**thinking_off, "cache_salt": f"agent-ref-{uuid.uuid4().hex}"}
-        )
-        (call,) = got.choices[0].message.tool_calls or []
-        (ref,) = want.choices[0].message.tool_calls or []
-        assert (call.function.name, call.function.arguments) == (ref.function.name, ref.function.arguments), step
-        assert call.function.name == "run_tests" and isinstance(json.loads(call.function.arguments), dict)
-        got_lp = [t.logprob for t in got.choices[0].logprobs.content]
-        want_lp = [t.logprob for t in want.choices[0].logprobs.content]
-        assert len(got_lp) == len(want_lp)
-        assert max(abs(a - b) for a, b in zip(got_lp, want_lp, strict=True)) <= LOGPROB_TOLERANCE, step
-        assert got.usage.prompt_tokens == want.usage.prompt_tokens, step
-        messages.append(
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [{"id": call.id, "type": "function", "function": call.function.model_dump()}],
-            }
-        )
-        messages.append({"role": "tool", "tool_call_id": call.id, "content": f"step {step}: 3 passed, 1 failed"})
+    """Three steps of an agent through Envoy (:func:`tests.e2e.parity.agent_loop`), each
+    equal to D's own answer."""
+    agent_loop(pd_fleet.client_url, _d(pd_fleet), model_dir)

@@ -3,7 +3,8 @@ no BOS added to text, a chat template without tools) and on the router's own HTT
 which relays the engine's answer (no Envoy): one co-located engine behind the router.
 
 For each case the router's token ids are the engine's own ``POST /tokenize``'s, and the
-answer through the router equals the engine's answer to the same request sent directly.
+answer through the router equals the engine's answer to the same request sent directly;
+then the OpenAI SDK agent loop of tests/e2e/test_parity.py, here relayed.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import pytest
 
 from kvpilot.deploy.fleet import Fleet
 from kvpilot.deploy.fleet_spec import FleetSpec
-from kvpilot.deploy.tiny_model import PLAIN_MODEL_SPEC, TINY_MODEL_ENGINE_ARGS, ensure_tiny_model
+from kvpilot.deploy.tiny_model import PLAIN_MODEL_SPEC, TOOL_CALLING_ENGINE_ARGS, ensure_tiny_model
 from kvpilot.routing.serve.chat import ChatTemplate
 from kvpilot.routing.serve.prompt import EnginePrompt
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from kvpilot.routing.serve.upstream import Api
 from tests.e2e.fleets import running_fleet
-from tests.e2e.parity import CASES, Case, answer, differences, engine_token_ids, forcing
+from tests.e2e.parity import CASES, Case, agent_loop, answer, differences, engine_token_ids, forcing
 from tests.fakes.ports import block_of
 
 
@@ -39,7 +40,7 @@ def fleet(plain_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         prefill=0,
         decode=0,
         colocated=1,
-        engine_args=TINY_MODEL_ENGINE_ARGS,
+        engine_args=TOOL_CALLING_ENGINE_ARGS,  # no reasoning parser: this template has no thinking
         **block_of(__name__).fleet(),
     )
     with running_fleet(spec) as started:
@@ -77,3 +78,9 @@ def test_an_answer_relayed_by_the_router_equals_the_engine_s_own(
     assert usage is not None and direct_usage is not None
     assert usage["prompt_tokens"] == direct_usage["prompt_tokens"] == len(prompts.token_ids(case.api, case.body))
     assert headers["x-kvpilot-route"] == "colocated"
+
+
+def test_an_agent_loop_with_the_openai_sdk_equals_the_engine_step_by_step(fleet: Fleet, plain_model: Path) -> None:
+    """Three steps of an agent relayed by the router (:func:`tests.e2e.parity.agent_loop`) on the
+    model whose template renders no tools, each equal to the engine's own answer."""
+    agent_loop(fleet.client_url, _engine(fleet), plain_model)
