@@ -445,7 +445,12 @@ def test_a_decode_worker_failing_before_the_answer_is_retried_on_another(model_d
             assert resp.status == 200 and resp.headers["X-KVPilot-Decode-Worker"] == "decode-1", await resp.text()
             await resp.read()
         metrics = await (await client.get("/metrics")).text()
-        assert 'kvpilot_router_retries_total{worker="decode-0"}' in metrics
+        retries = [
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("kvpilot_router_retries_total{")
+        ]
+        assert sum(retries) >= 1  # the first request was retried once (its series exist from the start at 0)
         for line in metrics.splitlines():
             if line.startswith("kvpilot_router_active_requests{"):
                 assert line.endswith(" 0.0"), line  # every attempt left the ledger

@@ -9,6 +9,7 @@ Everything stays on 127.0.0.1; no engine is started.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 from aiohttp.test_utils import TestClient, TestServer
@@ -78,7 +79,8 @@ def test_debug_route_picks_the_worker_that_published_the_blocks(model_dir):
                 assert info["cached_blocks"] == 7 and info["overlap"] == {"w2": {"GPU": 7}}
                 metrics = await (await client.get("/metrics")).text()
                 assert 'kvpilot_router_index_blocks{tier="GPU",worker="w2"} 7.0' in metrics
-                assert 'kvpilot_router_kv_event_batches_total{worker="w2"}' in metrics
+                batches = re.search(r'^kvpilot_router_kv_event_batches_total\{worker="w2"\} (\S+)$', metrics, re.M)
+                assert batches is not None and float(batches.group(1)) >= 1  # a series exists from the start at 0
             finally:
                 publisher.shutdown()
         assert server.feeder.subscribers == []  # stopped and closed at cleanup
