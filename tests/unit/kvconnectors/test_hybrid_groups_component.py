@@ -21,10 +21,8 @@ from typing import Any
 
 import pytest
 import torch
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.config import ModelConfig
 from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -36,7 +34,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 from kvpilot.kvconnectors.group_clip import GroupKind
 from kvpilot.kvconnectors.plugin import register
@@ -46,7 +43,7 @@ from kvpilot.kvconnectors.scheduler import group_layouts
 from tests.unit.kvconnectors.test_scheduler_component import (
     SAMPLED,
     Engine,
-    FakeClock,
+    build_engine,
     diverge,
     recomputed,
     recv,
@@ -67,37 +64,17 @@ def make_engine(model_config: ModelConfig) -> Iterator[Any]:
     built: list[Scheduler] = []
 
     def make(engine_id: str) -> Engine:
-        config = VllmConfig(
-            model_config=model_config,
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=2048, is_encoder_decoder=False
-            ),
-            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KVPilotConnector",
-                kv_role="kv_both",
-                engine_id=engine_id,
-                kv_connector_extra_config={"inner_connector": "NixlConnector"},
-            ),
-            device_config=DeviceConfig("cpu"),
-        )
-        assert config.scheduler_config.disable_hybrid_kv_cache_manager is False  # HMA stays on with kvpilot
-        config.cache_config.num_gpu_blocks = NUM_BLOCKS
         shape: dict[str, Any] = {"block_size": BS, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
-        kv_cache = KVCacheConfig(
-            num_blocks=NUM_BLOCKS,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(["sw"], SlidingWindowSpec(sliding_window=WINDOW, **shape)),
-                KVCacheGroupSpec(["full"], FullAttentionSpec(**shape)),
-            ],
-        )
-        scheduler = Scheduler(config, kv_cache, StructuredOutputManager(config), BS, log_stats=True)
-        built.append(scheduler)
-        assert isinstance(scheduler.kv_cache_manager.coordinator, HybridKVCacheCoordinator)
-        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        return Engine(scheduler, get_request_block_hasher(BS, hash_fn), FakeClock())
+        groups = [
+            KVCacheGroupSpec(["sw"], SlidingWindowSpec(sliding_window=WINDOW, **shape)),
+            KVCacheGroupSpec(["full"], FullAttentionSpec(**shape)),
+        ]
+        engine = build_engine(model_config, engine_id, groups, num_blocks=NUM_BLOCKS)
+        built.append(engine.scheduler)
+        # HMA stays on with kvpilot
+        assert engine.scheduler.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+        assert isinstance(engine.scheduler.kv_cache_manager.coordinator, HybridKVCacheCoordinator)
+        return engine
 
     yield make
     for scheduler in built:

@@ -179,6 +179,45 @@ def model_config(tiny_model_dir: Any) -> ModelConfig:
     return ModelConfig(model=str(tiny_model_dir), dtype="bfloat16", seed=0, skip_tokenizer_init=True)
 
 
+def build_engine(
+    model_config: ModelConfig,
+    engine_id: str,
+    groups: list[KVCacheGroupSpec],
+    *,
+    num_blocks: int = NUM_BLOCKS,
+    inner: str = "NixlConnector",
+    extra: dict[str, Any] | None = None,
+    load_failure: str = "fail",
+) -> Engine:
+    """A real ``Scheduler`` with KVPilotConnector around ``inner`` over the KV cache ``groups``
+    (``num_blocks`` blocks of :data:`BS` tokens), its connector on a :class:`FakeClock`."""
+    config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=2048, is_encoder_decoder=False
+        ),
+        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVPilotConnector",
+            kv_role="kv_both",
+            engine_id=engine_id,
+            kv_load_failure_policy=load_failure,
+            kv_connector_extra_config={"inner_connector": inner, **(extra or {})},
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    scheduler = Scheduler(config, kv_cache, StructuredOutputManager(config), BS, log_stats=True)
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)  # as vLLM's EngineCore does at start
+    clock = FakeClock()
+    connector = scheduler.connector
+    assert isinstance(connector, KVPilotConnector)
+    connector._scheduler_layer()._clock = clock  # vLLM builds the connector: no seam to pass it in
+    return Engine(scheduler, get_request_block_hasher(BS, hash_fn), clock)
+
+
 @pytest.fixture
 def make_engine(model_config: ModelConfig) -> Iterator[MakeEngine]:
     register()
@@ -188,35 +227,11 @@ def make_engine(model_config: ModelConfig) -> Iterator[MakeEngine]:
     def make(
         engine_id: str, *, inner: str = "NixlConnector", extra: dict[str, Any] | None = None, load_failure: str = "fail"
     ) -> Engine:
-        config = VllmConfig(
-            model_config=model_config,
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=2048, is_encoder_decoder=False
-            ),
-            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KVPilotConnector",
-                kv_role="kv_both",
-                engine_id=engine_id,
-                kv_load_failure_policy=load_failure,
-                kv_connector_extra_config={"inner_connector": inner, **(extra or {})},
-            ),
-            device_config=DeviceConfig("cpu"),
-        )
-        config.cache_config.num_gpu_blocks = NUM_BLOCKS
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
-        kv_cache = KVCacheConfig(
-            num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
-        )
-        scheduler = Scheduler(config, kv_cache, StructuredOutputManager(config), BS, log_stats=True)
-        built.append(scheduler)
-        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)  # as vLLM's EngineCore does at start
-        clock = FakeClock()
-        connector = scheduler.connector
-        assert isinstance(connector, KVPilotConnector)
-        connector._scheduler_layer()._clock = clock  # vLLM builds the connector: no seam to pass it in
-        return Engine(scheduler, get_request_block_hasher(BS, hash_fn), clock)
+        groups = [KVCacheGroupSpec(["layer"], spec)]
+        engine = build_engine(model_config, engine_id, groups, inner=inner, extra=extra, load_failure=load_failure)
+        built.append(engine.scheduler)
+        return engine
 
     yield make
     for scheduler in built:
