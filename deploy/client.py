@@ -119,13 +119,10 @@ def complete(
     path = "/v1/chat/completions" if chat else "/v1/completions"
     started = time.perf_counter()
     with _post(f"{base_url}{path}", body, timeout) as resp:
-        headers = CIMultiDict(resp.headers.items())
+        parsed = _Parsed(CIMultiDict(resp.headers.items()))
         if not stream:
-            payload = json.load(resp)
-            parsed = _Parsed(headers, started)
-            parsed.add(payload, time.perf_counter() - started)
+            parsed.add(json.load(resp), time.perf_counter() - started)
         else:
-            parsed = _Parsed(headers, started)
             for raw in resp:
                 line = raw.decode().strip()
                 if line.startswith("data:") and line != "data: [DONE]":
@@ -136,7 +133,7 @@ def complete(
 class _Parsed:
     """A completion's or chat completion's first choice, whole or from its chunks in order."""
 
-    def __init__(self, headers: Mapping[str, str], started: float) -> None:
+    def __init__(self, headers: Mapping[str, str]) -> None:
         self.headers = headers
         self.text = ""
         self.tokens: list[str] = []

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpilot.deploy.demo import RUN_TESTS_TOOL
 from kvpilot.deploy.prompts import filler_text
 from kvpilot.deploy.tiny_model import whitespace_logit_bias
+from kvpilot.routing.serve.prompt import EnginePrompt
 from kvpilot.routing.serve.upstream import Api
 
 LOGPROB_TOLERANCE = 1e-2
@@ -30,20 +32,7 @@ be equal: a prompt without its BOS, or wrong KV, changes them (tests/e2e/test_ve
 holds wrong KV's logprobs against a co-located run bit for bit)."""
 
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "run_tests",
-            "description": "Run the tests under a path.",
-            "parameters": {
-                "type": "object",
-                "properties": {"path": {"type": "string", "enum": ["tests", "src"]}},
-                "required": ["path"],
-                "additionalProperties": False,
-            },
-            "strict": True,
-        },
-    },
+    RUN_TESTS_TOOL,  # strict, its argument an enum: a forced call of it closes (the demo's tool)
     {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {}}}},
 ]
 HISTORY = [
@@ -228,6 +217,32 @@ def differences(through: list[dict[str, Any]], direct: list[dict[str, Any]]) -> 
         if len(a["logprobs"]) != len(b["logprobs"]) or diff > LOGPROB_TOLERANCE:
             out.append(f"choice {i} logprobs differ by {diff:.2e}")
     return out
+
+
+def router_ids_are_the_engine_s(engine_url: str, prompts: EnginePrompt, case: Case) -> list[int]:
+    """The router's token ids for ``case``, held equal to the engine's own ``/tokenize`` (a
+    token-id prompt's to the prompt itself); returns them."""
+    ids = prompts.token_ids(case.api, case.body)
+    if isinstance(case.body.get("prompt"), list):
+        assert ids == case.body["prompt"]  # token ids go as they came
+    else:
+        assert ids == engine_token_ids(engine_url, case)
+    return ids
+
+
+def answers_are_the_engine_s(
+    front_url: str, engine_url: str, model_dir: Path, prompts: EnginePrompt, case: Case
+) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """``case`` through ``front_url`` and sent to the engine directly (a fresh ``cache_salt``):
+    the same choices (:func:`differences`) and prompt tokens, the router's count among them.
+    Returns the front's headers and choices."""
+    extra = forcing(case, model_dir)
+    headers, through, usage = answer(front_url, case, **extra)
+    _, direct, direct_usage = answer(engine_url, case, cache_salt=f"parity-{uuid.uuid4().hex}", **extra)
+    assert not differences(through, direct), (case.name, differences(through, direct))
+    assert usage is not None and direct_usage is not None
+    assert usage["prompt_tokens"] == direct_usage["prompt_tokens"] == len(prompts.token_ids(case.api, case.body))
+    return headers, through
 
 
 def agent_loop(fleet_url: str, engine_url: str, model_dir: Path, steps: int = 3) -> None:

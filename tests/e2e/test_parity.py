@@ -14,7 +14,6 @@ name, tool results fed back, each step equal to D's own answer.
 from __future__ import annotations
 
 import json
-import uuid
 from pathlib import Path
 
 import pytest
@@ -32,10 +31,8 @@ from tests.e2e.parity import (
     NAMED,
     Case,
     agent_loop,
-    answer,
-    differences,
-    engine_token_ids,
-    forcing,
+    answers_are_the_engine_s,
+    router_ids_are_the_engine_s,
 )
 from tests.e2e.scenarios import BLOCK_SIZE, PROMPT_TOKENS
 
@@ -70,11 +67,7 @@ def test_the_first_request_after_ready_is_not_a_fallback(pd_fleet: Fleet, tokeni
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_the_router_s_token_ids_are_the_engine_s(pd_fleet: Fleet, prompts: EnginePrompt, case: Case) -> None:
-    ids = prompts.token_ids(case.api, case.body)
-    if isinstance(case.body.get("prompt"), list):
-        assert ids == case.body["prompt"]  # token ids go as they came
-    else:
-        assert ids == engine_token_ids(_d(pd_fleet), case)
+    ids = router_ids_are_the_engine_s(_d(pd_fleet), prompts, case)
     if case.api is Api.COMPLETIONS and isinstance(case.body["prompt"], str):
         assert ids[0] == 0  # the tokenizer's BOS, as vLLM's completions endpoint adds it
 
@@ -83,12 +76,7 @@ def test_the_router_s_token_ids_are_the_engine_s(pd_fleet: Fleet, prompts: Engin
 def test_an_answer_through_the_fleet_equals_the_engine_s_own(
     pd_fleet: Fleet, model_dir: Path, prompts: EnginePrompt, case: Case
 ) -> None:
-    extra = forcing(case, model_dir)
-    headers, through, usage = answer(pd_fleet.client_url, case, **extra)
-    _, direct, direct_usage = answer(_d(pd_fleet), case, cache_salt=f"parity-{uuid.uuid4().hex}", **extra)
-    assert not differences(through, direct), (case.name, differences(through, direct))
-    assert usage is not None and direct_usage is not None
-    assert usage["prompt_tokens"] == direct_usage["prompt_tokens"] == len(prompts.token_ids(case.api, case.body))
+    headers, through = answers_are_the_engine_s(pd_fleet.client_url, _d(pd_fleet), model_dir, prompts, case)
     several = (case.body.get("n") or 1) > 1  # vLLM fans samples out: D prefills them
     assert headers["x-kvpilot-route"] == ("local_prefill" if several else "remote_prefill"), headers
     if case.body.get("tool_choice") == NAMED:

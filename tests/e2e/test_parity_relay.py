@@ -9,7 +9,6 @@ then the OpenAI SDK agent loop of tests/e2e/test_parity.py, here relayed.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from kvpilot.routing.serve.prompt import EnginePrompt
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from kvpilot.routing.serve.upstream import Api
 from tests.e2e.fleets import running_fleet
-from tests.e2e.parity import CASES, Case, agent_loop, answer, differences, engine_token_ids, forcing
+from tests.e2e.parity import CASES, Case, agent_loop, answers_are_the_engine_s, router_ids_are_the_engine_s
 from tests.fakes.ports import block_of
 
 
@@ -58,11 +57,7 @@ def _engine(fleet: Fleet) -> str:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_the_router_s_token_ids_are_the_engine_s(fleet: Fleet, prompts: EnginePrompt, case: Case) -> None:
-    ids = prompts.token_ids(case.api, case.body)
-    if isinstance(case.body.get("prompt"), list):
-        assert ids == case.body["prompt"]
-    else:
-        assert ids == engine_token_ids(_engine(fleet), case)
+    ids = router_ids_are_the_engine_s(_engine(fleet), prompts, case)
     if case.api is Api.COMPLETIONS and isinstance(case.body["prompt"], str):
         assert ids[0] != 0  # this tokenizer adds no BOS
 
@@ -71,12 +66,7 @@ def test_the_router_s_token_ids_are_the_engine_s(fleet: Fleet, prompts: EnginePr
 def test_an_answer_relayed_by_the_router_equals_the_engine_s_own(
     fleet: Fleet, plain_model: Path, prompts: EnginePrompt, case: Case
 ) -> None:
-    extra = forcing(case, plain_model)
-    headers, through, usage = answer(fleet.client_url, case, **extra)
-    _, direct, direct_usage = answer(_engine(fleet), case, cache_salt=f"parity-{uuid.uuid4().hex}", **extra)
-    assert not differences(through, direct), (case.name, differences(through, direct))
-    assert usage is not None and direct_usage is not None
-    assert usage["prompt_tokens"] == direct_usage["prompt_tokens"] == len(prompts.token_ids(case.api, case.body))
+    headers, _ = answers_are_the_engine_s(fleet.client_url, _engine(fleet), plain_model, prompts, case)
     assert headers["x-kvpilot-route"] == "colocated"
 
 
