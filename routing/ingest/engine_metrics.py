@@ -40,12 +40,13 @@ _WAITING = vllm_metrics.NUM_REQUESTS_WAITING.sample
 _KV_USAGE = vllm_metrics.KV_CACHE_USAGE_PERC.sample
 TRANSFER_COUNTERS = {
     vllm_metrics.NIXL_NUM_FAILED_TRANSFERS.total: "failures",
-    vllm_metrics.KVPILOT_LOAD_FAILURES.total: "failures",
     vllm_metrics.NIXL_NUM_KV_EXPIRED_REQS.total: "expired_leases",
     vllm_metrics.NIXL_XFER_TIME_SECONDS.sum: "transfer_seconds",
     vllm_metrics.NIXL_XFER_TIME_SECONDS.count: "transfers",
 }
-"""The series behind :class:`~kvpilot.routing.health.pair_health.TransferCounters` (summed over label sets)."""
+"""The series behind :class:`~kvpilot.routing.health.pair_health.TransferCounters` (summed over label sets).
+A failed read is NIXL's failed transfer; ``vllm:kvpilot_load_failures`` counts the same reads
+again (by what vLLM's ``kv_load_failure_policy`` did with them), so it is not summed in."""
 RATE_COUNTERS = {
     vllm_metrics.REQUEST_PREFILL_TIME_SECONDS.sum: "prefill_seconds",
     vllm_metrics.REQUEST_PREFILL_TIME_SECONDS.count: "prefill_requests",

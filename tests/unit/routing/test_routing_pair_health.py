@@ -119,7 +119,8 @@ def test_the_engine_poller_reads_the_transfer_counters():
     )
     load = parse_engine_load(text, at=1.0)
     assert load is not None
-    assert load.transfer == TransferCounters(failures=3.0, expired_leases=3.0, transfer_seconds=0.5, transfers=5.0)
+    # the connector's load_failures count NIXL's failed reads again: one failure is not two
+    assert load.transfer == TransferCounters(failures=2.0, expired_leases=3.0, transfer_seconds=0.5, transfers=5.0)
     bare = parse_engine_load("vllm:kv_cache_usage_perc 0.1\n", at=1.0)
     assert bare is not None and bare.transfer == TransferCounters()
 
