@@ -4,8 +4,9 @@ Dynamo's default serves a request on the decode worker D when its effective
 prompt (the prompt minus D's own cached prefix) is under 2,048 tokens and under
 70% of the raw prompt. kvpilot keeps those thresholds and adds a decode-busy
 guard (D's KV usage) and a cost-model comparison: local prefill must not stall
-D's running streams longer than a budget, and must beat the remote path (P's
-queue, P's prefill, the handoff of the KV D lacks).
+D's running streams longer than a budget, and its TTFT plus the stall it imposes on
+each running stream must beat the remote path (P's queue, P's prefill, the handoff of
+the KV D lacks).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvpilot.policies.roofline import kv_bytes, linear_flops, pass_seconds, prefill
+from kvpilot.policies.roofline import kv_bytes, linear_flops, pass_seconds, prefill, weight_stream_seconds
 from kvpilot.policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec
 from kvpilot.policies.typed_config import TypedConfig
 
@@ -58,7 +59,9 @@ class LocalPrefillConfig(TypedConfig, frozen=True):
     """D's KV usage at or above which a local prefill on D is out; null: no guard."""
     compare_costs: bool = False
     """Also require a local prefill to stall D's running streams at most ``max_stall_s``
-    and to cost less than the remote one."""
+    and to cost less than the remote one, its cost its own TTFT plus the stall it imposes
+    on each of D's running streams (article section 9.2, option 5: good while D is lightly
+    loaded, poor when D is full)."""
     max_stall_s: float = 0.05
     """The longest pause an unchunked local prefill may impose on D's running streams
     (with ``compare_costs``)."""
@@ -72,12 +75,14 @@ KVPILOT_DEFAULT = LocalPrefillConfig(decode_busy_kv_usage=0.9, compare_costs=Tru
 class MeasuredTimes:
     """Measured predicted TTFTs of the local path (D prefills) and of the remote path
     (P's queue and prefill, D's read), each with D's first step and the overhead
-    measured around that path, and D's prefill alone (what a local prefill stalls D's
-    running streams for); they replace the roofline's in :meth:`LocalVsRemotePolicy.decide`."""
+    measured around that path, and the stall a local prefill imposes on D's running
+    streams; they replace the roofline's in :meth:`LocalVsRemotePolicy.decide`."""
 
     local_s: float
     remote_s: float
-    local_prefill_s: float
+    local_stall_s: float
+    """The pause a local prefill adds to each of D's running streams' steps: its prefill
+    beyond the decode step those streams run anyway."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,13 @@ class LocalRemoteDecision:
     guards_ok: bool = True
     """Every check but the stall budget and the cost comparison passed: local is
     possible, and only its price (its own and the stall it imposes) speaks against it."""
+    stalled_streams: int = 0
+    """D's running streams, each paused ``stall_s`` by a local prefill."""
+
+    @property
+    def local_priced_s(self) -> float:
+        """The local path's price: its TTFT plus the stall it imposes on each of D's running streams."""
+        return self.local_s + self.stall_s * self.stalled_streams
 
     def explain(self) -> str:
         return (
@@ -132,11 +144,13 @@ class LocalVsRemotePolicy:
         c = self.config
         eff = prompt.effective_tokens
         if measured is not None:
-            local_s, remote_s, local_prefill_s = measured.local_s, measured.remote_s, measured.local_prefill_s
+            local_s, remote_s, local_stall_s = measured.local_s, measured.remote_s, measured.local_stall_s
         else:
-            local_s = local_prefill_s = prefill(self.model, self.fmt, self.d_hw, eff, prompt.d_cached_tokens).seconds
+            local_s = prefill(self.model, self.fmt, self.d_hw, eff, prompt.d_cached_tokens).seconds
+            # the running streams' step streams the weights anyway: the prefill's pass costs them the rest
+            local_stall_s = max(0.0, local_s - weight_stream_seconds(self.model, self.d_hw))
             remote_s = remote_prefill_seconds(self.model, self.fmt, self.p_hw, self.link, prompt)
-        stall_s = local_prefill_s if decode.running_streams else 0.0
+        stall_s = local_stall_s if decode.running_streams else 0.0
         checks: list[tuple[bool, str]] = []
         if c.max_local_tokens is not None:
             checks.append((eff < c.max_local_tokens, f"effective prompt {eff} vs limit {c.max_local_tokens}"))
@@ -161,8 +175,15 @@ class LocalVsRemotePolicy:
                     ),
                 )
             )
-            cheaper = "local cheaper" if local_s <= remote_s else "remote cheaper"
-            checks.append((local_s <= remote_s, f"{cheaper}: {local_s * 1e3:.1f} ms vs {remote_s * 1e3:.1f} ms"))
+            priced_s = local_s + stall_s * decode.running_streams  # LocalRemoteDecision.local_priced_s
+            cheaper = "local cheaper" if priced_s <= remote_s else "remote cheaper"
+            checks.append(
+                (
+                    priced_s <= remote_s,
+                    f"{cheaper}: local {local_s * 1e3:.1f} ms + its stall on {decode.running_streams} streams "
+                    f"= {priced_s * 1e3:.1f} ms vs {remote_s * 1e3:.1f} ms",
+                )
+            )
         where = Where.LOCAL if all(ok for ok, _ in checks) else Where.REMOTE
         reasons = tuple(f"{'ok' if ok else 'NO'}: {text}" for ok, text in checks)
-        return LocalRemoteDecision(where, local_s, remote_s, stall_s, reasons, guards_ok)
+        return LocalRemoteDecision(where, local_s, remote_s, stall_s, reasons, guards_ok, decode.running_streams)

@@ -217,7 +217,7 @@ class SessionOptionPricer:
         prompt, verdict, why = self._local_verdict(step)
         if verdict.where is not Where.LOCAL and step.p is not None:
             return _unavailable(Option.LOCAL, why)
-        return OptionPrice(Option.LOCAL, verdict.local_s, step.d_name, why, prompt.effective_tokens, 0)
+        return OptionPrice(Option.LOCAL, verdict.local_priced_s, step.d_name, why, prompt.effective_tokens, 0)
 
     def local_despite_stall(self, step: SessionStep, best_remote_s: float) -> OptionPrice | None:
         """The local option priced with the stall it imposes on D's running streams
@@ -230,7 +230,7 @@ class SessionOptionPricer:
         prompt, verdict, why = self._local_verdict(step)
         if verdict.where is Where.LOCAL or not verdict.guards_ok:
             return None
-        seconds = verdict.local_s + verdict.stall_s * step.decode.running_streams
+        seconds = verdict.local_priced_s
         if seconds >= best_remote_s:
             return None
         why += (

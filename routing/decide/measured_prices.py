@@ -18,7 +18,8 @@ def path_times(
     rates: RateEstimator, p: WorkerId, d: WorkerId, prompt: PromptState, decode: DecodeState
 ) -> MeasuredTimes:
     """The predicted TTFTs of the local prefill on ``d`` and of the remote path through ``p``
-    (each term measured where it can be, else its prior), and D's prefill alone."""
+    (each term measured where it can be, else its prior), and the stall a local prefill
+    imposes on D's running streams: its prefill beyond D's own step."""
     local = predict_ttft(
         rates,
         d,
@@ -39,7 +40,8 @@ def path_times(
         transfer_tokens=prompt.effective_tokens,
         streams=decode.running_streams,
     )
-    return MeasuredTimes(local.seconds, remote.seconds, local.prefill_s)
+    stall = max(0.0, local.prefill_s - local.first_step.seconds)  # the streams' own step runs anyway
+    return MeasuredTimes(local.seconds, remote.seconds, stall)
 
 
 def option_price(

@@ -2,10 +2,13 @@
 the caller passes the clock.
 
 ``failures_to_open`` consecutive failures open a worker's circuit: it is not routed
-to for ``open_s`` seconds. Then it is half-open: traffic goes to it again, the
-first success closes the circuit and the first failure opens it for another
-``open_s``. A failure is the engine's fault only (no answer, a timeout, a 5xx); a
-4xx is the client's and is not counted. ``failures_to_open == 0`` disables it.
+to for ``open_s`` seconds. Then it is half-open: one request at a time goes to it
+(the probe, booked by :meth:`CircuitBreaker.dispatched`); the probe's success closes
+the circuit, its failure opens it for another ``open_s``, and a probe that ends
+neither way (the client's 4xx, the client left) lets the next request probe. A probe
+that never reports frees the slot after ``open_s``. A failure is the engine's fault
+only (no answer, a timeout, a 5xx); a 4xx is the client's and is not counted.
+``failures_to_open == 0`` disables it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from kvpilot.routing.ids import WorkerId
 class _Circuit:
     consecutive_failures: int = 0
     open_until: float | None = None
+    probe_until: float | None = None
+    """While half-open: the probe in flight holds the worker until then."""
 
 
 class CircuitBreaker:
@@ -29,9 +34,28 @@ class CircuitBreaker:
         self._circuits: dict[WorkerId, _Circuit] = {}
 
     def allows(self, worker: WorkerId, now: float) -> bool:
-        """Whether ``worker`` may be routed to at ``now`` (closed or half-open)."""
+        """Whether ``worker`` may be routed to at ``now``: closed, or half-open with no probe in flight."""
         circuit = self._circuits.get(worker)
-        return circuit is None or circuit.open_until is None or now >= circuit.open_until
+        if circuit is None or circuit.open_until is None:
+            return True
+        if now < circuit.open_until:
+            return False
+        return circuit.probe_until is None or now >= circuit.probe_until
+
+    def dispatched(self, worker: WorkerId, now: float) -> bool:
+        """A request was sent to ``worker``; True if it is the half-open circuit's probe
+        (no other request goes to ``worker`` until the probe reports, see the module doc)."""
+        circuit = self._circuits.get(worker)
+        if circuit is None or circuit.open_until is None or not self.allows(worker, now):
+            return False
+        circuit.probe_until = now + self.open_s
+        return True
+
+    def released(self, worker: WorkerId) -> None:
+        """The probe on ``worker`` ended neither answered nor failed by the engine: the next request probes."""
+        circuit = self._circuits.get(worker)
+        if circuit is not None:
+            circuit.probe_until = None
 
     def succeeded(self, worker: WorkerId) -> bool:
         """Record a success; True if it closed an open (half-open) circuit."""
@@ -44,6 +68,7 @@ class CircuitBreaker:
             return False
         circuit = self._circuits.setdefault(worker, _Circuit())
         circuit.consecutive_failures += 1
+        circuit.probe_until = None
         half_open = circuit.open_until is not None
         if half_open or circuit.consecutive_failures >= self.failures_to_open:
             circuit.open_until = now + self.open_s

@@ -23,7 +23,7 @@ from kvpilot.policies.failure import (
     LoadFailurePolicy,
 )
 from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
-from kvpilot.policies.roofline import kv_bytes, prefill
+from kvpilot.policies.roofline import kv_bytes, prefill, weight_stream_seconds
 from kvpilot.policies.session_tier import RECOMPUTE, Tier, choose_tier, default_tiers
 from kvpilot.policies.specs import LinkSpec
 
@@ -60,7 +60,9 @@ def test_local_vs_remote(config: LocalPrefillConfig, prompt: PromptState, decode
 def test_local_prefill_costs_match_section_9_2() -> None:
     decision = LocalVsRemotePolicy(M, BF16, HW, HW, RDMA).decide(STEP20_ON_D, DecodeState(0.5, 8))
     assert decision.local_s == pytest.approx(0.170, rel=0.05)  # "roughly 170 ms of compute"
-    assert decision.stall_s == decision.local_s
+    # each running stream's step streams the weights anyway: the prefill stalls it by the rest
+    assert decision.stall_s == pytest.approx(decision.local_s - weight_stream_seconds(M, HW))
+    assert decision.local_priced_s == pytest.approx(decision.local_s + 8 * decision.stall_s)
     assert "NO: stall on 8 streams" in decision.explain()
 
 

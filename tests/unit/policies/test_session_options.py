@@ -144,7 +144,7 @@ LOCKSTEP = SessionStep(
     decode=DecodeState(kv_usage=0.01, running_streams=1),
     last_p=None,
     last_d_chosen=True,
-    measured=MeasuredTimes(local_s=0.5, remote_s=4.4, local_prefill_s=0.5),
+    measured=MeasuredTimes(local_s=0.5, remote_s=4.4, local_stall_s=0.5),
 )
 
 
@@ -172,3 +172,33 @@ def test_the_stall_budget_does_not_send_a_step_to_a_slower_option(streams, best_
 def test_a_failed_guard_is_not_priced_away() -> None:
     full = SessionStep(**{**_fields(LOCKSTEP), "decode": DecodeState(kv_usage=0.95, running_streams=1)})
     assert pricer().local_despite_stall(full, 100.0) is None  # D's KV usage over the guard: never local
+
+
+# A session's 1,500-token increment on the CPU fleet's scale: D prefills it in 60 ms (its
+# streams' steps pause 40 ms each, within the 50 ms budget); P, holding the session's
+# history, in 120 ms with the handoff.
+INCREMENT = SessionStep(
+    prompt_tokens=4_000,
+    p=PrefillSite("p0", cached_tokens=2_500),
+    d_name="d0",
+    d_cached_tokens=2_500,
+    decode=DecodeState(kv_usage=0.1, running_streams=0),
+    last_p=PrefillSite("p0", cached_tokens=2_500),
+    last_d_chosen=True,
+    measured=MeasuredTimes(local_s=0.06, remote_s=0.12, local_stall_s=0.04),
+)
+
+
+@pytest.mark.parametrize(("streams", "stays_on_d"), [(0, True), (1, True), (4, False)])
+def test_a_busy_d_sends_the_step_to_p(streams, stays_on_d) -> None:
+    """Article section 9.2, option 5: local is good while D is lightly loaded, poor when D is
+    full. Its price is its TTFT plus the stall on each of D's running streams (4 x 40 ms here)."""
+    step = SessionStep(**{**_fields(INCREMENT), "decode": DecodeState(kv_usage=0.1, running_streams=streams)})
+    prices = by_option(step)
+    local = prices[Option.LOCAL]
+    if streams < 4:
+        assert local.seconds == pytest.approx(0.06 + 0.04 * streams)
+    chosen = choose(tuple(prices.values()))
+    assert (chosen.option is Option.LOCAL) is stays_on_d, chosen.explain()
+    if not stays_on_d:
+        assert chosen.prefill_worker == "p0" and local.seconds > 0.06 + 0.04 * streams - 1e-9

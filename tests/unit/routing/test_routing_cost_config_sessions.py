@@ -424,3 +424,21 @@ def test_circuit_opens_after_consecutive_failures_and_closes_on_a_success():
     assert breaker.allows("d-0", now=25.5) and breaker.succeeded("d-0")  # closed by a success
     assert breaker.allows("d-0", now=26.0) and not breaker.succeeded("d-0")
     assert not CircuitBreaker(failures_to_open=0).failed("d-0", now=0.0)  # disabled
+
+
+def test_a_half_open_circuit_lets_one_probe_through_at_a_time():
+    from kvpilot.routing.health.circuit import CircuitBreaker
+
+    breaker = CircuitBreaker(failures_to_open=1, open_s=10.0)
+    assert breaker.failed("d-0", now=0.0)
+    assert not breaker.dispatched("d-0", now=5.0)  # open: no probe yet
+    assert breaker.allows("d-0", now=10.0) and breaker.dispatched("d-0", now=10.0)  # the probe
+    assert not breaker.allows("d-0", now=10.1)  # the rest wait for the probe's answer
+    assert not breaker.dispatched("d-1", now=10.1)  # a closed circuit has no probe
+    breaker.released("d-0")  # the probe ended on the client's 4xx: the next request probes
+    assert breaker.allows("d-0", now=10.2) and breaker.dispatched("d-0", now=10.2)
+    assert breaker.allows("d-0", now=20.2)  # a probe that never reported frees the slot after open_s
+    assert breaker.dispatched("d-0", now=20.2) and breaker.failed("d-0", now=20.3)  # the probe failed: open again
+    assert not breaker.allows("d-0", now=30.2) and breaker.allows("d-0", now=30.3)
+    assert breaker.dispatched("d-0", now=30.3) and breaker.succeeded("d-0")  # closed by the probe's success
+    assert breaker.allows("d-0", now=30.4) and not breaker.dispatched("d-0", now=30.4)
