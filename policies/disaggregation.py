@@ -180,8 +180,10 @@ class LocalVsRemotePolicy:
             checks.append(
                 (
                     priced_s <= remote_s,
-                    f"{cheaper}: local {local_s * 1e3:.1f} ms + its stall on {decode.running_streams} streams "
-                    f"= {priced_s * 1e3:.1f} ms vs {remote_s * 1e3:.1f} ms",
+                    (
+                        f"{cheaper}: local {local_s * 1e3:.1f} ms + its stall on {decode.running_streams} streams "
+                        f"= {priced_s * 1e3:.1f} ms vs {remote_s * 1e3:.1f} ms"
+                    ),
                 )
             )
         where = Where.LOCAL if all(ok for ok, _ in checks) else Where.REMOTE

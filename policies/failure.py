@@ -1,4 +1,5 @@
-"""What D does when it cannot load a request's KV (article section 8.6).
+"""What D does when it cannot load a request's KV (article section 8.6), and what the
+router does when a request's prefill on P failed (:func:`recover`).
 
 vLLM's ``kv_load_failure_policy`` is ``fail`` (the default) or ``recompute``.
 Recomputing runs a prefill on an instance tuned for decode and delays every
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,6 +21,8 @@ from kvpilot.policies.roofline import prefill
 from kvpilot.policies.specs import HardwareSpec, KVFormat, LinkSpec, ModelSpec
 
 FailureMode = Literal["fail", "recompute", "budgeted"]
+JITTER_WINDOW_S = 10.0
+"""The window over which a decode worker's jitter budget (``jitter_budget_s``) is spent."""
 
 
 class FailureAction(enum.Enum):
@@ -111,3 +115,110 @@ class LoadFailurePolicy:
                 (f"within budget ({jitter_spent_s + jitter_s:.2f} of {c.jitter_budget_s:.2f} stream-s)"),
             )
         return FailureDecision(action, fail_s, recompute.seconds, stall_s, jitter_s, reason)
+
+
+class Recovery(enum.Enum):
+    """What the router does with a request whose prefill on P failed (an error, a
+    timeout, a stalled or expired transfer)."""
+
+    OTHER_PREFILL = "other_prefill"  # another prefill worker prefills it, D pulls from there
+    LOCAL = "local"  # D prefills it itself
+    FAIL = "fail"  # answered at once with an error naming why
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryCosts:
+    """A failed prefill's ways on: D prefilling it (``local_s``, its TTFT from now, and
+    ``stall_s``, the pause it adds to each of D's ``running_streams``), another prefill
+    worker doing it (``other_prefill_s``; ``None``: no other is available), and the
+    stream-seconds of jitter D's local prefills already imposed in the budget's window."""
+
+    local_s: float
+    stall_s: float
+    running_streams: int
+    other_prefill_s: float | None
+    jitter_spent_s: float = 0.0
+
+    @property
+    def jitter_s(self) -> float:
+        """The stream-seconds of delay D's local prefill would impose."""
+        return self.stall_s * self.running_streams
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryDecision:
+    action: Recovery
+    reason: str
+
+
+def recover(costs: RecoveryCosts, config: FailurePolicyConfig = KVPILOT_DEFAULT) -> RecoveryDecision:
+    """Decide, live on measured costs, how a request whose prefill failed is served
+    (article section 8.6, from the router's side):
+
+    - D may prefill it when the mode allows (``recompute`` always, ``fail`` never,
+      ``budgeted`` while no stream stalls past ``max_stall_s`` and the jitter stays within
+      ``jitter_budget_s``; an idle D stalls nothing);
+    - another prefill worker takes it when one is available and it is predicted sooner than
+      D's local prefill priced with its stall on every running stream (or D may not);
+    - else the request fails at once with the reason: no engine is left to wait on.
+    """
+    c = config
+    priced_local_s = costs.local_s + costs.jitter_s
+    if c.mode == "fail":
+        local_ok, why = False, "mode is fail: D never prefills a failed handoff"
+    elif not costs.jitter_s or c.mode == "recompute":
+        local_ok, why = True, "mode is recompute" if costs.jitter_s else "D stalls no stream"
+    elif costs.stall_s > c.max_stall_s:
+        local_ok, why = (
+            False,
+            (
+                f"a local prefill would stall D's {costs.running_streams} streams "
+                f"{costs.stall_s * 1e3:.1f} ms > {c.max_stall_s * 1e3:.0f} ms"
+            ),
+        )
+    elif costs.jitter_spent_s + costs.jitter_s > c.jitter_budget_s:
+        local_ok, why = (
+            False,
+            (
+                f"D's jitter {costs.jitter_spent_s:.2f} + {costs.jitter_s:.2f} stream-s exceeds "
+                f"the budget {c.jitter_budget_s:.2f}"
+            ),
+        )
+    else:
+        local_ok, why = (
+            True,
+            f"within D's budget ({costs.jitter_spent_s + costs.jitter_s:.2f} of {c.jitter_budget_s:.2f} stream-s)",
+        )
+    other = costs.other_prefill_s
+    if other is not None and (not local_ok or other <= priced_local_s):
+        return RecoveryDecision(
+            Recovery.OTHER_PREFILL,
+            f"another prefill worker: {other * 1e3:.1f} ms vs local {priced_local_s * 1e3:.1f} ms "
+            f"with its stall ({why})",
+        )
+    if local_ok:
+        return RecoveryDecision(Recovery.LOCAL, f"local prefill on D: {priced_local_s * 1e3:.1f} ms ({why})")
+    return RecoveryDecision(Recovery.FAIL, f"no other prefill worker, and {why}")
+
+
+class JitterWindow:
+    """The stream-seconds of delay each decode worker's local prefills imposed on its
+    running streams within the last ``window_s`` seconds. Pure; the caller passes the clock."""
+
+    def __init__(self, window_s: float = JITTER_WINDOW_S) -> None:
+        if window_s <= 0:
+            raise ValueError("window_s must be > 0")
+        self.window_s = window_s
+        self._charges: dict[str, deque[tuple[float, float]]] = {}
+
+    def charge(self, worker: str, stream_seconds: float, now: float) -> None:
+        if stream_seconds > 0:
+            self._charges.setdefault(worker, deque()).append((now, stream_seconds))
+
+    def spent(self, worker: str, now: float) -> float:
+        charges = self._charges.get(worker)
+        if not charges:
+            return 0.0
+        while charges and charges[0][0] <= now - self.window_s:
+            charges.popleft()
+        return sum(seconds for _, seconds in charges)

@@ -1,11 +1,13 @@
 """kvpilot's router in the simulation: :class:`kvpilot.routing.decide.router.Router` unchanged,
 over its own :class:`~kvpilot.routing.index.block_index.BlockIndex` fed the simulated workers'
 KV events (vLLM's ``BlockStored`` / ``BlockRemoved`` structs, as a live router reads them) and
-its own :class:`~kvpilot.routing.decide.ledger.LoadLedger` booked as the proxy books it
-(dispatch on the route, the prefill done at the first token, the request's end).
+the live router's own :class:`~kvpilot.routing.decide.lifecycle.Lifecycle` booking each
+request as the relay and Envoy's picker book it (the ledger's dispatch, end of prefill at
+the first token and completion; circuits, pair health, session offers and the session's
+new state at its end), at virtual time.
 
 A request of a session is routed with its session id (the router's session state, affinity
-and resting sessions, at virtual time), and the router is told it was served at its end.
+and resting sessions).
 
 A request's tokens are what Dynamo's replay synthesizes: each trace hash id repeated
 ``tokens_per_hash`` times, cut at the prompt's length.
@@ -14,6 +16,7 @@ A request's tokens are what Dynamo's replay synthesizes: each trace hash id repe
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,9 +26,13 @@ from fleet.trace import TRACE_BLOCK_TOKENS
 
 from kvpilot.routing.config import RouterConfig, prior_model
 from kvpilot.routing.decide.ledger import LoadLedger
-from kvpilot.routing.decide.router import Route, Router, policy_from_config
+from kvpilot.routing.decide.lifecycle import Clock, Lifecycle, Ticket
+from kvpilot.routing.decide.router import Router, policy_from_config
 from kvpilot.routing.decide.sessions import SessionStore
 from kvpilot.routing.fleet import fleet_from_config
+from kvpilot.routing.health.circuit import CircuitBreaker
+from kvpilot.routing.health.event_watch import EventWatch
+from kvpilot.routing.health.pair_health import PairHealth
 from kvpilot.routing.ids import SessionId, WorkerId
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.index.events import BlockRemoved, BlockStored
@@ -73,15 +80,31 @@ class KvpilotPlacement:
         self._position = {name: i for i, name in enumerate(self.names)}
         self._prefill_workers = prefill_workers
         self.index = BlockIndex(spec.block_size)
-        self.ledger = LoadLedger()
         policy = policy_from_config(config.disaggregation, prior_model(config)) if prefill_workers else None
-        self.router = Router(
-            fleet, config, self.index, self.ledger, SessionStore(spec.block_size, SESSIONS), policy, random.Random(seed)
+        router = Router(
+            fleet,
+            config,
+            self.index,
+            LoadLedger(),
+            SessionStore(spec.block_size, SESSIONS),
+            policy,
+            random.Random(seed),
         )
+        self._now_s = 0.0
+        self.lifecycle = Lifecycle(
+            router,
+            threading.Lock(),
+            CircuitBreaker(config.server.circuit_failures, config.server.circuit_open_s),
+            PairHealth(config.cost),
+            EventWatch(config.index.events_stale_after_s),
+            dict,
+            clock=Clock(monotonic=self._clock, wall=self._clock),
+        )
+        self.router = router
         self.block_size = spec.block_size
         self.tokens_per_hash = tokens_per_hash
         self._tokens: dict[int, np.ndarray] = {}
-        self._routes: dict[int, Route] = {}
+        self._tickets: dict[int, Ticket] = {}
         self.placed: dict[int, int] = {}
         """Each request's worker (its index), by request id."""
 
@@ -93,21 +116,21 @@ class KvpilotPlacement:
             tokens = np.repeat(ids, self.tokens_per_hash)[: request.prompt_len]
         return tokens
 
+    def _clock(self) -> float:
+        """The virtual time of the event being simulated, in seconds."""
+        return self._now_s
+
     def place(self, request: SimRequest, prefill: Sequence[SimEngine], decode: Sequence[SimEngine]) -> Placed:
         tokens = self._tokens[request.rid] = self.tokens(request)
         session = SessionId(request.session) if request.session is not None else None
-        now_s = request.arrival_ms / 1e3
+        self._now_s = request.arrival_ms / 1e3
         route = self.router.route(
-            tokens.tolist(), str(request.rid), session=session, now=now_s
+            tokens.tolist(), str(request.rid), session=session, now=self._now_s
         )  # the HTTP front hands it ints
-        if session is not None:
-            self._routes[request.rid] = route
-        self.ledger.dispatch(
-            str(request.rid), route.prefill_worker.name, route.decode.name, route.chain, route.cached_blocks
-        )
+        ticket = self._tickets[request.rid] = self.lifecycle.dispatch(route, session)
         d = self.placed[request.rid] = self._position[route.decode.name] - self._prefill_workers
-        remote = route.prefill_worker.name != route.decode.name
-        return (self._position[route.prefill_worker.name] if remote else None), d
+        remote = ticket.prefilled_on != route.decode.name
+        return (self._position[ticket.prefilled_on] if remote else None), d
 
     def place_decode(self, request: SimRequest, decode: Sequence[SimEngine]) -> int:
         """The decode worker chosen with the prefill worker on arrival (the router prices the pair)."""
@@ -131,12 +154,10 @@ class KvpilotPlacement:
             self.index.apply(name, BlockRemoved(list(evicted), medium="GPU"))  # type: ignore[arg-type]
 
     def first_token(self, request: SimRequest) -> None:
-        self.ledger.first_token(str(request.rid))
+        """``request``'s prefill is over (P's copy finished, or D's first token)."""
+        self.lifecycle.prefill_over(self._tickets[request.rid])
 
     def finished(self, request: SimRequest) -> None:
-        self.ledger.complete(str(request.rid))
-        route = self._routes.pop(request.rid, None)
-        if route is not None:
-            assert request.session is not None
-            self.router.served(SessionId(request.session), route, now=request.token_ms[-1] / 1e3)
+        self._now_s = request.token_ms[-1] / 1e3
+        self.lifecycle.finished(self._tickets.pop(request.rid), answered=True)
         self._tokens.pop(request.rid, None)

@@ -70,8 +70,8 @@ from kvpilot.routing.config import (
 )
 from kvpilot.routing.decide.cost import CandidateTable, CostModel, Decision, TierOverlap, tier_overlap
 from kvpilot.routing.decide.ledger import LoadLedger, PromptLoads
-from kvpilot.routing.decide.measured_prices import option_price, path_times
-from kvpilot.routing.decide.rates import RateEstimator, predict_ttft
+from kvpilot.routing.decide.measured_prices import option_price, path_times, predict_path
+from kvpilot.routing.decide.rates import RateEstimator
 from kvpilot.routing.decide.residency import Residency
 from kvpilot.routing.decide.sessions import OfferUse, SessionOffer, SessionState, SessionStore
 from kvpilot.routing.fleet import Fleet
@@ -487,6 +487,10 @@ class Router:
             use = "unused"
         return (offer if use == "sent" else None), use
 
+    def gpu_overlap(self, match: Match, worker: WorkerId) -> int:
+        """The prompt's leading blocks ``worker`` holds in GPU by ``match`` (0 while its KV events are stale)."""
+        return self._overlaps(match)[worker].gpu
+
     def _overlaps(self, match: Match) -> defaultdict[WorkerId, TierOverlap]:
         """Each worker's creditable overlap, built for the workers the match names (a
         large fleet's others are idle: the ``defaultdict``'s default, which holds only
@@ -590,14 +594,14 @@ class Router:
         prefiller = p if p is not None else d
         cached = min(prompt_tokens, overlaps[prefiller.name].gpu * bs)
         read = prompt_tokens - min(prompt_tokens, overlaps[d.name].gpu * bs) if p is not None else 0
-        predicted = predict_ttft(
+        predicted = predict_path(
             self.rates,
             prefiller.name,
             d.name,
-            new=prompt_tokens - cached,
-            cached=cached,
-            queued=loads[prefiller.name].active_prefill_blocks * bs,
-            transfer_tokens=read,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached,
+            queued_tokens=loads[prefiller.name].active_prefill_blocks * bs,
+            moved_tokens=read,
             streams=self._running_streams(d, loads),
         )
         return predicted.seconds

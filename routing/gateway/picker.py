@@ -5,15 +5,17 @@ and, when the request has ended, one access-log entry (:mod:`kvpilot.routing.gat
 Between the two the stream runs from the engine to the client through Envoy alone: no
 response byte reaches Python.
 
-:meth:`Picker.pick` does what the HTTP front does up to D's call
-(:meth:`~kvpilot.routing.serve.app.RouterServer.intake`: check, the engine's token ids, session, route, TTFT
-SLO; then :meth:`~kvpilot.routing.serve.proxy.Proxy.begin`: ledger, metrics, and P's prefill with its
-fallback when the route prefills remotely on vLLM engines; beside Dynamo P's step is deferred
-into D's call) and answers with D's :class:`~kvpilot.routing.serve.upstream.Destination` and the
-answer's ``X-KVPilot-*`` headers (Envoy copies them to the response, see
-``deploy/envoy_spec.py``). :meth:`Picker.ended` does what the proxy does after D's stream:
-the first-token samples (from Envoy's time to the destination's first body byte), the
-session's new state, D's circuit, the ledger's completion.
+:meth:`Picker.pick` drives the request's :class:`~kvpilot.routing.decide.lifecycle.Lifecycle`
+as the relay does up to D's call: an admission slot (``server.max_concurrent_requests`` and
+its queue: 429 or 503 with ``Retry-After``, as GAIE's protocol lets an endpoint picker
+refuse), the intake (check, the engine's token ids, session, route, TTFT SLO), then
+:meth:`~kvpilot.routing.serve.proxy.Proxy.begin` (the booking and P's prefill with its
+recovery when the route prefills remotely on vLLM engines: another P, D, or a 503; beside
+Dynamo P's step is deferred into D's call). It answers with D's
+:class:`~kvpilot.routing.serve.upstream.Destination` and the answer's ``X-KVPilot-*`` headers
+(Envoy copies them to the response, see ``deploy/envoy_spec.py``). :meth:`Picker.ended`
+does what the relay does after D's stream (the first-token samples from Envoy's time to
+the destination's first body byte, the lifecycle's end) and frees the slot.
 
 Which signal feeds which term:
 
@@ -27,9 +29,11 @@ Which signal feeds which term:
 - a request whose entry never comes (Envoy restarted before sending it) is ended unanswered
   after ``server.request_timeout_s`` (:meth:`Picker.expire`).
 
-D's end-of-turn offer of a session's KV (vLLM's bidirectional mode) is in D's response body,
-which the picker does not read: through Envoy a session's next step never pulls from D by
-that offer (option ``pull`` falls to the next cheapest option).
+What the relay does and Envoy's path cannot: D's end-of-turn offer of a session's KV (vLLM's
+bidirectional mode) is in D's response body, which the picker does not read, so through
+Envoy a session's next step never pulls from D by that offer (option ``pull`` falls to the
+next cheapest option); and a D that fails before its first byte is not retried on another
+D (Envoy's original-destination cluster has only the one address the picker named).
 """
 
 from __future__ import annotations
@@ -37,19 +41,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from kvpilot.routing.decide.router import Route
-from kvpilot.routing.serve.admission import Rejected
-from kvpilot.routing.serve.app import UNAUTHORIZED_MESSAGE, RouterServer
+from kvpilot.routing.config import ServerConfig
+from kvpilot.routing.decide.lifecycle import Lifecycle
+from kvpilot.routing.metrics.router_metrics import RouterMetrics
+from kvpilot.routing.serve.admission import Admission, Rejected
+from kvpilot.routing.serve.app import UNAUTHORIZED_MESSAGE
 from kvpilot.routing.serve.chat import ChatError
-from kvpilot.routing.serve.proxy import Begun, ProxyRequest, Reply, error_reply
+from kvpilot.routing.serve.intake import RequestIntake
+from kvpilot.routing.serve.proxy import Begun, Proxy, ProxyRequest, Reply, error_reply
 from kvpilot.routing.serve.refusals import BadRequest
-from kvpilot.routing.serve.upstream import Api, Destination, UpstreamError
+from kvpilot.routing.serve.upstream import Api, Destination, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +108,33 @@ class _InFlight:
 
 
 class Picker:
-    """Picks for Envoy over a started :class:`~kvpilot.routing.serve.app.RouterServer` (see the
-    module doc). Runs on the router's event loop; not thread-safe."""
+    """Picks for Envoy (see the module doc), given at construction what it drives: the
+    request ``intake`` (check, token ids, session, route, TTFT SLO), the ``proxy``'s steps
+    before and after D's call (P's prefill and its recovery; the end's metrics and the
+    session store), the ``upstream`` that names D's destination, the request
+    ``lifecycle`` that books it all, ``admission`` (one slot from the pick to the access
+    log's entry), the ``metrics``, the ``server`` section's limits and ``authorized`` (the
+    API key check). Runs on the router's event loop; not thread-safe."""
 
-    def __init__(self, server: RouterServer) -> None:
+    def __init__(
+        self,
+        intake: RequestIntake,
+        proxy: Proxy,
+        upstream: Upstream,
+        lifecycle: Lifecycle,
+        admission: Admission,
+        metrics: RouterMetrics,
+        server: ServerConfig,
+        authorized: Callable[[Mapping[str, str]], bool],
+    ) -> None:
+        self._intake = intake
+        self._proxy = proxy
+        self._upstream = upstream
+        self._lifecycle = lifecycle
+        self._admission = admission
+        self._metrics = metrics
         self._server = server
+        self._authorized = authorized
         self._in_flight: dict[str, _InFlight] = {}
 
     async def pick(self, path: str, headers: Mapping[str, str], raw: bytes, arrived: float) -> Picked:
@@ -113,79 +142,95 @@ class Picker:
         (``time.perf_counter()``): ``path`` and ``headers`` as the client sent them (with
         Envoy's ``x-request-id``), ``raw`` its whole body. Raises :class:`Refused`: 404 for
         another path, 401 without the API key (``server.api_key_env``), 400 or 413 for a bad
-        body (naming the problem), 409 for a request id
-        in flight, 429 or 503 for a predicted TTFT over the SLO, 503 when no worker can
-        serve it, 502 when the chosen worker left."""
+        body (naming the problem), 409 for a request id in flight, 429 or 503 when the
+        router is at capacity (``server.max_concurrent_requests`` and its queue, as the relay)
+        or for a predicted TTFT over the SLO, 503 when no worker can serve it or its
+        prefill failed past recovery, 502 when the chosen worker left."""
         try:
             api = Api(path.split("?", 1)[0])
         except ValueError:
             raise Refused(
                 404, f"kvpilot serves POST {Api.COMPLETIONS.value} and {Api.CHAT.value}, not {path!r}"
             ) from None
-        server = self._server
-        if not server.authorized(headers):
+        if not self._authorized(headers):
             raise Refused(401, UNAUTHORIZED_MESSAGE, "authentication_error", **{"www-authenticate": "Bearer"})
-        if len(raw) > server.config.server.max_body_bytes:
-            raise Refused(413, str(server.intake.body_too_large()))
+        if len(raw) > self._server.max_body_bytes:
+            raise Refused(413, str(self._intake.body_too_large()))
         try:
-            intake = await server.intake.take(headers, server.intake.checked_body(raw, api), api, arrived)
+            await self._admission.acquire()
+        except Rejected as exc:
+            raise self._rejected(exc) from None
+        try:
+            return await self._pick_admitted(api, headers, raw, arrived)
+        except BaseException:
+            self._admission.release()
+            raise
+
+    def _rejected(self, exc: Rejected) -> Refused:
+        self._metrics.rejected.labels(exc.reason.value).inc()
+        return Refused(exc.status, str(exc), "overloaded", **{"retry-after": str(exc.retry_after_s)})
+
+    async def _pick_admitted(self, api: Api, headers: Mapping[str, str], raw: bytes, arrived: float) -> Picked:
+        intake = self._intake
+        try:
+            taken = await intake.take(headers, intake.checked_body(raw, api), api, arrived)
         except (BadRequest, ChatError) as exc:
             raise Refused(getattr(exc, "status", 400), str(exc)) from None
         except Rejected as exc:
-            server.metrics.rejected.labels(exc.reason.value).inc()
-            raise Refused(exc.status, str(exc), "overloaded", **{"retry-after": str(exc.retry_after_s)}) from None
-        request, route = intake.request, intake.request.route
-        begun = await server.proxy.begin(request, route)
+            raise self._rejected(exc) from None
+        request = taken.request
+        begun = await self._proxy.begin(request, request.route)
         if isinstance(begun, Reply):
-            raise Refused(begun.status, begun.payload["error"]["message"])
+            raise Refused(begun.status, begun.payload["error"]["message"], begun.payload["error"]["type"])
+        ticket = begun.ticket
         try:
-            destination = server.proxy.upstream.destination(route.decode, request.engine, begun.handoff)
+            destination = self._upstream.destination(ticket.route.decode, request.engine, begun.handoff)
         except UpstreamError as exc:
-            server.proxy.worker_failed(exc.worker)
-            server.ledger.complete(route.request_id)
+            self._metrics.circuit_changed(self._lifecycle.decode_failed(ticket, engine_fault=True))
             raise Refused(exc.status, str(exc), "upstream_error") from None
         picked_s = time.perf_counter() - arrived
-        self._in_flight[route.request_id] = _InFlight(
-            request, begun, picked_s, self._prefill_timer(route, begun, picked_s)
-        )
-        unchanged = destination.body == intake.client_body  # no session fields, no handoff
+        self._in_flight[ticket.request_id] = _InFlight(request, begun, picked_s, self._prefill_timer(begun, picked_s))
+        unchanged = destination.body == taken.client_body  # no session fields, no handoff
         return Picked(destination, None if unchanged else body_bytes(destination.body), begun.headers)
 
-    def _prefill_timer(self, route: Route, begun: Begun, picked_s: float) -> asyncio.TimerHandle | None:
-        """Ends the request's prefill in the ledger at its predicted TTFT (see the module
+    def _prefill_timer(self, begun: Begun, picked_s: float) -> asyncio.TimerHandle | None:
+        """Ends the request's prefill in the lifecycle at its predicted TTFT (see the module
         doc); ``None`` when nothing is predicted (the request's end does it)."""
-        prediction = begun.prediction
+        prediction = begun.ticket.prediction
         if prediction is None:
             return None
         delay = max(0.0, prediction.seconds - picked_s)
-        return asyncio.get_running_loop().call_later(delay, self._server.ledger.first_token, route.request_id)
+        return asyncio.get_running_loop().call_later(delay, self._lifecycle.prefill_over, begun.ticket)
 
     async def ended(self, end: RequestEnd) -> None:
-        """Envoy's entry for a request that ended: the proxy's bookkeeping after D's
-        stream (see the module doc). An entry for a request the picker did not pick (it
-        refused it, or picked it before a restart) is ignored."""
+        """Envoy's entry for a request that ended: the proxy's steps after D's stream (see
+        the module doc) and the request's admission slot. An entry for a request the picker
+        did not pick (it refused it, or picked it before a restart) is ignored."""
         item = self._in_flight.pop(end.request_id, None)
         if item is None:
             return
         if item.prefill_timer is not None:
             item.prefill_timer.cancel()
-        proxy, route = self._server.proxy, item.request.route
-        answered = end.status == 200  # an expired request (status 0) counts against no worker
+        ticket = item.begun.ticket
         try:
-            if answered and end.first_body_s is not None:
-                since_sent = max(0.0, end.first_body_s - item.picked_s)
-                proxy.first_token(route, item.begun, since_sent, end.first_body_s)
-            elif end.status >= 500:  # 0: the client left before any answer, not D's fault
-                proxy.metrics.upstream_errors.labels(route.decode.name).inc()
-                proxy.worker_failed(route.decode)
-            await proxy.finish(item.request, route, item.begun, answered=answered)
+            if end.status == 200:
+                if end.first_body_s is not None:
+                    since_sent = max(0.0, end.first_body_s - item.picked_s)
+                    self._proxy.first_token(ticket, since_sent, end.first_body_s)
+                await self._proxy.finish(ticket, answered=True)
+            elif end.status >= 500:  # D's fault; 0: the client left (or the entry never came), no one's
+                self._metrics.upstream_errors.labels(ticket.route.decode.name).inc()
+                self._metrics.circuit_changed(self._lifecycle.decode_failed(ticket, engine_fault=True))
+            else:
+                await self._proxy.finish(ticket, answered=False)
         finally:
-            self._server.ledger.complete(end.request_id)
+            self._lifecycle.failed(ticket)  # a no-op for a ticket that ended above
+            self._admission.release()
 
     async def expire(self, now: float) -> None:
         """End, unanswered, every request picked more than ``server.request_timeout_s``
         before ``now`` (``time.perf_counter()``) whose entry never came."""
-        limit = self._server.config.server.request_timeout_s
+        limit = self._server.request_timeout_s
         stale = [rid for rid, item in self._in_flight.items() if now - item.request.started > limit]
         for rid in stale:
             log.warning("request %s: no access-log entry within %.0f s; ended as unanswered", rid, limit)

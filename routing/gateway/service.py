@@ -52,12 +52,21 @@ def _answer_get(server: RouterServer) -> Any:
     return answer
 
 
-def attach(app: web.Application, server: RouterServer) -> Picker:
-    """Serve the picker with ``app`` (see the module doc); returns it."""
-    picker = Picker(server)
+def attach(app: web.Application, server: RouterServer) -> None:
+    """Serve the picker with ``app`` (see the module doc), once ``server`` has started."""
     state: dict[str, Any] = {}
 
     async def start(_: web.Application) -> None:
+        picker = Picker(
+            server.intake,
+            server.proxy,
+            server.proxy.upstream,
+            server.lifecycle,
+            server.admission,
+            server.metrics,
+            server.config.server,
+            server.authorized,
+        )
         grpc_server = grpc.aio.server()
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker, _answer_get(server)), grpc_server)
         ls_grpc.add_LogsServiceServicer_to_server(AccessLogReceiver(picker), grpc_server)
@@ -81,7 +90,6 @@ def attach(app: web.Application, server: RouterServer) -> Picker:
 
     app.on_startup.append(start)
     app.on_cleanup.insert(0, stop)
-    return picker
 
 
 async def _expire(picker: Picker) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvpilot.policies.failure import Recovery
 from kvpilot.policies.session_options import Option
 from kvpilot.routing.decide.session_record import StoreOp
 from kvpilot.routing.decide.sessions import OfferUse
@@ -15,7 +17,10 @@ from kvpilot.routing.ids import WorkerId
 from kvpilot.routing.serve.refusals import RejectReason
 
 if TYPE_CHECKING:
+    from kvpilot.routing.decide.lifecycle import CircuitChange
     from kvpilot.routing.decide.router import Route
+
+log = logging.getLogger(__name__)
 
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -100,6 +105,14 @@ class RouterMetrics:
             p + "prefill_failures", "Remote prefills that failed", ["worker", "reason"], registry=r
         )
         self.fallbacks = Counter(p + "prefill_fallbacks", "Requests prefilled locally on D after P failed", registry=r)
+        self.prefill_recoveries = Counter(
+            p + "prefill_recoveries",
+            "How requests whose prefill failed went on: another prefill worker, D itself, or an error at once",
+            ["action"],
+            registry=r,
+        )
+        for action in Recovery:
+            self.prefill_recoveries.labels(action.value)
         self.upstream_errors = Counter(
             p + "upstream_errors", "Engine errors returned to clients", ["worker"], registry=r
         )
@@ -184,9 +197,24 @@ class RouterMetrics:
         self.hit_ratio.set(self._cached / self._prompt if self._prompt else 0.0)
         self.ttft_stage.labels("route").observe(route_seconds)
 
-    def prefill_failed(self, worker: str, reason: str) -> None:
+    def prefill_failed(self, worker: str, reason: str, recovery: Recovery) -> None:
+        """P's prefill failed for ``reason`` and the request went on by ``recovery``."""
         self.prefill_failures.labels(worker, reason).inc()
-        self.fallbacks.inc()
+        self.prefill_recoveries.labels(recovery.value).inc()
+        if recovery is Recovery.LOCAL:
+            self.fallbacks.inc()
+
+    def circuit_changed(self, change: CircuitChange | None) -> None:
+        """A worker's circuit opened or closed: counted, its gauge set, logged."""
+        if change is None:
+            return
+        worker = change.worker
+        self.circuit_open.labels(worker).set(1 if change.opened else 0)
+        if change.opened:
+            self.circuit_trips.labels(worker).inc()
+            log.warning("worker %s: circuit open for %.0f s; not routed to until then", worker, change.open_s)
+        else:
+            log.info("worker %s: answered again; circuit closed", worker)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

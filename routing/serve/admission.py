@@ -42,18 +42,28 @@ class Admission:
     @asynccontextmanager
     async def admit(self) -> AsyncIterator[None]:
         """Hold one slot for the body of the ``async with``; raises :class:`Rejected`."""
+        await self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    async def acquire(self) -> None:
+        """Take one slot, waiting in the queue if none is free; raises :class:`Rejected`.
+        Each successful call is matched by one :meth:`release` (a front whose request ends
+        outside one coroutine, as Envoy's picker's does, calls both itself)."""
         slots = self._slots
         if slots is not None and not slots.locked():
             await slots.acquire()  # a free slot: taken without suspending
         elif slots is not None:
             await self._wait_for_slot(slots)
         self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            if slots is not None:
-                slots.release()
+
+    def release(self) -> None:
+        """Give back a slot :meth:`acquire` took."""
+        self.in_flight -= 1
+        if self._slots is not None:
+            self._slots.release()
 
     async def _wait_for_slot(self, slots: asyncio.Semaphore) -> None:
         retry_after = max(1, math.ceil(self.queue_timeout_s))

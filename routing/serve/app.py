@@ -42,6 +42,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from kvpilot.policies.failure import FailurePolicyConfig
 from kvpilot.routing.config import (
     ConfigError,
     IndexBackend,
@@ -54,6 +55,7 @@ from kvpilot.routing.config import (
     prior_model,
 )
 from kvpilot.routing.decide.ledger import LoadLedger
+from kvpilot.routing.decide.lifecycle import Lifecycle
 from kvpilot.routing.decide.rates import RateEstimator, RolePriors, TTFTPrediction
 from kvpilot.routing.decide.router import Router, policy_from_config
 from kvpilot.routing.decide.session_record import SessionStateStore
@@ -240,6 +242,17 @@ class RouterServer:
                 ttl_s=config.sessions.store_ttl_s,
             )
         )
+        self.lifecycle = Lifecycle(
+            self.router,
+            self.lock,
+            self.breaker,
+            self.pair_health,
+            self.event_watch,
+            self.event_batches,
+            rates=self.rates,
+            prefills_timed_here=self.engine_load is None,
+            failure=FailurePolicyConfig(max_stall_s=config.disaggregation.max_stall_s),
+        )
         self.intake = RequestIntake(
             config,
             self.router,
@@ -248,7 +261,7 @@ class RouterServer:
             prompts,
             self.session_sync,
             self.watch_events,
-            lambda route: self.proxy.predict(route),
+            self.lifecycle.predict,
         )
         for collector in (
             LedgerCollector(self.ledger, self.worker_names),
@@ -292,18 +305,10 @@ class RouterServer:
         self._http = aiohttp.ClientSession(timeout=timeout, connector=connector)
         self._proxy = Proxy(
             await self._upstream(self._http),
-            self.router,
-            self.lock,
-            self.ledger,
+            self.lifecycle,
             self.metrics,
-            self.breaker,
-            self.pair_health,
-            self.event_watch,
-            self.event_batches,
             self.config.server.max_retries,
             prefill_timeout_s=self.config.server.prefill_timeout_s,
-            rates=self.rates,
-            prefills_timed_here=self.engine_load is None,
             session_served=self.session_sync.push if self.session_sync is not None else None,
         )
         if self.session_sync is not None:
@@ -463,8 +468,7 @@ class RouterServer:
             route = self.intake.route(request.headers, token_ids, body, api, session, dry_run=True)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
-        assert self._proxy is not None
-        predicted = self._proxy.predict(route)
+        predicted = self.lifecycle.predict(route)
         return web.json_response(
             {
                 "request_id": route.request_id,
@@ -489,7 +493,7 @@ class RouterServer:
                         "prefill_worker": price.prefill_worker,
                         "why": price.explain(),
                         "chosen": price.option is route.option,
-                        "predicted": _as_dict(self._proxy.predict_option(route, price)),
+                        "predicted": _as_dict(self.lifecycle.predict_option(route, price)),
                     }
                     for price in route.options
                 ],

@@ -12,9 +12,13 @@ For a :class:`~kvpilot.routing.decide.router.Route`:
   as prefilling until D's first token. P is given ``max(server.prefill_timeout_s,
   k x its predicted queue + prefill)`` (:meth:`~kvpilot.routing.decide.rates.TTFTPrediction.prefill_timeout_s`,
   k = :data:`~kvpilot.routing.decide.rates.PREFILL_TIMEOUT_FACTOR`), so a box measured slow
-  waits for P. If P fails (an error, that timeout, no params), D prefills the prompt itself: the route
-  becomes :attr:`~kvpilot.routing.decide.router.Kind.FALLBACK`, counted in
-  ``kvpilot_router_prefill_fallbacks_total``;
+  waits for P. If P fails (an error, that timeout, no params), the request's
+  :class:`~kvpilot.routing.decide.lifecycle.Lifecycle` decides on measured costs
+  (:func:`kvpilot.policies.failure.recover`): another prefill worker (once), D prefilling
+  the prompt itself within its jitter budget (the route becomes
+  :attr:`~kvpilot.routing.decide.router.Kind.FALLBACK`, counted in
+  ``kvpilot_router_prefill_fallbacks_total``), or a 503 at once naming why; each counted in
+  ``kvpilot_router_prefill_recoveries_total``;
 - local prefill or co-located: one engine does both. A request for several samples
   (:attr:`~kvpilot.routing.serve.upstream.EngineRequest.parallel_samples`) routed to a
   remote prefill is prefilled on D instead (counted as a local prefill): vLLM would fan
@@ -25,12 +29,11 @@ D's answer reaches the client as D wrote it (tool calls, reasoning, usage, logpr
 A decode worker that fails before anything reached the client is left out and the
 request routed again, up to ``server.max_retries`` times (counted in
 ``kvpilot_router_retries_total``); a 4xx is the request's fault and is not retried.
-Every step is booked: the load ledger (dispatch, first token, a prefill moved to D,
-completion), each worker's circuit, each pair's health, the KV events the prefilling
-worker must publish, the session's new state and D's offer (handed on to the shared
-session store when there is one); with a rate estimator,
-P's answer time (what it learns of P's prefill) and the observed over predicted
-prefill and TTFT (``kvpilot_router_ttft_observed_over_predicted``).
+Every step is booked by the :class:`~kvpilot.routing.decide.lifecycle.Lifecycle` (the
+ledger, circuits, pair health, sessions and their offers, what the rates learn); the
+proxy records the outcomes it returns as metrics (the observed over predicted prefill and
+TTFT: ``kvpilot_router_ttft_observed_over_predicted``) and hands a session whose state
+changed to the shared session store when there is one.
 
 No aiohttp.web here: the HTTP front hands in a :class:`ClientStream` for streamed
 answers and turns the returned :class:`Reply` into its response.
@@ -40,21 +43,16 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvpilot.kvconnectors.pull_params import handoff_request
-from kvpilot.policies.session_options import OptionPrice
-from kvpilot.routing.config import Worker
-from kvpilot.routing.decide.ledger import LoadLedger
-from kvpilot.routing.decide.rates import PrefillPath, RateEstimator, TTFTPrediction, predict_ttft
-from kvpilot.routing.decide.router import Kind, Route, Router
-from kvpilot.routing.health.circuit import CircuitBreaker
-from kvpilot.routing.health.event_watch import EventWatch
-from kvpilot.routing.health.pair_health import PairHealth
+from kvpilot.policies.failure import Recovery
+from kvpilot.routing.decide.lifecycle import InFlight, Lifecycle, Ticket
+from kvpilot.routing.decide.rates import TTFTPrediction
+from kvpilot.routing.decide.router import Kind, Route
 from kvpilot.routing.ids import SessionId, WorkerId
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
 from kvpilot.routing.serve.upstream import EngineRequest, PrefillFailure, StreamBroke, Upstream, UpstreamError
@@ -117,66 +115,39 @@ class ProxyRequest:
 
 @dataclass(frozen=True, slots=True)
 class Begun:
-    """A request after :meth:`Proxy.begin`: how it is served (``kind``: a remote prefill
-    that fell back is :attr:`~kvpilot.routing.decide.router.Kind.FALLBACK`), the worker that
-    prefilled it (or prefills within D's call), P's handoff for D's request (``None``: D
-    prefills the prompt itself), whether P prefills within D's call (``deferred``), the
-    route's predicted TTFT, and the answer's ``X-KVPilot-*`` headers."""
+    """A request after :meth:`Proxy.begin`: its booking (:class:`~kvpilot.routing.decide.lifecycle.Ticket`:
+    how it is served, the worker that prefills it, whether P prefills within D's call, the
+    predicted TTFT), P's handoff for D's request (``None``: D prefills the prompt itself),
+    and the answer's ``X-KVPilot-*`` headers."""
 
-    kind: Kind
-    prefilled_on: WorkerId
+    ticket: Ticket
     handoff: dict[str, Any] | None
-    deferred: bool
-    prediction: TTFTPrediction | None
     headers: dict[str, str]
 
 
 class Proxy:
-    """Serves :class:`ProxyRequest` s (see the module doc). ``lock`` guards ``router``
-    (the index and sessions it reads), as the index feeder's thread shares it;
-    ``event_batches`` gives each subscribed worker's count of applied KV-event batches."""
+    """Serves :class:`ProxyRequest` s (see the module doc) through ``upstream``, booked by
+    ``lifecycle``; records what each step returns in ``metrics``."""
 
     def __init__(
         self,
         upstream: Upstream,
-        router: Router,
-        lock: threading.Lock,
-        ledger: LoadLedger,
+        lifecycle: Lifecycle,
         metrics: RouterMetrics,
-        breaker: CircuitBreaker,
-        pair_health: PairHealth,
-        event_watch: EventWatch,
-        event_batches: Callable[[], Mapping[WorkerId, int]],
         max_retries: int,
         *,
         prefill_timeout_s: float,
-        rates: RateEstimator | None = None,
-        prefills_timed_here: bool = False,
         session_served: Callable[[SessionId], Awaitable[None]] | None = None,
     ) -> None:
         """``prefill_timeout_s``: the floor of P's timeout (the whole of it without
-        ``rates``). ``rates``: predicts each route's TTFT; learns P's prefill from how
-        long P took to answer (queue included). ``prefills_timed_here``: the engines'
-        own timings are not read (Dynamo's workers have no vLLM ``/metrics``), so every
-        prefill that ends at D's first token (D's own, or Dynamo's P's within D's call)
-        is timed by that token when nothing was queued ahead of it
-        (:meth:`_time_prefill_by_first_token`). ``session_served``: awaited (outside the
-        lock, before the answer is returned) with a session whose step was served and
-        whose state changed: the shared store writes it; it must not raise and should be
-        bounded."""
+        predictions). ``session_served``: awaited (outside the lock, before the answer is
+        returned) with a session whose step was served and whose state changed: the
+        shared store writes it; it must not raise and should be bounded."""
         self.upstream = upstream
-        self.router = router
-        self.lock = lock
-        self.ledger = ledger
+        self.lifecycle = lifecycle
         self.metrics = metrics
-        self.breaker = breaker
-        self.pair_health = pair_health
-        self.event_watch = event_watch
-        self.event_batches = event_batches
         self.max_retries = max_retries
         self.prefill_timeout_s = prefill_timeout_s
-        self.rates = rates
-        self.prefills_timed_here = prefills_timed_here
         self.session_served = session_served
 
     async def serve(self, request: ProxyRequest, client: ClientStream) -> Reply | None:
@@ -188,8 +159,6 @@ class Proxy:
                 return await self._attempt(request, route, client)
             except UpstreamError as exc:
                 self.metrics.upstream_errors.labels(exc.worker.name).inc()
-                if exc.status >= 500:
-                    self.worker_failed(exc.worker)
                 log.warning("request %s: %s", route.request_id, exc)
                 if exc.status < 500 or len(failed) >= self.max_retries:
                     return error_reply(exc.status, str(exc), "upstream_error")
@@ -207,185 +176,124 @@ class Proxy:
         begun = await self.begin(request, route)
         if isinstance(begun, Reply):
             return begun
+        ticket = begun.ticket
         try:
             reply: Reply | None
             if request.engine.body.get("stream"):  # vLLM streams no kv_transfer_params: no offer to keep
                 decode_params = None
-                answered = await self._stream(request, route, begun, client)
+                answered = await self._stream(request, begun, client)
                 reply = None
             else:
-                reply, decode_params = await self._unary(request, route, begun.handoff, begun.headers)
+                reply, decode_params = await self._unary(request, begun)
                 answered = True
-            await self.finish(request, route, begun, answered=answered, decode_params=decode_params)
-            return reply
-        finally:
-            self.ledger.complete(route.request_id)
+        except UpstreamError as exc:
+            self.metrics.circuit_changed(self.lifecycle.decode_failed(ticket, engine_fault=exc.status >= 500))
+            raise
+        except BaseException:
+            self.lifecycle.failed(ticket)
+            raise
+        await self.finish(ticket, answered=answered, decode_params=decode_params)
+        return reply
 
     async def begin(self, request: ProxyRequest, route: Route) -> Begun | Reply:
-        """Everything before D's call: the prediction, the ledger's dispatch (a 409
-        :class:`Reply` for a request id already in flight), the decision's metrics, and
-        P's prefill with its fallback when ``route`` prefills remotely. The caller then
-        sends D's request with :attr:`Begun.handoff`, calls :meth:`finish`, and
-        completes the request in the ledger whatever happened."""
-        rid, p, d = route.request_id, route.prefill_worker.name, route.decode.name
-        prediction = self.predict(route)
+        """Everything before D's call: the booking (a 409 :class:`Reply` for a request id
+        already in flight), the decision's metrics, and P's prefill with its recovery when
+        ``route`` prefills remotely (a 503 :class:`Reply` when the recovery is an error).
+        The caller then sends D's request with :attr:`Begun.handoff` and ends the ticket:
+        :meth:`finish`, or the lifecycle's ``decode_failed`` or ``failed``."""
         try:
-            self.ledger.dispatch(rid, p, d, route.chain, route.cached_blocks)
-        except ValueError:  # the ledger's "already active"
-            return error_reply(409, f"X-Request-Id {rid!r} is already in flight")
+            ticket = self.lifecycle.dispatch(route, request.session, parallel_samples=request.engine.parallel_samples)
+        except InFlight as exc:
+            return error_reply(409, str(exc))
         self.metrics.decided(route, time.perf_counter() - request.started)
+        if ticket.offer_use != "none":
+            self.metrics.session_offers.labels(ticket.offer_use).inc()
+        handoff: dict[str, Any] | Reply | None = None
         try:
-            kind, handoff, deferred = route.kind, None, False
-            offer = self._session_offer(request.session, route)
-            if route.prefill is not None and request.engine.parallel_samples:
-                self.ledger.move_prefill(rid, d, route.decode_cached_blocks)
-                kind, p = Kind.LOCAL_PREFILL, d
-            elif route.prefill is not None:
-                self.pair_health.routed(route.prefill.name, route.decode.name, time.monotonic())
-                handoff, deferred = await self._prefill(route, request.engine, offer, prediction)
-                if handoff is None:
-                    kind, p = Kind.FALLBACK, d
+            if ticket.kind is Kind.REMOTE_PREFILL:
+                handoff = await self._prefill(ticket, request.engine)
         except BaseException:
-            self.ledger.complete(rid)
+            self.lifecycle.failed(ticket)
             raise
+        if isinstance(handoff, Reply):
+            return handoff
+        d = ticket.route.decode.name
+        prediction = ticket.prediction
         headers = {
-            "X-Request-Id": rid,
-            "X-KVPilot-Route": kind.value,
-            "X-KVPilot-Prefill-Worker": p,
+            "X-Request-Id": ticket.request_id,
+            "X-KVPilot-Route": ticket.kind.value,
+            "X-KVPilot-Prefill-Worker": ticket.prefilled_on,
             "X-KVPilot-Decode-Worker": d,
             **({PREDICTED_TTFT_HEADER: predicted_ttft_header(prediction)} if prediction is not None else {}),
         }
-        return Begun(kind, p, handoff, deferred, prediction, headers)
+        return Begun(ticket, handoff, headers)
 
-    async def finish(
-        self, request: ProxyRequest, route: Route, begun: Begun, *, answered: bool, decode_params: object = None
-    ) -> None:
-        """D's answer ended (``answered``: normally): the session's new state, the shared
-        store's write, D's circuit, the KV events the prefilling worker must publish.
-        The ledger's completion is the caller's."""
-        with self.lock:
-            self.router.served(request.session, route, decode_params, now=time.time())
-        if request.session is not None and self.session_served is not None:
-            await self.session_served(request.session)
-        if answered:
-            self.worker_answered(route.decode)
-        self._expect_events(route, begun.prefilled_on)
+    async def finish(self, ticket: Ticket, *, answered: bool, decode_params: object = None) -> None:
+        """D's answer ended (``answered``: whole): the lifecycle's end, its circuit change,
+        and the shared store's write of a session whose step was served."""
+        ended = self.lifecycle.finished(ticket, answered=answered, decode_params=decode_params)
+        self.metrics.circuit_changed(ended.circuit)
+        if ended.session_changed and ticket.session is not None and self.session_served is not None:
+            await self.session_served(ticket.session)
 
-    def _session_offer(self, session: SessionId | None, route: Route) -> dict[str, Any] | None:
-        """D's offer of the session's KV from its last step, when ``route`` pulls it and
-        P may still read it (counted either way); taken once."""
-        with self.lock:
-            offer, use = self.router.take_session_offer(session, route, time.time())
-        if use != "none":
-            self.metrics.session_offers.labels(use).inc()
-        return None if offer is None else dict(offer.params)
+    async def _prefill(self, ticket: Ticket, engine: EngineRequest) -> dict[str, Any] | Reply | None:
+        """P's handoff params for D; ``None`` when P failed and D prefills (the lifecycle's
+        recovery, counted); an error :class:`Reply` when the recovery is to fail at once.
+        P's params say whether P prefills within D's call (deferred: Dynamo's frontend).
 
-    def predict(self, route: Route) -> TTFTPrediction | None:
-        """``route``'s predicted TTFT with the load booked now (``None`` without a rate
-        estimator): the prefilling worker's booked prefill blocks queue ahead of it, D
-        reads what it lacks (nothing for a local prefill), D's booked requests run."""
-        lacks = route.prompt_tokens - min(
-            route.prompt_tokens, route.decode_cached_blocks * self.router.index.block_size
-        )
-        return self._predict(route, route.prefill_worker.name, route.prompt_tokens - self._cached_tokens(route), lacks)
-
-    def _cached_tokens(self, route: Route) -> int:
-        """The prompt tokens ``route``'s prefilling worker holds (its GPU prefix, at most the prompt)."""
-        return min(route.prompt_tokens, route.cached_blocks * self.router.index.block_size)
-
-    def _learn_prefill(self, route: Route, seconds: float) -> None:
-        """``route``'s prefilling worker took ``seconds`` for its uncached tokens."""
-        assert self.rates is not None
-        cached = self._cached_tokens(route)
-        self.rates.observe_prefill(route.prefill_worker.name, route.prompt_tokens - cached, cached, seconds)
-
-    def predict_option(self, route: Route, price: OptionPrice) -> TTFTPrediction | None:
-        """A session option's predicted TTFT, as :meth:`predict` (``None`` for an
-        unavailable option): its prefill worker prefills its ``prefill_tokens`` after the
-        rest of the prompt, and a remote one moves its ``moved_tokens`` into D."""
-        if price.prefill_worker is None or not price.available:
-            return None
-        return self._predict(route, WorkerId(price.prefill_worker), price.prefill_tokens, price.moved_tokens)
-
-    def _predict(self, route: Route, prefiller: WorkerId, new: int, moved: int) -> TTFTPrediction | None:
-        if self.rates is None:
-            return None
-        d = route.decode.name
-        return predict_ttft(
-            self.rates,
-            prefiller,
-            d,
-            new=new,
-            cached=route.prompt_tokens - new,
-            queued=self.ledger.load(prefiller).active_prefill_blocks * self.router.index.block_size,
-            transfer_tokens=moved if prefiller != d else 0,
-            streams=self.ledger.load(d).active_requests,
-        )
-
-    async def _prefill(
-        self, route: Route, engine: EngineRequest, offer: dict[str, Any] | None, prediction: TTFTPrediction | None
-    ) -> tuple[dict[str, Any] | None, bool]:
-        """P's handoff params for D, or None after a failure (then D prefills; counted),
-        and whether P prefills within D's call (deferred: Dynamo's frontend).
-
-        With a session ``offer`` (D's params from the session's last step, vLLM's
+        With a session offer (D's params from the session's last step, vLLM's
         bidirectional protocol) P may pull D's KV of the session: its connector
         verifies the offer against its own tokens and loads only what matches."""
-        p = route.prefill
-        assert p is not None
-        started = time.perf_counter()
-        timeout_s = (
-            self.prefill_timeout_s if prediction is None else prediction.prefill_timeout_s(self.prefill_timeout_s)
-        )
-        outcome = await self.upstream.prefill(p, engine, offer if offer is not None else handoff_request(), timeout_s)
-        if outcome.params is None:
-            if outcome.engine_fault:
-                self.worker_failed(p)
-                self.pair_health.failed(p.name, route.decode.name, time.monotonic())
-            if outcome.failure is PrefillFailure.REFUSED:  # what the router sent P is at fault: a router bug
-                log.error(
-                    "request %s: %s refused the router's prefill request (%s: %s); local prefill on %s",
-                    route.request_id,
-                    p.name,
-                    outcome.reason,
-                    outcome.detail,
-                    route.decode.name,
-                )
-            else:
-                log.warning(
-                    "request %s: prefill on %s failed (%s); local prefill on %s",
-                    route.request_id,
-                    p.name,
-                    outcome.reason,
-                    route.decode.name,
-                )
-            self.metrics.prefill_failed(p.name, outcome.reason)
-            self.ledger.move_prefill(route.request_id, route.decode.name, route.decode_cached_blocks)
-            return None, False
-        if outcome.deferred:  # P prefills within D's call: its prefill ends at D's first token
-            return outcome.params, True
-        self.worker_answered(p)
-        self.ledger.first_token(route.request_id)
-        elapsed = time.perf_counter() - started
-        self.metrics.ttft_stage.labels("prefill").observe(elapsed)
-        if prediction is not None and prediction.prefill_s > 0:
-            self.metrics.predicted_ratio.labels("prefill").observe(elapsed / prediction.prefill_s)
-        if self.rates is not None and offer is None:  # a pull's time is not a prefill's
-            self._learn_prefill(route, elapsed)
-        return outcome.params, False
+        while True:
+            p = ticket.route.prefill
+            assert p is not None
+            started = time.perf_counter()
+            timeout_s = self.lifecycle.prefill_timeout_s(ticket, self.prefill_timeout_s)
+            params = ticket.offer if ticket.offer is not None else handoff_request()
+            outcome = await self.upstream.prefill(p, engine, params, timeout_s)
+            if outcome.params is not None:
+                elapsed = time.perf_counter() - started
+                change, ratio = self.lifecycle.prefilled(ticket, elapsed, deferred=outcome.deferred)
+                self.metrics.circuit_changed(change)
+                if not outcome.deferred:
+                    self.metrics.ttft_stage.labels("prefill").observe(elapsed)
+                if ratio is not None:
+                    self.metrics.predicted_ratio.labels("prefill").observe(ratio)
+                return outcome.params
+            failed = self.lifecycle.prefill_failed(ticket, engine_fault=outcome.engine_fault)
+            self.metrics.circuit_changed(failed.circuit)
+            action = failed.decision.action
+            self.metrics.prefill_failed(p.name, outcome.reason, action)
+            level = logging.ERROR if outcome.failure is PrefillFailure.REFUSED else logging.WARNING
+            log.log(  # a refusal: what the router sent P is at fault, a router bug
+                level,
+                "request %s: prefill on %s failed (%s%s); %s: %s",
+                ticket.request_id,
+                p.name,
+                outcome.reason,
+                f": {outcome.detail}" if outcome.detail else "",
+                action.value,
+                failed.decision.reason,
+            )
+            if action is Recovery.OTHER_PREFILL:
+                continue
+            if action is Recovery.LOCAL:
+                return None
+            self.lifecycle.failed(ticket)
+            message = f"prefill on {p.name} failed ({outcome.reason}) and {failed.decision.reason}"
+            return error_reply(503, message, "upstream_error")
 
-    async def _unary(
-        self, request: ProxyRequest, route: Route, handoff: dict[str, Any] | None, headers: dict[str, str]
-    ) -> tuple[Reply, object]:
+    async def _unary(self, request: ProxyRequest, begun: Begun) -> tuple[Reply, object]:
         """D's answer as D wrote it, and the kv_transfer_params D returned (its offer of the
         session's KV in bidirectional mode; ``None`` when absent)."""
-        payload = await self.upstream.complete(route.decode, request.engine, handoff)
-        return Reply(200, payload, headers), payload.get("kv_transfer_params")
+        payload = await self.upstream.complete(begun.ticket.route.decode, request.engine, begun.handoff)
+        return Reply(200, payload, begun.headers), payload.get("kv_transfer_params")
 
-    async def _stream(self, request: ProxyRequest, route: Route, begun: Begun, client: ClientStream) -> bool:
+    async def _stream(self, request: ProxyRequest, begun: Begun, client: ClientStream) -> bool:
         """D's stream relayed to ``client``; whether it ended normally (a break is sent
         to the client as an error event and counted against D)."""
-        d = route.decode
+        ticket = begun.ticket
+        d = ticket.route.decode
         sent_at = time.perf_counter()
         async with self.upstream.stream(d, request.engine, begun.handoff) as events:
             await client.open(begun.headers)
@@ -394,12 +302,12 @@ class Proxy:
                 async for batch in events:
                     if first:
                         now = time.perf_counter()
-                        self.first_token(route, begun, now - sent_at, now - request.started)
+                        self.first_token(ticket, now - sent_at, now - request.started)
                     first = False
                     await client.send(batch)
             except StreamBroke as exc:
                 self.metrics.upstream_errors.labels(d.name).inc()
-                self.worker_failed(d)
+                self.metrics.circuit_changed(self.lifecycle.decode_failed(ticket, engine_fault=True))
                 message = f"engine {d.name} ({d.url}): stream broke: {exc}"
                 await client.send([json.dumps(error_reply(502, message, "upstream_error").payload)])
                 await client.close()
@@ -407,62 +315,11 @@ class Proxy:
             await client.close()
             return True
 
-    def first_token(self, route: Route, begun: Begun, since_sent_s: float, ttft_s: float) -> None:
+    def first_token(self, ticket: Ticket, since_sent_s: float, ttft_s: float) -> None:
         """D's first token came ``since_sent_s`` after D's request was sent and ``ttft_s``
-        after the request arrived: the TTFT metrics, the prefill and overhead samples
-        (when D did not fall back to prefilling itself), and the ledger's end of prefill."""
+        after the request arrived: the lifecycle's end of prefill and the TTFT metrics."""
         self.metrics.ttft_stage.labels("decode_first_token").observe(since_sent_s)
         self.metrics.ttft.observe(ttft_s)
-        prediction = begun.prediction
-        if prediction is not None and prediction.seconds > 0:
-            self.metrics.predicted_ratio.labels("ttft").observe(ttft_s / prediction.seconds)
-        fell_back = route.prefill is not None and begun.handoff is None  # D prefilled after all
-        if prediction is not None and self.rates is not None and not fell_back:
-            self._time_prefill_by_first_token(route, begun.deferred, prediction, since_sent_s)
-            self._learn_overhead(route, prediction, ttft_s)
-        self.ledger.first_token(route.request_id)
-
-    def _learn_overhead(self, route: Route, prediction: TTFTPrediction, ttft_s: float) -> None:
-        """``route`` ran as predicted and reached its first token after ``ttft_s``: what it
-        spent beyond the modelled terms is its path's overhead, once those terms are all
-        measurements (:attr:`TTFTPrediction.modelled_measured`)."""
-        assert self.rates is not None
-        if prediction.modelled_measured:
-            path = PrefillPath.LOCAL if route.prefill is None else PrefillPath.REMOTE
-            self.rates.observe_overhead(route.decode.name, path, ttft_s - prediction.modelled_s)
-
-    def _time_prefill_by_first_token(
-        self, route: Route, deferred: bool, prediction: TTFTPrediction, first_token_s: float
-    ) -> None:
-        """With ``prefills_timed_here``: D's first token ``first_token_s`` after D's call
-        was sent is a prefill sample of the worker that prefilled within that call (D,
-        or P when its prefill was ``deferred`` into D's call), its uncached tokens against its
-        cached ones, when the prediction queued nothing ahead of it (a queued request's
-        wait is not its prefill). The sample holds D's first step and the frontend's hop
-        too: on such a fleet they are part of what a prefill costs the client. A
-        prefill P answered itself was timed in :meth:`_prefill`."""
-        if self.prefills_timed_here and prediction.queue.seconds == 0 and (route.prefill is None or deferred):
-            self._learn_prefill(route, first_token_s)
-
-    def _expect_events(self, route: Route, prefilled_on: WorkerId) -> None:
-        """``prefilled_on`` served ``route``'s prompt; blocks it did not hold must show up as events."""
-        if not self.event_watch.enabled:
-            return
-        cached = route.cached_blocks if prefilled_on == route.prefill_worker.name else route.decode_cached_blocks
-        batches = self.event_batches()
-        if route.prompt_blocks > cached and prefilled_on in batches:
-            self.event_watch.expect(prefilled_on, batches[prefilled_on], time.monotonic())
-
-    def worker_failed(self, worker: Worker) -> None:
-        """An engine failed a request (no answer, timeout, 5xx): count it toward its circuit."""
-        if self.breaker.failed(worker.name, time.monotonic()):
-            self.metrics.circuit_trips.labels(worker.name).inc()
-            self.metrics.circuit_open.labels(worker.name).set(1)
-            log.warning(
-                "worker %s: circuit open for %.0f s; not routed to until then", worker.name, self.breaker.open_s
-            )
-
-    def worker_answered(self, worker: Worker) -> None:
-        if self.breaker.succeeded(worker.name):
-            self.metrics.circuit_open.labels(worker.name).set(0)
-            log.info("worker %s: answered again; circuit closed", worker.name)
+        ratio = self.lifecycle.first_token(ticket, since_sent_s, ttft_s)
+        if ratio is not None:
+            self.metrics.predicted_ratio.labels("ttft").observe(ratio)

@@ -17,6 +17,7 @@ import pytest
 from kvpilot.kvconnectors.pull_params import handoff_request
 from kvpilot.routing.config import Role, RouterConfig, Worker, prior_model
 from kvpilot.routing.decide.ledger import LoadLedger
+from kvpilot.routing.decide.lifecycle import Lifecycle
 from kvpilot.routing.decide.rates import PREFILL_TIMEOUT_FACTOR, RateEstimator, RolePriors
 from kvpilot.routing.decide.router import Kind, Route, Router, policy_from_config
 from kvpilot.routing.decide.sessions import SessionStore
@@ -107,8 +108,8 @@ class RecordingClient:
         self.closed = True
 
 
-def _fleet_config(decoders: int = 2) -> RouterConfig:
-    workers = [Worker(WorkerId("p0"), Role.PREFILL, "http://127.0.0.1:1")]
+def _fleet_config(decoders: int = 2, prefills: int = 1) -> RouterConfig:
+    workers = [Worker(WorkerId(f"p{i}"), Role.PREFILL, f"http://127.0.0.1:{100 + i}") for i in range(prefills)]
     workers += [Worker(WorkerId(f"d{i}"), Role.DECODE, f"http://127.0.0.1:{2 + i}") for i in range(decoders)]
     return RouterConfig(workers=tuple(workers))
 
@@ -121,8 +122,8 @@ def _remote(route: Route, router: Router) -> Route:
 class Rig:
     """A proxy over a real Router, ledger, breaker and metrics, with ``upstream``."""
 
-    def __init__(self, upstream: ScriptedUpstream, decoders: int = 2, max_retries: int = 1) -> None:
-        cfg = _fleet_config(decoders)
+    def __init__(self, upstream: ScriptedUpstream, decoders: int = 2, max_retries: int = 1, prefills: int = 1) -> None:
+        cfg = _fleet_config(decoders, prefills)
         fleet = fleet_from_config(cfg)
         self.ledger = LoadLedger()
         self.breaker = CircuitBreaker(failures_to_open=1, open_s=60.0)
@@ -132,20 +133,16 @@ class Rig:
         self.upstream = upstream
         priors = RolePriors.from_config(cfg.disaggregation, prior_model(cfg))
         self.rates = RateEstimator(lambda engine: priors.of(fleet.by_name(WorkerId(engine)).role))
-        self.proxy = Proxy(
-            upstream,
+        self.lifecycle = Lifecycle(
             self.router,
             threading.Lock(),
-            self.ledger,
-            self.metrics,
             self.breaker,
             PairHealth(cfg.cost),
             EventWatch(0.0),
             dict,
-            max_retries,
-            prefill_timeout_s=30.0,
             rates=self.rates,
         )
+        self.proxy = Proxy(upstream, self.lifecycle, self.metrics, max_retries, prefill_timeout_s=30.0)
 
     def request(self, body: dict[str, Any], exclude_calls: list[frozenset[WorkerId]] | None = None) -> ProxyRequest:
         prompt = list(range(8 * BS))
@@ -334,13 +331,13 @@ def test_where_engines_publish_no_timings_a_prefill_within_d_s_call_is_timed_by_
     streamed first token of an uncontended request, P's when it was deferred into D's
     call, D's own when D prefilled; never twice for a P that answered itself."""
     rig = Rig(ScriptedUpstream())
-    rig.proxy.prefills_timed_here = timed_here
+    rig.lifecycle.prefills_timed_here = timed_here
     rig.proxy.upstream = DeferringUpstream(lambda: rig.ledger)
     asyncio.run(rig.proxy.serve(rig.request({"stream": True}), RecordingClient()))
     assert rig.rates.prefill("p0", 8 * BS, 0).samples == (1 if timed_here else 0)
 
     local = Rig(ScriptedUpstream())
-    local.proxy.prefills_timed_here = timed_here
+    local.lifecycle.prefills_timed_here = timed_here
     request = local.request({"stream": True})
     request = dataclasses.replace(
         request, route=dataclasses.replace(request.route, kind=Kind.LOCAL_PREFILL, prefill=None)

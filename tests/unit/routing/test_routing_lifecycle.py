@@ -1,0 +1,135 @@
+"""kvpilot.routing.decide.lifecycle driven through the relay: a failed prefill recovered on
+measured costs (another P, D within its jitter budget, or a fast error), a broken stream
+that does not pin its session, a half-open circuit's single probe; and the fronts hold no
+booking of their own."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import dataclasses
+import time
+from pathlib import Path
+
+import pytest
+
+from kvpilot.routing.decide.router import Kind
+from kvpilot.routing.ids import SessionId, WorkerId
+from kvpilot.routing.index.chain import PromptChain
+from kvpilot.routing.serve.upstream import PrefillFailure, PrefillOutcome
+from tests.unit.routing.test_routing_proxy import BS, RecordingClient, Rig, ScriptedUpstream
+
+ROOT = Path(__file__).resolve().parents[3]
+FAILED = PrefillOutcome(None, PrefillFailure.ENGINE_ERROR, 500)
+
+
+class FailsOn(ScriptedUpstream):
+    """P ``failing`` answers 500; the other prefill workers hand off."""
+
+    def __init__(self, failing: str, **kw) -> None:
+        super().__init__(**kw)
+        self.failing = failing
+
+    async def prefill(self, worker, request, params, timeout_s):
+        outcome = await super().prefill(worker, request, params, timeout_s)
+        return FAILED if worker.name == self.failing else outcome
+
+
+def _busy(rig: Rig, d: str, streams: int) -> None:
+    """``streams`` other requests decoding on ``d``, and D measured slow to prefill
+    (1 s for the rig's 32-token prompt) but quick to step (10 ms)."""
+    for i in range(streams):
+        chain = PromptChain(list(range(1000 + 10 * i, 1000 + 10 * i + BS)), BS)
+        rig.ledger.dispatch(f"other-{i}", WorkerId(d), WorkerId(d), chain, 1)
+        rig.ledger.first_token(f"other-{i}")
+    _slow_prefill(rig, d)
+    for _ in range(8):
+        rig.rates.observe_decode(d, streams + 1, 0.01)
+
+
+def _slow_prefill(rig: Rig, worker: str, tokens_per_s: float = 32.0) -> None:
+    """``worker`` measured prefilling ``tokens_per_s``."""
+    for tokens in (8, 16, 32, 64, 128, 256) * 2:
+        rig.rates.observe_prefill(worker, tokens, 0, tokens / tokens_per_s)
+
+
+def test_a_failed_prefill_moves_to_another_prefill_worker():
+    rig = Rig(FailsOn("p0"), prefills=2)
+    for d in ("d0", "d1"):
+        _slow_prefill(rig, d)  # the prompt would take D a second, p1 a tenth of that
+    _slow_prefill(rig, "p1", tokens_per_s=320.0)
+    reply = asyncio.run(rig.proxy.serve(rig.request({}), RecordingClient()))
+    assert reply is not None and reply.status == 200
+    assert reply.headers["X-KVPilot-Route"] == Kind.REMOTE_PREFILL.value
+    assert reply.headers["X-KVPilot-Prefill-Worker"] == "p1"
+    assert [(kind, worker) for kind, worker, _, _ in rig.upstream.calls][:2] == [("prefill", "p0"), ("prefill", "p1")]
+    assert rig.upstream.calls[-1][3] is not None  # D pulls from p1
+    assert rig.value("kvpilot_router_prefill_recoveries_total", action="other_prefill") == 1
+    assert rig.value("kvpilot_router_prefill_fallbacks_total") == 0
+    assert all(rig.ledger.load(WorkerId(w)) == (0, 0, 0, 0) for w in ("p0", "p1", "d0", "d1"))
+
+
+def test_with_no_other_prefill_worker_an_idle_d_prefills_it():
+    rig = Rig(FailsOn("p0"))
+    reply = asyncio.run(rig.proxy.serve(rig.request({}), RecordingClient()))
+    assert reply is not None and reply.headers["X-KVPilot-Route"] == Kind.FALLBACK.value
+    assert rig.value("kvpilot_router_prefill_recoveries_total", action="local") == 1
+
+
+def test_a_busy_d_past_its_jitter_budget_fails_fast_naming_why():
+    rig = Rig(FailsOn("p0"), decoders=1)
+    _busy(rig, "d0", streams=4)  # a local prefill would pause 4 streams ~1 s each
+    started = time.perf_counter()
+    reply = asyncio.run(rig.proxy.serve(rig.request({}), RecordingClient()))
+    assert time.perf_counter() - started < 1.0
+    assert reply is not None and reply.status == 503
+    message = reply.payload["error"]["message"]
+    assert "prefill on p0 failed (status_500)" in message and "stall D's 4 streams" in message
+    assert [kind for kind, *_ in rig.upstream.calls] == ["prefill"]  # D was never asked
+    assert rig.value("kvpilot_router_prefill_recoveries_total", action="fail") == 1
+    assert rig.ledger.load(WorkerId("d0")).active_requests == 4  # only the other streams remain
+
+
+def test_a_broken_stream_does_not_pin_the_session_to_its_d():
+    rig = Rig(ScriptedUpstream(stream_breaks_after=1))
+    request = dataclasses.replace(rig.request({"stream": True}), session=SessionId("s1"))
+    asyncio.run(rig.proxy.serve(request, RecordingClient()))
+    assert rig.router.sessions.get(SessionId("s1")).last_worker is None
+    rig.upstream.stream_breaks_after = None
+    request = dataclasses.replace(rig.request({"stream": True}), session=SessionId("s2"))
+    asyncio.run(rig.proxy.serve(request, RecordingClient()))
+    assert rig.router.sessions.get(SessionId("s2")).last_worker == request.route.decode.name
+
+
+def test_a_half_open_worker_takes_one_probe_and_its_answer_closes_it():
+    rig = Rig(ScriptedUpstream())
+    request = rig.request({})
+    d = request.route.decode.name
+    rig.breaker.failed(d, time.monotonic() - 120.0)  # opened two minutes ago: half-open now
+    ticket = rig.lifecycle.dispatch(request.route, None)
+    assert d in ticket.probes and not rig.breaker.allows(d, time.monotonic())  # the rest wait for the probe
+    ended = rig.lifecycle.finished(ticket, answered=True)
+    assert ended.circuit is not None and not ended.circuit.opened and rig.breaker.allows(d, time.monotonic())
+
+
+FRONTS = ("routing/serve/proxy.py", "routing/gateway/picker.py", "benchmarks/sim/kvpilot.py")
+BOOKING = {
+    "ledger",
+    "breaker",
+    "sessions",
+    "pair_health",
+    "residency",
+    "prefill_residency",
+    "served",
+    "take_session_offer",
+    "move_prefill",
+}
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_the_fronts_hold_no_booking(front):
+    """The relay, the picker and the simulator drive the lifecycle: none touches the ledger,
+    the sessions or the circuit breakers itself."""
+    tree = ast.parse((ROOT / front).read_text())
+    touched = sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)} & BOOKING)
+    assert touched == [], f"{front} books {touched} itself"
