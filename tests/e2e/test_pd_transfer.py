@@ -14,6 +14,7 @@ from kvpilot.deploy.fleet_spec import FleetSpec
 from kvpilot.deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from kvpilot.kvconnectors import vllm_metrics as vm
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.parity import LOGPROB_TOLERANCE
 from tests.e2e.scenarios import BLOCK_SIZE, KV_BYTES_PER_TOKEN, NIXL_BYTES, PROMPT_TOKENS
 
 pytestmark = pytest.mark.e2e
@@ -238,7 +239,14 @@ def test_an_impossible_ttft_slo_is_refused_and_the_fleet_serves_the_next_request
 
 def test_prefill_failure_falls_back_to_local_prefill_on_decode(pd_fleet: Fleet, tokenizer: PromptTokenizer) -> None:
     """Last in this module, and in the group that shares its fleet (``tests/e2e/conftest.py``):
-    it stops the prefill engine."""
+    it stops the prefill engine. The fallback prefills on D with D's prefix cache: this
+    prompt's 569 tokens begin ``test_through_envoy_...``'s (``_words`` gives the same words
+    for seeds 12 apart: 9 and 21), whose KV D pulled from P (P prefilled all 759 in one
+    pass), so after that test D computes only the 25 tokens beyond its 17 cached blocks,
+    where the reference (a fresh salt) prefills all 569 in one pass. Other pieces, other
+    bf16 rounding on some CPUs (bit-identical on AVX-512, not on a 2-core AVX2 EPYC): the
+    tokens must be equal, the logprobs within bf16 noise
+    (:data:`~tests.e2e.parity.LOGPROB_TOLERANCE`)."""
     from kvpilot.deploy.fleet import stop_group
 
     decode = pd_fleet.by_role("decode")[0]
@@ -249,4 +257,6 @@ def test_prefill_failure_falls_back_to_local_prefill_on_decode(pd_fleet: Fleet, 
     assert out.headers.get("X-KVPilot-Route") == "fallback"
     assert delta(scrape(pd_fleet.router.url), before, "kvpilot_router_prefill_fallbacks_total") == 1
     reference = complete(decode.url, token_ids, max_tokens=8, cache_salt=f"ref-{uuid.uuid4().hex}")
-    assert out.same_output(reference)
+    assert out.tokens == reference.tokens and len(out.tokens) == 8
+    diff = out.max_logprob_diff(reference)
+    assert diff <= LOGPROB_TOLERANCE, f"logprobs differ by {diff:.2e}: {out.logprobs} against {reference.logprobs}"

@@ -22,6 +22,7 @@ from kvpilot.deploy.fleet import Fleet
 from kvpilot.deploy.fleet_spec import FleetSpec
 from kvpilot.deploy.metrics import delta, scrape, settled, total, wait_for_metric
 from kvpilot.deploy.prompts import filler_text
+from kvpilot.kvconnectors import vllm_metrics
 from kvpilot.kvconnectors.vllm_metrics import PROMPT_TOKENS_BY_SOURCE
 from kvpilot.routing.config import IndexBackend
 from kvpilot.routing.serve.request_fields import ENGINE_INTERNAL
@@ -161,20 +162,54 @@ def test_engine_restart_clears_its_entries(
     )
 
 
-def test_router_reads_the_engines_own_load(fleet: Fleet) -> None:
-    """The router polls each engine's /metrics (every 5 s) and exports what it read."""
+def test_router_reads_the_engines_own_load(fleet: Fleet, spec: FleetSpec, tokenizer: PromptTokenizer) -> None:
+    """The router polls each engine's /metrics (every 5 s) and exports what it read: a
+    series of each gauge for every engine, and the engine's own numbers in them. A long
+    generation sent to colocated-0 directly (not through the router: the engines' own
+    gauges count traffic the router did not see) holds KV there until it is cut off: the
+    router must report KV usage above 0 and a running request for colocated-0, while
+    colocated-1, idle, runs none."""
     names = [e.name for e in fleet.engines]
+    usage_name = "kvpilot_router_engine_kv_usage"
     deadline = time.monotonic() + 60
     while True:
         samples = scrape(fleet.router.url)
-        seen = {labels for (name, labels) in samples if name == "kvpilot_router_engine_kv_usage"}
-        if len(seen) == len(names) or time.monotonic() > deadline:
+        seen = {dict(labels).get("worker") for (name, labels) in samples if name == usage_name}
+        if seen >= set(names) or time.monotonic() > deadline:
             break
         time.sleep(1)
     for worker in names:
-        usage = total(samples, "kvpilot_router_engine_kv_usage", worker=worker)
-        assert 0.0 <= usage <= 1.0
-        assert any(name == "kvpilot_router_engine_running" and ("worker", worker) in labels for name, labels in samples)
+        for field in ("kv_usage", "running", "waiting"):
+            series = f"kvpilot_router_engine_{field}"
+            assert any(n == series and ("worker", worker) in labels for n, labels in samples), (series, worker)
+
+    loaded, idle = fleet.engines[0], fleet.engines[1]
+    prompt = tokenizer.text_token_ids(filler_text(100, 91))
+    body = {
+        "model": spec.served_model_name,
+        "prompt": prompt,
+        "max_tokens": spec.max_model_len - len(prompt),  # minutes of decoding: far longer than a poll
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    request = urllib.request.Request(
+        f"{loaded.url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as stream:
+        assert stream.readline().startswith(b"data:")  # its first token: its KV is allocated
+        samples = wait_for_metric(
+            fleet.router.url, usage_name, lambda usage: usage > 0, timeout=30, interval=0.2, worker=loaded.name
+        )
+        usage = total(samples, usage_name, worker=loaded.name)
+        running = total(samples, "kvpilot_router_engine_running", worker=loaded.name)
+        idle_running = total(samples, "kvpilot_router_engine_running", worker=idle.name)
+    # Closed: the engine aborts the generation; leave it idle for the next test.
+    running_name = vllm_metrics.NUM_REQUESTS_RUNNING.sample
+    after = wait_for_metric(loaded.url, running_name, lambda n: n == 0, timeout=120, interval=0.5)
+    assert 0.0 < usage <= 1.0, f"{loaded.name}'s KV usage as the router reports it, while a request held KV: {usage}"
+    assert running >= 1 and idle_running == 0, (running, idle_running)
+    assert total(after, running_name) == 0, "the cut-off generation still runs"
 
 
 def test_an_engine_whose_events_stop_is_flagged_and_routed_on_load_alone(
