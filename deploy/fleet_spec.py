@@ -115,6 +115,9 @@ class FleetSpec:
     given in the engines' environment (``VLLM_API_KEY``, never on a command line) and
     the router's (:data:`ENGINE_API_KEY_ENV`, named by ``server.engine_api_key_env``),
     which sends it. ``None``: the engines take any request."""
+    prefill_timeout_s: float | None = None
+    """The router's floor on how long it waits for P (``server.prefill_timeout_s``); ``None``:
+    the router's default."""
     engine_args: tuple[str, ...] = ()
     """More ``vllm serve`` arguments for every engine, after the planned ones (a tool-call
     parser: ``("--enable-auto-tool-choice", "--tool-call-parser", "hermes")``; a reasoning
@@ -380,6 +383,7 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
             "max_prompt_tokens": spec.max_model_len,
             "ttft_slo_s": spec.ttft_slo_s,
             "calibration_workers": FLEET_CALIBRATION_WORKERS,
+            **({"prefill_timeout_s": spec.prefill_timeout_s} if spec.prefill_timeout_s is not None else {}),
             **({"engine_api_key_env": ENGINE_API_KEY_ENV} if spec.engine_api_key else {}),
         },
         "index": {"block_size": spec.block_size, "backend": spec.index_backend.value},

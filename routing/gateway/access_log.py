@@ -3,7 +3,8 @@
 
 Envoy sends one log record per request as it ends (``deploy/envoy_spec.py`` names the
 attributes, :class:`~kvpilot.routing.gateway.contract.LogAttribute`): the request id, the status, the
-microseconds to the destination's first body byte and to the last byte sent. Each becomes
+microseconds to the destination's first body byte and to the last byte sent, and Envoy's
+response flags (a stream the destination broke after its headers still has status 200). Each becomes
 a :class:`~kvpilot.routing.gateway.picker.RequestEnd`. A record without a request id, or with a
 field that is not a number, is logged and skipped; the export is still acknowledged.
 """
@@ -37,11 +38,13 @@ def request_end(record: logs_pb2.LogRecord) -> RequestEnd:
         raise ValueError("no request id")
     duration = _microseconds(fields.get(LogAttribute.DURATION_US.value, "-"))
     status = fields.get(LogAttribute.STATUS.value, "0")
+    flags = fields.get(LogAttribute.RESPONSE_FLAGS.value, "-")
     return RequestEnd(
         request_id,
         int(status) if status.isdigit() else 0,
         _microseconds(fields.get(LogAttribute.FIRST_BODY_BYTE_US.value, "-")),
         duration if duration is not None else 0.0,
+        frozenset() if flags in ("", "-") else frozenset(flags.split(",")),
     )
 
 

@@ -34,6 +34,9 @@ class LogAttribute(str, enum.Enum):
     (``-`` when none came): a stream's first token."""
     DURATION_US = "duration_us"
     """Microseconds from the request's first byte to the answer's last byte sent."""
+    RESPONSE_FLAGS = "response_flags"
+    """Envoy's response flags (``-`` for none, else comma-separated: ``UR`` the destination
+    reset the stream, ``UC`` it closed the connection, ``DC`` the client left, ...)."""
 
     @property
     def envoy_format(self) -> str:
@@ -46,4 +49,5 @@ _FORMATS = {
     LogAttribute.STATUS: "%RESPONSE_CODE%",
     LogAttribute.FIRST_BODY_BYTE_US: "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
     LogAttribute.DURATION_US: "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
+    LogAttribute.RESPONSE_FLAGS: "%RESPONSE_FLAGS%",
 }

@@ -25,7 +25,8 @@ Which signal feeds which term:
   overhead: the access log's first-body-byte time, less the picker's own time before it
   answered;
 - the session's last worker and the shared store's write, D's circuit, the KV events the
-  prefilling worker must publish: the access log's status;
+  prefilling worker must publish: the access log's status and response flags (a stream D
+  broke after its 200's headers is D's failure, and books no session step);
 - a request whose entry never comes (Envoy restarted before sending it) is ended unanswered
   after ``server.request_timeout_s`` (:meth:`Picker.expire`).
 
@@ -86,16 +87,35 @@ class Picked:
         return self.answer_headers["X-Request-Id"]
 
 
+UPSTREAM_BROKE = frozenset({"UR", "UC", "UF", "UT", "UO", "URX", "UPE"})
+"""Envoy's response flags that mean the destination failed the request: it reset the stream
+or closed the connection (``UR``, ``UC``, mid-stream too), could not be reached (``UF``),
+timed out (``UT``), overflowed (``UO``, ``URX``) or broke the protocol (``UPE``)."""
+CLIENT_LEFT = "DC"
+"""Envoy's response flag for a client that closed its connection first."""
+
+
 @dataclass(frozen=True, slots=True)
 class RequestEnd:
     """One access-log entry: the request's id, its status (0 when no response started),
-    and the seconds from its arrival to the destination's first body byte (``None``:
-    none came) and to its last byte sent to the client."""
+    the seconds from its arrival to the destination's first body byte (``None``: none
+    came) and to its last byte sent to the client, and Envoy's response flags."""
 
     request_id: str
     status: int
     first_body_s: float | None
     duration_s: float
+    flags: frozenset[str] = frozenset()
+
+    @property
+    def answered(self) -> bool:
+        """The destination's whole answer reached the client: a 200 neither side broke off."""
+        return self.status == 200 and not self.upstream_broke and CLIENT_LEFT not in self.flags
+
+    @property
+    def upstream_broke(self) -> bool:
+        """The destination failed it: a 5xx, or a stream it broke after a 200's headers."""
+        return self.status >= 500 or bool(self.flags & UPSTREAM_BROKE)
 
 
 @dataclass(slots=True)
@@ -213,16 +233,14 @@ class Picker:
             item.prefill_timer.cancel()
         ticket = item.begun.ticket
         try:
-            if end.status == 200:
-                if end.first_body_s is not None:
-                    since_sent = max(0.0, end.first_body_s - item.picked_s)
-                    self._proxy.first_token(ticket, since_sent, end.first_body_s)
-                await self._proxy.finish(ticket, answered=True)
-            elif end.status >= 500:  # D's fault; 0: the client left (or the entry never came), no one's
+            if end.status == 200 and end.first_body_s is not None:
+                since_sent = max(0.0, end.first_body_s - item.picked_s)
+                self._proxy.first_token(ticket, since_sent, end.first_body_s)
+            if end.upstream_broke:  # D's fault: no session step booked, D's circuit counts it
                 self._metrics.upstream_errors.labels(ticket.route.decode.name).inc()
                 self._metrics.circuit_changed(self._lifecycle.decode_failed(ticket, engine_fault=True))
-            else:
-                await self._proxy.finish(ticket, answered=False)
+            else:  # a client's 4xx, a client that left, an entry that never came: no one's fault
+                await self._proxy.finish(ticket, answered=end.answered)
         finally:
             self._lifecycle.failed(ticket)  # a no-op for a ticket that ended above
             self._admission.release()

@@ -30,6 +30,22 @@ def test_a_request_that_never_got_a_body_byte() -> None:
 
 
 @pytest.mark.parametrize(
+    ("status", "flags", "answered", "upstream_broke"),
+    [
+        ("200", "-", True, False),
+        ("200", "UR", False, True),  # D reset the stream after its headers: still a 200
+        ("200", "UC,DC", False, True),
+        ("200", "DC", False, False),  # the client left: no one's fault
+        ("503", "UF", False, True),
+        ("400", "-", False, False),
+    ],
+)
+def test_the_response_flags_tell_a_broken_stream_from_an_answer(status, flags, answered, upstream_broke) -> None:
+    end = request_end(_record(request_id="r", status=status, response_flags=flags))
+    assert (end.answered, end.upstream_broke) == (answered, upstream_broke)
+
+
+@pytest.mark.parametrize(
     ("fields", "error"),
     [
         ({}, "no request id"),

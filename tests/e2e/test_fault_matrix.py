@@ -1,0 +1,230 @@
+"""Faults the router handles, on both of its fronts (issue 40): the relay (``fleet.router``)
+and Envoy with the endpoint picker (``fleet.gateway``), on one 1 P + 1 D fleet.
+
+| fault | relay | Envoy |
+|---|---|---|
+| P stalls mid-handoff (stopped: no answer, no error) | here | here |
+| P killed mid-handoff | ``test_dead_holder`` | here |
+| D killed mid-stream | ``test_dead_holder`` | here |
+| a stale or forged block id | ``test_verified_attach`` | the same engines |
+
+(A stale or forged block id is refused by the engine itself: D verifies every block's hash
+before it attaches it, whichever front sent the request.)
+
+Each request ends within a stated bound, with the engine's own answer (a prefill D did
+itself after the router's recovery equals D's answer with a fresh cache salt) or a clear
+error naming the worker; a stream already running on D when P stalls runs to its end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.client import Completion, HTTPStatusError, complete
+from kvpilot.deploy.fleet import Fleet
+from kvpilot.deploy.fleet_spec import FleetSpec
+from kvpilot.deploy.metrics import delta, scrape
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.fleets import running_fleet
+from tests.e2e.parity import LOGPROB_TOLERANCE
+from tests.fakes.ports import block_of
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = block_of(__name__)
+PREFILL_TIMEOUT_S = 5.0
+"""The router's floor on its wait for P here: a stalled P is given up on after this (or k x
+its predicted prefill, if longer)."""
+RECOVERY_BOUND_S = PREFILL_TIMEOUT_S + 60.0
+"""How long a request may take once its P stalled or died: the wait for P, then D's whole
+prefill and six tokens on a loaded 2-core box."""
+STREAM_END_BOUND_S = 60.0
+"""How long a client's stream may last after its D died."""
+RECOVERIES = "kvpilot_router_prefill_recoveries_total"
+
+
+@pytest.fixture(scope="module")
+def spec(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FleetSpec:
+    return FleetSpec(
+        model_dir=model_dir,
+        run_dir=tmp_path_factory.mktemp("fault-matrix-fleet"),
+        disaggregation="always",
+        gateway_port=BLOCK.spare(0),
+        picker_port=BLOCK.spare(1),
+        envoy_admin_port=BLOCK.spare(2),
+        prefill_timeout_s=PREFILL_TIMEOUT_S,
+        **BLOCK.fleet(),
+    )
+
+
+@pytest.fixture(scope="module")
+def fleet(spec: FleetSpec) -> Iterator[Fleet]:
+    with running_fleet(spec) as started:
+        yield started
+
+
+def _front(fleet: Fleet, front: str) -> str:
+    if front == "relay":
+        return fleet.router.url
+    assert fleet.gateway is not None
+    return fleet.gateway.url
+
+
+class _Stream:
+    """A long greedy stream (P prefills, D decodes ``max_tokens``) read in a thread: its
+    events, and how it ended (``error``: the exception that broke it, if any)."""
+
+    def __init__(self, url: str, prompt: list[int], max_tokens: int) -> None:
+        self.events: list[str] = []
+        self.first_event = threading.Event()
+        self.error: BaseException | None = None
+        body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0.0}
+        self._request = urllib.request.Request(
+            f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            with urllib.request.urlopen(self._request, timeout=600) as resp:
+                for raw in resp:
+                    line = raw.decode().strip()
+                    if line.startswith("data:"):
+                        self.events.append(line[5:].strip())
+                        self.first_event.set()
+        except (OSError, urllib.error.URLError, ValueError) as exc:  # a reset, an incomplete chunked body
+            self.error = exc
+        finally:
+            self.first_event.set()
+
+    @property
+    def chunks(self) -> list[dict]:
+        """The stream's JSON events (an engine may put several tokens in one)."""
+        return [json.loads(event) for event in self.events if event != "[DONE]"]
+
+    @property
+    def finished_whole(self) -> bool:
+        """The stream ended as the engine ends one: its last choice's ``finish_reason``, then ``[DONE]``."""
+        chunks = self.chunks
+        return (
+            bool(self.events) and self.events[-1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        )
+
+
+def _served_or_refused(url: str, prompt: list[int]) -> tuple[Completion | None, HTTPStatusError | None, float]:
+    """The answer to a six-token greedy completion or the error it got, and how long it took."""
+    started = time.perf_counter()
+    try:
+        return complete(url, prompt, max_tokens=6, timeout=RECOVERY_BOUND_S), None, time.perf_counter() - started
+    except HTTPStatusError as exc:
+        return None, exc, time.perf_counter() - started
+
+
+@pytest.mark.parametrize("front", ["relay", "envoy"])
+def test_a_prefill_worker_that_stalls_mid_handoff_is_recovered_in_time(
+    fleet: Fleet, tokenizer: PromptTokenizer, front: str
+) -> None:
+    """P stops answering (SIGSTOP) while a stream it prefilled decodes on D: the router gives
+    up on P after its timeout and recovers (D prefills it within D's jitter budget, or a 503
+    names P at once); the answer is D's own, and the running stream ends whole."""
+    url = _front(fleet, front)
+    prefill, decode = fleet.by_role("prefill")[0], fleet.by_role("decode")[0]
+    other = _Stream(url, tokenizer.text_token_ids(filler_text(200, 90)), max_tokens=300)
+    assert other.first_event.wait(120) and other.error is None, f"the other stream did not start: {other.error}"
+    x = tokenizer.text_token_ids(filler_text(600, 91 if front == "relay" else 92))
+    before = scrape(fleet.router.url)
+    os.killpg(prefill.pid, signal.SIGSTOP)
+    try:
+        out, refused, elapsed = _served_or_refused(url, x)
+    finally:
+        os.killpg(prefill.pid, signal.SIGCONT)
+    assert elapsed <= RECOVERY_BOUND_S, f"{elapsed:.1f} s after P stalled"
+    after = scrape(fleet.router.url)
+    assert delta(after, before, "kvpilot_router_prefill_failures_total", worker="prefill-0", reason="timeout") == 1
+    if out is not None:
+        assert out.headers.get("X-KVPilot-Route") == "fallback", out.headers
+        assert delta(after, before, RECOVERIES, action="local") == 1
+        reference = complete(decode.url, x, max_tokens=6, cache_salt=uuid.uuid4().hex)
+        assert out.tokens == reference.tokens and out.max_logprob_diff(reference) <= LOGPROB_TOLERANCE
+    else:
+        assert refused is not None and refused.status == 503, refused
+        assert "prefill on prefill-0 failed (timeout)" in str(refused)
+        assert delta(after, before, RECOVERIES, action="fail") == 1
+    other.thread.join(300)
+    assert not other.thread.is_alive() and other.error is None, other.error
+    assert other.finished_whole and all("error" not in chunk for chunk in other.chunks), other.events[-3:]
+
+
+def test_a_prefill_worker_killed_mid_handoff_through_envoy(
+    fleet: Fleet, spec: FleetSpec, tokenizer: PromptTokenizer
+) -> None:
+    """P dies holding a request that Envoy's picker sent it: the picker sees P's connection
+    drop and recovers at once (D prefills it), and the answer is D's own. P is started again."""
+    url = _front(fleet, "envoy")
+    prefill, decode = fleet.by_role("prefill")[0], fleet.by_role("decode")[0]
+    x = tokenizer.text_token_ids(filler_text(600, 93))
+    answers: list[Completion | HTTPStatusError] = []
+
+    def ask() -> None:
+        out, refused, _ = _served_or_refused(url, x)
+        answers.append(out if out is not None else refused)  # type: ignore[arg-type]
+
+    before = scrape(fleet.router.url)
+    os.killpg(prefill.pid, signal.SIGSTOP)  # P takes the request and never answers...
+    try:
+        client = threading.Thread(target=ask)
+        client.start()
+        time.sleep(1.0)  # the request's bytes are in P's socket
+    finally:
+        os.killpg(prefill.pid, signal.SIGKILL)  # ...then dies mid-prefill
+    client.join(RECOVERY_BOUND_S)
+    assert not client.is_alive(), f"no answer {RECOVERY_BOUND_S} s after P died"
+    (out,) = answers
+    assert isinstance(out, Completion), out
+    assert out.headers.get("X-KVPilot-Route") == "fallback", out.headers
+    reference = complete(decode.url, x, max_tokens=6, cache_salt=uuid.uuid4().hex)
+    assert out.tokens == reference.tokens and out.max_logprob_diff(reference) <= LOGPROB_TOLERANCE
+    after = scrape(fleet.router.url)
+    assert delta(after, before, "kvpilot_router_prefill_failures_total", worker="prefill-0", reason="connection") == 1
+    fleet_io.restart_engine(spec, "prefill-0")
+
+
+def test_a_decode_worker_killed_mid_stream_through_envoy(
+    fleet: Fleet, spec: FleetSpec, tokenizer: PromptTokenizer
+) -> None:
+    """D dies in the middle of a stream Envoy carries: the client's stream ends (reset) within
+    the bound, and the picker counts it against D from Envoy's response flags (the stream's
+    status stayed 200). D is started again and serves the next request."""
+    url = _front(fleet, "envoy")
+    decode = fleet.by_role("decode")[0]
+    stream = _Stream(url, tokenizer.text_token_ids(filler_text(300, 94)), max_tokens=4000)
+    assert stream.first_event.wait(120) and stream.error is None, "no streamed token before D was killed"
+    before = scrape(fleet.router.url)
+    os.killpg(decode.pid, signal.SIGKILL)
+    stream.thread.join(STREAM_END_BOUND_S)
+    assert not stream.thread.is_alive(), f"the client's stream hung over {STREAM_END_BOUND_S} s after D died"
+    assert "[DONE]" not in stream.events and not stream.finished_whole
+    deadline = time.monotonic() + 10.0  # Envoy's access-log entry reaches the picker within its flush
+    while time.monotonic() < deadline:
+        counted = delta(scrape(fleet.router.url), before, "kvpilot_router_upstream_errors_total", worker="decode-0")
+        if counted:
+            break
+        time.sleep(0.2)
+    assert counted == 1
+    restarted = fleet_io.restart_engine(spec, "decode-0")
+    out = complete(_front(restarted, "envoy"), tokenizer.text_token_ids(filler_text(100, 95)), max_tokens=4)
+    assert len(out.tokens) == 4
