@@ -24,7 +24,8 @@ For a :class:`~kvpilot.routing.decide.router.Route`:
   remote prefill is prefilled on D instead (counted as a local prefill): vLLM would fan
   its samples out into requests that each read P's one handoff.
 
-D's answer reaches the client as D wrote it (tool calls, reasoning, usage, logprobs).
+D's answer reaches the client as D wrote it (tool calls, reasoning, usage, logprobs), but
+for D's offer of the session's KV (``kv_transfer_params``: ``null`` to the client).
 
 A decode worker that fails before anything reached the client is left out and the
 request routed again, up to ``server.max_retries`` times (counted in
@@ -284,10 +285,16 @@ class Proxy:
             return error_reply(503, message, "upstream_error")
 
     async def _unary(self, request: ProxyRequest, begun: Begun) -> tuple[Reply, object]:
-        """D's answer as D wrote it, and the kv_transfer_params D returned (its offer of the
-        session's KV in bidirectional mode; ``None`` when absent)."""
+        """D's answer as D wrote it but for its ``kv_transfer_params``, and those params (its
+        offer of the session's KV in bidirectional mode; ``None`` when absent). The offer
+        names where the session's KV lives and how to read it: it is the router's, never a
+        client's, whose answer carries ``null`` there, as vLLM answers a request that
+        transferred nothing."""
         payload = await self.upstream.complete(begun.ticket.route.decode, request.engine, begun.handoff)
-        return Reply(200, payload, begun.headers), payload.get("kv_transfer_params")
+        offer = payload.get("kv_transfer_params")
+        if offer is not None:
+            payload = {**payload, "kv_transfer_params": None}
+        return Reply(200, payload, begun.headers), offer
 
     async def _stream(self, request: ProxyRequest, begun: Begun, client: ClientStream) -> bool:
         """D's stream relayed to ``client``; whether it ended normally (a break is sent

@@ -133,3 +133,32 @@ def test_the_fronts_hold_no_booking(front):
     tree = ast.parse((ROOT / front).read_text())
     touched = sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)} & BOOKING)
     assert touched == [], f"{front} books {touched} itself"
+
+
+class Offering(ScriptedUpstream):
+    """D answers with its bidirectional offer of the session's KV."""
+
+    OFFER = {
+        "do_remote_decode": True,
+        "remote_block_ids": [[3, 4]],
+        "remote_engine_id": "d",
+        "remote_host": "10.0.0.7",
+        "remote_port": 5600,
+        "kvpilot_expires_at": time.time() + 600,
+    }
+
+    async def complete(self, worker, request, handoff):
+        return {**await super().complete(worker, request, handoff), "kv_transfer_params": dict(self.OFFER)}
+
+
+def test_d_s_offer_stays_with_the_router_and_never_reaches_the_client():
+    """Where the session's KV lives and how to read it (issue 41): the router keeps D's offer
+    for the session's next step; the client's answer carries null, as vLLM's does for a
+    request that transferred nothing."""
+    rig = Rig(Offering())
+    request = dataclasses.replace(rig.request({}), session=SessionId("s1"))
+    reply = asyncio.run(rig.proxy.serve(request, RecordingClient()))
+    assert reply is not None and reply.status == 200
+    assert reply.payload["kv_transfer_params"] is None and reply.payload["choices"][0]["text"] == "ok"
+    offer = rig.router.sessions.get(SessionId("s1")).offer
+    assert offer is not None and offer.holder == request.route.decode.name
