@@ -115,6 +115,8 @@ class Ticket:
     prefill_attempts: int = 0
     tried_prefill: set[WorkerId] = dataclasses.field(default_factory=set)
     probes: set[WorkerId] = dataclasses.field(default_factory=set)
+    refused_by: WorkerId | None = None
+    """The prefill worker that answered 4xx to this request's body, if one did."""
 
     @property
     def request_id(self) -> str:
@@ -278,11 +280,13 @@ class Lifecycle:
             self._learn_prefill(route, elapsed_s)
         return change, ratio
 
-    def prefill_failed(self, ticket: Ticket, *, engine_fault: bool) -> PrefillFailed:
+    def prefill_failed(self, ticket: Ticket, *, engine_fault: bool, refused: bool = False) -> PrefillFailed:
         """P's prefill gave D nothing (``engine_fault``: P's fault, counted against its circuit
         and the pair). Decides live (:func:`~kvpilot.policies.failure.recover`) between
         another prefill worker (once), D prefilling (the request becomes a fallback) and
-        a fast error, and books it."""
+        a fast error, and books it. ``refused``: P answered 4xx to the client's own body;
+        D is asked as it is (another P would refuse it alike; D's answer is the engine's
+        verdict on it, a 4xx the client gets as vLLM gives it)."""
         route = ticket.route
         p, d = route.prefill, route.decode
         assert p is not None
@@ -294,8 +298,15 @@ class Lifecycle:
             self.pair_health.failed(p.name, d.name, now)
         else:
             self._release(ticket, p.name)
-        other = self._other_prefill(ticket) if ticket.prefill_attempts < MAX_PREFILL_ATTEMPTS else None
-        decision = recover(self._recovery_costs(ticket, other, now), self.failure)
+        if refused:
+            ticket.refused_by = p.name
+            decision = RecoveryDecision(
+                Recovery.LOCAL, "P refused the request's body: D answers it as the engine would"
+            )
+            other = None
+        else:
+            other = self._other_prefill(ticket) if ticket.prefill_attempts < MAX_PREFILL_ATTEMPTS else None
+            decision = recover(self._recovery_costs(ticket, other, now), self.failure)
         if decision.action is Recovery.OTHER_PREFILL and other is not None:
             gpu = self.router.gpu_overlap(route.match, other.name)
             ticket.route = dataclasses.replace(route, prefill=other, cached_blocks=gpu)

@@ -104,7 +104,9 @@ class RouterMetrics:
         self.prefill_failures = Counter(
             p + "prefill_failures", "Remote prefills that failed", ["worker", "reason"], registry=r
         )
-        self.fallbacks = Counter(p + "prefill_fallbacks", "Requests prefilled locally on D after P failed", registry=r)
+        self.fallbacks = Counter(
+            p + "prefill_fallbacks", "Requests D prefilled and answered itself after P failed", registry=r
+        )
         self.prefill_recoveries = Counter(
             p + "prefill_recoveries",
             "How requests whose prefill failed went on: another prefill worker, D itself, or an error at once",
@@ -198,11 +200,10 @@ class RouterMetrics:
         self.ttft_stage.labels("route").observe(route_seconds)
 
     def prefill_failed(self, worker: str, reason: str, recovery: Recovery) -> None:
-        """P's prefill failed for ``reason`` and the request went on by ``recovery``."""
+        """P's prefill failed for ``reason`` and the request went on by ``recovery`` (a
+        fallback is counted in ``fallbacks`` once D answered it)."""
         self.prefill_failures.labels(worker, reason).inc()
         self.prefill_recoveries.labels(recovery.value).inc()
-        if recovery is Recovery.LOCAL:
-            self.fallbacks.inc()
 
     def circuit_changed(self, change: CircuitChange | None) -> None:
         """A worker's circuit opened or closed: counted, its gauge set, logged."""

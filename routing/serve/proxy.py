@@ -234,6 +234,15 @@ class Proxy:
         and the shared store's write of a session whose step was served."""
         ended = self.lifecycle.finished(ticket, answered=answered, decode_params=decode_params)
         self.metrics.circuit_changed(ended.circuit)
+        if answered and ticket.fell_back:
+            self.metrics.fallbacks.inc()
+            if ticket.refused_by is not None:  # P refused what D served: the router's request to P was at fault
+                log.error(
+                    "request %s: %s refused the router's prefill request, which %s served: a router bug",
+                    ticket.request_id,
+                    ticket.refused_by,
+                    ticket.route.decode.name,
+                )
         if ended.session_changed and ticket.session is not None and self.session_served is not None:
             await self.session_served(ticket.session)
 
@@ -261,13 +270,13 @@ class Proxy:
                 if ratio is not None:
                     self.metrics.predicted_ratio.labels("prefill").observe(ratio)
                 return outcome.params
-            failed = self.lifecycle.prefill_failed(ticket, engine_fault=outcome.engine_fault)
+            refused = outcome.failure is PrefillFailure.REFUSED
+            failed = self.lifecycle.prefill_failed(ticket, engine_fault=outcome.engine_fault, refused=refused)
             self.metrics.circuit_changed(failed.circuit)
             action = failed.decision.action
             self.metrics.prefill_failed(p.name, outcome.reason, action)
-            level = logging.ERROR if outcome.failure is PrefillFailure.REFUSED else logging.WARNING
-            log.log(  # a refusal: what the router sent P is at fault, a router bug
-                level,
+            log.log(  # a refusal is most likely the client's body: D's answer tells (see finish)
+                logging.INFO if refused else logging.WARNING,
                 "request %s: prefill on %s failed (%s%s); %s: %s",
                 ticket.request_id,
                 p.name,

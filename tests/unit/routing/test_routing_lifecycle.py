@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
@@ -135,20 +136,24 @@ def test_the_fronts_hold_no_booking(front):
     assert touched == [], f"{front} books {touched} itself"
 
 
+D_OFFER = {
+    "do_remote_decode": True,
+    "remote_block_ids": [[3, 4]],
+    "remote_engine_id": "d",
+    "remote_host": "10.0.0.7",
+    "remote_port": 5600,
+}
+"""D's bidirectional offer of a session's KV (its hold's end is added when it is made)."""
+
+
 class Offering(ScriptedUpstream):
     """D answers with its bidirectional offer of the session's KV."""
 
-    OFFER = {
-        "do_remote_decode": True,
-        "remote_block_ids": [[3, 4]],
-        "remote_engine_id": "d",
-        "remote_host": "10.0.0.7",
-        "remote_port": 5600,
-        "kvpilot_expires_at": time.time() + 600,
-    }
-
     async def complete(self, worker, request, handoff):
-        return {**await super().complete(worker, request, handoff), "kv_transfer_params": dict(self.OFFER)}
+        return {
+            **await super().complete(worker, request, handoff),
+            "kv_transfer_params": {**D_OFFER, "kvpilot_expires_at": time.time() + 600},
+        }
 
 
 def test_d_s_offer_stays_with_the_router_and_never_reaches_the_client():
@@ -162,3 +167,21 @@ def test_d_s_offer_stays_with_the_router_and_never_reaches_the_client():
     assert reply.payload["kv_transfer_params"] is None and reply.payload["choices"][0]["text"] == "ok"
     offer = rig.router.sessions.get(SessionId("s1")).offer
     assert offer is not None and offer.holder == request.route.decode.name
+
+
+REFUSED = PrefillOutcome(None, PrefillFailure.REFUSED, 400, "'logprobs' must be at most 20")
+
+
+@pytest.mark.parametrize("d_refuses", [True, False])
+def test_a_body_p_refuses_is_the_client_s_error_unless_d_serves_it(d_refuses, caplog):
+    """P answers 4xx to the client's own body (issue 41): D is asked as it is. D refusing too
+    makes it the client's error, passed back as D wrote it, and nothing of the router's is
+    counted or logged as an error; D serving it is a router bug (P was sent what D took)."""
+    rig = Rig(ScriptedUpstream(prefill=REFUSED, failing_decoders={"d0": 400, "d1": 400} if d_refuses else None))
+    with caplog.at_level(logging.INFO):
+        reply = asyncio.run(rig.proxy.serve(rig.request({}), RecordingClient()))
+    assert reply is not None and reply.status == (400 if d_refuses else 200)
+    assert rig.value("kvpilot_router_prefill_fallbacks_total") == (0 if d_refuses else 1)
+    assert rig.breaker.allows(WorkerId("p0"), time.monotonic())  # not P's fault either way
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ([] if d_refuses else [errors[0]]) and (d_refuses or "router bug" in errors[0])
