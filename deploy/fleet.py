@@ -317,6 +317,10 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+ROUTER_START_S = 60.0
+"""The least time a fleet's router is given to answer ``/health`` after it is started."""
+
+
 def _wait_healthy(started: list[tuple[subprocess.Popen[bytes], RunningProcess]], deadline: float) -> None:
     pending = {r.name: (p, r) for p, r in started}
     while pending:
@@ -433,7 +437,10 @@ def up(
             progress(f"  engines healthy and warmed up after {time.monotonic() - t0:.0f} s")
             _warm_up_pairs([r for _, r in started], spec, t0 + timeout, progress)
             started.append(_spawn(router, logs))
-            _wait_healthy(started[-1:], time.monotonic() + 60)
+            # the router serves once it has timed the engines (routing/serve/calibrate.py: each
+            # probe may take PROBE_TIMEOUT_S, a first NIXL handshake over a minute on a slow box),
+            # so it has what is left of the fleet's own deadline, and at least ROUTER_START_S
+            _wait_healthy(started[-1:], max(time.monotonic() + ROUTER_START_S, t0 + timeout))
             progress(f"  router on {router.url}")
             if gateway is not None:
                 started.append(start_gateway(gateway, spec.run_dir, time.monotonic() + 60, progress))

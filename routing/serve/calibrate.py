@@ -55,8 +55,10 @@ from pathlib import Path
 
 from kvpilot.kvconnectors.pull_params import handoff_request
 from kvpilot.routing.config import Role, ServerConfig, Worker
-from kvpilot.routing.decide.rates import PrefillPath, RateEstimator, observe_interval, predict_ttft
+from kvpilot.routing.decide.measured_prices import predict_path
+from kvpilot.routing.decide.rates import PrefillPath, RateEstimator, observe_interval
 from kvpilot.routing.health.engine_load import EngineLoad
+from kvpilot.routing.ids import WorkerId
 from kvpilot.routing.serve.upstream import Api, EngineRequest, StreamBroke, Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -83,8 +85,8 @@ class FirstToken:
     ``cached`` ones, ``decode_worker`` read ``moved`` tokens of KV from it (0: it prefilled
     them itself) and answered ``seconds`` after the probe was sent."""
 
-    prefill_worker: str
-    decode_worker: str
+    prefill_worker: WorkerId
+    decode_worker: WorkerId
     new: int
     cached: int
     moved: int
@@ -93,14 +95,14 @@ class FirstToken:
     def residual_s(self, rates: RateEstimator) -> float:
         """What it spent beyond the modelled terms as ``rates`` now predict them: its
         path's overhead (:meth:`~kvpilot.routing.decide.rates.RateEstimator.observe_overhead`)."""
-        predicted = predict_ttft(
+        predicted = predict_path(
             rates,
             self.prefill_worker,
             self.decode_worker,
-            new=self.new,
-            cached=self.cached,
-            queued=0,
-            transfer_tokens=self.moved,
+            prompt_tokens=self.new + self.cached,
+            cached_tokens=self.cached,
+            queued_tokens=0,
+            moved_tokens=self.moved,
             streams=0,
         )
         return self.seconds - predicted.modelled_s
