@@ -298,16 +298,19 @@ class Lifecycle:
             self.pair_health.failed(p.name, d.name, now)
         else:
             self._release(ticket, p.name)
+        other: Worker | None = None
         if refused:
             ticket.refused_by = p.name
             decision = RecoveryDecision(
                 Recovery.LOCAL, "P refused the request's body: D answers it as the engine would"
             )
-            other = None
         else:
-            other = self._other_prefill(ticket) if ticket.prefill_attempts < MAX_PREFILL_ATTEMPTS else None
-            decision = recover(self._recovery_costs(ticket, other, now), self.failure)
-        if decision.action is Recovery.OTHER_PREFILL and other is not None:
+            other, other_s = (
+                self._other_prefill(ticket) if ticket.prefill_attempts < MAX_PREFILL_ATTEMPTS else (None, None)
+            )
+            decision = recover(self._recovery_costs(route, other_s, now), self.failure)
+        if decision.action is Recovery.OTHER_PREFILL:
+            assert other is not None  # recover() offers it only when there is one
             gpu = self.router.gpu_overlap(route.match, other.name)
             ticket.route = dataclasses.replace(route, prefill=other, cached_blocks=gpu)
             ticket.tried_prefill.add(other.name)
@@ -322,20 +325,23 @@ class Lifecycle:
             self._ledger.move_prefill(ticket.request_id, d.name, route.decode_cached_blocks)
             self._charge_stall(route, now)
             return PrefillFailed(decision, change)
-        return PrefillFailed(dataclasses.replace(decision, action=Recovery.FAIL), change)
+        return PrefillFailed(decision, change)
 
-    def _other_prefill(self, ticket: Ticket) -> Worker | None:
-        """The prefill worker not yet tried whose circuit allows it and whose predicted
-        TTFT is lowest (the first such without rates)."""
+    def _other_prefill(self, ticket: Ticket) -> tuple[Worker | None, float | None]:
+        """The prefill worker not yet tried whose circuit allows it and whose predicted TTFT
+        is lowest, with that TTFT (the first such, priced 0, without rates); ``(None, None)``
+        when there is none."""
         now = self.clock.monotonic()
         candidates = [
             w
             for w in self.router.fleet.prefill
             if w.name not in ticket.tried_prefill and self.breaker.allows(w.name, now)
         ]
-        if not candidates or self.rates is None:
-            return candidates[0] if candidates else None
-        return min(candidates, key=lambda w: self._remote_s(ticket.route, w))
+        if not candidates:
+            return None, None
+        priced = [(self._remote_s(ticket.route, w), i) for i, w in enumerate(candidates)]
+        seconds, best = min(priced)
+        return candidates[best], seconds
 
     def _remote_s(self, route: Route, p: Worker) -> float:
         """``route`` prefilled on ``p`` instead: its predicted TTFT (0 without rates)."""
@@ -347,34 +353,23 @@ class Lifecycle:
     def _decode_cached_tokens(self, route: Route) -> int:
         return min(route.prompt_tokens, route.decode_cached_blocks * self._block_size)
 
-    def _local(self, route: Route) -> TTFTPrediction | None:
-        """``route`` prefilled on D itself: its prediction."""
-        return self._predict(route, route.decode.name, self._decode_cached_tokens(route), 0)
+    def _local(self, route: Route) -> tuple[TTFTPrediction | None, int]:
+        """``route`` prefilled on D itself: its prediction (``None`` without rates) and D's
+        other running streams, which its prefill pauses (this request is booked on D too)."""
+        streams = max(0, self._ledger.load(route.decode.name).active_requests - 1)
+        return self._predict(route, route.decode.name, self._decode_cached_tokens(route), 0), streams
 
-    @staticmethod
-    def _stall_s(local: TTFTPrediction) -> float:
-        """The pause D's local prefill adds to each running stream: its prefill beyond their own step."""
-        return max(0.0, local.prefill_s - local.first_step.seconds)
-
-    def _recovery_costs(self, ticket: Ticket, other: Worker | None, now: float) -> RecoveryCosts:
-        route = ticket.route
-        d = route.decode.name
-        streams = max(0, self._ledger.load(d).active_requests - 1)  # D's others: this request is booked there
-        local = self._local(route)
-        other_s = None if other is None else self._remote_s(route, other)
+    def _recovery_costs(self, route: Route, other_s: float | None, now: float) -> RecoveryCosts:
+        local, streams = self._local(route)
         if local is None:  # nothing predicted: D serves it unless another P can
             return RecoveryCosts(0.0, 0.0, 0, other_s)
-        return RecoveryCosts(local.seconds, self._stall_s(local), streams, other_s, self.jitter.spent(d, now))
+        return RecoveryCosts(local.seconds, local.stall_s, streams, other_s, self.jitter.spent(route.decode.name, now))
 
     def _charge_stall(self, route: Route, now: float) -> None:
         """D prefills ``route`` beside its running streams: their pause goes on D's jitter budget."""
-        d = route.decode.name
-        streams = max(0, self._ledger.load(d).active_requests - 1)
-        if not streams or self.rates is None:
-            return
-        local = self._local(route)
-        if local is not None:
-            self.jitter.charge(d, self._stall_s(local) * streams, now)
+        local, streams = self._local(route)
+        if local is not None and streams:
+            self.jitter.charge(route.decode.name, local.stall_s * streams, now)
 
     def first_token(self, ticket: Ticket, since_sent_s: float, ttft_s: float) -> float | None:
         """D's first token came ``since_sent_s`` after D's request was sent and ``ttft_s``
@@ -455,12 +450,6 @@ class Lifecycle:
         if worker in ticket.probes:
             ticket.probes.discard(worker)
             self.breaker.released(worker)
-
-    def worker_failed(self, worker: Worker) -> CircuitChange | None:
-        """A worker failed outside any request's booking (its destination could not be built)."""
-        if self.breaker.failed(worker.name, self.clock.monotonic()):
-            return CircuitChange(worker.name, True, self.breaker.open_s)
-        return None
 
     def _learn_prefill(self, route: Route, seconds: float) -> None:
         """``route``'s prefilling worker took ``seconds`` for its uncached tokens."""

@@ -70,8 +70,7 @@ def path_times(
         moved_tokens=prompt.effective_tokens,
         streams=streams,
     )
-    stall = max(0.0, local.prefill_s - local.first_step.seconds)  # the streams' own step runs anyway
-    return MeasuredTimes(local.seconds, remote.seconds, stall)
+    return MeasuredTimes(local.seconds, remote.seconds, local.stall_s)
 
 
 def option_price(

@@ -448,6 +448,12 @@ class TTFTPrediction:
         """Until the prefilling worker is done: its queue and the prefill."""
         return self.queue.seconds + self.prefill.seconds
 
+    @property
+    def stall_s(self) -> float:
+        """For a prefill on D itself: the pause it adds to each of D's running streams, its
+        prefill beyond the decode step they run anyway."""
+        return max(0.0, self.prefill.seconds - self.first_step.seconds)
+
     def prefill_timeout_s(self, floor_s: float, factor: float = PREFILL_TIMEOUT_FACTOR) -> float:
         """How long to wait for P: ``max(floor_s, factor * prefill_s)``."""
         return max(floor_s, factor * self.prefill_s)
