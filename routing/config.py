@@ -285,6 +285,13 @@ class ServerConfig(TypedConfig, frozen=True):
     fleet sets the engines' max model length."""
     max_output_tokens: int = 0
     """``max_tokens`` (``max_completion_tokens``) above this is refused (400); 0: no limit."""
+    max_model_len: int = 0
+    """The engines' ``--max-model-len``: with it the router refuses, before any engine sees
+    them, the prompts and output lengths vLLM would refuse, with vLLM's messages
+    (:mod:`kvpilot.routing.serve.engine_checks`); 0: unknown, left to the engines."""
+    max_logprobs: int = 20
+    """The engines' ``--max-logprobs`` (vLLM's default 20; -1: the vocabulary): more
+    ``logprobs``, ``top_logprobs`` or ``prompt_logprobs`` are refused with vLLM's message."""
     max_concurrent_requests: int = 0
     """Requests in flight at once; 0: no limit (no queue)."""
     max_queued_requests: int = 256
@@ -331,6 +338,7 @@ class ServerConfig(TypedConfig, frozen=True):
             "engine_metrics_interval_s",
             "max_prompt_tokens",
             "max_output_tokens",
+            "max_model_len",
             "max_concurrent_requests",
             "max_queued_requests",
             "circuit_failures",
@@ -341,6 +349,7 @@ class ServerConfig(TypedConfig, frozen=True):
         check_range(self, "max_body_bytes", at_least=1024)
         check_range(self, "queue_timeout_s", "circuit_open_s", "prefill_timeout_s", "request_timeout_s", above=0)
         check_range(self, "calibration_workers", at_least=0)
+        check_range(self, "max_logprobs", at_least=-1)
         for key in ("calibration_prompt_tokens", "calibration_decode_streams"):
             if any(n < 1 for n in getattr(self, key)):
                 raise ConfigError(key, f"must hold positive counts, got {getattr(self, key)}")
