@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -53,6 +54,33 @@ class ConfigError(TypedConfigError):
     (``cost.router_seed``, ``workers[0].url``), ``problem`` says what is wrong."""
 
     ROOT_KEY = "top level"
+
+
+SECRET_FILE_SUFFIX = "_FILE"
+
+
+def read_secret(env_name: str, key: str) -> str | None:
+    """The secret a ``*_env`` key names: the variable ``env_name``'s value, or, when
+    ``<env_name>_FILE`` is set instead, the contents of that file less surrounding
+    whitespace (a mounted Kubernetes or Docker secret). ``None`` when ``env_name`` is
+    ``""`` (no secret configured). Raises :class:`ConfigError` naming ``key`` and the
+    variable (never the value) when the secret is unset, empty or its file unreadable."""
+    if not env_name:
+        return None
+    path = os.environ.get(env_name + SECRET_FILE_SUFFIX, "")
+    if path and env_name in os.environ:
+        raise ConfigError(key, f"set {env_name} or {env_name}{SECRET_FILE_SUFFIX}, not both")
+    if path:
+        try:
+            value = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(key, f"{env_name}{SECRET_FILE_SUFFIX}: cannot read {path}: {exc.strerror}") from None
+    else:
+        value = os.environ.get(env_name, "")
+    if not value:
+        unset = f"names {env_name!r}, which is unset or empty (and {env_name}{SECRET_FILE_SUFFIX} is unset)"
+        raise ConfigError(key, unset)
+    return value
 
 
 class IndexBackend(str, enum.Enum):
@@ -228,7 +256,16 @@ class SessionConfig(TypedConfig, frozen=True):
     """Where the sessions' placement, affinity and D's offers live: ``memory`` (this
     router's) or ``redis`` (shared by replicas, kept across restarts; needs ``kvpilot[redis]``)."""
     redis_url: str = ""
-    """``redis://host:port/db`` (or ``rediss://``, ``unix://``) when ``store`` is ``redis``."""
+    """``redis://host:port/db`` (or ``rediss://``, ``unix://``) when ``store`` is ``redis``;
+    a password in it is refused (a config file or command line would carry it): name it
+    with ``redis_password_env``. A user name (Redis ACLs) may stay."""
+    redis_password_env: str = ""
+    """The environment variable holding Redis's password (``AUTH``), or ``<it>_FILE``
+    naming a file that holds it (:func:`read_secret`); ``""``: none."""
+    max_sessions_per_client: int = 1000
+    """Live sessions one client may hold (the client as the router sees it: the relay's TCP
+    peer address); a client's new session beyond it drops that client's least recently
+    named session, never another client's. 0: no limit."""
     store_key_prefix: str = "kvpilot:"
     """Every key the router writes starts with this (one Redis may serve several fleets)."""
     store_read_timeout_s: float = 0.05
@@ -245,6 +282,9 @@ class SessionConfig(TypedConfig, frozen=True):
 
     def __post_init__(self) -> None:
         check_range(self, "max_sessions", above=0)
+        check_range(self, "max_sessions_per_client", at_least=0)
+        if urlsplit(self.redis_url).password is not None:
+            raise ConfigError("redis_url", "holds a password: name its variable in sessions.redis_password_env instead")
         check_range(self, "store_read_timeout_s", "store_write_timeout_s", "store_ttl_s", "resident_s", above=0)
         if self.store is SessionStoreKind.REDIS and not self.redis_url.startswith(_REDIS_SCHEMES):
             raise ConfigError(
@@ -316,6 +356,12 @@ class ServerConfig(TypedConfig, frozen=True):
     key, every endpoint except ``/health`` and ``/metrics`` needs
     ``Authorization: Bearer <key>``. Named, not stored, so no config file or command
     line carries the secret."""
+
+    admin_token_env: str = ""
+    """The environment variable (or ``<it>_FILE``, :func:`read_secret`) holding the admin
+    token that ``POST /debug/route`` needs (``Authorization: Bearer <token>``), from any
+    address; the client API key does not open it. ``""``: ``/debug/route`` answers only a
+    loopback peer (an operator on the router's host), with the API key if one is set."""
 
     engine_api_key_env: str = ""
     """The environment variable holding the engines' API key (vLLM's ``--api-key``),
@@ -488,6 +534,14 @@ class GatewayConfig(TypedConfig, frozen=True):
     picker_port: int = 0
     """The picker's gRPC port on ``server.host`` (Envoy's ``ext_proc`` and access log);
     0: no picker."""
+    token_env: str = ""
+    """The environment variable (or ``<it>_FILE``, :func:`read_secret`) holding the token
+    every gRPC call to the picker must carry as ``authorization: Bearer <token>`` metadata
+    (Envoy's ``grpc_service.initial_metadata``); a call without it is refused
+    (``UNAUTHENTICATED``) before it reaches the picker or the access log. Set it wherever
+    the picker is reachable from other hosts (``server.host`` not loopback; warned at start
+    without it: a GAIE gateway that cannot send metadata leaves the NetworkPolicy as the
+    only fence); ``""``: no token."""
 
     def __post_init__(self) -> None:
         check_range(self, "picker_port", at_least=0, below=65536)
