@@ -3,9 +3,20 @@ kvpilot's router routes in front of it (docs/guides/dynamo.md, docs/guides/gpu.m
 
 The ``DynamoGraphDeployment`` (``nvidia.com/v1alpha1``) has a frontend and
 ``dynamo.vllm`` prefill and decode workers whose ``--kv-transfer-config`` is the P/D
-fleet's engines' (KVPilotConnector, :func:`kvpilot.deploy.k8s.plan.plan_cluster`) and whose KV
+fleet's engines' (:func:`kvpilot.deploy.k8s.plan.plan_cluster`) under the name Dynamo's
+handoff table knows (:func:`dynamo_kv_transfer_config`: ``NixlConnector`` loaded from
+``kvpilot.kvconnectors.dynamo_nixl``, which vLLM resolves to KVPilotConnector) and whose KV
 events bind :data:`KV_EVENTS_PORT` on every worker pod; beside it, the router's
 Deployment, Service and config, reading the workers from Dynamo's Kubernetes discovery.
+
+What has and has not run (docs/guides/dynamo.md, "Dynamo's vLLM workers"): this config
+resolves to Dynamo 1.6.1's NIXL protocol and to KVPilotConnector in vLLM 0.32
+(``tests/unit/kvconnectors/test_dynamo_seam.py``), and two vLLM 0.32 engines started with it
+hand KV over through that protocol object, verified (``tests/e2e/test_dynamo_seam.py``). No
+``dynamo.vllm`` worker has run: Dynamo 1.6.1 pins vLLM 0.31.0 and does not import beside vLLM
+0.32 (``dynamo/vllm/embedding_worker_processes.py`` imports ``get_engine_zmq_addresses``),
+while KVPilotConnector needs vLLM 0.32 to 0.34, so the image needs a Dynamo release built for
+one of those.
 """
 
 from __future__ import annotations
@@ -41,6 +52,21 @@ KV_EVENTS_PORT = 20080
 """Every worker's vLLM KV events (one worker per pod): ``dynamo.kv_events_port``."""
 WORKER_ROLES = {"VllmPrefillWorker": "prefill", "VllmDecodeWorker": "decode"}
 """Each worker service of the graph and its ``--disaggregation-mode``."""
+DYNAMO_CONNECTOR_NAME = "NixlConnector"
+"""The ``kv_connector`` name Dynamo's ``make_kv_connector_protocol`` maps to its NIXL protocol."""
+DYNAMO_CONNECTOR_MODULE = "kvpilot.kvconnectors.dynamo_nixl"
+"""Where vLLM finds the class of that name: KVPilotConnector (``kv_connector_module_path``)."""
+
+
+def dynamo_kv_transfer_config(engine_config: str) -> str:
+    """An engine's ``--kv-transfer-config`` (KVPilotConnector) as a ``dynamo.vllm`` worker
+    must name it: ``NixlConnector`` from :data:`DYNAMO_CONNECTOR_MODULE`, the rest as it was.
+    Dynamo 1.6.1 refuses the name ``KVPilotConnector`` on every prefill ("Unsupported
+    kv_connector='KVPilotConnector' for PD")."""
+    config = json.loads(engine_config)
+    config["kv_connector"] = DYNAMO_CONNECTOR_NAME
+    config["kv_connector_module_path"] = DYNAMO_CONNECTOR_MODULE
+    return json.dumps({"kv_connector": config.pop("kv_connector"), **config})
 
 
 def frontend_url() -> str:
@@ -48,7 +74,8 @@ def frontend_url() -> str:
 
 
 def worker_args(plan: ClusterPlan, mode: str) -> list[str]:
-    """``dynamo.vllm``'s flags: the P/D engines' model, block size and KV connector."""
+    """``dynamo.vllm``'s flags: the P/D engines' model, block size and KV connector (named
+    for Dynamo's handoff table: :func:`dynamo_kv_transfer_config`)."""
     engine = plan.engines[0].command
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}", "topic": ""}
     return [
@@ -61,7 +88,7 @@ def worker_args(plan: ClusterPlan, mode: str) -> list[str]:
         "--block-size",
         str(plan.spec.block_size),
         "--kv-transfer-config",
-        engine[engine.index("--kv-transfer-config") + 1],
+        dynamo_kv_transfer_config(engine[engine.index("--kv-transfer-config") + 1]),
         "--kv-events-config",
         json.dumps(events),
     ]

@@ -23,7 +23,7 @@ from packaging.version import Version
 
 from kvpilot.deploy.dashboards import DASHBOARD_DIR
 from kvpilot.deploy.fleet_spec import ENGINE_API_KEY_ENV, plan_fleet
-from kvpilot.deploy.k8s.dynamo import FRONTEND_PORT, GRAPH, KV_EVENTS_PORT, WORKER_ROLES
+from kvpilot.deploy.k8s.dynamo import FRONTEND_PORT, GRAPH, KV_EVENTS_PORT, WORKER_ROLES, dynamo_kv_transfer_config
 from kvpilot.deploy.k8s.network import pods_of
 from kvpilot.deploy.k8s.plan import (
     CPU_ONLY_ENV,
@@ -350,7 +350,8 @@ def test_dynamo_example_routes_dynamo_vllm_workers_with_kvpilots_connector(tmp_p
         assert worker["command"] == ["python3", "-m", "dynamo.vllm"]
         flags = _flags(["", "", "", *worker["args"]])
         assert flags["--disaggregation-mode"] == mode
-        assert flags["--kv-transfer-config"] == engine_flags["--kv-transfer-config"]
+        # the engines' config under the name Dynamo's handoff table knows (tests/unit/kvconnectors/test_dynamo_seam.py)
+        assert flags["--kv-transfer-config"] == dynamo_kv_transfer_config(engine_flags["--kv-transfer-config"] or "")
         assert flags["--block-size"] == engine_flags["--block-size"]
         assert json.loads(flags["--kv-events-config"] or "")["endpoint"] == f"tcp://*:{KV_EVENTS_PORT}"
         assert _env(worker)["PYTHONHASHSEED"] == "0"
