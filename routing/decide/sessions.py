@@ -181,34 +181,98 @@ class SessionState:
 
 
 class SessionStore:
-    """Sessions by key, least recently used dropped beyond ``max_sessions``."""
+    """Sessions by key, in two parts, so that naming a session never drops a real one.
 
-    def __init__(self, block_size: int, max_sessions: int) -> None:
-        if max_sessions <= 0:
-            raise ValueError(f"max_sessions must be positive, got {max_sessions}")
+    A session is *live* once a step of it was served (its state's ``steps`` above 0:
+    :meth:`~kvpilot.routing.decide.router.Router.served`, or a newer record merged from the
+    shared store); until then it is *pending* (named by a request in flight, or by one that
+    was refused or failed). Each part holds at most ``max_sessions``, least recently used
+    dropped beyond it: a flood of new session ids drops only pending sessions, and a live
+    one is dropped only for another live one. A pending session found served (by
+    :meth:`get`, or as it would be dropped) becomes live.
+
+    ``max_per_client`` (0: no limit): a client's sessions (:meth:`claim`) beyond it drop
+    that client's least recently claimed one, never another client's.
+    """
+
+    def __init__(self, block_size: int, max_sessions: int, max_per_client: int = 0) -> None:
+        if max_sessions <= 0 or max_per_client < 0:
+            raise ValueError(f"max_sessions must be positive, got {max_sessions}; max_per_client 0 or more")
         self.block_size = block_size
         self.max_sessions = max_sessions
-        self._sessions: OrderedDict[SessionId, SessionState] = OrderedDict()
+        self.max_per_client = max_per_client
+        self._live: OrderedDict[SessionId, SessionState] = OrderedDict()
+        self._pending: OrderedDict[SessionId, SessionState] = OrderedDict()
+        self._owner: dict[SessionId, str] = {}
+        self._owned: dict[str, OrderedDict[SessionId, None]] = {}
         self.evicted = 0
+        """Sessions dropped, live or pending."""
 
     def __len__(self) -> int:
-        return len(self._sessions)
+        """Sessions held, live and pending."""
+        return len(self._live) + len(self._pending)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` names a session held (live or pending); touches nothing."""
+        return key in self._live or key in self._pending
 
     def get(self, key: SessionId) -> SessionState:
-        """The session for ``key`` (created empty if new); marks it most recent."""
-        state = self._sessions.get(key)
-        if state is None:
-            state = self._sessions[key] = SessionState(self.block_size)
-            if len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
-                self.evicted += 1
+        """The session for ``key``, created pending if new; marks it most recent."""
+        state = self._live.get(key)
+        if state is not None:
+            self._live.move_to_end(key)
+            return state
+        state = self._pending.pop(key, None) or SessionState(self.block_size)
+        if state.steps:
+            self._make_live(key, state)
         else:
-            self._sessions.move_to_end(key)
+            self._pending[key] = state
+            while len(self._pending) > self.max_sessions:
+                old, old_state = self._pending.popitem(last=False)
+                if old_state.steps:
+                    self._make_live(old, old_state)
+                else:
+                    self._dropped(old)
+        return state
+
+    def claim(self, key: SessionId, client: str) -> SessionState:
+        """:meth:`get`, and ``client`` (the requester as the front sees it) now owns ``key``;
+        beyond ``max_per_client`` the client's least recently claimed session is dropped."""
+        state = self.get(key)
+        if not self.max_per_client:
+            return state
+        self._disown(key)
+        self._owner[key] = client
+        owned = self._owned.setdefault(client, OrderedDict())
+        owned[key] = None
+        while len(owned) > self.max_per_client:
+            old = next(iter(owned))
+            self.forget(old)
+            self.evicted += 1
         return state
 
     def forget(self, key: SessionId) -> None:
         """Drop ``key`` (no-op if unknown)."""
-        self._sessions.pop(key, None)
+        self._live.pop(key, None)
+        self._pending.pop(key, None)
+        self._disown(key)
+
+    def _make_live(self, key: SessionId, state: SessionState) -> None:
+        self._live[key] = state
+        if len(self._live) > self.max_sessions:
+            self._dropped(self._live.popitem(last=False)[0])
+
+    def _dropped(self, key: SessionId) -> None:
+        self.evicted += 1
+        self._disown(key)
+
+    def _disown(self, key: SessionId) -> None:
+        client = self._owner.pop(key, None)
+        if client is not None:
+            owned = self._owned[client]
+            del owned[key]
+            if not owned:
+                del self._owned[client]
 
 
 __all__ = [

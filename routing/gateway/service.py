@@ -3,7 +3,8 @@
 :func:`attach` adds to the router's aiohttp app a start step (after the router's own: the
 index caught up, the fleet found) that serves, on ``server.host:gateway.picker_port``,
 Envoy's ext_proc service (:mod:`kvpilot.routing.gateway.extproc`) and the OTLP logs service its
-access log exports to (:mod:`kvpilot.routing.gateway.access_log`), and a task that ends requests
+access log exports to (:mod:`kvpilot.routing.gateway.access_log`), each call checked for
+``gateway.token_env``'s token when one is set (:mod:`kvpilot.routing.gateway.auth`), and a task that ends requests
 whose access-log record never came (:meth:`~kvpilot.routing.gateway.picker.Picker.expire`).
 """
 
@@ -21,11 +22,14 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2_grpc as ls_grpc
 
+from kvpilot.routing.cli import beyond_loopback
 from kvpilot.routing.gateway.access_log import AccessLogReceiver
+from kvpilot.routing.gateway.auth import TokenInterceptor
 from kvpilot.routing.gateway.extproc import ExternalProcessor
 from kvpilot.routing.gateway.picker import Picker
 from kvpilot.routing.serve.app import OPEN_PATHS, UNAUTHORIZED_MESSAGE, RouterServer
 from kvpilot.routing.serve.proxy import error_reply
+from kvpilot.routing.serve.refusals import RejectReason
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +71,11 @@ def attach(app: web.Application, server: RouterServer) -> None:
             server.config.server,
             server.authorized,
         )
-        grpc_server = grpc.aio.server()
+        token = server.gateway_token
+        if token is None and beyond_loopback(server.config.server.host):
+            log.warning("the picker is reachable beyond this machine with no token (set gateway.token_env)")
+        refused = server.metrics.rejected.labels(RejectReason.UNAUTHORIZED.value).inc
+        grpc_server = grpc.aio.server(interceptors=[] if token is None else [TokenInterceptor(token, refused)])
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker, _answer_get(server)), grpc_server)
         ls_grpc.add_LogsServiceServicer_to_server(AccessLogReceiver(picker), grpc_server)
         address = f"{server.config.server.host}:{server.config.gateway.picker_port}"

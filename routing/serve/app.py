@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -53,13 +53,14 @@ from kvpilot.routing.config import (
     SessionStoreKind,
     Worker,
     prior_model,
+    read_secret,
 )
 from kvpilot.routing.decide.ledger import LoadLedger
 from kvpilot.routing.decide.lifecycle import Lifecycle
 from kvpilot.routing.decide.rates import RateEstimator, RolePriors, TTFTPrediction
 from kvpilot.routing.decide.router import Router, policy_from_config
 from kvpilot.routing.decide.session_record import SessionStateStore
-from kvpilot.routing.decide.sessions import SessionStore
+from kvpilot.routing.decide.sessions import InvalidSessionKey, SessionStore, scoped, session_key
 from kvpilot.routing.fleet import Fleet, fleet_changes, fleet_of
 from kvpilot.routing.health.circuit import CircuitBreaker
 from kvpilot.routing.health.engine_load import EngineLoad
@@ -103,17 +104,21 @@ CATCH_UP_WAIT_S = 2.0
 UNAUTHORIZED_MESSAGE = "missing or wrong API key (Authorization: Bearer <key>)"
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Endpoints that need no API key: liveness probes and Prometheus scrapes."""
+ADMIN_PATHS = frozenset({"/debug/route"})
+"""Endpoints for operators, not clients (:meth:`RouterServer.admin_allowed`)."""
+ADMIN_REFUSED_MESSAGE = (
+    "/debug/route needs the admin token (Authorization: Bearer <token>, server.admin_token_env), "
+    "or, with none set, a request from the router's own host"
+)
 
 
-def _api_key(env_name: str, field: str = "server.api_key_env") -> str | None:
-    """The API key from ``env_name`` (``None`` when no variable is named). Raises
-    :class:`ConfigError` naming ``field`` when the named variable is unset or empty."""
-    if not env_name:
-        return None
-    key = os.environ.get(env_name, "")
-    if not key:
-        raise ConfigError(field, f"names {env_name!r}, which is unset or empty")
-    return key
+def is_loopback(peer: str | None) -> bool:
+    """Whether ``peer`` (a TCP peer's address as aiohttp reports it) is this host's loopback;
+    ``None`` or anything unreadable is not."""
+    try:
+        return peer is not None and ipaddress.ip_address(peer).is_loopback
+    except ValueError:
+        return False
 
 
 def _as_dict(prediction: TTFTPrediction | None) -> dict[str, object] | None:
@@ -172,7 +177,8 @@ def make_session_store(cfg: SessionConfig) -> SessionStateStore | None:
     except ImportError as exc:
         needs = f"'redis' needs the redis client (pip install 'kvpilot[redis]'): {exc}"
         raise ConfigError("sessions.store", needs) from None
-    return RedisSessionStore(cfg.redis_url, cfg.store_key_prefix)
+    password = read_secret(cfg.redis_password_env, "sessions.redis_password_env")
+    return RedisSessionStore(cfg.redis_url, cfg.store_key_prefix, password=password)
 
 
 class RouterServer:
@@ -201,7 +207,9 @@ class RouterServer:
         dynamo = config.dynamo.enabled  # prefill workers may join at any time
         model = prior_model(config)
         policy = policy_from_config(config.disaggregation, model) if fleet.prefill or dynamo else None
-        sessions = SessionStore(config.index.block_size, config.sessions.max_sessions)
+        sessions = SessionStore(
+            config.index.block_size, config.sessions.max_sessions, config.sessions.max_sessions_per_client
+        )
         interval = 0.0 if dynamo else config.server.engine_metrics_interval_s  # Dynamo's workers have no vLLM /metrics
         self.breaker = CircuitBreaker(srv.circuit_failures, srv.circuit_open_s)
         self.event_watch = EventWatch(config.index.events_stale_after_s)
@@ -278,8 +286,11 @@ class RouterServer:
         self._http: aiohttp.ClientSession | None = None
         self._proxy: Proxy | None = None
         self.discovery: DynamoDiscovery | None = None
-        self._api_key = _api_key(config.server.api_key_env)
-        engine_key = _api_key(config.server.engine_api_key_env, "server.engine_api_key_env")
+        self._api_key = read_secret(config.server.api_key_env, "server.api_key_env")
+        self._admin_token = read_secret(config.server.admin_token_env, "server.admin_token_env")
+        self.gateway_token = read_secret(config.gateway.token_env, "gateway.token_env")
+        """The token every call to the picker's gRPC port needs (:mod:`kvpilot.routing.gateway.auth`)."""
+        engine_key = read_secret(config.server.engine_api_key_env, "server.engine_api_key_env")
         self._engine_headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else {}
 
     def app(self) -> web.Application:
@@ -413,8 +424,13 @@ class RouterServer:
     # ---- small endpoints ---------------------------------------------------
     @web.middleware
     async def _require_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """401 unless the request carries the API key (``/health``, ``/metrics`` stay open)."""
+        """401 unless the request carries the API key (``/health``, ``/metrics`` stay open);
+        an admin path needs :meth:`admin_allowed` instead (403)."""
         if request.path in OPEN_PATHS:
+            return await handler(request)
+        if request.path in ADMIN_PATHS and not self.admin_allowed(request.remote, request.headers):
+            return _error(403, ADMIN_REFUSED_MESSAGE, "permission_error")
+        if request.path in ADMIN_PATHS and self._admin_token is not None:
             return await handler(request)
         if not self.authorized(request.headers):
             response = _error(401, UNAUTHORIZED_MESSAGE, "authentication_error")
@@ -432,6 +448,20 @@ class RouterServer:
             return True
         self.metrics.rejected.labels(RejectReason.UNAUTHORIZED.value).inc()
         return False
+
+    def admin_allowed(self, peer: str | None, headers: Mapping[str, str]) -> bool:
+        """Whether a request from ``peer`` with ``headers`` may use an admin path: with
+        ``server.admin_token_env`` set, it carries that token (from any address; the client
+        API key does not do); without, it comes from this host's loopback (the API key is
+        then checked as for any path). A refusal is counted as unauthorized."""
+        if self._admin_token is not None:
+            sent = headers.get("Authorization", "").encode()
+            allowed = hmac.compare_digest(sent, f"Bearer {self._admin_token}".encode())
+        else:
+            allowed = is_loopback(peer)
+        if not allowed:
+            self.metrics.rejected.labels(RejectReason.UNAUTHORIZED.value).inc()
+        return allowed
 
     async def _health(self, _: web.Request) -> web.Response:
         """Liveness: 200 with the workers served now (no API key needed)."""
@@ -459,13 +489,16 @@ class RouterServer:
     async def _debug_route(self, request: web.Request) -> web.Response:
         """Explain the routing decision for a completion or chat body without sending it: every
         candidate's cost term by term, the local-vs-remote verdict, a session's five options,
-        the predicted TTFT, prior and measured."""
+        the predicted TTFT, prior and measured. An admin path (:meth:`admin_allowed`); it
+        creates no session: one this router does not hold is explained as a first step."""
         try:
             body = await self._body(request, api=None)
             api = Api.CHAT if "messages" in body else Api.COMPLETIONS
             token_ids, session = self.intake.prompt(request.headers, body, api)
             await self.intake.pull_session(session)
-            route = self.intake.route(request.headers, token_ids, body, api, session, dry_run=True)
+            with self.lock:
+                held = session is not None and session in self.router.sessions
+            route = self.intake.route(request.headers, token_ids, body, api, session if held else None, dry_run=True)
         except BadRequest as exc:
             return _error(exc.status, str(exc))
         predicted = self.lifecycle.predict(route)
@@ -539,7 +572,9 @@ class RouterServer:
         started = time.perf_counter()
         assert self._proxy is not None, "the app has not started"
         try:
-            intake = await self.intake.take(request.headers, await self._body(request, api), api, started)
+            body = await self._body(request, api)
+            self._claim_session(request, body)
+            intake = await self.intake.take(request.headers, body, api, started)
         except (BadRequest, ChatError) as exc:
             return _error(getattr(exc, "status", 400), str(exc))
         client = _SSEResponse(request)
@@ -548,6 +583,18 @@ class RouterServer:
             assert client.response is not None
             return client.response
         return web.json_response(reply.payload, status=reply.status, headers=reply.headers)
+
+    def _claim_session(self, request: web.Request, body: Mapping[str, Any]) -> None:
+        """The request's session, if it names one, is its client's (``sessions.max_sessions_per_client``;
+        the client is the TCP peer's address: behind another proxy, that proxy's). A malformed
+        session field is left for the intake to refuse."""
+        try:
+            key = session_key(body, request.headers)
+        except InvalidSessionKey:
+            return
+        if key is not None:
+            with self.lock:
+                self.router.sessions.claim(scoped(key, body.get("cache_salt")), request.remote or "")
 
     @property
     def proxy(self) -> Proxy:

@@ -32,11 +32,17 @@ CONNECT_TIMEOUT_S = 1.0
 
 class RedisSessionStore:
     """:class:`~kvpilot.routing.decide.session_record.SessionStateStore` over a Redis server at ``url``
-    (``redis://host:port/db``); every key starts with ``key_prefix`` and ``session:``."""
+    (``redis://host:port/db``), authenticated with ``password`` when given (read from
+    ``sessions.redis_password_env``, never from the URL); every key starts with
+    ``key_prefix`` and ``session:``. No error it raises carries the password."""
 
-    def __init__(self, url: str, key_prefix: str) -> None:
+    def __init__(self, url: str, key_prefix: str, *, password: str | None = None) -> None:
         self._redis = redis.Redis.from_url(
-            url, socket_connect_timeout=CONNECT_TIMEOUT_S, retry=Retry(NoBackoff(), 0), retry_on_timeout=False
+            url,
+            password=password,
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
         )
         self._prefix = f"{key_prefix}session:"
 
