@@ -5,8 +5,13 @@
 - Engines' NIXL side channels: other engines only.
 - Engines' HTTP ports also: the gateway (Envoy, which carries D's requests and streams).
 - The router's HTTP port: anyone (its clients; its own API key guards ``/v1``); its KV
-  event ports: engines only; its picker port: the gateway's pods and any other (a GAIE
-  gateway's proxy runs where its implementation puts it).
+  event ports (the engines' publishers connect to them: vLLM's publisher has no ZMQ CURVE,
+  so this policy is what keeps forged events out): engines only; its picker port (Envoy's
+  ext_proc and the access-log receiver whose records count against workers' circuits):
+  the gateway's pods only. A GAIE gateway's proxy runs where its implementation puts it:
+  add an ingress rule for its pods (Istio and kgateway label them
+  ``gateway.networking.k8s.io/gateway-name: inference-gateway``), and set
+  ``gateway.token_env`` where the proxy can send it.
 
 Egress is left open. UCX's RDMA and NVLink traffic does not cross the pod network, so
 no NetworkPolicy sees it; UCX over TCP (``UCX_TLS=tcp``, debugging) needs its data
@@ -71,7 +76,8 @@ def router_policy(plan: ClusterPlan) -> Obj:
             "podSelector": pods_of(ROUTER),
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"ports": [_tcp(HTTP_PORT_NAME), _tcp(PICKER_PORT_NAME)]},
+                {"ports": [_tcp(HTTP_PORT_NAME)]},
+                {"from": [{"podSelector": pods_of(GATEWAY)}], "ports": [_tcp(PICKER_PORT_NAME)]},
                 {"from": [{"podSelector": pods_of(ENGINE)}], "ports": events},
             ],
         },
