@@ -81,7 +81,10 @@ class KvpilotPlacement:
         self._prefill_workers = prefill_workers
         self.index = BlockIndex(spec.block_size)
         policy = policy_from_config(config.disaggregation, prior_model(config)) if prefill_workers else None
-        router = Router(
+        breaker = CircuitBreaker(config.server.circuit_failures, config.server.circuit_open_s)
+        pair_health = PairHealth(config.cost)
+        event_watch = EventWatch(config.index.events_stale_after_s)
+        router = Router(  # wired to the health records as the live router is (routing/serve/app.py)
             fleet,
             config,
             self.index,
@@ -89,14 +92,17 @@ class KvpilotPlacement:
             SessionStore(spec.block_size, SESSIONS),
             policy,
             random.Random(seed),
+            barred=lambda: breaker.barred(self._clock()),
+            events_stale=event_watch.is_stale,
+            pair_penalties=lambda: pair_health.penalties(self._clock()),
         )
         self._now_s = 0.0
         self.lifecycle = Lifecycle(
             router,
             threading.Lock(),
-            CircuitBreaker(config.server.circuit_failures, config.server.circuit_open_s),
-            PairHealth(config.cost),
-            EventWatch(config.index.events_stale_after_s),
+            breaker,
+            pair_health,
+            event_watch,
             dict,
             clock=Clock(monotonic=self._clock, wall=self._clock),
         )

@@ -40,7 +40,7 @@ from __future__ import annotations
 import enum
 import random
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -159,9 +159,10 @@ class _Options:
     worker_names: tuple[WorkerId, ...]
     rows: dict[WorkerId, int]
     """Worker name -> its row in ``workers``."""
+    pair_options: dict[tuple[WorkerId, WorkerId], int]
+    """(P, D) -> the pair's option (its index in ``names``)."""
     prefill_rows: np.ndarray
     decode_rows: np.ndarray
-    has_pairs: bool
 
     @classmethod
     def of(cls, fleet: Fleet) -> _Options:
@@ -180,9 +181,9 @@ class _Options:
             fleet.workers,
             tuple(w.name for w in fleet.workers),
             rows,
+            {(p.name, d.name): i for i, (p, d) in enumerate(pairs.values()) if p is not None},
             np.array([rows[(p if p is not None else d).name] for p, d in pairs.values()], dtype=np.intp),
             np.array([rows[d.name] for _, d in pairs.values()], dtype=np.intp),
-            bool(fleet.prefill and fleet.decode),
         )
 
 
@@ -228,17 +229,20 @@ class Router:
         rng: random.Random | None = None,
         *,
         engine_load: Callable[[WorkerId], EngineLoad | None] | None = None,
-        available: Callable[[WorkerId], bool] | None = None,
+        barred: Callable[[], Set[WorkerId]] | None = None,
         events_stale: Callable[[WorkerId], bool] | None = None,
-        pair_penalty: Callable[[WorkerId, WorkerId], float] | None = None,
+        pair_penalties: Callable[[], Mapping[tuple[WorkerId, WorkerId], float]] | None = None,
         rates: RateEstimator | None = None,
     ) -> None:
-        """``available(worker)``: False while the worker's circuit is open
-        (:class:`kvpilot.routing.health.circuit.CircuitBreaker`); such a worker is not routed to.
+        """``barred()``: the workers not to route to now, their circuits open
+        (:meth:`kvpilot.routing.health.circuit.CircuitBreaker.barred`).
         ``events_stale(worker)``: True while the worker's KV events have stopped
         (:class:`kvpilot.routing.health.event_watch.EventWatch`); it gets no overlap credit (load only).
-        ``pair_penalty(p, d)``: blocks added to the pair's cost for its recent transfer
-        failures and transfer time (:class:`kvpilot.routing.health.pair_health.PairHealth`).
+        ``pair_penalties()``: per (P, D) pair, the blocks added to its cost for its recent
+        transfer failures and transfer time; a pair not named adds none
+        (:meth:`kvpilot.routing.health.pair_health.PairHealth.penalties`). Both are asked once
+        per request and name only the few workers and pairs with a record, so no
+        decision spends Python per worker of the fleet.
         ``rates``: the measured rates the policy and the session options price with when
         ``disaggregation.measured_rates`` is on."""
         if fleet.prefill and policy is None:
@@ -252,9 +256,9 @@ class Router:
         self.engine_load = engine_load
         self._routed_at_poll: dict[WorkerId, int] = {}
         """Per worker, this router's requests on it when its gauges were last read (:meth:`engine_polled`)."""
-        self.available = available if available is not None else (lambda _: True)
+        self.barred = barred if barred is not None else frozenset
         self.events_stale = events_stale if events_stale is not None else (lambda _: False)
-        self.pair_penalty = pair_penalty if pair_penalty is not None else (lambda _p, _d: 0.0)
+        self.pair_penalties = pair_penalties if pair_penalties is not None else dict
         self.pricer = SessionOptionPricer(policy) if policy is not None else None
         self.rates = rates if config.disaggregation.measured_rates else None
         self._by_ttft = config.cost.objective is CostObjective.PREDICTED_TTFT
@@ -323,9 +327,9 @@ class Router:
         overlaps = self._overlaps(match)
         loads = self.ledger.prompt_loads(chain)
         opts = self._options
-        usable = np.fromiter(
-            (self.available(w.name) and w.name not in exclude for w in opts.workers), bool, len(opts.workers)
-        )
+        barred = self.barred()
+        usable = np.ones(len(opts.workers), bool)
+        usable[[row for w in barred | exclude if (row := opts.rows.get(w)) is not None]] = False
         kept = np.flatnonzero(usable[opts.decode_rows])
         if not kept.size:
             raise NoHealthyWorker(
@@ -340,12 +344,12 @@ class Router:
         option: Option | None = None
         prices: tuple[OptionPrice, ...] = ()
         if p is not None and state is not None and state.last_worker is not None:
-            prices = self._price_session_step(len(token_ids), p, d, overlaps, loads, state, reused_tokens, now)
+            prices = self._price_session_step(len(token_ids), p, d, overlaps, loads, state, reused_tokens, now, barred)
             chosen = choose(prices, self._forced)
             option = chosen.option
             p = None if option is Option.LOCAL else self.fleet.by_name(WorkerId(chosen.prefill_worker or ""))
             kind = Kind.LOCAL_PREFILL if p is None else Kind.REMOTE_PREFILL
-        elif p is not None and not self.available(p.name):  # P's circuit is open: D prefills (option 5)
+        elif p is not None and p.name in barred:  # P's circuit is open: D prefills (option 5)
             p, kind = None, Kind.LOCAL_PREFILL
         elif p is not None:
             assert self.policy is not None
@@ -385,8 +389,10 @@ class Router:
         state: SessionState,
         reused_tokens: int,
         now: float | None,
+        barred: Set[WorkerId],
     ) -> tuple[OptionPrice, ...]:
-        """The five options for a session's later step, with (P, D) the cost model's pair.
+        """The five options for a session's later step, with (P, D) the cost model's pair
+        (a worker in ``barred`` is not available for any).
 
         D's offer covers the prompt as far as the index says its holder caches it, or
         at least the ``reused_tokens`` it shares with the last prompt (whose KV the
@@ -397,13 +403,13 @@ class Router:
         def site(worker: Worker) -> PrefillSite:
             cached = min(prompt_tokens, overlaps[worker.name].gpu * bs)
             queued = loads[worker.name].active_prefill_blocks * bs
-            return PrefillSite(worker.name, cached, queued, self.available(worker.name))
+            return PrefillSite(worker.name, cached, queued, worker.name not in barred)
 
         chosen_p = site(p)
         last_p = next((w for w in self.fleet.prefill if w.name == state.last_prefill), None)  # None: it left
         offer_tokens = time_left = None
         offer = state.offer
-        if offer is not None and self.available(offer.holder) and offer.holder in self._options.rows:
+        if offer is not None and offer.holder not in barred and offer.holder in self._options.rows:
             held = max(overlaps[offer.holder].gpu * bs, reused_tokens // bs * bs)
             offer_tokens = min(prompt_tokens, held, offer.blocks * bs)
             if offer.expires_at is not None and now is not None:
@@ -556,12 +562,12 @@ class Router:
         load = per_worker_load[decode_rows]
         load[:, 0] = per_worker_load[prefill_rows, 0]
         last_row = opts.rows.get(last) if last is not None else None
-        penalty = np.zeros(len(kept))
-        if opts.has_pairs:
-            for i, option in enumerate(kept):
-                p, d = opts.pairs[option]
-                if p is not None:
-                    penalty[i] = self.pair_penalty(p.name, d.name)
+        per_option_penalty = np.zeros(len(opts.names))
+        for pair, blocks in self.pair_penalties().items():
+            option = opts.pair_options.get(pair)
+            if option is not None:  # not a pair of the fleet any more
+                per_option_penalty[option] = blocks
+        penalty = per_option_penalty[kept]
         predicted = None
         if self._by_ttft:
             chosen_pairs = [opts.pairs[option] for option in kept]

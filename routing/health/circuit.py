@@ -42,6 +42,12 @@ class CircuitBreaker:
             return False
         return circuit.probe_until is None or now >= circuit.probe_until
 
+    def barred(self, now: float) -> frozenset[WorkerId]:
+        """Every worker :meth:`allows` refuses at ``now``. Reads only the workers with a
+        recorded failure (a healthy fleet's are none), so a router asks once per request,
+        not once per worker."""
+        return frozenset(worker for worker in self._circuits if not self.allows(worker, now))
+
     def dispatched(self, worker: WorkerId, now: float) -> bool:
         """A request was sent to ``worker``; True if it is the half-open circuit's probe
         (no other request goes to ``worker`` until the probe reports, see the module doc)."""

@@ -121,6 +121,11 @@ class PairHealth:
             + self.transfer_cost_blocks_per_s * state.mean_transfer_s
         )
 
+    def penalties(self, now: float) -> dict[Pair, float]:
+        """:meth:`penalty_blocks` of every pair seen (every other pair's is 0): one call per
+        request, however many pairs the fleet has."""
+        return {(p, d): self.penalty_blocks(p, d, now) for p, d in self._pairs}
+
     def pairs(self) -> list[Pair]:
         """Every pair with a recorded failure or transfer time."""
         return list(self._pairs)

@@ -33,8 +33,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter, deque
 from collections.abc import Iterable
-from itertools import accumulate, count, islice, repeat
-from operator import and_, neg, or_
+from itertools import accumulate, compress, count, islice, repeat
+from operator import and_, neg, not_, or_, truth
 from typing import NamedTuple
 
 import numpy as np
@@ -153,10 +153,11 @@ class BlockIndex(EventApplier):
         bit = 1 << bitno
         masks = self._masks.setdefault(ns, {})
         before = list(map(masks.get, keys, repeat(0)))
-        self._slot_blocks[bitno] += sum(1 for mask in before if not mask & bit)
+        self._slot_blocks[bitno] += len(keys) - sum(map(truth, map(and_, before, repeat(bit))))
+        masks.update(zip(keys, map(or_, before, repeat(bit)), strict=False))
         # a key no slot held gets ``bit`` itself: one int object for all of them (a distinct
         # block's entry costs no int of its own; 28-32 B per (block, worker) measured)
-        masks.update(zip(keys, [mask | bit if mask else bit for mask in before], strict=False))
+        masks.update(zip(compress(keys, map(not_, before)), repeat(bit)))
         packed = list(map(or_, keys, count(_pack(ROOT_KEY, pos0, nsid), 1 << (KEY_BITS + _NS_BITS))))
         if any(before):  # blocks other slots hold: their workers' names share one int each
             shared = self._shared_names.setdefault(ns, {})

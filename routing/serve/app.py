@@ -227,9 +227,9 @@ class RouterServer:
             sessions,
             policy,
             engine_load=self.engine_load.latest if self.engine_load is not None else None,
-            available=lambda worker: self.breaker.allows(worker, time.monotonic()),
+            barred=lambda: self.breaker.barred(time.monotonic()),
             events_stale=self.event_watch.is_stale,
-            pair_penalty=lambda p, d: self.pair_health.penalty_blocks(p, d, time.monotonic()),
+            pair_penalties=lambda: self.pair_health.penalties(time.monotonic()),
             rates=self.rates,
         )
         self._background: list[asyncio.Task[None]] = []

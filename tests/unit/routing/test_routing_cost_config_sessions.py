@@ -442,3 +442,18 @@ def test_a_half_open_circuit_lets_one_probe_through_at_a_time():
     assert not breaker.allows("d-0", now=30.2) and breaker.allows("d-0", now=30.3)
     assert breaker.dispatched("d-0", now=30.3) and breaker.succeeded("d-0")  # closed by the probe's success
     assert breaker.allows("d-0", now=30.4) and not breaker.dispatched("d-0", now=30.4)
+
+
+def test_barred_names_exactly_the_workers_the_breaker_refuses():
+    from kvpilot.routing.health.circuit import CircuitBreaker
+
+    breaker = CircuitBreaker(failures_to_open=2, open_s=10.0)
+    assert breaker.barred(now=0.0) == frozenset()
+    breaker.failed("d-0", now=0.0)
+    breaker.failed("d-1", now=0.0)
+    breaker.failed("d-1", now=1.0)  # opens d-1 only; d-0 has one failure, still closed
+    assert breaker.barred(now=2.0) == {"d-1"}
+    assert breaker.dispatched("d-1", now=11.0)  # half-open: its probe bars it again
+    assert breaker.barred(now=11.5) == {"d-1"}
+    breaker.succeeded("d-1")
+    assert breaker.barred(now=12.0) == frozenset()

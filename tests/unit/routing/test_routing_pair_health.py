@@ -31,6 +31,7 @@ def test_a_failure_costs_its_blocks_and_halves_every_half_life():
     assert health.penalty_blocks(P2, D, 0.0) == 0.0  # another pair is untouched
     health.failed(P1, D, now=60.0)
     assert health.penalty_blocks(P1, D, 60.0) == pytest.approx(48.0)
+    assert health.penalties(60.0) == {(P1, D): pytest.approx(48.0)}  # only the pairs seen
 
 
 @pytest.mark.parametrize(
@@ -142,7 +143,7 @@ def test_a_pair_with_recent_failures_loses_to_an_equal_healthy_pair():
         SessionStore(4, 16),
         policy_from_config(cfg.disaggregation, prior_model(cfg)),
         random.Random(0),
-        pair_penalty=lambda p, d: health.penalty_blocks(p, d, 0.0),
+        pair_penalties=lambda: health.penalties(0.0),
     )
     prompt = _prompt(10)
     chosen = {router.route(prompt, f"r{i}").prefill_worker.name for i in range(20)}
