@@ -307,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     fl.set_defaults(func=_fleet)
 
     from kvpilot.deploy.dashboards import add_subcommands as add_dashboard_subcommands
+    from kvpilot.deploy.gateway import add_subcommands as add_gateway_subcommands
     from kvpilot.deploy.k8s.render import add_subcommands as add_k8s_subcommands
     from kvpilot.policies.cli import add_subcommands as add_policy_subcommands
     from kvpilot.routing.cli import add_subcommands as add_router_subcommands
@@ -314,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_policy_subcommands(sub)  # cost, plan, agent
     add_router_subcommands(sub)  # router
     add_k8s_subcommands(sub)  # k8s render
+    add_gateway_subcommands(sub)  # gateway
     add_dashboard_subcommands(sub)  # dashboards generate, render, queries
 
     demo = sub.add_parser(

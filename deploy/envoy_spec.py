@@ -17,15 +17,21 @@
   sent as the request ends: the request id, the status, and when the destination's first
   body byte arrived (``US_RX_BODY_BEG``: the first token of a stream), which is how the
   picker learns each request's end and first-token time without reading its body;
-- a request the picker could not answer (down, or past ``picker_timeout_s``) gets Envoy's
-  503 with a JSON body naming the picker and Envoy's reason, or round robin
-  (:class:`PickerFailure`);
+- a request the picker could not answer (down, or past ``picker_timeout_s``) is what
+  :class:`PickerFailure` says: with ``refuse`` (``ext_proc``'s ``failure_mode_allow:
+  false``) Envoy's 503 with a JSON body naming the picker and Envoy's reason, no engine
+  reached; with ``round_robin`` (``failure_mode_allow: true``) the request goes on
+  without a destination, to round robin over ``fallback_endpoints``, unrouted (no token
+  ids, no session, no P);
 - the admin interface, like every listener, on 127.0.0.1 only.
 
 On one machine everything Envoy listens on or connects to is the loopback address
 (``host``, ``picker_host``); in a cluster the listener takes the pod's addresses and the
-picker is its Service's name (``deploy/k8s/gateway.py``). The admin interface is always on
-127.0.0.1.
+picker is its Service's name (``deploy/k8s/gateway.py``); on hosts of one's own
+(``kvpilot gateway``, :mod:`kvpilot.deploy.gateway`) whatever the router's config names. The picker
+and fallback clusters take an IP address as written and a host name through Envoy's DNS;
+the destination the picker names is always an ``IP:port`` (``ORIGINAL_DST`` takes nothing
+else). The admin interface is always on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -129,12 +135,24 @@ def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
+def _split(host_port: str) -> tuple[str, int]:
+    """``host:port`` (or ``[v6]:port``) as the host, unbracketed, and the port."""
+    host, _, port = host_port.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _discovery(host_ports: Sequence[str]) -> dict[str, Any]:
+    """How a static cluster finds ``host_ports``: as written when every host is an IP
+    address, else by Envoy's own DNS (``STRICT_DNS``), IPv4 first, as the picker resolves
+    its destinations (:class:`kvpilot.routing.gateway.picker.Addresses`): ``localhost``
+    is 127.0.0.1 for an engine that binds only that, not ``::1``."""
+    if all(_is_ip(_split(host_port)[0]) for host_port in host_ports):
+        return {"type": "STATIC"}
+    return {"type": "STRICT_DNS", "dns_lookup_family": "V4_PREFERRED"}
+
+
 def _endpoints(host_ports: Sequence[str]) -> list[dict[str, Any]]:
-    out = []
-    for host_port in host_ports:
-        host, _, port = host_port.rpartition(":")
-        out.append({"endpoint": {"address": _address(host, int(port))}})
-    return out
+    return [{"endpoint": {"address": _address(*_split(host_port))}} for host_port in host_ports]
 
 
 def _seconds(value: float) -> str:
@@ -263,7 +281,7 @@ def _clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
         },
         {
             "name": PICKER_CLUSTER,
-            "type": "STATIC" if _is_ip(spec.picker_host) else "STRICT_DNS",
+            **_discovery([f"{spec.picker_host}:{spec.picker_port}"]),
             "connect_timeout": "0.25s",
             "typed_extension_protocol_options": http2,
             "load_assignment": {
@@ -276,7 +294,7 @@ def _clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
         clusters.append(
             {
                 "name": FALLBACK_CLUSTER,
-                "type": "STATIC",
+                **_discovery(spec.fallback_endpoints),
                 "lb_policy": "ROUND_ROBIN",
                 "connect_timeout": "1s",
                 "load_assignment": {

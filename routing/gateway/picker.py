@@ -30,6 +30,18 @@ Which signal feeds which term:
 - a request whose entry never comes (Envoy restarted before sending it) is ended unanswered
   after ``server.request_timeout_s`` (:meth:`Picker.expire`).
 
+The destination is an ``IP:port``: Envoy's original-destination cluster connects to
+nothing else, and GAIE's protocol names a pod's address. Engines are named by host name
+in the router's config (a Kubernetes Service, a host of one's own), so the picker
+resolves each name through the system's resolver (DNS, ``/etc/hosts``) off the request
+path (:class:`Addresses`: refreshed on a timer by :mod:`kvpilot.routing.gateway.service`,
+read per request from memory). DNS rather than watching pods through the Kubernetes API:
+it needs no API access, RBAC or client library in the router, and works the same on
+hosts of one's own; in a cluster each engine's Service is headless, so its name resolves to
+its pod's IP (``deploy/k8s/workloads.py``). The cost: an engine whose pod moved is reached
+at its old address until the next refresh (and the resolver's cache) sees the new one;
+until then D's request fails as a worker that left does.
+
 What the relay does and Envoy's path cannot: D's end-of-turn offer of a session's KV (vLLM's
 bidirectional mode) is in D's response body, which the picker does not read, so through
 Envoy a session's next step never pulls from D by that offer (option ``pull`` falls to the
@@ -40,15 +52,18 @@ D (Envoy's original-destination cluster has only the one address the picker name
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import ipaddress
 import logging
+import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from kvpilot.routing.config import ServerConfig
+from kvpilot.routing.config import ServerConfig, Worker
 from kvpilot.routing.decide.lifecycle import Lifecycle
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
 from kvpilot.routing.serve.admission import Admission, Rejected
@@ -127,14 +142,87 @@ class _InFlight:
     prefill_timer: asyncio.TimerHandle | None
 
 
+Lookup = Callable[[str], Awaitable[str]]
+"""A host name's address, resolved without blocking the event loop; raises ``OSError``."""
+
+
+async def resolve_host(host: str) -> str:
+    """``host``'s first IPv4 address by the system's resolver (``getaddrinfo``, on the
+    event loop's thread pool), else its first IPv6 one: IPv4 first because an engine bound
+    to ``0.0.0.0`` or ``127.0.0.1`` (vLLM's ``--host``) is not reached on ``localhost``'s
+    ``::1``. Raises ``OSError`` when it has neither."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    for family in (socket.AF_INET, socket.AF_INET6):
+        for info in infos:
+            if info[0] == family:
+                return str(info[4][0])
+    raise OSError(f"{host!r} has no IPv4 or IPv6 address")
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class Addresses:
+    """The address the picker names for each destination host (see the module doc): a
+    host name as ``lookup`` last resolved it, an IP address as written. Runs on the
+    router's event loop; not thread-safe."""
+
+    def __init__(self, lookup: Lookup = resolve_host) -> None:
+        self._lookup = lookup
+        self._ips: dict[str, str] = {}
+        self._failing: set[str] = set()
+
+    async def refresh(self, hosts: Iterable[str] = ()) -> None:
+        """Resolve ``hosts`` and every host name already seen, concurrently. A name that
+        no longer resolves keeps its last address, one never resolved stays unknown
+        (:meth:`ip_port` tries it again); a name that stops resolving and a moved one are
+        logged once. Never raises ``OSError``."""
+        names = sorted({h for h in (*hosts, *self._ips) if not _is_ip(h)})
+        found = await asyncio.gather(*(self._lookup(h) for h in names), return_exceptions=True)
+        for host, ip in zip(names, found, strict=True):
+            if isinstance(ip, OSError):
+                if host not in self._failing:
+                    log.warning("%s does not resolve (%s); kept: %s", host, ip, self._ips.get(host, "no address"))
+                self._failing.add(host)
+                continue
+            if isinstance(ip, BaseException):
+                raise ip
+            self._failing.discard(host)
+            old = self._ips.get(host)
+            if old is not None and old != ip:
+                log.info("%s moved from %s to %s", host, old, ip)
+            self._ips[host] = ip
+
+    async def ip_port(self, worker: Worker, host_port: str) -> str:
+        """``host_port`` (``host:port``, the host bare, an IPv6 address too) as the
+        ``IP:port`` (``[v6]:port``) Envoy connects to for ``worker``: from memory, or,
+        for a host never seen, resolved once now (off the event loop) and kept. Raises
+        :class:`UpstreamError` (502) for a host that does not resolve."""
+        host, _, port = host_port.rpartition(":")
+        ip = self._ips.get(host)
+        if ip is None:
+            try:
+                ip = host if _is_ip(host) else await self._lookup(host)
+            except OSError as exc:
+                raise UpstreamError(worker, 502, f"its host {host!r} does not resolve: {exc}") from None
+            self._ips[host] = ip
+        return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
 class Picker:
     """Picks for Envoy (see the module doc), given at construction what it drives: the
     request ``intake`` (check, token ids, session, route, TTFT SLO), the ``proxy``'s steps
     before and after D's call (P's prefill and its recovery; the end's metrics and the
     session store), the ``upstream`` that names D's destination, the request
     ``lifecycle`` that books it all, ``admission`` (one slot from the pick to the access
-    log's entry), the ``metrics``, the ``server`` section's limits and ``authorized`` (the
-    API key check). Runs on the router's event loop; not thread-safe."""
+    log's entry), the ``metrics``, the ``server`` section's limits, ``authorized`` (the
+    API key check) and the destinations' ``addresses``. Runs on the router's event loop;
+    not thread-safe."""
 
     def __init__(
         self,
@@ -146,6 +234,7 @@ class Picker:
         metrics: RouterMetrics,
         server: ServerConfig,
         authorized: Callable[[Mapping[str, str]], bool],
+        addresses: Addresses,
     ) -> None:
         self._intake = intake
         self._proxy = proxy
@@ -155,6 +244,7 @@ class Picker:
         self._metrics = metrics
         self._server = server
         self._authorized = authorized
+        self._addresses = addresses
         self._in_flight: dict[str, _InFlight] = {}
 
     async def pick(self, path: str, headers: Mapping[str, str], raw: bytes, arrived: float) -> Picked:
@@ -203,15 +293,18 @@ class Picker:
         if isinstance(begun, Reply):
             raise Refused(begun.status, begun.payload["error"]["message"], begun.payload["error"]["type"])
         ticket = begun.ticket
+        decode = ticket.route.decode
         try:
-            destination = self._upstream.destination(ticket.route.decode, request.engine, begun.handoff)
+            destination = self._upstream.destination(decode, request.engine, begun.handoff)
+            address = await self._addresses.ip_port(decode, destination.host_port)
         except UpstreamError as exc:
             self._metrics.circuit_changed(self._lifecycle.decode_failed(ticket, engine_fault=True))
             raise Refused(exc.status, str(exc), "upstream_error") from None
         picked_s = time.perf_counter() - arrived
         self._in_flight[ticket.request_id] = _InFlight(request, begun, picked_s, self._prefill_timer(begun, picked_s))
         unchanged = destination.body == taken.client_body  # no session fields, no handoff
-        return Picked(destination, None if unchanged else body_bytes(destination.body), begun.headers)
+        body = None if unchanged else body_bytes(destination.body)
+        return Picked(dataclasses.replace(destination, host_port=address), body, begun.headers)
 
     def _prefill_timer(self, begun: Begun, picked_s: float) -> asyncio.TimerHandle | None:
         """Ends the request's prefill in the lifecycle at its predicted TTFT (see the module

@@ -6,6 +6,9 @@ Envoy's ext_proc service (:mod:`kvpilot.routing.gateway.extproc`) and the OTLP l
 access log exports to (:mod:`kvpilot.routing.gateway.access_log`), each call checked for
 ``gateway.token_env``'s token when one is set (:mod:`kvpilot.routing.gateway.auth`), and a task that ends requests
 whose access-log record never came (:meth:`~kvpilot.routing.gateway.picker.Picker.expire`).
+Another task resolves the destinations' host names every :data:`RESOLVE_EVERY_S`
+(:class:`~kvpilot.routing.gateway.picker.Addresses`); the config's hosts are resolved once
+before the picker serves.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import logging
 import time
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
 from aiohttp import web
@@ -23,10 +27,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2_grpc as ls_grpc
 
 from kvpilot.routing.cli import beyond_loopback
+from kvpilot.routing.config import RouterConfig
 from kvpilot.routing.gateway.access_log import AccessLogReceiver
 from kvpilot.routing.gateway.auth import TokenInterceptor
 from kvpilot.routing.gateway.extproc import ExternalProcessor
-from kvpilot.routing.gateway.picker import Picker
+from kvpilot.routing.gateway.picker import Addresses, Picker
 from kvpilot.routing.serve.app import OPEN_PATHS, UNAUTHORIZED_MESSAGE, RouterServer
 from kvpilot.routing.serve.proxy import error_reply
 from kvpilot.routing.serve.refusals import RejectReason
@@ -37,6 +42,15 @@ EXPIRE_EVERY_S = 5.0
 """How often requests without an access-log record are looked for."""
 GRACE_S = 5.0
 """How long a stopping picker lets its open gRPC calls finish."""
+RESOLVE_EVERY_S = 5.0
+"""How often the destinations' host names are resolved again: an engine whose pod moved
+is reached at its new address within this (plus the resolver's own cache)."""
+
+
+def destination_hosts(config: RouterConfig) -> list[str]:
+    """The hosts the picker may name: every worker's, and Dynamo's frontend."""
+    urls = [w.url for w in config.workers] + ([config.dynamo.frontend_url] if config.dynamo.enabled else [])
+    return [host for host in (urlsplit(url).hostname for url in urls) if host is not None]
 
 
 def _answer_get(server: RouterServer) -> Any:
@@ -61,6 +75,8 @@ def attach(app: web.Application, server: RouterServer) -> None:
     state: dict[str, Any] = {}
 
     async def start(_: web.Application) -> None:
+        addresses = Addresses()
+        await addresses.refresh(destination_hosts(server.config))
         picker = Picker(
             server.intake,
             server.proxy,
@@ -70,6 +86,7 @@ def attach(app: web.Application, server: RouterServer) -> None:
             server.metrics,
             server.config.server,
             server.authorized,
+            addresses,
         )
         token = server.gateway_token
         if token is None and beyond_loopback(server.config.server.host):
@@ -83,12 +100,11 @@ def attach(app: web.Application, server: RouterServer) -> None:
             raise OSError(f"the picker cannot listen on {address}")
         await grpc_server.start()
         state["server"] = grpc_server
-        state["expire"] = asyncio.create_task(_expire(picker))
+        state["tasks"] = [asyncio.create_task(_expire(picker)), asyncio.create_task(_refresh(addresses))]
         log.info("endpoint picker (ext_proc, OTLP access log) on %s", address)
 
     async def stop(_: web.Application) -> None:
-        task = state.get("expire")
-        if task is not None:
+        for task in state.get("tasks", ()):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -104,3 +120,9 @@ async def _expire(picker: Picker) -> None:
     while True:
         await asyncio.sleep(EXPIRE_EVERY_S)
         await picker.expire(time.perf_counter())
+
+
+async def _refresh(addresses: Addresses) -> None:
+    while True:
+        await asyncio.sleep(RESOLVE_EVERY_S)
+        await addresses.refresh()
