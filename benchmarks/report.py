@@ -36,11 +36,16 @@ def _head(results: dict[str, Any]) -> list[str]:
 
 def render(results: dict[str, Any]) -> str:
     """The tables of a results file of ``bench_router_scale.py``, ``bench_fleet.py``,
-    ``bench_tokenize.py``, ``bench_agent.py``, ``sim_vs_dynamo.py``, ``sim_goodput.py`` or ``sim_live.py``."""
+    ``bench_tokenize.py``, ``bench_request_path.py``, ``bench_agent.py``, ``sim_vs_dynamo.py``,
+    ``sim_goodput.py`` or ``sim_live.py``."""
     if "summaries" in results:
         from agent.output import results_table
 
         body = results_table(results)
+    elif "request_path" in results:
+        from bench_request_path import table as request_path_table
+
+        body = request_path_table(results)
     elif "tokenize" in results:
         from bench_tokenize import table as tokenize_table
 

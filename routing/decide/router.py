@@ -563,10 +563,10 @@ class Router:
         load[:, 0] = per_worker_load[prefill_rows, 0]
         last_row = opts.rows.get(last) if last is not None else None
         per_option_penalty = np.zeros(len(opts.names))
-        for pair, blocks in self.pair_penalties().items():
+        for pair, penalty_blocks in self.pair_penalties().items():
             option = opts.pair_options.get(pair)
             if option is not None:  # not a pair of the fleet any more
-                per_option_penalty[option] = blocks
+                per_option_penalty[option] = penalty_blocks
         penalty = per_option_penalty[kept]
         predicted = None
         if self._by_ttft:
