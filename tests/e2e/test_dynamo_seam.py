@@ -1,0 +1,114 @@
+"""The verified handoff through Dynamo 1.6.1's own NIXL protocol, on two vLLM 0.32 engines
+started with the ``--kv-transfer-config`` Dynamo's vLLM workers are given
+(``deploy/recipes/dynamo-kv-transfer-config.json``: ``NixlConnector`` from
+``kvpilot.kvconnectors.dynamo_nixl``).
+
+What runs: vLLM builds KVPilotConnector from that config in both engines; P's request
+carries what Dynamo's prefill handler puts there (``make_kv_connector_protocol(...)
+.prefill_request_kv_transfer_params()``, as ``PrefillWorkerHandler._prefill_kv_protocol``
+does); D gets what the protocol derives from P's answer
+(``decode_request_kv_transfer_params``), after a JSON round trip as on Dynamo's request
+plane; D verifies P's blocks against its own prompt and answers like a co-located run.
+
+What does not run here: ``python -m dynamo.vllm`` itself (its handler, request plane and
+frontend). Dynamo 1.6.1 pins vLLM 0.31.0 and does not import beside vLLM 0.32
+(``get_engine_zmq_addresses``), and it needs torchvision, whose PyPI build is CUDA-only
+(docs/guides/dynamo.md, "Dynamo's vLLM workers").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from dynamo.vllm.kv_connector_protocols import NixlConnectorProtocol, make_kv_connector_protocol
+from vllm.config import KVTransferConfig
+
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.client import complete
+from kvpilot.deploy.fleet_spec import FleetSpec, plan_fleet
+from kvpilot.deploy.metrics import delta, scrape, settled
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.scenarios import BLOCK_SIZE, PROMPT_TOKENS, REJECTED, VERIFIED, colocated_reference, common_full_blocks
+from tests.fakes.ports import block_of
+
+pytestmark = pytest.mark.e2e
+
+RECIPE = Path(__file__).resolve().parents[2] / "deploy" / "recipes" / "dynamo-kv-transfer-config.json"
+KV_TRANSFER = {**json.loads(RECIPE.read_text()), "kv_buffer_device": "cpu"}  # the recipe, on a CPU box
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[fleet_io.RunningProcess]]:
+    """1 P + 1 D engine, as ``kvpilot fleet up`` plans them, with the Dynamo recipe's
+    kv_transfer_config instead of the fleet's; no router (Dynamo's protocol is the proxy)."""
+    spec = FleetSpec(
+        model_dir=model_dir,
+        run_dir=tmp_path_factory.mktemp("dynamo-seam"),
+        disaggregation="always",
+        **block_of(__name__).fleet(),
+    )
+    plans, _router, _config = plan_fleet(spec)
+    logs = spec.run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started: list[fleet_io.RunningProcess] = []
+    try:
+        for plan in plans:
+            argv = list(plan.argv)
+            argv[argv.index("--kv-transfer-config") + 1] = json.dumps(KV_TRANSFER)
+            started.append(fleet_io.start(dataclasses.replace(plan, argv=tuple(argv)), logs, timeout=600))
+        for engine in started:
+            fleet_io.warm_up(f"http://127.0.0.1:{engine.port}", spec.served_model_name)
+        yield started
+    finally:
+        for engine in reversed(started):
+            fleet_io.stop_group(engine.pid)
+
+
+def _url(engine: fleet_io.RunningProcess) -> str:
+    return f"http://127.0.0.1:{engine.port}"
+
+
+def test_vllm_builds_kvpilots_connector_from_the_dynamo_recipe(engines: list[fleet_io.RunningProcess]) -> None:
+    for engine in engines:
+        log = Path(engine.log).read_text(errors="replace")
+        assert "Creating v1 connector with name: KVPilotConnector" in log, engine.name
+
+
+@pytest.mark.parametrize("edit", [False, True], ids=["same prompt", "history edited"])
+def test_a_handoff_through_dynamos_nixl_protocol_is_verified(
+    engines: list[fleet_io.RunningProcess], tokenizer: PromptTokenizer, edit: bool
+) -> None:
+    prefill, decode = (_url(e) for e in engines)
+    protocol = make_kv_connector_protocol(SimpleNamespace(kv_transfer_config=KVTransferConfig(**KV_TRANSFER)))
+    assert type(protocol) is NixlConnectorProtocol
+
+    history, tail = filler_text(300, 21), filler_text(90, 22)
+    x = tokenizer.text_token_ids(history + tail)
+    x_prime = tokenizer.text_token_ids(history + " edited " + tail) if edit else x
+    salt = f"dynamo-seam-{uuid.uuid4().hex[:8]}"
+    p_out = complete(
+        prefill, x, max_tokens=1, kv_transfer_params=protocol.prefill_request_kv_transfer_params(), cache_salt=salt
+    )
+    assert p_out.kv_transfer_params is not None and "kvpilot" in p_out.kv_transfer_params
+    to_d = json.loads(json.dumps(protocol.decode_request_kv_transfer_params(p_out)))
+    assert to_d == p_out.kv_transfer_params  # Dynamo's NIXL protocol passes P's params on unchanged
+
+    before = scrape(decode)
+    out = complete(decode, x_prime, max_tokens=10, kv_transfer_params=to_d, cache_salt=salt)
+    after = settled(decode, before)
+
+    expected = common_full_blocks(x, x_prime)
+    assert expected >= 5 and (expected < len(x) // BLOCK_SIZE) == edit
+    assert delta(after, before, VERIFIED) == expected
+    assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") >= expected * BLOCK_SIZE
+    assert (delta(after, before, REJECTED) >= 1) == edit
+    reference = colocated_reference(decode, x, x_prime, expected)
+    assert out.tokens == reference.tokens
+    assert out.logprobs == reference.logprobs, f"max logprob diff {out.max_logprob_diff(reference)}"
