@@ -112,19 +112,43 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
 def load_config(path: str | Path | None, args: argparse.Namespace | None = None) -> RouterConfig:
     """Defaults, then the YAML file at ``path`` (if any), then flags set in ``args``,
     converted by :func:`kvpilot.policies.typed_config.convert`. Raises :class:`ConfigError`
-    naming the first wrong key."""
+    naming the first wrong key and where it came from (the file, or the flag that set it),
+    or the file and the line of a YAML syntax error; :class:`OSError` (naming the file)
+    when the file cannot be read."""
     data: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        loaded = _read_yaml(Path(path))
         if loaded is not None and not isinstance(loaded, Mapping):
             raise ConfigError(ConfigError.ROOT_KEY, f"must be a mapping, got {type(loaded).__name__} ({path})")
         data = {k: dict(v) if isinstance(v, Mapping) else v for k, v in (loaded or {}).items()}
+    flags: dict[str, str] = {}
     if args is not None:
         for section, name, _, _ in _leaves():
             value = getattr(args, f"{section}__{name}", None)
             if value is not None:
                 target = data.setdefault(section, {})
                 if not isinstance(target, dict):
-                    raise ConfigError(section, "must be a mapping")
+                    raise ConfigError(section, f"must be a mapping ({path})")
                 target[name] = None if value is _NULL else value
-    return convert(data, RouterConfig)
+                flags[f"{section}.{name}"] = flag_name(section, name)
+    try:
+        return convert(data, RouterConfig)
+    except ConfigError as exc:
+        if exc.key in flags:
+            raise ConfigError(exc.key, f"{exc.problem} (flag {flags[exc.key]})") from None
+        if path is not None:
+            raise ConfigError(exc.key, f"{exc.problem} ({path})") from None
+        raise
+
+
+def _read_yaml(path: Path) -> Any:
+    """The YAML document at ``path``; a syntax error is a :class:`ConfigError` naming the
+    file, the line and the column (yaml's own names the text ``<unicode string>``)."""
+    text = path.read_text()
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(ConfigError.ROOT_KEY, f"{path}{where} is not valid YAML: {problem}") from None

@@ -24,7 +24,9 @@ body's last chunk, then answers the headers with the destination and the body wi
 (``StreamedBodyResponse``); it adds the ``x-kvpilot-*`` headers to the response headers and
 sends every response chunk back as it came. That relays every streamed token through this
 process, which is what GAIE's protocol asks; the request's end and first-token time are
-read from the response body here, not from an access log.
+read from the response body here, not from an access log. A body is buffered only up to
+``max_body_bytes`` (``server.max_body_bytes``): past it the stream is answered 413 at once,
+as the router's HTTP front answers, and the rest of the body is never held.
 
 A request that ends with its headers (a GET) is answered here in both styles:
 ``/v1/models`` and ``/health`` from the router, anything else 404.
@@ -48,6 +50,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from multidict import CIMultiDict
 
+from kvpilot.routing.config import ServerConfig
 from kvpilot.routing.gateway.contract import DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE
 from kvpilot.routing.gateway.picker import Picked, Picker, Refused, RequestEnd
 from kvpilot.routing.serve.proxy import error_reply
@@ -163,11 +166,13 @@ class _Stream:
 
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     """The ext_proc service (see the module doc). ``answer_get(path, headers)`` is the
-    router's answer to a GET: (status, JSON payload)."""
+    router's answer to a GET: (status, JSON payload). ``max_body_bytes``: the largest
+    request body buffered (``server.max_body_bytes``, whose default it takes)."""
 
-    def __init__(self, picker: Picker, answer_get: Any) -> None:
+    def __init__(self, picker: Picker, answer_get: Any, max_body_bytes: int = ServerConfig().max_body_bytes) -> None:
         self._picker = picker
         self._answer_get = answer_get
+        self._max_body_bytes = max_body_bytes
 
     async def Process(  # noqa: N802  # the gRPC method's name
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext[Any, Any]
@@ -196,6 +201,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 return [_immediate(*self._answer_get(state.headers.get(":path", ""), state.headers))]
             return [] if state.duplex else [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
         if kind == "request_body":
+            if len(state.body) + len(message.request_body.body) > self._max_body_bytes:
+                state.done = True
+                limit = f"request body is over server.max_body_bytes ({self._max_body_bytes})"
+                return [_immediate(413, error_reply(413, limit).payload)]
             state.body += message.request_body.body
             if not message.request_body.end_of_stream:
                 if state.duplex:

@@ -3,6 +3,12 @@ the engine will compute them (:mod:`kvpilot.routing.serve.prompt`), its session 
 shared store, routed under the index lock and held against ``server.ttft_slo_s``. The engines
 are sent the client's body as it came, less the session fields the router reads.
 
+Whatever vLLM would refuse is refused here, with vLLM's message, before P prefills
+(:mod:`kvpilot.routing.serve.engine_checks`, against :class:`EngineLimits` read once from
+``server`` and the model's files). A prompt is tokenized off the event loop (a 4 MiB text
+took seconds to tokenize on the router's one loop), and only once its size in characters
+is within what ``server.max_model_len`` or ``server.max_prompt_tokens`` tokens can hold.
+
 :class:`RequestIntake` serves both fronts: the router's own HTTP handlers
 (:mod:`kvpilot.routing.serve.app`) and Envoy's picker (:mod:`kvpilot.routing.gateway.picker`).
 Every refusal is a :class:`~kvpilot.routing.serve.refusals.BadRequest` naming the problem
@@ -13,14 +19,17 @@ Every refusal is a :class:`~kvpilot.routing.serve.refusals.BadRequest` naming th
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from kvpilot.routing.config import RouterConfig
+from kvpilot.routing.config import RouterConfig, ServerConfig
 from kvpilot.routing.decide.rates import TTFTPrediction
 from kvpilot.routing.decide.router import NoHealthyWorker, Route, Router
 from kvpilot.routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, scoped, session_key
@@ -28,6 +37,7 @@ from kvpilot.routing.ids import SessionId, WorkerId
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
 from kvpilot.routing.serve.admission import check_ttft_slo
 from kvpilot.routing.serve.chat import ChatError
+from kvpilot.routing.serve.engine_checks import EngineLimits, check_fields, check_sampling, check_text
 from kvpilot.routing.serve.prompt import EnginePrompt
 from kvpilot.routing.serve.proxy import ProxyRequest
 from kvpilot.routing.serve.refusals import BadRequest, RejectReason
@@ -70,6 +80,7 @@ class RequestIntake:
         self.session_sync = session_sync
         self.watch_events = watch_events
         self.predict = predict
+        self.limits = engine_limits(config.server)
 
     def body_too_large(self) -> BadRequest:
         """The 413 for a body over ``server.max_body_bytes``, counted."""
@@ -89,21 +100,53 @@ class RequestIntake:
             raise
 
     def prompt(self, headers: Mapping[str, str], body: dict[str, Any], api: Api) -> tuple[list[int], SessionId | None]:
-        """The prompt's token ids, as the engine computes them, and the request's session;
-        raises :class:`BadRequest`."""
+        """The prompt's token ids, as the engine computes them, and the request's session,
+        once the request passes vLLM's checks (module doc); raises :class:`BadRequest`
+        (counted by its reason). Blocking: a long prompt takes the tokenizer's time."""
         try:
-            token_ids = self.prompts.token_ids(api, body)
+            return self._prompt(headers, body, api)
+        except BadRequest as exc:
+            if exc.reason is not None:
+                self.metrics.rejected.labels(exc.reason.value).inc()
+            raise
+
+    async def tokenized(
+        self, headers: Mapping[str, str], body: dict[str, Any], api: Api
+    ) -> tuple[list[int], SessionId | None]:
+        """:meth:`prompt` in a worker thread, so that no prompt holds up the event loop."""
+        return await asyncio.to_thread(self.prompt, headers, body, api)
+
+    def _prompt(self, headers: Mapping[str, str], body: dict[str, Any], api: Api) -> tuple[list[int], SessionId | None]:
+        limit = self.config.server.max_prompt_tokens
+        try:
+            check_fields(body, api, self.limits)
+            token_ids = self.prompts.token_ids(api, body, before_encoding=lambda text: self._check_chars(text, body))
             key = session_key(body, headers)
             session = None if key is None else scoped(key, body.get("cache_salt"))
         except (PromptError, ChatError, InvalidSessionKey) as exc:
             raise BadRequest(str(exc)) from None
         if not token_ids:
             raise BadRequest("the prompt renders to no tokens")
-        limit = self.config.server.max_prompt_tokens
         if limit and len(token_ids) > limit:
-            self.metrics.rejected.labels(RejectReason.PROMPT_TOO_LONG.value).inc()
-            raise BadRequest(f"the prompt has {len(token_ids)} tokens, over server.max_prompt_tokens ({limit})")
+            raise BadRequest(
+                f"the prompt has {len(token_ids)} tokens, over server.max_prompt_tokens ({limit})",
+                reason=RejectReason.PROMPT_TOO_LONG,
+            )
+        from_text = api is Api.CHAT or isinstance(body.get("prompt"), str)
+        check_sampling(body, api, len(token_ids), self.limits, from_text=from_text)
         return token_ids, session
+
+    def _check_chars(self, text: str, body: Mapping[str, Any]) -> None:
+        """Before tokenizing: vLLM's bound on the text, then the router's own for
+        ``server.max_prompt_tokens`` (as many characters as that many of the longest token)."""
+        check_text(len(text), body, self.limits)
+        limit, widest = self.config.server.max_prompt_tokens, self.limits.max_chars_per_token
+        if limit and widest and len(text) > limit * widest:
+            raise BadRequest(
+                f"the prompt has {len(text)} characters, more than server.max_prompt_tokens ({limit}) "
+                f"tokens of at most {widest} characters can hold",
+                reason=RejectReason.PROMPT_TOO_LONG,
+            )
 
     async def pull_session(self, session: SessionId | None) -> None:
         """Take the shared store's record of ``session`` when it is newer than this router's
@@ -152,7 +195,7 @@ class RequestIntake:
         :class:`ChatError` (400 unless they say otherwise), or
         :class:`~kvpilot.routing.serve.admission.Rejected` for a predicted TTFT over the SLO."""
         slo_s = self.config.server.ttft_slo_s
-        token_ids, session = self.prompt(headers, body, api)
+        token_ids, session = await self.tokenized(headers, body, api)
         await self.pull_session(session)
         checked_first = bool(slo_s) and session is not None
         route = self.route(headers, token_ids, body, api, session, dry_run=checked_first)
@@ -171,3 +214,39 @@ class RequestIntake:
 
         engine = EngineRequest(api, engine_body, token_ids)
         return Intake(ProxyRequest(route, engine, session, started, reroute), body)
+
+
+def engine_limits(server: ServerConfig) -> EngineLimits:
+    """The engines' limits as the router knows them: ``server.max_model_len`` and
+    ``server.max_logprobs``, the vocabulary of the model's ``config.json`` (``vocab_size``,
+    or its ``text_config``'s) and the longest token of its ``tokenizer.json``. A file that is
+    missing or unreadable leaves its checks to the engines (0 in :class:`EngineLimits`)."""
+    model_dir = Path(server.model_dir) if server.model_dir else None
+    return EngineLimits(
+        max_model_len=server.max_model_len,
+        max_logprobs=server.max_logprobs,
+        vocab_size=_vocab_size(model_dir) if model_dir else 0,
+        max_chars_per_token=_max_chars_per_token(model_dir) if model_dir else 0,
+    )
+
+
+def _vocab_size(model_dir: Path) -> int:
+    """vLLM's ``ModelConfig.get_vocab_size()``: ``config.json``'s ``vocab_size`` (a
+    multimodal model's in its ``text_config``); 0 when unreadable."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) and size > 0 else 0
+
+
+def _max_chars_per_token(model_dir: Path) -> int:
+    """vLLM's ``max_chars_per_token``: the longest token of the vocabulary, in characters
+    (the tokenizer's own vocabulary with its added tokens); 0 when there is no tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return 0
+    return max(map(len, Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)), default=0)

@@ -19,7 +19,7 @@ ids equal to the engine's own ``POST /tokenize``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvpilot.routing.serve.chat import ChatError, ChatTemplate
@@ -40,20 +40,28 @@ class EnginePrompt:
         self.chat_template = chat_template
         self.completion_special_tokens = completion_special_tokens
 
-    def token_ids(self, api: Api, body: Mapping[str, Any]) -> list[int]:
+    def token_ids(
+        self, api: Api, body: Mapping[str, Any], *, before_encoding: Callable[[str], None] | None = None
+    ) -> list[int]:
         """The prompt's token ids for ``body`` sent to ``api``; raises :class:`PromptError`
         or :class:`ChatError` naming the field (a batch of prompts, a model without a chat
-        template, a value of the wrong type)."""
+        template, a value of the wrong type). ``before_encoding`` is called with the text
+        (the prompt, or the rendered chat) before it is tokenized, so that a bound on its
+        size can refuse it without the tokenizer's work; whatever it raises propagates."""
         add_special = body.get("add_special_tokens", api is Api.COMPLETIONS and self.completion_special_tokens)
         if not isinstance(add_special, bool):
             raise PromptError("'add_special_tokens' must be true or false")
         if api is Api.CHAT:
             if self.chat_template is None:
                 raise ChatError("this model has no chat template: use /v1/completions")
-            return self.tokenizer.encode(self.chat_template.render(body), add_special_tokens=add_special)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str) and prompt:
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special)
-        if isinstance(prompt, list) and prompt:
-            return self.tokenizer.checked_ids(prompt)
-        raise PromptError("'prompt' must be a non-empty string or a non-empty list of token ids")
+            text = self.chat_template.render(body)
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt:
+                return self.tokenizer.checked_ids(prompt)
+            if not isinstance(prompt, str) or not prompt:
+                raise PromptError("'prompt' must be a non-empty string or a non-empty list of token ids")
+            text = prompt
+        if before_encoding is not None:
+            before_encoding(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special)
