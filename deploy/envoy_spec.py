@@ -40,7 +40,7 @@ import enum
 import ipaddress
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,10 @@ class GatewaySpec:
     drain_s: int = 600
     """On a hot restart (:func:`kvpilot.deploy.fleet.restart_gateway`), how long the Envoy being
     replaced keeps serving the streams it holds (the new one takes every new connection)."""
+    picker_token: str | None = field(default=None, repr=False)
+    """The picker's token (the router's ``gateway.token_env``), sent as ``authorization:
+    Bearer`` metadata on every call to it, ext_proc's and the access log's; ``None``: none.
+    The bootstrap then holds a secret: write it where only Envoy reads it."""
 
     def __post_init__(self) -> None:
         if self.on_picker_failure is PickerFailure.ROUND_ROBIN and not self.fallback_endpoints:
@@ -159,6 +163,13 @@ def _seconds(value: float) -> str:
     return f"{value:.3f}s"
 
 
+def _token(spec: GatewaySpec) -> dict[str, Any]:
+    """A ``grpc_service``'s metadata carrying the picker's token, if it has one."""
+    if spec.picker_token is None:
+        return {}
+    return {"initial_metadata": [{"key": "authorization", "value": f"Bearer {spec.picker_token}"}]}
+
+
 def _ext_proc(spec: GatewaySpec) -> dict[str, Any]:
     fail_open = spec.on_picker_failure is PickerFailure.ROUND_ROBIN
     if spec.style is ProcessorStyle.GAIE:
@@ -183,6 +194,7 @@ def _ext_proc(spec: GatewaySpec) -> dict[str, Any]:
             "grpc_service": {
                 "envoy_grpc": {"cluster_name": PICKER_CLUSTER},
                 "timeout": _seconds(spec.picker_timeout_s),
+                **_token(spec),
             },
             "failure_mode_allow": fail_open,
             "status_on_error": {"code": "ServiceUnavailable"},
@@ -206,7 +218,7 @@ def _access_log(spec: GatewaySpec) -> dict[str, Any]:
             "common_config": {
                 "log_name": ACCESS_LOG_NAME,
                 "transport_api_version": "V3",
-                "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
+                "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}, **_token(spec)},
                 "buffer_flush_interval": _seconds(spec.access_log_flush_s),
                 "buffer_size_bytes": 1,  # every entry sent as it comes (0 is taken as the 16 KiB default)
             },

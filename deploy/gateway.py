@@ -1,11 +1,13 @@
 """``kvpilot gateway``: Envoy in front of the fleet a router config names, on hosts of one's own.
 
 :func:`gateway_spec` reads a router config (the YAML ``kvpilot router --config`` takes:
-its ``gateway.picker_port``, ``server.host``, ``server.max_body_bytes`` and, for round
-robin, its workers) into the :class:`~kvpilot.deploy.envoy_spec.GatewaySpec` that
-``kvpilot fleet up`` and the Kubernetes render use too; :func:`run` writes Envoy's
+its ``gateway.picker_port`` and ``gateway.token_env``, ``server.host``,
+``server.max_body_bytes`` and, for round robin, its workers) into the
+:class:`~kvpilot.deploy.envoy_spec.GatewaySpec` that ``kvpilot fleet up`` and the Kubernetes
+render use too; :func:`run` writes Envoy's
 bootstrap from it (:func:`~kvpilot.deploy.envoy_spec.envoy_bootstrap`, the one builder) to
-``<run-dir>/envoy.yaml`` and, with ``--run``, becomes Envoy under its hot restarter
+``<run-dir>/envoy.yaml`` (mode 0600: it holds the picker's ``gateway.token_env`` token when
+the config names one) and, with ``--run``, becomes Envoy under its hot restarter
 (:func:`~kvpilot.deploy.fleet_spec.envoy_plan`: ``kill -HUP`` starts the next epoch from the
 file as it then is).
 
@@ -31,7 +33,7 @@ import yaml
 
 from kvpilot.deploy.envoy_spec import ENVOY_CONFIG, GatewaySpec, PickerFailure, envoy_binary, envoy_bootstrap
 from kvpilot.deploy.fleet_spec import GATEWAY_PREFILL_WAIT_S, envoy_plan
-from kvpilot.routing.config import ConfigError, Role, RouterConfig
+from kvpilot.routing.config import ConfigError, Role, RouterConfig, read_secret
 from kvpilot.routing.config_load import load_config
 from kvpilot.routing.serve.upstream import host_port
 
@@ -88,9 +90,11 @@ def gateway_spec(
     picker_address: str | None = None,
 ) -> GatewaySpec:
     """Envoy's spec for ``config``'s fleet: clients on ``host:gateway_port``, the picker at
-    ``picker_address`` (default :func:`picker_host`) on ``gateway.picker_port``. Raises
-    ``ValueError`` naming what is wrong: no ``gateway.picker_port``, no engines, a round
-    robin that cannot work (:func:`fallback_endpoints`), ports that meet."""
+    ``picker_address`` (default :func:`picker_host`) on ``gateway.picker_port``, with
+    ``gateway.token_env``'s token. Raises ``ValueError`` naming what is wrong: no
+    ``gateway.picker_port``, no engines, a round robin that cannot work
+    (:func:`fallback_endpoints`), ports that meet, a token that is not set
+    (:class:`~kvpilot.routing.config.ConfigError`)."""
     if not config.gateway.picker_port:
         raise ValueError("the config serves no picker: set gateway.picker_port (Envoy asks it where requests go)")
     if not config.workers and not config.dynamo.enabled:
@@ -106,6 +110,7 @@ def gateway_spec(
         picker_host=picker_address or picker_host(config),
         picker_timeout_s=picker_timeout_s(config),
         max_body_bytes=config.server.max_body_bytes,
+        picker_token=read_secret(config.gateway.token_env, "gateway.token_env"),
     )
 
 
@@ -162,7 +167,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     args.run_dir.mkdir(parents=True, exist_ok=True)
     path = args.run_dir / ENVOY_CONFIG
-    path.write_text(yaml.safe_dump(envoy_bootstrap(spec), sort_keys=False))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # the picker's token, if any, is in it
+    with os.fdopen(fd, "w") as out:
+        out.write(yaml.safe_dump(envoy_bootstrap(spec), sort_keys=False))
     failure = (
         "503 naming it"
         if spec.on_picker_failure is PickerFailure.REFUSE

