@@ -39,8 +39,6 @@ ENVOY_CONFIG_PATH = "/etc/envoy/envoy.yaml"
 GAIE_GATEWAY = "inference-gateway"
 """The ``Gateway`` the ``HTTPRoute`` attaches to (GAIE's guides name it so); not rendered."""
 POOL = NAME
-MAX_TARGET_PORTS = 8
-"""GAIE's InferencePool ``targetPorts`` bound."""
 PICKER_TIMEOUT_S = 120.0
 """How long Envoy waits for the picker, which runs P's one-token prefill before it answers."""
 
@@ -103,17 +101,18 @@ def envoy_service() -> Obj:
 
 def inference_pool(plan: ClusterPlan) -> Obj:
     """The decode engines (the destinations the picker names), the router as their picker.
-    Each engine pod keeps its CPU fleet's port: the pool lists them all (at most 8)."""
-    decode_ports = sorted({e.port for e in plan.engines if e.role is Role.DECODE})
-    if len(decode_ports) > MAX_TARGET_PORTS:
-        raise ValueError(f"an InferencePool lists at most {MAX_TARGET_PORTS} ports, not {len(decode_ports)}")
+    GAIE reads ``targetPorts`` as ports every selected pod serves: the one port every
+    engine listens on in its pod (:data:`~kvpilot.deploy.k8s.plan.ENGINE_PORT`), whatever the
+    number of engines. The picker names a pod's ``IP:port``: each engine's Service is
+    headless, so the name in the router's config resolves to its pod."""
+    (port,) = {e.port for e in plan.engines if e.role is Role.DECODE}
     return obj(
         "inference.networking.k8s.io/v1",
         "InferencePool",
         meta(POOL, labels=labels(GATEWAY)),
         spec={
             "selector": {"matchLabels": {**labels(ENGINE), ROLE_LABEL: Role.DECODE.value}},
-            "targetPorts": [{"number": port} for port in decode_ports],
+            "targetPorts": [{"number": port}],
             "endpointPickerRef": {
                 "name": ROUTER_SERVICE,
                 "port": {"number": PICKER_PORT},

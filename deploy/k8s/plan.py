@@ -5,8 +5,9 @@ cluster needs changed, each change named here so that tests can check the rest i
 CPU fleet's plan verbatim (same flags, same connector config, same ports, same hash seed):
 
 - every process runs ``python3`` from the image, not the launcher's interpreter;
-- an engine listens on ``0.0.0.0`` (``--host``) and drops the CPU-only flags
-  (:data:`CPU_ONLY_FLAGS`), its KV buffer on the GPU (``kv_buffer_device``);
+- an engine listens on ``0.0.0.0`` (``--host``) and on :data:`ENGINE_PORT` (``--port``),
+  the same in every pod, and drops the CPU-only flags (:data:`CPU_ONLY_FLAGS`), its KV
+  buffer on the GPU (``kv_buffer_device``);
 - KV events cross pods: an engine *connects* its publisher to the router's Service and
   *binds* its replay socket on every address; the router binds the event ports and
   connects to each engine's replay socket through the engine's Service;
@@ -26,7 +27,7 @@ from typing import cast
 from urllib.parse import urlsplit
 
 from kvpilot.deploy.env import CPU_EAGER_ENV, LOCAL_ONLY_ENV, NIXL_CPU_ENV
-from kvpilot.deploy.fleet_spec import ENGINE_API_KEY_ENV, FleetSpec, ProcessPlan, plan_fleet
+from kvpilot.deploy.fleet_spec import ENGINE_API_KEY_ENV, REPLAY_PORT_OFFSET, FleetSpec, ProcessPlan, plan_fleet
 from kvpilot.policies.typed_config import convert
 from kvpilot.routing.config import Role, Worker
 from kvpilot.routing.fleet import kv_events_config
@@ -60,6 +61,10 @@ CPU_ONLY_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", *NIXL_CPU
 SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 TELEMETRY_OFF_ENV: Mapping[str, str] = {k: LOCAL_ONLY_ENV[k] for k in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK")}
 ALL_ADDRESSES = "0.0.0.0"
+ENGINE_PORT = 8100
+"""Every engine's HTTP port in its pod (the CPU fleet's engines share one address, so
+engine i takes ``8100 + i`` there): pods have addresses of their own, and a GAIE
+``InferencePool`` lists one target port that every pod it selects serves."""
 GATEWAY_PORT = 8080
 """Envoy's listener in its pod (the Service clients reach)."""
 PICKER_PORT = 8070
@@ -67,6 +72,10 @@ PICKER_PORT = 8070
 ENVOY_ADMIN_PORT = 9901
 """Envoy's admin interface, on the pod's loopback only."""
 GPU_RESOURCE = "nvidia.com/gpu"
+MAX_ENGINES = REPLAY_PORT_OFFSET
+"""The most engines (prefill and decode) one cluster plan holds: the CPU fleet's plan it
+carries over gives engine i the ports ``base + i``, and beyond this its side-channel,
+KV-event and replay ranges meet (the router binds one KV-event port per engine)."""
 
 
 class Transport(str, enum.Enum):
@@ -108,6 +117,12 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
             raise ValueError("a P/D fleet needs at least one prefill and one decode engine")
+        if self.prefill + self.decode > MAX_ENGINES:
+            raise ValueError(
+                f"at most {MAX_ENGINES} engines (prefill + decode) per router, not {self.prefill + self.decode}: "
+                f"the cluster carries over the CPU fleet's port plan, whose KV-event and replay ranges are "
+                f"{MAX_ENGINES} ports apart"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
 
@@ -173,7 +188,7 @@ class EnginePod:
 
     @property
     def port(self) -> int:
-        return self.cpu_plan.port
+        return ENGINE_PORT
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +248,7 @@ def router_worker(worker: Worker) -> dict[str, object]:
     return {
         "name": worker.name,
         "role": worker.role.value,
-        "url": f"http://{host}:{urlsplit(worker.url).port}",
+        "url": f"http://{host}:{ENGINE_PORT}",
         "kv_events_endpoint": f"tcp://{ALL_ADDRESSES}:{_port(worker.kv_events_endpoint)}",
         "replay_endpoint": f"tcp://{host}:{_port(worker.replay_endpoint)}",
     }
@@ -242,6 +257,7 @@ def router_worker(worker: Worker) -> dict[str, object]:
 def _engine(spec: ClusterSpec, plan: ProcessPlan, worker: Worker) -> EnginePod:
     argv = tuple(a for a in plan.argv if a not in CPU_ONLY_FLAGS)
     argv = _with_flag(argv, "--host", ALL_ADDRESSES)
+    argv = _with_flag(argv, "--port", str(ENGINE_PORT))
     kv_transfer = json.loads(_flag(argv, "--kv-transfer-config"))
     kv_transfer["kv_buffer_device"] = "cuda"
     argv = _with_flag(argv, "--kv-transfer-config", json.dumps(kv_transfer))

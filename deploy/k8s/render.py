@@ -98,15 +98,20 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def run(args: argparse.Namespace) -> int:
-    """``kvpilot k8s render``: write the manifests, or with ``--check`` only compare."""
-    spec = dataclasses.replace(
-        DEFAULT,
-        prefill=args.prefill,
-        decode=args.decode,
-        image=args.image,
-        served_model_name=args.served_model_name,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+    """``kvpilot k8s render``: write the manifests, or with ``--check`` only compare; 2
+    for counts that cannot be planned (the reason on stderr)."""
+    try:
+        spec = dataclasses.replace(
+            DEFAULT,
+            prefill=args.prefill,
+            decode=args.decode,
+            image=args.image,
+            served_model_name=args.served_model_name,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
+    except ValueError as exc:
+        print(f"kvpilot k8s render: {exc}", file=sys.stderr)
+        return 2
     files = render(spec)
     out: Path = args.out if args.out is not None else MANIFEST_DIR
     if args.check:

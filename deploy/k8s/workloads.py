@@ -3,7 +3,10 @@
 
 Each engine is its own Deployment (one replica) and Service: the router's config names
 every engine by its Service, so scaling P or D is re-rendering with other counts
-(docs/guides/kubernetes.md), never ``kubectl scale``.
+(docs/guides/kubernetes.md), never ``kubectl scale``. An engine's Service is headless: its
+name resolves to its pod's IP, which the endpoint picker names to Envoy (an
+original-destination cluster connects only to an ``IP:port``, and GAIE's protocol names a
+pod) and the router connects to directly.
 """
 
 from __future__ import annotations
@@ -124,12 +127,14 @@ def engine_deployment(spec: ClusterSpec, engine: EnginePod) -> Obj:
 
 
 def engine_service(engine: EnginePod) -> Obj:
+    """Headless (see the module doc): DNS answers the ready pod's IP."""
     pod_labels = engine_labels(engine)
     return obj(
         "v1",
         "Service",
         meta(service_name(engine.name), labels={**pod_labels, METRICS_LABEL: "true"}),
         spec={
+            "clusterIP": "None",
             "selector": pod_labels,
             "ports": [
                 {"name": HTTP_PORT_NAME, "port": engine.port, "targetPort": HTTP_PORT_NAME},

@@ -28,6 +28,7 @@ from kvpilot.deploy.k8s.network import pods_of
 from kvpilot.deploy.k8s.plan import (
     CPU_ONLY_ENV,
     CPU_ONLY_FLAGS,
+    ENGINE_PORT,
     ROUTER_API_KEY_ENV,
     SIDE_CHANNEL_HOST_ENV,
     ClusterSpec,
@@ -185,13 +186,13 @@ def test_engines_carry_the_cpu_fleets_flags_and_env(transport: Transport) -> Non
         assert container["image"] == spec.image
         assert container["command"][:3] == ["python3", *cpu.argv[1:3]]
         cpu_flags, pod_flags = _flags(cpu.argv), _flags(container["command"])
-        changed = {"--host", "--kv-transfer-config", "--kv-events-config"}
+        changed = {"--host", "--port", "--kv-transfer-config", "--kv-events-config"}
         for flag, value in cpu_flags.items():
             if flag in CPU_ONLY_FLAGS:
                 assert flag not in pod_flags
             elif flag not in changed:
                 assert pod_flags[flag] == value, flag
-        assert pod_flags["--host"] == "0.0.0.0"
+        assert pod_flags["--host"] == "0.0.0.0" and pod_flags["--port"] == str(ENGINE_PORT)  # one port, any pod
         cpu_kv, pod_kv = (json.loads(f["--kv-transfer-config"] or "") for f in (cpu_flags, pod_flags))
         assert pod_kv == {**cpu_kv, "kv_buffer_device": "cuda"}
         assert pod_kv["kv_connector"] == "KVPilotConnector"
@@ -219,7 +220,7 @@ def test_engines_carry_the_cpu_fleets_flags_and_env(transport: Transport) -> Non
         assert "lo" not in env["UCX_NET_DEVICES"]
 
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        assert ports == {"http": cpu.port, "nixl": cpu.side_ports[0], "kv-replay": cpu.side_ports[1]}
+        assert ports == {"http": ENGINE_PORT, "nixl": cpu.side_ports[0], "kv-replay": cpu.side_ports[1]}
         assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
         limits = container["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == str(spec.tensor_parallel_size) and limits[spec.rdma_resource] == "1"
