@@ -68,15 +68,15 @@ bench: setup
 		/tmp/kvpilot-live-agent-16-s64.json --json /tmp/kvpilot-sim-live-agent-16-sweep.json
 	.venv/bin/python benchmarks/sim_live.py /tmp/kvpilot-live-agent-64-s32.json /tmp/kvpilot-live-agent-64-s64.json \
 		/tmp/kvpilot-live-agent-64-s128.json --json /tmp/kvpilot-sim-live-agent-64-sweep.json
-	for r in 4 8 16; do .venv/bin/python benchmarks/bench_fleet.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \
+	for r in 4 8 16; do .venv/bin/python benchmarks/bench_fleet.py --trace benchmarks/traces/mooncake_conversation_trace.jsonl \
 		--workers 64 --max-requests 200 --rate-scale $$r --speedup 1 --arms dynamo_kv,dynamo_kv_tuned,kvpilot \
 		--json /tmp/kvpilot-live-conversation-64-x$$r.json || exit 1; done
 	.venv/bin/python benchmarks/sim_live.py /tmp/kvpilot-live-conversation-64-x4.json \
 		/tmp/kvpilot-live-conversation-64-x8.json /tmp/kvpilot-live-conversation-64-x16.json \
 		--json /tmp/kvpilot-sim-live-conversation-64-sweep.json
-	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \
-		--trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64
-	.venv/bin/python benchmarks/sim_goodput.py --trace ../shared/traces/mooncake_synthetic_trace.jsonl --workers 64
+	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace benchmarks/traces/mooncake_conversation_trace.jsonl \
+		--trace benchmarks/traces/mooncake_synthetic_trace.jsonl --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64
+	.venv/bin/python benchmarks/sim_goodput.py --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --workers 64
 	for w in 64 256; do .venv/bin/python benchmarks/sim_goodput.py --agent --workers $$w \
 		--json /tmp/kvpilot-sim-goodput-agent-$$w.json || exit 1; done
 	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 1024 --sessions-per-worker 1 \
@@ -87,22 +87,22 @@ bench: setup
 		--json /tmp/kvpilot-sim-goodput-agent-1024-4.json
 	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 1,2,3,4,5 --ablate \
 		--json /tmp/kvpilot-sim-goodput-agent-64-ablate.json
-	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \
-		--trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64 \
+	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace benchmarks/traces/mooncake_conversation_trace.jsonl \
+		--trace benchmarks/traces/mooncake_synthetic_trace.jsonl --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64 \
 		--prefill-workers 8,32 --json /tmp/kvpilot-sim-vs-dynamo-disaggregated.json
 	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 64 --prefill-workers 32 --sessions-per-worker 2,4,6,7,8 \
 		--json /tmp/kvpilot-sim-goodput-agent-32p64d.json
 	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64 --repeats 10 \
 		--json /tmp/kvpilot-sim-vs-dynamo-agent-10.json
-	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \
-		--trace ../shared/traces/mooncake_synthetic_trace.jsonl --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64 \
+	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace benchmarks/traces/mooncake_conversation_trace.jsonl \
+		--trace benchmarks/traces/mooncake_synthetic_trace.jsonl --trace /tmp/kvpilot-agent-trace.jsonl --workers 16,64 \
 		--kv-event-lag-ms 100 --json /tmp/kvpilot-sim-vs-dynamo-lag-100ms.json
-	.venv/bin/python benchmarks/sim_goodput.py --trace ../shared/traces/mooncake_conversation_trace.jsonl --workers 64 \
+	.venv/bin/python benchmarks/sim_goodput.py --trace benchmarks/traces/mooncake_conversation_trace.jsonl --workers 64 \
 		--json /tmp/kvpilot-sim-goodput-conversation-64.json
 	for t in synthetic conversation; do .venv/bin/python benchmarks/sim_goodput.py \
-		--trace ../shared/traces/mooncake_$${t}_trace.jsonl --workers 256 --speedups 16,32,64,128,256 \
+		--trace benchmarks/traces/mooncake_$${t}_trace.jsonl --workers 256 --speedups 16,32,64,128,256 \
 		--json /tmp/kvpilot-sim-goodput-$$t-256.json && .venv/bin/python benchmarks/sim_goodput.py \
-		--trace ../shared/traces/mooncake_$${t}_trace.jsonl --workers 1024 --speedups 64,128,256,512,1024 \
+		--trace benchmarks/traces/mooncake_$${t}_trace.jsonl --workers 1024 --speedups 64,128,256,512,1024 \
 		--json /tmp/kvpilot-sim-goodput-$$t-1024.json || exit 1; done
 	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 256 --prefill-workers 128 --sessions-per-worker 2,4 \
 		--json /tmp/kvpilot-sim-goodput-agent-128p256d.json

@@ -1,6 +1,6 @@
 """Goodput in virtual time, kvpilot's router against Dynamo's replay (:mod:`sim.goodput`)::
 
-python benchmarks/sim_goodput.py --trace ../shared/traces/mooncake_synthetic_trace.jsonl --workers 64
+python benchmarks/sim_goodput.py --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --workers 64
 """
 
 from __future__ import annotations

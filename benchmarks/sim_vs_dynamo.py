@@ -1,7 +1,7 @@
 """The virtual-time simulator's engines against Dynamo's offline replay (:mod:`sim.compare`)::
 
-    python benchmarks/sim_vs_dynamo.py --trace ../shared/traces/mooncake_conversation_trace.jsonl \
-        --trace ../shared/traces/mooncake_synthetic_trace.jsonl --workers 16,64
+    python benchmarks/sim_vs_dynamo.py --trace benchmarks/traces/mooncake_conversation_trace.jsonl \
+        --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --workers 16,64
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ from kvpilot.deploy.metrics import Samples, scrape, total
 from kvpilot.deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = REPO / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
 PORTS = {"worker_port": 24000, "port_stride": 500, "frontend_port": 23990, "router_port": 23980}
 """This benchmark's ports (no e2e test or other benchmark uses 23980-25999)."""
 EVENTS_PORT = 1

@@ -1,7 +1,7 @@
 """Mooncake traces as the fleet benchmark's requests: loading, prompts, arrivals and the
 trace's own ceiling for prefix reuse. Pure: no processes, no HTTP.
 
-A trace line (``../shared/traces/README.md``) is one request::
+A trace line (``benchmarks/traces/README.md``) is one request::
 
     {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, ..., 2354]}
 
