@@ -6,7 +6,8 @@ from __future__ import annotations
 import enum
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
-"""GAIE's endpoint-picker protocol: the ``host:port`` the picker chose, as a header and
+"""GAIE's endpoint-picker protocol: the ``IP:port`` the picker chose (an address, never a
+host name: Envoy's original-destination cluster connects to nothing else), as a header and
 under the same key in the dynamic metadata namespace :data:`DESTINATION_METADATA_NAMESPACE`."""
 DESTINATION_METADATA_NAMESPACE = "envoy.lb"
 ROUTING_HEADERS = (DESTINATION_HEADER, "x-dynamo-worker-instance-id", "x-dynamo-prefill-instance-id")
