@@ -50,7 +50,6 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from multidict import CIMultiDict
 
-from kvpilot.routing.config import ServerConfig
 from kvpilot.routing.gateway.contract import DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE
 from kvpilot.routing.gateway.picker import Picked, Picker, Refused, RequestEnd
 from kvpilot.routing.serve.proxy import error_reply
@@ -167,9 +166,9 @@ class _Stream:
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     """The ext_proc service (see the module doc). ``answer_get(path, headers)`` is the
     router's answer to a GET: (status, JSON payload). ``max_body_bytes``: the largest
-    request body buffered (``server.max_body_bytes``, whose default it takes)."""
+    request body buffered (``server.max_body_bytes``)."""
 
-    def __init__(self, picker: Picker, answer_get: Any, max_body_bytes: int = ServerConfig().max_body_bytes) -> None:
+    def __init__(self, picker: Picker, answer_get: Any, max_body_bytes: int) -> None:
         self._picker = picker
         self._answer_get = answer_get
         self._max_body_bytes = max_body_bytes

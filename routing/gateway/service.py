@@ -93,7 +93,9 @@ def attach(app: web.Application, server: RouterServer) -> None:
             log.warning("the picker is reachable beyond this machine with no token (set gateway.token_env)")
         refused = server.metrics.rejected.labels(RejectReason.UNAUTHORIZED.value).inc
         grpc_server = grpc.aio.server(interceptors=[] if token is None else [TokenInterceptor(token, refused)])
-        ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker, _answer_get(server)), grpc_server)
+        ep_grpc.add_ExternalProcessorServicer_to_server(
+            ExternalProcessor(picker, _answer_get(server), server.config.server.max_body_bytes), grpc_server
+        )
         ls_grpc.add_LogsServiceServicer_to_server(AccessLogReceiver(picker), grpc_server)
         address = f"{server.config.server.host}:{server.config.gateway.picker_port}"
         if grpc_server.add_insecure_port(address) == 0:

@@ -89,7 +89,7 @@ from kvpilot.routing.serve.prompt import EnginePrompt
 from kvpilot.routing.serve.proxy import Proxy, error_reply
 from kvpilot.routing.serve.refusals import BadRequest, RejectReason
 from kvpilot.routing.serve.sse import sse_events
-from kvpilot.routing.serve.tokenizer import PromptTokenizer
+from kvpilot.routing.serve.tokenizer import TOKENIZER_FILE, PromptTokenizer
 from kvpilot.routing.serve.upstream import Api, Upstream
 from kvpilot.routing.serve.vllm_upstream import VllmUpstream
 from kvpilot.routing.state.sync import SessionSync
@@ -613,8 +613,13 @@ class RouterServer:
 
 
 def build_server(config: RouterConfig, fleet: Fleet, *, feed_index: bool = True) -> RouterServer:
-    """A server for ``config`` reading ``server.model_dir`` (tokenizer and chat template)."""
+    """A server for ``config`` reading ``server.model_dir`` (tokenizer and chat template).
+    Raises :class:`ConfigError` naming the directory when it holds no ``tokenizer.json``."""
     model_dir = Path(config.server.model_dir)
+    if not (model_dir / TOKENIZER_FILE).is_file():
+        raise ConfigError(
+            "server.model_dir", f"no {TOKENIZER_FILE} in {str(model_dir.resolve())!r}: the router tokenizes with it"
+        )
     prompts = EnginePrompt(
         PromptTokenizer(model_dir),
         ChatTemplate.from_model_dir(model_dir),

@@ -9,6 +9,9 @@ import numpy as np
 
 from kvpilot.routing.index.chain import pack_tokens
 
+TOKENIZER_FILE = "tokenizer.json"
+"""The file of a model directory the router tokenizes with (the engines' own)."""
+
 
 class PromptError(ValueError):
     """A prompt the router cannot turn into token ids; the message names the field."""
@@ -21,7 +24,7 @@ class PromptTokenizer:
     def __init__(self, model_dir: Path) -> None:
         from tokenizers import Tokenizer
 
-        self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._tokenizer = Tokenizer.from_file(str(model_dir / TOKENIZER_FILE))
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:

@@ -6,7 +6,10 @@ ext_proc server holds no body over ``server.max_body_bytes``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -141,6 +144,20 @@ def test_a_wrong_key_names_the_file_or_the_flag_that_set_it(tmp_path):
     add_cli_flags(parser)
     with pytest.raises(ConfigError, match=r"server\.port: .* \(flag --server-port\)"):
         load_config(path, parser.parse_args(["--server-port", "99999"]))
+
+
+def test_a_model_directory_without_its_tokenizer_is_named(tmp_path):
+    from kvpilot.routing.cli import main
+
+    missing = tmp_path / "no-such-model"
+    path = tmp_path / "router.yaml"
+    path.write_text(
+        f"server: {{model_dir: {str(missing)!r}}}\nworkers: [{{name: d0, role: colocated, url: 'http://127.0.0.1:1'}}]\n"
+    )
+    with pytest.raises(SystemExit) as exited, contextlib.redirect_stderr(io.StringIO()) as err:
+        sys.exit(main(["router", "--config", str(path)]))
+    assert exited.value.code == 2
+    assert f"server.model_dir: no tokenizer.json in {str(missing)!r}" in err.getvalue()
 
 
 class _NoPicker:
