@@ -72,6 +72,7 @@ from fleet.goodput import ATTAINMENT, ITL_SLO_X, TTFT_SLO_X, Slo, SweepPoint, at
 from fleet.replay import Connections, Send, body, headers, replay
 from fleet.results import Outcome, ReuseCounts, reuse_from_computed, summarize
 from fleet.trace import (
+    TRACES_DIR,
     PromptShape,
     PromptSynth,
     TraceRequest,
@@ -88,8 +89,7 @@ from kvpilot.deploy.fleet_spec import HOST
 from kvpilot.deploy.metrics import Samples, scrape, total
 from kvpilot.deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_TRACE = REPO / "benchmarks" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = TRACES_DIR / "mooncake_conversation_trace.jsonl"
 PORTS = {"worker_port": 24000, "port_stride": 500, "frontend_port": 23990, "router_port": 23980}
 """This benchmark's ports (no e2e test or other benchmark uses 23980-25999)."""
 EVENTS_PORT = 1

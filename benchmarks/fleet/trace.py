@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+TRACES_DIR = Path(__file__).resolve().parents[1] / "traces"
+"""The public Mooncake traces kept in the repository (their README and license beside them)."""
 TRACE_BLOCK_TOKENS = 512
 """Tokens per hash id in a Mooncake trace."""
 FIRST_ORDINARY_ID = 7

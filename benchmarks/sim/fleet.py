@@ -12,7 +12,7 @@ Prompts are named as Dynamo's replay names them: each ``hash_id`` of the trace s
 their whole prefix of hash ids (two requests share a block exactly when they share the hash
 ids up to it).
 
-    python benchmarks/sim_vs_dynamo.py --trace ../shared/traces/mooncake_conversation_trace.jsonl --workers 16
+    python benchmarks/sim_vs_dynamo.py --trace benchmarks/traces/mooncake_conversation_trace.jsonl --workers 16
 """
 
 from __future__ import annotations

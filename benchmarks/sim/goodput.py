@@ -23,7 +23,7 @@ the agent workload one more arm, ``dynamo_cost_pinned``: Dynamo's cost with its 
 session options, which its replay lacks (:data:`DYNAMO_PINNED_COST`). ``--ablate`` runs
 kvpilot alone with each of its session terms off instead (:data:`ABLATIONS`)::
 
-    python benchmarks/sim_goodput.py --trace ../shared/traces/mooncake_synthetic_trace.jsonl --workers 64
+    python benchmarks/sim_goodput.py --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --workers 64
     python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 2,3,4,5,6
     python benchmarks/sim_goodput.py --agent --workers 64 --ablate
     python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 4 --search-dynamo '[{}, ...]'

@@ -1,11 +1,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from fleet.trace import (
     FIRST_ORDINARY_ID,
+    TRACES_DIR,
     PromptShape,
     PromptSynth,
     TraceRequest,
@@ -15,9 +15,6 @@ from fleet.trace import (
     parse_trace,
     reuse_ceiling,
 )
-
-TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "traces"
-"""Where a checkout finds the shared Mooncake traces: ``../shared/traces`` beside it."""
 
 
 def _req(ts: int, length: int, hash_ids: tuple[int, ...], out: int = 4) -> TraceRequest:
@@ -101,7 +98,7 @@ def test_the_ceiling_counts_full_blocks_whose_whole_prefix_came_before():
 
 
 def test_the_ceiling_on_the_shared_traces_is_what_their_hash_ids_allow():
-    path = TRACES / "mooncake_synthetic_trace.jsonl"
+    path = TRACES_DIR / "mooncake_synthetic_trace.jsonl"
     if not path.exists():
         pytest.skip(f"no {path}")
     reqs = load_trace(path, max_requests=400)

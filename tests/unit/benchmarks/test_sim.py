@@ -9,11 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fleet.trace import load_trace
+from fleet.trace import TRACES_DIR, load_trace
 from sim.engine import EngineSpec, SimEngine, SimRequest, prefill_ms
 from sim.fleet import RoundRobin, simulate
-
-TRACES = Path(__file__).resolve().parents[4] / "shared" / "traces"
 
 
 def test_one_request_alone_pays_its_prefill_then_one_decode_step_a_token() -> None:
@@ -32,7 +30,7 @@ def test_one_request_alone_pays_its_prefill_then_one_decode_step_a_token() -> No
 @pytest.mark.parametrize("trace", ["mooncake_conversation_trace.jsonl", "mooncake_synthetic_trace.jsonl"])
 def test_round_robin_matches_dynamo_s_replay_within_one_percent(trace: str, tmp_path: Path) -> None:
     replay = pytest.importorskip("dynamo.replay")  # kvpilot[dynamo]: make setup installs it
-    lines = (TRACES / trace).read_text().splitlines()[:600]
+    lines = (TRACES_DIR / trace).read_text().splitlines()[:600]
     path = tmp_path / trace
     path.write_text("\n".join(lines) + "\n")
     ours = simulate(load_trace(path), 4, RoundRobin()).summary()
@@ -66,7 +64,7 @@ def test_kvpilot_s_router_in_the_simulator_matches_dynamo_s_kv_router_within_fiv
     from sim.fleet import DEFAULT_SPEC
     from sim.kvpilot import KvpilotPlacement
 
-    lines = (TRACES / trace).read_text().splitlines()[:2000]
+    lines = (TRACES_DIR / trace).read_text().splitlines()[:2000]
     path = tmp_path / trace
     path.write_text("\n".join(lines) + "\n")
     ours = simulate(load_trace(path), 8, KvpilotPlacement(8, DEFAULT_SPEC, DYNAMO_WEIGHTS)).summary()
@@ -89,7 +87,7 @@ def test_a_disaggregated_fleet_matches_dynamo_s_replay(routing: str, tmp_path: P
     from sim.fleet import DEFAULT_SPEC, KvTransfer
     from sim.kvpilot import KvpilotPlacement
 
-    lines = (TRACES / "mooncake_conversation_trace.jsonl").read_text().splitlines()[:600]
+    lines = (TRACES_DIR / "mooncake_conversation_trace.jsonl").read_text().splitlines()[:600]
     path = tmp_path / "slice.jsonl"
     path.write_text("\n".join(lines) + "\n")
     transfer = KvTransfer(bandwidth_gb_s=50.0, bytes_per_token=131072)
