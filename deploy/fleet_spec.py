@@ -381,6 +381,7 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
             "model_name": spec.served_model_name,
             "model_dir": str(spec.model_dir),
             "max_prompt_tokens": spec.max_model_len,
+            "max_model_len": spec.max_model_len,  # the engines' --max-model-len: vLLM's length checks at the router
             "ttft_slo_s": spec.ttft_slo_s,
             "calibration_workers": FLEET_CALIBRATION_WORKERS,
             **({"prefill_timeout_s": spec.prefill_timeout_s} if spec.prefill_timeout_s is not None else {}),

@@ -38,6 +38,7 @@ def test_plan_gives_each_engine_its_ports_core_and_connector() -> None:
         "model_name": "tiny",
         "model_dir": "/m",
         "max_prompt_tokens": 8192,
+        "max_model_len": 8192,
         "ttft_slo_s": 60.0,  # admission by predicted TTFT is on in a fleet
         "calibration_workers": 1,  # and its predictions are measured before the first request
     }
@@ -58,6 +59,25 @@ def test_router_config_parses_and_always_disaggregates_on_request(tmp_path: Path
     assert parsed.disaggregation.max_local_tokens == 0
     assert parsed.index.backend is IndexBackend.DYNAMO
     assert [w.name for w in parsed.workers] == ["prefill-0", "decode-0"]
+
+
+def test_the_router_refuses_what_the_fleet_s_engines_would_by_their_max_model_len(tmp_path: Path) -> None:
+    import yaml
+
+    from kvpilot.routing.config_load import load_config
+    from kvpilot.routing.serve.engine_checks import check_fields
+    from kvpilot.routing.serve.intake import engine_limits
+    from kvpilot.routing.serve.refusals import BadRequest
+    from kvpilot.routing.serve.upstream import Api
+
+    engines, _, config = plan_fleet(_spec(max_model_len=4096))
+    assert {e.argv[list(e.argv).index("--max-model-len") + 1] for e in engines} == {"4096"}
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    limits = engine_limits(load_config(tmp_path / "router.yaml").server)
+    assert limits.max_model_len == 4096
+    check_fields({"model": "tiny", "prompt": "hi", "max_tokens": 4096}, Api.COMPLETIONS, limits)
+    with pytest.raises(BadRequest, match="cannot be greater than max_model_len=4096"):  # vLLM's message
+        check_fields({"model": "tiny", "prompt": "hi", "max_tokens": 4097}, Api.COMPLETIONS, limits)
 
 
 def test_a_fleet_with_a_session_store_starts_its_router_with_it(tmp_path: Path) -> None:
