@@ -219,9 +219,16 @@ class IndexConfig(TypedConfig, frozen=True):
     (the default: right after a router restart the index can lack blocks an engine
     holds, and a prefill of those publishes nothing)."""
     tiers: Mapping[str, TierClass] = msgspec.field(
-        default_factory=lambda: {"GPU": TierClass.GPU, "CPU": TierClass.HOST, "STORAGE": TierClass.DISK}
+        default_factory=lambda: {
+            "GPU": TierClass.GPU,
+            "CPU": TierClass.HOST,
+            "CPU_PINNED": TierClass.HOST,
+            "STORAGE": TierClass.DISK,
+        }
     )
-    """A KV event's medium -> its :class:`TierClass`; media not listed earn nothing."""
+    """A KV event's medium -> its :class:`TierClass`; media not listed earn nothing. ``CPU``
+    is vLLM's offloading connectors' host tier, ``CPU_PINNED`` Dynamo's (its publishers'
+    ``StorageTier::HostPinned``)."""
 
     def __post_init__(self) -> None:
         check_range(self, "block_size", "removal_log_capacity", above=0)

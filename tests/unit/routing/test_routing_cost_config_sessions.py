@@ -69,6 +69,14 @@ def test_tier_overlap_counts_each_block_once():
     assert tier_overlap({"GPU": 10, "STORAGE": 40, "X": 99}, classes, shared_depth=50) == TierOverlap(10, 0, 30, 10)
 
 
+def test_dynamo_s_host_tier_is_credited_as_vllm_s():
+    from kvpilot.routing.config import IndexConfig
+
+    classes = IndexConfig().tiers
+    assert tier_overlap({"GPU": 10, "CPU_PINNED": 25}, classes) == tier_overlap({"GPU": 10, "CPU": 25}, classes)
+    assert tier_overlap({"GPU": 10, "CPU_PINNED": 25}, classes) == TierOverlap(10, 15, 0, 0)
+
+
 def test_argmin_explain_and_seeded_sampling():
     cands = CandidateTable.of(
         [Candidate("hot", TierOverlap(gpu=90), WorkerLoad(80, 0, 0)), Candidate("cold", TierOverlap(), WorkerLoad())]
