@@ -11,9 +11,10 @@ A routed request (:class:`~kvpilot.routing.decide.router.Route`) goes::
                                                                (or decode_failed)
 
 :class:`Lifecycle` owns every booking of it: the load ledger (dispatch, end of prefill,
-a prefill moved to another worker, completion), the session's new state and D's offer
-(:meth:`~kvpilot.routing.decide.router.Router.served`, only for an answered request: a
-broken stream does not pin the session to its D), each worker's circuit (a half-open
+a prefill moved to another worker, completion), the session's owner (its client, for
+``sessions.max_sessions_per_client``: :meth:`Lifecycle.claim_session`), its new state and
+D's offer (:meth:`~kvpilot.routing.decide.router.Router.served`, only for an answered
+request: a broken stream does not pin the session to its D), each worker's circuit (a half-open
 circuit's single probe included), each pair's health, D's jitter budget, the KV events
 the prefilling worker must publish, and the rates it learns from (P's prefill, each
 path's overhead). Its methods return outcomes as data (:class:`CircuitChange`, the
@@ -228,6 +229,15 @@ class Lifecycle:
         return floor_s if ticket.prediction is None else ticket.prediction.prefill_timeout_s(floor_s)
 
     # ---- the life ---------------------------------------------------------------
+    def claim_session(self, session: SessionId | None, client: str) -> None:
+        """``client`` (the requester's address as the front sees it) owns ``session``: past
+        ``sessions.max_sessions_per_client`` the client's least recently claimed session is
+        dropped, never another client's (:meth:`~kvpilot.routing.decide.sessions.SessionStore.claim`).
+        A no-op without a session."""
+        if session is not None:
+            with self.lock:
+                self.router.sessions.claim(session, client)
+
     def dispatch(self, route: Route, session: SessionId | None, *, parallel_samples: bool = False) -> Ticket:
         """Book ``route`` as sent: the ledger, the half-open probes, the pair's use, and
         the session's offer (taken once: P pulls with it when ``route`` chose ``pull``).

@@ -22,6 +22,9 @@ ANSWER_HEADERS = (
 )
 """The picker's headers on D's request that Envoy copies to the client's answer
 (:class:`~kvpilot.routing.serve.proxy.Begun`'s ``headers``, lower-case)."""
+CLIENT_ATTRIBUTE = "source.address"
+"""The request attribute Envoy's ext_proc filter sends the picker with each request's headers:
+the client's ``IP:port`` as Envoy sees it (the TCP peer's, by ``use_remote_address``)."""
 ACCESS_LOG_NAME = "kvpilot"
 
 

@@ -15,6 +15,10 @@ headers with CONTINUE and the body with:
 - the body D is sent (token ids), its ``content-length`` set to match;
 - ``clear_route_cache``, so Envoy routes on the new headers;
 
+the client's address, for ``sessions.max_sessions_per_client``, comes with the headers as
+the ``source.address`` attribute (:func:`client_address`; Envoy's config says why it is the
+TCP peer's);
+
 or an immediate response when the picker refuses (JSON error naming the problem). Response
 headers and bodies are never sent here; the request's end comes from Envoy's access log.
 
@@ -50,7 +54,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from multidict import CIMultiDict
 
-from kvpilot.routing.gateway.contract import DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE
+from kvpilot.routing.gateway.contract import CLIENT_ATTRIBUTE, DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE
 from kvpilot.routing.gateway.picker import Picked, Picker, Refused, RequestEnd
 from kvpilot.routing.serve.proxy import error_reply
 
@@ -74,6 +78,18 @@ def _mutation(headers: Mapping[str, str]) -> ep.HeaderMutation:
             for k, v in headers.items()
         ]
     )
+
+
+def client_address(message: ep.ProcessingRequest) -> str | None:
+    """The client's IP address from the ``source.address`` attribute (``IP:port``, ``[v6]:port``)
+    that Envoy sends with a request's headers when its ext_proc filter asks for it
+    (``request_attributes``), under the filter's name; ``None`` when it sent none."""
+    for attributes in message.attributes.values():
+        value = attributes.fields.get(CLIENT_ATTRIBUTE)
+        address = "" if value is None else str(value.string_value)
+        if address:
+            return address.rpartition(":")[0].strip("[]") or address
+    return None
 
 
 def _immediate(
@@ -153,6 +169,8 @@ class _Stream:
     """GAIE's style (both bodies ``FULL_DUPLEX_STREAMED``)."""
     headers: CIMultiDict[str] = field(default_factory=CIMultiDict)
     arrived: float = 0.0
+    client: str | None = None
+    """The client's address (:func:`client_address`)."""
     body: bytearray = field(default_factory=bytearray)
     request_id: str | None = None
     """The picked request's id, in GAIE's style (its end is read here)."""
@@ -195,6 +213,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         if kind == "request_headers":
             state.arrived = time.perf_counter()
             state.headers = _headers(message.request_headers)
+            state.client = client_address(message)
             if message.request_headers.end_of_stream:  # no body: a GET
                 state.done = True
                 return [_immediate(*self._answer_get(state.headers.get(":path", ""), state.headers))]
@@ -245,7 +264,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             return [_immediate(405, error_reply(405, f"{headers.get(':method')} {path}: use POST").payload)]
         raw = bytes(state.body)
         try:
-            picked = await self._picker.pick(path, headers, raw, state.arrived)
+            picked = await self._picker.pick(path, headers, raw, state.arrived, state.client)
         except Refused as exc:
             state.done = True
             return [_immediate(exc.status, exc.payload, exc.headers)]

@@ -8,7 +8,9 @@ response byte reaches Python.
 :meth:`Picker.pick` drives the request's :class:`~kvpilot.routing.decide.lifecycle.Lifecycle`
 as the relay does up to D's call: an admission slot (``server.max_concurrent_requests`` and
 its queue: 429 or 503 with ``Retry-After``, as GAIE's protocol lets an endpoint picker
-refuse), the intake (check, the engine's token ids, session, route, TTFT SLO), then
+refuse), the intake (check, the engine's token ids, session, route, TTFT SLO), the
+session's claim for its client (the TCP peer Envoy saw: ``sessions.max_sessions_per_client``,
+as the relay claims for its own peer), then
 :meth:`~kvpilot.routing.serve.proxy.Proxy.begin` (the booking and P's prefill with its
 recovery when the route prefills remotely on vLLM engines: another P, D, or a 503; beside
 Dynamo P's step is deferred into D's call). It answers with D's
@@ -247,10 +249,15 @@ class Picker:
         self._addresses = addresses
         self._in_flight: dict[str, _InFlight] = {}
 
-    async def pick(self, path: str, headers: Mapping[str, str], raw: bytes, arrived: float) -> Picked:
+    async def pick(
+        self, path: str, headers: Mapping[str, str], raw: bytes, arrived: float, client: str | None = None
+    ) -> Picked:
         """The destination for one request that arrived at ``arrived``
         (``time.perf_counter()``): ``path`` and ``headers`` as the client sent them (with
-        Envoy's ``x-request-id``), ``raw`` its whole body. Raises :class:`Refused`: 404 for
+        Envoy's ``x-request-id``), ``raw`` its whole body, ``client`` its sender's address as
+        Envoy saw it (``None``: Envoy sent none, and the request's session counts for no
+        client's ``sessions.max_sessions_per_client``; the session, if it names one, is
+        claimed once the request is routed, before its booking). Raises :class:`Refused`: 404 for
         another path, 401 without the API key (``server.api_key_env``), 400 or 413 for a bad
         body (naming the problem), 409 for a request id in flight, 429 or 503 when the
         router is at capacity (``server.max_concurrent_requests`` and its queue, as the relay)
@@ -271,7 +278,7 @@ class Picker:
         except Rejected as exc:
             raise self._rejected(exc) from None
         try:
-            return await self._pick_admitted(api, headers, raw, arrived)
+            return await self._pick_admitted(api, headers, raw, arrived, client)
         except BaseException:
             self._admission.release()
             raise
@@ -280,7 +287,9 @@ class Picker:
         self._metrics.rejected.labels(exc.reason.value).inc()
         return Refused(exc.status, str(exc), "overloaded", **{"retry-after": str(exc.retry_after_s)})
 
-    async def _pick_admitted(self, api: Api, headers: Mapping[str, str], raw: bytes, arrived: float) -> Picked:
+    async def _pick_admitted(
+        self, api: Api, headers: Mapping[str, str], raw: bytes, arrived: float, client: str | None
+    ) -> Picked:
         intake = self._intake
         try:
             taken = await intake.take(headers, intake.checked_body(raw, api), api, arrived)
@@ -289,6 +298,8 @@ class Picker:
         except Rejected as exc:
             raise self._rejected(exc) from None
         request = taken.request
+        if client is not None:
+            self._lifecycle.claim_session(request.session, client)
         begun = await self._proxy.begin(request, request.route)
         if isinstance(begun, Reply):
             raise Refused(begun.status, begun.payload["error"]["message"], begun.payload["error"]["type"])

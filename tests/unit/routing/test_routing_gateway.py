@@ -9,6 +9,7 @@ headers) and from Envoy's answers to the client, not from the picker's say-so.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import subprocess
 import sys
@@ -101,9 +102,11 @@ def gateway(
     failure: PickerFailure,
     api_key: str | None = None,
     style: ProcessorStyle = ProcessorStyle.KVPILOT,
+    sessions: dict[str, Any] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes], Engines]]:
-    """The engines (those named for a role are the fleet), the router with its picker, and
-    Envoy in front; yields Envoy's URL, the router's process and the engines."""
+    """The engines (those named for a role are the fleet), the router with its picker (and
+    its ``sessions`` section), and Envoy in front; yields Envoy's URL, the router's process
+    and the engines."""
     served = Engines(engines)
     served.start()
     router_port, picker_port, gateway_port, admin_port = free_ports(4)
@@ -119,6 +122,7 @@ def gateway(
         },
         "disaggregation": {"max_local_tokens": 0},  # with a P: every request P, then D
         "gateway": {"picker_port": picker_port},
+        **({"sessions": sessions} if sessions else {}),
         "workers": [
             {"name": name, "role": name.split("-")[0], "url": f"http://127.0.0.1:{port}"}
             for name, port in fleet.items()
@@ -270,3 +274,101 @@ def test_the_api_key_is_required_through_envoy_as_at_the_router(model_dir: Path,
         with pytest.raises(urllib.error.HTTPError, match="401"):
             urllib.request.urlopen(f"{url}/v1/models", timeout=10)
         _wait(f"{url}/health")  # liveness stays open
+
+
+# ---- closed to strangers (issue 41): what the relay does, through Envoy ----------------
+
+OFFER = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "decode-0",
+    "remote_host": "10.0.0.7",
+    "remote_port": 5600,
+    "remote_block_ids": [[3, 4, 5]],
+    "remote_request_id": "cmpl-d0",
+    # strings that fool a scan counting braces or quotes without reading JSON's strings
+    "kvpilot": {"expires_at": 1e12, "note": 'a "}" and a \\" then {[', "tiers": [{"gpu": [1, {"x": "]"}]}]},
+}
+"""D's bidirectional offer of the session's KV, as a decode engine returns it."""
+
+
+@pytest.mark.parametrize("style", list(ProcessorStyle), ids=lambda style: style.value)
+def test_no_answer_through_envoy_carries_d_s_transfer_params(
+    model_dir: Path, tmp_path: Path, style: ProcessorStyle
+) -> None:
+    """D's offer (where the session's KV lives and how to pull it) never reaches a client:
+    Envoy's Lua filter answers ``kv_transfer_params: null`` as the relay does, whatever the
+    value's shape, and the rest of D's answer byte for byte. A stream is left as it came (vLLM
+    streams no such field; the fake engine's chunks carry one, which shows them untouched)."""
+    engines = {"prefill-0": FakeEngine("prefill-0"), "decode-0": FakeEngine("decode-0")}
+    with gateway(model_dir, tmp_path, engines, PickerFailure.REFUSE, style=style) as (url, _, served):
+        decode = served.engines["decode-0"]
+        for offer in (OFFER, 'a string: {"remote_host": 1}', 17, [OFFER, None]):
+            decode.session_offer = offer  # type: ignore[assignment]
+            body = {"prompt": PROMPT, "max_tokens": 2, "conversation_id": "s1"}
+            status, headers, text = _post(f"{url}/v1/completions", body)
+            assert status == 200, text
+            answer = json.loads(text)  # content-length matched the new body, or this would fail
+            assert answer["kv_transfer_params"] is None and "10.0.0.7" not in text and "remote_" not in text
+            assert answer["choices"][0]["text"] == "decode-0:40" and answer["usage"] == {"prompt_tokens": len(PROMPT)}
+            # GAIE's style streams the answer through the picker: chunked, no length to match
+            assert headers["content-length"] == (str(len(text.encode())) if style is ProcessorStyle.KVPILOT else None)
+        decode.session_offer = OFFER
+        status, _, text = _post(f"{url}/v1/completions", {**body, "stream": True})
+        assert status == 200 and _events(text)[-1] == "[DONE]"
+        assert json.loads(_events(text)[0])["kv_transfer_params"] == OFFER  # not read, not buffered
+
+
+class Garbled(FakeEngine):
+    """A decode engine whose non-streamed answer names ``kv_transfer_params`` but breaks off."""
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        answered = await super()._completions(request)
+        if not isinstance(answered, web.Response):
+            return answered
+        broken = b'{"id": "cmpl-x", "kv_transfer_params": {"remote_host": "10.0.0.7", "remote_block_ids": [[3'
+        return web.Response(body=broken, content_type="application/json")
+
+
+def test_an_answer_naming_the_params_that_cannot_be_read_is_withheld(model_dir: Path, tmp_path: Path) -> None:
+    engines = {"prefill-0": FakeEngine("prefill-0"), "decode-0": Garbled("decode-0")}
+    with gateway(model_dir, tmp_path, engines, PickerFailure.REFUSE) as (url, _, _served):
+        status, _, text = _post(f"{url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+        assert status == 502 and "10.0.0.7" not in text and "withheld" in json.loads(text)["error"]["message"]
+
+
+def _post_from(source: str, url: str, body: Any, headers: dict[str, str]) -> int:
+    """POST from the local address ``source``: another client on this host's loopback."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30, source_address=(source, 0))
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **headers})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
+def test_a_client_is_held_to_its_session_limit_through_envoy_whatever_address_it_forges(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``sessions.max_sessions_per_client`` through Envoy: the client is the TCP peer Envoy
+    sees, so a flood of session ids from one address drops that client's own oldest
+    sessions, never another client's, and an ``x-forwarded-for`` naming a new address on
+    each request changes nothing."""
+    engines = {"prefill-0": FakeEngine("prefill-0"), "decode-0": FakeEngine("decode-0")}
+    limit = {"max_sessions_per_client": 2}
+    with gateway(model_dir, tmp_path, engines, PickerFailure.REFUSE, sessions=limit) as (url, _, served):
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        assert _post_from("127.0.0.2", url, {**body, "conversation_id": "other"}, {}) == 200
+        for i in range(4):
+            forged = {"X-Forwarded-For": f"203.0.113.{i}", "X-Real-IP": f"203.0.113.{i}"}
+            assert _post_from("127.0.0.1", url, {**body, "conversation_id": f"s{i}"}, forged) == 200
+        router_url = url.rsplit(":", 1)[0] + f":{served.router_port}"
+
+        def held(session: str) -> bool:  # a held session's next step is priced by its options
+            _, _, text = _post(f"{router_url}/debug/route", {**body, "conversation_id": session})
+            return json.loads(text)["session_option"] is not None
+
+        assert [held(f"s{i}") for i in range(4)] == [False, False, True, True]
+        assert held("other")  # another client's session stays
