@@ -336,6 +336,20 @@ def test_an_answer_naming_the_params_that_cannot_be_read_is_withheld(model_dir: 
         assert status == 502 and "10.0.0.7" not in text and "withheld" in json.loads(text)["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("sent", "client"), [("127.0.0.2:5000", "127.0.0.2"), ("[::1]:5000", "::1"), ("", None), (None, None)]
+)
+def test_the_client_is_envoy_s_source_address_without_its_port(sent: str | None, client: str | None) -> None:
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    from kvpilot.routing.gateway.extproc import client_address
+
+    message = ep.ProcessingRequest()
+    if sent is not None:
+        message.attributes["envoy.filters.http.ext_proc"].update({"source.address": sent})
+    assert client_address(message) == client
+
+
 def _post_from(source: str, url: str, body: Any, headers: dict[str, str]) -> int:
     """POST from the local address ``source``: another client on this host's loopback."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
