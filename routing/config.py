@@ -271,8 +271,9 @@ class SessionConfig(TypedConfig, frozen=True):
     naming a file that holds it (:func:`read_secret`); ``""``: none."""
     max_sessions_per_client: int = 1000
     """Live sessions one client may hold (the client as the router sees it: the relay's TCP
-    peer address); a client's new session beyond it drops that client's least recently
-    named session, never another client's. 0: no limit."""
+    peer, or through Envoy the client's TCP peer address as Envoy saw it, ``source.address``;
+    a gateway that sends none gets no limit); a client's new session beyond it drops that
+    client's least recently named session, never another client's. 0: no limit."""
     store_key_prefix: str = "kvpilot:"
     """Every key the router writes starts with this (one Redis may serve several fleets)."""
     store_read_timeout_s: float = 0.05
