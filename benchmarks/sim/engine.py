@@ -32,11 +32,16 @@ the caller passes the time in and gets the time a pass ends.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+STORE, LOAD = 0, 1
+"""Host transfer kinds (D2H, H2D), in the order same-time completions apply."""
+MISS, PENDING, HIT = range(3)
+"""What the host tier holds of a block: nothing, a store not completed, the block."""
 PREFILL_MS = (4.209989e-07, 1.518344e-02, 1.650142e01)
 """The polynomial prefill model's coefficients (T^2, T, 1), milliseconds."""
 DECODE_MS = (-25.74, 54.01, 5.74)
@@ -52,6 +57,33 @@ class EngineSpec:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     speedup_ratio: float = 1.0
+    num_host_blocks: int = 0
+    """The mocker's ``native_host_offload.num_host_blocks`` (0: no host tier, as by default)."""
+    kv_bytes_per_token: int = 0
+    """The mocker's ``kv_cache_bytes_per_token``: a host block moves ``block_size`` times this."""
+    h2d_gb_s: float = 32.0
+    """``native_host_offload.h2d_bandwidth_gbps`` (the mocker's default), decimal GB/s."""
+    d2h_gb_s: float = 32.0
+    """``native_host_offload.d2h_bandwidth_gbps`` (the mocker's default), decimal GB/s."""
+
+    def __post_init__(self) -> None:
+        if self.num_host_blocks and self.kv_bytes_per_token <= 0:
+            raise ValueError("a host tier needs kv_bytes_per_token (the bytes a block moves)")
+        if self.h2d_gb_s < 0 or self.d2h_gb_s < 0:
+            raise ValueError("host bandwidths must not be negative")
+
+    def host_engine_args(self) -> dict[str, object]:
+        """The mocker's engine arguments for this host tier (none without one)."""
+        if not self.num_host_blocks:
+            return {}
+        return {
+            "kv_cache_bytes_per_token": self.kv_bytes_per_token,
+            "native_host_offload": {
+                "num_host_blocks": self.num_host_blocks,
+                "h2d_bandwidth_gbps": self.h2d_gb_s,
+                "d2h_bandwidth_gbps": self.d2h_gb_s,
+            },
+        }
 
 
 def prefill_ms(tokens: int) -> float:
@@ -92,6 +124,12 @@ class SimRequest:
     """Blocks it holds that no other request can reuse (its partial and generated blocks)."""
     first_token_ms: float | None = None
     token_ms: list[float] = field(default_factory=list)
+    host_reused_tokens: int = 0
+    """Of ``reused_tokens``, those restored from the host tier (the rest were on the GPU)."""
+    next_store_block: int = 0
+    """The host tier's write-through cursor: its prompt blocks before this were offered."""
+    load: HostLoad | None = None
+    """Its restore from the host tier, while it loads and until it is admitted."""
 
     @property
     def seq_len(self) -> int:
@@ -100,6 +138,17 @@ class SimRequest:
     @property
     def prefilling(self) -> bool:
         return self.computed < self.prompt_len
+
+
+@dataclass(slots=True)
+class HostLoad:
+    """A request's restore from the host tier: its GPU hit when it looked, the host blocks
+    it restores after it, and when that H2D ends (``None`` once activated)."""
+
+    g1_blocks: int
+    blocks: list[object]
+    deadline_ms: float | None
+    transfer: int
 
 
 Stored = tuple[SimRequest, int]
@@ -115,6 +164,134 @@ class PassResult:
     stored: list[Stored]
     evicted: list[object]
     emitting: list[SimRequest]
+
+
+class HostTier:
+    """One worker's private host pool, as AISimulate 0.13.0's ``HostTier`` with FIFO lanes
+    (module doc): entries pending a store or resident, an LRU over resident blocks no load
+    pins, a D2H and an H2D lane, transfers completed in deadline order (stores first)."""
+
+    def __init__(self, capacity: int, block_bytes: int, d2h_gb_s: float, h2d_gb_s: float) -> None:
+        self.capacity = capacity
+        self.pending: dict[object, int] = {}
+        """Blocks whose store has not completed: the store's transfer id."""
+        self.resident: set[object] = set()
+        self.pins: dict[object, int] = {}
+        self.lru: OrderedDict[object, None] = OrderedDict()
+        """Resident, unpinned blocks, least recent first."""
+        self.block_bytes = block_bytes
+        self.rate = {STORE: d2h_gb_s * 1e6, LOAD: h2d_gb_s * 1e6}  # bytes per ms
+        self.tail = {STORE: 0.0, LOAD: 0.0}
+        self.transfers: dict[int, tuple[int, list[object], SimRequest | None, float | None]] = {}
+        """Transfer id -> kind, blocks, the loading request, deadline (None until submitted)."""
+        self.deadlines: list[tuple[float, int, int]] = []  # (at, kind, id), a heap
+        self.prepared: list[int] = []
+        self.loading: dict[object, int] = {}
+        self.next_id = 0
+
+    def lookup(self, key: object) -> int:
+        """``MISS``, ``PENDING`` (its store not completed) or ``HIT``."""
+        if key in self.resident:
+            return HIT
+        return PENDING if key in self.pending else MISS
+
+    def touch(self, key: object) -> None:
+        if key in self.resident and not self.pins.get(key):
+            self.lru.pop(key, None)
+            self.lru[key] = None
+
+    def touch_cohort(self, keys: list[object]) -> None:
+        """One recency epoch for ``keys``, the block's name breaking ties (as its hash does)."""
+        for key in sorted(keys, key=hash):
+            self.lru.pop(key, None)
+            self.lru[key] = None
+
+    def prepare_store(self, keys: Sequence[object]) -> int | None:
+        """Admit the missing ones of ``keys`` (one cohort), evicting LRU victims outside it:
+        the store's id, ``-1`` if none is missing, ``None`` if they do not fit (retried)."""
+        protected = set(keys)
+        missing = [key for key in dict.fromkeys(keys) if key not in self.resident and key not in self.pending]
+        if not missing:
+            return -1
+        needed = len(missing) - (self.capacity - len(self.resident) - len(self.pending))
+        victims = []
+        if needed > 0:
+            for key in self.lru:
+                if key not in protected:
+                    victims.append(key)
+                    if len(victims) == needed:
+                        break
+            if len(victims) < needed:
+                return None
+        for key in victims:
+            self.resident.discard(key)
+            del self.lru[key]
+        transfer = self._new(STORE, missing, None)
+        for key in missing:
+            self.pending[key] = transfer
+        self.prepared.append(transfer)
+        return transfer
+
+    def _new(self, kind: int, blocks: list[object], request: SimRequest | None) -> int:
+        transfer = self.next_id
+        self.next_id += 1
+        self.transfers[transfer] = (kind, blocks, request, None)
+        return transfer
+
+    def _submit(self, transfer: int, not_before_ms: float) -> float:
+        kind, blocks, request, _ = self.transfers[transfer]
+        rate = self.rate[kind]
+        duration = len(blocks) * self.block_bytes / rate if rate > 0 else 0.0
+        at = self.tail[kind] = max(self.tail[kind], not_before_ms) + duration
+        self.transfers[transfer] = (kind, blocks, request, at)
+        heapq.heappush(self.deadlines, (at, kind, transfer))
+        return at
+
+    def submit_prepared(self, now_ms: float) -> None:
+        for transfer in self.prepared:
+            self._submit(transfer, now_ms)
+        self.prepared = []
+
+    def deadline(self, transfer: int) -> float | None:
+        entry = self.transfers.get(transfer)
+        return entry[3] if entry is not None else None
+
+    def schedule_load(self, request: SimRequest, keys: list[object], now_ms: float, not_before_ms: float) -> int:
+        for key in keys:
+            self.lru.pop(key, None)
+            self.pins[key] = self.pins.get(key, 0) + 1
+        transfer = self._new(LOAD, keys, request)
+        for key in keys:
+            self.loading[key] = transfer
+        self._submit(transfer, max(now_ms, not_before_ms))
+        return transfer
+
+    def due(self, now_ms: float) -> list[tuple[int, int, list[object], SimRequest | None]]:
+        """Complete every transfer due by ``now_ms`` (at one time, stores before loads, then
+        by id): stored blocks become resident, loads unpin theirs."""
+        done = []
+        while self.deadlines and self.deadlines[0][0] <= now_ms:
+            _, kind, transfer = heapq.heappop(self.deadlines)
+            _, blocks, request, _ = self.transfers.pop(transfer)
+            if kind == STORE:
+                for key in blocks:
+                    del self.pending[key]
+                    self.resident.add(key)
+                self.touch_cohort(blocks)
+            else:
+                unpinned = []
+                for key in blocks:
+                    del self.loading[key]
+                    self.pins[key] -= 1
+                    if not self.pins[key]:
+                        del self.pins[key]
+                        unpinned.append(key)
+                self.touch_cohort(unpinned)
+            done.append((kind, transfer, blocks, request))
+        return done
+
+    def next_deadline(self) -> float | None:
+        return self.deadlines[0][0] if self.deadlines else None
 
 
 class SimEngine:
@@ -133,14 +310,35 @@ class SimEngine:
         self.blocked_admissions = 0
         self.evicted: list[object] = []
         """Blocks evicted since the last pass was scheduled (reported with the next one)."""
+        self.host = (
+            HostTier(spec.num_host_blocks, spec.block_size * spec.kv_bytes_per_token, spec.d2h_gb_s, spec.h2d_gb_s)
+            if spec.num_host_blocks
+            else None
+        )
+        self.connector: deque[SimRequest] = deque()
+        """Requests the host tier set aside (vLLM's skipped waiting): loading, or deferred
+        until a transfer completes, or ready (retried ahead of :attr:`waiting`)."""
+        self.sleeping: set[int] = set()
+        """Ids of those in :attr:`connector` that wait for a transfer to complete."""
+        self.d2h_sources: dict[object, int] = {}
+        """GPU blocks whose copy to the host has not completed: the store's transfer id."""
+        self.compute_not_before_ms = 0.0
+        self.activated: list[Stored] = []
+        """Blocks restored from the host since the last pass (its stored KV events)."""
+        self.set_aside = 0
+        """Requests set aside so far (a pass that sets one aside does something)."""
+        self.stalled = False
+        """The last pass did nothing: the head waits for blocks a restore holds (it waits
+        for a transfer to end, or a new request)."""
 
     # ---- the cache ------------------------------------------------------------------
     def _active_blocks(self) -> int:
         return len(self.refs) + self.private_blocks
 
-    def _cached_prefix(self, request: SimRequest) -> int:
-        """Blocks of ``request``'s prompt cached from its start, capped so its last token is computed."""
-        cap = (request.prompt_len - 1) // self.spec.block_size
+    def _cached_prefix(self, request: SimRequest, capped: bool = True) -> int:
+        """Blocks of ``request``'s prompt cached from its start, capped so its last token is
+        computed (``capped``; uncapped, as the host tier's lookup takes the GPU's hit)."""
+        cap = (request.prompt_len - 1) // self.spec.block_size if capped else len(request.blocks)
         hits = 0
         for key in request.blocks[:cap]:
             if key in self.refs or key in self.free_cached:
@@ -151,10 +349,27 @@ class SimEngine:
 
     def _take(self, blocks: int) -> None:
         """Room for ``blocks`` fresh blocks: evict from the LRU head only what is short."""
+        self._fence(self._evict(blocks))
+
+    def _evict(self, blocks: int) -> float:
+        """Evict what :meth:`_take` needs; returns when the last of their copies to the host
+        ends (0 if none is pending): the blocks cannot be written before."""
         short = self._active_blocks() + len(self.free_cached) + blocks - self.spec.num_gpu_blocks
+        source_ready = 0.0
         while short > 0 and self.free_cached:
-            self.evicted.append(self.free_cached.popitem(last=False)[0])
+            key = self.free_cached.popitem(last=False)[0]
+            self.evicted.append(key)
             short -= 1
+            if self.d2h_sources and key in self.d2h_sources:
+                assert self.host is not None
+                deadline = self.host.deadline(self.d2h_sources.pop(key))
+                if deadline is not None:
+                    source_ready = max(source_ready, deadline)
+        return source_ready
+
+    def _fence(self, source_ready: float) -> None:
+        if source_ready > self.compute_not_before_ms:
+            self.compute_not_before_ms = source_ready
 
     def _pin(self, key: object) -> None:
         if key in self.free_cached:
@@ -207,23 +422,123 @@ class SimEngine:
     # ---- passes ---------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.waiting)
+        return not self.stalled and bool(self.running or self.waiting or len(self.connector) > len(self.sleeping))
 
     def submit(self, request: SimRequest) -> None:
         self.waiting.append(request)
+        self.stalled = False
 
+    # ---- the host tier ---------------------------------------------------------------
+    def next_host_deadline_ms(self) -> float | None:
+        """When a request set aside by the host tier may wake (the next transfer's end)."""
+        if self.host is None or not (self.sleeping or self.stalled):
+            return None
+        return self.host.next_deadline()
+
+    def advance_host(self, now_ms: float) -> None:
+        """Complete the host transfers due by ``now_ms``: a completed store frees its GPU
+        sources, a completed load activates its request; any completion wakes the requests
+        set aside."""
+        if self.host is None:
+            return
+        done = self.host.due(now_ms)
+        for kind, transfer, blocks, request in done:
+            if kind == STORE:
+                for key in blocks:
+                    if self.d2h_sources.get(key) == transfer:
+                        del self.d2h_sources[key]
+            else:
+                assert request is not None
+                self._activate(request)
+        if done:
+            self.sleeping.clear()
+            self.stalled = False
+
+    def _activate(self, request: SimRequest) -> None:
+        """``request``'s restored blocks are cached on the GPU, held by it."""
+        load = request.load
+        assert load is not None
+        for key in load.blocks:
+            if key not in self.refs and key not in self.free_cached:
+                self.activated.append((request, len(request.held)))
+            self._pin(key)
+            request.held.append(key)
+            request.private_blocks -= 1
+            self.private_blocks -= 1
+        load.deadline_ms = None
+
+    def _host_lookup(self, request: SimRequest, g1: int) -> list[object] | None:
+        """The connector's lookup after the GPU's hit of ``g1`` blocks: every prompt block
+        touched (last first), then the run of host blocks after the hit (``None``: deferred,
+        one of them is still being stored or loaded)."""
+        host = self.host
+        assert host is not None
+        for key in reversed(request.blocks):
+            host.touch(key)
+        hit: list[object] = []
+        deferred = False
+        for key in request.blocks[g1:]:
+            state = host.lookup(key)
+            if state == MISS:
+                break
+            hit.append(key)
+            deferred = deferred or state == PENDING or key in host.loading
+        return None if deferred else hit
+
+    def _next_candidate(self) -> SimRequest | None:
+        for request in self.connector:
+            if request.rid not in self.sleeping:
+                return request
+        return self.waiting[0] if self.waiting else None
+
+    def _set_aside(self, request: SimRequest) -> None:
+        """Skip ``request`` until a host transfer completes, keeping its place among those set aside."""
+        if self.waiting and self.waiting[0] is request:
+            self.waiting.popleft()
+            self.connector.append(request)
+        self.sleeping.add(request.rid)
+        self.set_aside += 1
+
+    def _offer(self, request: SimRequest) -> None:
+        """Write-through: offer the host tier ``request``'s prompt blocks computed since its
+        cursor, one cohort; the missing ones are stored (submitted when the pass ends)."""
+        host = self.host
+        assert host is not None
+        end = min(min(request.computed, request.prompt_len) // self.spec.block_size, len(request.blocks))
+        if end <= request.next_store_block:
+            return
+        keys = request.blocks[request.next_store_block : end]
+        missing = [key for key in keys if host.lookup(key) == MISS]
+        if not missing:
+            request.next_store_block = end
+            return
+        transfer = host.prepare_store(keys)
+        if transfer is None:  # no room: retried next pass, the cursor kept
+            return
+        for key in missing:
+            self.d2h_sources[key] = transfer
+        request.next_store_block = end
+        for key in reversed(request.blocks):
+            host.touch(key)
+
+    # ---- passes ---------------------------------------------------------------------
     def run_pass(self, now_ms: float) -> PassResult:
         """Schedule one pass starting at ``now_ms``; the caller calls :meth:`finish_pass` at its end."""
         spec = self.spec
+        host = self.host
         budget = spec.max_num_batched_tokens
-        stored: list[Stored] = []
+        stored: list[Stored] = self.activated
+        self.activated = []
         chunks: list[tuple[int, int]] = []  # per prefilling request: tokens computed before the pass, its chunk
         decoding_context = 0
         decoding = False
         emitting: list[SimRequest] = []
+        scheduled = 0  # the running requests scheduled, from the first
+        set_aside = self.set_aside
         for request in self.running:
             if budget <= 0:
                 break
+            scheduled += 1
             if request.prefilling:
                 budget -= self._prefill_chunk(request, budget, stored, chunks)
                 if request.computed >= request.prompt_len:  # its prefill ends in this pass
@@ -233,14 +548,56 @@ class SimEngine:
                 decoding = True
                 decoding_context += request.seq_len
                 emitting.append(request)
-        while self.waiting and len(self.running) < spec.max_num_seqs and budget > 0:
-            head = self.waiting[0]
-            cached = self._cached_prefix(head)
+        admitted_from = len(self.running)
+        while len(self.running) < spec.max_num_seqs and budget > 0:
+            candidate = self._next_candidate() if host is not None else self.waiting[0] if self.waiting else None
+            if candidate is None:
+                break
+            head = candidate
+            hit: list[object] = []
+            g1 = 0
+            if host is not None and not head.transferred:
+                if head.load is None:
+                    g1 = self._cached_prefix(head, capped=False)
+                    found = self._host_lookup(head, g1)
+                    if found is None:
+                        self._set_aside(head)
+                        continue
+                    hit = found
+                elif head.load.deadline_ms is not None:  # woken while its restore runs
+                    self._set_aside(head)
+                    continue
+            cap = (head.prompt_len - 1) // spec.block_size
+            if head.load is not None:  # restored: its cost frozen at the restored prefix
+                cached = min(head.load.g1_blocks + len(head.load.blocks), cap)
+            else:
+                cached = self._cached_prefix(head)
             needed = self._blocks_for(head.prompt_len) - cached
             if needed > spec.num_gpu_blocks - self._active_blocks():
                 self.blocked_admissions += 1
                 break
-            self.waiting.popleft()
+            if hit:  # restore ``hit`` into blocks reserved now, then admit it
+                assert host is not None
+                prefix = head.blocks[:g1]
+                pinned = sum(1 for key in prefix if key not in self.refs)
+                if len(hit) + pinned > spec.num_gpu_blocks - self._active_blocks():
+                    self.blocked_admissions += 1
+                    break
+                for key in prefix:
+                    self._pin(key)
+                    head.held.append(key)
+                source_ready = self._evict(len(hit))
+                head.private_blocks += len(hit)
+                self.private_blocks += len(hit)
+                transfer = host.schedule_load(head, hit, now_ms, source_ready)
+                head.load = HostLoad(g1, hit, host.deadline(transfer), transfer)
+                self._set_aside(head)
+                continue
+            if self.waiting and self.waiting[0] is head:
+                self.waiting.popleft()
+            else:  # a restored request, retried ahead of the waiting queue
+                del self.connector[next(i for i, r in enumerate(self.connector) if r is head)]
+                self.sleeping.discard(head.rid)
             self.running.append(head)
             if head.transferred:  # its KV installed, it decodes in this pass
                 head.computed = head.prompt_len
@@ -251,19 +608,37 @@ class SimEngine:
                 emitting.append(head)
                 continue
             head.computed = head.reused_tokens = cached * spec.block_size
+            if head.load is not None:
+                head.host_reused_tokens = head.reused_tokens - min(
+                    head.load.g1_blocks * spec.block_size, head.reused_tokens
+                )
+                head.next_store_block = cached
+                head.load = None
             budget -= self._prefill_chunk(head, budget, stored, chunks)
             if not head.prefilling:
                 emitting.append(head)
+        if host is not None:
+            for request in self.running[:scheduled] + self.running[admitted_from:]:
+                if not request.transferred:
+                    self._offer(request)
         n = len(chunks)
-        isl, prefix = sum(before + chunk for before, chunk in chunks), sum(before for before, _ in chunks)
-        tokens = n * (isl // n - prefix // n) if n else 0
+        isl, prefix_tokens = sum(before + chunk for before, chunk in chunks), sum(before for before, _ in chunks)
+        tokens = n * (isl // n - prefix_tokens // n) if n else 0
         utilization = decoding_context / (spec.num_gpu_blocks * spec.block_size)
         duration = prefill_ms(tokens) + (decode_ms(utilization) if decoding else 0.0)
         evicted, self.evicted = self.evicted, []
-        return PassResult(now_ms + duration / spec.speedup_ratio, stored, evicted, emitting)
+        if host is not None and not (emitting or chunks or self.set_aside != set_aside):
+            self.stalled = True
+        start_ms = max(now_ms, self.compute_not_before_ms)  # after the copies of the blocks it overwrites
+        return PassResult(start_ms + duration / spec.speedup_ratio, stored, evicted, emitting)
 
     def finish_pass(self, result: PassResult) -> list[SimRequest]:
-        """The pass of ``result`` ended: each emitting request gets a token; returns the finished."""
+        """The pass of ``result`` ended: the host transfers due complete and the pass's stores
+        are submitted; each emitting request gets a token; returns the finished."""
+        if self.host is not None:
+            self.advance_host(result.end_ms)
+            self.host.submit_prepared(result.end_ms)
+            self.advance_host(result.end_ms)  # a store over an instantaneous link completes at once
         finished = []
         for request in result.emitting:
             request.token_ms.append(result.end_ms)

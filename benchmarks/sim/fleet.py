@@ -27,11 +27,12 @@ from fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, TraceRequest
 
 from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, Stored
 
-PASS_END, KV_EVENTS, HANDOFF, ARRIVAL = range(4)
+PASS_END, KV_EVENTS, HANDOFF, ARRIVAL, WAKE = range(5)
 """Event kinds. Events at one instant are taken in the order they were scheduled; only once
 the instant's events are all taken do the handoffs of the prefills that ended in it go to
 their decode workers (by prefill worker, as the replay does) and idle workers with work
-start their passes, so requests that arrive together share a pass, as in Dynamo's replay."""
+start their passes, so requests that arrive together share a pass, as in Dynamo's replay.
+A ``WAKE`` is a host transfer's end on an idle worker whose requests wait for one."""
 DEFAULT_SPEC = EngineSpec()
 """Dynamo 1.6.1's mocker defaults."""
 
@@ -160,6 +161,8 @@ class Report:
     reused_tokens: int
     input_tokens: int
     blocked_admissions: int
+    host_reused_tokens: int = 0
+    """Of ``reused_tokens``, those restored from the workers' host tiers."""
 
     def summary(self) -> dict[str, float]:
         return {
@@ -168,6 +171,7 @@ class Report:
             "p99_ttft_ms": percentile(self.ttft_ms, 0.99),
             "mean_itl_ms": statistics.fmean(self.itl_ms) if self.itl_ms else float("nan"),
             "reuse": self.reused_tokens / self.input_tokens if self.input_tokens else 0.0,
+            "host_reused_tokens": float(self.host_reused_tokens),
         }
 
 
@@ -224,6 +228,7 @@ def simulate(
         heapq.heappush(events, (request.arrival_ms, order, ARRIVAL, request))
         order += 1
     running_pass: list[PassResult | None] = [None] * len(engines)
+    wake_at: list[float | None] = [None] * len(engines)  # each idle worker's pending WAKE
     woken: set[int] = set()  # workers given work this instant
     prefilled: list[tuple[int, SimRequest]] = []  # prefills that ended this instant: P's index, the request
 
@@ -241,11 +246,20 @@ def simulate(
         prefilled.clear()
         for index in sorted(woken):
             engine = engines[index]
-            if running_pass[index] is None and engine.busy:
+            if running_pass[index] is not None:
+                continue
+            engine.advance_host(now)
+            if engine.busy:
                 result = engine.run_pass(now)
                 running_pass[index] = result
                 heapq.heappush(events, (result.end_ms, order, PASS_END, index))
                 order += 1
+            else:
+                wake = engine.next_host_deadline_ms()
+                if wake is not None and wake != wake_at[index]:
+                    wake_at[index] = wake
+                    heapq.heappush(events, (wake, order, WAKE, index))
+                    order += 1
         woken.clear()
 
     while events:
@@ -264,6 +278,10 @@ def simulate(
                 woken.add(p)
         elif kind == KV_EVENTS:
             placement.kv_events(*payload)
+        elif kind == WAKE:
+            if wake_at[payload] == now:
+                wake_at[payload] = None
+            woken.add(payload)
         elif kind == HANDOFF:
             request, d = payload
             request.transferred = True
@@ -310,4 +328,5 @@ def simulate(
         sum(r.reused_tokens for r in requests),
         sum(r.prompt_len for r in requests),
         sum(e.blocked_admissions for e in engines),
+        sum(r.host_reused_tokens for r in requests),
     )
