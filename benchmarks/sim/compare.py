@@ -6,7 +6,10 @@ Dynamo's KV router (the router). Both routers break ties among equally cheap wor
 random, and where sessions meet idle workers one draw decides a session's whole run, so the
 routers are compared on their means over ``--repeats`` runs: Dynamo's replay that many times,
 kvpilot's router with that many seeds (``cost.router_seed`` 0, 1, ...). Mean and p99 TTFT,
-mean inter-token latency and prefix reuse, with their ratios."""
+mean inter-token latency and prefix reuse, with their ratios. ``--host-blocks`` gives every
+worker the mocker's host (G2) tier on both sides (with ``--num-gpu-blocks`` small enough that
+the GPU evicts, so the host's hits matter); reuse then counts GPU and host hits, and each side's
+host-reused tokens are reported beside it."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from typing import Any, Literal
 from fleet.trace import load_trace
 from provenance import describe, provenance
 
+from sim.engine import EngineSpec
 from sim.fleet import DEFAULT_SPEC, INSTANT, KvTransfer, Placement, Pools, RoundRobin, percentile, simulate
 from sim.kvpilot import KvpilotPlacement
 
@@ -47,6 +51,7 @@ def replay_rows(
     prefill_workers: int = 0,
     transfer: KvTransfer = INSTANT,
     kv_event_lag_ms: float = 0.0,
+    spec: EngineSpec | None = None,
 ) -> list[dict[str, Any]]:
     """Dynamo's replay of ``trace`` with ``router_mode`` ``mode`` (and, for its KV router, the
     options ``router_config``: ``KvRouterConfig``'s names; ``trace_block_size``: the tokens a
@@ -54,12 +59,16 @@ def replay_rows(
     per-request records. With ``prefill_workers``, disaggregated: ``workers`` decode workers
     behind them, each handoff priced by ``transfer`` (the replay's prefill router weighs KV
     overlap on P's events; its decode router, load alone). ``kv_event_lag_ms``: how late its
-    router's index sees the workers' KV events (its KV router only)."""
+    router's index sees the workers' KV events (its KV router only). ``spec``: the engines'
+    ``num_gpu_blocks`` and host tier (:meth:`EngineSpec.host_engine_args`), the mocker's
+    defaults when ``None``."""
     os.environ.setdefault("DYN_LOG", "warn")  # its KV router logs every decision at info
     from dynamo._core import KvRouterConfig
     from dynamo.replay import run_trace_replay
 
-    engine = {"block_size": block_size, "speedup_ratio": speedup_ratio}
+    engine: dict[str, Any] = {"block_size": block_size, "speedup_ratio": speedup_ratio}
+    if spec is not None:
+        engine.update(num_gpu_blocks=spec.num_gpu_blocks, **spec.host_engine_args())
     if prefill_workers:
         pools: dict[str, Any] = {
             "prefill_engine_args": {"engine": {**engine, "worker_type": "prefill", **transfer.engine_args()}},
@@ -85,12 +94,24 @@ def replay_rows(
 
 
 def dynamo_replay(
-    trace: Path, workers: int, block_size: int, mode: RouterMode, prefill_workers: int = 0, kv_event_lag_ms: float = 0.0
+    trace: Path,
+    workers: int,
+    block_size: int,
+    mode: RouterMode,
+    prefill_workers: int = 0,
+    kv_event_lag_ms: float = 0.0,
+    spec: EngineSpec | None = None,
 ) -> dict[str, float]:
     """:func:`replay_rows` summarized as :meth:`sim.fleet.Report.summary` is."""
     rows = replay_rows(
-        trace, workers, block_size, mode, prefill_workers=prefill_workers, kv_event_lag_ms=kv_event_lag_ms
+        trace, workers, block_size, mode, prefill_workers=prefill_workers, kv_event_lag_ms=kv_event_lag_ms, spec=spec
     )
+    return summarize(rows)
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Replay's per-request records summarized as :meth:`sim.fleet.Report.summary` is (its
+    host-reused tokens: each request's at its first admission, as the simulator counts them)."""
     ttft = [r["ttft_ms"] for r in rows]
     return {
         "requests": float(len(rows)),
@@ -98,16 +119,21 @@ def dynamo_replay(
         "p99_ttft_ms": percentile(ttft, 0.99),
         "mean_itl_ms": statistics.fmean(r["itl_ms"] for r in rows if r["output_length"] > 1),
         "reuse": sum(r["reused_input_tokens"] for r in rows) / sum(r["input_length"] for r in rows),
+        "host_reused_tokens": float(sum(r.get("first_admission_host_reused_input_tokens") or 0 for r in rows)),
     }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Each row: the simulator's figure, Dynamo's, and their ratio."""
-    lines = ["| trace | fleet | routing | " + " | ".join(f"{k} (sim / Dynamo)" for k in KEYS) + " |"]
-    lines.append("|---|---:|---|" + "---|" * len(KEYS))
+    """Each row: the simulator's figure, Dynamo's, and their ratio (host-reused tokens too
+    where Dynamo's replay restored any)."""
+    keys = KEYS + (("host_reused_tokens",) if any(r["dynamo_replay"].get("host_reused_tokens") for r in rows) else ())
+    lines = ["| trace | fleet | routing | " + " | ".join(f"{k} (sim / Dynamo)" for k in keys) + " |"]
+    lines.append("|---|---:|---|" + "---|" * len(keys))
     for row in rows:
         ours, theirs = row["kvpilot_sim"], row["dynamo_replay"]
-        cells = [f"{ours[k]:.3f} / {theirs[k]:.3f} ({ours[k] / theirs[k]:.4f}x)" for k in KEYS]
+        cells = [
+            f"{ours[k]:.3f} / {theirs[k]:.3f} ({ours[k] / theirs[k] if theirs[k] else float('nan'):.4f}x)" for k in keys
+        ]
         pools = Pools(row["workers"], row.get("prefill_workers", 0))
         lines.append(f"| {row['trace']} | {pools} | {row['mode']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -128,8 +154,28 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-event-lag-ms", type=float, default=0.0, help="how late the routers' indexes see KV events, both sides"
     )
     parser.add_argument("--repeats", type=int, default=REPEATS, help="runs of each router (its seeds, its replays)")
+    parser.add_argument(
+        "--num-gpu-blocks", type=int, default=DEFAULT_SPEC.num_gpu_blocks, help="each worker's GPU blocks, both sides"
+    )
+    parser.add_argument(
+        "--host-blocks",
+        type=int,
+        default=0,
+        help="each worker's host (G2) tier in blocks, both sides (0: none); the simulator then keeps generated "
+        "blocks cached as the mocker does",
+    )
+    parser.add_argument("--kv-bytes-per-token", type=int, default=131072, help="KV bytes a token (llama-8b, bf16)")
+    parser.add_argument("--host-gb-s", type=float, default=32.0, help="the host tier's H2D and D2H bandwidth, GB/s")
     parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-sim-vs-dynamo.json"))
     args = parser.parse_args(argv)
+    spec = EngineSpec(
+        num_gpu_blocks=args.num_gpu_blocks,
+        cache_generated_blocks=bool(args.host_blocks),
+        num_host_blocks=args.host_blocks,
+        kv_bytes_per_token=args.kv_bytes_per_token if args.host_blocks else 0,
+        h2d_gb_s=args.host_gb_s,
+        d2h_gb_s=args.host_gb_s,
+    )
     rows: list[dict[str, Any]] = []
     for trace in args.trace:
         entries = load_trace(trace, args.max_requests)
@@ -154,15 +200,14 @@ def main(argv: list[str] | None = None) -> int:
                     placement: Placement = (
                         RoundRobin()
                         if mode == "round_robin"
-                        else KvpilotPlacement(
-                            workers, DEFAULT_SPEC, DYNAMO_WEIGHTS, seed=seed, prefill_workers=prefill_workers
-                        )
+                        else KvpilotPlacement(workers, spec, DYNAMO_WEIGHTS, seed=seed, prefill_workers=prefill_workers)
                     )
                     runs.append(
                         simulate(
                             entries,
                             workers,
                             placement,
+                            spec,
                             kv_event_lag_ms=args.kv_event_lag_ms,
                             prefill_workers=prefill_workers,
                         ).summary()
@@ -172,7 +217,13 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.perf_counter()
                 replays = [
                     dynamo_replay(
-                        Path(sliced.name), workers, DEFAULT_SPEC.block_size, mode, prefill_workers, args.kv_event_lag_ms
+                        Path(sliced.name),
+                        workers,
+                        spec.block_size,
+                        mode,
+                        prefill_workers,
+                        args.kv_event_lag_ms,
+                        spec if spec != DEFAULT_SPEC else None,
                     )
                     for _ in range(repeats)
                 ]

@@ -57,6 +57,10 @@ class EngineSpec:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     speedup_ratio: float = 1.0
+    cache_generated_blocks: bool = False
+    """Keep a finished request's full generated blocks cached, as the mocker does (they
+    compete for eviction with prompt blocks); off: they are freed at once, as before. Only a
+    cache that evicts tells the two apart (module doc)."""
     num_host_blocks: int = 0
     """The mocker's ``native_host_offload.num_host_blocks`` (0: no host tier, as by default)."""
     kv_bytes_per_token: int = 0
@@ -149,6 +153,15 @@ class HostLoad:
     blocks: list[object]
     deadline_ms: float | None
     transfer: int
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratedBlock:
+    """A full block of a finished request's generated tokens, cached under a name no prompt
+    has (its evictions are not reported: no router was told of it)."""
+
+    rid: int
+    index: int
 
 
 Stored = tuple[SimRequest, int]
@@ -358,8 +371,10 @@ class SimEngine:
         source_ready = 0.0
         while short > 0 and self.free_cached:
             key = self.free_cached.popitem(last=False)[0]
-            self.evicted.append(key)
             short -= 1
+            if isinstance(key, GeneratedBlock):
+                continue
+            self.evicted.append(key)
             if self.d2h_sources and key in self.d2h_sources:
                 assert self.host is not None
                 deadline = self.host.deadline(self.d2h_sources.pop(key))
@@ -377,6 +392,15 @@ class SimEngine:
         self.refs[key] = self.refs.get(key, 0) + 1
 
     def _release(self, request: SimRequest) -> None:
+        # Its full blocks past the prompt (generated tokens, the last one's KV never computed)
+        # stay cached too, as the mocker keeps them: no later prompt names them.
+        full = (
+            (request.prompt_len + request.generated - 1) // self.spec.block_size
+            if self.spec.cache_generated_blocks
+            else 0
+        )
+        for index in reversed(range(max(len(request.held), len(request.blocks)), full)):
+            self.free_cached[GeneratedBlock(request.rid, index)] = None
         for key in reversed(request.held):  # leaf first: suffixes leave the cache before parents
             count = self.refs[key] - 1
             if count:
