@@ -1,6 +1,7 @@
 """One simulated engine in virtual time, modelled as Dynamo 1.6.1's mocker models a vLLM
 worker (AISimulate 0.13.0's vLLM core, read from its source: ``engine/common/perf_model.rs``,
-``engine/scheduler/vllm/core.rs``, ``engine/cache/vllm_block_pool.rs``). Pure: no clock, no I/O;
+``engine/scheduler/vllm/core.rs``, ``engine/cache/vllm_block_pool.rs``, and for the host tier
+the files named below). Pure: no clock, no I/O;
 the caller passes the time in and gets the time a pass ends.
 
 - **Timing** (the polynomial model, ms, divided by ``speedup_ratio``): a pass lasts
@@ -23,6 +24,43 @@ the caller passes the time in and gets the time a pass ends.
   the same pass; a finished request's blocks go to the LRU tail leaf first, and eviction takes
   the LRU head only when fresh blocks are needed. The pass's new blocks are its stored KV
   events.
+- **Generated blocks** (``cache_generated_blocks``, off by default; ``--host-blocks`` sets it): a
+  finished request's full blocks past its prompt (``(prompt + generated - 1) // block_size``,
+  the last token's KV never computed) stay cached in the LRU, leaf first, ahead of its prompt
+  blocks, as the mocker keeps them; no prompt names them, and their evictions are not
+  reported. Off, they are freed at once (as this simulator always did): only a cache that
+  evicts tells the two apart.
+- **Host tier** (``num_host_blocks`` > 0; AISimulate 0.13.0's native host offload with a
+  private pool: ``engine/host_offload/tier.rs``, ``engine/scheduler/vllm/host_offload.rs``
+  and their calls in ``core.rs``): a block moves ``block_size * kv_bytes_per_token`` bytes.
+  *Write-through*: after a pass is scheduled, each request it scheduled offers its prompt
+  blocks computed since its cursor (one cohort; only full prompt blocks, only those the host
+  neither holds nor is storing); the missing ones take host entries at once (evicting LRU
+  victims outside the cohort, or retrying next pass if too few), and every prompt block of
+  the request is touched, last first. The pass's stores are submitted on the D2H lane when it
+  ends (FIFO: start ``max(lane tail, end)``, duration bytes / bandwidth, first-byte latency 0
+  as the mocker's default). A stored block becomes resident, one recency epoch per completed
+  transfer (ties by the block's name, as the mocker's by its hash). *Fence*: a GPU block
+  evicted while its copy runs cannot be written before the copy ends: every later pass starts
+  no earlier (``compute_not_before_ms``). *Restore*: a waiting request's lookup (while the
+  pass has budget and room) touches its prompt blocks, last first; after its GPU hit (all
+  cached full blocks, uncapped) the host's run of resident blocks is restored: its GPU prefix
+  pinned and blocks reserved for the run (after any copy from them ends), the H2D queued on
+  its FIFO lane, the host blocks pinned out of the LRU; the request is set aside, the pass
+  goes on to the next. A run with a block still being stored or loaded defers the request
+  until a transfer completes. Transfers complete at pass ends (an idle worker wakes at the
+  next one), stores before loads at one time; any completion wakes those set aside, which are
+  retried ahead of the waiting queue: a restored request is admitted with its reuse frozen at
+  the restored prefix (capped so its last token is computed), no restore overlapping its
+  prefill. Its host-reused tokens are that reuse less its GPU hit when it looked. A worker
+  whose waiting head cannot be admitted while restores hold blocks idles until a transfer
+  ends or a request arrives.
+- **Not modelled with a host tier**: the admission policy's extra headroom for restores and
+  running chunked prefills (only the plain block check: a workload whose admissions wait on
+  blocks parts from the mocker's), preemption, a request's own pending store deferring it
+  (only after preemption), shared (cluster) host pools and G3, and the host tier on
+  disaggregated workers (handoffs skip it). Restored blocks are reported as stored KV events
+  with the next pass; the host's own events are not.
 - **Disaggregated** (the mocker's prefill-first handoff): a prefill worker serves a copy of the
   request capped at one output token (hidden from the report); once its KV has moved, the
   decode worker admits the request with its whole prompt computed (its blocks installed, no
