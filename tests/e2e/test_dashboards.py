@@ -146,9 +146,11 @@ def _drive(fleet: Fleet, prom: dashboards.Prometheus, tokenizer: PromptTokenizer
     finally:
         os.killpg(p_group, signal.SIGCONT)
     assert fallback.headers["X-KVPilot-Route"] == "fallback"
-    # An engine error passed to the client (D refuses min_tokens above max_tokens; P's
-    # one-token prefill does not carry it), and a prompt refused before routing.
-    for body in ({"prompt": ids(6), "max_tokens": 2, "min_tokens": 3}, {"prompt": [1] * 9000, "max_tokens": 2}):
+    # An engine error passed to the client (a regex xgrammar cannot compile: the router
+    # checks what vLLM checks without vLLM, not a grammar; P refuses it, then D, whose error
+    # the client gets), and a prompt refused before routing.
+    engine_error = {"prompt": ids(6), "max_tokens": 2, "structured_outputs": {"regex": "("}}
+    for body in (engine_error, {"prompt": [1] * 9000, "max_tokens": 2}):
         with pytest.raises(HTTPStatusError) as refused:
             complete(router, **body)
         assert refused.value.status == 400
@@ -252,7 +254,7 @@ def test_panels_show_what_the_fleet_did(observed: tuple[Fleet, dashboards.Promet
     assert max(_values(r[f"{rt} / Predicted vs measured prefix-cache hit ratio / B"])) > 0
     assert max(_values(r[f"{rt} / Prefill fallbacks / A"])) > 0
     # Counters since the router's restart: P's prefill timed out once (the fallback), D
-    # refused the engine error's min_tokens, the router refused the 9,000-token prompt.
+    # refused the engine error's regex, the router refused the 9,000-token prompt.
     since_start = {
         panel: r[f"{rt} / {panel} (since router start) / A"]
         for panel in ("Prefill failures", "Engine errors passed to clients", "Requests refused before routing")
