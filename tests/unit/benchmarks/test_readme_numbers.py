@@ -174,7 +174,7 @@ def test_every_headline_links_its_results_file() -> None:
 
 
 DIRTY_TREE_RESULTS = frozenset(
-    {"sim-live-agent-16-sweep", "sim-live-agent-64-sweep", "sim-live-conversation-64-sweep"}
+    {"sim-live-agent-64-sweep", "sim-live-conversation-64-sweep"}
 )
 """The results files the README quotes that were produced from a tree with uncommitted
 changes (``+dirty``): to be rerun from a clean one (issue 41 item 6), each then struck off."""
@@ -211,5 +211,5 @@ def test_the_rules(block, missing) -> None:
 
 def test_percentages() -> None:
     live = "docs/benchmarks/results/sim-live-agent-16-sweep.json"
-    claim = f"93-95% of requests, within 6% (0.94x) and 9%, within 8% [r]({live})"
-    assert unsupported(claim, [Path(live).stem]) == ["93%", "9%", "8%"]
+    claim = f"93-95% of requests, within 6% (0.94x) and 9%, within 12% [r]({live})"
+    assert unsupported(claim, [Path(live).stem]) == ["93%", "9%", "12%"]
