@@ -173,9 +173,7 @@ def test_every_headline_links_its_results_file() -> None:
         assert any(LINKED_RESULTS.match(t) for _, t in LINK.findall(bullet)), f"no results file linked: {bullet[:80]}"
 
 
-DIRTY_TREE_RESULTS = frozenset(
-    {"sim-live-agent-64-sweep", "sim-live-conversation-64-sweep"}
-)
+DIRTY_TREE_RESULTS = frozenset({"sim-live-agent-64-sweep", "sim-live-conversation-64-sweep"})
 """The results files the README quotes that were produced from a tree with uncommitted
 changes (``+dirty``): to be rerun from a clean one (issue 41 item 6), each then struck off."""
 
