@@ -55,7 +55,6 @@ else). The admin interface is always on 127.0.0.1.
 from __future__ import annotations
 
 import enum
-import ipaddress
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -69,6 +68,7 @@ from kvpilot.routing.gateway.contract import (
     DESTINATION_HEADER,
     ROUTING_HEADERS,
     LogAttribute,
+    is_ip_address,
 )
 
 ADMIN_HOST = "127.0.0.1"
@@ -250,14 +250,6 @@ class GatewaySpec:
             raise ValueError(f"gateway, admin and picker ports must differ, got {ports}")
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
@@ -273,7 +265,7 @@ def _discovery(host_ports: Sequence[str]) -> dict[str, Any]:
     address, else by Envoy's own DNS (``STRICT_DNS``), IPv4 first, as the picker resolves
     its destinations (:class:`kvpilot.routing.gateway.picker.Addresses`): ``localhost``
     is 127.0.0.1 for an engine that binds only that, not ``::1``."""
-    if all(_is_ip(_split(host_port)[0]) for host_port in host_ports):
+    if all(is_ip_address(_split(host_port)[0]) for host_port in host_ports):
         return {"type": "STATIC"}
     return {"type": "STRICT_DNS", "dns_lookup_family": "V4_PREFERRED"}
 

@@ -4,6 +4,7 @@ header names, the access log's name and attributes. Pure constants."""
 from __future__ import annotations
 
 import enum
+import ipaddress
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 """GAIE's endpoint-picker protocol: the ``IP:port`` the picker chose (an address, never a
@@ -55,3 +56,13 @@ _FORMATS = {
     LogAttribute.DURATION_US: "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
     LogAttribute.RESPONSE_FLAGS: "%RESPONSE_FLAGS%",
 }
+
+
+def is_ip_address(host: str) -> bool:
+    """Whether ``host`` is an IP address as written (the picker names one as is; a host name
+    is resolved first, and Envoy's clusters look it up themselves)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import logging
 import socket
 import time
@@ -67,6 +66,7 @@ import msgspec
 
 from kvpilot.routing.config import ServerConfig, Worker
 from kvpilot.routing.decide.lifecycle import Lifecycle
+from kvpilot.routing.gateway.contract import is_ip_address
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
 from kvpilot.routing.serve.admission import Admission, Rejected
 from kvpilot.routing.serve.app import UNAUTHORIZED_MESSAGE
@@ -161,14 +161,6 @@ async def resolve_host(host: str) -> str:
     raise OSError(f"{host!r} has no IPv4 or IPv6 address")
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 class Addresses:
     """The address the picker names for each destination host (see the module doc): a
     host name as ``lookup`` last resolved it, an IP address as written. Runs on the
@@ -184,7 +176,7 @@ class Addresses:
         no longer resolves keeps its last address, one never resolved stays unknown
         (:meth:`ip_port` tries it again); a name that stops resolving and a moved one are
         logged once. Never raises ``OSError``."""
-        names = sorted({h for h in (*hosts, *self._ips) if not _is_ip(h)})
+        names = sorted({h for h in (*hosts, *self._ips) if not is_ip_address(h)})
         found = await asyncio.gather(*(self._lookup(h) for h in names), return_exceptions=True)
         for host, ip in zip(names, found, strict=True):
             if isinstance(ip, OSError):
@@ -209,7 +201,7 @@ class Addresses:
         ip = self._ips.get(host)
         if ip is None:
             try:
-                ip = host if _is_ip(host) else await self._lookup(host)
+                ip = host if is_ip_address(host) else await self._lookup(host)
             except OSError as exc:
                 raise UpstreamError(worker, 502, f"its host {host!r} does not resolve: {exc}") from None
             self._ips[host] = ip
