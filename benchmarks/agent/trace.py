@@ -20,7 +20,10 @@ Each request carries its session's id (``session_id``: ``agent-<n>``), which the
 benchmark sends as the session headers kvpilot's router and Dynamo's frontend read.
 
 Arrivals, seeded: sessions start at exponential gaps of mean ``session_gap_s``; a session's
-step follows its previous step by ``step_gap_s`` (the model's answer and the tool's run).
+step follows its previous step by ``step_gap_s`` (the model's answer and the tool's run),
+except, with ``steps_per_turn``, the first step of each human turn after the first: it
+follows by an exponential gap of mean ``human_gap_s`` (the article's section 5.3: tool gaps
+of seconds, human gaps of tens of seconds to minutes).
 Pure but for :func:`main`, which writes the trace.
 
     python benchmarks/make_agent_trace.py --sessions 64 --steps 20 --out /tmp/agent-trace.jsonl
@@ -50,14 +53,19 @@ class AgentShape:
     tool_output: int = 1_500
     session_gap_s: float = 0.5
     step_gap_s: float = 2.0
+    steps_per_turn: int = 0
+    """Steps the agent runs on its own between two human turns (0: no human in the loop)."""
+    human_gap_s: float = 0.0
+    """The mean gap before a human turn's first step (the person reads and answers),
+    exponential, in place of ``step_gap_s``."""
     seed: int = 20261202
 
     def __post_init__(self) -> None:
         counts = (self.sessions, self.steps, self.task, self.call, self.tool_output)
         if min(counts) < 1 or self.shared_prefix < 0:
             raise ValueError(f"sessions, steps, task, call and tool output must be positive: {self}")
-        if self.session_gap_s < 0 or self.step_gap_s < 0:
-            raise ValueError("gaps must not be negative")
+        if min(self.session_gap_s, self.step_gap_s, self.human_gap_s, self.steps_per_turn) < 0:
+            raise ValueError("gaps and steps per turn must not be negative")
 
     def prompt_tokens(self, step: int) -> int:
         """Step ``step``'s prompt (0-based): the prefix, the task, and each earlier step's
@@ -89,9 +97,14 @@ def agent_trace(shape: AgentShape) -> list[TraceRequest]:
     starts -= starts[0]
     timed: list[tuple[int, int, TraceRequest]] = []
     for session, start in enumerate(starts):
+        at_s = float(start)
         for step in range(shape.steps):
+            if step and shape.steps_per_turn and step % shape.steps_per_turn == 0:
+                at_s += float(rng.exponential(shape.human_gap_s))
+            elif step:
+                at_s += shape.step_gap_s
             tokens = shape.prompt_tokens(step)
-            at_ms = round(1000 * (float(start) + step * shape.step_gap_s))
+            at_ms = round(1000 * at_s)
             ids = hash_ids(shape, session, tokens)
             timed.append((at_ms, session, TraceRequest(at_ms, tokens, shape.call, ids, session_name(session))))
     return [request for _, _, request in sorted(timed, key=lambda t: (t[0], t[1]))]
@@ -117,9 +130,9 @@ def _line(request: TraceRequest) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = AgentShape()
-    for name in ("sessions", "steps", "shared_prefix", "task", "call", "tool_output", "seed"):
+    for name in ("sessions", "steps", "shared_prefix", "task", "call", "tool_output", "steps_per_turn", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    for name in ("session_gap_s", "step_gap_s"):
+    for name in ("session_gap_s", "step_gap_s", "human_gap_s"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
     parser.add_argument("--out", type=Path, required=True, help="the Mooncake JSONL file to write")
     args = parser.parse_args(argv)

@@ -128,6 +128,17 @@ class EngineSpec:
         }
 
 
+def restore_ms_per_block(spec: EngineSpec) -> float:
+    """The H2D time of one block of ``spec``'s host tier (its first-byte latency 0, as the mocker's)."""
+    return spec.block_size * spec.kv_bytes_per_token / (spec.h2d_gb_s * 1e6) if spec.h2d_gb_s else 0.0
+
+
+def recompute_ms_per_block(spec: EngineSpec) -> float:
+    """One more block's share of a prefill: the polynomial's linear term (its fixed cost is
+    paid by any prefill, its quadratic term is small at a block)."""
+    return PREFILL_MS[1] * spec.block_size / spec.speedup_ratio
+
+
 def prefill_ms(tokens: int) -> float:
     if tokens <= 0:
         return 0.0
@@ -215,6 +226,11 @@ class PassResult:
     stored: list[Stored]
     evicted: list[object]
     emitting: list[SimRequest]
+    host_stored: list[Stored] = field(default_factory=list)
+    """Blocks whose copy to the host tier completed since the last pass ended, up to this
+    one's end (its host-tier events; set by :meth:`SimEngine.finish_pass`)."""
+    host_evicted: list[object] = field(default_factory=list)
+    """Blocks the host tier evicted in the same span."""
 
 
 class HostTier:
@@ -224,6 +240,8 @@ class HostTier:
 
     def __init__(self, capacity: int, block_bytes: int, d2h_gb_s: float, h2d_gb_s: float) -> None:
         self.capacity = capacity
+        self.evicted: list[object] = []
+        """Resident blocks evicted since the engine last took them (its host-tier events)."""
         self.pending: dict[object, int] = {}
         """Blocks whose store has not completed: the store's transfer id."""
         self.resident: set[object] = set()
@@ -277,6 +295,7 @@ class HostTier:
         for key in victims:
             self.resident.discard(key)
             del self.lru[key]
+        self.evicted.extend(victims)
         transfer = self._new(STORE, missing, None)
         for key in missing:
             self.pending[key] = transfer
@@ -375,6 +394,10 @@ class SimEngine:
         """GPU blocks whose copy to the host has not completed: the store's transfer id."""
         self.compute_not_before_ms = 0.0
         self.activated: list[Stored] = []
+        self.store_origins: dict[object, Stored] = {}
+        """Blocks whose copy to the host runs: the request and index that name them."""
+        self.host_stored: list[Stored] = []
+        """Blocks whose copy to the host completed since the last pass (reported with the next one)."""
         """Blocks restored from the host since the last pass (its stored KV events)."""
         self.set_aside = 0
         """Requests set aside so far (a pass that sets one aside does something)."""
@@ -509,6 +532,7 @@ class SimEngine:
                 for key in blocks:
                     if self.d2h_sources.get(key) == transfer:
                         del self.d2h_sources[key]
+                    self.host_stored.append(self.store_origins.pop(key))
             else:
                 assert request is not None
                 self._activate(request)
@@ -570,7 +594,7 @@ class SimEngine:
         if end <= request.next_store_block:
             return
         keys = request.blocks[request.next_store_block : end]
-        missing = [key for key in keys if host.lookup(key) == MISS]
+        missing = {key for key in keys if host.lookup(key) == MISS}
         if not missing:
             request.next_store_block = end
             return
@@ -579,6 +603,8 @@ class SimEngine:
             return
         for key in missing:
             self.d2h_sources[key] = transfer
+        first = request.next_store_block
+        self.store_origins.update((key, (request, first + i)) for i, key in enumerate(keys) if key in missing)
         request.next_store_block = end
         for key in reversed(request.blocks):
             host.touch(key)
@@ -701,6 +727,8 @@ class SimEngine:
             self.advance_host(result.end_ms)
             self.host.submit_prepared(result.end_ms)
             self.advance_host(result.end_ms)  # a store over an instantaneous link completes at once
+            result.host_stored, self.host_stored = self.host_stored, []
+            result.host_evicted, self.host.evicted = self.host.evicted, []
         finished = []
         for request in result.emitting:
             request.token_ms.append(result.end_ms)

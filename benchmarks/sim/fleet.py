@@ -65,11 +65,13 @@ INSTANT = KvTransfer()
 @dataclass(frozen=True, slots=True)
 class Pools:
     """The fleet's shape: ``workers`` co-located workers, or decode workers behind
-    ``prefill_workers`` with each ``handoff`` priced as :class:`KvTransfer` prices it."""
+    ``prefill_workers`` with each ``handoff`` priced as :class:`KvTransfer` prices it; every
+    worker an engine of ``spec``."""
 
     workers: int
     prefill_workers: int = 0
     handoff: KvTransfer = INSTANT
+    spec: EngineSpec = DEFAULT_SPEC
 
     def __str__(self) -> str:
         return f"{self.prefill_workers} P + {self.workers} D" if self.prefill_workers else f"{self.workers} workers"
@@ -95,7 +97,17 @@ class Placement(Protocol):
         """The decode worker of a request placed without one, once its prefill ended."""
         ...
 
-    def kv_events(self, worker: int, stored: list[Stored], evicted: list[object]) -> None: ...
+    def kv_events(
+        self,
+        worker: int,
+        stored: list[Stored],
+        evicted: list[object],
+        host_stored: list[Stored],
+        host_evicted: list[object],
+    ) -> None:
+        """A pass's KV events: the GPU blocks it stored and evicted, and what the worker's
+        host tier stored and evicted since its last pass (:class:`sim.engine.PassResult`)."""
+        ...
 
     def first_token(self, request: SimRequest) -> None: ...
 
@@ -142,7 +154,14 @@ class RoundRobin:
         self._decode_turn += 1
         return turn % len(decode)
 
-    def kv_events(self, worker: int, stored: list[Stored], evicted: list[object]) -> None:
+    def kv_events(
+        self,
+        worker: int,
+        stored: list[Stored],
+        evicted: list[object],
+        host_stored: list[Stored],
+        host_evicted: list[object],
+    ) -> None:
         return None
 
     def first_token(self, request: SimRequest) -> None:
@@ -293,10 +312,9 @@ def simulate(
             running_pass[payload] = None
             first = [r for r in result.emitting if r.first_token_ms is None and not r.transferred]
             finished = engines[payload].finish_pass(result)
-            if result.stored or result.evicted:
-                heapq.heappush(
-                    events, (now + kv_event_lag_ms, order, KV_EVENTS, (payload, result.stored, result.evicted))
-                )
+            if result.stored or result.evicted or result.host_stored or result.host_evicted:
+                changes = (result.stored, result.evicted, result.host_stored, result.host_evicted)
+                heapq.heappush(events, (now + kv_event_lag_ms, order, KV_EVENTS, (payload, *changes)))
                 order += 1
             woken.add(payload)
             if payload < prefill_workers:  # P's copies: their prefill is done, their KV moves to D

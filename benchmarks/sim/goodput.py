@@ -38,13 +38,14 @@ are given, as in Dynamo's replay), and a request's floor adds the handoff and D'
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import statistics
 import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,9 @@ from fleet.goodput import ATTAINMENT, ITL_SLO_X, TTFT_SLO_X, SweepPoint, goodput
 from fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, TraceRequest, load_trace
 from provenance import describe, provenance
 
+from kvpilot.policies.tier_credit import restore_credit
 from sim.compare import DYNAMO_WEIGHTS, RouterMode, replay_rows
-from sim.engine import EngineSpec, SimRequest, decode_ms, prefill_ms
+from sim.engine import EngineSpec, SimRequest, decode_ms, prefill_ms, recompute_ms_per_block, restore_ms_per_block
 from sim.fleet import DEFAULT_SPEC, KvTransfer, Pools, percentile, simulate
 from sim.kvpilot import KvpilotPlacement
 
@@ -85,6 +87,19 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 """kvpilot's cost with one session term off: a first step priced without the sessions living
 on each worker; a later step left to Dynamo's cost and the affinity credit."""
+
+
+class Tiers(str, enum.Enum):
+    """What a simulated kvpilot arm makes of a fleet with host tiers (``--host-blocks``)."""
+
+    HEARD = "heard"
+    """The workers keep their host tiers and the router hears their events (as from vLLM's
+    offloading connector or Dynamo's KVBM), crediting a host block by what its restore saves."""
+    BLIND = "blind"
+    """The workers keep their host tiers; the router hears GPU events only (as from 1.6.1's
+    mocker, which Dynamo's replay arms run): what hearing the tier is worth."""
+    NONE = "none"
+    """The workers have no host tier: kvpilot as it was."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,16 +214,21 @@ def turns(trace: Sequence[TraceRequest]) -> list[tuple[str | None, int]]:
     return out
 
 
-def simulated_arm(cost: dict[str, Any] | None = None) -> Arm:
-    """kvpilot's router in the simulator, its ``cost`` section ``cost`` (its defaults: ``None``)."""
+def simulated_arm(cost: dict[str, Any] | None = None, tiers: Tiers = Tiers.HEARD) -> Arm:
+    """kvpilot's router in the simulator, its ``cost`` section ``cost`` (its defaults:
+    ``None``), on workers whose host tiers (where the fleet has them) are as ``tiers`` says."""
 
     def run(point: Point, pools: Pools) -> Served:
         requests: list[SimRequest] = []
-        placement = KvpilotPlacement(pools.workers, DEFAULT_SPEC, cost, prefill_workers=pools.prefill_workers)
+        spec = pools.spec if tiers is not Tiers.NONE else replace(pools.spec, num_host_blocks=0)
+        placement = KvpilotPlacement(
+            pools.workers, spec, cost, prefill_workers=pools.prefill_workers, hears_host_tier=tiers is Tiers.HEARD
+        )
         simulate(
             point.trace,
             pools.workers,
             placement,
+            spec,
             arrival_speedup=point.speedup,
             requests_out=requests,
             prefill_workers=pools.prefill_workers,
@@ -221,6 +241,13 @@ def simulated_arm(cost: dict[str, Any] | None = None) -> Arm:
     return run
 
 
+def host_credit(spec: EngineSpec) -> dict[str, float]:
+    """kvpilot's cost section on workers with ``spec``'s host tier: a host block credited by
+    the share of its prefill a restore saves (:func:`kvpilot.policies.tier_credit.restore_credit`),
+    not Dynamo's preset 0.75."""
+    return {"host_cache_hit_weight": restore_credit(restore_ms_per_block(spec), recompute_ms_per_block(spec))}
+
+
 def dynamo_arm(mode: RouterMode, router_config: dict[str, Any] | None = None) -> Arm:
     """Dynamo's replay with ``router_mode`` ``mode`` (and KV router options ``router_config``).
     Its records are paired with the trace's requests by session and turn (its arrivals of a
@@ -230,12 +257,13 @@ def dynamo_arm(mode: RouterMode, router_config: dict[str, Any] | None = None) ->
         rows = replay_rows(
             point.path,
             pools.workers,
-            DEFAULT_SPEC.block_size,
+            pools.spec.block_size,
             mode,
             point.speedup,
             router_config,
             prefill_workers=pools.prefill_workers,
             transfer=pools.handoff,
+            spec=pools.spec,
         )
         order = arrival_order(point.trace)
         if any(e.session_id for e in point.trace):
@@ -290,11 +318,15 @@ def mooncake_points(path: Path, max_requests: int | None, speedups: Sequence[flo
         yield Point(f"x{speedup:g}", trace, sliced, speedup)
 
 
-def agent_points(workers: int, sessions_per_worker: Sequence[float], out: Path) -> Iterator[Point]:
-    """The agent workload with each number of sessions per worker (at least one session)."""
+def agent_points(
+    workers: int, sessions_per_worker: Sequence[float], out: Path, shape: AgentShape | None = None
+) -> Iterator[Point]:
+    """The agent workload (sessions shaped as ``shape``) with each number of sessions per
+    worker (at least one session), starting within :data:`AGENT_START_WINDOW_S`."""
     for per_worker in sessions_per_worker:
         sessions = max(1, round(per_worker * workers))
-        trace = agent_trace(AgentShape(sessions=sessions, session_gap_s=AGENT_START_WINDOW_S / sessions))
+        gap_s = AGENT_START_WINDOW_S / sessions
+        trace = agent_trace(replace(shape or AgentShape(), sessions=sessions, session_gap_s=gap_s))
         path = out.with_suffix(f".agent-{per_worker:g}.jsonl")
         path.write_text(to_jsonl(trace))
         yield Point(f"{per_worker:g} sessions/worker", trace, path, 1.0)
@@ -306,7 +338,7 @@ def sweep(points: Sequence[Point], pools: Pools, arms: dict[str, Arm]) -> dict[s
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
     for point in points:
         sessions = any(e.session_id for e in point.trace)
-        unordered = floor(point.trace, handoff=pools.handoff if pools.prefill_workers else None)
+        unordered = floor(point.trace, pools.spec, handoff=pools.handoff if pools.prefill_workers else None)
         order = arrival_order(point.trace)
         base = Floor([unordered.ttft_ms[i] for i in order], [unordered.itl_ms[i] for i in order])
         for name, arm in arms.items():
@@ -364,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=64, help="co-located workers, or decode workers")
     parser.add_argument("--prefill-workers", type=int, default=0, help="a disaggregated fleet: its prefill workers")
     parser.add_argument("--kv-transfer-gb-s", type=float, help="with --prefill-workers: the handoff's GB/s")
-    parser.add_argument("--kv-bytes-per-token", type=int, help="with --prefill-workers: the KV's bytes a token")
+    parser.add_argument("--kv-bytes-per-token", type=int, help="KV bytes a token (handoff, host tier)")
     parser.add_argument("--max-requests", type=int, help="with --trace: its first N requests")
     parser.add_argument("--speedups", default=",".join(f"{s:g}" for s in SPEEDUPS), help="--trace: compressions")
     parser.add_argument(
@@ -389,10 +421,29 @@ def main(argv: list[str] | None = None) -> int:
         help="instead of the arms: Dynamo's replay with its KV router under each of these option sets "
         "(a JSON list of KvRouterConfig dicts, e.g. '[{}, {\"decode_active_request_weight\": 50}]')",
     )
+    parser.add_argument("--steps-per-turn", type=int, default=0, help="--agent: steps between human turns")
+    parser.add_argument("--human-gap-s", type=float, default=0.0, help="--agent: a human turn's mean gap")
+    parser.add_argument("--num-gpu-blocks", type=int, default=DEFAULT_SPEC.num_gpu_blocks, help="each worker's")
+    parser.add_argument("--host-blocks", type=int, default=0, help="each worker's host tier (0: none)")
+    parser.add_argument("--host-gb-s", type=float, default=DEFAULT_SPEC.h2d_gb_s, help="host tier GB/s, each way")
     parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-sim-goodput.json"))
     args = parser.parse_args(argv)
+    spec = replace(
+        DEFAULT_SPEC,
+        num_gpu_blocks=args.num_gpu_blocks,
+        num_host_blocks=args.host_blocks,
+        kv_bytes_per_token=(args.kv_bytes_per_token or 0) if args.host_blocks else 0,
+        h2d_gb_s=args.host_gb_s,
+        d2h_gb_s=args.host_gb_s,
+        cache_generated_blocks=bool(args.host_blocks),
+    )
+    tiered = bool(args.host_blocks)
     tuned = args.dynamo_router_config or (DYNAMO_AGENT_ROUTER_CONFIG if args.agent else None)
-    arms: dict[str, Arm] = {"kvpilot": simulated_arm()}
+    credit = host_credit(spec) if tiered else None
+    arms: dict[str, Arm] = {"kvpilot": simulated_arm(credit)}
+    if tiered:
+        arms["kvpilot_tier_blind"] = simulated_arm(credit, Tiers.BLIND)
+        arms["kvpilot_without_tiers"] = simulated_arm(None, Tiers.NONE)
     if args.search_dynamo is not None:
         arms = {json.dumps(options): dynamo_arm("kv_router", options) for options in args.search_dynamo}
         tuned = None
@@ -409,11 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="kvpilot-sim-goodput-")) / args.json.name  # the traces Dynamo reads
     if args.agent:
         per_worker = [float(n) for n in args.sessions_per_worker.split(",")]
-        points = list(agent_points(args.workers, per_worker, scratch))
+        shape = AgentShape(steps_per_turn=args.steps_per_turn, human_gap_s=args.human_gap_s)
+        points = list(agent_points(args.workers, per_worker, scratch, shape))
     else:
         speedups = [float(s) for s in args.speedups.split(",")]
         points = list(mooncake_points(args.trace, args.max_requests, speedups, scratch))
-    pools = Pools(args.workers, args.prefill_workers, KvTransfer(args.kv_transfer_gb_s, args.kv_bytes_per_token))
+    pools = Pools(args.workers, args.prefill_workers, KvTransfer(args.kv_transfer_gb_s, args.kv_bytes_per_token), spec)
     results = sweep(points, pools, arms)
     goodputs = {arm: goodput([SweepPoint(p["rate_rps"], p["attainment"]) for p in ps]) for arm, ps in results.items()}
     compared = "kvpilot" in arms and len(arms) > 1
@@ -427,6 +479,14 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_workers": args.prefill_workers,
         "kv_transfer": {"gb_s": args.kv_transfer_gb_s, "bytes_per_token": args.kv_bytes_per_token},
         "workload": "agent" if args.agent else args.trace.name,
+        "engine": {
+            "num_gpu_blocks": spec.num_gpu_blocks,
+            "num_host_blocks": spec.num_host_blocks,
+            "kv_bytes_per_token": spec.kv_bytes_per_token,
+            "host_gb_s": spec.h2d_gb_s,
+            "host_credit": credit and credit["host_cache_hit_weight"],
+        },
+        "agent": {"steps_per_turn": args.steps_per_turn, "human_gap_s": args.human_gap_s} if args.agent else None,
         "dynamo_router_config": tuned,
         "run": {"argv": sys.argv},
         "provenance": provenance(),

@@ -39,6 +39,10 @@ from kvpilot.routing.index.events import BlockRemoved, BlockStored
 from sim.engine import EngineSpec, SimEngine, SimRequest, Stored
 from sim.fleet import Placed
 
+GPU_MEDIUM = "GPU"
+HOST_MEDIUM = "CPU_PINNED"
+"""The medium of a worker's host-tier events, as Dynamo's publishers name it
+(``StorageTier::HostPinned``; the router's ``index.tiers`` counts it as ``host``)."""
 SESSIONS = 100_000
 """Sessions the router keeps (more than any trace here names)."""
 DISAGGREGATED: dict[str, Any] = {"max_local_tokens": 0}
@@ -65,6 +69,7 @@ class KvpilotPlacement:
         seed: int = 0,
         tokens_per_hash: int = TRACE_BLOCK_TOKENS,
         prefill_workers: int = 0,
+        hears_host_tier: bool = True,
     ) -> None:
         if prefill_workers:
             rows = [_row(f"p{i}", "prefill") for i in range(prefill_workers)]
@@ -107,6 +112,9 @@ class KvpilotPlacement:
             clock=Clock(monotonic=self._clock, wall=self._clock),
         )
         self.router = router
+        self.hears_host_tier = hears_host_tier
+        """Whether the index is told what the workers' host tiers store and evict (a vLLM
+        engine's offloading connector and Dynamo's KVBM publish it; 1.6.1's mocker does not)."""
         self.block_size = spec.block_size
         self.tokens_per_hash = tokens_per_hash
         self._tokens: dict[int, np.ndarray] = {}
@@ -142,8 +150,23 @@ class KvpilotPlacement:
         """The decode worker chosen with the prefill worker on arrival (the router prices the pair)."""
         return self.placed[request.rid]
 
-    def kv_events(self, worker: int, stored: list[Stored], evicted: list[object]) -> None:
-        name, bs = self.names[worker], self.block_size
+    def kv_events(
+        self,
+        worker: int,
+        stored: list[Stored],
+        evicted: list[object],
+        host_stored: list[Stored],
+        host_evicted: list[object],
+    ) -> None:
+        name = self.names[worker]
+        self._apply(name, stored, evicted, GPU_MEDIUM)
+        if self.hears_host_tier:
+            self._apply(name, host_stored, host_evicted, HOST_MEDIUM)
+
+    def _apply(self, name: WorkerId, stored: list[Stored], evicted: list[object], medium: str) -> None:
+        """One ``BlockStored`` per run of consecutive blocks of one request, then one
+        ``BlockRemoved``, in ``medium``."""
+        bs = self.block_size
         runs: list[tuple[SimRequest, int, int]] = []  # (request, first block, last block): one event each
         for request, block in stored:
             if runs and runs[-1][0] is request and runs[-1][2] == block - 1:
@@ -154,10 +177,10 @@ class KvpilotPlacement:
             tokens = self.tokens(request)[first * bs : (last + 1) * bs]
             parent = request.blocks[first - 1] if first else None
             hashes = [request.blocks[j] for j in range(first, last + 1)]
-            event = BlockStored(hashes, parent, tokens.tolist(), bs, medium="GPU")  # type: ignore[arg-type]
+            event = BlockStored(hashes, parent, tokens.tolist(), bs, medium=medium)  # type: ignore[arg-type]
             self.index.apply(name, event)
         if evicted:
-            self.index.apply(name, BlockRemoved(list(evicted), medium="GPU"))  # type: ignore[arg-type]
+            self.index.apply(name, BlockRemoved(list(evicted), medium=medium))  # type: ignore[arg-type]
 
     def first_token(self, request: SimRequest) -> None:
         """``request``'s prefill is over (P's copy finished, or D's first token)."""

@@ -95,3 +95,22 @@ def test_the_command_writes_a_trace_the_fleet_benchmark_loads(tmp_path) -> None:
     )
     assert load_trace(out) == agent_trace(SMALL)
     assert out.read_text() == to_jsonl(agent_trace(SMALL))
+
+
+def test_a_human_turn_s_first_step_waits_the_human_gap_the_rest_the_tool_s() -> None:
+    """With a human turn every 4 steps, steps 4 and 8 of a session follow their previous step
+    by a seeded exponential gap of mean 30 s; every other step by the tool's 2 s. Without
+    human turns the trace is the one it always was."""
+    shape = AgentShape(sessions=64, steps=12, steps_per_turn=4, human_gap_s=30.0)
+    requests = agent_trace(shape)
+    gaps: list[float] = []
+    for session in {r.session_id for r in requests}:
+        times = [r.timestamp_ms for r in requests if r.session_id == session]
+        for step in range(1, len(times)):
+            gap = times[step] - times[step - 1]
+            if step % 4:
+                assert gap == 2000, (session, step, gap)
+            else:
+                gaps.append(gap / 1e3)
+    assert len(gaps) == 64 * 2 and 20 < sum(gaps) / len(gaps) < 40
+    assert agent_trace(AgentShape(sessions=8)) == agent_trace(AgentShape(sessions=8, human_gap_s=30.0))

@@ -291,3 +291,37 @@ def test_the_host_tier_matches_dynamo_s_replay_with_host_offload_within_five_per
     assert ours["host_reused_tokens"] > 0.05 * ours["reuse"] * sum(r["input_length"] for r in rows)
     assert without.summary()["host_reused_tokens"] == 0.0
     assert ours["reuse"] > 1.1 * without.summary()["reuse"], (ours["reuse"], without.summary()["reuse"])
+
+
+def test_the_host_tier_s_events_reach_kvpilot_s_index_as_its_host_tier() -> None:
+    """On workers whose host tiers evict (2x the GPU's blocks), every block a host tier
+    stores or evicts is an event of medium ``CPU_PINNED`` that kvpilot's index applies (none
+    is dropped for an unknown parent), so the index holds exactly what the tiers hold; a
+    router that does not hear the tier (``hears_host_tier=False``) holds none of it."""
+    from agent.trace import AgentShape, agent_trace
+    from sim.kvpilot import HOST_MEDIUM, KvpilotPlacement
+
+    from kvpilot.routing.ids import Tier
+
+    class Tally(KvpilotPlacement):
+        def __init__(self, workers: int, spec: EngineSpec) -> None:
+            super().__init__(workers, spec)
+            self.held: Counter[int] = Counter()
+            self.host_evictions = 0
+
+        def kv_events(self, worker: int, stored: list[Any], evicted: list[object], *host: Any) -> None:
+            super().kv_events(worker, stored, evicted, *host)
+            self.held[worker] += len(host[0]) - len(host[1])
+            self.host_evictions += len(host[1])
+
+    trace = agent_trace(AgentShape(sessions=32, steps=8, shared_prefix=2048, tool_output=1000))
+    spec = EngineSpec(num_gpu_blocks=1600, cache_generated_blocks=True, num_host_blocks=1600, kv_bytes_per_token=131072)
+    heard = Tally(2, spec)
+    simulate(trace, 2, heard, spec=spec)
+    assert heard.host_evictions > 0
+    counts = [heard.index.block_count(name, Tier(HOST_MEDIUM)) for name in heard.names]
+    assert counts == [heard.held[0], heard.held[1]] and min(counts) > 0 and max(counts) <= 1600, counts
+    assert heard.index.counters["unknown_parent"] == 0
+    blind = KvpilotPlacement(2, spec, hears_host_tier=False)
+    simulate(trace, 2, blind, spec=spec)
+    assert [blind.index.block_count(name, Tier(HOST_MEDIUM)) for name in blind.names] == [0, 0]
