@@ -365,11 +365,12 @@ def sweep(points: Sequence[Point], pools: Pools, arms: dict[str, Arm]) -> dict[s
 
 
 def best_dynamo_arm(goodputs: dict[str, float], tuned: bool) -> str:
-    """The arm kvpilot is held against: of the arms other than kvpilot's own, the one with
-    the highest goodput, a tie going to Dynamo's tuned KV router, then to its default."""
+    """The arm kvpilot is held against: of the arms other than kvpilot's own (``kvpilot``
+    and its variants, ``kvpilot_*``), the one with the highest goodput, a tie going to
+    Dynamo's tuned KV router, then to its default."""
     preference = ["dynamo_kv_tuned"] if tuned else []
     preference += ["dynamo_kv", *sorted(goodputs)]
-    others = [arm for arm in dict.fromkeys(preference) if arm in goodputs and arm != "kvpilot"]
+    others = [arm for arm in dict.fromkeys(preference) if arm in goodputs and not arm.startswith("kvpilot")]
     return max(others, key=lambda arm: (goodputs[arm], -others.index(arm)))
 
 
@@ -473,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "goodput_rps": goodputs,
         "ratios": {"baseline": baseline, **ratios(goodputs, results, baseline)} if baseline else None,
+        "ratios_without_tiers": ratios(goodputs, results, "kvpilot_without_tiers") if tiered else None,
         "points": results,
         "slo": {"ttft_x_floor": TTFT_SLO_X, "itl_x_idle": ITL_SLO_X, "attainment": ATTAINMENT},
         "workers": args.workers,
@@ -518,11 +520,29 @@ def table(result: dict[str, Any]) -> str:
         if r
         else ""
     )
+    untiered = result.get("ratios_without_tiers")
+    if untiered:
+        compared += f" kvpilot against kvpilot_without_tiers: goodput {untiered['goodput']:.2f}x."
     return (
-        f"{result['workload']}, {_pools(result)}; SLOs: TTFT at most {result['slo']['ttft_x_floor']:g}x the "
-        f"floor, ITL at most {result['slo']['itl_x_idle']:g}x an idle worker's, met by "
-        f"{result['slo']['attainment']:.0%} of requests.{compared}\n\n" + "\n".join(lines)
+        f"{result['workload']}{_shapes(result)}, {_pools(result)}; SLOs: TTFT at most "
+        f"{result['slo']['ttft_x_floor']:g}x the floor, ITL at most {result['slo']['itl_x_idle']:g}x an idle "
+        f"worker's, met by {result['slo']['attainment']:.0%} of requests.{compared}\n\n" + "\n".join(lines)
     )
+
+
+def _shapes(result: dict[str, Any]) -> str:
+    """A results file's human turns and host tiers, where it has them (none before tiers)."""
+    agent, engine = result.get("agent") or {}, result.get("engine") or {}
+    out = ""
+    if agent.get("steps_per_turn"):
+        out += f" (a human turn every {agent['steps_per_turn']} steps, mean gap {agent['human_gap_s']:g} s)"
+    if engine.get("num_host_blocks"):
+        out += (
+            f", {engine['num_gpu_blocks']:,} GPU and {engine['num_host_blocks']:,} host blocks a worker at "
+            f"{engine['host_gb_s']:g} GB/s ({engine['kv_bytes_per_token']:,} B a token; host credit "
+            f"{engine['host_credit']:.2f})"
+        )
+    return out
 
 
 def _pools(result: dict[str, Any]) -> str:

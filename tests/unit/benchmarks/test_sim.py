@@ -250,6 +250,8 @@ def test_kvpilot_is_held_against_dynamo_s_best_arm_a_tie_going_to_the_tuned_one(
     tuned_worse = {"kvpilot": 5.0, "dynamo_kv": 4.0, "dynamo_kv_tuned": 3.0, "dynamo_cost_pinned": 4.0}
     assert best_dynamo_arm(tuned_worse, tuned=True) == "dynamo_kv"  # the default beats the tuned one here
     assert best_dynamo_arm({"kvpilot": 1.0, "dynamo_kv": 0.0, "dynamo_round_robin": 0.0}, tuned=False) == "dynamo_kv"
+    variants = {"kvpilot": 1.0, "kvpilot_without_tiers": 3.0, "kvpilot_tier_blind": 3.0, "dynamo_kv": 0.5}
+    assert best_dynamo_arm(variants, tuned=False) == "dynamo_kv"  # kvpilot's own variants are not Dynamo's
 
 
 @pytest.mark.parametrize(("host_blocks", "gb_s"), [(4800, 4.0), (3200, 8.0)])
