@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from kvpilot.policies.disaggregation import LocalPrefillConfig
-from kvpilot.policies.presets import model_from_mapping, model_preset
+from kvpilot.policies.presets import link_preset, model_from_mapping, model_preset
 from kvpilot.policies.session_options import Option
 from kvpilot.policies.specs import ModelSpec, SpecError
 from kvpilot.policies.typed_config import TypedConfig, TypedConfigError, check_range
@@ -143,9 +143,19 @@ class CostConfig(TypedConfig, frozen=True):
     """The GPU credit is divided by ``1 + decay x`` the candidate's active prefill blocks, so a
     cache-rich but busy worker stops winning every hot prefix; 0: no decay (Dynamo's default)."""
     host_cache_hit_weight: float = 0.75
-    """Credit per prompt block held in host memory (a ``host`` tier) beyond the GPU prefix."""
+    """Credit per prompt block held in host memory (a ``host`` tier) beyond the GPU prefix
+    (Dynamo's preset; see ``host_restore_link``)."""
     disk_cache_hit_weight: float = 0.25
-    """Credit per prompt block held on disk (a ``disk`` tier) beyond the GPU and host prefixes."""
+    """Credit per prompt block held on disk (a ``disk`` tier) beyond the GPU and host prefixes
+    (Dynamo's preset; see ``disk_restore_link``)."""
+    host_restore_link: str = ""
+    """kvpilot's own: the link (a :mod:`kvpilot.policies.presets` name, ``pcie``) a worker
+    restores its host tier over. Set, the host credit is what a block's restore saves against
+    recomputing it, on the roofline of the prior's model, ``disaggregation.kv_format`` and
+    ``d_hardware`` (:func:`kvpilot.policies.tier_credit.host_block_credit`; llama-8b on an
+    H100 over PCIe: 0.96) in place of ``host_cache_hit_weight``; empty: that weight."""
+    disk_restore_link: str = ""
+    """The same for the ``disk`` tier (``nvme``) in place of ``disk_cache_hit_weight``."""
     shared_cache_multiplier: float = 0.5
     """Credit per prompt block in a ``shared`` tier (a cache every worker reads) beyond the rest."""
     prefill_load_scale: float = 1.0
@@ -190,10 +200,17 @@ class CostConfig(TypedConfig, frozen=True):
         weights = (
             f.name
             for f in msgspec.structs.fields(self)
-            if f.name not in ("router_seed", "objective", "session_stays_unless_sooner")
+            if f.name
+            not in ("router_seed", "objective", "session_stays_unless_sooner", "host_restore_link", "disk_restore_link")
         )
         check_range(self, *weights, at_least=0)
         check_range(self, "pair_failure_half_life_s", above=0)
+        for key in ("host_restore_link", "disk_restore_link"):
+            if getattr(self, key):
+                try:
+                    link_preset(getattr(self, key))
+                except SpecError as exc:
+                    raise ConfigError(key, str(exc)) from None
 
 
 class IndexConfig(TypedConfig, frozen=True):

@@ -59,6 +59,7 @@ from kvpilot.policies.disaggregation import (
 from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset
 from kvpilot.policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
 from kvpilot.policies.specs import ModelSpec, SpecError
+from kvpilot.policies.tier_credit import host_block_credit
 from kvpilot.routing.config import (
     ConfigError,
     CostConfig,
@@ -67,6 +68,7 @@ from kvpilot.routing.config import (
     RouterConfig,
     TierClass,
     Worker,
+    prior_model,
 )
 from kvpilot.routing.decide.cost import CandidateTable, CostModel, Decision, TierOverlap, tier_overlap
 from kvpilot.routing.decide.ledger import LoadLedger, PromptLoads
@@ -208,11 +210,26 @@ def policy_from_config(cfg: DisaggregationConfig, model: ModelSpec) -> LocalVsRe
 
 def _effective_cost(config: RouterConfig, fleet: Fleet) -> CostConfig:
     """The ``cost`` section as it applies to ``fleet``: ``session_stays_unless_sooner`` off
-    where decode workers never prefill (its docstring)."""
+    where decode workers never prefill (its docstring), and a tier with a restore link
+    credited by what its restore saves (``host_restore_link``, ``disk_restore_link``)."""
+    cost = config.cost
     never_local = bool(fleet.prefill) and config.disaggregation.max_local_tokens == 0
-    if never_local and config.cost.session_stays_unless_sooner:
-        return msgspec.structs.replace(config.cost, session_stays_unless_sooner=False)
-    return config.cost
+    if never_local and cost.session_stays_unless_sooner:
+        cost = msgspec.structs.replace(cost, session_stays_unless_sooner=False)
+    links = {"host_cache_hit_weight": cost.host_restore_link, "disk_cache_hit_weight": cost.disk_restore_link}
+    if any(links.values()):
+        model, cfg = prior_model(config), config.disaggregation
+        try:
+            fmt, hw = kv_format_preset(cfg.kv_format), hardware_preset(cfg.d_hardware)
+        except SpecError as exc:
+            raise ConfigError("disaggregation", str(exc)) from None
+        credits = {
+            weight: host_block_credit(model, fmt, hw, link_preset(link), config.index.block_size)
+            for weight, link in links.items()
+            if link
+        }
+        cost = msgspec.structs.replace(cost, **credits)
+    return cost
 
 
 class Router:

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset
+from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from kvpilot.policies.roofline import kv_bytes, prefill
 from kvpilot.policies.session_options import Option
+from kvpilot.policies.tier_credit import host_block_credit
 from kvpilot.routing.config import ConfigError, Role, RouterConfig, prior_model
 from kvpilot.routing.config_load import load_config
 from kvpilot.routing.decide.ledger import LoadLedger
@@ -545,3 +546,30 @@ def test_a_first_step_avoids_the_p_where_a_session_lives_though_it_holds_the_sha
     router.served(SessionId("a"), first, now=1.0)
     second = router.route(prefix + _prompt(2, base=2000), "b-0", session=SessionId("b"), now=1.5)
     assert second.prefill is not None and second.prefill.name == second_p, second.explain()
+
+
+@pytest.mark.parametrize(("link", "expected"), [("", "w1"), ("pcie", "w2")])
+def test_a_host_tier_is_credited_by_what_its_restore_saves_over_its_link(link: str, expected: str) -> None:
+    """w1 holds 8 of the prompt's blocks in GPU; w2 holds 10 in its host tier (Dynamo's
+    medium ``CPU_PINNED``). At Dynamo's preset host credit (0.75 a block: 7.5) w1 wins; with
+    ``cost.host_restore_link: pcie`` a llama-8b block restored over PCIe saves 96% of its
+    prefill on an H100 (9.6 blocks' credit), and w2 wins."""
+    cost = {"host_restore_link": link} if link else {}
+    router = _router(_config(COLOCATED, cost=cost, disaggregation={"model_preset": "llama-8b"}))
+    prompt = _prompt(12)
+    _store(router.index, "w1", prompt[: 8 * BS])
+    hashes = [f"w2-{i}".encode() for i in range(10)]
+    router.index.apply(WorkerId("w2"), BlockStored(hashes, None, prompt[: 10 * BS], BS, medium="CPU_PINNED"))
+    assert router.route(prompt, "r").decode.name == expected
+    credit = router.cost.cfg.host_cache_hit_weight
+    if link:
+        model, fmt = model_preset("llama-8b"), kv_format_preset("bf16")
+        assert credit == host_block_credit(model, fmt, hardware_preset("h100"), link_preset("pcie"), BS)
+        assert credit == pytest.approx(0.958, abs=1e-3)
+    else:
+        assert credit == 0.75
+
+
+def test_an_unknown_restore_link_is_refused_naming_its_key() -> None:
+    with pytest.raises(ConfigError, match=r"cost\.host_restore_link.*unknown preset 'pcie5'"):
+        _config(COLOCATED, cost={"host_restore_link": "pcie5"})
