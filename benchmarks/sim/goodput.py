@@ -198,6 +198,10 @@ class Served:
     ttft_ms: list[float]
     itl_ms: list[float | None]
     workers: list[int]
+    computed_tokens: int
+    """Prompt tokens prefilled (the rest were reused from a GPU or host tier)."""
+    host_reused_tokens: int
+    """Prompt tokens restored from the workers' host tiers."""
 
 
 Arm = Callable[[Point, Pools], Served]
@@ -214,13 +218,16 @@ def turns(trace: Sequence[TraceRequest]) -> list[tuple[str | None, int]]:
     return out
 
 
-def simulated_arm(cost: dict[str, Any] | None = None, tiers: Tiers = Tiers.HEARD) -> Arm:
+def simulated_arm(cost: dict[str, Any] | None = None, tiers: Tiers = Tiers.HEARD, pressure: bool = True) -> Arm:
     """kvpilot's router in the simulator, its ``cost`` section ``cost`` (its defaults:
-    ``None``), on workers whose host tiers (where the fleet has them) are as ``tiers`` says."""
+    ``None``), on workers whose host tiers (where the fleet has them) are as ``tiers`` says;
+    ``pressure`` False: with the mocker's default GPU blocks instead of the fleet's."""
 
     def run(point: Point, pools: Pools) -> Served:
         requests: list[SimRequest] = []
         spec = pools.spec if tiers is not Tiers.NONE else replace(pools.spec, num_host_blocks=0)
+        if not pressure:
+            spec = replace(spec, num_gpu_blocks=DEFAULT_SPEC.num_gpu_blocks)
         placement = KvpilotPlacement(
             pools.workers, spec, cost, prefill_workers=pools.prefill_workers, hears_host_tier=tiers is Tiers.HEARD
         )
@@ -236,7 +243,13 @@ def simulated_arm(cost: dict[str, Any] | None = None, tiers: Tiers = Tiers.HEARD
         )
         ordered = [requests[i] for i in arrival_order(point.trace)]
         ttft, itl = request_times(ordered)
-        return Served(ttft, itl, [placement.placed[r.rid] for r in ordered])
+        return Served(
+            ttft,
+            itl,
+            [placement.placed[r.rid] for r in ordered],
+            sum(r.prompt_len - r.reused_tokens for r in requests),
+            sum(r.host_reused_tokens for r in requests),
+        )
 
     return run
 
@@ -278,6 +291,8 @@ def dynamo_arm(mode: RouterMode, router_config: dict[str, Any] | None = None) ->
             [r["ttft_ms"] for r in ordered],
             [r["itl_ms"] if r["output_length"] > 1 else None for r in ordered],
             [r["decode_worker_idx"] for r in ordered],
+            sum(r["input_length"] - r["reused_input_tokens"] for r in rows),
+            sum(r.get("first_admission_host_reused_input_tokens") or 0 for r in rows),
         )
 
     return run
@@ -353,6 +368,8 @@ def sweep(points: Sequence[Point], pools: Pools, arms: dict[str, Arm]) -> dict[s
                     "p99_ttft_ms": percentile(ttft, 0.99),
                     "mean_itl_ms": statistics.fmean(i for i in itl if i is not None),
                     "floor_mean_ttft_ms": statistics.fmean(base.ttft_ms),
+                    "computed_tokens": served.computed_tokens,
+                    "host_reused_tokens": served.host_reused_tokens,
                     **(placement_stats(point.trace, served.workers) if sessions else {}),
                 }
             )
@@ -445,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     if tiered:
         arms["kvpilot_tier_blind"] = simulated_arm(credit, Tiers.BLIND)
         arms["kvpilot_without_tiers"] = simulated_arm(None, Tiers.NONE)
+        arms["kvpilot_without_pressure"] = simulated_arm(None, Tiers.NONE, pressure=False)
     if args.search_dynamo is not None:
         arms = {json.dumps(options): dynamo_arm("kv_router", options) for options in args.search_dynamo}
         tuned = None
@@ -520,6 +538,15 @@ def table(result: dict[str, Any]) -> str:
         if r
         else ""
     )
+    if any("computed_tokens" in p for points in result["points"].values() for p in points):
+        lines += ["", "| arm | at each offered req/s: prompt tokens prefilled, M (restored from host, M) |"]
+        lines.append("|---|---|")
+        for arm, points in result["points"].items():
+            cells = "; ".join(
+                f"{p['rate_rps']:.1f}: {p['computed_tokens'] / 1e6:.1f} ({p['host_reused_tokens'] / 1e6:.1f})"
+                for p in points
+            )
+            lines.append(f"| {arm} | {cells} |")
     untiered = result.get("ratios_without_tiers")
     if untiered:
         compared += f" kvpilot against kvpilot_without_tiers: goodput {untiered['goodput']:.2f}x."
