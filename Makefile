@@ -85,6 +85,9 @@ bench: setup
 		--json /tmp/kvpilot-sim-goodput-agent-1024-2.json
 	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 1024 --sessions-per-worker 4 \
 		--json /tmp/kvpilot-sim-goodput-agent-1024-4.json
+	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 2,4,6,8,10 --steps-per-turn 5 \
+		--human-gap-s 60 --num-gpu-blocks 2048 --host-blocks 16384 --kv-bytes-per-token 131072 --host-gb-s 32 \
+		--json /tmp/kvpilot-sim-goodput-agent-64-tiers.json
 	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 1,2,3,4,5 --ablate \
 		--json /tmp/kvpilot-sim-goodput-agent-64-ablate.json
 	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace benchmarks/traces/mooncake_conversation_trace.jsonl \
