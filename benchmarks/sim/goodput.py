@@ -89,6 +89,10 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 on each worker; a later step left to Dynamo's cost and the affinity credit."""
 
 
+UNTIERED = "kvpilot_without_tiers"
+"""The arm of kvpilot on workers without host tiers, which a tiered run's kvpilot is also held against."""
+
+
 class Tiers(str, enum.Enum):
     """What a simulated kvpilot arm makes of a fleet with host tiers (``--host-blocks``)."""
 
@@ -444,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-gpu-blocks", type=int, default=DEFAULT_SPEC.num_gpu_blocks, help="each worker's")
     parser.add_argument("--host-blocks", type=int, default=0, help="each worker's host tier (0: none)")
     parser.add_argument("--host-gb-s", type=float, default=DEFAULT_SPEC.h2d_gb_s, help="host tier GB/s, each way")
+    parser.add_argument("--arms", help="only these arms, comma-separated (kvpilot among them); default: every arm")
     parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-sim-goodput.json"))
     args = parser.parse_args(argv)
     spec = replace(
@@ -461,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     arms: dict[str, Arm] = {"kvpilot": simulated_arm(credit)}
     if tiered:
         arms["kvpilot_tier_blind"] = simulated_arm(credit, Tiers.BLIND)
-        arms["kvpilot_without_tiers"] = simulated_arm(None, Tiers.NONE)
+        arms[UNTIERED] = simulated_arm(None, Tiers.NONE)
         arms["kvpilot_without_pressure"] = simulated_arm(None, Tiers.NONE, pressure=False)
     if args.search_dynamo is not None:
         arms = {json.dumps(options): dynamo_arm("kv_router", options) for options in args.search_dynamo}
@@ -476,6 +481,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.agent:
             arms["dynamo_cost_pinned"] = simulated_arm(DYNAMO_PINNED_COST)
         arms["dynamo_round_robin"] = dynamo_arm("round_robin")
+    if args.arms:
+        unknown = set(args.arms.split(",")) - set(arms)
+        if unknown:
+            parser.error(f"--arms: no arm {', '.join(sorted(unknown))} here (these run: {', '.join(arms)})")
+        arms = {name: arm for name, arm in arms.items() if name in args.arms.split(",")}
     scratch = Path(tempfile.mkdtemp(prefix="kvpilot-sim-goodput-")) / args.json.name  # the traces Dynamo reads
     if args.agent:
         per_worker = [float(n) for n in args.sessions_per_worker.split(",")]
@@ -492,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "goodput_rps": goodputs,
         "ratios": {"baseline": baseline, **ratios(goodputs, results, baseline)} if baseline else None,
-        "ratios_without_tiers": ratios(goodputs, results, "kvpilot_without_tiers") if tiered else None,
+        "ratios_without_tiers": ratios(goodputs, results, UNTIERED) if {"kvpilot", UNTIERED} <= set(arms) else None,
         "points": results,
         "slo": {"ttft_x_floor": TTFT_SLO_X, "itl_x_idle": ITL_SLO_X, "attainment": ATTAINMENT},
         "workers": args.workers,
