@@ -88,6 +88,12 @@ bench: setup
 	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 2,4,6,8,10 --steps-per-turn 5 \
 		--human-gap-s 60 --num-gpu-blocks 2048 --host-blocks 16384 --kv-bytes-per-token 131072 --host-gb-s 32 \
 		--json /tmp/kvpilot-sim-goodput-agent-64-tiers.json
+	.venv/bin/python benchmarks/make_agent_trace.py --sessions 96 --steps 20 --steps-per-turn 5 --human-gap-s 30 \
+		--session-gap-s 0.2 --out /tmp/kvpilot-agent-tiers-s96.jsonl
+	.venv/bin/python benchmarks/bench_fleet.py --trace /tmp/kvpilot-agent-tiers-s96.jsonl --workers 16 --max-requests 100000 \
+		--tokens-per-hash 128 --speedup 1 --arms dynamo_kv,dynamo_kv_tuned,kvpilot --mocker-flags "--num-gpu-blocks-override \
+		768 --num-host-blocks 8192 --kv-bytes-per-token 131072 --host-offload-d2h-bandwidth-gbps 32 \
+		--host-offload-h2d-bandwidth-gbps 32" --json /tmp/kvpilot-live-agent-16-tiers.json
 	.venv/bin/python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 1,2,3,4,5 --ablate \
 		--json /tmp/kvpilot-sim-goodput-agent-64-ablate.json
 	.venv/bin/python benchmarks/sim_vs_dynamo.py --trace benchmarks/traces/mooncake_conversation_trace.jsonl \
