@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, TraceRequest
 
-from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, Stored
+from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest
 
 PASS_END, KV_EVENTS, HANDOFF, ARRIVAL, WAKE = range(5)
 """Event kinds. Events at one instant are taken in the order they were scheduled; only once
@@ -97,16 +97,9 @@ class Placement(Protocol):
         """The decode worker of a request placed without one, once its prefill ended."""
         ...
 
-    def kv_events(
-        self,
-        worker: int,
-        stored: list[Stored],
-        evicted: list[object],
-        host_stored: list[Stored],
-        host_evicted: list[object],
-    ) -> None:
+    def kv_events(self, worker: int, changes: PassResult) -> None:
         """A pass's KV events: the GPU blocks it stored and evicted, and what the worker's
-        host tier stored and evicted since its last pass (:class:`sim.engine.PassResult`)."""
+        host tier stored and evicted since its last pass (``changes``' fields)."""
         ...
 
     def first_token(self, request: SimRequest) -> None: ...
@@ -154,14 +147,7 @@ class RoundRobin:
         self._decode_turn += 1
         return turn % len(decode)
 
-    def kv_events(
-        self,
-        worker: int,
-        stored: list[Stored],
-        evicted: list[object],
-        host_stored: list[Stored],
-        host_evicted: list[object],
-    ) -> None:
+    def kv_events(self, worker: int, changes: PassResult) -> None:
         return None
 
     def first_token(self, request: SimRequest) -> None:
@@ -313,8 +299,7 @@ def simulate(
             first = [r for r in result.emitting if r.first_token_ms is None and not r.transferred]
             finished = engines[payload].finish_pass(result)
             if result.stored or result.evicted or result.host_stored or result.host_evicted:
-                changes = (result.stored, result.evicted, result.host_stored, result.host_evicted)
-                heapq.heappush(events, (now + kv_event_lag_ms, order, KV_EVENTS, (payload, *changes)))
+                heapq.heappush(events, (now + kv_event_lag_ms, order, KV_EVENTS, (payload, result)))
                 order += 1
             woken.add(payload)
             if payload < prefill_workers:  # P's copies: their prefill is done, their KV moves to D

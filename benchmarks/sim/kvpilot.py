@@ -36,7 +36,7 @@ from kvpilot.routing.health.pair_health import PairHealth
 from kvpilot.routing.ids import SessionId, WorkerId
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.index.events import BlockRemoved, BlockStored
-from sim.engine import EngineSpec, SimEngine, SimRequest, Stored
+from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, Stored
 from sim.fleet import Placed
 
 GPU_MEDIUM = "GPU"
@@ -150,18 +150,11 @@ class KvpilotPlacement:
         """The decode worker chosen with the prefill worker on arrival (the router prices the pair)."""
         return self.placed[request.rid]
 
-    def kv_events(
-        self,
-        worker: int,
-        stored: list[Stored],
-        evicted: list[object],
-        host_stored: list[Stored],
-        host_evicted: list[object],
-    ) -> None:
+    def kv_events(self, worker: int, changes: PassResult) -> None:
         name = self.names[worker]
-        self._apply(name, stored, evicted, GPU_MEDIUM)
+        self._apply(name, changes.stored, changes.evicted, GPU_MEDIUM)
         if self.hears_host_tier:
-            self._apply(name, host_stored, host_evicted, HOST_MEDIUM)
+            self._apply(name, changes.host_stored, changes.host_evicted, HOST_MEDIUM)
 
     def _apply(self, name: WorkerId, stored: list[Stored], evicted: list[object], medium: str) -> None:
         """One ``BlockStored`` per run of consecutive blocks of one request, then one

@@ -3,14 +3,22 @@ prompt X while its own prompt is X' (history edits of section 5.2 of the article
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
+from kvpilot.deploy import fleet as fleet_io
 from kvpilot.deploy.client import Completion, complete
+from kvpilot.deploy.fleet_spec import FleetSpec, plan_fleet
 from kvpilot.deploy.metrics import scrape, settled
 from kvpilot.deploy.prompts import filler_text
 from kvpilot.kvconnectors import vllm_metrics as vm
 from kvpilot.kvconnectors.pull_params import handoff_request
+from tests.fakes.ports import block_of
 
 BLOCK_SIZE = 32
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2
@@ -83,3 +91,28 @@ def run_case(p_url: str, d_url: str, x: list[int], x_prime: list[int], p_salt: s
     extra = {"cache_salt": d_salt} if d_salt else {}
     out = complete(d_url, x_prime, max_tokens=10, kv_transfer_params=params, **extra)
     return out, before, settled(d_url, before)
+
+
+@contextmanager
+def p_and_d_engines(
+    model_dir: Path, run_dir: Path, module: str, kv_transfer: Callable[[str], dict[str, object]]
+) -> Iterator[list[fleet_io.RunningProcess]]:
+    """1 P + 1 D engine, as ``kvpilot fleet up`` plans them on e2e module ``module``'s ports,
+    each started with ``kv_transfer(its name)`` as its ``--kv-transfer-config`` in place of
+    the fleet's; no router (the test is the proxy). Stopped on exit."""
+    spec = FleetSpec(model_dir=model_dir, run_dir=run_dir, disaggregation="always", **block_of(module).fleet())
+    plans, _router, _config = plan_fleet(spec)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started: list[fleet_io.RunningProcess] = []
+    try:
+        for plan in plans:
+            argv = list(plan.argv)
+            argv[argv.index("--kv-transfer-config") + 1] = json.dumps(kv_transfer(plan.name))
+            started.append(fleet_io.start(dataclasses.replace(plan, argv=tuple(argv)), logs, timeout=600))
+        for engine in started:
+            fleet_io.warm_up(f"http://127.0.0.1:{engine.port}", spec.served_model_name)
+        yield started
+    finally:
+        for engine in reversed(started):
+            fleet_io.stop_group(engine.pid)

