@@ -14,7 +14,7 @@ from pathlib import Path
 from kvpilot.deploy import fleet as fleet_io
 from kvpilot.deploy.client import Completion, complete
 from kvpilot.deploy.fleet_spec import FleetSpec, plan_fleet
-from kvpilot.deploy.metrics import scrape, settled
+from kvpilot.deploy.metrics import delta, scrape, settled
 from kvpilot.deploy.prompts import filler_text
 from kvpilot.kvconnectors import vllm_metrics as vm
 from kvpilot.kvconnectors.pull_params import handoff_request
@@ -116,3 +116,23 @@ def p_and_d_engines(
     finally:
         for engine in reversed(started):
             fleet_io.stop_group(engine.pid)
+
+
+def decode_verified(
+    decode_url: str, x: list[int], x_prime: list[int], params: dict, salt: str, logprob_tolerance: float = 0.0
+) -> None:
+    """D answers X' with P's ``params`` (P prefilled X): it verified exactly the blocks X and
+    X' share, loaded them, rejected at the first that differs, and answered as a co-located
+    run of X' does (tokens equal; logprobs within ``logprob_tolerance``)."""
+    before = scrape(decode_url)
+    out = complete(decode_url, x_prime, max_tokens=10, kv_transfer_params=params, cache_salt=salt)
+    after = settled(decode_url, before)
+    expected = common_full_blocks(x, x_prime)
+    edited = expected < len(x) // BLOCK_SIZE
+    assert expected >= 5
+    assert delta(after, before, VERIFIED) == expected
+    assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") >= expected * BLOCK_SIZE
+    assert (delta(after, before, REJECTED) >= 1) == edited
+    reference = colocated_reference(decode_url, x, x_prime, expected)
+    assert out.tokens == reference.tokens
+    assert out.max_logprob_diff(reference) <= logprob_tolerance, f"max logprob diff {out.max_logprob_diff(reference)}"

@@ -30,16 +30,12 @@ from vllm.config import KVTransferConfig
 
 from kvpilot.deploy import fleet as fleet_io
 from kvpilot.deploy.client import complete
-from kvpilot.deploy.metrics import delta, scrape, settled
 from kvpilot.deploy.prompts import filler_text
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.scenarios import (
     BLOCK_SIZE,
-    PROMPT_TOKENS,
-    REJECTED,
-    VERIFIED,
-    colocated_reference,
     common_full_blocks,
+    decode_verified,
     p_and_d_engines,
 )
 
@@ -86,15 +82,5 @@ def test_a_handoff_through_dynamos_nixl_protocol_is_verified(
     to_d = json.loads(json.dumps(protocol.decode_request_kv_transfer_params(p_out)))
     assert to_d == p_out.kv_transfer_params  # Dynamo's NIXL protocol passes P's params on unchanged
 
-    before = scrape(decode)
-    out = complete(decode, x_prime, max_tokens=10, kv_transfer_params=to_d, cache_salt=salt)
-    after = settled(decode, before)
-
-    expected = common_full_blocks(x, x_prime)
-    assert expected >= 5 and (expected < len(x) // BLOCK_SIZE) == edit
-    assert delta(after, before, VERIFIED) == expected
-    assert delta(after, before, PROMPT_TOKENS, source="external_kv_transfer") >= expected * BLOCK_SIZE
-    assert (delta(after, before, REJECTED) >= 1) == edit
-    reference = colocated_reference(decode, x, x_prime, expected)
-    assert out.tokens == reference.tokens
-    assert out.logprobs == reference.logprobs, f"max logprob diff {out.max_logprob_diff(reference)}"
+    assert (common_full_blocks(x, x_prime) < len(x) // BLOCK_SIZE) == edit
+    decode_verified(decode, x, x_prime, to_d, salt)
