@@ -15,3 +15,16 @@ def test_a_run_records_its_date_commit_and_hardware() -> None:
     json.dumps(run)  # a results file holds it as it is
     line = describe(run)
     assert run["date"] in line and run["commit"] in line and f"{cpu['cores']} cores" in line
+
+
+def test_every_committed_results_file_comes_from_a_clean_tree() -> None:
+    """A number on a page is rendered from a committed results file (issue 41 item 6): each
+    names the commit it ran at, never one with uncommitted changes (``+dirty``)."""
+    from report import RESULTS_DIR
+
+    dirty = {
+        path.name: commit
+        for path in sorted(RESULTS_DIR.glob("*.json"))
+        if "dirty" in (commit := json.loads(path.read_text())["provenance"]["commit"])
+    }
+    assert not dirty, dirty
