@@ -394,11 +394,11 @@ class SimEngine:
         """GPU blocks whose copy to the host has not completed: the store's transfer id."""
         self.compute_not_before_ms = 0.0
         self.activated: list[Stored] = []
+        """Blocks restored from the host since the last pass (its stored KV events)."""
         self.store_origins: dict[object, Stored] = {}
         """Blocks whose copy to the host runs: the request and index that name them."""
         self.host_stored: list[Stored] = []
         """Blocks whose copy to the host completed since the last pass (reported with the next one)."""
-        """Blocks restored from the host since the last pass (its stored KV events)."""
         self.set_aside = 0
         """Requests set aside so far (a pass that sets one aside does something)."""
         self.stalled = False
