@@ -329,14 +329,19 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler_layer().forget(request.request_id)
+        """The inner connector's verdict, given no blocks to hold when the router declined
+        this engine's hold (:meth:`KVPilotScheduler.finished`): they are freed at once."""
+        if self._scheduler_layer().finished(request):
+            block_ids = []
         delay_free, params = self._inner.request_finished(request, block_ids)
         return delay_free, self._stamp(request, params)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler_layer().forget(request.request_id)
+        """As :meth:`request_finished`, per KV-cache group."""
+        if self._scheduler_layer().finished(request):
+            block_ids = tuple([] for _ in block_ids)
         if isinstance(self._inner, SupportsHMA):  # vLLM's supports_hma(), narrowing the type
             delay_free, params = self._inner.request_finished_all_groups(request, block_ids)
         else:  # one KV cache group: checked at construction

@@ -108,6 +108,25 @@ def stamp_wall_clock_expiry(params: dict[str, Any], perf_now: float, wall_now: f
         params[EXPIRES_AT_KEY] = round(wall_now + (expiry - perf_now), 3)
 
 
+HOLD_KEY = "kvpilot_hold"
+"""In D's kv_transfer_params, set by the router: ``false`` asks D not to hold the request's
+blocks for a peer once it finishes (vLLM's bidirectional mode holds every finished request's
+for ``decoder_kv_blocks_ttl``); absent or ``true``, D holds them as vLLM does
+(:mod:`kvpilot.policies.session_hold` decides)."""
+
+
+def with_hold(handoff: dict[str, Any], hold: bool) -> dict[str, Any]:
+    """P's ``handoff`` for D, asking D to hold the finished request's blocks or not (:data:`HOLD_KEY`)."""
+    return {**handoff, HOLD_KEY: hold}
+
+
+def declines_hold(params: Mapping[str, Any] | None) -> bool:
+    """Whether a finished request's params ask this engine, as its decode side, not to hold
+    its blocks (:data:`HOLD_KEY` is ``false``; a P's own handoff, ``do_remote_decode``, is
+    never declined: D pulls it)."""
+    return isinstance(params, Mapping) and params.get(HOLD_KEY) is False and not params.get("do_remote_decode")
+
+
 def lease_expires_at(params: Mapping[str, Any]) -> float | None:
     """The Unix time until which the peer holds the offered blocks (:data:`EXPIRES_AT_KEY`);
     ``None`` if the params state no wall-clock expiry (a P->D handoff, held by

@@ -46,6 +46,7 @@ from kvpilot.kvconnectors.group_clip import GroupKind, GroupLayout
 from kvpilot.kvconnectors.hash_contract import HashAlgo, SeedId, salt_identity, seed_identity
 from kvpilot.kvconnectors.pull_params import (
     LEASE_MARGIN_S,
+    declines_hold,
     lease_seconds_left,
     pull_fields_error,
     stamp_wall_clock_expiry,
@@ -297,7 +298,17 @@ class KVPilotScheduler:
             self._record(request_id, plan)
         return plan
 
-    def forget(self, request_id: str) -> None:
+    def finished(self, request: Request) -> bool:
+        """``request`` finished: forget it, and say whether its params decline this engine's
+        hold on its blocks (the router's :data:`~kvpilot.kvconnectors.pull_params.HOLD_KEY`,
+        counted); the caller then hands the inner connector no blocks to hold."""
+        self._forget(request.request_id)
+        if not declines_hold(request.kv_transfer_params):
+            return False
+        self._stats.count("holds_released")
+        return True
+
+    def _forget(self, request_id: str) -> None:
         self._plans.pop(request_id, None)
         self._screened_out.pop(request_id, None)
         self._backlog.finished(request_id)

@@ -92,6 +92,12 @@ COUNTERS: tuple[CounterSpec, ...] = (
         ("fail", "recompute"),
         ("action",),
     ),
+    CounterSpec(
+        "holds_released",
+        vllm_metrics.KVPILOT_HOLDS_RELEASED,
+        "Finished requests whose blocks this engine freed at once because the router declined its hold "
+        "for the session's next step (bidirectional mode holds them for decoder_kv_blocks_ttl otherwise).",
+    ),
 )
 _SPECS = {spec.key: spec for spec in COUNTERS}
 

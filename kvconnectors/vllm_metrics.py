@@ -140,6 +140,7 @@ KVPILOT_VERIFY_SECONDS = CounterFamily("vllm:kvpilot_verify_seconds")
 KVPILOT_RECOMPUTED_TOKENS = CounterFamily("vllm:kvpilot_recomputed_tokens")
 KVPILOT_PULL_DECISIONS = CounterFamily("vllm:kvpilot_pull_decisions")
 KVPILOT_LOAD_FAILURES = CounterFamily("vllm:kvpilot_load_failures")
+KVPILOT_HOLDS_RELEASED = CounterFamily("vllm:kvpilot_holds_released")
 
 KVPILOT_FAMILIES: tuple[CounterFamily, ...] = (
     KVPILOT_OFFERS,
@@ -149,4 +150,5 @@ KVPILOT_FAMILIES: tuple[CounterFamily, ...] = (
     KVPILOT_RECOMPUTED_TOKENS,
     KVPILOT_PULL_DECISIONS,
     KVPILOT_LOAD_FAILURES,
+    KVPILOT_HOLDS_RELEASED,
 )

@@ -265,6 +265,13 @@ class SessionStoreKind(str, enum.Enum):
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
+class HoldMode(str, enum.Enum):
+    """Whether D holds a finished step's KV for the session's next step (vLLM's bidirectional mode)."""
+
+    PRICED = "priced"  # kvpilot.policies.session_hold decides per step
+    ALWAYS = "always"  # vLLM's own: every step held for decoder_kv_blocks_ttl
+
+
 class SessionConfig(TypedConfig, frozen=True):
     """Agent sessions: how many are kept, which option their later steps take, where they live."""
 
@@ -305,8 +312,18 @@ class SessionConfig(TypedConfig, frozen=True):
     as living on its worker (``cost.session_residency_weight``): an agent's tool call takes
     seconds; a session idle longer may not come back."""
 
+    hold: HoldMode = HoldMode.PRICED
+    """Whether D holds a finished step's blocks for P to pull back (vLLM's bidirectional mode
+    holds every one for ``decoder_kv_blocks_ttl``): ``priced`` holds only a session expected
+    back within D's hold and ``resident_s``, on a D below ``hold_release_kv_usage``
+    (:mod:`kvpilot.policies.session_hold`); ``always``, as vLLM does."""
+    hold_release_kv_usage: float | None = 0.9
+    """D's KV usage (as the local-vs-remote policy reads it) at or above which a priced hold is
+    released, so that its blocks stay evictable; null: never for pressure."""
+
     def __post_init__(self) -> None:
         check_range(self, "max_sessions", above=0)
+        check_range(self, "hold_release_kv_usage", at_least=0)
         check_range(self, "max_sessions_per_client", at_least=0)
         if urlsplit(self.redis_url).password is not None:
             raise ConfigError("redis_url", "holds a password: name its variable in sessions.redis_password_env instead")

@@ -48,6 +48,7 @@ from kvpilot.policies.failure import (
     RecoveryDecision,
     recover,
 )
+from kvpilot.policies.session_hold import HoldDecision
 from kvpilot.policies.session_options import OptionPrice
 from kvpilot.routing.config import Worker
 from kvpilot.routing.decide.measured_prices import predict_path
@@ -118,6 +119,9 @@ class Ticket:
     probes: set[WorkerId] = dataclasses.field(default_factory=set)
     refused_by: WorkerId | None = None
     """The prefill worker that answered 4xx to this request's body, if one did."""
+    hold: HoldDecision | None = None
+    """Whether D holds the step's KV for the session's next step (``None``: no session, or
+    vLLM's own hold): P's handoff carries it to D (:func:`~kvpilot.kvconnectors.pull_params.with_hold`)."""
 
     @property
     def request_id(self) -> str:
@@ -252,11 +256,13 @@ class Lifecycle:
             raise InFlight(f"X-Request-Id {rid!r} is already in flight") from None
         with self.lock:
             offer, use = self.router.take_session_offer(session, route, self.clock.wall())
+            hold = self.router.hold(session, route, self.clock.wall())
         kind, prefiller = route.kind, route.prefill_worker.name
         if route.prefill is not None and parallel_samples:
             self._ledger.move_prefill(rid, d, route.decode_cached_blocks)
             kind, prefiller = Kind.LOCAL_PREFILL, d
         ticket = Ticket(route, session, kind, prefiller, prediction, None if offer is None else dict(offer.params), use)
+        ticket.hold = hold
         now = self.clock.monotonic()
         if kind is Kind.REMOTE_PREFILL:
             assert route.prefill is not None

@@ -57,6 +57,7 @@ from kvpilot.policies.disaggregation import (
     Where,
 )
 from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset
+from kvpilot.policies.session_hold import HoldDecision, decide_hold
 from kvpilot.policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
 from kvpilot.policies.specs import ModelSpec, SpecError
 from kvpilot.policies.tier_credit import host_block_credit
@@ -65,6 +66,7 @@ from kvpilot.routing.config import (
     CostConfig,
     CostObjective,
     DisaggregationConfig,
+    HoldMode,
     RouterConfig,
     TierClass,
     Worker,
@@ -289,6 +291,8 @@ class Router:
         self._options = _Options.of(fleet)
         self.residency = Residency(config.sessions.resident_s)
         """The sessions living on each decode worker (a session's first step is charged for them)."""
+        self._hold_s: dict[WorkerId, float] = {}
+        """Per decode worker, the hold its latest offer stated (seconds from its answer to its lease's end)."""
         self.prefill_residency = Residency(config.sessions.resident_s)
         """The sessions whose latest step a prefill worker prefilled: its later steps' history
         is cached there, and a pair's P is charged for them as D is for its own."""
@@ -481,15 +485,39 @@ class Router:
         (vLLM's bidirectional mode), the offer for the session's next step."""
         if session is None:
             return
+        state = self.sessions.get(session)
+        offer = SessionOffer.from_response(route.decode.name, decode_params)
         if now is not None:
             self._settle(session, route.prefill, route.decode, route.prompt_blocks, now)
-        state = self.sessions.get(session)
+            state.ended_at = now
+            if offer is not None and offer.expires_at is not None:
+                self._hold_s[route.decode.name] = offer.expires_at - now
         state.steps += 1
         state.last_worker = route.decode.name
         state.last_prefill = route.prefill.name if route.prefill is not None else None
-        offer = SessionOffer.from_response(route.decode.name, decode_params)
         if offer is not None:
             state.offer = offer
+
+    def hold(self, session: SessionId | None, route: Route, now: float) -> HoldDecision | None:
+        """Whether ``route``'s D holds the step's KV for the session's next step once it
+        finishes (:mod:`kvpilot.policies.session_hold`), the step's gap noted as arrived at
+        ``now`` (Unix seconds). The horizon is ``sessions.resident_s``, or less the hold D's
+        offers state (their lease less :data:`LEASE_MARGIN_S`). ``None`` without a session
+        or under ``sessions.hold: always``."""
+        if session is None:
+            return None
+        state = self.sessions.get(session)
+        state.arrived(now)
+        config = self.config.sessions
+        if config.hold is HoldMode.ALWAYS:
+            return None
+        d = route.decode
+        horizon = config.resident_s
+        stated = self._hold_s.get(d.name)
+        if stated is not None:
+            horizon = min(horizon, stated - LEASE_MARGIN_S)
+        usage = self.kv_usage(d, self.ledger.load(d.name).active_decode_blocks)
+        return decide_hold(state.gaps_s, horizon, usage, config.hold_release_kv_usage)
 
     def take_session_offer(
         self, session: SessionId | None, route: Route, now: float
@@ -662,8 +690,12 @@ class Router:
             p_cached_tokens=min(prompt_tokens, overlaps[p.name].gpu * bs),
             p_queued_tokens=loads[p.name].active_prefill_blocks * bs,
         )
-        usage = min(1.0, d_load.active_decode_blocks / d.kv_blocks) if d.kv_blocks else 0.0
-        reported = self.engine_load(d.name) if self.engine_load is not None else None
-        if reported is not None:  # D's own gauges also count traffic that bypassed this router
-            usage = max(usage, reported.kv_usage)
+        usage = self.kv_usage(d, d_load.active_decode_blocks)
         return prompt, DecodeState(kv_usage=usage, running_streams=self._running_streams(d, loads))
+
+    def kv_usage(self, d: Worker, active_decode_blocks: int) -> float:
+        """D's KV usage: its ``active_decode_blocks`` booked here over its ``kv_blocks``, or
+        D's own gauge when higher (it also counts traffic that bypassed this router)."""
+        usage = min(1.0, active_decode_blocks / d.kv_blocks) if d.kv_blocks else 0.0
+        reported = self.engine_load(d.name) if self.engine_load is not None else None
+        return usage if reported is None else max(usage, reported.kv_usage)

@@ -20,7 +20,7 @@ Example (block size 2)::
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -35,6 +35,8 @@ the engines see the body)."""
 
 HEADER = "x-session-id"
 MAX_KEY_LENGTH = 256
+MAX_GAPS = 8
+"""The gaps a session keeps (:attr:`SessionState.gaps_s`): its recent rhythm, tool calls and human turns."""
 
 
 class InvalidSessionKey(ValueError):
@@ -120,7 +122,18 @@ class Advance(NamedTuple):
 class SessionState:
     """One session: its chain (with the index's cached match) and where it last ran."""
 
-    __slots__ = ("_lora", "_salt", "block_size", "chain", "last_prefill", "last_worker", "offer", "steps")
+    __slots__ = (
+        "_lora",
+        "_salt",
+        "block_size",
+        "chain",
+        "ended_at",
+        "gaps_s",
+        "last_prefill",
+        "last_worker",
+        "offer",
+        "steps",
+    )
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -131,11 +144,21 @@ class SessionState:
         """The P that prefilled the last step (``None``: prefilled where it decoded)."""
         self.offer: SessionOffer | None = None
         """D's offer of the session's KV after its last step, until used or replaced."""
+        self.ended_at: float | None = None
+        """When its last step's answer ended (Unix seconds), until its next step arrives."""
+        self.gaps_s: deque[float] = deque(maxlen=MAX_GAPS)
+        """Its latest gaps (a step's arrival after the previous step's end), oldest first."""
         self.steps = 0
         """Steps served (:meth:`kvpilot.routing.decide.router.Router.served`): which of two views of the
         session is newer (:func:`kvpilot.routing.decide.session_record.merge`)."""
         self._lora: str | None = None
         self._salt: str | None = None
+
+    def arrived(self, now: float) -> None:
+        """A step arrived at ``now`` (Unix seconds): its gap since the last step's end is kept."""
+        if self.ended_at is not None:
+            self.gaps_s.append(max(0.0, now - self.ended_at))
+            self.ended_at = None
 
     def _reset(self, tokens: Sequence[int], lora: str | None, salt: str | None) -> Advance:
         self.chain = PromptChain(tokens, self.block_size, lora_name=lora, cache_salt=salt, incremental=True)

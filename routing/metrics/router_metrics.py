@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvpilot.policies.failure import Recovery
+from kvpilot.policies.session_hold import HoldDecision, HoldReason
 from kvpilot.policies.session_options import Option
 from kvpilot.routing.decide.session_record import StoreOp
 from kvpilot.routing.decide.sessions import OfferUse
@@ -33,6 +34,11 @@ _RATIO_BUCKETS = (0.125, 0.25, 0.5, 0.8, 1.25, 2, 4, 8, 16, 64, 256, 1024)
 """Observed over predicted: within 2x is (0.5, 2]; the roofline prior of an H100 on a CPU box is far above 8."""
 
 
+def _hold_label(hold: bool) -> str:
+    """The ``decision`` label of ``kvpilot_router_session_holds_total``."""
+    return "hold" if hold else "release"
+
+
 class RouterMetrics:
     """The router's Prometheus families, in a registry of its own.
 
@@ -51,7 +57,8 @@ class RouterMetrics:
     ``kvpilot_router_prefill_failures_total{worker,reason}``,
     ``kvpilot_router_prefill_fallbacks_total``, ``kvpilot_router_upstream_errors_total{worker}``.
     Sessions across pools: ``kvpilot_router_session_offers_total{outcome="sent"|"expired"|"unused"}``,
-    ``kvpilot_router_session_options_total{option}`` (the article's option per later step).
+    ``kvpilot_router_session_options_total{option}`` (the article's option per later step),
+    ``kvpilot_router_session_holds_total{decision,reason}`` (whether D holds a step's KV).
     The shared session store (``sessions.store: redis``): ``kvpilot_router_session_store_seconds{op}``
     (each read or write), ``kvpilot_router_session_store_errors_total{op}`` (each one that
     failed or timed out: the step was routed on local state, or the write dropped),
@@ -147,6 +154,13 @@ class RouterMetrics:
             ["option"],
             registry=r,
         )
+        self.session_holds = Counter(
+            p + "session_holds",
+            "Sessions' steps handed to D, by whether D holds the step's KV for the next step once it "
+            "finishes (vLLM's bidirectional mode) and why (kvpilot.policies.session_hold)",
+            ["decision", "reason"],
+            registry=r,
+        )
         self.session_store_seconds = Histogram(
             p + "session_store_seconds",
             "Session store reads (before routing, bounded by sessions.store_read_timeout_s) "
@@ -182,9 +196,15 @@ class RouterMetrics:
             self.session_options.labels(option.value)
         for op in StoreOp:
             self.session_store_errors.labels(op.value)
+        for why in HoldReason:
+            self.session_holds.labels(_hold_label(why.holds), why.value)
         for outcome in get_args(OfferUse):
             if outcome != "none":  # no offer at all is not counted
                 self.session_offers.labels(outcome)
+
+    def held(self, decision: HoldDecision) -> None:
+        """A session's step went to D with ``decision`` on its hold."""
+        self.session_holds.labels(_hold_label(decision.hold), decision.reason.value).inc()
 
     def decided(self, route: Route, route_seconds: float) -> None:
         self.decisions.labels(route.kind.value, route.prefill_worker.name, route.decode.name).inc()

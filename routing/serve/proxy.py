@@ -49,7 +49,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvpilot.kvconnectors.pull_params import handoff_request
+from kvpilot.kvconnectors.pull_params import handoff_request, with_hold
 from kvpilot.policies.failure import Recovery
 from kvpilot.routing.decide.lifecycle import InFlight, Lifecycle, Ticket
 from kvpilot.routing.decide.rates import TTFTPrediction
@@ -269,7 +269,10 @@ class Proxy:
                     self.metrics.ttft_stage.labels("prefill").observe(elapsed)
                 if ratio is not None:
                     self.metrics.predicted_ratio.labels("prefill").observe(ratio)
-                return outcome.params
+                if outcome.deferred or ticket.hold is None:  # a deferred handoff is P's header for D's call
+                    return outcome.params
+                self.metrics.held(ticket.hold)
+                return with_hold(outcome.params, ticket.hold.hold)
             refused = outcome.failure is PrefillFailure.REFUSED
             failed = self.lifecycle.prefill_failed(ticket, engine_fault=outcome.engine_fault, refused=refused)
             self.metrics.circuit_changed(failed.circuit)

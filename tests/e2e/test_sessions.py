@@ -6,6 +6,7 @@ directly, as vLLM's multi-turn proxy does, and through kvpilot's router."""
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,9 @@ from kvpilot.deploy.client import Completion, complete, wait_for_overlap
 from kvpilot.deploy.fleet import Fleet, restart_router
 from kvpilot.deploy.fleet_spec import DECODE_HOLD_TTL_S, ROUTER_CONFIG, FleetSpec
 from kvpilot.deploy.metrics import delta, scrape
+from kvpilot.kvconnectors import vllm_metrics as vm
 from kvpilot.policies.disaggregation import DecodeState
+from kvpilot.policies.session_hold import HoldReason
 from kvpilot.policies.session_options import Option, PrefillSite, SessionOptionPricer, SessionStep
 from kvpilot.routing.config import prior_model
 from kvpilot.routing.config_load import add_cli_flags, load_config
@@ -47,6 +50,8 @@ PORTS = block_of(__name__).fleet()
 DROP_IN = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 0}
 SESSION_OFFERS = "kvpilot_router_session_offers_total"
 SESSION_OPTIONS = "kvpilot_router_session_options_total"
+SESSION_HOLDS = "kvpilot_router_session_holds_total"
+HOLDS_RELEASED = vm.KVPILOT_HOLDS_RELEASED.total
 
 
 @pytest.fixture(scope="module")
@@ -150,13 +155,21 @@ def _router_choosing(spec: FleetSpec, flags: list[str]) -> str:
 
 
 def _agent_steps(
-    router: str, x: list[int], tokenizer: PromptTokenizer, session: str, edit_step3: Edit = EDITS["unedited"]
+    router: str,
+    x: list[int],
+    tokenizer: PromptTokenizer,
+    session: str,
+    edit_step3: Edit = EDITS["unedited"],
+    gap_before_step2_s: float = 0.0,
 ) -> list[tuple[list[int], Completion]]:
     """Three steps of one agent session through ``router``: each resends the whole
     history, D's tool call and a new tool output appended (``edit_step3`` edits the
-    history before step 3); returns each step's prompt and answer."""
+    history before step 3; step 2 waits ``gap_before_step2_s`` more, a tool call's
+    gap); returns each step's prompt and answer."""
     steps, prompt = [], x
     for n, max_tokens in enumerate((GENERATED, GENERATED, 8)):
+        if n == 1:
+            time.sleep(gap_before_step2_s)
         out = complete(
             router, prompt, max_tokens=max_tokens, ignore_eos=True, return_token_ids=True, conversation_id=session
         )
@@ -204,6 +217,33 @@ def test_a_session_served_by_each_forced_option_answers_like_colocated(
     for n, ((_, out), ref) in enumerate(zip(steps, colocated_steps(decode, steps), strict=True), start=1):
         diffs = sorted(round(d, 5) for d in logprob_diffs(out, ref))
         assert same(out, ref), f"step {n}: divergence {out.divergence(ref)}, |logprob diffs| {diffs}"
+
+
+def test_d_holds_a_step_only_for_a_session_expected_back_within_the_horizon(
+    spec: FleetSpec, fleet: Fleet, tokenizer: PromptTokenizer
+) -> None:
+    """``sessions.hold: priced`` (:mod:`kvpilot.policies.session_hold`), live: the router
+    counts a session as living on D for 2 s here, and step 2 comes 3 s after step 1. Step 1
+    is held (no gap measured yet) and its offer is pulled by step 2; step 2 is released:
+    D frees its blocks at once and offers nothing, so step 3 takes another option. Every
+    release the router decides is one D made, and the answers are the co-located run's."""
+    router = _router_choosing(spec, ["--sessions-force-option", "pull", "--sessions-resident-s", "2"])
+    decode = _urls(fleet)[1]
+    router_before, d_before = scrape(router), scrape(decode)
+    steps = _agent_steps(router, history(tokenizer, 800), tokenizer, "held-or-not", gap_before_step2_s=3.0)
+    router_after, d_after = scrape(router), scrape(decode)
+
+    assert delta(router_after, router_before, SESSION_HOLDS, decision="hold", reason="first_step") == 1
+    # step 2 (3 s > 2 s); step 3's median gap may or may not be within 2 s
+    assert delta(router_after, router_before, SESSION_HOLDS, decision="release", reason="outlasts_hold") >= 1
+    released = sum(
+        delta(router_after, router_before, SESSION_HOLDS, decision="release", reason=why.value) for why in HoldReason
+    )
+    assert delta(d_after, d_before, HOLDS_RELEASED) == released
+    assert delta(router_after, router_before, SESSION_OFFERS, outcome="sent") == 1  # step 1's, to step 2's P
+    for n, ((_, out), ref) in enumerate(zip(steps, colocated_steps(decode, steps), strict=True), start=1):
+        diffs = sorted(round(d, 5) for d in logprob_diffs(out, ref))
+        assert numerically_same(out, ref), f"step {n}: divergence {out.divergence(ref)}, |logprob diffs| {diffs}"
 
 
 def _priced_independently(spec: FleetSpec, flags: list[str], step: SessionStep) -> dict[str, float]:

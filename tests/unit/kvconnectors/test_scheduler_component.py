@@ -54,7 +54,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvpilot.kvconnectors.connector import KVPilotConnector
 from kvpilot.kvconnectors.plugin import register
-from kvpilot.kvconnectors.pull_params import PULL_DONE_KEY, handoff_request
+from kvpilot.kvconnectors.pull_params import PULL_DONE_KEY, handoff_request, with_hold
 from kvpilot.kvconnectors.reasons import Reason
 from kvpilot.kvconnectors.scheduler import step_chunks
 from kvpilot.kvconnectors.stats import KVPilotStats, counter_key
@@ -425,6 +425,28 @@ def test_session_pull_follows_the_pull_policy(
         assert pull.remote.block_ids == [d_blocks[:4]] and not any(pull.local_block_ids)
         assert prefill.counters["verified_blocks"] == 0
         assert prefill.counters[recomputed(Reason.PULL_POLICY)] == 2 * BS
+
+
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "released"])
+def test_decode_holds_a_finished_step_only_when_the_router_asks(make_engine: MakeEngine, hold: bool) -> None:
+    """Bidirectional D pins a finished step's blocks for P's pull unless its handoff says
+    ``kvpilot_hold: false``: then they go back to the free pool at once and D offers none."""
+    prefill, decode = make_engine("prefill", extra=BIDIRECTIONAL), make_engine("decode", extra=BIDIRECTIONAL)
+    pool = decode.scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    decode.add("t1", TURN1, with_hold(hand_off(prefill, TURN1, "t1-p"), hold), max_tokens=DECODED)
+    decode.step(received={"t1"})
+    while "t1" not in decode.finished:
+        decode.step()
+    offered = decode.finished["t1"] or {}
+    if hold:
+        assert offered["remote_block_ids"][0] and PARAMS_KEY in offered
+        assert pool.get_num_free_blocks() < free_before
+        assert decode.counters["holds_released"] == 0
+    else:
+        assert not any(offered.get("remote_block_ids") or ()) and PARAMS_KEY not in offered
+        assert pool.get_num_free_blocks() == free_before  # freed, still cached: evictable
+        assert decode.counters["holds_released"] == 1
 
 
 def test_failed_session_pull_is_prefilled_not_pulled_again(make_engine: MakeEngine) -> None:

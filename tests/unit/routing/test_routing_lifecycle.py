@@ -12,13 +12,17 @@ import logging
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from kvpilot.kvconnectors.pull_params import HOLD_KEY
+from kvpilot.policies.session_hold import HoldReason
+from kvpilot.routing.config import HoldMode
 from kvpilot.routing.decide.router import Kind
 from kvpilot.routing.ids import SessionId, WorkerId
 from kvpilot.routing.index.chain import PromptChain
 from kvpilot.routing.serve.upstream import PrefillFailure, PrefillOutcome
-from tests.unit.routing.test_routing_proxy import BS, RecordingClient, Rig, ScriptedUpstream
+from tests.unit.routing.test_routing_proxy import BS, HANDOFF, RecordingClient, Rig, ScriptedUpstream
 
 ROOT = Path(__file__).resolve().parents[3]
 FAILED = PrefillOutcome(None, PrefillFailure.ENGINE_ERROR, 500)
@@ -167,6 +171,28 @@ def test_d_s_offer_stays_with_the_router_and_never_reaches_the_client():
     assert reply.payload["kv_transfer_params"] is None and reply.payload["choices"][0]["text"] == "ok"
     offer = rig.router.sessions.get(SessionId("s1")).offer
     assert offer is not None and offer.holder == request.route.decode.name
+
+
+def test_d_holds_a_session_s_step_only_while_the_session_is_expected_back():
+    """The router measures the session's gaps and the hold D's offers state, and tells D in
+    P's handoff whether to hold the step's KV (:mod:`kvpilot.policies.session_hold`)."""
+    rig = Rig(Offering())
+    request = dataclasses.replace(rig.request({}), session=SessionId("s1"))
+    asyncio.run(rig.proxy.serve(request, RecordingClient()))
+    assert rig.upstream.calls[-1][3] == {**HANDOFF, HOLD_KEY: True}  # D told to hold: a first step
+    assert rig.value("kvpilot_router_session_holds_total", decision="hold", reason="first_step") == 1
+    session, route, router = SessionId("s2"), request.route, rig.router
+    router.hold(session, route, now=1000.0)
+    router.served(session, route, {**D_OFFER, "kvpilot_expires_at": 1020.0}, now=1000.0)  # D holds 20 s
+    back = router.hold(session, route, now=1010.0)  # a 10 s gap, within 20 s less the pull's margin
+    assert (back.hold, back.reason, back.horizon_s) == (True, HoldReason.RETURNS_WITHIN_HOLD, 15.0)
+    router.served(session, route, {**D_OFFER, "kvpilot_expires_at": 1032.0}, now=1012.0)
+    late = router.hold(session, route, now=1052.0)  # gaps 10 and 40 s: 25 s expected
+    assert (late.hold, late.reason, late.expected_gap_s) == (False, HoldReason.OUTLASTS_HOLD, 25.0)
+    router.config = msgspec.structs.replace(
+        router.config, sessions=msgspec.structs.replace(router.config.sessions, hold=HoldMode.ALWAYS)
+    )
+    assert router.hold(session, route, now=1060.0) is None  # vLLM's own hold: the handoff says nothing
 
 
 REFUSED = PrefillOutcome(None, PrefillFailure.REFUSED, 400, "'logprobs' must be at most 20")
