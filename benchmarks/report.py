@@ -37,7 +37,7 @@ def _head(results: dict[str, Any]) -> list[str]:
 def render(results: dict[str, Any]) -> str:
     """The tables of a results file of ``bench_router_scale.py``, ``bench_fleet.py``,
     ``bench_tokenize.py``, ``bench_request_path.py``, ``bench_agent.py``, ``sim_vs_dynamo.py``,
-    ``sim_goodput.py`` or ``sim_live.py``."""
+    ``sim_goodput.py``, ``sim_live.py`` or ``bench_session_hold.py``."""
     if "summaries" in results:
         from agent.output import results_table
 
@@ -62,6 +62,10 @@ def render(results: dict[str, Any]) -> str:
         from sim.compare import table as sim_table
 
         body = sim_table(results["rows"])
+    elif "holds" in results:
+        from bench_session_hold import table as holds_table
+
+        body = holds_table(results)
     elif "fleets" in results:
         from scale.bench import tables
 
