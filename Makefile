@@ -120,3 +120,4 @@ bench: setup
 	.venv/bin/python benchmarks/bench_dynamo_connections.py
 	.venv/bin/python benchmarks/bench_router_scale.py
 	.venv/bin/python benchmarks/bench_idle_cpu.py
+	.venv/bin/python benchmarks/bench_session_hold.py --json /tmp/kvpilot-session-hold.json

@@ -23,9 +23,10 @@ The two arms are the router's ``sessions.hold: always`` (vLLM's own: every step 
 ``priced``, restarted between runs on the same engines; each run has its own
 ``cache_salt`` (no run reuses another's KV) and starts after the last run's holds ended
 (the hold plus 5 s). Runs alternate (always, priced, priced, always, ...) ``--repeats``
-times. Per run: every step's TTFT (streamed), by session kind; the steps D made wait for
-KV blocks (its TTFT over ``--waited-s``); the holds released (the router's decisions and
-D's own count); the offers P pulled.
+times. Per run: the steps that failed (a full P or D makes P's prefill time out, and the
+router answers 503; the session goes on without that answer), every other step's TTFT
+(streamed), by session kind; the steps that waited (TTFT over ``--waited-s``); the holds
+released (the router's decisions and D's own count); the offers P pulled.
 
     python benchmarks/bench_session_hold.py --json /tmp/session-hold.json
 """
@@ -47,7 +48,7 @@ import numpy as np
 from provenance import provenance
 
 from kvpilot.deploy import fleet as fleet_io
-from kvpilot.deploy.client import complete
+from kvpilot.deploy.client import HTTPStatusError, complete
 from kvpilot.deploy.fleet_spec import DECODE_HOLD_TTL_S, FleetSpec
 from kvpilot.deploy.metrics import delta, scrape
 from kvpilot.deploy.tiny_model import ensure_tiny_model
@@ -65,14 +66,15 @@ SESSION_OFFERS = "kvpilot_router_session_offers_total"
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One step's outcome."""
+    """One step's outcome: its TTFT, or the error that failed it (``ttft_s`` then ``None``)."""
 
     kind: str
     session: int
     step: int
     sent_at_s: float
-    ttft_s: float
+    ttft_s: float | None
     prompt_tokens: int
+    error: str = ""
 
 
 def _tokens(rng: np.random.Generator, n: int) -> list[int]:
@@ -99,20 +101,25 @@ def _session(
     for step in range(steps):
         prompt = prompt + _tokens(rng, args.tool_tokens)
         sent = time.monotonic() - t0
-        answer = complete(
-            router,
-            prompt,
-            max_tokens=args.generated,
-            stream=True,
-            ignore_eos=True,
-            return_token_ids=True,
-            conversation_id=f"{salt}-{kind}-{index}",
-            cache_salt=salt,
-            timeout=args.request_timeout_s,
-        )
-        with lock:
-            out.append(Step(kind, index, step, sent, answer.ttft_seconds, len(prompt)))
-        prompt = prompt + list(answer.token_ids)
+        try:
+            answer = complete(
+                router,
+                prompt,
+                max_tokens=args.generated,
+                stream=True,
+                ignore_eos=True,
+                return_token_ids=True,
+                conversation_id=f"{salt}-{kind}-{index}",
+                cache_salt=salt,
+                timeout=args.request_timeout_s,
+            )
+        except (HTTPStatusError, OSError) as exc:  # failed: counted, and the session goes on without its answer
+            with lock:
+                out.append(Step(kind, index, step, sent, None, len(prompt), str(exc)[:300]))
+        else:
+            with lock:
+                out.append(Step(kind, index, step, sent, answer.ttft_seconds, len(prompt)))
+            prompt = prompt + list(answer.token_ids)
         if step + 1 < steps:
             time.sleep(gap_s)
 
@@ -153,11 +160,12 @@ def run_arm(router: str, decode: str, args: argparse.Namespace, salt: str) -> di
 
 
 def summary(run: dict[str, Any], waited_s: float) -> dict[str, float]:
-    """A run's TTFTs (mean, p50, p90 and max, over every step and per session kind) and
-    the steps that waited (TTFT over ``waited_s``)."""
-    ttft = [s["ttft_s"] for s in run["steps"]]
+    """A run's failed steps, the TTFTs of the rest (mean, p50, p90 and max, over every
+    step and per session kind), and the steps that waited (TTFT over ``waited_s``)."""
+    ttft = [s["ttft_s"] for s in run["steps"] if s["ttft_s"] is not None]
     row = {
-        "steps": float(len(ttft)),
+        "steps": float(len(run["steps"])),
+        "failed": float(len(run["steps"]) - len(ttft)),
         "mean_ttft_s": statistics.fmean(ttft),
         "p50_ttft_s": float(np.percentile(ttft, 50)),
         "p90_ttft_s": float(np.percentile(ttft, 90)),
@@ -165,7 +173,7 @@ def summary(run: dict[str, Any], waited_s: float) -> dict[str, float]:
         "waited": float(sum(t > waited_s for t in ttft)),
     }
     for kind in KINDS:
-        mine = [s["ttft_s"] for s in run["steps"] if s["kind"] == kind]
+        mine = [s["ttft_s"] for s in run["steps"] if s["kind"] == kind and s["ttft_s"] is not None]
         row[f"{kind}_mean_ttft_s"] = statistics.fmean(mine) if mine else float("nan")
     row["released"] = run["holds"]["release"]
     row["released_by_d"] = run["holds_released_by_d"]
@@ -181,14 +189,14 @@ def table(results: dict[str, Any]) -> str:
         rows = [summary(run, waited_s) for run in results["holds"][arm]]
         means[arm] = {key: statistics.fmean(r[key] for r in rows) for key in rows[0]}
     head = (
-        "| arm | runs | steps | mean TTFT (s) | p50 | p90 | max | chat mean | agent mean "
+        "| arm | runs | steps | failed | mean TTFT (s) | p50 | p90 | max | chat mean | agent mean "
         f"| steps over {waited_s:g} s | holds released (router / D) | offers pulled |"
     )
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for arm in ARMS:
         m = means[arm]
         lines.append(
-            f"| `{arm}` | {len(results['holds'][arm])} | {m['steps']:.0f} | {m['mean_ttft_s']:.3f} "
+            f"| `{arm}` | {len(results['holds'][arm])} | {m['steps']:.0f} | {m['failed']:.1f} | {m['mean_ttft_s']:.3f} "
             f"| {m['p50_ttft_s']:.3f} | {m['p90_ttft_s']:.3f} | {m['max_ttft_s']:.2f} "
             f"| {m['chat_mean_ttft_s']:.3f} | {m['agent_mean_ttft_s']:.3f} | {m['waited']:.1f} "
             f"| {m['released']:.1f} / {m['released_by_d']:.1f} | {m['offers_pulled']:.1f} |"
