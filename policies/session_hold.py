@@ -47,22 +47,30 @@ class HoldReason(str, enum.Enum):
         """Whether D holds the step's blocks for this reason."""
         return self in (HoldReason.FIRST_STEP, HoldReason.RETURNS_WITHIN_HOLD)
 
+    @property
+    def verdict(self) -> str:
+        """``"hold"`` or ``"release"`` (the ``decision`` label of the router's metric)."""
+        return "hold" if self.holds else "release"
+
 
 @dataclass(frozen=True, slots=True)
 class HoldDecision:
     """Hold or release, why, and the figures it was decided on."""
 
-    hold: bool
     reason: HoldReason
     expected_gap_s: float | None
     horizon_s: float
     kv_usage: float
 
+    @property
+    def hold(self) -> bool:
+        """Whether D holds the step's blocks."""
+        return self.reason.holds
+
     def explain(self) -> str:
         gap = "none measured" if self.expected_gap_s is None else f"{self.expected_gap_s:.1f} s"
-        verdict = "hold" if self.hold else "release"
         return (
-            f"{verdict} ({self.reason.value}): expected gap {gap}, horizon {self.horizon_s:.1f} s, "
+            f"{self.reason.verdict} ({self.reason.value}): expected gap {gap}, horizon {self.horizon_s:.1f} s, "
             f"D's KV usage {self.kv_usage:.0%}"
         )
 
@@ -93,4 +101,4 @@ def decide_hold(
         reason = HoldReason.RETURNS_WITHIN_HOLD
     else:
         reason = HoldReason.OUTLASTS_HOLD
-    return HoldDecision(reason.holds, reason, expected, horizon_s, kv_usage)
+    return HoldDecision(reason, expected, horizon_s, kv_usage)

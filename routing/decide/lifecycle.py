@@ -254,15 +254,16 @@ class Lifecycle:
             self._ledger.dispatch(rid, route.prefill_worker.name, d, route.chain, route.cached_blocks)
         except ValueError:
             raise InFlight(f"X-Request-Id {rid!r} is already in flight") from None
+        wall = self.clock.wall()
         with self.lock:
-            offer, use = self.router.take_session_offer(session, route, self.clock.wall())
-            hold = self.router.hold(session, route, self.clock.wall())
+            offer, use = self.router.take_session_offer(session, route, wall)
+            hold = self.router.hold(session, route, wall)
         kind, prefiller = route.kind, route.prefill_worker.name
         if route.prefill is not None and parallel_samples:
             self._ledger.move_prefill(rid, d, route.decode_cached_blocks)
             kind, prefiller = Kind.LOCAL_PREFILL, d
-        ticket = Ticket(route, session, kind, prefiller, prediction, None if offer is None else dict(offer.params), use)
-        ticket.hold = hold
+        offered = None if offer is None else dict(offer.params)
+        ticket = Ticket(route, session, kind, prefiller, prediction, offered, use, hold=hold)
         now = self.clock.monotonic()
         if kind is Kind.REMOTE_PREFILL:
             assert route.prefill is not None

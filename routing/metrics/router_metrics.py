@@ -34,11 +34,6 @@ _RATIO_BUCKETS = (0.125, 0.25, 0.5, 0.8, 1.25, 2, 4, 8, 16, 64, 256, 1024)
 """Observed over predicted: within 2x is (0.5, 2]; the roofline prior of an H100 on a CPU box is far above 8."""
 
 
-def _hold_label(hold: bool) -> str:
-    """The ``decision`` label of ``kvpilot_router_session_holds_total``."""
-    return "hold" if hold else "release"
-
-
 class RouterMetrics:
     """The router's Prometheus families, in a registry of its own.
 
@@ -197,14 +192,14 @@ class RouterMetrics:
         for op in StoreOp:
             self.session_store_errors.labels(op.value)
         for why in HoldReason:
-            self.session_holds.labels(_hold_label(why.holds), why.value)
+            self.session_holds.labels(why.verdict, why.value)
         for outcome in get_args(OfferUse):
             if outcome != "none":  # no offer at all is not counted
                 self.session_offers.labels(outcome)
 
     def held(self, decision: HoldDecision) -> None:
         """A session's step went to D with ``decision`` on its hold."""
-        self.session_holds.labels(_hold_label(decision.hold), decision.reason.value).inc()
+        self.session_holds.labels(decision.reason.verdict, decision.reason.value).inc()
 
     def decided(self, route: Route, route_seconds: float) -> None:
         self.decisions.labels(route.kind.value, route.prefill_worker.name, route.decode.name).inc()
