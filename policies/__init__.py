@@ -5,7 +5,7 @@
 - :mod:`kvpilot.policies.roofline`: KV bytes, prefill and decode pass times, capacity.
 - :mod:`kvpilot.policies.recompute_vs_transfer` (+ :mod:`kvpilot.policies.scenarios`): section 9.3.
 - :mod:`kvpilot.policies.disaggregation`: local vs remote prefill (section 7).
-- :mod:`kvpilot.policies.failure`: what D does when a KV load fails (section 8.6).
+- :mod:`kvpilot.policies.failure`: how the router recovers a request whose prefill on P failed (section 8.6).
 - :mod:`kvpilot.policies.tier_credit`: what a block in a slower tier is worth to the router (section 5.3).
 - :mod:`kvpilot.policies.session_hold`: whether D holds a session's KV for its next step (sections 5.3, 9.2).
 - :mod:`kvpilot.policies.planner`: P and D pool sizing (sections 5.1, 10.1).

@@ -1,4 +1,4 @@
-"""Local vs remote prefill (7), load-failure policy (8.6), session tier (5.3)."""
+"""Local vs remote prefill (7), session tier (5.3)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,6 @@ from kvpilot.policies.disaggregation import (
     LocalVsRemotePolicy,
     PromptState,
     Where,
-)
-from kvpilot.policies.failure import (
-    VLLM_DEFAULT,
-    VLLM_RECOMPUTE,
-    FailureAction,
-    FailurePolicyConfig,
-    LoadFailurePolicy,
 )
 from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from kvpilot.policies.roofline import kv_bytes, prefill, weight_stream_seconds
@@ -68,42 +61,6 @@ def test_remote_cost_counts_queue_prefill_and_handoff() -> None:
     queue = 8_000 * 2 * M.params_active / HW.effective_flops
     expected = queue + prefill(M, BF16, HW, 6_000, 4_000).seconds + RDMA.transfer_seconds(kv_bytes(M, BF16, 10_000))
     assert decision.remote_s == pytest.approx(expected)
-
-
-@pytest.mark.parametrize(
-    ("config", "prompt", "streams", "spent", "action", "why"),
-    [
-        (VLLM_DEFAULT, PromptState(2_000), 8, 0.0, FailureAction.FAIL, "mode is fail"),
-        (VLLM_RECOMPUTE, PromptState(32_100), 8, 0.0, FailureAction.RECOMPUTE, "mode is recompute"),
-        (FailurePolicyConfig(), PromptState(2_000), 8, 0.0, FailureAction.RECOMPUTE, "within budget"),
-        (FailurePolicyConfig(), PromptState(2_000), 8, 1.5, FailureAction.FAIL, "exceeds the budget"),
-        (FailurePolicyConfig(), PromptState(32_100), 8, 0.0, FailureAction.FAIL, "exceeds the budget"),
-        (FailurePolicyConfig(), PromptState(32_100), 0, 0.0, FailureAction.RECOMPUTE, "within budget"),  # idle D
-        (FailurePolicyConfig(chunk_tokens=0), PromptState(2_000), 1, 0.0, FailureAction.FAIL, "would stall"),
-        (
-            FailurePolicyConfig(max_stall_s=1.0, chunk_tokens=0),
-            PromptState(2_000),
-            1,
-            0.0,
-            FailureAction.RECOMPUTE,
-            "within budget",
-        ),
-    ],
-)
-def test_load_failure_policy(
-    config: FailurePolicyConfig, prompt: PromptState, streams: int, spent: float, action: FailureAction, why: str
-) -> None:
-    decision = LoadFailurePolicy(M, BF16, HW, HW, RDMA, config).decide(prompt, streams, spent)
-    assert decision.action is action, decision.explain()
-    assert why in decision.reason
-
-
-def test_failure_costs_are_both_reported() -> None:
-    decision = LoadFailurePolicy(M, BF16, HW, HW, RDMA).decide(PromptState(2_000), 8)
-    assert decision.recompute_s == pytest.approx(prefill(M, BF16, HW, 2_000).seconds)
-    assert decision.jitter_s == pytest.approx(8 * decision.recompute_s)
-    assert decision.fail_s > decision.recompute_s
-    assert "fail and retry" in decision.explain()
 
 
 SESSION = kv_bytes(M, BF16, 63_450)
