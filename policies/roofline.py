@@ -28,10 +28,6 @@ class PassCost(NamedTuple):
     seconds: float
     bound: Bound
 
-    @property
-    def attention_share(self) -> float:
-        return self.attention_flops / self.flops if self.flops else 0.0
-
 
 def kv_bytes_per_token(model: ModelSpec, fmt: KVFormat) -> float:
     """KV bytes one more token adds, while it is within every sliding window."""
@@ -128,13 +124,6 @@ def decode_attention_flops_per_token(model: ModelSpec, context: int) -> float:
     return per_key * keys
 
 
-def decode_attention_intensity(model: ModelSpec, fmt: KVFormat, context: int = 4096) -> float:
-    """FLOPs per byte of KV read by decode attention (the GQA group size in
-    BF16; about the head count for absorbed MLA)."""
-    kv = kv_bytes(model, fmt, context) - model.state_layers * model.state_bytes_per_layer
-    return decode_attention_flops_per_token(model, context) / kv
-
-
 def decode_step(
     model: ModelSpec,
     fmt: KVFormat,
@@ -204,9 +193,3 @@ def sessions_per_instance(
     if per_session <= 0:
         raise ValueError("session_tokens must exceed the deduplicated shared_prefix")
     return max(0, math.floor(budget / per_session))
-
-
-def handoff_share_of_ttft(prefill_s: float, transfer_s: float) -> float:
-    """The share of TTFT an unoverlapped handoff takes: transfer / (prefill + transfer)."""
-    total = prefill_s + transfer_s
-    return transfer_s / total if total else 0.0

@@ -206,10 +206,6 @@ class HardwareSpec(_Spec, frozen=True):
     def effective_bandwidth(self) -> float:
         return self.hbm_bandwidth * self.gpus * self.bandwidth_efficiency
 
-    @property
-    def ridge_flops_per_byte(self) -> float:
-        return self.peak_flops / self.hbm_bandwidth
-
 
 class LinkSpec(_Spec, frozen=True):
     """A path KV can take: ``lanes`` x ``lane_gbps`` Gbit/s at ``efficiency``, plus

@@ -14,9 +14,7 @@ import pytest
 from kvpilot.policies.planner import Workload, plan, task_prefill
 from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset, model_preset
 from kvpilot.policies.roofline import (
-    decode_attention_intensity,
     decode_step,
-    handoff_share_of_ttft,
     kv_bytes,
     kv_bytes_per_token,
     prefill,
@@ -24,6 +22,12 @@ from kvpilot.policies.roofline import (
     weight_stream_seconds,
 )
 from kvpilot.policies.specs import KVFormat, LinkSpec
+from tests.unit.policies.article_math import (
+    attention_share,
+    decode_attention_intensity,
+    handoff_share_of_ttft,
+    ridge_flops_per_byte,
+)
 
 M = model_preset("llama-70b")
 MLA = model_preset("deepseek-v3")
@@ -45,13 +49,13 @@ def _sessions(fmt: KVFormat, dedup: bool) -> int:
 
 FIGURES: list[tuple[str, Callable[[], float], float]] = [
     # 2.1 ridge points
-    ("2.1 B200 ridge ~281 FLOPs/byte", lambda: HW.ridge_flops_per_byte, 281),
-    ("2.1 H100 ridge ~295 FLOPs/byte", lambda: hardware_preset("h100").ridge_flops_per_byte, 295),
+    ("2.1 B200 ridge ~281 FLOPs/byte", lambda: ridge_flops_per_byte(HW), 281),
+    ("2.1 H100 ridge ~295 FLOPs/byte", lambda: ridge_flops_per_byte(hardware_preset("h100")), 295),
     # 2.3 decode attention intensity = GQA group size
     ("2.3 GQA decode attention ~G=8 FLOPs/byte", lambda: decode_attention_intensity(M, BF16), 8),
     # 2.4 prefill of the first request
     ("2.4 first prefill ~5.9e15 FLOPs", lambda: FIRST_PREFILL.flops, 5.9e15),
-    ("2.4 attention ~23% of it", lambda: FIRST_PREFILL.attention_share, 0.23),
+    ("2.4 attention ~23% of it", lambda: attention_share(FIRST_PREFILL), 0.23),
     ("2.4 2.2 s on two B200s at 60%", lambda: FIRST_PREFILL.seconds, 2.2),
     # 2.4 decode
     ("2.4 ~141 GB of weights", lambda: M.weight_bytes, 141e9),
@@ -128,7 +132,7 @@ FIGURES: list[tuple[str, Callable[[], float], float]] = [
     ),
     # 10.2 MLA
     ("10.2 MLA KV ~4.7x smaller", lambda: kv_bytes_per_token(M, BF16) / kv_bytes_per_token(MLA, BF16), 4.7),
-    ("10.2 MLA attention ~half of prefill", lambda: prefill(MLA, BF16, HW, FIRST).attention_share, 0.5),
+    ("10.2 MLA attention ~half of prefill", lambda: attention_share(prefill(MLA, BF16, HW, FIRST)), 0.5),
     ("10.2 MLA handoff share ~4x smaller", lambda: _handoff_ratio(), 4),
     ("10.2 absorbed MLA decode ~240 FLOPs/byte", lambda: decode_attention_intensity(MLA, BF16), 240),
     ("10.2 DeepSeek-V3 ~671B total params", lambda: MLA.params_total, 671e9),

@@ -12,7 +12,6 @@ from kvpilot.policies.roofline import (
     _pairs_window,
     attention_flops,
     decode_step,
-    handoff_share_of_ttft,
     kv_budget_bytes,
     kv_bytes,
     kv_replication,
@@ -76,7 +75,6 @@ def test_cascade_needs_every_context_to_cover_the_prefix() -> None:
         (lambda: prefill(M, BF16, HW, 0, 1000), 0.0),
         (lambda: decode_step(M, BF16, HW, []).seconds, 0.0),
         (lambda: kv_bytes(M, BF16, 0), 0.0),
-        (lambda: handoff_share_of_ttft(0.0, 0.0), 0.0),
     ],
 )
 def test_empty_inputs_cost_nothing(call: Callable[[], object], expected: float) -> None:
