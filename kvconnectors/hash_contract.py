@@ -30,7 +30,7 @@ positions ``[i * block_size, (i + 1) * block_size)`` and is named::
   only and only when the salt is non-empty**, and
   ``("prompt_embeds", sha256_of_block_embeds)``. An empty list becomes ``None``.
   :func:`block_hash_chain` reproduces text-only, non-LoRA requests (salt or no
-  salt); other requests need :func:`hash_block` with their own extra keys.
+  salt); it does not name the blocks of other requests.
 - ``H`` is vLLM's ``prefix_caching_hash_algo`` (default ``sha256``):
 
   ===============  ==============================================  ==============
@@ -177,22 +177,6 @@ def none_hash(algo: HashAlgo, python_hash_seed: str | None) -> BlockHash:
             )
         python_hash_seed = DEFAULT_NONE_HASH_SEED
     return BlockHash(fn(python_hash_seed))
-
-
-def hash_block(
-    algo: HashAlgo,
-    parent: BlockHash,
-    token_ids: Sequence[int],
-    extra_keys: tuple[Any, ...] | None,
-) -> BlockHash:
-    """Return the hash of one full block: vLLM's ``hash_block_tokens``.
-
-    ``parent`` is the previous block's hash, or ``NONE_HASH`` for block 0 (vLLM
-    substitutes its global ``NONE_HASH`` for a falsy parent; here it is always
-    explicit). ``token_ids`` must be the block's ``block_size`` tokens: this
-    function hashes whatever it is given and does not check the length.
-    """
-    return BlockHash(hash_function(algo)((parent, tuple(map(int, token_ids)), extra_keys)))
 
 
 def block_hash_chain(

@@ -27,7 +27,6 @@ from kvpilot.kvconnectors.hash_contract import (
     BlockHash,
     NoSharedSeedError,
     block_hash_chain,
-    hash_block,
     hash_function,
     none_hash,
     salt_identity,
@@ -93,25 +92,6 @@ def test_unset_seed_with_xxhash_has_no_shared_chain(monkeypatch: pytest.MonkeyPa
     assert first != kvu.NONE_HASH  # vLLM really draws a fresh seed each time
     with pytest.raises(NoSharedSeedError, match="PYTHONHASHSEED"):
         none_hash(algo, None)
-
-
-@pytest.mark.parametrize("algo", HASH_ALGOS)
-@pytest.mark.parametrize(
-    "extra_keys",
-    [
-        None,
-        (("cache_salt", "tenant-a"),),
-        (("lora", "adapter", "/adapters/a"), ("cache_salt", "s")),
-        (("mm", "img-1", 3),),
-    ],
-)
-@pytest.mark.parametrize("block_size", [1, 16, 128])
-def test_hash_block_equals_vllm_hash_block_tokens(algo: str, extra_keys: tuple | None, block_size: int) -> None:
-    fn = get_hash_fn_by_name(algo)
-    parent = BlockHash(fn("some-parent"))
-    tokens = _tokens(block_size)
-    expected = kvu.hash_block_tokens(fn, parent, tokens, extra_keys)
-    assert hash_block(algo, parent, tokens, extra_keys) == expected
 
 
 @pytest.mark.parametrize("algo", HASH_ALGOS)
