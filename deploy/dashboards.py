@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,23 +74,6 @@ def load_all(directory: Path = DASHBOARD_DIR) -> list[DashboardFile]:
 
 
 # ---- PromQL, as far as the dashboards need it --------------------------------
-
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_MATCHERS = re.compile(r"\{[^}]*\}")
-_RANGE = re.compile(r"\[[^\]]*\]")
-_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-_IDENT = re.compile(r"(?<![\w:.])([a-zA-Z_:][a-zA-Z0-9_:]*)(?![\w:])(?!\s*\()")
-_KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset", "inf", "nan", "e"})
-
-
-def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression selects (functions, labels and keywords left out).
-
-    >>> sorted(metric_names('sum by (le) (rate(a_bucket{x=~"$m"}[5m])) / sum(rate(b_total[1m])) or vector(0)'))
-    ['a_bucket', 'b_total']
-    """
-    bare = _GROUPING.sub(" ", _RANGE.sub(" ", _MATCHERS.sub(" ", _STRING.sub('""', expr))))
-    return {name for name in _IDENT.findall(bare) if name.lower() not in _KEYWORDS}
 
 
 def regex_of(values: Sequence[str]) -> str:
@@ -181,16 +163,6 @@ def variable_values(prom: Prometheus, dashboard: DashboardFile) -> dict[str, str
         found = prom.label_values(substitute(query, values)) if "$" in query else prom.label_values(query)
         values[name] = regex_of(sorted(found)) if found else ".*"
     return values
-
-
-def finite_values(result: Iterable[dict[str, Any]]) -> list[float]:
-    """The finite sample values of an instant query's result (NaN and ±Inf left out)."""
-    out = []
-    for series in result:
-        value = float(series["value"][1])
-        if math.isfinite(value):
-            out.append(value)
-    return out
 
 
 # ---- PNGs ----------------------------------------------------------------------
