@@ -73,10 +73,58 @@ def attainment(outcomes: Sequence[Outcome], slo: Slo) -> float:
 def goodput(points: Sequence[SweepPoint]) -> float:
     """The highest offered rate whose run, and every slower one, met :data:`ATTAINMENT`;
     0.0 when the slowest did not. A rate that passes above one that failed is not counted
-    (a sweep's noise, not capacity)."""
-    best = 0.0
-    for point in sorted(points, key=lambda p: p.offered_rps):
+    (:attr:`GoodputBounds.monotone` says whether there was one)."""
+    return bounds(points).lower
+
+
+@dataclass(frozen=True, slots=True)
+class GoodputBounds:
+    """What a sweep knows of one arm's goodput: it lies in [:attr:`lower`, :attr:`upper`)."""
+
+    lower: float
+    """The highest rate that met :data:`ATTAINMENT` with every slower one (0.0: none)."""
+    upper: float
+    """The slowest rate that missed it (``inf``: none did, the goodput is not bounded above)."""
+    monotone: bool
+    """False when a rate above :attr:`upper` met it again: the arm's attainment is not
+    monotone in the load, and its goodput is stated with that rate beside it."""
+
+    @property
+    def resolution(self) -> float:
+        """The bracket's width over its lower end (``inf`` when open or at zero)."""
+        return (self.upper - self.lower) / self.lower if self.lower > 0 else float("inf")
+
+    def as_dict(self) -> dict[str, float | bool | None]:
+        """As a results file records it (``upper`` ``None`` when open above)."""
+        return {
+            "lower": self.lower,
+            "upper": None if self.upper == float("inf") else self.upper,
+            "monotone": self.monotone,
+        }
+
+
+def bounds(points: Sequence[SweepPoint]) -> GoodputBounds:
+    """The bracket of :func:`goodput` from a sweep's ``points`` (any order)."""
+    ordered = sorted(points, key=lambda p: p.offered_rps)
+    lower, upper = 0.0, float("inf")
+    for point in ordered:
         if point.attainment < ATTAINMENT:
+            upper = point.offered_rps
             break
-        best = point.offered_rps
-    return best
+        lower = point.offered_rps
+    monotone = not any(p.offered_rps > upper and p.attainment >= ATTAINMENT for p in ordered)
+    return GoodputBounds(lower, upper, monotone)
+
+
+def at_least(ours: GoodputBounds, theirs: GoodputBounds) -> float | None:
+    """The ratio of two goodputs that both brackets support: our lower end over their upper
+    end; ``None`` when theirs is open above (they never missed: nothing to claim)."""
+    if theirs.upper == float("inf"):
+        return None
+    return ours.lower / theirs.upper
+
+
+def at_most(ours: GoodputBounds, theirs: GoodputBounds) -> float:
+    """The largest ratio the brackets allow: our upper end over their lower end (``inf``
+    when ours is open above or theirs is zero)."""
+    return ours.upper / theirs.lower if theirs.lower > 0 else float("inf")

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import enum
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -50,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.trace import AgentShape, agent_trace, to_jsonl
-from fleet.goodput import ATTAINMENT, ITL_SLO_X, TTFT_SLO_X, SweepPoint, goodput
+from fleet.goodput import ATTAINMENT, ITL_SLO_X, TTFT_SLO_X, GoodputBounds, SweepPoint, at_least, bounds
 from fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, TraceRequest, load_trace
 from provenance import describe, provenance
 
@@ -184,6 +185,8 @@ class Point:
     the arrival compression both apply."""
 
     label: str
+    load: float
+    """What sets the rate: sessions per worker (the agent) or the arrivals' compression."""
     trace: list[TraceRequest]
     path: Path
     speedup: float
@@ -334,7 +337,7 @@ def mooncake_points(path: Path, max_requests: int | None, speedups: Sequence[flo
                 break
             written.write(line)
     for speedup in speedups:
-        yield Point(f"x{speedup:g}", trace, sliced, speedup)
+        yield Point(f"x{speedup:g}", speedup, trace, sliced, speedup)
 
 
 def agent_points(
@@ -348,65 +351,108 @@ def agent_points(
         trace = agent_trace(replace(shape or AgentShape(), sessions=sessions, session_gap_s=gap_s))
         path = out.with_suffix(f".agent-{per_worker:g}.jsonl")
         path.write_text(to_jsonl(trace))
-        yield Point(f"{per_worker:g} sessions/worker", trace, path, 1.0)
+        yield Point(f"{per_worker:g} sessions/worker", per_worker, trace, path, 1.0)
+
+
+def measure(point: Point, pools: Pools, arms: dict[str, Arm]) -> dict[str, dict[str, Any]]:
+    """Each of ``arms`` at ``point``, one run at a time: attainment, mean and p99 TTFT, mean
+    ITL, and, on a trace with sessions, where they went (:func:`placement_stats`)."""
+    sessions = any(e.session_id for e in point.trace)
+    unordered = floor(point.trace, pools.spec, handoff=pools.handoff if pools.prefill_workers else None)
+    order = arrival_order(point.trace)
+    base = Floor([unordered.ttft_ms[i] for i in order], [unordered.itl_ms[i] for i in order])
+    rows = {}
+    for name, arm in arms.items():
+        served = arm(point, pools)
+        ttft, itl = served.ttft_ms, served.itl_ms
+        rows[name] = {
+            "label": point.label,
+            "load": point.load,
+            "rate_rps": point.rate_rps,
+            "attainment": attainment(ttft, itl, base),
+            "mean_ttft_ms": statistics.fmean(ttft),
+            "p99_ttft_ms": percentile(ttft, 0.99),
+            "mean_itl_ms": statistics.fmean(i for i in itl if i is not None),
+            "floor_mean_ttft_ms": statistics.fmean(base.ttft_ms),
+            "computed_tokens": served.computed_tokens,
+            "host_reused_tokens": served.host_reused_tokens,
+            **(placement_stats(point.trace, served.workers) if sessions else {}),
+        }
+    print(
+        f"{point.label} ({point.rate_rps:.1f} req/s): " + ", ".join(f"{n} {rows[n]['attainment']:.3f}" for n in rows),
+        flush=True,
+    )
+    return rows
 
 
 def sweep(points: Sequence[Point], pools: Pools, arms: dict[str, Arm]) -> dict[str, list[dict[str, Any]]]:
-    """Every arm at every point, one run at a time: attainment, mean and p99 TTFT, mean ITL,
-    and, on a trace with sessions, where they went (:func:`placement_stats`)."""
+    """Every arm at every point (:func:`measure`)."""
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
     for point in points:
-        sessions = any(e.session_id for e in point.trace)
-        unordered = floor(point.trace, pools.spec, handoff=pools.handoff if pools.prefill_workers else None)
-        order = arrival_order(point.trace)
-        base = Floor([unordered.ttft_ms[i] for i in order], [unordered.itl_ms[i] for i in order])
-        for name, arm in arms.items():
-            served = arm(point, pools)
-            ttft, itl = served.ttft_ms, served.itl_ms
-            results[name].append(
-                {
-                    "label": point.label,
-                    "rate_rps": point.rate_rps,
-                    "attainment": attainment(ttft, itl, base),
-                    "mean_ttft_ms": statistics.fmean(ttft),
-                    "p99_ttft_ms": percentile(ttft, 0.99),
-                    "mean_itl_ms": statistics.fmean(i for i in itl if i is not None),
-                    "floor_mean_ttft_ms": statistics.fmean(base.ttft_ms),
-                    "computed_tokens": served.computed_tokens,
-                    "host_reused_tokens": served.host_reused_tokens,
-                    **(placement_stats(point.trace, served.workers) if sessions else {}),
-                }
-            )
-        print(
-            f"{point.label} ({point.rate_rps:.1f} req/s): "
-            + ", ".join(f"{n} {results[n][-1]['attainment']:.3f}" for n in arms),
-            flush=True,
-        )
+        for name, row in measure(point, pools, arms).items():
+            results[name].append(row)
     return results
 
 
-def best_dynamo_arm(goodputs: dict[str, float], tuned: bool) -> str:
+def arm_bounds(rows: Sequence[dict[str, Any]]) -> GoodputBounds:
+    """The goodput bracket of one arm's rows (:func:`fleet.goodput.bounds`)."""
+    return bounds([SweepPoint(r["rate_rps"], r["attainment"]) for r in rows])
+
+
+def bisect(
+    rows: list[dict[str, Any]],
+    name: str,
+    arm: Arm,
+    point_at: Callable[[float], Point],
+    pools: Pools,
+    resolution: float,
+    max_runs: int = 8,
+) -> None:
+    """Narrow arm ``name``'s goodput bracket to ``resolution`` (its width over its lower
+    end) by running it alone at the geometric middle of the loads that bracket it, at most
+    ``max_runs`` times; ``rows`` gains each run, in rate order. A bracket open above (the
+    arm never missed) or at zero (it missed at the slowest load) is left as it is, and so
+    is one whose middle load makes the same trace as an end (the load's own resolution)."""
+    for _ in range(max_runs):
+        found = arm_bounds(rows)
+        if found.upper == float("inf") or found.lower == 0 or found.resolution <= resolution:
+            return
+        by_rate = {r["rate_rps"]: r["load"] for r in rows}
+        point = point_at(math.sqrt(by_rate[found.lower] * by_rate[found.upper]))
+        if point.rate_rps in by_rate:
+            return
+        rows.append(measure(point, pools, {name: arm})[name])
+        rows.sort(key=lambda r: r["rate_rps"])
+
+
+def best_dynamo_arm(found: dict[str, GoodputBounds], tuned: bool) -> str:
     """The arm kvpilot is held against: of the arms other than kvpilot's own (``kvpilot``
-    and its variants, ``kvpilot_*``), the one with the highest goodput, a tie going to
-    Dynamo's tuned KV router, then to its default."""
+    and its variants, ``kvpilot_*``), the one whose goodput may be highest (the highest
+    upper end of its bracket, then lower end), a tie going to Dynamo's tuned KV router,
+    then to its default."""
     preference = ["dynamo_kv_tuned"] if tuned else []
-    preference += ["dynamo_kv", *sorted(goodputs)]
-    others = [arm for arm in dict.fromkeys(preference) if arm in goodputs and not arm.startswith("kvpilot")]
-    return max(others, key=lambda arm: (goodputs[arm], -others.index(arm)))
+    preference += ["dynamo_kv", *sorted(found)]
+    others = [arm for arm in dict.fromkeys(preference) if arm in found and not arm.startswith("kvpilot")]
+    return max(others, key=lambda arm: (found[arm].upper, found[arm].lower, -others.index(arm)))
 
 
-def ratios(goodputs: dict[str, float], points: dict[str, list[dict[str, Any]]], baseline: str) -> dict[str, float]:
-    """kvpilot's goodput over ``baseline``'s, and its mean TTFT over the baseline's at the
-    baseline's goodput rate (at its slowest rate when the baseline has no goodput)."""
+def ratios(points: dict[str, list[dict[str, Any]]], baseline: str) -> dict[str, Any]:
+    """kvpilot's goodput against ``baseline``'s as the brackets allow
+    (:func:`fleet.goodput.at_least`: ``None`` when the baseline never missed), and kvpilot's
+    mean TTFT over the baseline's at the baseline's goodput rate (at its slowest rate when
+    the baseline has no goodput)."""
     ours, theirs = points["kvpilot"], points[baseline]
+    ours_bounds, theirs_bounds = arm_bounds(ours), arm_bounds(theirs)
+    shared = {p["rate_rps"] for p in ours} & {p["rate_rps"] for p in theirs}
     at = max(
-        (i for i, p in enumerate(theirs) if p["rate_rps"] <= goodputs[baseline]),
-        default=min(range(len(theirs)), key=lambda i: theirs[i]["rate_rps"]),
+        (r for r in shared if r <= theirs_bounds.lower),
+        default=min(shared),
     )
+    mean = {p["rate_rps"]: p["mean_ttft_ms"] for p in ours}, {p["rate_rps"]: p["mean_ttft_ms"] for p in theirs}
     return {
-        "goodput": goodputs["kvpilot"] / goodputs[baseline] if goodputs[baseline] else float("inf"),
-        "mean_ttft_at_baseline_goodput": ours[at]["mean_ttft_ms"] / theirs[at]["mean_ttft_ms"],
-        "at_rate_rps": theirs[at]["rate_rps"],
+        "goodput_at_least": at_least(ours_bounds, theirs_bounds),
+        "mean_ttft_at_baseline_goodput": mean[0][at] / mean[1][at],
+        "at_rate_rps": at,
     }
 
 
@@ -449,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-blocks", type=int, default=0, help="each worker's host tier (0: none)")
     parser.add_argument("--host-gb-s", type=float, default=DEFAULT_SPEC.h2d_gb_s, help="host tier GB/s, each way")
     parser.add_argument("--arms", help="only these arms, comma-separated (kvpilot among them); default: every arm")
+    parser.add_argument(
+        "--resolution",
+        type=float,
+        default=0.05,
+        help="bisect each arm's goodput bracket to this width over its lower end (0: the grid only)",
+    )
     parser.add_argument("--json", type=Path, default=Path("/tmp/kvpilot-sim-goodput.json"))
     args = parser.parse_args(argv)
     spec = replace(
@@ -487,22 +539,33 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--arms: no arm {', '.join(sorted(unknown))} here (these run: {', '.join(arms)})")
         arms = {name: arm for name, arm in arms.items() if name in args.arms.split(",")}
     scratch = Path(tempfile.mkdtemp(prefix="kvpilot-sim-goodput-")) / args.json.name  # the traces Dynamo reads
+    shape = AgentShape(steps_per_turn=args.steps_per_turn, human_gap_s=args.human_gap_s)
     if args.agent:
         per_worker = [float(n) for n in args.sessions_per_worker.split(",")]
-        shape = AgentShape(steps_per_turn=args.steps_per_turn, human_gap_s=args.human_gap_s)
         points = list(agent_points(args.workers, per_worker, scratch, shape))
     else:
         speedups = [float(s) for s in args.speedups.split(",")]
         points = list(mooncake_points(args.trace, args.max_requests, speedups, scratch))
     pools = Pools(args.workers, args.prefill_workers, KvTransfer(args.kv_transfer_gb_s, args.kv_bytes_per_token), spec)
     results = sweep(points, pools, arms)
-    goodputs = {arm: goodput([SweepPoint(p["rate_rps"], p["attainment"]) for p in ps]) for arm, ps in results.items()}
+
+    def point_at(load: float) -> Point:
+        if args.agent:
+            return next(agent_points(args.workers, [load], scratch, shape))
+        return next(mooncake_points(args.trace, args.max_requests, [load], scratch))
+
+    if args.resolution > 0:
+        for name, arm in arms.items():
+            bisect(results[name], name, arm, point_at, pools, args.resolution)
+    found = {arm: arm_bounds(rows) for arm, rows in results.items()}
     compared = "kvpilot" in arms and len(arms) > 1
-    baseline = best_dynamo_arm(goodputs, tuned is not None) if compared else None
+    baseline = best_dynamo_arm(found, tuned is not None) if compared else None
     result: dict[str, Any] = {
-        "goodput_rps": goodputs,
-        "ratios": {"baseline": baseline, **ratios(goodputs, results, baseline)} if baseline else None,
-        "ratios_without_tiers": ratios(goodputs, results, UNTIERED) if {"kvpilot", UNTIERED} <= set(arms) else None,
+        "goodput_rps": {arm: b.lower for arm, b in found.items()},
+        "goodput_bounds": {arm: b.as_dict() for arm, b in found.items()},
+        "resolution": args.resolution,
+        "ratios": {"baseline": baseline, **ratios(results, baseline)} if baseline else None,
+        "ratios_without_tiers": ratios(results, UNTIERED) if {"kvpilot", UNTIERED} <= set(arms) else None,
         "points": results,
         "slo": {"ttft_x_floor": TTFT_SLO_X, "itl_x_idle": ITL_SLO_X, "attainment": ATTAINMENT},
         "workers": args.workers,
@@ -540,14 +603,21 @@ def table(result: dict[str, Any]) -> str:
             + ")"
             for p in points
         )
-        lines.append(f"| {arm} | {result['goodput_rps'][arm]:.1f} | {cells} |")
-    r = result["ratios"]
-    compared = (
-        f" kvpilot against {r['baseline']}: goodput {r['goodput']:.2f}x; mean TTFT at {r['at_rate_rps']:.1f} "
-        f"req/s {r['mean_ttft_at_baseline_goodput']:.2f}x."
-        if r
-        else ""
-    )
+        lines.append(f"| {arm} | {_bracket(arm_bounds(points))} | {cells} |")
+    compared = ""
+    found = {arm: arm_bounds(points) for arm, points in result["points"].items()}
+    if "kvpilot" in found and len(found) > 1 and any(not arm.startswith("kvpilot") for arm in found):
+        baseline = best_dynamo_arm(found, result.get("dynamo_router_config") is not None)
+        r = ratios(result["points"], baseline)
+        claim = (
+            f"goodput at least {r['goodput_at_least']:.2f}x (our lower end over its upper)"
+            if r["goodput_at_least"] is not None
+            else "no goodput ratio (it never missed)"
+        )
+        compared = (
+            f" kvpilot against {baseline}: {claim}; mean TTFT at {r['at_rate_rps']:.1f} "
+            f"req/s {r['mean_ttft_at_baseline_goodput']:.2f}x."
+        )
     if any("computed_tokens" in p for points in result["points"].values() for p in points):
         lines += ["", "| arm | at each offered req/s: prompt tokens prefilled, M (restored from host, M) |"]
         lines.append("|---|---|")
@@ -557,14 +627,27 @@ def table(result: dict[str, Any]) -> str:
                 for p in points
             )
             lines.append(f"| {arm} | {cells} |")
-    untiered = result.get("ratios_without_tiers")
-    if untiered:
-        compared += f" kvpilot against kvpilot_without_tiers: goodput {untiered['goodput']:.2f}x."
+    if {"kvpilot", UNTIERED} <= set(found):
+        untiered = at_least(found["kvpilot"], found[UNTIERED])
+        compared += " kvpilot against kvpilot_without_tiers: " + (
+            f"goodput at least {untiered:.2f}x." if untiered is not None else "no goodput ratio (it never missed)."
+        )
+    resolution = result.get("resolution")
+    bisected = f" Brackets bisected to {resolution:.0%} where closed." if resolution else " Brackets from the grid."
     return (
         f"{result['workload']}{_shapes(result)}, {_pools(result)}; SLOs: TTFT at most "
         f"{result['slo']['ttft_x_floor']:g}x the floor, ITL at most {result['slo']['itl_x_idle']:g}x an idle "
-        f"worker's, met by {result['slo']['attainment']:.0%} of requests.{compared}\n\n" + "\n".join(lines)
+        f"worker's, met by {result['slo']['attainment']:.0%} of requests.{compared}{bisected} "
+        "Goodput lies in [lower, upper); * marks an arm that met the SLOs again above its first miss.\n\n"
+        + "\n".join(lines)
     )
+
+
+def _bracket(found: GoodputBounds) -> str:
+    """A goodput bracket as the table shows it: ``[lower, upper)``, ``at least lower`` when
+    open above; ``*`` where the arm met the SLOs again above its first miss."""
+    text = f"at least {found.lower:.1f}" if found.upper == float("inf") else f"[{found.lower:.1f}, {found.upper:.1f})"
+    return text + ("" if found.monotone else " *")
 
 
 def _shapes(result: dict[str, Any]) -> str:

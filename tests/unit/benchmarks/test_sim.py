@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -243,15 +244,68 @@ def test_placement_stats_count_moves_and_the_most_crowded_worker() -> None:
 
 
 def test_kvpilot_is_held_against_dynamo_s_best_arm_a_tie_going_to_the_tuned_one() -> None:
+    from fleet.goodput import GoodputBounds
     from sim.goodput import best_dynamo_arm
 
-    tie = {"kvpilot": 5.0, "dynamo_kv": 3.0, "dynamo_kv_tuned": 3.0, "dynamo_round_robin": 0.0}
+    inf = float("inf")
+
+    def arms(**brackets: tuple[float, float]) -> dict[str, GoodputBounds]:
+        return {name: GoodputBounds(lo, hi, True) for name, (lo, hi) in brackets.items()}
+
+    tie = arms(kvpilot=(5, inf), dynamo_kv=(3, 4), dynamo_kv_tuned=(3, 4), dynamo_round_robin=(0, 1))
     assert best_dynamo_arm(tie, tuned=True) == "dynamo_kv_tuned"
-    tuned_worse = {"kvpilot": 5.0, "dynamo_kv": 4.0, "dynamo_kv_tuned": 3.0, "dynamo_cost_pinned": 4.0}
+    tuned_worse = arms(kvpilot=(5, inf), dynamo_kv=(4, 5), dynamo_kv_tuned=(3, 4), dynamo_cost_pinned=(4, 5))
     assert best_dynamo_arm(tuned_worse, tuned=True) == "dynamo_kv"  # the default beats the tuned one here
-    assert best_dynamo_arm({"kvpilot": 1.0, "dynamo_kv": 0.0, "dynamo_round_robin": 0.0}, tuned=False) == "dynamo_kv"
-    variants = {"kvpilot": 1.0, "kvpilot_without_tiers": 3.0, "kvpilot_tier_blind": 3.0, "dynamo_kv": 0.5}
+    # held against the arm whose goodput may be highest: the higher upper end, not the higher lower end
+    wider = arms(kvpilot=(5, inf), dynamo_kv=(3, 8), dynamo_cost_pinned=(4, 5))
+    assert best_dynamo_arm(wider, tuned=False) == "dynamo_kv"
+    assert (
+        best_dynamo_arm(arms(kvpilot=(1, 2), dynamo_kv=(0, 1), dynamo_round_robin=(0, 1)), tuned=False) == "dynamo_kv"
+    )
+    variants = arms(kvpilot=(1, 2), kvpilot_without_tiers=(3, 4), kvpilot_tier_blind=(3, 4), dynamo_kv=(0.5, 1))
     assert best_dynamo_arm(variants, tuned=False) == "dynamo_kv"  # kvpilot's own variants are not Dynamo's
+
+
+def test_a_goodput_bracket_and_the_ratio_it_supports() -> None:
+    from fleet.goodput import SweepPoint, at_least, at_most, bounds
+
+    ours = bounds([SweepPoint(5.2, 0.95), SweepPoint(10.5, 0.96), SweepPoint(22.4, 0.95)])
+    assert (ours.lower, ours.upper, ours.monotone) == (22.4, float("inf"), True)
+    tuned = bounds([SweepPoint(5.2, 0.856), SweepPoint(10.5, 0.984), SweepPoint(22.4, 0.5)])
+    assert (tuned.lower, tuned.upper, tuned.monotone) == (0.0, 5.2, False)  # met again above its first miss
+    defaults = bounds([SweepPoint(5.2, 0.95), SweepPoint(10.5, 0.88)])
+    assert at_least(ours, defaults) == 22.4 / 10.5  # our lower end over their upper end, not 22.4 / 5.2
+    assert at_least(defaults, ours) is None  # ours never missed: no ratio to claim against it
+    assert at_most(defaults, ours) == 10.5 / 22.4
+
+
+def test_bisection_narrows_a_closed_bracket_to_the_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sim.goodput as module
+
+    capacity = 7.3  # an arm that meets the SLOs below this rate and misses from it on
+
+    def row(rate: float) -> dict[str, float]:
+        return {"rate_rps": rate, "load": rate, "attainment": 0.95 if rate < capacity else 0.5}
+
+    @dataclass
+    class Point:
+        rate_rps: float
+
+    measured: list[float] = []
+
+    def measure(point: Point, pools: object, arms: dict[str, object]) -> dict[str, dict[str, float]]:
+        measured.append(point.rate_rps)
+        return {name: row(point.rate_rps) for name in arms}
+
+    monkeypatch.setattr(module, "measure", measure)
+    rows = [row(r) for r in (2.0, 4.0, 16.0)]
+    module.bisect(rows, "kvpilot", lambda point, pools: None, Point, None, resolution=0.05)
+    found = module.arm_bounds(rows)
+    assert found.lower < capacity <= found.upper and found.resolution <= 0.05
+    assert 0 < len(measured) <= 8 and [r["rate_rps"] for r in rows] == sorted(r["rate_rps"] for r in rows)
+    open_above = [row(1.0), row(2.0)]
+    module.bisect(open_above, "kvpilot", lambda point, pools: None, Point, None, resolution=0.05)
+    assert len(open_above) == 2  # never missed: nothing to bisect
 
 
 @pytest.mark.parametrize(("host_blocks", "gb_s"), [(4800, 4.0), (3200, 8.0)])
