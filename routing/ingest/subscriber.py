@@ -116,10 +116,6 @@ class EngineSubscriber:
         """The SUB socket, for a caller's ``zmq.Poller``."""
         return self._sub
 
-    @property
-    def last_seq(self) -> int | None:
-        return self._last_seq
-
     def poll(self, timeout_ms: int = 0) -> int:
         """Wait up to ``timeout_ms`` for events, then apply all that are queued; returns how many."""
         if not self._sub.poll(timeout_ms):

@@ -267,7 +267,7 @@ def test_a_replay_wait_does_not_hold_the_index_lock():
         while silent.poll(0):  # a lost first frame made a gap: drop its replay request
             silent.recv_multipart()
         gaps = sub.stats.unrecoverable_gaps
-        pub.send_multipart((b"", (sub.last_seq + 10).to_bytes(8, "big"), b"not a batch"))
+        pub.send_multipart((b"", (seq + 10).to_bytes(8, "big"), b"not a batch"))  # past every seq sent: a gap
         waiting = threading.Thread(target=sub.poll, args=(5000,))
         waiting.start()
         assert silent.poll(5000), "the subscriber never asked for a replay"
