@@ -41,6 +41,13 @@ lint:
 compat: setup
 	./scripts/compat.sh
 
+# Re-run exactly the committed results that are older than the code they measure
+# (docs/benchmarks/stale.md, benchmarks/staleness.py), each by its recorded command from a clean
+# worktree of HEAD; then `python benchmarks/staleness.py --write` and commit.
+.PHONY: bench-stale
+bench-stale: setup
+	.venv/bin/python benchmarks/staleness.py --rerun
+
 # The benchmarks: ratios against baselines measured in the same run (see README).
 .PHONY: bench
 bench: setup
