@@ -38,6 +38,10 @@ class Completion:
     """A chat's tool calls, each ``(name, arguments)`` (their ids are random)."""
     prompt_tokens: int = 0
     """The prompt's token count, as the engine's usage says."""
+    top2_margins: tuple[float, ...] = ()
+    """Per generated token, how far the best of its top logprobs leads the second (>= 0:
+    how near the greedy choice was to a tie), when the request asked for at least two top
+    logprobs (``top_logprobs=2`` for a chat); empty otherwise."""
 
     def same_output(self, other: Completion) -> bool:
         """Same tokens, bit-identical logprobs, the same tool calls."""
@@ -144,6 +148,7 @@ class _Parsed:
         self.params: dict[str, Any] | None = None
         self.prompt_tokens = 0
         self.ttft = 0.0
+        self.margins: list[float] = []
 
     def add(self, payload: dict[str, Any], now: float) -> None:
         self.params = payload.get("kv_transfer_params") or self.params
@@ -155,8 +160,11 @@ class _Parsed:
             if "content" in lp:  # a chat's
                 tokens = [t["token"] for t in lp["content"] or ()]
                 logprobs = [t["logprob"] for t in lp["content"] or ()]
+                tops = [[top["logprob"] for top in t.get("top_logprobs") or ()] for t in lp["content"] or ()]
             else:
                 tokens, logprobs = list(lp.get("tokens") or ()), list(lp.get("token_logprobs") or ())
+                tops = [list((top or {}).values()) for top in lp.get("top_logprobs") or ()]
+            self.margins += [_lead(top) for top in tops if len(top) >= 2]
             if not self.ttft and (text or tokens or choice.get("token_ids")):
                 self.ttft = now  # the first token, with logprobs or without (Dynamo's mocker sends none)
             self.text += text
@@ -182,7 +190,14 @@ class _Parsed:
             tuple(self.arrivals),
             tuple(self.calls[k] for k in sorted(self.calls)),
             self.prompt_tokens,
+            tuple(self.margins) if len(self.margins) == len(self.tokens) else (),
         )
+
+
+def _lead(logprobs: list[float]) -> float:
+    """How far the best of ``logprobs`` (two or more) leads the second."""
+    first, second = sorted(logprobs, reverse=True)[:2]
+    return first - second
 
 
 def debug_route(router_url: str, prompt: list[int], *, timeout: float = 60.0, **extra: object) -> dict[str, Any]:

@@ -5,7 +5,7 @@ requests to ``/v1/chat/completions`` with a tool declared and the history's tool
 and tool results. ``--sessions`` agent sessions of ``--steps`` steps share a system prompt
 (~1,000 words of instructions and repository files, ~1,270 tokens with the tool); each step
 resends the session's messages plus a distinct ~100-word tool output and generates
-``--generated`` tokens (greedy, ``ignore_eos``, top-1 logprobs, non-streaming), which the
+``--generated`` tokens (greedy, ``ignore_eos``, logprobs, non-streaming), which the
 next step resends as the reasoning before the step's tool call. The last
 ``--editing-sessions`` sessions edit their history at 1/4, 1/2 and 3/4 of the run
 (reasoning stripped, message re-rendered, history truncated). Sessions run
@@ -15,18 +15,16 @@ scraped between steps, so every engine counter is attributed to one step of one 
 Correctness: a reference trajectory is computed first on one engine of fleet N
 (D, co-located use, a fresh ``cache_salt`` per request: no cache). Step k's reference
 tokens feed step k+1's history in every arm, so all arms send the same prompts and
-an arm's wrong output is counted, not propagated. An output is wrong when its tokens
-differ from the reference beyond numeric noise: its max |logprob diff| over the tokens
-up to and including the first differing one exceeds ``--tolerance`` (a greedy choice
-between near-tied tokens flips on bf16 noise alone; such flips are counted apart). The
-numeric noise of known-correct paths is measured in the same run and printed: a
-calibration pass on that engine with its prefix cache on (a stable salt per
-session: content-matched reuse, correct by construction, but other prefill splits),
-and arm (a). The tiny model runs in bf16, so diffs come in steps of ~1/64: in the default
-run every known-correct output (calibration and arms a, b, d, e: ~480 outputs) was
-within one step (max 0.0161), while the outputs of KV attached by position after a
-history edit (arm c) differed by 0.048-0.126 (3 to 8 steps). The default tolerance,
-0.03 (under two steps), sits between the two (their geometric mean is 0.028).
+an arm's wrong output is counted, not propagated. Correctness is decided on tokens
+(:mod:`agent.correctness`): an output is wrong where its first greedy token that differs
+from the reference's sits where the reference's top-2 margin (its chosen token's lead
+over the runner-up; the reference asks for two top logprobs) exceeds the measured
+noise; a flip where that margin is within the noise is a tie, counted apart. The noise
+is measured in the same run, before any arm: a calibration pass on the reference's
+engine with its prefix cache on (a stable salt per session: content-matched reuse,
+correct by construction, but other prefill splits); its largest max |logprob diff|
+against the reference is the noise. The report and the JSON give the calibration's
+distribution of that diff (quantiles and max) and each arm's, beside the counts.
 
 Arms, each repeat of each under its own ``cache_salt`` (no arm, and no repeat,
 inherits another's cache):
@@ -132,7 +130,6 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import tempfile
 import time
 import uuid
@@ -157,8 +154,8 @@ from agent.results import (
     Outcome,
     Run,
     RunSummary,
+    calibration_noise,
     counters,
-    judge,
     judge_run,
 )
 from kvpilot.deploy import fleet as fleet_io
@@ -356,6 +353,7 @@ def reference_pass(run: Run, d_url: str, workload: aw.Workload) -> None:
                     cache_salt=f"ref-{uuid.uuid4().hex}",
                     timeout=config.request_timeout,
                     tools=aw.TOOLS,
+                    top_logprobs=2,  # each token's top-2 margin: agent.correctness
                 )
 
             for s, out in enumerate(pool.map(ref, range(config.sessions))):
@@ -384,13 +382,8 @@ def calibrate(run: Run, d_url: str) -> None:
         return Served(out)
 
     calib = lockstep(run, "calibration", "calibration", serve, {"D": d_url})
-    judge(calib, run.reference, config.generated, math.inf)
-    diffs = [o.max_diff for o in calib.outcomes if o.completion is not None]
-    run.noise["calibration"] = {
-        "max": max(diffs, default=math.nan),
-        "median": statistics.median(diffs) if diffs else math.nan,
-        "token_flips": sum(not o.tokens_match for o in calib.outcomes),
-        "cached_tokens": sum(c.cached for c in calib.steps.values()),
+    run.noise["calibration"] = calibration_noise(calib, run.reference) | {
+        "cached_tokens": sum(c.cached for c in calib.steps.values())
     }
 
 
@@ -508,9 +501,6 @@ def parse_args() -> BenchConfig:
         "--handicap-arm",
         action="store_true",
         help="also run arm (f): arm (c) on KVPilotConnector engines that keep their thread binding",
-    )
-    parser.add_argument(
-        "--tolerance", type=float, default=0.03, help="max |logprob diff| of a correct output (see the module doc)"
     )
     parser.add_argument("--ttft-slo", type=float, default=None, help="default: 1.5 x arm (a)'s TTFT p50 at step 1")
     parser.add_argument("--tpot-slo", type=float, default=None, help="default: 1.5 x arm (a)'s median step TPOT")

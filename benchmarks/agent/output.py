@@ -42,30 +42,75 @@ def spread_cell(spread: dict[str, Any], fmt: str = ",.0f", scale: float = 1.0) -
     return cell
 
 
-def headline_table(summaries: dict[str, dict[str, Any]], report_steps: list[int], total_requests: int) -> str:
-    """Per arm, the median over its repeats of each headline figure, with its range."""
+def diff_cell(distribution: dict[str, Any]) -> str:
+    """A :func:`agent_results.distribution` of max |logprob diff| as ``p50 / p99 / max``."""
+    return " / ".join("-" if v is None or not math.isfinite(v) else f"{v:.4f}" for v in _quantiles(distribution))
+
+
+def _quantiles(distribution: dict[str, Any]) -> tuple[float | None, ...]:
+    return distribution["p50"], distribution["p99"], distribution["max"]
+
+
+def headline_table(
+    summaries: dict[str, dict[str, Any]], report_steps: list[int], total_requests: int, tolerance: float | None = None
+) -> str:
+    """Per arm, the median over its repeats of each headline figure, with its range; wrong
+    outputs and ties (:mod:`agent.correctness`) beside the distribution of the arm's max
+    |logprob diff| over all its answers. ``tolerance``: a results file judged before
+    correctness was decided on tokens (wrong = a max |logprob diff| over ``tolerance``),
+    which recorded neither ties nor that distribution."""
     head = " / ".join(f"s{k}" for k in report_steps)
+    correctness = (
+        "wrong | ties | max logprob diff p50 / p99 / max" if tolerance is None else f"wrong (diff > {tolerance})"
+    )
     lines = [
         (
-            f"| arm | repeats | prefill computed | KV moved MB | TTFT p50 {head} (s) | wrong "
+            f"| arm | repeats | prefill computed | KV moved MB | TTFT p50 {head} (s) | {correctness} "
             f"| SLO met (of {total_requests}) |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|" + "---:|" * (1 + correctness.count("|")) + "---:|",
     ]
     for s in summaries.values():
         sp = s["spread"]
         ttft = " / ".join(spread_cell(sp[f"ttft_p50_step{k}"], ".2f") for k in report_steps)
+        cells = [spread_cell(sp["wrong"])]
+        if tolerance is None:
+            cells += [spread_cell(sp["ties"]), diff_cell(s["max_diff"])]
         lines.append(
             f"| {s['arm']} | {s['repeats']} | {spread_cell(sp['prefill_computed'])} | "
-            f"{spread_cell(sp['kv_bytes'], ',.1f', 1e-6)} | {ttft} | {spread_cell(sp['wrong'])} | "
+            f"{spread_cell(sp['kv_bytes'], ',.1f', 1e-6)} | {ttft} | {' | '.join(cells)} | "
             f"{spread_cell(sp['slo_met'])} |"
         )
     return "\n".join(lines)
 
 
+def noise_note(noise: dict[str, Any], tolerance: float | None = None) -> str:
+    """What wrong means and the noise it was judged by: the calibration's distribution of
+    max |logprob diff| (``tolerance``: as :func:`headline_table`)."""
+    calibration = noise["calibration"]
+    if tolerance is not None:
+        return (
+            f"Wrong here: a max |logprob diff| over {tolerance} against the reference, up to the first token that "
+            f"differs. This run recorded no top-2 margins of the reference, so it cannot be judged on tokens. Its "
+            f"calibration (the reference's engine with its prefix cache, {calibration['token_flips']} answers with a "
+            f"token flipped): max |logprob diff| median {calibration['median']:.4f}, max {calibration['max']:.4f}."
+        )
+    dist = calibration["max_diff"]
+    return (
+        f"Wrong: the first greedy token that differs from the reference's is where the reference's top-2 margin "
+        f"exceeds the noise, {dist['max']:.4f}; a tie: where it is within it. The noise is the largest max "
+        f"|logprob diff| of the calibration (the reference's engine with its prefix cache, {dist['n']} answers, "
+        f"{calibration['token_flips']} with a token flipped): p50 {dist['p50']:.4f}, p90 {dist['p90']:.4f}, "
+        f"p99 {dist['p99']:.4f}, max {dist['max']:.4f}."
+    )
+
+
 def results_table(results: dict[str, Any]) -> str:
-    """:func:`headline_table` of a results file (``--out``), for ``benchmarks/report.py``."""
-    return headline_table(results["summaries"], results["report_steps"], results["total_requests"])
+    """:func:`headline_table` of a results file (``--out``) and its :func:`noise_note`, for
+    ``benchmarks/report.py``."""
+    tolerance = results.get("tolerance")
+    table = headline_table(results["summaries"], results["report_steps"], results["total_requests"], tolerance)
+    return f"{table}\n\n{noise_note(results['noise'], tolerance)}"
 
 
 def tables(summaries: dict[str, dict[str, Any]], report_steps: list[int], total_requests: int) -> str:
@@ -73,14 +118,14 @@ def tables(summaries: dict[str, dict[str, Any]], report_steps: list[int], total_
     lines = [
         (
             "| arm | prefill computed | local cache hit | external KV | KV moved MB (xfers) "
-            "| wrong | near-tie flips | failed | stalled | SLO met |"
+            "| wrong | ties | max logprob diff p50 / p99 / max | failed | stalled | SLO met |"
         ),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines.extend(
         f"| {s['arm']} | {s['prefill_computed']:,.0f} | {s['local_cache_hit']:,.0f} | "
         f"{s['external_kv_transfer']:,.0f} | {s['kv_bytes'] / 1e6:,.1f} ({s['nixl_transfers']:.0f}) | "
-        f"{s['wrong']} | {s['token_flips']} | {s['failed']} | {s['stalled']} | "
+        f"{s['wrong']} | {s['ties']} | {diff_cell(s['max_diff'])} | {s['failed']} | {s['stalled']} | "
         f"{s['slo_met']}/{total_requests} |"
         for s in summaries.values()
     )
@@ -187,16 +232,7 @@ def print_report(run: Run, judged: RunSummary) -> None:
             + ": "
             + "; ".join(_handicap_cell(name, row) for name, row in judged.handicap.items())
         )
-    print(
-        f"- wrong = max |logprob diff| against the no-cache reference > {config.tolerance}, over the generated "
-        f"tokens up to and including the first one that differs (after it the contexts differ). A token that "
-        f"differs with a diff within the tolerance is a near-tie flip on numeric noise (bf16, random weights), "
-        f"counted apart, not as wrong. Noise of known-correct paths: calibration (D's own prefix cache, "
-        f"{noise['calibration']['token_flips']} flips) max {noise['calibration']['max']:.4f}"
-        + (f", arm (a) max {noise['arm_a']['max']:.4f}" if "arm_a" in noise else "")
-        + f"; wrong outputs' diffs ranged {noise['smallest_diff_among_wrong']:.3g}"
-        f" .. {noise['largest_diff_among_wrong']:.3g}"
-    )
+    print(f"- {noise_note(noise)} Max |logprob diff|: over the generated tokens up to the first that differs.")
     print(
         "- arm (b) emulates a busy fleet: P's prefix cache is reset before every step and re-warmed with the "
         "shared prefix only (uncounted, so its step 1 computes no shared prefix, unlike the other arms), so no "
@@ -270,7 +306,6 @@ def result_json(run: Run, judged: RunSummary) -> dict[str, Any]:
             "editing_sessions_ids": [s for s in range(config.sessions) if wspec.edits(s)],
             "run_dir": str(run.root),
         },
-        "tolerance": config.tolerance,
         "noise": run.noise,
         "ttft_slo_s": judged.ttft_slo,
         "tpot_slo_s": judged.tpot_slo,
@@ -309,10 +344,10 @@ def _requests(r: ArmResult) -> list[dict[str, Any]]:
             "step": o.step,
             "latency": o.latency,
             "ttft": o.ttft,
-            "tokens_match": o.tokens_match,
+            "verdict": o.verdict.value if o.verdict is not None else None,
             "first_mismatch": o.first_mismatch,
+            "margin": o.margin,
             "max_diff": o.max_diff,
-            "wrong": o.wrong,
             "error": o.error,
             "route": o.route,
             "p_seconds": o.p_seconds,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import workload as aw
+from agent.correctness import Verdict, judge_output
 from agent.schedule import Spread
 from kvpilot.deploy.client import Completion
 from kvpilot.deploy.metrics import Samples, delta
@@ -40,7 +41,6 @@ class BenchConfig:
     arms: str
     repeats: int
     handicap_arm: bool
-    tolerance: float
     ttft_slo: float | None
     tpot_slo: float | None
     request_timeout: float
@@ -74,15 +74,25 @@ class Outcome:
     latency: float
     completion: Completion | None
     error: str | None = None
-    tokens_match: bool = False
     max_diff: float = math.inf
     route: str | None = None
     ttft: float | None = None
-    wrong: bool = False
+    verdict: Verdict | None = None
+    """Against the reference (:mod:`agent.correctness`; None until judged, or for no answer)."""
     p_seconds: float | None = None
     """P's half of the latency (the arms that proxy P->D themselves)."""
     first_mismatch: int | None = None
     """Index of the first generated token that differs from the reference (None: all equal)."""
+    margin: float | None = None
+    """The reference's top-2 margin at ``first_mismatch`` (None: nothing differs)."""
+
+    @property
+    def wrong(self) -> bool:
+        return self.verdict is Verdict.WRONG
+
+    @property
+    def tie(self) -> bool:
+        return self.verdict is Verdict.TIE
 
 
 @dataclass
@@ -187,16 +197,17 @@ def counters(before: dict[str, Samples], after: dict[str, Samples], decode: str)
     return StepCounters(compute, cached, external, kv_bytes, transfers, tpot, extra)
 
 
-def judge(result: ArmResult, reference: dict[Key, Completion], generated: int, tol: float) -> None:
-    """Correctness against the reference and the TTFT estimate of each outcome."""
+def judge(result: ArmResult, reference: dict[Key, Completion], generated: int, noise: float) -> None:
+    """Each outcome's verdict against the reference, given the logprob noise of a
+    known-correct path (:func:`agent.correctness.judge_output`), and its TTFT estimate."""
     tpots = [c.tpot for c in result.steps.values() if c.tpot is not None]
     arm_tpot = statistics.fmean(tpots) if tpots else 0.0
     for o in result.outcomes:
         if o.completion is None:
             continue
-        o.first_mismatch, o.max_diff = o.completion.divergence(reference[(o.session, o.step)])
-        o.tokens_match = o.first_mismatch is None
-        o.wrong = o.max_diff > tol
+        o.verdict, o.first_mismatch, o.max_diff, o.margin = judge_output(
+            o.completion, reference[(o.session, o.step)], noise
+        )
         tpot = result.steps[o.step].tpot
         o.ttft = max(0.0, o.latency - (generated - 1) * (tpot if tpot is not None else arm_tpot))
 
@@ -209,6 +220,34 @@ def pct(values: list[float], q: float) -> float:
     pos = (len(xs) - 1) * q / 100
     lo, hi = math.floor(pos), math.ceil(pos)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+QUANTILES = (50, 90, 99)
+
+
+def distribution(values: list[float]) -> dict[str, float]:
+    """``values``' count ``n``, percentiles ``p50``, ``p90``, ``p99`` (:func:`pct`) and ``max``;
+    NaN for each but ``n`` when there are none."""
+    return {"n": len(values), **{f"p{q}": pct(values, q) for q in QUANTILES}, "max": max(values, default=math.nan)}
+
+
+def calibration_noise(result: ArmResult, reference: dict[Key, Completion]) -> dict[str, Any]:
+    """The logprob noise of a known-correct path (``result``, the calibration): the
+    :func:`distribution` of its answers' max |logprob diff| against the reference over
+    the tokens up to and including the first that differs (``max_diff``; its ``max`` is
+    the noise :func:`judge_run` judges by), and how many answers had a token differ."""
+    diffs, flips = [], 0
+    for o in result.outcomes:
+        if o.completion is not None:
+            first, diff = o.completion.divergence(reference[(o.session, o.step)])
+            diffs.append(diff)
+            flips += first is not None
+    return {"max_diff": distribution(diffs), "token_flips": flips}
+
+
+def noise_threshold(noise: dict[str, Any]) -> float:
+    """The noise outputs are judged by: the calibration's largest max |logprob diff|."""
+    return float(noise["calibration"]["max_diff"]["max"])
 
 
 def at_step(result: ArmResult, step: int, what: str) -> list[float]:
@@ -239,7 +278,7 @@ def summarize(result: ArmResult, report_steps: list[int], ttft_slo: float, tpot_
     for o in result.outcomes:
         if o.route:
             routes[o.route] = routes.get(o.route, 0) + 1
-    wrong = [o for o in result.outcomes if o.completion is not None and o.wrong]
+    wrong = [o for o in result.outcomes if o.wrong]
     return {
         "arm": result.title,
         "requests": len(result.outcomes),
@@ -260,15 +299,13 @@ def summarize(result: ArmResult, report_steps: list[int], ttft_slo: float, tpot_
         "tpot_mean": statistics.fmean(tpots) if tpots else math.nan,
         "slo_met": len(good),
         "wrong": len(wrong),
-        "token_flips": sum(o.completion is not None and not o.wrong and not o.tokens_match for o in result.outcomes),
+        "ties": sum(o.tie for o in result.outcomes),
         "stalled": sum(o.latency >= STALL_S for o in result.outcomes),
         "slowest": max(((o.latency, o.p_seconds) for o in result.outcomes), default=(math.nan, None)),
         "wrong_at": sorted({(o.session, o.step) for o in wrong}),
         "failed": sum(o.error is not None for o in result.outcomes),
         "errors": sorted({o.error for o in result.outcomes if o.error})[:5],
-        "max_logprob_diff_correct": max(
-            (o.max_diff for o in result.outcomes if o.completion is not None and not o.wrong), default=0.0
-        ),
+        "max_diff": distribution(_diffs(result)),
         "routes": routes,
         "extra": {k: sum(c.extra.get(k, 0.0) for c in steps) for k in next(iter(steps)).extra} if steps else {},
         "seconds": result.seconds,
@@ -276,15 +313,21 @@ def summarize(result: ArmResult, report_steps: list[int], ttft_slo: float, tpot_
     }
 
 
+def _diffs(result: ArmResult) -> list[float]:
+    """Each answered request's max |logprob diff| against the reference."""
+    return [o.max_diff for o in result.outcomes if o.completion is not None]
+
+
 def headline(summary: dict[str, Any], report_steps: list[int]) -> dict[str, float]:
     """The figures of one repeat's :func:`summarize` that the report gives as medians
     with their spread: prefill tokens computed, KV bytes moved, TTFT p50 at each
-    report step, wrong outputs, SLO-met requests."""
+    report step, wrong outputs, ties, SLO-met requests."""
     return {
         "prefill_computed": float(summary["prefill_computed"]),
         "kv_bytes": float(summary["kv_bytes"]),
         **{f"ttft_p50_step{k}": float(summary["ttft"][k]["p50"]) for k in report_steps},
         "wrong": float(summary["wrong"]),
+        "ties": float(summary["ties"]),
         "slo_met": float(summary["slo_met"]),
     }
 
@@ -329,27 +372,18 @@ def ratio(a: float, b: float) -> float:
 
 
 def judge_run(run: Run) -> RunSummary:
-    """Judge every repeat of every arm against the reference (sets each outcome's
-    verdict and TTFT), add the noise of arm (a) and of the wrong outputs to
-    ``run.noise``, summarize each repeat and :func:`aggregate` each arm's repeats.
-    Unless given, the SLOs are 1.5x the base arm's (arm (a), else the first by letter) TTFT p50
-    at step 1 (the median over its repeats) and 1.5x its median step TPOT (over all
-    its repeats' steps)."""
+    """Judge every repeat of every arm against the reference by the calibration's noise
+    (:func:`noise_threshold`; sets each outcome's verdict and TTFT), summarize each repeat
+    and :func:`aggregate` each arm's repeats, with the :func:`distribution` of the max
+    |logprob diff| of all its answers (``max_diff``). Unless given, the SLOs are 1.5x the
+    base arm's (arm (a), else the first by letter) TTFT p50 at step 1 (the median over its
+    repeats) and 1.5x its median step TPOT (over all its repeats' steps). Raises KeyError
+    without a calibration in ``run.noise``."""
     config, results = run.config, run.results
+    noise = noise_threshold(run.noise)
     for repeats in results.values():
         for r in repeats:
-            judge(r, run.reference, config.generated, config.tolerance)
-    if "a" in results:
-        a = [o for r in results["a"] for o in r.outcomes]
-        run.noise["arm_a"] = {
-            "max": max((o.max_diff for o in a if o.completion), default=math.nan),
-            "token_flips": sum(o.completion is not None and not o.tokens_match for o in a),
-        }
-    wrong_diffs = [
-        o.max_diff for rs in results.values() for r in rs for o in r.outcomes if o.completion is not None and o.wrong
-    ]
-    run.noise["smallest_diff_among_wrong"] = min(wrong_diffs, default=math.nan)
-    run.noise["largest_diff_among_wrong"] = max(wrong_diffs, default=math.nan)
+            judge(r, run.reference, config.generated, noise)
     # the first arm by letter (the order arms are reported in), never the first to run: the runs are shuffled
     base = results[min(results)] if results else []
     base_ttft1 = Spread.of([pct(at_step(r, 1, "ttft"), 50) for r in base]).median
@@ -360,6 +394,7 @@ def judge_run(run: Run) -> RunSummary:
     report_steps = sorted({1, max(1, config.steps // 2), config.steps})
     summaries = {
         key: aggregate(rs[0].title, [summarize(r, report_steps, ttft_slo, tpot_slo) for r in rs], report_steps)
+        | {"max_diff": distribution([d for r in rs for d in _diffs(r)])}
         for key, rs in results.items()
         if rs
     }

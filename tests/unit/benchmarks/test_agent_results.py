@@ -1,6 +1,6 @@
 """The agent benchmark's judged repeats: each headline figure's median and range per
-arm, the ratios on the medians, the thread binding's share of the (c)-(e) gap, and
-the JSON's shape."""
+arm, wrong outputs and ties judged by the calibration's noise, the ratios on the
+medians, the thread binding's share of the (c)-(e) gap, and the JSON's shape."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 from agent.bench import at_load
-from agent.output import finite, headline_table, result_json
-from agent.results import ArmResult, BenchConfig, Outcome, Run, StepCounters, judge_run
+from agent.correctness import Verdict
+from agent.output import finite, headline_table, result_json, results_table
+from agent.results import ArmResult, BenchConfig, Outcome, Run, StepCounters, calibration_noise, judge_run
 
 from kvpilot.deploy.client import Completion
 
@@ -33,7 +34,6 @@ def config(tmp_path: Path, repeats: int) -> BenchConfig:
         arms="ace",
         repeats=repeats,
         handicap_arm=True,
-        tolerance=0.03,
         ttft_slo=1.0,
         tpot_slo=0.1,
         request_timeout=10.0,
@@ -44,16 +44,30 @@ def config(tmp_path: Path, repeats: int) -> BenchConfig:
     )
 
 
-def completion(logprob: float = -1.0) -> Completion:
-    return Completion("wxyz", ("w", "x", "y", "z"), (logprob, -1.0, -1.0, -1.0), 0.0, 0.0, token_ids=(5, 6, 7, 8))
+NOISE = 0.02
+"""The calibration's largest max |logprob diff|."""
+MARGINS = (1.0, 1.0, 0.01, 1.0)
+"""The reference's top-2 margin at each token: token 2 is a near-tie."""
 
 
-def arm(key: str, computed: float, latency: float, wrong: bool = False) -> ArmResult:
-    """One repeat: each step computes ``computed`` on D and takes ``latency``; with
-    ``wrong``, step 2's output is off the reference by 0.5 in logprob."""
+def completion(token_ids: tuple[int, ...] = (5, 6, 7, 8), logprob: float = -1.0) -> Completion:
+    return Completion(
+        "wxyz", ("w", "x", "y", "z"), (logprob, -1.0, -1.0, -1.0), 0.0, 0.0, token_ids=token_ids, top2_margins=MARGINS
+    )
+
+
+WRONG = completion((5, 9, 7, 8))
+"""Token 1 flipped, where the reference led by 1.0: wrong."""
+TIE = completion((5, 6, 9, 8))
+"""Token 2 flipped, where the reference led by 0.01: a tie."""
+
+
+def arm(key: str, computed: float, latency: float, step2: Completion | None = None) -> ArmResult:
+    """One repeat: each step computes ``computed`` on D and takes ``latency``; step 2
+    answers ``step2`` (default: the reference's answer)."""
     result = ArmResult(key, f"({key})")
     for step in range(1, STEPS + 1):
-        out = completion(-1.5 if wrong and step == 2 else -1.0)
+        out = step2 if step2 is not None and step == 2 else completion()
         result.outcomes.append(Outcome(0, step, latency, out))
         result.steps[step] = StepCounters({"P": 0.0, "D": computed}, 0.0, 0.0, 1e6, 1.0, 0.01, {})
     return result
@@ -63,10 +77,13 @@ def arm(key: str, computed: float, latency: float, wrong: bool = False) -> ArmRe
 def run(tmp_path: Path) -> Run:
     r = Run(config(tmp_path, repeats=3), tmp_path, "test")
     r.reference = {(0, k): completion() for k in range(1, STEPS + 1)}
-    r.noise["calibration"] = {"max": 0.0, "token_flips": 0}
+    r.noise["calibration"] = {
+        "max_diff": {"n": 2, "p50": 0.01, "p90": 0.02, "p99": 0.02, "max": NOISE},
+        "token_flips": 1,
+    }
     r.results = {
-        "a": [arm("a", 100.0, 0.5), arm("a", 120.0, 0.7), arm("a", 90.0, 0.6)],
-        "c": [arm("c", 40.0, 3.0, wrong=True), arm("c", 50.0, 5.0), arm("c", 30.0, 1.0)],
+        "a": [arm("a", 100.0, 0.5), arm("a", 120.0, 0.7, TIE), arm("a", 90.0, 0.6)],
+        "c": [arm("c", 40.0, 3.0, WRONG), arm("c", 50.0, 5.0, completion(logprob=-1.5)), arm("c", 30.0, 1.0)],
         "e": [arm("e", 10.0, 0.2), arm("e", 12.0, 0.3), arm("e", 11.0, 0.25)],
         "f": [arm("f", 40.0, 1.0), arm("f", 44.0, 2.0), arm("f", 30.0, 0.8)],
     }
@@ -90,6 +107,36 @@ def test_each_figure_is_the_median_of_the_repeats_with_its_range(run: Run) -> No
     assert judged.summaries["c"]["spread"]["slo_met"]["values"] == [0.0, 0.0, 2.0]
 
 
+def test_a_flip_where_the_reference_led_beyond_the_noise_is_wrong_and_within_it_a_tie(run: Run) -> None:
+    judged = judge_run(run)
+    wrong, tie = run.results["c"][0].outcomes[1], run.results["a"][1].outcomes[1]
+    assert (wrong.verdict, wrong.first_mismatch, wrong.margin) == (Verdict.WRONG, 1, 1.0)
+    assert (tie.verdict, tie.first_mismatch, tie.margin) == (Verdict.TIE, 2, 0.01)
+    c, a = judged.summaries["c"], judged.summaries["a"]
+    assert [s["wrong"] for s in c["per_repeat"]] == [1, 0, 0]  # 0.5 off in logprob, every token the same: right
+    assert [s["ties"] for s in a["per_repeat"]] == [0, 1, 0] and [s["wrong"] for s in a["per_repeat"]] == [0, 0, 0]
+    assert c["per_repeat"][0]["wrong_at"] == [(0, 2)]
+    assert c["max_diff"] == {"n": 6, "p50": 0.0, "p90": 0.25, "p99": pytest.approx(0.475), "max": 0.5}
+    assert [s["max_diff"]["max"] for s in c["per_repeat"]] == [0.0, 0.5, 0.0]
+
+
+def test_the_noise_judged_by_is_the_calibration_s_largest_diff(run: Run) -> None:
+    run.noise["calibration"]["max_diff"]["max"] = 1.0  # the reference's lead at the flip, 1.0, is within it
+    judge_run(run)
+    assert run.results["c"][0].outcomes[1].verdict is Verdict.TIE
+
+
+def test_the_calibration_s_noise_is_the_distribution_of_its_diffs_and_its_flips(run: Run) -> None:
+    calib = arm("calibration", 0.0, 0.1, TIE)
+    calib.outcomes += [
+        Outcome(1, 1, 0.1, completion(logprob=-1.25)),
+        Outcome(1, 2, 0.1, None, error="refused"),
+    ]
+    run.reference[(1, 1)] = completion()
+    noise = calibration_noise(calib, run.reference)
+    assert noise == {"max_diff": {"n": 3, "p50": 0.0, "p90": 0.2, "p99": 0.245, "max": 0.25}, "token_flips": 1}
+
+
 def test_ratios_are_taken_on_the_medians(run: Run) -> None:
     ratios = judge_run(run).ratios
     assert ratios["prefill_a_over_e"] == pytest.approx(200.0 / 22.0)
@@ -103,7 +150,15 @@ def test_the_handicap_is_c_minus_f_and_its_share_of_c_minus_e(run: Run) -> None:
     assert row["binding"] == pytest.approx(row["c"] - row["f"])
     assert row["c"] == pytest.approx(2.97) and row["f"] == pytest.approx(0.97) and row["e"] == pytest.approx(0.22)
     assert row["explained"] == pytest.approx(2.0 / 2.75)
-    assert set(handicap) == {"prefill_computed", "kv_bytes", "ttft_p50_step1", "ttft_p50_step2", "wrong", "slo_met"}
+    assert set(handicap) == {
+        "prefill_computed",
+        "kv_bytes",
+        "ttft_p50_step1",
+        "ttft_p50_step2",
+        "wrong",
+        "ties",
+        "slo_met",
+    }
     assert math.isnan(handicap["kv_bytes"]["explained"])  # no gap to explain
 
 
@@ -125,6 +180,19 @@ def test_the_json_holds_medians_spreads_repeats_and_the_order(run: Run) -> None:
         assert set(summary["spread"]["ttft_p50_step1"]) == {"median", "min", "max", "values"}
         assert len(out["per_step"][key]) == 3 and len(out["requests"][key]) == 3
         assert len(out["requests"][key][0]) == STEPS
+    assert out["requests"]["c"][0][1] | {"latency": 0} == {
+        "session": 0,
+        "step": 2,
+        "latency": 0,
+        "ttft": pytest.approx(3.0 - 0.03),
+        "verdict": "wrong",
+        "first_mismatch": 1,
+        "margin": 1.0,
+        "max_diff": 0.0,
+        "error": None,
+        "route": None,
+        "p_seconds": None,
+    }
     assert out["handicap"]["kv_bytes"]["explained"] is None  # NaN as strict JSON
 
 
@@ -134,6 +202,32 @@ def test_the_table_gives_each_median_with_its_range(run: Run) -> None:
     row = next(line for line in table.splitlines() if line.startswith("| (c)"))
     assert "| 3 | 80 (60-100) |" in row
     assert "2.97 (0.97-4.97)" in row
+
+
+def test_the_results_table_gives_ties_and_each_arm_s_diffs_beside_wrong_and_the_calibration_s_noise(run: Run) -> None:
+    judged = judge_run(run)
+    run.timings["total"] = 1.0
+    results = json.loads(json.dumps(finite(result_json(run, judged))))
+    table, note = results_table(results).split("\n\n")
+    head, rule, *rows = table.splitlines()
+    assert "| wrong | ties | max logprob diff p50 / p99 / max |" in head
+    assert len(rule.split("|")) == len(head.split("|"))
+    c = next(row for row in rows if row.startswith("| (c)"))
+    assert "| 0 (0-1) | 0 (0-0) | 0.0000 / 0.4750 / 0.5000 |" in c
+    a = next(row for row in rows if row.startswith("| (a)"))
+    assert "| 0 (0-0) | 0 (0-1) | 0.0000 / 0.0000 / 0.0000 |" in a
+    assert "exceeds the noise, 0.0200" in note and "p50 0.0100, p90 0.0200, p99 0.0200, max 0.0200" in note
+
+
+def test_a_results_file_judged_by_a_logprob_tolerance_is_rendered_by_that_rule(run: Run) -> None:
+    judged = judge_run(run)
+    run.timings["total"] = 1.0
+    results = json.loads(json.dumps(finite(result_json(run, judged))))
+    results["tolerance"] = 0.03
+    results["noise"] = {"calibration": {"max": 0.0306, "median": 0.0157, "token_flips": 6}}
+    table, note = results_table(results).split("\n\n")
+    assert "| wrong (diff > 0.03) | SLO met (of 2) |" in table and "ties" not in table
+    assert "cannot be judged on tokens" in note and "max 0.0306" in note
 
 
 def test_without_arm_a_the_default_slos_come_from_the_first_arm_by_letter_not_the_first_to_run(
