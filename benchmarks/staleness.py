@@ -31,11 +31,12 @@ PACKAGE_DIRS = ("deploy", "grafana", "kvconnectors", "policies", "routing")
 """The import package ``kvpilot``'s folders (``pyproject.toml``), linked into a clean worktree."""
 
 _SIMULATED = ("routing/decide", "routing/index", "policies", "benchmarks/sim", "benchmarks/fleet", "benchmarks/agent")
+_ENGINES = ("kvconnectors", "routing", "policies", "deploy")
 _LIVE_ROUTER = ("routing", "policies", "deploy", "benchmarks/fleet", "benchmarks/agent/trace.py")
 MEASURES: dict[str, tuple[str, ...]] = {
     "bench_fleet.py": (*_LIVE_ROUTER, "benchmarks/bench_fleet.py"),
-    "bench_agent.py": ("kvconnectors", "routing", "policies", "deploy", "benchmarks/agent", "benchmarks/bench_agent.py"),
-    "bench_session_hold.py": ("kvconnectors", "routing", "policies", "deploy", "benchmarks/bench_session_hold.py"),
+    "bench_agent.py": (*_ENGINES, "benchmarks/agent", "benchmarks/bench_agent.py"),
+    "bench_session_hold.py": (*_ENGINES, "benchmarks/bench_session_hold.py"),
     "bench_router_scale.py": ("routing", "policies", "deploy", "benchmarks/scale", "benchmarks/bench_router_scale.py"),
     "bench_request_path.py": ("routing", "policies", "benchmarks/bench_request_path.py"),
     "bench_tokenize.py": ("routing/serve", "benchmarks/bench_tokenize.py"),
@@ -109,7 +110,8 @@ def listed() -> set[str]:
     """The results files ``docs/benchmarks/stale.md`` names."""
     if not PAGE.is_file():
         return set()
-    return {line.split("`")[1].removesuffix(".json") for line in PAGE.read_text().splitlines() if line.startswith("| `")}
+    rows = [line for line in PAGE.read_text().splitlines() if line.startswith("| `")]
+    return {row.split("`")[1].removesuffix(".json") for row in rows}
 
 
 def rerun(stale: list[Staleness]) -> int:
