@@ -37,7 +37,6 @@ class Admission:
         self.max_concurrent, self.max_queued, self.queue_timeout_s = max_concurrent, max_queued, queue_timeout_s
         self._slots = asyncio.Semaphore(max_concurrent) if max_concurrent else None
         self.queued = 0
-        self.in_flight = 0
 
     @asynccontextmanager
     async def admit(self) -> AsyncIterator[None]:
@@ -57,11 +56,9 @@ class Admission:
             await slots.acquire()  # a free slot: taken without suspending
         elif slots is not None:
             await self._wait_for_slot(slots)
-        self.in_flight += 1
 
     def release(self) -> None:
         """Give back a slot :meth:`acquire` took."""
-        self.in_flight -= 1
         if self._slots is not None:
             self._slots.release()
 
