@@ -14,18 +14,22 @@ Sources, each read where it is defined:
 - the CLI: :func:`kvpilot.deploy.cli.build_parser` (a flag without help is an error);
 - metrics: the router's registry as a router builds it (its families and their scrape-time
   collectors) and the connector's counters (:data:`kvpilot.kvconnectors.stats.COUNTERS`);
-- endpoints: the router's aiohttp routes, each handler's first docstring line.
+- endpoints: the router's aiohttp routes, each handler's first docstring line and who may
+  call it (:func:`kvpilot.routing.serve.app.access_of`, each kind's docstring in
+  :class:`~kvpilot.routing.serve.app.Access`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import enum
 import inspect
 import json
 import re
 import sys
+import textwrap
 import types
 import typing
 from collections.abc import Iterator, Mapping, Sequence
@@ -269,15 +273,39 @@ def metrics_page(router: Sequence[MetricEntry], connector: Sequence[MetricEntry]
 # ---- endpoints ------------------------------------------------------------------------
 
 
+def member_docs(cls: type[enum.Enum]) -> dict[str, str]:
+    """Each member of the enum ``cls`` with the docstring written under it in the source,
+    whitespace collapsed; a member without one is absent."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs = {}
+    for node, after in zip(body.body, body.body[1:], strict=False):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+        ):
+            docs[node.targets[0].id] = " ".join(str(after.value.value).split())
+    return docs
+
+
 def endpoints_page(server: RouterServer) -> str:
-    """``server``'s HTTP routes, each with its handler's first docstring paragraph."""
+    """``server``'s HTTP routes, each with its handler's first docstring paragraph and who may call it."""
+    from kvpilot.routing.serve.app import Access, access_of
+
     lines = [GENERATED_NOTE, "", "# HTTP endpoints", ""]
-    lines += [
-        "The router's own (`server.host`:`server.port`).",
-        "",
-        "| method | path | what it does |",
-        "|---|---|---|",
-    ]
+    intro = (
+        "The router's own (`server.host`:`server.port`). Who may call each (its `access`) is checked on "
+        "every request, whatever else is configured ([closed to strangers](../guides/security.md)):"
+    )
+    lines += [intro, ""]
+    meanings = member_docs(Access)
+    for access in Access:
+        if access.name not in meanings:
+            raise ReferenceError(f"Access.{access.name} has no docstring")
+        lines.append(f"- `{access.value}`: {markdown(meanings[access.name])}")
+    lines += ["", "| method | path | access | what it does |", "|---|---|---|---|"]
     for route in server.app().router.routes():
         if route.method == "HEAD":
             continue
@@ -286,7 +314,7 @@ def endpoints_page(server: RouterServer) -> str:
         if not doc:
             raise ReferenceError(f"{route.method} {path}: its handler has no docstring")
         first_paragraph = doc.split("\n\n")[0]
-        lines.append(f"| {route.method} | `{path}` | {_cell(first_paragraph)} |")
+        lines.append(f"| {route.method} | `{path}` | `{access_of(path).value}` | {_cell(first_paragraph)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -18,7 +18,9 @@ An upstream failure reaches the client as a JSON error naming the engine (the
 engine's 4xx status is kept, anything else is a 502); the router keeps serving.
 Response headers ``X-Request-Id``, ``X-KVPilot-Route``, ``X-KVPilot-Prefill-Worker``,
 ``X-KVPilot-Decode-Worker`` say where it went. ``POST /debug/route`` explains a
-decision without sending anything. Metrics: :class:`RouterMetrics` (listed in
+decision without sending anything. Who may call each endpoint (:class:`Access`) is checked on
+every request, whatever else is configured: an admin endpoint needs the admin token, or with
+none a loopback peer. Metrics: :class:`RouterMetrics` (listed in
 ``docs/guides/router.md``).
 
 Beside Dynamo (``dynamo.frontend_url`` set, docs/guides/dynamo.md) the engines are Dynamo's
@@ -29,6 +31,7 @@ discovery, followed live (:mod:`kvpilot.routing.ingest.dynamo_discovery`, :meth:
 from __future__ import annotations
 
 import asyncio
+import enum
 import hmac
 import ipaddress
 import logging
@@ -107,18 +110,55 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 ADMIN_PATHS = frozenset({"/debug/route"})
 """Endpoints for operators, not clients (:meth:`RouterServer.admin_allowed`)."""
 ADMIN_REFUSED_MESSAGE = (
-    "/debug/route needs the admin token (Authorization: Bearer <token>, server.admin_token_env), "
+    "an admin endpoint needs the admin token (Authorization: Bearer <token>, server.admin_token_env), "
     "or, with none set, a request from the router's own host"
 )
 
 
+class Access(enum.Enum):
+    """Who may call an endpoint (:func:`access_of`); :meth:`RouterServer._guard` checks it on
+    every request, whatever else is configured. Each member's docstring is its line in the
+    endpoints reference."""
+
+    OPEN = "open"
+    """Anyone, for liveness probes and Prometheus scrapes (``OPEN_PATHS``)."""
+    CLIENT = "client"
+    """With ``server.api_key_env`` set, a client that sends ``Authorization: Bearer <key>``
+    (else 401); without, anyone."""
+    ADMIN = "admin"
+    """Operators (``ADMIN_PATHS``, :meth:`RouterServer.admin_allowed`). With
+    ``server.admin_token_env`` set, ``Authorization: Bearer <token>`` from any address (the
+    API key does not open it); without, a loopback peer (127.0.0.0/8, ``::1``) only, with the
+    API key when one is set. Any other peer or bearer gets 403 (a loopback peer without the
+    API key, 401)."""
+
+
+def access_of(path: str) -> Access:
+    """Who may call the endpoint at ``path`` (an endpoint's declared path, not a client's spelling of it)."""
+    if path in OPEN_PATHS:
+        return Access.OPEN
+    return Access.ADMIN if path in ADMIN_PATHS else Access.CLIENT
+
+
+def _endpoint(request: web.Request) -> str:
+    """The declared path of the route that answers ``request`` (aiohttp's matched resource,
+    however the client spelled the path), or the request's path when no route matches."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else request.path
+
+
 def is_loopback(peer: str | None) -> bool:
-    """Whether ``peer`` (a TCP peer's address as aiohttp reports it) is this host's loopback;
-    ``None`` or anything unreadable is not."""
+    """Whether ``peer`` (a TCP peer's address as aiohttp reports it) is this host's loopback
+    (127.0.0.0/8, ``::1``, or 127.0.0.0/8 as a dual-stack socket reports it,
+    ``::ffff:127.x.y.z``); ``None`` or anything unreadable is not."""
+    if peer is None:
+        return False
     try:
-        return peer is not None and ipaddress.ip_address(peer).is_loopback
+        address = ipaddress.ip_address(peer)
     except ValueError:
         return False
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return (mapped or address).is_loopback
 
 
 def _as_dict(prediction: TTFTPrediction | None) -> dict[str, object] | None:
@@ -294,8 +334,7 @@ class RouterServer:
         self._engine_headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else {}
 
     def app(self) -> web.Application:
-        middlewares = [] if self._api_key is None else [self._require_key]
-        app = web.Application(client_max_size=self.config.server.max_body_bytes, middlewares=middlewares)
+        app = web.Application(client_max_size=self.config.server.max_body_bytes, middlewares=[self._guard])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -423,14 +462,17 @@ class RouterServer:
 
     # ---- small endpoints ---------------------------------------------------
     @web.middleware
-    async def _require_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """401 unless the request carries the API key (``/health``, ``/metrics`` stay open);
-        an admin path needs :meth:`admin_allowed` instead (403)."""
-        if request.path in OPEN_PATHS:
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Each request against its endpoint's :class:`Access`, with or without an API key: an
+        open endpoint is answered; an admin endpoint needs :meth:`admin_allowed` (else 403)
+        and, with no admin token set, the API key as any other endpoint; any other endpoint
+        needs the API key when one is set (else 401, ``WWW-Authenticate: Bearer``)."""
+        access = access_of(_endpoint(request))
+        if access is Access.OPEN:
             return await handler(request)
-        if request.path in ADMIN_PATHS and not self.admin_allowed(request.remote, request.headers):
+        if access is Access.ADMIN and not self.admin_allowed(request.remote, request.headers):
             return _error(403, ADMIN_REFUSED_MESSAGE, "permission_error")
-        if request.path in ADMIN_PATHS and self._admin_token is not None:
+        if access is Access.ADMIN and self._admin_token is not None:
             return await handler(request)
         if not self.authorized(request.headers):
             response = _error(401, UNAUTHORIZED_MESSAGE, "authentication_error")
@@ -450,10 +492,11 @@ class RouterServer:
         return False
 
     def admin_allowed(self, peer: str | None, headers: Mapping[str, str]) -> bool:
-        """Whether a request from ``peer`` with ``headers`` may use an admin path: with
-        ``server.admin_token_env`` set, it carries that token (from any address; the client
-        API key does not do); without, it comes from this host's loopback (the API key is
-        then checked as for any path). A refusal is counted as unauthorized."""
+        """Whether a request from ``peer`` with ``headers`` may use an admin endpoint: with
+        ``server.admin_token_env`` set, it carries that token (compared in constant time; from
+        any address; the client API key does not do); without, it comes from this host's
+        loopback (127.0.0.0/8, ::1; the API key is then checked as for any endpoint). A refusal
+        is counted as unauthorized."""
         if self._admin_token is not None:
             sent = headers.get("Authorization", "").encode()
             allowed = hmac.compare_digest(sent, f"Bearer {self._admin_token}".encode())
@@ -489,12 +532,24 @@ class RouterServer:
     async def _debug_route(self, request: web.Request) -> web.Response:
         """Explain the routing decision for a completion or chat body without sending it: every
         candidate's cost term by term, the local-vs-remote verdict, a session's five options,
-        the predicted TTFT, prior and measured. An admin path (:meth:`admin_allowed`); it
-        creates no session: one this router does not hold is explained as a first step."""
+        the predicted TTFT, prior and measured. An admin endpoint (:meth:`admin_allowed`); it
+        creates no session: one this router does not hold is explained as a first step.
+
+        Admitted as a client's request is (a full router answers 429 or 503 with
+        ``Retry-After``), and its prompt rendered and tokenized off the event loop as a
+        client's is (:meth:`~kvpilot.routing.serve.intake.RequestIntake.tokenized`)."""
+        try:
+            async with self.admission.admit():
+                return await self._explain(request)
+        except Rejected as exc:
+            return self._overloaded(exc)
+
+    async def _explain(self, request: web.Request) -> web.Response:
+        """``/debug/route``'s answer, once admitted."""
         try:
             body = await self._body(request, api=None)
             api = Api.CHAT if "messages" in body else Api.COMPLETIONS
-            token_ids, session = self.intake.prompt(request.headers, body, api)
+            token_ids, session = await self.intake.tokenized(request.headers, body, api)
             await self.intake.pull_session(session)
             with self.lock:
                 held = session is not None and session in self.router.sessions
@@ -562,10 +617,14 @@ class RouterServer:
             async with self.admission.admit():
                 return await self._serve_admitted(request, api)
         except Rejected as exc:
-            self.metrics.rejected.labels(exc.reason.value).inc()
-            response = _error(exc.status, str(exc), "overloaded")
-            response.headers["Retry-After"] = str(exc.retry_after_s)
-            return response
+            return self._overloaded(exc)
+
+    def _overloaded(self, exc: Rejected) -> web.Response:
+        """The refusal of a request not admitted (or over the TTFT SLO), counted, with ``Retry-After``."""
+        self.metrics.rejected.labels(exc.reason.value).inc()
+        response = _error(exc.status, str(exc), "overloaded")
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
 
     async def _serve_admitted(self, request: web.Request, api: Api) -> web.StreamResponse:
         """Parse, route and hand the route to the proxy."""

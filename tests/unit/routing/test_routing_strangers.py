@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,10 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+import yarl
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.typedefs import Handler
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -29,7 +33,8 @@ from kvpilot.routing.fleet import fleet_from_config
 from kvpilot.routing.gateway.access_log import LOG_GROUPS_FIELD, LOG_RECORDS_FIELD
 from kvpilot.routing.gateway.service import attach
 from kvpilot.routing.ids import SessionId
-from kvpilot.routing.serve.app import RouterServer, build_server, is_loopback
+from kvpilot.routing.serve.app import Access, RouterServer, access_of, build_server, is_loopback
+from kvpilot.routing.serve.upstream import Api
 from tests.fakes.engine import PROMPT_WORDS as WORDS
 from tests.fakes.engine import FakeEngine
 from tests.fakes.ports import free_ports
@@ -40,9 +45,13 @@ PROMPT = [i % len(WORDS) for i in range(40)]
 Scenario = Callable[[TestClient, RouterServer, int], Awaitable[None]]
 
 
-def run(model_dir: Path, scenario: Scenario, *, picker: bool = False, **sections: Any) -> None:
+def run(
+    model_dir: Path, scenario: Scenario, *, picker: bool = False, peer: list[str] | None = None, **sections: Any
+) -> None:
     """One co-located fake engine, the router (with its picker on a free port when
-    ``picker``), then ``scenario(client, router, picker_port)``."""
+    ``picker``), then ``scenario(client, router, picker_port)``. With ``peer``, every request
+    reaches the router as if from the address ``peer[0]`` holds then (the client still
+    connects over 127.0.0.1)."""
 
     async def main() -> None:
         engine = FakeEngine("co-0")
@@ -62,6 +71,8 @@ def run(model_dir: Path, scenario: Scenario, *, picker: bool = False, **sections
         config = load_config(path)
         router = build_server(config, fleet_from_config(config), feed_index=False)
         app = router.app()
+        if peer is not None:
+            app.middlewares.insert(0, _forged_peer(peer))
         if picker:
             attach(app, router)
         try:
@@ -71,6 +82,17 @@ def run(model_dir: Path, scenario: Scenario, *, picker: bool = False, **sections
             await engine_server.close()
 
     asyncio.run(main())
+
+
+def _forged_peer(peer: list[str]) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """A middleware, first in the chain, that hands the router each request as if its TCP
+    peer were ``peer[0]`` (aiohttp's ``Request.clone(remote=...)``)."""
+
+    @web.middleware
+    async def forge(request: web.Request, handler: Handler) -> web.StreamResponse:
+        return await handler(request.clone(remote=peer[0]))
+
+    return forge
 
 
 # ---- the picker's gRPC port: ext_proc and the access log ------------------------------
@@ -153,27 +175,127 @@ def test_forged_access_log_records_without_the_token_open_no_circuit(model_dir, 
 # ---- /debug/route: an admin path that creates no session -------------------------------
 
 
-def test_debug_route_needs_the_admin_token_not_the_client_key(model_dir, monkeypatch):
-    monkeypatch.setenv("KVPILOT_TEST_KEY", "client-key")
-    monkeypatch.setenv(ADMIN_ENV, "admin-s3cret")
+ADMIN_TOKEN, API_KEY = "admin-s3cret", "client-key"
+SENT = {"admin token": f"Bearer {ADMIN_TOKEN}", "API key": f"Bearer {API_KEY}", "wrong": "Bearer WRONG", "none": None}
+LOOPBACK, STRANGER = "127.0.0.1", "203.0.113.7"
+DEBUG_ROUTE_STATUS = {
+    # (API key set, admin token set): {peer: the status for each of SENT, in its order}
+    (False, False): {LOOPBACK: (200, 200, 200, 200), STRANGER: (403, 403, 403, 403)},
+    (False, True): {LOOPBACK: (200, 403, 403, 403), STRANGER: (200, 403, 403, 403)},
+    (True, False): {LOOPBACK: (401, 200, 401, 401), STRANGER: (403, 403, 403, 403)},
+    (True, True): {LOOPBACK: (200, 403, 403, 403), STRANGER: (200, 403, 403, 403)},
+}
+"""Who gets ``/debug/route``: with an admin token, its bearer from any address; without, a
+loopback peer only, with the API key when one is set. The client key never stands in for the
+admin token."""
+
+
+@pytest.mark.parametrize(("api_key", "admin_token"), list(DEBUG_ROUTE_STATUS), ids=lambda on: "set" if on else "unset")
+def test_the_admin_endpoint_is_closed_whatever_else_is_configured(model_dir, monkeypatch, api_key, admin_token):
+    """Every peer and bearer against ``DEBUG_ROUTE_STATUS``; client endpoints keep the API
+    key's rule (401 without it when one is set, from any address) and ``/health`` and
+    ``/metrics`` stay open."""
+    monkeypatch.setenv("KVPILOT_TEST_KEY", API_KEY)
+    monkeypatch.setenv(ADMIN_ENV, ADMIN_TOKEN)
+    peer = [LOOPBACK]
 
     async def scenario(client, router, _):
-        body = {"prompt": PROMPT}
-        for headers in ({}, {"Authorization": "Bearer client-key"}, {"Authorization": "Bearer wrong"}):
-            resp = await client.post("/debug/route", json=body, headers=headers)
-            assert resp.status == 403, headers
-            assert "admin-s3cret" not in await resp.text()
-        resp = await client.post("/debug/route", json=body, headers={"Authorization": "Bearer admin-s3cret"})
-        assert resp.status == 200 and (await resp.json())["decode_worker"] == "co-0"
-        key = {"Authorization": "Bearer client-key"}
-        assert (await client.post("/v1/completions", json={**body, "max_tokens": 2}, headers=key)).status == 200
+        for address, statuses in DEBUG_ROUTE_STATUS[api_key, admin_token].items():
+            peer[0] = address
+            for (sent, bearer), status in zip(SENT.items(), statuses, strict=True):
+                headers = {} if bearer is None else {"Authorization": bearer}
+                case = (address, sent)
+                resp = await client.post("/debug/route", json={"prompt": PROMPT}, headers=headers)
+                assert resp.status == status, case
+                text = await resp.text()
+                assert ADMIN_TOKEN not in text and API_KEY not in text, case
+                if status == 200:
+                    assert json.loads(text)["decode_worker"] == "co-0", case
+                respelled = yarl.URL("/debug/%72oute", encoded=True)  # the same route, spelled otherwise
+                assert (await client.post(respelled, json={"prompt": PROMPT}, headers=headers)).status == status, case
+                client_status = 401 if api_key and sent != "API key" else 200
+                models = await client.get("/v1/models", headers=headers)
+                assert models.status == client_status, case
+                if client_status == 401:
+                    assert models.headers["WWW-Authenticate"] == "Bearer", case
+                for path in ("/health", "/metrics"):
+                    assert (await client.get(path, headers=headers)).status == 200, (path, *case)
+        peer[0] = STRANGER
+        key = {"Authorization": f"Bearer {API_KEY}"}
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        assert (await client.post("/v1/completions", json=body, headers=key)).status == 200  # served from afar
 
-    run(model_dir, scenario, server={"api_key_env": "KVPILOT_TEST_KEY", "admin_token_env": ADMIN_ENV})
+    server = {"api_key_env": "KVPILOT_TEST_KEY"} if api_key else {}
+    run(model_dir, scenario, peer=peer, server={**server, **({"admin_token_env": ADMIN_ENV} if admin_token else {})})
+
+
+def test_every_endpoint_is_declared_open_client_or_admin(model_dir):
+    """A new endpoint is a client's unless declared otherwise: this table names each one, so
+    that an operator's endpoint cannot be added without deciding who may call it."""
+    declared = {
+        "/v1/completions": Access.CLIENT,
+        "/v1/chat/completions": Access.CLIENT,
+        "/v1/models": Access.CLIENT,
+        "/health": Access.OPEN,
+        "/metrics": Access.OPEN,
+        "/debug/route": Access.ADMIN,
+    }
+    config = load_config(_write_config(model_dir))
+    routes = build_server(config, fleet_from_config(config), feed_index=False).app().router.routes()
+    paths = {route.resource.canonical for route in routes if route.resource is not None}
+    assert paths == set(declared)
+    assert {path: access_of(path) for path in paths} == declared
+
+
+def _write_config(model_dir: Path) -> Path:
+    path = model_dir / "declared.yaml"
+    worker = {"name": "co-0", "role": "colocated", "url": "http://127.0.0.1:9"}
+    path.write_text(yaml.safe_dump({"server": {"model_dir": str(model_dir)}, "workers": [worker]}))
+    return path
+
+
+def test_the_explain_tokenizes_off_the_event_loop_and_waits_for_admission(model_dir, monkeypatch):
+    """``/debug/route`` renders and tokenizes a text prompt in a worker thread, and is refused
+    as a client's request is (429, ``Retry-After``) while the router is full."""
+
+    async def scenario(client, router, _):
+        loop_thread, tokenized_on = threading.get_ident(), []
+        token_ids = router.prompts.token_ids
+
+        def recorded(api: Api, body: dict[str, Any], **kwargs: Any) -> list[int]:
+            tokenized_on.append(threading.get_ident())
+            return token_ids(api, body, **kwargs)
+
+        monkeypatch.setattr(router.prompts, "token_ids", recorded)
+        text = " ".join(WORDS[i % len(WORDS)] for i in range(40))
+        for body in ({"prompt": text}, {"messages": [{"role": "user", "content": text}]}):
+            assert (await client.post("/debug/route", json=body)).status == 200, body
+        assert len(tokenized_on) == 2 and loop_thread not in tokenized_on
+        await router.admission.acquire()  # the one slot taken, no queue
+        try:
+            full = await client.post("/debug/route", json={"prompt": text})
+            assert full.status == 429 and full.headers["Retry-After"] == "2"
+        finally:
+            router.admission.release()
+        assert len(tokenized_on) == 2  # refused before its prompt was read
+        assert (await client.post("/debug/route", json={"prompt": text})).status == 200
+
+    run(model_dir, scenario, server={"max_concurrent_requests": 1, "max_queued_requests": 0, "queue_timeout_s": 2.0})
 
 
 @pytest.mark.parametrize(
     ("peer", "allowed"),
-    [("127.0.0.1", True), ("::1", True), ("10.0.0.7", False), ("192.0.2.1", False), (None, False), ("x", False)],
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("10.0.0.7", False),
+        ("203.0.113.7", False),
+        ("::ffff:203.0.113.7", False),
+        (None, False),
+        ("x", False),
+    ],
 )
 def test_without_an_admin_token_debug_route_answers_only_this_host(peer, allowed):
     assert is_loopback(peer) is allowed
