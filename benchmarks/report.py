@@ -37,7 +37,7 @@ def _head(results: dict[str, Any]) -> list[str]:
 def render(results: dict[str, Any]) -> str:
     """The tables of a results file of ``bench_router_scale.py``, ``bench_fleet.py``,
     ``bench_tokenize.py``, ``bench_request_path.py``, ``bench_agent.py``, ``sim_vs_dynamo.py``,
-    ``sim_goodput.py``, ``sim_live.py`` or ``bench_session_hold.py``."""
+    ``sim_goodput.py``, ``sim_live.py``, ``live_goodput.py`` or ``bench_session_hold.py``."""
     if "summaries" in results:
         from agent.output import results_table
 
@@ -50,6 +50,10 @@ def render(results: dict[str, Any]) -> str:
         from bench_tokenize import table as tokenize_table
 
         body = tokenize_table(results["tokenize"])
+    elif "live_goodput" in results:
+        from fleet.bisect import table as live_goodput_table
+
+        body = live_goodput_table(results)
     elif "runs" in results:
         from sim.live import tables as live_tables
 

@@ -35,6 +35,7 @@ _ENGINES = ("kvconnectors", "routing", "policies", "deploy")
 _LIVE_ROUTER = ("routing", "policies", "deploy", "benchmarks/fleet", "benchmarks/agent/trace.py")
 MEASURES: dict[str, tuple[str, ...]] = {
     "bench_fleet.py": (*_LIVE_ROUTER, "benchmarks/bench_fleet.py"),
+    "live_goodput.py": (*_LIVE_ROUTER, "benchmarks/bench_fleet.py", "benchmarks/live_goodput.py"),
     "bench_agent.py": (*_ENGINES, "benchmarks/agent", "benchmarks/bench_agent.py"),
     "bench_session_hold.py": (*_ENGINES, "benchmarks/bench_session_hold.py"),
     "bench_router_scale.py": ("routing", "policies", "deploy", "benchmarks/scale", "benchmarks/bench_router_scale.py"),

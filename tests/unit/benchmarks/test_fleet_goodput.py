@@ -34,3 +34,16 @@ def test_scale_free_slos_judge_each_request_by_its_own_floor() -> None:
     assert attainment([first, second], slo) == 1 / 2
     too_slow_decode = Outcome(1, sent=0.0, first_token=0.2, last_token=0.2 + 10 * 0.009, output_tokens=11)
     assert attainment([too_slow_decode], slo) == 0.0
+
+
+def test_the_live_bisection_widens_an_open_bracket_and_splits_a_closed_one() -> None:
+    from fleet.bisect import next_load
+    from fleet.goodput import GoodputBounds
+
+    loads = {5.2: 16, 10.5: 32, 22.4: 64}
+    assert next_load(loads, GoodputBounds(22.4, float("inf"), True), 0.05, 512) == 128  # never missed: twice the top
+    assert next_load(loads, GoodputBounds(22.4, float("inf"), True), 0.05, 100) is None  # past the most sessions
+    assert next_load(loads, GoodputBounds(0.0, 5.2, False), 0.05, 512) == 8  # missed from the start: half the lowest
+    assert next_load(loads, GoodputBounds(5.2, 10.5, True), 0.05, 512) == 23  # the loads' geometric middle
+    assert next_load({5.2: 16, 5.4: 17}, GoodputBounds(5.2, 5.4, True), 0.05, 512) is None  # narrow enough
+    assert next_load({5.2: 16, 6.0: 17}, GoodputBounds(5.2, 6.0, True), 0.05, 512) is None  # no load between
