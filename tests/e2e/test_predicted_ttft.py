@@ -6,9 +6,11 @@ prefill, D's decode step and KV reads, and the overhead around them:
 * on an agent session, the chosen option's predicted TTFT (the answer's
   ``X-KVPilot-Predicted-TTFT-Ms``) is within 2x of the TTFT the client measures on at
   least 80% of the steps;
-* a session step with a large increment stays on an idle D, where D prefilling it is
-  no slower than P prefilling it for D (both measured on twin sessions, straight to
-  the engines);
+* a session step with a large increment, on an idle D, takes the cheaper of the router's
+  own predictions for D prefilling it and for P prefilling it for D, and both predictions
+  are within 2x of those two ways measured on twin sessions, straight to the engines.
+  Which way is faster is not asserted: on an idle D the two differ by a loopback
+  transfer and a hop, a near-tie any other process on the box decides;
 * the same step moves off a D running long streams, because prefilling it on D would
   stall them past the budget, and that stall is real: D prefilling a twin paused its
   streams at least half the priced stall. What the remote way cost instead (its TTFT,
@@ -37,6 +39,7 @@ from kvpilot.deploy.fleet_spec import FleetSpec
 from kvpilot.deploy.metrics import delta, scrape
 from kvpilot.deploy.prompts import filler_text
 from kvpilot.kvconnectors.pull_params import handoff_request
+from kvpilot.policies.session_options import TIE_ORDER, Option
 from kvpilot.routing.serve.proxy import PREDICTED_TTFT_HEADER
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
@@ -306,10 +309,11 @@ class Served:
 def _serve_every_way(fleet: Fleet, seed: int, prompts: list[list[int]]) -> tuple[Served, dict]:
     """Session ``seed``'s large step through the router (its choice), then the twins'
     straight to the engines, the ways taken in turn; the router's ``/debug/route`` view
-    of the first just before, with the router's stage times of it (``stages_ms``)."""
+    of the first, priced on the state the step then meets (nothing is sent between the
+    two), with the router's stage times of it (``stages_ms``)."""
     router, p, d = _urls(fleet)
-    priced = debug_route(router, prompts[0], conversation_id=f"large-{seed}")
     before = scrape(router)
+    priced = debug_route(router, prompts[0], conversation_id=f"large-{seed}")
     t0 = time.perf_counter()
     out = _step(router, prompts[0], f"large-{seed}")
     after = scrape(router)
@@ -345,19 +349,40 @@ def _report(title: str, served: Served, priced: dict, streams: Streams | None) -
 
 IDLE_SEED, BUSY_SEED = 6100, 8100
 """Each test's session and twins (seed + 50 n): no prompt of one is another's."""
-NOISE = 1.25
-"""Two TTFTs on this box within this factor are a tie (runs vary by about 15%)."""
+WITHIN = 2.0
+"""A prediction holds where the TTFT measured is within this factor of it, either way."""
 STALL_SEEN = 0.5
 """The share of the stall priced for a local prefill that D's streams must be seen to pause."""
 
 
-def test_a_large_step_stays_on_an_idle_d_where_that_is_faster(warmed: Fleet, tokenizer: PromptTokenizer) -> None:
+LOCAL_VS_REMOTE = re.compile(
+    r"(?:local|remote) cheaper: local (?P<local>[\d.]+) ms \+ its stall on 0 streams = (?P<priced>[\d.]+) ms "
+    r"vs (?P<remote>[\d.]+) ms"
+)
+"""The router's two predictions in its local option's terms (``/debug/route``), D idle: D
+prefilling the step, with the stall it costs D's running streams (none), and P prefilling
+it for D."""
+
+
+def test_a_large_step_on_an_idle_d_takes_the_cheaper_of_its_predictions(
+    warmed: Fleet, tokenizer: PromptTokenizer
+) -> None:
     prompts = _sessions_at_their_large_step(warmed.router.url, tokenizer, IDLE_SEED)
     _priced_with_streams(warmed.router.url, prompts[0], f"large-{IDLE_SEED}", 0)
     served, priced = _serve_every_way(warmed, IDLE_SEED, prompts)
     _report("idle D", served, priced, None)
-    assert served.chosen.route == "router: local_prefill" and priced["session_option"] == "local", priced["explain"]
-    assert served.median_ttft_s("local_prefill") < NOISE * served.median_ttft_s("remote_prefill")
+    local = {o["option"]: o for o in priced["options"]}["local"]
+    terms = LOCAL_VS_REMOTE.search(local["why"])
+    assert terms is not None, local["why"]
+    predicted_s = {"local_prefill": float(terms["local"]) / 1e3, "remote_prefill": float(terms["remote"]) / 1e3}
+    cheaper = "local_prefill" if float(terms["priced"]) <= float(terms["remote"]) else "remote_prefill"
+    assert served.chosen.route == f"router: {cheaper}", priced["explain"]
+    available = [o for o in priced["options"] if o["available"]]
+    cheapest = min(available, key=lambda o: (o["ttft_s"], TIE_ORDER.index(Option(o["option"]))))
+    assert priced["session_option"] == cheapest["option"], priced["explain"]
+    for way, seconds in predicted_s.items():
+        ratio = served.median_ttft_s(way) / seconds
+        assert 1 / WITHIN <= ratio <= WITHIN, f"{way}: measured / predicted {ratio:.2f}; {local['why']}"
 
 
 def test_a_large_step_moves_off_a_d_running_long_streams(warmed: Fleet, tokenizer: PromptTokenizer) -> None:
