@@ -270,6 +270,9 @@ def router_config(spec: DynamoFleetSpec) -> dict[str, object]:
             "model_dir": str(spec.model_dir),
             "ttft_slo_s": spec.ttft_slo_s,
             "calibration_workers": FLEET_CALIBRATION_WORKERS,
+            # the router reads max_model_len from the frontend's /v1/models; where it states
+            # none, the mockers' lengths are left to them (Dynamo's frontend checks its own)
+            "allow_unchecked_lengths": True,
         },
         "index": {"block_size": spec.block_size},
         **({"cost": dict(spec.router_cost)} if spec.router_cost else {}),

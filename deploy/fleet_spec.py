@@ -141,6 +141,7 @@ class FleetSpec:
         planned = sorted({arg.split("=", 1)[0] for arg in self.engine_args} & PLANNED_ENGINE_FLAGS)
         if planned:
             raise ValueError(f"engine_args may not set {', '.join(planned)}: the fleet sets them itself")
+        engine_max_logprobs(self.engine_args)  # a --max-logprobs the router cannot read is refused here
         if self.on_picker_failure is PickerFailure.ROUND_ROBIN and self.engine_api_key:
             raise ValueError(
                 "on_picker_failure round_robin cannot work with an engine API key: requests Envoy sends on "
@@ -369,6 +370,28 @@ def envoy_plan(spec: GatewaySpec, run_dir: Path) -> ProcessPlan:
     return ProcessPlan("envoy", None, argv, {}, spec.gateway_port, (spec.admin_port,), ("admin",), "gateway HTTP")
 
 
+MAX_LOGPROBS_FLAG = "--max-logprobs"
+
+
+def engine_max_logprobs(engine_args: tuple[str, ...]) -> int | None:
+    """The engines' ``--max-logprobs`` in ``engine_args`` (``--max-logprobs N`` or
+    ``--max-logprobs=N``, the last one as vLLM's parser takes it), ``None`` when not given:
+    the router's ``server.max_logprobs``, which vLLM states on no endpoint. Raises
+    ``ValueError`` for a value that is not an integer."""
+    found = None
+    for i, arg in enumerate(engine_args):
+        if arg == MAX_LOGPROBS_FLAG:
+            found = engine_args[i + 1] if i + 1 < len(engine_args) else ""
+        elif arg.startswith(MAX_LOGPROBS_FLAG + "="):
+            found = arg.split("=", 1)[1]
+    if found is None:
+        return None
+    try:
+        return int(found)
+    except ValueError:
+        raise ValueError(f"engine_args: {MAX_LOGPROBS_FLAG} must be an integer, got {found!r}") from None
+
+
 def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
     """The router's YAML config for this fleet (see docs/guides/router.md)."""
     disaggregation: dict[str, object] = {}
@@ -382,6 +405,7 @@ def router_config(spec: FleetSpec, workers: list[Worker]) -> dict[str, object]:
             "model_dir": str(spec.model_dir),
             "max_prompt_tokens": spec.max_model_len,
             "max_model_len": spec.max_model_len,  # the engines' --max-model-len: vLLM's length checks at the router
+            **({"max_logprobs": logprobs} if (logprobs := engine_max_logprobs(spec.engine_args)) is not None else {}),
             "ttft_slo_s": spec.ttft_slo_s,
             "calibration_workers": FLEET_CALIBRATION_WORKERS,
             **({"prefill_timeout_s": spec.prefill_timeout_s} if spec.prefill_timeout_s is not None else {}),

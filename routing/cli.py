@@ -67,7 +67,11 @@ def run_router(args: argparse.Namespace) -> int:
 
         attach(app, server)
     app.on_startup.append(_settle_gc)
-    web.run_app(app, host=config.server.host, port=config.server.port, print=None, loop=loop)
+    try:
+        web.run_app(app, host=config.server.host, port=config.server.port, print=None, loop=loop)
+    except ConfigError as exc:  # found at start: the engines' limits against the config
+        print(f"kvpilot router: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

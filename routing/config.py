@@ -370,10 +370,18 @@ class ServerConfig(TypedConfig, frozen=True):
     max_model_len: int = 0
     """The engines' ``--max-model-len``: with it the router refuses, before any engine sees
     them, the prompts and output lengths vLLM would refuse, with vLLM's messages
-    (:mod:`kvpilot.routing.serve.engine_checks`); 0: unknown, left to the engines."""
+    (:mod:`kvpilot.routing.serve.engine_checks`), and truncates as vLLM does. 0: learned at
+    start from the engines' ``/v1/models``; set, it must equal what they state there
+    (:mod:`kvpilot.routing.serve.learned_limits`)."""
+    allow_unchecked_lengths: bool = False
+    """Serve even when ``max_model_len`` is known neither from the engines nor from the config,
+    leaving prompt and output lengths to the engines (a refusal then reaches the client from
+    D, after P prefilled). Off: the router refuses to start without a length."""
     max_logprobs: int = 20
     """The engines' ``--max-logprobs`` (vLLM's default 20; -1: the vocabulary): more
-    ``logprobs``, ``top_logprobs`` or ``prompt_logprobs`` are refused with vLLM's message."""
+    ``logprobs``, ``top_logprobs`` or ``prompt_logprobs`` are refused with vLLM's message.
+    vLLM states it on no endpoint, so it is not learned: ``kvpilot fleet up`` sets it from
+    ``--engine-args``; a router started otherwise must be given the engines' value."""
     max_concurrent_requests: int = 0
     """Requests in flight at once; 0: no limit (no queue)."""
     max_queued_requests: int = 256

@@ -88,6 +88,7 @@ from kvpilot.routing.serve.admission import Admission, Rejected
 from kvpilot.routing.serve.calibrate import Calibrator
 from kvpilot.routing.serve.chat import ChatError, ChatTemplate
 from kvpilot.routing.serve.intake import RequestIntake
+from kvpilot.routing.serve.learned_limits import learned_limits
 from kvpilot.routing.serve.prompt import EnginePrompt
 from kvpilot.routing.serve.proxy import Proxy, error_reply
 from kvpilot.routing.serve.refusals import BadRequest, RejectReason
@@ -373,6 +374,10 @@ class RouterServer:
         if self.discovery is not None:
             self.set_fleet(fleet_of(self.discovery.workers()))
             self._background.append(asyncio.create_task(self.discovery.watch(self.set_fleet)))
+        urls = [self.config.dynamo.frontend_url] if self.config.dynamo.enabled else [w.url for w in self.fleet.workers]
+        self.intake.limits = await learned_limits(
+            self._http, urls, self._engine_headers, self.config.server, self.intake.limits
+        )
         if self.config.disaggregation.measured_rates:
             await self._calibrate()
         if self.engine_load is not None:

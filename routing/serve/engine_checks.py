@@ -103,17 +103,13 @@ def check_sampling(
     body: Mapping[str, Any], api: Api, prompt_tokens: int, limits: EngineLimits, *, from_text: bool = False
 ) -> None:
     """The prompt's length in tokens and ``SamplingParams``' checks (module doc, step 3)
-    for a prompt of ``prompt_tokens`` tokens; raises :class:`BadRequest` with vLLM's message.
+    for a prompt of ``prompt_tokens`` tokens once truncated as the request asks
+    (:mod:`kvpilot.routing.serve.truncation`); raises :class:`BadRequest` with vLLM's message.
     ``from_text``: the prompt was text (or a chat), which vLLM tokenizes only up to one token
     past ``max_model_len`` and so reports as "at least" that many."""
     max_len = limits.max_model_len
     if from_text and max_len and body.get("truncate_prompt_tokens") is None:
         prompt_tokens = min(prompt_tokens, max_len + 1)
-    truncate = body.get("truncate_prompt_tokens")
-    if truncate is not None and max_len:
-        prompt_tokens = min(prompt_tokens, max_len - 1 if truncate == -1 else truncate)
-    elif truncate is not None and truncate >= 0:
-        prompt_tokens = min(prompt_tokens, truncate)
     if max_len and prompt_tokens > max_len:
         qualifier = "at least " if prompt_tokens == max_len + 1 else ""
         raise BadRequest(
@@ -148,6 +144,8 @@ def _check_types(body: Mapping[str, Any], api: Api) -> None:
     truncate = body.get("truncate_prompt_tokens")
     if truncate is not None and truncate < -1:
         raise BadRequest("'truncate_prompt_tokens' must be -1 or at least 0")
+    if body.get("truncation_side") not in (None, "left", "right"):
+        raise BadRequest("'truncation_side' must be left or right")
     for name in ("stop_token_ids", "allowed_token_ids"):
         ids = body.get(name)
         if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) for t in ids)):

@@ -43,6 +43,7 @@ from kvpilot.routing.serve.proxy import ProxyRequest
 from kvpilot.routing.serve.refusals import BadRequest, RejectReason
 from kvpilot.routing.serve.request_fields import checked_body
 from kvpilot.routing.serve.tokenizer import PromptError
+from kvpilot.routing.serve.truncation import truncation_of
 from kvpilot.routing.serve.upstream import Api, EngineRequest
 from kvpilot.routing.state.sync import SessionSync
 
@@ -127,7 +128,13 @@ class RequestIntake:
         limit = self.config.server.max_prompt_tokens
         try:
             check_fields(body, api, self.limits)
-            token_ids = self.prompts.token_ids(api, body, before_encoding=lambda text: self._check_chars(text, body))
+            limits = self.limits
+            truncation = truncation_of(
+                body, api, max_model_len=limits.max_model_len, max_chars_per_token=limits.max_chars_per_token
+            )
+            token_ids = self.prompts.token_ids(
+                api, body, truncation=truncation, before_encoding=lambda text: self._check_chars(text, body)
+            )
             key = session_key(body, headers)
             session = None if key is None else scoped(key, body.get("cache_salt"))
         except (PromptError, ChatError, InvalidSessionKey) as exc:
@@ -145,10 +152,12 @@ class RequestIntake:
 
     def _check_chars(self, text: str, body: Mapping[str, Any]) -> None:
         """Before tokenizing: vLLM's bound on the text, then the router's own for
-        ``server.max_prompt_tokens`` (as many characters as that many of the longest token)."""
+        ``server.max_prompt_tokens`` (as many characters as that many of the longest token);
+        neither for a request that truncates its prompt (vLLM tokenizes it whole)."""
         check_text(len(text), body, self.limits)
         limit, widest = self.config.server.max_prompt_tokens, self.limits.max_chars_per_token
-        if limit and widest and len(text) > limit * widest:
+        truncated = body.get("truncate_prompt_tokens") is not None
+        if limit and widest and not truncated and len(text) > limit * widest:
             raise BadRequest(
                 f"the prompt has {len(text)} characters, more than server.max_prompt_tokens ({limit}) "
                 f"tokens of at most {widest} characters can hold",

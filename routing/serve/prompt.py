@@ -10,7 +10,9 @@ Dynamo hands them to the frontend (``nvext.token_data``). So the ids follow vLLM
 - chat: the messages rendered as vLLM renders them (:mod:`kvpilot.routing.serve.chat`:
   the template, tools, ``chat_template_kwargs``, ``add_generation_prompt``,
   ``continue_final_message``), encoded without special tokens unless the request's
-  ``add_special_tokens`` is true.
+  ``add_special_tokens`` is true;
+- ``truncate_prompt_tokens`` (and ``truncation_side``) applied as vLLM applies them
+  (:mod:`kvpilot.routing.serve.truncation`).
 
 A mismatch would cost a cache miss, never a wrong answer (each engine tokenizes for itself
 and the connector verifies every block it attaches); tests/e2e/test_parity.py holds these
@@ -24,6 +26,7 @@ from typing import Any
 
 from kvpilot.routing.serve.chat import ChatError, ChatTemplate
 from kvpilot.routing.serve.tokenizer import PromptError, PromptTokenizer
+from kvpilot.routing.serve.truncation import Truncation
 from kvpilot.routing.serve.upstream import Api
 
 
@@ -41,13 +44,20 @@ class EnginePrompt:
         self.completion_special_tokens = completion_special_tokens
 
     def token_ids(
-        self, api: Api, body: Mapping[str, Any], *, before_encoding: Callable[[str], None] | None = None
+        self,
+        api: Api,
+        body: Mapping[str, Any],
+        *,
+        truncation: Truncation | None = None,
+        before_encoding: Callable[[str], None] | None = None,
     ) -> list[int]:
-        """The prompt's token ids for ``body`` sent to ``api``; raises :class:`PromptError`
-        or :class:`ChatError` naming the field (a batch of prompts, a model without a chat
-        template, a value of the wrong type). ``before_encoding`` is called with the text
-        (the prompt, or the rendered chat) before it is tokenized, so that a bound on its
-        size can refuse it without the tokenizer's work; whatever it raises propagates."""
+        """The prompt's token ids for ``body`` sent to ``api``, truncated as ``truncation``
+        says (the request's, :func:`~kvpilot.routing.serve.truncation.truncation_of`); raises
+        :class:`PromptError` or :class:`ChatError` naming the field (a batch of prompts, a model
+        without a chat template, a value of the wrong type). ``before_encoding`` is called
+        with the text (the prompt, or the rendered chat) before it is tokenized, so that a
+        bound on its size can refuse it without the tokenizer's work; whatever it raises
+        propagates."""
         add_special = body.get("add_special_tokens", api is Api.COMPLETIONS and self.completion_special_tokens)
         if not isinstance(add_special, bool):
             raise PromptError("'add_special_tokens' must be true or false")
@@ -58,10 +68,15 @@ class EnginePrompt:
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt:
-                return self.tokenizer.checked_ids(prompt)
+                ids = self.tokenizer.checked_ids(prompt)
+                return ids if truncation is None else truncation.of_ids(ids)
             if not isinstance(prompt, str) or not prompt:
                 raise PromptError("'prompt' must be a non-empty string or a non-empty list of token ids")
             text = prompt
         if before_encoding is not None:
             before_encoding(text)
-        return self.tokenizer.encode(text, add_special_tokens=add_special)
+        if truncation is None:
+            return self.tokenizer.encode(text, add_special_tokens=add_special)
+        if truncation.side is None:
+            return self.tokenizer.encode_keeping_last(text, truncation.keep, add_special_tokens=add_special)
+        return truncation.of_ids(self.tokenizer.encode(truncation.of_text(text), add_special_tokens=add_special))

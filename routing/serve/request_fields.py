@@ -59,7 +59,8 @@ FIELD_GROUPS = (
             *("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids"),
             *("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"),
             *("allowed_token_ids", "bad_words", "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids"),
-            *("structured_outputs", "truncate_prompt_tokens", "echo", "add_special_tokens", "cache_salt"),
+            *("structured_outputs", "truncate_prompt_tokens", "truncation_side", "echo", "add_special_tokens"),
+            "cache_salt",
         ),
     ),
     FieldGroup(

@@ -32,6 +32,19 @@ class PromptTokenizer:
         (true for a completions prompt, false for a rendered chat, by default)."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_keeping_last(self, text: str, keep: int, *, add_special_tokens: bool) -> list[int]:
+        """``text``'s token ids truncated to ``keep`` as vLLM's tokenizer truncates them (from the
+        left, ``transformers``' ``truncation=True, max_length=keep``): the special tokens stay
+        and the text's last tokens fill the rest; with fewer places than special tokens, the
+        last ``keep`` ids of those (vLLM slices what the tokenizer returned); ``keep`` 0: none."""
+        if keep <= 0:
+            return []
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        added = self._tokenizer.num_special_tokens_to_add(False) if add_special_tokens else 0
+        encoding.truncate(max(0, keep - added), direction="left")
+        ids: list[int] = self._tokenizer.post_process(encoding, add_special_tokens=add_special_tokens).ids
+        return ids[-keep:]
+
     def text_token_ids(self, text: str) -> list[int]:
         """The token ids of a piece of text, without special tokens: for building token-id
         prompts (a history plus a tool's output), never BOS in the middle."""

@@ -71,6 +71,11 @@ class FakeEngine:
     """What a decode answer returns as kv_transfer_params (vLLM's bidirectional mode)."""
     api_key: str | None = None
     """Like vLLM's ``--api-key``: ``/v1`` requests without ``Bearer <key>`` get a 401."""
+    max_model_len: int | None = 4096
+    """What ``/v1/models`` states for every model it lists, as vLLM's ``ModelCard`` does;
+    ``None``: the card carries none."""
+    models: tuple[str, ...] = ("tiny",)
+    """The model names ``/v1/models`` lists."""
     bodies: list[dict[str, Any]] = field(default_factory=list)
     scrapes: int = 0
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -83,7 +88,14 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
         return app
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        cards = [{"id": name, "object": "model", "max_model_len": self.max_model_len} for name in self.models]
+        return web.json_response({"object": "list", "data": cards})
 
     async def _metrics(self, _: web.Request) -> web.Response:
         self.scrapes += 1

@@ -80,6 +80,28 @@ def test_the_router_refuses_what_the_fleet_s_engines_would_by_their_max_model_le
         check_fields({"model": "tiny", "prompt": "hi", "max_tokens": 4097}, Api.COMPLETIONS, limits)
 
 
+@pytest.mark.parametrize(
+    ("engine_args", "expected"),
+    [
+        ((), 20),
+        (("--max-logprobs", "40"), 40),
+        (("--max-logprobs=-1",), -1),
+        (("--max-logprobs", "5", "--max-logprobs=9"), 9),
+    ],
+)
+def test_the_router_allows_the_logprobs_the_fleet_s_engines_allow(
+    tmp_path: Path, engine_args: tuple, expected: int
+) -> None:
+    """vLLM states its --max-logprobs nowhere: the fleet hands the engines' to the router."""
+    import yaml
+
+    from kvpilot.routing.config_load import load_config
+
+    _, _, config = plan_fleet(_spec(engine_args=engine_args))
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+    assert load_config(tmp_path / "router.yaml").server.max_logprobs == expected
+
+
 def test_a_fleet_with_a_session_store_starts_its_router_with_it(tmp_path: Path) -> None:
     import yaml
 
@@ -116,6 +138,7 @@ def test_ipc_kv_events_are_bound_by_the_engines_so_replicas_can_subscribe(tmp_pa
         ({"disaggregation": "sometimes"}, "conditional"),
         ({"index_backend": "redis"}, "index_backend"),
         ({"ttft_slo_s": -1.0}, "ttft_slo_s"),
+        ({"engine_args": ("--max-logprobs", "many")}, "--max-logprobs must be an integer, got 'many'"),
         (
             {"gateway_port": 8080, "on_picker_failure": PickerFailure.ROUND_ROBIN, "engine_api_key": "k"},
             "cannot work with an engine API key",

@@ -42,9 +42,8 @@ def _config(model_dir, ports: list[int]) -> RouterConfig:
         )
         for i, name in enumerate(("w1", "w2"))
     )
-    return RouterConfig(
-        index=IndexConfig(block_size=BS), server=ServerConfig(model_dir=str(model_dir)), workers=workers
-    )
+    server = ServerConfig(model_dir=str(model_dir), max_model_len=4096)  # no engine answers /v1/models here
+    return RouterConfig(index=IndexConfig(block_size=BS), server=server, workers=workers)
 
 
 def _batch(blocks: int) -> object:
