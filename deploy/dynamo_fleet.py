@@ -1,5 +1,5 @@
-"""Start a Dynamo fleet beside the router, and let workers join and leave it: the
-process side of :mod:`kvpilot.deploy.dynamo_spec`.
+"""Start a Dynamo fleet beside the router: the process side of
+:mod:`kvpilot.deploy.dynamo_spec`.
 
 ``up`` clears ``<run_dir>/discovery``, starts the workers (each in its own process
 group, logs in ``<run_dir>/logs``), waits for their system servers, then the frontend, then
@@ -9,8 +9,7 @@ direct: the fleet benchmark's Dynamo arms) no kvpilot router starts: the fronten
 for every worker itself and is recorded as the fleet's router. It records everything in ``<run_dir>/fleet.json`` as
 :func:`kvpilot.deploy.fleet.up` does, so ``kvpilot fleet status`` and ``kvpilot fleet down``
 (:func:`kvpilot.deploy.fleet.down`) work unchanged. On any failure it stops what it started and
-raises :class:`~kvpilot.deploy.fleet.FleetStartError`. :func:`join_worker` and
-:func:`leave_worker` start one more worker or stop one, live; :func:`restart_router` restarts
+raises :class:`~kvpilot.deploy.fleet.FleetStartError`. :func:`restart_router` restarts
 the router (the picker) alone.
 
 :func:`up_one_process` is the scale benchmark's fleet: every aggregated worker in one
@@ -46,7 +45,6 @@ from kvpilot.deploy.dynamo_spec import (
     plan_dynamo_fleet,
     router_config,
     router_plan,
-    worker_plan,
 )
 from kvpilot.deploy.fleet import (
     Fleet,
@@ -61,7 +59,6 @@ from kvpilot.deploy.fleet import (
     stop_group,
 )
 from kvpilot.deploy.fleet_spec import HOST, ROUTER_CONFIG, PortCollision, ProcessPlan, envoy_plan
-from kvpilot.routing.config import Role
 from kvpilot.routing.index.events import BlockStored, EventDecoder
 
 Started = tuple[subprocess.Popen[bytes], RunningProcess]
@@ -189,40 +186,6 @@ def _record(spec: DynamoFleetSpec, started: list[Started], gateway: Started | No
 def _stop_all(started: list[Started]) -> None:
     for proc, _ in reversed(started):
         stop_group(proc.pid)
-
-
-def join_worker(spec: DynamoFleetSpec, role: Role, timeout: float = 60.0) -> RunningProcess:
-    """Start one more worker of ``role`` in the fleet recorded in ``spec.run_dir``, with
-    the next index and ordinal (ports) after those the spec planned and those recorded;
-    returns it once healthy, recorded in ``fleet.json``. Raises :class:`FleetStartError`
-    if it does not come up."""
-    fleet = _recorded(spec.run_dir)
-    workers = [e for e in fleet.engines if e.role]
-    ordinals = [w.side_ports[0] - spec.worker_port for w in workers]  # from its request-plane port
-    ordinal = 1 + max([len(spec.roles) - 1, *ordinals])  # never the ports of a worker the spec planned
-    indices = [int(w.name.rsplit("-", 1)[1]) for w in workers if w.role == role.value]
-    index = 1 + max([spec.roles.count(role) - 1, *indices])
-    plan: ProcessPlan = worker_plan(spec, role, index, ordinal)
-    proc, info = _spawn(plan, spec.run_dir / "logs", WORKER_HEALTH)
-    try:
-        _wait_healthy([(proc, info)], time.monotonic() + timeout)
-    except BaseException:
-        stop_group(proc.pid)
-        raise
-    dataclasses.replace(fleet, engines=(*fleet.engines, info)).save()
-    return info
-
-
-def leave_worker(run_dir: Path, name: str) -> RunningProcess:
-    """Stop worker ``name`` (SIGTERM: it leaves Dynamo's discovery at once) and drop it
-    from ``fleet.json``. Raises KeyError for an unknown name."""
-    fleet = _recorded(run_dir)
-    proc = next((e for e in fleet.engines if e.name == name), None)
-    if proc is None:
-        raise KeyError(f"no worker named {name!r} in {run_dir}")
-    stop_group(proc.pid)
-    dataclasses.replace(fleet, engines=tuple(e for e in fleet.engines if e.name != name)).save()
-    return proc
 
 
 def restart_router(spec: DynamoFleetSpec, timeout: float = 120.0) -> Fleet:

@@ -233,7 +233,7 @@ class GatewaySpec:
     """The largest request body Envoy buffers for the picker (the router's ``server.max_body_bytes``)."""
     style: ProcessorStyle = ProcessorStyle.KVPILOT
     drain_s: int = 600
-    """On a hot restart (:func:`kvpilot.deploy.fleet.restart_gateway`), how long the Envoy being
+    """On a hot restart (a SIGHUP to :mod:`kvpilot.deploy.envoy_restarter`), how long the Envoy being
     replaced keeps serving the streams it holds (the new one takes every new connection)."""
     picker_token: str | None = field(default=None, repr=False)
     """The picker's token (the router's ``gateway.token_env``), sent as ``authorization:

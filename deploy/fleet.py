@@ -85,8 +85,6 @@ class Fleet:
     """Prometheus scraping the fleet (``kvpilot fleet up --observe``), if started."""
     gateway: RunningProcess | None = None
     """Envoy in front, asking the router's picker (where clients send requests), if started."""
-    gateway_epoch: int = 0
-    """The newest Envoy's hot-restart epoch (:func:`restart_gateway`)."""
 
     @property
     def processes(self) -> list[RunningProcess]:
@@ -108,7 +106,6 @@ class Fleet:
             "router": vars_of(self.router),
             "prometheus": vars_of(self.prometheus) if self.prometheus else None,
             "gateway": vars_of(self.gateway) if self.gateway else None,
-            "gateway_epoch": self.gateway_epoch,
         }
         (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
 
@@ -124,7 +121,6 @@ class Fleet:
             _process_from(state["router"]),
             _process_from(state["prometheus"]) if state.get("prometheus") else None,
             _process_from(state["gateway"]) if state.get("gateway") else None,
-            int(state.get("gateway_epoch", 0)),
         )
 
 
@@ -504,43 +500,6 @@ def start_gateway(
     return started
 
 
-def restart_gateway(run_dir: Path, gateway: GatewaySpec, timeout: float = 60.0) -> Fleet:
-    """Hot-restart the Envoy of the fleet recorded in ``run_dir`` (started from ``gateway``):
-    its restarter (:mod:`kvpilot.deploy.envoy_restarter`) starts the next epoch, which takes over the
-    listener; the old Envoy stops taking connections but serves the streams it holds for up
-    to ``gateway.drain_s``, then exits: no client's stream is cut. Returns the updated fleet
-    once the new Envoy is live (its admin interface says so) and ``/health`` passes through
-    it; raises :class:`FleetStartError` if it is not (the old one keeps serving)."""
-    fleet = Fleet.load(run_dir)
-    if fleet is None or fleet.gateway is None:
-        raise FleetStartError(f"no fleet with Envoy recorded in {run_dir}")
-    epoch = fleet.gateway_epoch + 1
-    os.kill(fleet.gateway.pid, signal.SIGHUP)
-    _wait_live(fleet.gateway.pid, gateway.admin_port, epoch, time.monotonic() + timeout)
-    if not is_healthy(fleet.gateway.url):
-        raise FleetStartError(f"Envoy of epoch {epoch} is live but /health does not pass through it")
-    restarted = dataclasses.replace(fleet, gateway_epoch=epoch)
-    restarted.save()
-    return restarted
-
-
-def _wait_live(restarter: int, admin_port: int, epoch: int, deadline: float) -> None:
-    """Until the Envoy of ``epoch`` says it is live (``/server_info`` on its admin port, which
-    the old one hands over with its listeners); raises :class:`FleetStartError`."""
-    while time.monotonic() < deadline:
-        if not _group_alive(restarter):
-            raise FleetStartError(f"Envoy's restarter (pid {restarter}) exited while epoch {epoch} started")
-        try:
-            with urllib.request.urlopen(f"http://{HOST}:{admin_port}/server_info", timeout=2) as resp:
-                info = json.loads(resp.read())
-            if info.get("state") == "LIVE" and int(info["command_line_options"]["restart_epoch"]) == epoch:
-                return
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.2)
-    raise FleetStartError(f"Envoy of epoch {epoch} was not live in time")
-
-
 def restart_engine(spec: FleetSpec, name: str, timeout: float = 600.0) -> Fleet:
     """Stop engine ``name`` of the fleet recorded in ``spec.run_dir`` and start it again
     with the same command line (an engine restart, as after a crash or an upgrade).
@@ -585,20 +544,6 @@ def restart_router(spec: FleetSpec, flags: Sequence[str] = (), timeout: float = 
     restarted = dataclasses.replace(fleet, router=_replace(fleet.router, plan, spec.run_dir / "logs", timeout))
     restarted.save()
     return restarted
-
-
-def start_router(
-    spec: FleetSpec, name: str, port: int, flags: Sequence[str] = (), timeout: float = 120.0
-) -> RunningProcess:
-    """Start another router process over the fleet recorded in ``spec.run_dir`` (a replica:
-    the fleet's router config, on ``port``, with extra ``flags``), logging to
-    ``logs/<name>.log``; returns it once healthy. The fleet does not record it: the caller
-    stops it (:func:`stop_group`). Its engines must publish on endpoints they bind
-    (``spec.kv_events_ipc``), or the replica cannot subscribe. Raises
-    :class:`FleetStartError` if it does not come up."""
-    if not spec.kv_events_ipc:
-        raise FleetStartError("a router replica needs engines that bind their KV-event endpoints (kv_events_ipc)")
-    return start_replica(plan_fleet(spec)[1], spec.run_dir / "logs", name, port, flags, timeout)
 
 
 def start_replica(

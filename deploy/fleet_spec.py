@@ -93,7 +93,7 @@ class FleetSpec:
     it overrides the planned variables of the same name."""
     kv_events_ipc: bool = False
     """Engine i publishes its KV events on ``ipc://<run_dir>/kv-events-<i>.sock``, which it
-    binds and any number of routers connect to (router replicas, :func:`kvpilot.deploy.fleet.start_router`);
+    binds and any number of routers connect to (router replicas, :func:`kvpilot.deploy.fleet.start_replica`);
     ``False``: on ``events_port + i``, which the one router binds."""
     session_store_url: str | None = None
     """Redis at this URL keeps the router's sessions (``sessions.store: redis``), so a
