@@ -14,11 +14,14 @@ This fake is for what no real connector can show:
   left to the inner connector's own plan, a partly verified one reaches it cut, a
   pull already made is not asked about again;
 * an answer that no NIXL arithmetic gives (:attr:`FakeInnerConnector.matched`), so
-  that a test can tell the inner connector's number from kvpilot's own.
+  that a test can tell the inner connector's number from kvpilot's own;
+* the calls newer vLLM releases make that vLLM 0.32's base class lacks (sleep mode's
+  KV cache remap in 0.33, the KV cache access flags in 0.34), so that the forwards of
+  ``KVPilotConnector`` are exercised on 0.32.
 
 Name it as ``inner_connector`` in the extra config after :func:`register`; reach the
-instance as ``scheduler.connector.inner``. Scheduler role only: it moves no bytes,
-so there is no worker side to fake, and the worker role is refused.
+instance as ``scheduler.connector.inner``. It moves no bytes: on the worker side it
+records the KV cache's (un)registration and refuses every data-plane call.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -61,24 +65,37 @@ class InnerCall:
 
 
 class FakeInnerConnector(KVConnectorBase_V1):
-    """Scheduler side of an inner connector, answering from its knobs:
+    """An inner connector answering from its knobs:
 
     * :attr:`matched`: what ``get_num_new_matched_tokens`` reports, for every request;
     * :attr:`finished`: what ``request_finished`` returns; by default NIXL-shaped
       P->D handoff params (:meth:`hand_off`) for a request that asked for them
-      (``do_remote_decode``), and ``(False, None)`` for any other.
+      (``do_remote_decode``), and ``(False, None)`` for any other;
+    * ``sleeps`` in its own extra config: what :meth:`supports_sleep_mode` answers.
 
-    Every scheduler-side call that concerns a request is appended to :attr:`calls`.
+    Every scheduler-side call that concerns a request is appended to :attr:`calls`;
+    every worker-side call on the KV cache's registration, by name, to :attr:`cache_calls`.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
-        if role != KVConnectorRole.SCHEDULER:
-            raise NotImplementedError(f"{INNER_NAME} fakes the scheduler side only")
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.engine_id = str(self._kv_transfer_config.engine_id)
         self.matched: tuple[int | None, bool] = (0, False)
         self.finished: FinishedParams = self.hand_off
         self.calls: list[InnerCall] = []
+        self.cache_calls: list[str] = []
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM 0.33 on asks; the answer is the ``sleeps`` key of ``kv_transfer_config``'s
+        extra config (default ``False``)."""
+        return bool(kv_transfer_config.kv_connector_extra_config.get("sleeps", False))
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> KVTransferConfig:
+        """vLLM 0.34 on asks (for ``KVCacheAccess`` flags); the answer is the config it was
+        asked with, so that a test can see what reached the inner connector."""
+        return kv_transfer_config
 
     def asked(self, method: str, request_id: str | None = None) -> list[InnerCall]:
         """The recorded calls to ``method`` (for ``request_id``, if given), oldest first."""
@@ -123,7 +140,14 @@ class FakeInnerConnector(KVConnectorBase_V1):
         self._record("request_finished", request)
         return self.finished(request, block_ids)
 
-    # ------------------------------------------------------------ worker side: never built
+    # ------------------------------------------------------------ worker side: the KV cache's registration
+    def unregister_kv_caches(self) -> None:
+        self.cache_calls.append("unregister_kv_caches")
+
+    def restore_kv_caches(self) -> None:
+        self.cache_calls.append("restore_kv_caches")
+
+    # ------------------------------------------------------------ worker side: no data plane
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         raise NotImplementedError(INNER_NAME)
 
