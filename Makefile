@@ -1,5 +1,6 @@
 # The two commands: `make demo` (set up, then run the main job on the tiny CPU fleet)
-# and `make test` (set up, lint and type-check, build the docs site, then run every test). Both install what they need.
+# and `make test` (set up, lint and type-check, build the docs site, check the vLLM contract against
+# each release, then run every test). Both install what they need.
 .PHONY: setup demo test lint
 
 setup:
@@ -11,6 +12,7 @@ demo: setup
 test: setup
 	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory docs
+	./scripts/compat.sh
 	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25
 
 # The docs site, built strictly (a broken link, a missing anchor or a page left out of the
@@ -35,8 +37,7 @@ lint:
 
 # vLLM compatibility: the contract KVPilotConnector relies on (kvconnectors/vllm_contract.py),
 # checked against each vLLM release of scripts/compat.sh by reading its wheel's source (no
-# install, no GPU; wheels cached under $${KVPILOT_CACHE:-~/.cache/kvpilot}/compat). `make test`
-# checks the installed vLLM with the same contract (tests/unit/kvconnectors/test_vllm_contract.py).
+# install, no GPU; wheels cached under $${KVPILOT_CACHE:-~/.cache/kvpilot}/compat); run by `make test`.
 .PHONY: compat
 compat: setup
 	./scripts/compat.sh
