@@ -2,8 +2,8 @@
 # `make compat` (also run by `make test`, before pytest): check what KVPilotConnector relies on in
 # vLLM (kvconnectors/vllm_contract.py) against each vLLM release in VERSIONS, without installing
 # any of them: each release's wheel is downloaded once (--no-deps), its Python files unpacked into
-# a scratch folder, and the contract checked there by reading the source (ast; no torch, no GPU). One line per version, then its
-# violations; exit status 1 if any version has one.
+# a scratch folder, and the contract checked there by reading the source (ast; no torch, no GPU).
+# One line per version, then its violations; exit status 1 if any version has one.
 #
 # VERSIONS: the newest patch of each vLLM minor release the GPU range covers and the ones it is
 # meant to cover next (`pip index versions vllm`); override with KVPILOT_COMPAT_VERSIONS.
