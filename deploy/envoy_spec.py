@@ -13,19 +13,12 @@
   ``ORIGINAL_DST`` cluster that connects to that ``host:port``; any other request gets
   what :class:`PickerFailure` says (a 503 naming the picker, or round robin over
   ``fallback_endpoints``);
-- a Lua filter (:data:`STRIP_TRANSFER_PARAMS_LUA`) between the two, on the response path
-  only: a non-streamed JSON answer (``content-type: application/json``) is buffered and the
-  value of its top-level ``kv_transfer_params`` key replaced by ``null``, ``content-length``
-  set to match, so that no client reads D's offer of a session's KV (where it lives, how to
-  pull it: vLLM's bidirectional transfer) as the relay answers ``null`` too. A stream
-  (``text/event-stream``, which vLLM sends without the field) is never buffered or read:
-  the script returns at its headers. Its cost, Envoy's CPU time with the filter less
-  without (Envoy 1.40, one worker thread, a keep-alive client, an aiohttp upstream; 2-core
-  AMD EPYC box, median of 5 rounds): about 30 us per non-streamed answer of 1.7 KB and
-  35 us for one of 100 KB (each naming the key last, as vLLM's do), and nothing measurable
-  per streamed chunk (under the 0.5 us the measurement resolves, over 20,000 chunks). A
-  non-streamed answer larger than the listener's buffer limit (``max_body_bytes``) cannot be
-  buffered, and Envoy answers it with a 500 instead: ask for such answers streamed;
+- two Lua filters (:mod:`kvpilot.deploy.envoy_lua`): one nearer the client than ``ext_proc``,
+  so that no answer, whole or streamed, carries D's ``kv_transfer_params`` (D's offer of a
+  session's KV: where it lives, how to pull it) or a top-level ``kvpilot_*`` key, as the relay
+  withholds them (:mod:`kvpilot.routing.serve.withheld`); one after ``ext_proc``, so that a
+  request the picker routed nothing for (``round_robin``) reaches an engine only with the
+  fields the picker accepts;
 - the client is the TCP peer Envoy sees (``use_remote_address``): ext_proc sends it to the
   picker as the ``source.address`` attribute, and ``x-forwarded-for`` from a client is not
   believed (without ``use_remote_address`` Envoy would take the downstream address from
@@ -40,7 +33,8 @@
   false``) Envoy's 503 with a JSON body naming the picker and Envoy's reason, no engine
   reached; with ``round_robin`` (``failure_mode_allow: true``) the request goes on
   without a destination, to round robin over ``fallback_endpoints``, unrouted (no token
-  ids, no session, no P);
+  ids, no session, no P, no admission), once the Lua filter found only fields the picker
+  accepts in its body (a 400 naming the first other one, as the picker answers);
 - the admin interface, like every listener, on 127.0.0.1 only.
 
 On one machine everything Envoy listens on or connects to is the loopback address
@@ -61,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpilot.deploy.envoy_lua import answers_lua, requests_lua
 from kvpilot.routing.gateway.contract import (
     ACCESS_LOG_NAME,
     ANSWER_HEADERS,
@@ -77,110 +72,6 @@ ENVOY_CONFIG = "envoy.yaml"
 """Envoy's bootstrap, in the fleet's run directory."""
 TYPES = "type.googleapis.com/envoy.extensions."
 """The prefix of every typed config's ``@type`` here."""
-STRIP_TRANSFER_PARAMS_LUA = r"""
--- kvpilot: no client reads D's kv_transfer_params (deploy/envoy_spec.py says why).
-local KEY = "kv_transfer_params"
-local REFUSED = '{"error": {"message": "kvpilot: the engine\'s answer is not a JSON object; '
-  .. 'withheld", "type": "upstream_error", "code": 502}}'
-
--- the index of the quote that closes the JSON string opening at i (nil: none); a plain
--- find (an answer's bytes are mostly its text), then the backslashes before the quote:
--- an odd count escapes it
-local function string_end(s, i)
-  local j = i + 1
-  while true do
-    local k = string.find(s, '"', j, true)
-    if k == nil then return nil end
-    local b = k - 1
-    while string.byte(s, b) == 92 do b = b - 1 end
-    if (k - 1 - b) % 2 == 0 then return k end
-    j = k + 1
-  end
-end
-
--- the index of the last byte of the JSON value starting at i (nil: malformed)
-local function value_end(s, i)
-  local c = string.sub(s, i, i)
-  if c == '"' then return string_end(s, i) end
-  if c ~= "{" and c ~= "[" then -- a number, true, false or null: up to what follows it
-    local k = string.find(s, "[,}%s]", i)
-    return k and k - 1
-  end
-  local depth, j = 0, i
-  while true do
-    local k = string.find(s, '[{}%[%]"]', j)
-    if k == nil then return nil end
-    local b = string.sub(s, k, k)
-    if b == '"' then
-      k = string_end(s, k)
-      if k == nil then return nil end
-    elseif b == "{" or b == "[" then
-      depth = depth + 1
-    else
-      depth = depth - 1
-      if depth == 0 then return k end
-    end
-    j = k + 1
-  end
-end
-
--- s with the value of each top-level KEY member replaced by null (nil: not a JSON object)
-local function stripped(s)
-  local j = string.find(s, "%S")
-  if j == nil or string.sub(s, j, j) ~= "{" then return nil end
-  local out, from = {}, 1
-  j = string.find(s, "%S", j + 1)
-  if j ~= nil and string.sub(s, j, j) == "}" then return s end
-  while j ~= nil and string.sub(s, j, j) == '"' do
-    local key_end = string_end(s, j)
-    if key_end == nil then return nil end
-    local colon = string.find(s, "%S", key_end + 1)
-    if colon == nil or string.sub(s, colon, colon) ~= ":" then return nil end
-    local v = string.find(s, "%S", colon + 1)
-    local v_end = v and value_end(s, v)
-    if v_end == nil then return nil end
-    if string.sub(s, j + 1, key_end - 1) == KEY then
-      out[#out + 1] = string.sub(s, from, v - 1) .. "null"
-      from = v_end + 1
-    end
-    j = string.find(s, "%S", v_end + 1)
-    if j == nil then return nil end
-    local c = string.sub(s, j, j)
-    if c == "}" then
-      out[#out + 1] = string.sub(s, from)
-      return table.concat(out)
-    end
-    if c ~= "," then return nil end
-    j = string.find(s, "%S", j + 1)
-  end
-  return nil
-end
-
-function envoy_on_response(handle)
-  local headers = handle:headers()
-  local kind = headers:get("content-type")
-  if kind == nil or string.find(string.lower(kind), "application/json", 1, true) ~= 1 then
-    return -- a stream, or no JSON: never buffered
-  end
-  local body = handle:body()
-  if body == nil then return end
-  local s = body:getBytes(0, body:length())
-  if string.find(s, '"' .. KEY .. '"', 1, true) == nil then return end
-  local out = stripped(s)
-  if out == nil then -- it names the key but cannot be read: withheld, not passed on
-    out = REFUSED
-    handle:headers():replace(":status", "502") -- headers() again: body() ended the first's scope
-  end
-  if out ~= s then
-    body:setBytes(out) -- sets content-length to match
-  end
-end
-"""
-"""Envoy's Lua filter on the response path (see the module doc): a JSON answer's top-level
-``kv_transfer_params`` value becomes ``null``, found by walking the top-level object's
-members and skipping each value by a balanced scan that respects strings and their escapes
-(never a pattern over nested braces). An answer that names the key but is not a JSON object
-is withheld: Envoy answers 502 instead."""
 PICKED_CLUSTER = "picked"
 PICKER_CLUSTER = "kvpilot_picker"
 FALLBACK_CLUSTER = "fallback"
@@ -324,13 +215,13 @@ def _ext_proc(spec: GatewaySpec) -> dict[str, Any]:
     }
 
 
-def _strip_transfer_params() -> dict[str, Any]:
-    """The Lua filter of :data:`STRIP_TRANSFER_PARAMS_LUA` (response path only)."""
+def _lua(name: str, source: str) -> dict[str, Any]:
+    """A Lua filter running ``source`` (:mod:`kvpilot.deploy.envoy_lua`)."""
     return {
-        "name": "envoy.filters.http.lua",
+        "name": name,
         "typed_config": {
             "@type": TYPES + "filters.http.lua.v3.Lua",
-            "default_source_code": {"inline_string": STRIP_TRANSFER_PARAMS_LUA},
+            "default_source_code": {"inline_string": source},
         },
     }
 
@@ -473,8 +364,11 @@ def envoy_bootstrap(spec: GatewaySpec) -> dict[str, Any]:
             "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": _routes(spec)}],
         },
         "http_filters": [
+            # answers: after ext_proc on the response path, which may hold a response's headers
+            _lua("kvpilot.withhold_from_answers", answers_lua()),
             _ext_proc(spec),
-            _strip_transfer_params(),
+            # requests: after ext_proc, whose destination header tells a routed request
+            _lua("kvpilot.check_unrouted_requests", requests_lua()),
             {
                 "name": "envoy.filters.http.router",
                 "typed_config": {"@type": TYPES + "filters.http.router.v3.Router"},

@@ -69,10 +69,16 @@ def picker_timeout_s(config: RouterConfig) -> float:
 def fallback_endpoints(config: RouterConfig) -> tuple[str, ...]:
     """The engines that can serve a request alone (decode and co-located), as
     ``host:port``, for round robin when the picker is down. Raises ``ValueError`` beside
-    Dynamo (its direct-mode frontend routes nothing the picker did not name) and with
-    an engine API key (a request Envoy sends on unrouted carries the client's key)."""
+    Dynamo (its direct-mode frontend routes nothing the picker did not name), with
+    an engine API key (a request Envoy sends on unrouted carries the client's key) and with
+    the router's own API key (only the picker checks it: round robin would serve anyone)."""
     if config.dynamo.enabled:
         raise ValueError("round_robin cannot work beside Dynamo: its direct-mode frontend routes nothing unnamed")
+    if config.server.api_key_env:
+        raise ValueError(
+            "round_robin cannot work with server.api_key_env: only the picker checks the API key, so a request "
+            "Envoy sends on without it would reach the engines from anyone (use refuse)"
+        )
     if config.server.engine_api_key_env:
         raise ValueError(
             "round_robin cannot work with server.engine_api_key_env: a request Envoy sends on without the "

@@ -25,7 +25,9 @@ For a :class:`~kvpilot.routing.decide.router.Route`:
   its samples out into requests that each read P's one handoff.
 
 D's answer reaches the client as D wrote it (tool calls, reasoning, usage, logprobs), but
-for D's offer of the session's KV (``kv_transfer_params``: ``null`` to the client).
+for what :mod:`kvpilot.routing.serve.withheld` withholds, whole or streamed: D's offer of the
+session's KV (``kv_transfer_params``: ``null`` in a whole answer, gone from a streamed chunk)
+and any top-level ``kvpilot_*`` key.
 
 A decode worker that fails before anything reached the client is left out and the
 request routed again, up to ``server.max_retries`` times (counted in
@@ -57,6 +59,7 @@ from kvpilot.routing.decide.router import Kind, Route
 from kvpilot.routing.ids import SessionId, WorkerId
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
 from kvpilot.routing.serve.upstream import EngineRequest, PrefillFailure, StreamBroke, Upstream, UpstreamError
+from kvpilot.routing.serve.withheld import scrubbed_answer, scrubbed_events
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +183,7 @@ class Proxy:
         ticket = begun.ticket
         try:
             reply: Reply | None
-            if request.engine.body.get("stream"):  # vLLM streams no kv_transfer_params: no offer to keep
+            if request.engine.body.get("stream"):  # vLLM streams no offer (vllm_contract checks it): none to keep
                 decode_params = None
                 answered = await self._stream(request, begun, client)
                 reply = None
@@ -297,20 +300,18 @@ class Proxy:
             return error_reply(503, message, "upstream_error")
 
     async def _unary(self, request: ProxyRequest, begun: Begun) -> tuple[Reply, object]:
-        """D's answer as D wrote it but for its ``kv_transfer_params``, and those params (its
-        offer of the session's KV in bidirectional mode; ``None`` when absent). The offer
-        names where the session's KV lives and how to read it: it is the router's, never a
-        client's, whose answer carries ``null`` there, as vLLM answers a request that
-        transferred nothing."""
+        """D's answer as D wrote it but for what :func:`~kvpilot.routing.serve.withheld.scrubbed_answer`
+        withholds, and D's ``kv_transfer_params`` (its offer of the session's KV in bidirectional
+        mode; ``None`` when absent). The offer names where the session's KV lives and how to read
+        it: it is the router's, never a client's."""
         payload = await self.upstream.complete(begun.ticket.route.decode, request.engine, begun.handoff)
-        offer = payload.get("kv_transfer_params")
-        if offer is not None:
-            payload = {**payload, "kv_transfer_params": None}
-        return Reply(200, payload, begun.headers), offer
+        answer, offer = scrubbed_answer(payload)
+        return Reply(200, answer, begun.headers), offer
 
     async def _stream(self, request: ProxyRequest, begun: Begun, client: ClientStream) -> bool:
-        """D's stream relayed to ``client``; whether it ended normally (a break is sent
-        to the client as an error event and counted against D)."""
+        """D's stream relayed to ``client``, each batch of events as it comes, less what
+        :func:`~kvpilot.routing.serve.withheld.scrubbed_events` withholds; whether it ended
+        normally (a break is sent to the client as an error event and counted against D)."""
         ticket = begun.ticket
         d = ticket.route.decode
         sent_at = time.perf_counter()
@@ -323,7 +324,7 @@ class Proxy:
                         now = time.perf_counter()
                         self.first_token(ticket, now - sent_at, now - request.started)
                     first = False
-                    await client.send(batch)
+                    await client.send(scrubbed_events(batch))
             except StreamBroke as exc:
                 self.metrics.upstream_errors.labels(d.name).inc()
                 self.metrics.circuit_changed(self.lifecycle.decode_failed(ticket, engine_fault=True))

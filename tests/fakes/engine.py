@@ -69,6 +69,11 @@ class FakeEngine:
     for counters that move; ``None``: 404."""
     session_offer: dict[str, Any] | None = None
     """What a decode answer returns as kv_transfer_params (vLLM's bidirectional mode)."""
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+    """Top-level keys added to every answer and streamed chunk."""
+    split_at: str | None = None
+    """Each streamed event that names this text is written in two pieces, split inside it, 50 ms
+    apart: an event that reaches the next hop in two reads."""
     api_key: str | None = None
     """Like vLLM's ``--api-key``: ``/v1`` requests without ``Bearer <key>`` get a 401."""
     max_model_len: int | None = 4096
@@ -136,6 +141,7 @@ class FakeEngine:
             "model": "tiny",
             "choices": [choice],
             "usage": {"prompt_tokens": len(prompt)},
+            **self.extra_fields,
         }
         if (body.get("kv_transfer_params") or {}).get("do_remote_decode") and self.kv_params:
             payload["kv_transfer_params"] = {"remote_engine_id": self.name, "remote_block_ids": [1, 2]}
@@ -148,7 +154,14 @@ class FakeEngine:
         for piece in ("x", "y"):
             delta = {"delta": {"content": piece}} if chat else {"text": piece}
             chunk = {**payload, "choices": [{**choice, **delta, "finish_reason": None}]}
-            await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            event = f"data: {json.dumps(chunk)}\n\n".encode()
+            at = -1 if self.split_at is None else event.find(self.split_at.encode())
+            if at >= 0:
+                at += len(self.split_at or "") // 2
+                await out.write(event[:at])
+                await asyncio.sleep(0.05)
+                event = event[at:]
+            await out.write(event)
             await asyncio.sleep(self.token_delay_s)
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()

@@ -100,9 +100,14 @@ def test_beside_dynamo_the_picker_answers_without_a_prefill_wait(tmp_path: Path)
             PickerFailure.ROUND_ROBIN,
             "engine_api_key_env",
         ),
+        (
+            {"gateway": {"picker_port": 8070}, "server": {"api_key_env": "K"}, "workers": WORKERS},
+            PickerFailure.ROUND_ROBIN,
+            "server.api_key_env",
+        ),
         ({"gateway": {"picker_port": 8080}, "workers": WORKERS}, PickerFailure.REFUSE, "ports must differ"),
     ],
-    ids=["no-picker", "no-engines", "robin-beside-dynamo", "robin-with-engine-key", "ports-meet"],
+    ids=["no-picker", "no-engines", "robin-beside-dynamo", "robin-with-engine-key", "robin-with-api-key", "ports-meet"],
 )
 def test_a_config_that_cannot_work_is_refused_by_name(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], body: dict[str, Any], failure: PickerFailure, words: str
@@ -132,7 +137,7 @@ def test_the_picker_s_token_goes_on_every_call_and_stays_in_a_private_file(
     bootstrap = yaml.safe_load(path.read_text())
     (listener,) = bootstrap["static_resources"]["listeners"]
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    ext_proc = manager["http_filters"][0]["typed_config"]["grpc_service"]
+    (ext_proc,) = [f["typed_config"]["grpc_service"] for f in manager["http_filters"] if f["name"].endswith("ext_proc")]
     access_log = manager["access_log"][0]["typed_config"]["common_config"]["grpc_service"]
     for service in (ext_proc, access_log):
         assert service["initial_metadata"] == [{"key": "authorization", "value": f"Bearer {TOKEN}"}]

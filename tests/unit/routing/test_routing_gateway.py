@@ -262,6 +262,57 @@ def test_with_the_picker_down_envoy_may_fail_open_to_round_robin(model_dir: Path
         assert counts["outsider-x"] == 0  # a client's own destination header never routes
 
 
+HOSTILE = (
+    ({"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.0.0.7", "remote_block_ids": [[3]]}}, 400),
+    ({"kvpilot_hold": False}, 400),
+    ({"request_id": "someone-else-s", "priority": -100}, 400),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400),  # a chat field, sent to completions
+)
+"""Bodies a client may not send an engine (each added to a valid request), with the status
+the picker would answer them with."""
+
+
+def test_with_the_picker_down_no_field_the_picker_refuses_reaches_an_engine(model_dir: Path, tmp_path: Path) -> None:
+    """``round_robin`` sends a request on unrouted when the picker is down, but only after
+    Envoy's Lua filter found nothing in its body the picker would refuse: the router's
+    fields (``kv_transfer_params``, with a NIXL peer and block ids), kvpilot's own
+    (``kvpilot_hold``), vLLM's scheduler fields, another API's fields, a body that is no JSON
+    object, a key written with an escape, a second object after the first; and any other
+    path. Each gets the picker's answer, and no engine sees it; a clean request still gets
+    through, as the client sent it."""
+    engines = {"colocated-0": FakeEngine("colocated-0"), "colocated-1": FakeEngine("colocated-1")}
+    with gateway(model_dir, tmp_path, engines, PickerFailure.ROUND_ROBIN) as (url, router, served):
+        router.terminate()
+        router.wait(20)
+        clean = {"prompt": PROMPT, "max_tokens": 2, "conversation_id": "s1"}
+        for extra, status in HOSTILE:
+            answered, _, text = _post(f"{url}/v1/completions", {**clean, **extra})
+            assert answered == status and f"'{next(iter(extra))}'" in json.loads(text)["error"]["message"], text
+        prefix = json.dumps(clean)[:-1]
+        for raw, words in (
+            (b"not json", "JSON object"),
+            (b"[1, 2]", "JSON object"),
+            (f'{prefix}, "kv\\u005ftransfer_params": {{"remote_host": "10.0.0.7"}}}}'.encode(), "not a field"),
+            (f'{prefix}}} {{"kv_transfer_params": {{}}}}'.encode(), "JSON object"),
+            (f'{prefix}, "prompt": "a \\"}}, \\"kv_transfer_params\\": 1"}}'.encode(), None),  # a string, no key
+        ):
+            answered, _, text = _post(f"{url}/v1/completions", raw)
+            if words is None:
+                assert answered == 200, text
+                continue
+            assert answered == 400 and words in json.loads(text)["error"]["message"], (raw, text)
+        answered, _, text = _post(f"{url}/v1/embeddings", {"input": "x"})
+        assert answered == 404 and "kvpilot serves POST" in json.loads(text)["error"]["message"]
+        (string_only,) = [body for engine in served.engines.values() for body in engine.bodies]
+        assert string_only["prompt"] == 'a "}, "kv_transfer_params": 1'  # JSON's last "prompt"
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+        for path, body in (("/v1/completions", clean), ("/v1/chat/completions", chat)):
+            answered, _, text = _post(f"{url}{path}", body)
+            assert answered == 200, text
+        reached = [body for engine in served.engines.values() for body in engine.bodies]
+        assert sorted(map(json.dumps, reached)) == sorted(map(json.dumps, [string_only, clean, chat]))  # as sent
+
+
 def test_the_api_key_is_required_through_envoy_as_at_the_router(model_dir: Path, tmp_path: Path) -> None:
     engines = {"colocated-0": FakeEngine("colocated-0")}
     with gateway(model_dir, tmp_path, engines, PickerFailure.REFUSE, api_key="s3cret") as (url, _, served):
@@ -295,13 +346,15 @@ OFFER = {
 def test_no_answer_through_envoy_carries_d_s_transfer_params(
     model_dir: Path, tmp_path: Path, style: ProcessorStyle
 ) -> None:
-    """D's offer (where the session's KV lives and how to pull it) never reaches a client:
-    Envoy's Lua filter answers ``kv_transfer_params: null`` as the relay does, whatever the
-    value's shape, and the rest of D's answer byte for byte. A stream is left as it came (vLLM
-    streams no such field; the fake engine's chunks carry one, which shows them untouched)."""
+    """D's offer (where the session's KV lives and how to pull it) and any top-level
+    ``kvpilot_*`` key never reach a client, whole or streamed: Envoy's Lua filter answers
+    ``kv_transfer_params: null`` in a whole answer as the relay does, whatever the value's
+    shape, and drops both from each streamed chunk, even one whose key arrives split
+    between two of D's writes; the rest of D's answer as D wrote it."""
     engines = {"prefill-0": FakeEngine("prefill-0"), "decode-0": FakeEngine("decode-0")}
     with gateway(model_dir, tmp_path, engines, PickerFailure.REFUSE, style=style) as (url, _, served):
         decode = served.engines["decode-0"]
+        decode.extra_fields = {"kvpilot_lease": {"remote_host": "10.0.0.7"}}
         for offer in (OFFER, 'a string: {"remote_host": 1}', 17, [OFFER, None]):
             decode.session_offer = offer  # type: ignore[assignment]
             body = {"prompt": PROMPT, "max_tokens": 2, "conversation_id": "s1"}
@@ -309,13 +362,18 @@ def test_no_answer_through_envoy_carries_d_s_transfer_params(
             assert status == 200, text
             answer = json.loads(text)  # content-length matched the new body, or this would fail
             assert answer["kv_transfer_params"] is None and "10.0.0.7" not in text and "remote_" not in text
+            assert "kvpilot_lease" not in answer
             assert answer["choices"][0]["text"] == "decode-0:40" and answer["usage"] == {"prompt_tokens": len(PROMPT)}
-            # GAIE's style streams the answer through the picker: chunked, no length to match
-            assert headers["content-length"] == (str(len(text.encode())) if style is ProcessorStyle.KVPILOT else None)
+            assert headers["content-length"] == str(len(text.encode()))
         decode.session_offer = OFFER
-        status, _, text = _post(f"{url}/v1/completions", {**body, "stream": True})
-        assert status == 200 and _events(text)[-1] == "[DONE]"
-        assert json.loads(_events(text)[0])["kv_transfer_params"] == OFFER  # not read, not buffered
+        for split_at in (None, "kv_transfer_params", "kvpilot_lease", "10.0.0.7"):
+            decode.split_at = split_at
+            status, _, text = _post(f"{url}/v1/completions", {**body, "stream": True})
+            assert status == 200 and _events(text)[-1] == "[DONE]", text
+            chunks = [json.loads(event) for event in _events(text)[:-1]]
+            assert [chunk["choices"][0]["text"] for chunk in chunks] == ["x", "y"], split_at
+            assert all(set(chunk) == {"id", "object", "created", "model", "choices", "usage"} for chunk in chunks)
+            assert "10.0.0.7" not in text and "remote_" not in text
 
 
 class Garbled(FakeEngine):

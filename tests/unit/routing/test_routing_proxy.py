@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import random
 import threading
 import time
@@ -263,6 +264,49 @@ def test_a_stream_is_relayed_and_a_break_ends_it_with_an_error_event_against_d()
     )
     assert rig.value("kvpilot_router_upstream_errors_total", worker=d) == 1
     assert not rig.breaker.allows(WorkerId(d), time.monotonic())
+
+
+OFFER = {"do_remote_prefill": True, "remote_host": "10.0.0.7", "remote_block_ids": [[3, 4]], "kvpilot_hold": True}
+"""D's offer of the session's KV, as a decode engine in vLLM's bidirectional mode returns it."""
+
+
+class OfferingUpstream(ScriptedUpstream):
+    """D answers with its offer and a ``kvpilot_*`` key at the top level, whole and in each
+    streamed chunk; one chunk only names them in its text; one is not JSON at all."""
+
+    async def complete(self, worker: Worker, request: EngineRequest, handoff: dict[str, Any] | None) -> dict[str, Any]:
+        answer = await super().complete(worker, request, handoff)
+        return {**answer, "kv_transfer_params": OFFER, "kvpilot_lease": 30}
+
+    @asynccontextmanager
+    async def stream(
+        self, worker: Worker, request: EngineRequest, handoff: dict[str, Any] | None
+    ) -> AsyncIterator[AsyncIterator[list[str]]]:
+        async def events() -> AsyncIterator[list[str]]:
+            chunk = {"id": "x", "choices": [{"index": 0, "text": "t"}]}
+            yield [json.dumps({**chunk, "kv_transfer_params": OFFER}), json.dumps({**chunk, "kvpilot_lease": 30})]
+            yield [json.dumps({"id": "x", "choices": [{"index": 0, "text": 'say "kv_transfer_params"'}]})]
+            yield ['{"id": "x", "kv_transfer_params": {"remote_host": "10.0.0.7"', "[DONE]"]
+
+        yield events()
+
+
+def test_the_relay_withholds_d_s_offer_and_kvpilot_keys_whole_and_streamed():
+    """The client never reads D's offer (where the session's KV lives, how to pull it) nor a
+    top-level ``kvpilot_*`` key: ``null`` and gone in a whole answer, gone from each streamed
+    chunk; a chunk whose text only names them passes as D wrote it, and one that names them
+    but cannot be read is withheld."""
+    rig = Rig(OfferingUpstream())
+    reply = asyncio.run(rig.proxy.serve(rig.request({}), RecordingClient()))
+    assert reply is not None and reply.payload["kv_transfer_params"] is None and "kvpilot_lease" not in reply.payload
+    rig = Rig(OfferingUpstream())
+    client = RecordingClient()
+    assert asyncio.run(rig.proxy.serve(rig.request({"stream": True}), client)) is None
+    first, second, named, broken, done = client.events
+    assert json.loads(first) == json.loads(second) == {"id": "x", "choices": [{"index": 0, "text": "t"}]}
+    assert json.loads(named)["choices"][0]["text"] == 'say "kv_transfer_params"'
+    assert "withheld" in json.loads(broken)["error"]["message"] and "10.0.0.7" not in broken
+    assert done == "[DONE]"
 
 
 def test_several_samples_are_prefilled_on_d_and_p_is_never_asked():
