@@ -6,8 +6,10 @@ the connector overrides and forwards (with their parameters), the ``NixlConnecto
 it wraps (found through vLLM's connector registry, as vLLM finds it), the vLLM
 objects it reads (request, scheduler output, connector output, configs), the NIXL
 ``kv_transfer_params`` fields and extra-config keys, the KV-event structs the router
-decodes, the hash function the block-hash contract mirrors, and the metric names the
-dashboards read. :func:`check` reads a vLLM tree with :mod:`kvpilot.kvconnectors.vllm_source`
+decodes, the hash function the block-hash contract mirrors, the metric names the
+dashboards read, and where vLLM's OpenAI answers carry ``kv_transfer_params`` (the whole
+answers do, the stream chunks do not: the router withholds it from clients, and keeps D's
+offer from whole answers only). :func:`check` reads a vLLM tree with :mod:`kvpilot.kvconnectors.vllm_source`
 (``ast`` only: no vLLM import, so any version can be checked on any box) and returns
 one :class:`Violation` per seam that moved.
 
@@ -56,14 +58,15 @@ class Method:
 @dataclass(frozen=True, slots=True)
 class ClassSeam:
     """A vLLM class kvpilot subclasses, calls or reads: the methods with their
-    signatures, the attributes read, and class keywords (a msgspec struct's wire
-    options) that must hold."""
+    signatures, the attributes read, attributes it relies on vLLM's class not having
+    (``absent``), and class keywords (a msgspec struct's wire options) that must hold."""
 
     module: str
     name: str
     methods: tuple[Method, ...] = ()
     attributes: tuple[str, ...] = ()
     keywords: tuple[tuple[str, object], ...] = ()
+    absent: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +128,8 @@ _BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 _NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 _FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory"
 _METRICS = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
+_COMPLETION = "vllm.entrypoints.openai.completion.protocol"
+_CHAT = "vllm.entrypoints.openai.chat_completion.protocol"
 
 M = Method
 _CONNECTOR_API = (
@@ -276,6 +281,15 @@ CONTRACT = Contract(
             ),
         ),
         ClassSeam("vllm.v1.metrics.stats", "PromptTokenStats", attributes=("ALL_SOURCES",)),
+        # Where D's offer of a session's KV reaches an answer (routing/serve/withheld.py): a top-level
+        # field of the whole answers, which the router reads and answers null; in no stream class,
+        # so that the relay keeps no offer from a streamed step (routing/serve/proxy.py). A release
+        # that streams it is withheld from clients all the same, but fails here until the relay
+        # learns to keep a streamed step's offer.
+        ClassSeam(_COMPLETION, "CompletionResponse", attributes=("kv_transfer_params",)),
+        ClassSeam(_CHAT, "ChatCompletionResponse", attributes=("kv_transfer_params",)),
+        ClassSeam(_COMPLETION, "CompletionStreamResponse", attributes=("choices",), absent=("kv_transfer_params",)),
+        ClassSeam(_CHAT, "ChatCompletionStreamResponse", attributes=("choices",), absent=("kv_transfer_params",)),
         # The KV events the router decodes (routing/index/events.py mirrors these fields).
         ClassSeam(
             "vllm.distributed.kv_events",
@@ -418,6 +432,11 @@ def _check_class(tree: SourceTree, seam: ClassSeam, version: str) -> list[Violat
         Violation(f"{seam.name}.{attr}", f"attribute missing in vLLM {version}")
         for attr in seam.attributes
         if tree.lookup(cls, attr) is None
+    ]
+    violations += [
+        Violation(f"{seam.name}.{attr}", f"attribute present in vLLM {version}; kvpilot relies on its absence")
+        for attr in seam.absent
+        if tree.lookup(cls, attr) is not None
     ]
     keywords = tree.class_keywords(cls)
     violations += [
