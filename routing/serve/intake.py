@@ -141,13 +141,13 @@ class RequestIntake:
             raise BadRequest(str(exc)) from None
         if not token_ids:
             raise BadRequest("the prompt renders to no tokens")
+        from_text = api is Api.CHAT or isinstance(body.get("prompt"), str)
+        check_sampling(body, api, len(token_ids), self.limits, from_text=from_text)  # vLLM's refusal first
         if limit and len(token_ids) > limit:
             raise BadRequest(
                 f"the prompt has {len(token_ids)} tokens, over server.max_prompt_tokens ({limit})",
                 reason=RejectReason.PROMPT_TOO_LONG,
             )
-        from_text = api is Api.CHAT or isinstance(body.get("prompt"), str)
-        check_sampling(body, api, len(token_ids), self.limits, from_text=from_text)
         return token_ids, session
 
     def _check_chars(self, text: str, body: Mapping[str, Any]) -> None:

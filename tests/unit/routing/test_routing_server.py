@@ -42,7 +42,8 @@ def run(
     """Start the fake engines and the router (no KV events), then run ``scenario``."""
 
     async def main() -> None:
-        engines = {name: FakeEngine(name) for name in roles}
+        length = (server_extra or {}).get("max_model_len") or FakeEngine.max_model_len  # the engines' --max-model-len
+        engines = {name: FakeEngine(name, max_model_len=length) for name in roles}
         servers = {name: TestServer(engine.app(), host="127.0.0.1") for name, engine in engines.items()}
         for server in servers.values():
             await server.start_server()
