@@ -288,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[f.value for f in PickerFailure],
         default=PickerFailure.REFUSE.value,
         help="what Envoy does when the picker is down: refuse (a 503 naming it) or round_robin over the engines "
-        "that can serve alone (not with --dynamo: its direct-mode frontend routes nothing the picker did not name)",
+        "that can serve alone, with only the fields the picker accepts (not with --dynamo: its direct-mode "
+        "frontend routes nothing the picker did not name)",
     )
     dyn = fl.add_argument_group("beside NVIDIA Dynamo (docs/guides/dynamo.md)")
     dyn.add_argument(

@@ -147,7 +147,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         choices=[f.value for f in PickerFailure],
         default=PickerFailure.REFUSE.value,
         help="when the picker is down or late: refuse (a 503 naming it, no engine reached) or round_robin "
-        "(unrouted, over the decode and co-located engines; not beside Dynamo nor with an engine API key)",
+        "(unrouted, over the decode and co-located engines, only fields the picker accepts; not beside Dynamo "
+        "nor with an API key)",
     )
     parser.add_argument("--run", action="store_true", help="then run Envoy (under its hot restarter) in this process")
     parser.set_defaults(func=run)
