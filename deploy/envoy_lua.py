@@ -156,8 +156,9 @@ function envoy_on_request(handle)
     local key = m[1]
     if not accepted[key] then
       local reason = REFUSED[path][key]
-      if reason == nil then
-        local shown = string.match(key, "^[%w_%-%.]+$") and ("'" .. key .. "'") or "a field"
+      if reason == nil then -- named only when its name cannot break the JSON it is quoted in
+        local shown = string.match(key, "^[%w_%-%.]+$") and ("'" .. key .. "'")
+          or "a key with characters no field's name has"
         reason = '{"error": {"message": "' .. shown .. ' is not a field the router accepts '
           .. '(docs/reference/request-fields.md lists them)", "type": "invalid_request_error", "code": 400}}'
       end
