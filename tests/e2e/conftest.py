@@ -26,6 +26,8 @@ from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import SharedFleet
 from tests.fakes.ports import block_of
 
+PD_MAX_LOGPROBS = 30
+"""The ``--max-logprobs`` of :func:`pd_fleet`'s engines."""
 SHARED_FLEET_GROUPS: tuple[tuple[str, ...], ...] = (
     ("tests.e2e.test_verified_attach", "tests.e2e.test_parity", "tests.e2e.test_pd_transfer"),
     ("tests.e2e.test_sessions", "tests.e2e.test_pull_policy_live"),
@@ -108,7 +110,9 @@ def pd_shared(
             gateway_port=block.spare(0),  # Envoy in front, as `kvpilot fleet up` starts it
             picker_port=block.spare(1),
             envoy_admin_port=block.spare(2),
-            engine_args=TINY_MODEL_ENGINE_ARGS,  # tool calls and thinking parsed, as a real model's server does
+            # tool calls and thinking parsed, as a real model's server does; more logprobs than
+            # vLLM's default 20, which the fleet hands the router (test_parity)
+            engine_args=(*TINY_MODEL_ENGINE_ARGS, "--max-logprobs", str(PD_MAX_LOGPROBS)),
             **block.fleet(),
         )
     )

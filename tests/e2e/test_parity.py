@@ -14,24 +14,33 @@ name, tool results fed back, each step equal to D's own answer.
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvpilot.deploy.client import complete
 from kvpilot.deploy.fleet import Fleet
+from kvpilot.deploy.fleet_spec import FleetSpec
 from kvpilot.deploy.metrics import delta, scrape, settled, total
 from kvpilot.deploy.prompts import filler_text
 from kvpilot.routing.serve.chat import ChatTemplate
 from kvpilot.routing.serve.prompt import EnginePrompt
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
+from kvpilot.routing.serve.truncation import truncation_of
 from kvpilot.routing.serve.upstream import Api
+from tests.e2e.conftest import PD_MAX_LOGPROBS
 from tests.e2e.parity import (
     CASES,
     NAMED,
     Case,
     agent_loop,
+    answer,
     answers_are_the_engine_s,
+    differences,
     router_ids_are_the_engine_s,
 )
 from tests.e2e.scenarios import BLOCK_SIZE, PROMPT_TOKENS
@@ -88,3 +97,56 @@ def test_an_agent_loop_with_the_openai_sdk_equals_the_engine_step_by_step(pd_fle
     """Three steps of an agent through Envoy (:func:`tests.e2e.parity.agent_loop`), each
     equal to D's own answer."""
     agent_loop(pd_fleet.client_url, _d(pd_fleet), model_dir)
+
+
+def test_a_truncated_prompt_is_routed_on_the_ids_the_engine_keeps(
+    pd_fleet: Fleet, pd_spec: FleetSpec, prompts: EnginePrompt
+) -> None:
+    """``truncate_prompt_tokens``: the answer through the fleet is D's own, and the router's
+    ids (BOS and the prompt's last tokens, as vLLM's tokenizer truncates) are as many as D
+    says it read."""
+    case = Case(
+        "truncated", Api.COMPLETIONS, {"prompt": filler_text(300, 8), "max_tokens": 6, "truncate_prompt_tokens": 50}
+    )
+    headers, through, usage = answer(pd_fleet.client_url, case)
+    _, direct, direct_usage = answer(_d(pd_fleet), case, cache_salt=f"parity-{uuid.uuid4().hex}")
+    assert not differences(through, direct), differences(through, direct)
+    truncation = truncation_of(case.body, case.api, max_model_len=pd_spec.max_model_len, max_chars_per_token=0)
+    ids = prompts.token_ids(case.api, case.body, truncation=truncation)
+    assert usage is not None and direct_usage is not None
+    assert usage["prompt_tokens"] == direct_usage["prompt_tokens"] == len(ids) == 50
+    assert ids[0] == 0 and headers["x-kvpilot-route"] == "remote_prefill", (ids[:3], headers)
+
+
+def test_a_prompt_over_the_model_s_length_is_refused_as_the_engine_refuses_it(
+    pd_fleet: Fleet, pd_spec: FleetSpec
+) -> None:
+    """One token-id prompt longer than the engines' --max-model-len: the router's 400 and
+    message are D's own (the router learned the length from the fleet and D's /v1/models)."""
+    body = {"model": "tiny", "prompt": [40 + i % 200 for i in range(pd_spec.max_model_len + 8)], "max_tokens": 4}
+    through, direct = _refusal(pd_fleet.client_url, body), _refusal(_d(pd_fleet), body)
+    assert through == direct and through[0] == 400, (through, direct)
+
+
+def test_logprobs_over_vllm_s_default_pass_where_the_engines_allow_them(
+    pd_fleet: Fleet, model_dir: Path, prompts: EnginePrompt
+) -> None:
+    """The engines run with ``--max-logprobs 30``: 25 logprobs (over vLLM's default 20) get
+    D's own answer through the fleet; 31 are refused with D's own message."""
+    case = Case("logprobs 25", Api.COMPLETIONS, {"prompt": filler_text(120, 9), "max_tokens": 4, "logprobs": 25})
+    answers_are_the_engine_s(pd_fleet.client_url, _d(pd_fleet), model_dir, prompts, case)
+    over = {"model": "tiny", "prompt": "hello", "max_tokens": 2, "logprobs": PD_MAX_LOGPROBS + 1}
+    through, direct = _refusal(pd_fleet.client_url, over), _refusal(_d(pd_fleet), over)
+    assert through == direct and through[0] == 400, (through, direct)
+
+
+def _refusal(url: str, body: dict[str, Any]) -> tuple[int, str]:
+    """The status and error message of a completion ``url`` refuses."""
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            return resp.status, resp.read().decode()[:200]
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())["error"]["message"]
