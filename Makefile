@@ -72,6 +72,8 @@ bench: setup
 		--session-gap-s $$g --out /tmp/kvpilot-agent-s$$s.jsonl && .venv/bin/python benchmarks/bench_fleet.py \
 		--trace /tmp/kvpilot-agent-s$$s.jsonl --workers $$w --max-requests 100000 --tokens-per-hash 128 --speedup 1 \
 		--arms dynamo_kv,dynamo_kv_tuned,kvpilot --json /tmp/kvpilot-live-agent-$$w-s$$s.json || exit 1; done
+	.venv/bin/python benchmarks/live_goodput.py --workers 16 --sessions 16,32,64 --out-dir /tmp/kvpilot-live-goodput-16 \
+		--json /tmp/kvpilot-live-goodput-agent-16.json
 	.venv/bin/python benchmarks/sim_live.py /tmp/kvpilot-live-agent-16-s16.json /tmp/kvpilot-live-agent-16-s32.json \
 		/tmp/kvpilot-live-agent-16-s64.json --json /tmp/kvpilot-sim-live-agent-16-sweep.json
 	.venv/bin/python benchmarks/sim_live.py /tmp/kvpilot-live-agent-64-s32.json /tmp/kvpilot-live-agent-64-s64.json \
