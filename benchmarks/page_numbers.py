@@ -9,7 +9,8 @@ renders as nothing::
     95%<!--=: points.kvpilot[3].attainment * 100-->
 
 The part before ``:`` names a results file (``docs/benchmarks/results/<stem>.json``); empty,
-the page's own, set once by ``<!--results: <stem>-->``. The part after it is an expression:
+the one the nearest ``<!--results: <stem>-->`` above it names (a page's, or a section's).
+The part after it is an expression:
 fields of that file by path (``a.b[2]["c-d"]``), numbers, ``+ - * /``, ``min``, ``max``,
 ``abs``, ``len``, ``sum``. The page's number is the expression's value printed at the
 page's precision (as many decimals as it shows, thousands grouped or not), rounded half to
@@ -149,12 +150,14 @@ def render(value: float, like: str) -> str:
 def markers(page: Path, text: str | None = None) -> Iterator[Marked]:
     """Every sourced number of ``page`` (its ``text`` if given), its stem resolved."""
     text = page.read_text() if text is None else text
-    own = PAGE_RESULTS.search(text)
+    defaults = [(d.start(), d["stem"]) for d in PAGE_RESULTS.finditer(text)]
     for m in MARKED.finditer(text):
-        stem = m["stem"] or (own["stem"] if own else "")
+        own = [stem for at, stem in defaults if at < m.start()]
+        stem = m["stem"] or (own[-1] if own else "")
         if not stem:
             line = text.count("\n", 0, m.start()) + 1
-            raise SourceError(f"{page.relative_to(ROOT)}:{line}: a marker names no results file and the page none")
+            where = f"{page.relative_to(ROOT)}:{line}"
+            raise SourceError(f"{where}: a marker names no results file and none is set above it")
         yield Marked(page, text.count("\n", 0, m.start()) + 1, m["number"], m["unit"], stem, m["expr"], m.start())
 
 

@@ -40,7 +40,7 @@ def test_a_marker_with_a_bad_source_is_named(tmp_path, monkeypatch) -> None:
         (f"1.0<!--={stem}: no_such_field-->", "no field"),
         ("1.0<!--=no-such-results: a-->", "no results file"),
         (f"1.0<!--={stem}: __import__('os')-->", "outside the expression language"),
-        ("1.0<!--=: a-->", "names no results file"),
+        ("1.0<!--=: a-->", "none is set above it"),
     ]:
         (problem,) = check(page, text)
         assert why in problem, problem
