@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _docs_reference(args: argparse.Namespace) -> int:
     from kvpilot.deploy.reference import run
 
-    return run(args.root, args.check)
+    return run(args.root, args.check, build_parser())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,8 @@ Sources, each read where it is defined:
   :class:`kvpilot.kvconnectors.config.KVPilotConfig`): each field's type and default from msgspec,
   its meaning from the docstring under it in the source (a field without one is an error),
   its unit from its name's suffix (:data:`UNIT_SUFFIXES`);
-- the CLI: :func:`kvpilot.deploy.cli.build_parser` (a flag without help is an error);
+- the CLI: the parser of :func:`kvpilot.deploy.cli.build_parser`, which the CLI passes in
+  (a flag without help is an error);
 - metrics: the router's registry as a router builds it (its families and their scrape-time
   collectors) and the connector's counters (:data:`kvpilot.kvconnectors.stats.COUNTERS`);
 - endpoints: the router's aiohttp routes, each handler's first docstring line and who may
@@ -345,10 +346,10 @@ def request_fields_page() -> str:
 # ---- pages -----------------------------------------------------------------------------
 
 
-def pages() -> dict[str, str]:
-    """Every reference page by file name."""
+def pages(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Every reference page by file name; ``parser`` is the ``kvpilot`` command's
+    (:func:`kvpilot.deploy.cli.build_parser`, which passes it: the CLI sits above this module)."""
     router = idle_router()
-    from kvpilot.deploy.cli import build_parser
     from kvpilot.kvconnectors.config import KVPilotConfig
     from kvpilot.routing.config import RouterConfig
 
@@ -364,19 +365,19 @@ def pages() -> dict[str, str]:
             "`KVPilotConnector`'s keys in vLLM's `kv_connector_extra_config` (`vllm serve --kv-transfer-config`).",
             list(config_keys(KVPilotConfig)),
         ),
-        "cli.md": cli_page(build_parser()),
+        "cli.md": cli_page(parser),
         "metrics.md": metrics_page(router_metrics(router), connector_metrics()),
         "endpoints.md": endpoints_page(router),
         "request-fields.md": request_fields_page(),
     }
 
 
-def run(root: Path, check: bool) -> int:
+def run(root: Path, check: bool, parser: argparse.ArgumentParser) -> int:
     """Write the pages under ``root``'s :data:`REFERENCE_DIR`, or with ``check`` only
     compare; returns the exit code (1: stale pages, each named on stderr with its diff)."""
     out = root / REFERENCE_DIR
     stale = 0
-    for name, text in pages().items():
+    for name, text in pages(parser).items():
         path = out / name
         if not check:
             path.parent.mkdir(parents=True, exist_ok=True)

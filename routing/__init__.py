@@ -6,7 +6,8 @@ Imports and runs without vLLM installed (no vLLM import anywhere in this package
 Packages, pure first (nothing in a pure package imports an I/O one):
 
 - ``ids`` (worker, tier, session and pair names), ``config`` (the typed config and
-  its flags) and ``fleet`` (the workers by role): shared by everything below;
+  its flags), ``fleet`` (the workers by role) and ``refusals`` (why a request is
+  refused): shared by everything below;
 - ``index/`` (pure): block naming, KV-event decoding, the ``KVIndex`` protocol,
   kvpilot's backend and Dynamo's ``RadixTree`` behind it;
 - ``decide/`` (pure): Dynamo's cost, the load ledger, sessions and D's offers, the

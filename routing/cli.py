@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import ipaddress
 import logging
 import sys
 from collections.abc import Sequence
@@ -21,18 +20,9 @@ from collections.abc import Sequence
 from kvpilot.routing.config import ConfigError
 from kvpilot.routing.config_load import add_cli_flags, load_config
 from kvpilot.routing.fleet import fleet_from_config
+from kvpilot.routing.serve.loopback import beyond_loopback
 
 log = logging.getLogger("kvpilot.routing.cli")
-
-
-def beyond_loopback(host: str) -> bool:
-    """Whether binding ``host`` accepts connections from other machines."""
-    if host == "localhost":
-        return False
-    try:
-        return not ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name: it may resolve to anything
-        return True
 
 
 def run_router(args: argparse.Namespace) -> int:

@@ -26,15 +26,15 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2_grpc as ls_grpc
 
-from kvpilot.routing.cli import beyond_loopback
 from kvpilot.routing.config import RouterConfig
 from kvpilot.routing.gateway.access_log import AccessLogReceiver
 from kvpilot.routing.gateway.auth import TokenInterceptor
 from kvpilot.routing.gateway.extproc import ExternalProcessor
 from kvpilot.routing.gateway.picker import Addresses, Picker
+from kvpilot.routing.refusals import RejectReason
 from kvpilot.routing.serve.app import OPEN_PATHS, UNAUTHORIZED_MESSAGE, RouterServer
+from kvpilot.routing.serve.loopback import beyond_loopback
 from kvpilot.routing.serve.proxy import error_reply
-from kvpilot.routing.serve.refusals import RejectReason
 
 log = logging.getLogger(__name__)
 

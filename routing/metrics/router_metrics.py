@@ -15,7 +15,7 @@ from kvpilot.policies.session_options import Option
 from kvpilot.routing.decide.session_record import StoreOp
 from kvpilot.routing.decide.sessions import OfferUse
 from kvpilot.routing.ids import WorkerId
-from kvpilot.routing.serve.refusals import RejectReason
+from kvpilot.routing.refusals import RejectReason
 
 if TYPE_CHECKING:
     from kvpilot.routing.decide.lifecycle import CircuitChange

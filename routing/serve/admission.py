@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from kvpilot.routing.decide.rates import TTFTPrediction
-from kvpilot.routing.serve.refusals import RejectReason
+from kvpilot.routing.refusals import RejectReason
 
 
 class Rejected(Exception):

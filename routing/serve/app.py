@@ -84,6 +84,7 @@ from kvpilot.routing.metrics.collectors import (
     PairHealthCollector,
 )
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
+from kvpilot.routing.refusals import BadRequest, RejectReason
 from kvpilot.routing.serve.admission import Admission, Rejected
 from kvpilot.routing.serve.calibrate import Calibrator
 from kvpilot.routing.serve.chat import ChatError, ChatTemplate
@@ -91,7 +92,6 @@ from kvpilot.routing.serve.intake import RequestIntake
 from kvpilot.routing.serve.learned_limits import learned_limits
 from kvpilot.routing.serve.prompt import EnginePrompt
 from kvpilot.routing.serve.proxy import Proxy, error_reply
-from kvpilot.routing.serve.refusals import BadRequest, RejectReason
 from kvpilot.routing.serve.sse import sse_events
 from kvpilot.routing.serve.tokenizer import TOKENIZER_FILE, PromptTokenizer
 from kvpilot.routing.serve.upstream import Api, Upstream

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.routing.serve.refusals import BadRequest, RejectReason
+from kvpilot.routing.refusals import BadRequest, RejectReason
 from kvpilot.routing.serve.upstream import Api
 
 MAX_N_SEQUENCES = 16384

@@ -11,7 +11,7 @@ is within what ``server.max_model_len`` or ``server.max_prompt_tokens`` tokens c
 
 :class:`RequestIntake` serves both fronts: the router's own HTTP handlers
 (:mod:`kvpilot.routing.serve.app`) and Envoy's picker (:mod:`kvpilot.routing.gateway.picker`).
-Every refusal is a :class:`~kvpilot.routing.serve.refusals.BadRequest` naming the problem
+Every refusal is a :class:`~kvpilot.routing.refusals.BadRequest` naming the problem
 (400 unless it says otherwise; counted by reason in ``kvpilot_router_rejected_total``), a
 :class:`~kvpilot.routing.serve.chat.ChatError`, or a
 :class:`~kvpilot.routing.serve.admission.Rejected` for a predicted TTFT over the SLO.
@@ -35,12 +35,12 @@ from kvpilot.routing.decide.router import NoHealthyWorker, Route, Router
 from kvpilot.routing.decide.sessions import SESSION_FIELDS, InvalidSessionKey, scoped, session_key
 from kvpilot.routing.ids import SessionId, WorkerId
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
+from kvpilot.routing.refusals import BadRequest, RejectReason
 from kvpilot.routing.serve.admission import check_ttft_slo
 from kvpilot.routing.serve.chat import ChatError
 from kvpilot.routing.serve.engine_checks import EngineLimits, check_fields, check_sampling, check_text
 from kvpilot.routing.serve.prompt import EnginePrompt
 from kvpilot.routing.serve.proxy import ProxyRequest
-from kvpilot.routing.serve.refusals import BadRequest, RejectReason
 from kvpilot.routing.serve.request_fields import checked_body
 from kvpilot.routing.serve.tokenizer import PromptError
 from kvpilot.routing.serve.truncation import truncation_of

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from kvpilot.routing.decide.sessions import SESSION_FIELDS
-from kvpilot.routing.serve.refusals import BadRequest, RejectReason
+from kvpilot.routing.refusals import BadRequest, RejectReason
 from kvpilot.routing.serve.upstream import Api
 
 

@@ -65,9 +65,9 @@ def test_the_router_refuses_what_the_fleet_s_engines_would_by_their_max_model_le
     import yaml
 
     from kvpilot.routing.config_load import load_config
+    from kvpilot.routing.refusals import BadRequest
     from kvpilot.routing.serve.engine_checks import check_fields
     from kvpilot.routing.serve.intake import engine_limits
-    from kvpilot.routing.serve.refusals import BadRequest
     from kvpilot.routing.serve.upstream import Api
 
     engines, _, config = plan_fleet(_spec(max_model_len=4096))

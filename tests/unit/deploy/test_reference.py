@@ -19,13 +19,15 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_the_committed_reference_pages_are_what_the_code_generates() -> None:
     """``make test`` fails when a config key, flag, metric or endpoint changed and the pages
     were not regenerated (``kvpilot docs reference``)."""
-    assert reference.run(ROOT, check=True) == 0, "run `kvpilot docs reference` and commit docs/reference/"
+    assert reference.run(ROOT, check=True, parser=build_parser()) == 0, (
+        "run `kvpilot docs reference` and commit docs/reference/"
+    )
 
 
 def test_no_reference_page_names_this_checkout() -> None:
     """A default that is this machine's path (a package folder resolved from ``__file__``)
     makes the committed page right on one machine only: CI's clone lives elsewhere."""
-    for name, text in reference.pages().items():
+    for name, text in reference.pages(build_parser()).items():
         assert str(ROOT) not in text, f"{name} names {ROOT}: give the default in words, resolve it when run"
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.routing.decide.rates import Estimate, TTFTPrediction
+from kvpilot.routing.refusals import RejectReason
 from kvpilot.routing.serve.admission import Rejected, check_ttft_slo
-from kvpilot.routing.serve.refusals import RejectReason
 
 
 def _prediction(queue: float, prefill: float, transfer: float = 0.0, first_step: float = 0.01) -> TTFTPrediction:

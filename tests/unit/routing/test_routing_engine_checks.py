@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from kvpilot.routing.refusals import BadRequest
 from kvpilot.routing.serve.engine_checks import EngineLimits, check_fields, check_sampling, check_text
-from kvpilot.routing.serve.refusals import BadRequest
 from kvpilot.routing.serve.upstream import Api
 
 pytest.importorskip("vllm")

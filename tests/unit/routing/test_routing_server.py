@@ -726,7 +726,7 @@ def test_a_pairs_transfer_failures_raise_its_cost_and_the_other_pair_wins(model_
     ],
 )
 def test_binding_beyond_loopback_is_recognised(host, beyond):
-    from kvpilot.routing.cli import beyond_loopback
+    from kvpilot.routing.serve.loopback import beyond_loopback
 
     assert beyond_loopback(host) is beyond
 

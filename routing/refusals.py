@@ -1,6 +1,8 @@
 """Why the router refuses a request before routing it: one closed set, the ``reason``
 label of ``kvpilot_router_rejected_total`` (every value exists from the start at 0),
-and the exception that carries a refusal to the HTTP front. Pure."""
+and the exception that carries a refusal to the front that answers the client (the HTTP
+front or Envoy's picker). Below ``serve/``, ``gateway/`` and ``metrics/``, which all name
+these reasons. Pure."""
 
 from __future__ import annotations
 
