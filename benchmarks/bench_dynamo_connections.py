@@ -14,7 +14,7 @@ frontend (direct mode, naming a worker) over a kept-alive and over fresh connect
 and through kvpilot's router over a kept-alive and over fresh connections. It prints
 each way's TTFT median and p90.
 
-    python benchmarks/bench_dynamo_connections.py
+    python -m benchmarks.bench_dynamo_connections
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ burst is load balancing between two cache-holding workers.
 
 Everything talks to 127.0.0.1; only HTTP is used to observe the router.
 
-    .venv/bin/python benchmarks/bench_hot_prefix.py [--decay 0.3] [--concurrency 1 2 4 8] [--repeats 3]
+    .venv/bin/python -m benchmarks.bench_hot_prefix [--decay 0.3] [--concurrency 1 2 4 8] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import argparse
 import dataclasses
 import json
 import re
-import shlex
 import shutil
 import signal
 import socket
@@ -63,6 +62,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
+from benchmarks.provenance import command as run_command
+from benchmarks.provenance import recorded_argv
 from kvpilot.deploy import fleet as fleet_io
 from kvpilot.deploy.client import complete, debug_route, gpu_overlap, wait_for_overlap
 from kvpilot.deploy.fleet_spec import FleetSpec
@@ -288,7 +289,7 @@ def main() -> int:
     most = max(args.requests_per_slot * c for c in args.concurrency)
     suffixes = [tokens(tokenizer, args.suffix_tokens, seed=100 + i, lead=f" request {i} ") for i in range(most + 1)]
 
-    command = shlex.join([_relative(sys.executable), *sys.argv])
+    command = run_command(recorded_argv(), python=_relative(sys.executable))
     settings = (
         f"decay {decays}, concurrency {args.concurrency}, {args.requests_per_slot}*C requests per burst, "
         f"{args.repeats} repeats, prefix {len(prefix)} tokens ({prefix_blocks} blocks of {block}), "

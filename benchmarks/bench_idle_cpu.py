@@ -9,7 +9,7 @@ waits out the hold of the fleet's own warm-up handoff, then measures each engine
 held, idle right after one request through the router left D holding its offer, and
 idle again once that hold ended.
 
-    python benchmarks/bench_idle_cpu.py --ttl 25
+    python -m benchmarks.bench_idle_cpu --ttl 25
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ One run, two fleets of 1 P + 1 D (bidirectional), one after the other:
 It prints per case the median TTFT of each choice, their ratio, the rule's choice,
 the policy's choices, and whether the policy picked the faster one.
 
-    python benchmarks/bench_pull_policy.py
+    python -m benchmarks.bench_pull_policy
 """
 
 from __future__ import annotations

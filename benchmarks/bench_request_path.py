@@ -22,7 +22,7 @@ Each stage is timed alone over the same requests (the mean and p99 of each), so 
 the Python a request costs the router before any I/O. What the picker's process spends beyond
 it (gRPC, the event loop, the access log) is in ``bench_fleet.py``'s CPU column::
 
-    python benchmarks/bench_request_path.py --json docs/benchmarks/results/request-path.json
+    python -m benchmarks.bench_request_path --json docs/benchmarks/results/request-path.json
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from typing import Any
 import msgspec
 import numpy as np
 from dynamo.llm import RadixTree, compute_block_hash_for_seq
-from provenance import provenance
 
+from benchmarks.provenance import provenance, recorded_argv
 from kvpilot.routing.config import RouterConfig
 from kvpilot.routing.decide.ledger import LoadLedger
 from kvpilot.routing.decide.router import Router
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         measure(int(w), args.prompt_tokens, args.warm_prompts, args.requests, args.seed)
         for w in args.workers.split(",")
     ]
-    results = {"run": {"argv": sys.argv}, "provenance": provenance(), "request_path": rows}
+    results = {"run": {"argv": recorded_argv()}, "provenance": provenance(), "request_path": rows}
     print(table(results))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1) + "\n")

@@ -3,7 +3,7 @@
 One synthetic stream, both sides in one process, pinned to one core, timed
 alternately so they share the box's noise::
 
-    taskset -c 1 python benchmarks/bench_router_index.py
+    taskset -c 1 python -m benchmarks.bench_router_index
 
 Stream: 16 workers x ~50K blocks of 16 tokens, as vLLM BlockStored events of
 32 blocks (msgpack, int block hashes derived from content, as engines sharing a
@@ -33,15 +33,11 @@ import gc
 import json
 import os
 import random
-import sys
 import time
 from array import array
 from typing import Any
 
 import msgspec
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from dynamo.llm import RadixTree, compute_block_hash_for_seq
 
 from kvpilot.routing.config import CostConfig, TierClass

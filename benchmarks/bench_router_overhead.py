@@ -9,7 +9,7 @@ function, one more HTTP hop). It does so once per index backend (kvpilot's
 ``BlockIndex``, then Dynamo's ``RadixTree``), each on a fresh fleet, so the two
 are compared on the same live traffic.
 
-    python benchmarks/bench_router_overhead.py
+    python -m benchmarks.bench_router_overhead
 """
 
 from __future__ import annotations

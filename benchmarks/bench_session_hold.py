@@ -28,7 +28,7 @@ router answers 503; the session goes on without that answer), every other step's
 (streamed), by session kind; the steps that waited (TTFT over ``--waited-s``); the holds
 released (the router's decisions and D's own count); the offers P pulled.
 
-    python benchmarks/bench_session_hold.py --json /tmp/session-hold.json
+    python -m benchmarks.bench_session_hold --json /tmp/session-hold.json
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from provenance import provenance
 
+from benchmarks.provenance import provenance, recorded_argv
 from kvpilot.deploy import fleet as fleet_io
 from kvpilot.deploy.client import HTTPStatusError, complete
 from kvpilot.deploy.fleet_spec import DECODE_HOLD_TTL_S, FleetSpec
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         fleet_io.down(run_dir)
     workload = {k: v for k, v in vars(args).items() if k != "json"}
     results = {
-        "run": {"argv": sys.argv, "waited_s": args.waited_s, "order": order, "workload": workload},
+        "run": {"argv": recorded_argv(), "waited_s": args.waited_s, "order": order, "workload": workload},
         "provenance": provenance(),
         "holds": runs,
     }

@@ -7,7 +7,7 @@ merge under the lock) and one write after it was served, before the answer retur
 a ``redis-server`` on 127.0.0.1 (persistence off) and times ``--n`` writes and reads of
 records with an offer of ``--blocks`` block ids, sequentially, on one event loop.
 
-    python benchmarks/bench_session_store.py [--n 2000] [--blocks 64]
+    python -m benchmarks.bench_session_store [--n 2000] [--blocks 64]
 """
 
 from __future__ import annotations

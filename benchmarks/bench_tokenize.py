@@ -9,7 +9,7 @@ like real ones): per shape, the median of ``--repeats`` calls each way (the engi
 kept-alive connection, as a router's client would hold it), and checks the two give the same
 ids. ::
 
-    python benchmarks/bench_tokenize.py --json docs/benchmarks/results/tokenize.json
+    python -m benchmarks.bench_tokenize --json docs/benchmarks/results/tokenize.json
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from provenance import provenance
-
+from benchmarks.provenance import provenance, recorded_argv
 from kvpilot.deploy import fleet as fleet_io
 from kvpilot.deploy.fleet_spec import FleetSpec
 from kvpilot.deploy.prompts import filler_text
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = measure(args.repeats)
     print(table(rows))
     if args.json is not None:
-        run = {"argv": sys.argv, "repeats": args.repeats}
+        run = {"argv": recorded_argv(), "repeats": args.repeats}
         args.json.write_text(json.dumps({"run": run, "provenance": provenance(), "tokenize": rows}, indent=1) + "\n")
     return 0 if all(r["same_ids"] for r in rows) else 1
 

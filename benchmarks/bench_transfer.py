@@ -9,13 +9,13 @@ blocks beyond its local hit (D->P); D pulls turn 2 from P. Throughput is the byt
 vLLM's NIXL worker moved over the time it measured for them, from each engine's own
 ``vllm:nixl_bytes_transferred`` and ``vllm:nixl_xfer_time_seconds`` (D's counters for
 P->D, P's for D->P), so the one-time NIXL handshakes and the CPU box's scheduling
-stalls between requests do not count. Then raw NIXL (:mod:`nixl_raw`: two bare
+stalls between requests do not count. Then raw NIXL (:mod:`benchmarks.nixl_raw`: two bare
 agents in two processes) reads the same number of transfers with the mean descriptor
 size and count the connectors used in each direction: the link's ceiling here. It
 prints bytes/s per direction and the kvpilot / plain and kvpilot / raw ratios
 (target: kvpilot at least 0.9x plain).
 
-    python benchmarks/bench_transfer.py
+    python -m benchmarks.bench_transfer
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import nixl_raw
-
+from benchmarks import nixl_raw
 from kvpilot.deploy import fleet as fleet_io
 from kvpilot.deploy.agent_session import decoded_turn, prefill_next_turn
 from kvpilot.deploy.client import HTTPStatusError, complete

@@ -15,7 +15,7 @@ For a prompt of ``--tokens`` random token ids (default 65,536) at block sizes
 It prints medians in milliseconds and the D-side cost as a fraction of the
 baseline measured in the same run. Run it pinned to one core::
 
-    taskset -c 1 python benchmarks/bench_verify.py
+    taskset -c 1 python -m benchmarks.bench_verify
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ salt so that neither engine has a prefix hit. For each it reads:
 
 It reports verification time as a fraction of TTFT measured in the same run.
 
-    python benchmarks/bench_verify_e2e.py
+    python -m benchmarks.bench_verify_e2e
 """
 
 from __future__ import annotations

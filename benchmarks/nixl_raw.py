@@ -11,7 +11,7 @@ reader's wall time from posting a transfer to seeing it done, as vLLM's
 first: UCX sets up its endpoint on a pair's first transfer, which the connectors'
 numbers exclude too (their handshakes are paid before they are measured).
 
-    python benchmarks/nixl_raw.py --descriptor-bytes 32768 --descriptors 4 --transfers 32
+    python -m benchmarks.nixl_raw --descriptor-bytes 32768 --descriptors 4 --transfers 32
 """
 
 from __future__ import annotations

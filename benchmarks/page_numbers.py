@@ -16,7 +16,7 @@ fields of that file by path (``a.b[2]["c-d"]``), numbers, ``+ - * /``, ``min``, 
 page's precision (as many decimals as it shows, thousands grouped or not), rounded half to
 even: one printed text per value, so any other figure is wrong.
 
-``python benchmarks/page_numbers.py PAGE...`` checks the pages; ``--write`` rewrites each marked
+``python -m benchmarks.page_numbers PAGE...`` checks the pages; ``--write`` rewrites each marked
 number from its results file (a re-run's new figures, at the precision the page chose).
 Which numbers must carry a source is :func:`unsourced`'s rule.
 """

@@ -1,12 +1,17 @@
 """Where and when a benchmark ran: written into every results file, and printed, so a number
-quoted anywhere can be traced to its run. Pure reads of this machine: no network."""
+quoted anywhere can be traced to its run; and the command that ran it (``run.argv``). Not
+pure: it runs ``git`` and ``nvidia-smi`` and reads ``/proc/cpuinfo`` and the clock; it
+touches no network and writes nothing."""
 
 from __future__ import annotations
 
 import datetime
 import os
 import platform
+import shlex
 import subprocess
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +74,18 @@ def describe(run: dict[str, Any]) -> str:
         f"{run['date']}, commit {run['commit']}, {cpu['model']} ({cpu['cores']} cores; "
         f"{', '.join(cpu['flags']) or 'no AVX2'}), GPU: {run['hardware']['gpu'] or 'none'}"
     )
+
+
+def recorded_argv() -> list[str]:
+    """This run's command line as a results file records it (``run.argv``): the entry
+    script's path from the repository's root (``benchmarks/sim_goodput.py``; run as
+    ``python -m benchmarks.sim_goodput``, Python names it by its absolute path), then its
+    arguments as given."""
+    script = Path(sys.argv[0]).resolve()
+    return [str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else sys.argv[0], *sys.argv[1:]]
+
+
+def command(argv: Sequence[str], python: str = "python") -> str:
+    """The shell command that runs a recorded ``run.argv`` again from the repository's root:
+    ``python -m benchmarks.<script> ARGS`` (every entry script sits in ``benchmarks/``)."""
+    return shlex.join([python, "-m", f"benchmarks.{Path(argv[0]).stem}", *argv[1:]])

@@ -1,12 +1,12 @@
 """The Markdown a docs page quotes of a benchmark, rendered from the benchmark's results file,
 never typed by hand::
 
-    python benchmarks/report.py docs/benchmarks/results/scale.json   # writes docs/benchmarks/tables/scale.md
-    python benchmarks/report.py docs/benchmarks/results/sim-goodput-agent-*.json \
+    python -m benchmarks.report docs/benchmarks/results/scale.json   # writes docs/benchmarks/tables/scale.md
+    python -m benchmarks.report docs/benchmarks/results/sim-goodput-agent-*.json \
         --plot docs/benchmarks/img/sim-goodput-agent.png
 
 A results file is what ``bench_fleet.py --json`` or ``bench_router_scale.py --json`` wrote
-(with its :mod:`provenance`). The table's head names the run: date, commit, hardware, command.
+(with its :mod:`benchmarks.provenance`). The table's head names the run: date, commit, hardware, command.
 ``tests/unit/benchmarks/test_report.py`` fails when a committed table differs from what its
 committed results file renders.
 """
@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
-from provenance import describe
+from benchmarks.provenance import command, describe
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "results"
 TABLES_DIR = RESULTS_DIR.parent / "tables"
@@ -29,9 +28,8 @@ RUN_KEYS = ("run", "provenance")
 
 
 def _head(results: dict[str, Any]) -> list[str]:
-    argv = results["run"]["argv"]
-    command = shlex.join(["python", f"benchmarks/{Path(argv[0]).name}", *argv[1:]])
-    return [f"Run: {describe(results['provenance'])}.", "", f"Command: `{command}`", ""]
+    run = f"Run: {describe(results['provenance'])}."
+    return [run, "", f"Command: `{command(results['run']['argv'])}`", ""]
 
 
 def render(results: dict[str, Any]) -> str:
@@ -39,43 +37,43 @@ def render(results: dict[str, Any]) -> str:
     ``bench_tokenize.py``, ``bench_request_path.py``, ``bench_agent.py``, ``sim_vs_dynamo.py``,
     ``sim_goodput.py``, ``sim_live.py``, ``live_goodput.py`` or ``bench_session_hold.py``."""
     if "summaries" in results:
-        from agent.output import results_table
+        from benchmarks.agent.output import results_table
 
         body = results_table(results)
     elif "request_path" in results:
-        from bench_request_path import table as request_path_table
+        from benchmarks.bench_request_path import table as request_path_table
 
         body = request_path_table(results)
     elif "tokenize" in results:
-        from bench_tokenize import table as tokenize_table
+        from benchmarks.bench_tokenize import table as tokenize_table
 
         body = tokenize_table(results["tokenize"])
     elif "live_goodput" in results:
-        from fleet.bisect import table as live_goodput_table
+        from benchmarks.fleet.bisect import table as live_goodput_table
 
         body = live_goodput_table(results)
     elif "runs" in results:
-        from sim.live import tables as live_tables
+        from benchmarks.sim.live import tables as live_tables
 
         body = live_tables(results)
     elif "goodput_rps" in results:
-        from sim.goodput import table as goodput_table
+        from benchmarks.sim.goodput import table as goodput_table
 
         body = goodput_table(results)
     elif "rows" in results:
-        from sim.compare import table as sim_table
+        from benchmarks.sim.compare import table as sim_table
 
         body = sim_table(results["rows"])
     elif "holds" in results:
-        from bench_session_hold import table as holds_table
+        from benchmarks.bench_session_hold import table as holds_table
 
         body = holds_table(results)
     elif "fleets" in results:
-        from scale.bench import tables
+        from benchmarks.scale.bench import tables
 
         body = tables(results["fleets"], results["index_memory"], results["run"].get("limit_ms", 5.0))
     else:
-        from fleet.bench import table
+        from benchmarks.fleet.bench import table
 
         arms = {k: v for k, v in results.items() if k not in RUN_KEYS}
         body = table(arms, results["run"]["workload"]["reuse_ceiling"])
@@ -95,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.plot is not None:
-        from sim.goodput import plot
+        from benchmarks.sim.goodput import plot
 
         plot([json.loads(path.read_text()) for path in args.results], args.plot)
         print(f"wrote {args.plot}")

@@ -1,13 +1,13 @@
-"""Goodput in virtual time, kvpilot's router against Dynamo's replay (:mod:`sim.goodput`)::
+"""Goodput in virtual time, kvpilot's router against Dynamo's replay (:mod:`benchmarks.sim.goodput`)::
 
-python benchmarks/sim_goodput.py --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --workers 64
+python -m benchmarks.sim_goodput --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --workers 64
 """
 
 from __future__ import annotations
 
 import sys
 
-from sim.goodput import main
+from benchmarks.sim.goodput import main
 
 if __name__ == "__main__":
     sys.exit(main())

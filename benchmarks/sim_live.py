@@ -1,13 +1,13 @@
-"""The simulator's prediction of a live fleet run against what it measured (:mod:`sim.live`)::
+"""The simulator's prediction of a live fleet run against what it measured (:mod:`benchmarks.sim.live`)::
 
-python benchmarks/sim_live.py /tmp/kvpilot-bench-fleet-agent.json
+python -m benchmarks.sim_live /tmp/kvpilot-bench-fleet-agent.json
 """
 
 from __future__ import annotations
 
 import sys
 
-from sim.live import main
+from benchmarks.sim.live import main
 
 if __name__ == "__main__":
     sys.exit(main())

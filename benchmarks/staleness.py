@@ -1,10 +1,10 @@
 """Which committed results files are older than the code they measure, and re-running them::
 
-    python benchmarks/staleness.py            # list them (what docs/benchmarks/stale.md shows)
-    python benchmarks/staleness.py --write    # write docs/benchmarks/stale.md
-    python benchmarks/staleness.py --rerun    # re-run each from a clean worktree of HEAD (make bench-stale)
+    python -m benchmarks.staleness            # list them (what docs/benchmarks/stale.md shows)
+    python -m benchmarks.staleness --write    # write docs/benchmarks/stale.md
+    python -m benchmarks.staleness --rerun    # re-run each from a clean worktree of HEAD (make bench-stale)
 
-A results file records the commit it ran at (:mod:`provenance`) and its command
+A results file records the commit it ran at (:mod:`benchmarks.provenance`) and its command
 (``run.argv``). It is stale when a path its benchmark measures (:data:`MEASURES`, by the
 command's script) changed between that commit and ``HEAD``, or when that commit is not in
 this clone's history. ``tests/unit/benchmarks/test_staleness.py`` fails when
@@ -147,12 +147,12 @@ def _rerun_one(s: Staleness, tree: Path, env: dict[str, str]) -> int:
     if missing:
         print(f"{s.stem}: its command reads {', '.join(missing)}, not here: run its `make bench` line first")
         return 1
-    command = [sys.executable, str(tree / "benchmarks" / Path(argv[0]).name), *args]
+    command = [sys.executable, "-m", f"benchmarks.{Path(argv[0]).stem}", *args]
     print(f"{s.stem}: {shlex.join(command)}", flush=True)
     done = subprocess.run(command, cwd=tree, env=env, check=False)
     if done.returncode != 0:
         return 1
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), str(target)], check=True)
+    subprocess.run([sys.executable, "-m", "benchmarks.report", str(target)], cwd=ROOT, check=True)
     return 0
 
 

@@ -1,5 +1,5 @@
 """The agent benchmark's five arms, one class each (what each arm is and why:
-:mod:`bench_agent`'s module doc).
+:mod:`benchmarks.bench_agent`'s module doc).
 
 Contract of an :class:`Arm`: built on a running fleet (:class:`ArmSetup`: its P, D
 and kvpilot router, the arm's ``cache_salt``); :meth:`Arm.running` starts what the
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from agent import workload as aw
-from agent.vllm_router_arm import running_vllm_router
+from benchmarks.agent import workload as aw
+from benchmarks.agent.vllm_router_arm import running_vllm_router
 from kvpilot.deploy.agent_session import prefill_then_decode
 from kvpilot.deploy.client import Completion, complete
 
@@ -36,7 +36,7 @@ VLLM_ROUTER_PORT = 9420
 
 
 class FleetName(enum.Enum):
-    """The two fleets of the run (see :mod:`bench_agent`)."""
+    """The two fleets of the run (see :mod:`benchmarks.bench_agent`)."""
 
     N = "N"
     """Plain NixlConnector engines: the reference, the calibration and arms a-d."""

@@ -16,7 +16,7 @@ Correctness: a reference trajectory is computed first on one engine of fleet N
 (D, co-located use, a fresh ``cache_salt`` per request: no cache). Step k's reference
 tokens feed step k+1's history in every arm, so all arms send the same prompts and
 an arm's wrong output is counted, not propagated. Correctness is decided on tokens
-(:mod:`agent.correctness`): an output is wrong where its first greedy token that differs
+(:mod:`benchmarks.agent.correctness`): an output is wrong where its first greedy token that differs
 from the reference's sits where the reference's top-2 margin (its chosen token's lead
 over the runner-up; the reference asks for two top logprobs) exceeds the measured
 noise; a flip where that margin is within the noise is a tie, counted apart. The noise
@@ -112,10 +112,10 @@ load's full results go to ``--out`` with ``-sN`` before the suffix, the sweep's 
 The arms are the classes of :mod:`agent_arms`; what a run measured, judged and
 summarized is :mod:`agent_results`; the report, plot and JSON are :mod:`agent_output`.
 
-    python benchmarks/bench_agent.py                            # 4 x 20 steps, 1 repeat
-    python benchmarks/bench_agent.py --sessions 2 --steps 4    # a quick check
-    python benchmarks/bench_agent.py --repeats 3 --handicap-arm # medians of 3, and (f)
-    python benchmarks/bench_agent.py --steps 6 --arms ce --sessions-sweep 1,2,4 --ttft-slo 2 --tpot-slo 0.5
+    python -m benchmarks.bench_agent                            # 4 x 20 steps, 1 repeat
+    python -m benchmarks.bench_agent --sessions 2 --steps 4    # a quick check
+    python -m benchmarks.bench_agent --repeats 3 --handicap-arm # medians of 3, and (f)
+    python -m benchmarks.bench_agent --steps 6 --arms ce --sessions-sweep 1,2,4 --ttft-slo 2 --tpot-slo 0.5
 
 ``--repeats`` defaults to 1 (a quick run: no spread). The README's table was measured
 with one repeat, in the fixed order a-d then e and with fleet K's threshold pinned at
@@ -139,15 +139,12 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from fleet.goodput import ATTAINMENT
-from provenance import provenance
-
-from agent import goodput as agent_goodput
-from agent import schedule as agent_schedule
-from agent import workload as aw
-from agent.arms import ARMS, Arm, ArmSetup, FleetName, Served
-from agent.output import print_report, write_outputs
-from agent.results import (
+from benchmarks.agent import goodput as agent_goodput
+from benchmarks.agent import schedule as agent_schedule
+from benchmarks.agent import workload as aw
+from benchmarks.agent.arms import ARMS, Arm, ArmSetup, FleetName, Served
+from benchmarks.agent.output import print_report, write_outputs
+from benchmarks.agent.results import (
     HANDICAP_ARM,
     ArmResult,
     BenchConfig,
@@ -158,6 +155,8 @@ from agent.results import (
     counters,
     judge_run,
 )
+from benchmarks.fleet.goodput import ATTAINMENT
+from benchmarks.provenance import provenance
 from kvpilot.deploy import fleet as fleet_io
 from kvpilot.deploy.agent_session import prefill_then_decode
 from kvpilot.deploy.client import Completion, complete

@@ -21,9 +21,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from fleet.goodput import ATTAINMENT
-
-from agent.results import ArmResult
+from benchmarks.agent.results import ArmResult
+from benchmarks.fleet.goodput import ATTAINMENT
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
-from provenance import describe, provenance
-
-from agent import workload as aw
-from agent.arms import Kvpilot
-from agent.results import STALL_S, TPOT, ArmResult, Run, RunSummary
+from benchmarks.agent import workload as aw
+from benchmarks.agent.arms import Kvpilot
+from benchmarks.agent.results import STALL_S, TPOT, ArmResult, Run, RunSummary
+from benchmarks.provenance import describe, provenance, recorded_argv
 
 
 def finite(obj: Any) -> Any:
@@ -55,7 +53,7 @@ def headline_table(
     summaries: dict[str, dict[str, Any]], report_steps: list[int], total_requests: int, tolerance: float | None = None
 ) -> str:
     """Per arm, the median over its repeats of each headline figure, with its range; wrong
-    outputs and ties (:mod:`agent.correctness`) beside the distribution of the arm's max
+    outputs and ties (:mod:`benchmarks.agent.correctness`) beside the distribution of the arm's max
     |logprob diff| over all its answers. ``tolerance``: a results file judged before
     correctness was decided on tokens (wrong = a max |logprob diff| over ``tolerance``),
     which recorded neither ties nor that distribution."""
@@ -297,7 +295,7 @@ def result_json(run: Run, judged: RunSummary) -> dict[str, Any]:
     ``per_step`` and ``requests``: per arm a list, one entry per repeat in repeat order."""
     config, wspec = run.config, run.config.workload
     return {
-        "run": {"argv": sys.argv},
+        "run": {"argv": recorded_argv()},
         "report_steps": judged.report_steps,
         "total_requests": config.sessions * config.steps,
         "config": {

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent import workload as aw
-from agent.correctness import Verdict, judge_output
-from agent.schedule import Spread
+from benchmarks.agent import workload as aw
+from benchmarks.agent.correctness import Verdict, judge_output
+from benchmarks.agent.schedule import Spread
 from kvpilot.deploy.client import Completion
 from kvpilot.deploy.metrics import Samples, delta
 from kvpilot.kvconnectors import vllm_metrics as vm
@@ -78,7 +78,7 @@ class Outcome:
     route: str | None = None
     ttft: float | None = None
     verdict: Verdict | None = None
-    """Against the reference (:mod:`agent.correctness`; None until judged, or for no answer)."""
+    """Against the reference (:mod:`benchmarks.agent.correctness`; None until judged, or for no answer)."""
     p_seconds: float | None = None
     """P's half of the latency (the arms that proxy P->D themselves)."""
     first_mismatch: int | None = None
@@ -153,7 +153,7 @@ class Run:
 
 
 HANDICAP_ARM = "f"
-"""The arm that is (c) on engines that keep their thread binding (see :mod:`bench_agent`)."""
+"""The arm that is (c) on engines that keep their thread binding (see :mod:`benchmarks.bench_agent`)."""
 HANDICAPPED_ARM = "c"
 KVPILOT_ARM = "e"
 
@@ -199,7 +199,7 @@ def counters(before: dict[str, Samples], after: dict[str, Samples], decode: str)
 
 def judge(result: ArmResult, reference: dict[Key, Completion], generated: int, noise: float) -> None:
     """Each outcome's verdict against the reference, given the logprob noise of a
-    known-correct path (:func:`agent.correctness.judge_output`), and its TTFT estimate."""
+    known-correct path (:func:`benchmarks.agent.correctness.judge_output`), and its TTFT estimate."""
     tpots = [c.tpot for c in result.steps.values() if c.tpot is not None]
     arm_tpot = statistics.fmean(tpots) if tpots else 0.0
     for o in result.outcomes:

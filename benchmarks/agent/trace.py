@@ -26,7 +26,7 @@ follows by an exponential gap of mean ``human_gap_s`` (the article's section 5.3
 of seconds, human gaps of tens of seconds to minutes).
 Pure but for :func:`main`, which writes the trace.
 
-    python benchmarks/make_agent_trace.py --sessions 64 --steps 20 --out /tmp/agent-trace.jsonl
+    python -m benchmarks.make_agent_trace --sessions 64 --steps 20 --out /tmp/agent-trace.jsonl
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from fleet.trace import TRACE_BLOCK_TOKENS, TraceRequest
+
+from benchmarks.fleet.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 
 @dataclass(frozen=True, slots=True)

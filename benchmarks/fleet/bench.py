@@ -40,8 +40,8 @@ idle worker), as the simulator's goodput judges its runs, so that ``sim_live.py`
 like with like; ``--ttft-slo`` and ``--itl-slo`` set absolute ones. ``--rate-sweep`` runs
 every arm at more rates and gives each arm's goodput.
 
-    python benchmarks/bench_fleet.py --workers 4 --max-requests 200
-    python benchmarks/bench_fleet.py --prefill 16 --decode 48 --rate-scale 4 --json out.json
+    python -m benchmarks.bench_fleet --workers 4 --max-requests 200
+    python -m benchmarks.bench_fleet --prefill 16 --decode 48 --rate-scale 4 --json out.json
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ import asyncio
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -62,16 +61,15 @@ from typing import Any
 
 import psutil  # type: ignore[import-untyped]  # ships no stubs; its types are not installed here
 import yaml
-from agent.output import finite
-from provenance import describe, provenance
 
-from fleet import floor as fleet_floor
-from fleet.arms import TUNED_DISAGG_FLAGS, TUNED_FLAGS, Arm, ArmName, arms
-from fleet.events import EventTap, StoredPromptBlocks
-from fleet.goodput import ATTAINMENT, ITL_SLO_X, TTFT_SLO_X, Slo, SweepPoint, attainment, goodput
-from fleet.replay import Connections, Send, body, headers, replay
-from fleet.results import Outcome, ReuseCounts, reuse_from_computed, summarize
-from fleet.trace import (
+from benchmarks.agent.output import finite
+from benchmarks.fleet import floor as fleet_floor
+from benchmarks.fleet.arms import TUNED_DISAGG_FLAGS, TUNED_FLAGS, Arm, ArmName, arms
+from benchmarks.fleet.events import EventTap, StoredPromptBlocks
+from benchmarks.fleet.goodput import ATTAINMENT, ITL_SLO_X, TTFT_SLO_X, Slo, SweepPoint, attainment, goodput
+from benchmarks.fleet.replay import Connections, Send, body, headers, replay
+from benchmarks.fleet.results import Outcome, ReuseCounts, reuse_from_computed, summarize
+from benchmarks.fleet.trace import (
     TRACES_DIR,
     PromptShape,
     PromptSynth,
@@ -82,6 +80,7 @@ from fleet.trace import (
     prompt_block_digests,
     reuse_ceiling,
 )
+from benchmarks.provenance import describe, provenance, recorded_argv
 from kvpilot.deploy import dynamo_fleet
 from kvpilot.deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting, router_plan
 from kvpilot.deploy.fleet import Fleet, RunningProcess, down, start_replica, stop_group
@@ -613,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         **results,
         "run": {
-            "argv": sys.argv,
+            "argv": recorded_argv(),
             "workload": described,
             "fleet": counts,
             "speedup": args.speedup,

@@ -1,17 +1,17 @@
 """Each arm's live goodput bracketed, then bisected, on the article's agent
 (``live_goodput.py``)::
 
-    python benchmarks/live_goodput.py --workers 16 --sessions 16,32,64 --out-dir /tmp/live
+    python -m benchmarks.live_goodput --workers 16 --sessions 16,32,64 --out-dir /tmp/live
 
 The load is the number of agent sessions starting within :data:`START_WINDOW_S` (as
 ``make bench``'s live sweep sets it: a session's steps then follow each other, so the sessions
 live at once set the rate). Every arm runs at each grid load, one ``bench_fleet.py`` run per
 load (the arms one after another on the same fleet and requests). Then each arm alone, at
-loads chosen by :func:`next_load`, until its bracket (:class:`fleet.goodput.GoodputBounds`)
+loads chosen by :func:`next_load`, until its bracket (:class:`benchmarks.fleet.goodput.GoodputBounds`)
 is as narrow as ``--resolution`` or its runs are spent: an open bracket is widened (twice the
 highest load when the arm never missed, half the lowest when it missed from the start), a
 closed one split at its loads' geometric middle. A ratio is printed only as the brackets
-support it (:func:`fleet.goodput.at_least`).
+support it (:func:`benchmarks.fleet.goodput.at_least`).
 """
 
 from __future__ import annotations
@@ -25,14 +25,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from agent.trace import AgentShape, agent_trace, to_jsonl
-from provenance import describe, provenance
-
-from fleet.goodput import GoodputBounds, SweepPoint, at_least, bounds
+from benchmarks.agent.trace import AgentShape, agent_trace, to_jsonl
+from benchmarks.fleet.goodput import GoodputBounds, SweepPoint, at_least, bounds
+from benchmarks.provenance import ROOT, describe, provenance, recorded_argv
 
 START_WINDOW_S = 20.0
 """The sessions start at exponential gaps within about this long (``make bench``'s live sweep)."""
-BENCHMARKS = Path(__file__).resolve().parents[1]
 
 
 def next_load(loads: dict[float, int], found: GoodputBounds, resolution: float, most: int) -> int | None:
@@ -61,12 +59,12 @@ def run_load(args: argparse.Namespace, sessions: int, arms: list[str]) -> Path:
     out: Path = args.out_dir / f"fleet-agent-{args.workers}-s{sessions}-{'+'.join(arms)}.json"
     command = [
         sys.executable,
-        str(BENCHMARKS / "bench_fleet.py"),
+        *("-m", "benchmarks.bench_fleet"),
         *("--trace", str(trace), "--workers", str(args.workers), "--max-requests", "100000"),
         *("--tokens-per-hash", "128", "--speedup", "1", "--arms", ",".join(arms), "--json", str(out)),
     ]
     print(f"[live_goodput] {sessions} sessions: {', '.join(arms)}", flush=True)
-    subprocess.run(command, check=True)
+    subprocess.run(command, cwd=ROOT, check=True)
     return out
 
 
@@ -134,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "at_least": {a: at_least(found["kvpilot"], found[a]) for a in others},
         "resolution": args.resolution,
         "workers": args.workers,
-        "run": {"argv": sys.argv},
+        "run": {"argv": recorded_argv()},
         "provenance": provenance(),
     }
     args.json.write_text(json.dumps(result, indent=2))

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from fleet.trace import block_digest
+from benchmarks.fleet.trace import block_digest
 from kvpilot.routing.index.events import BlockStored, EventDecoder
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fleet.trace import FIRST_ORDINARY_ID
+from benchmarks.fleet.trace import FIRST_ORDINARY_ID
 from kvpilot.policies.measured_fit import PREFILL_SPREAD_FEATURE, LinearFit, prefill_features
 
 QUANTILES = (0.0, 0.25, 0.5, 0.75, 1.0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fleet.results import Outcome
+from benchmarks.fleet.results import Outcome
 
 ATTAINMENT = 0.9
 """DistServe's SLO attainment target: 90% of requests within both SLOs."""

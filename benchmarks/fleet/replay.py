@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from fleet.results import Outcome
+from benchmarks.fleet.results import Outcome
 from kvpilot.routing.decide.sessions import HEADER as KVPILOT_SESSION_HEADER
 
 JSON = {"Content-Type": "application/json"}

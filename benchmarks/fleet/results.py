@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agent.results import pct
+from benchmarks.agent.results import pct
 
 REQUIRED_KEYS = (
     "ttft_mean_s",

@@ -37,8 +37,8 @@ Index memory per (block, worker) entry (:mod:`scale_memory`, one process per bac
 shape and way of measuring), against Dynamo's figure (dynamo#11225: about 17 B at its
 floor, 31 B in RSS).
 
-    python benchmarks/bench_router_scale.py --workers 16,64,256 --json /tmp/kvpilot-bench-scale.json
-    python benchmarks/bench_router_scale.py --workers 256 --backend dynamo --memory-blocks 0
+    python -m benchmarks.bench_router_scale --workers 16,64,256 --json /tmp/kvpilot-bench-scale.json
+    python -m benchmarks.bench_router_scale --workers 256 --backend dynamo --memory-blocks 0
 """
 
 from __future__ import annotations
@@ -60,9 +60,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from agent.output import finite
-from provenance import describe, provenance
 
+from benchmarks.agent.output import finite
+from benchmarks.provenance import ROOT, describe, provenance, recorded_argv
+from benchmarks.scale.results import histogram_delta
 from kvpilot.deploy import dynamo_fleet
 from kvpilot.deploy.dynamo_spec import DynamoFleetSpec
 from kvpilot.deploy.fleet import Fleet, down
@@ -70,9 +71,7 @@ from kvpilot.deploy.fleet_spec import HOST
 from kvpilot.deploy.metrics import scrape
 from kvpilot.deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
 from kvpilot.routing.config import IndexBackend
-from scale.results import histogram_delta
 
-HERE = Path(__file__).resolve().parent
 PORTS = {"worker_port": 28000, "port_stride": 500, "frontend_port": 27990, "router_port": 27980}
 """This benchmark's ports: the mocker 28000-29499 (its request plane, its workers' KV
 events from 28500, its system server 29000), the frontends 27990 and KV_FRONTEND_PORT,
@@ -359,9 +358,9 @@ def index_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
     for backend in (*(b.value for b in IndexBackend), "radix-tree"):
         for shape in ("distinct", "shared"):
             for how in ("rss", "tracemalloc"):
-                cmd = [sys.executable, str(HERE / "memory.py"), "--backend", backend, "--shape", shape]
+                cmd = [sys.executable, "-m", "benchmarks.scale.memory", "--backend", backend, "--shape", shape]
                 cmd += ["--measure", how, "--workers", str(args.memory_workers), "--blocks", str(args.memory_blocks)]
-                proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
+                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True, timeout=600)
                 rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
                 r = rows[-1]
                 log(f"  memory {backend} {shape} {how}: {r['bytes_per_entry']:.1f} B per entry ({r['entries']})")
@@ -458,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "fleets": results,
         "index_memory": memory,
-        "run": {"argv": sys.argv, "speedup": args.speedup, "limit_ms": args.limit_ms},
+        "run": {"argv": recorded_argv(), "speedup": args.speedup, "limit_ms": args.limit_ms},
         "provenance": run,
     }
     args.json.write_text(json.dumps(finite(out), indent=2))

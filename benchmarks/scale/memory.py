@@ -16,7 +16,7 @@ without kvpilot's wrapper (:mod:`kvpilot.routing.index.dynamo` keeps, per worker
 hashes it holds and their namespaces), the control for Dynamo's own figure. Prints one
 JSON object.
 
-    python benchmarks/scale/memory.py --backend kvpilot --shape shared --measure rss
+    python -m benchmarks.scale.memory --backend kvpilot --shape shared --measure rss
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ import resource
 import sys
 import tracemalloc
 from array import array
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvpilot.routing.config import IndexBackend
 from kvpilot.routing.ids import WorkerId

@@ -17,18 +17,16 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Literal
 
-from fleet.trace import load_trace
-from provenance import describe, provenance
-
-from sim.engine import EngineSpec
-from sim.fleet import DEFAULT_SPEC, INSTANT, KvTransfer, Placement, Pools, RoundRobin, percentile, simulate
-from sim.kvpilot import KvpilotPlacement
+from benchmarks.fleet.trace import load_trace
+from benchmarks.provenance import describe, provenance, recorded_argv
+from benchmarks.sim.engine import EngineSpec
+from benchmarks.sim.fleet import DEFAULT_SPEC, INSTANT, KvTransfer, Placement, Pools, RoundRobin, percentile, simulate
+from benchmarks.sim.kvpilot import KvpilotPlacement
 
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "reuse")
 DYNAMO_WEIGHTS = {"session_affinity_credit": 0.0, "session_residency_weight": 0.0, "session_stays_unless_sooner": False}
@@ -102,7 +100,7 @@ def dynamo_replay(
     kv_event_lag_ms: float = 0.0,
     spec: EngineSpec | None = None,
 ) -> dict[str, float]:
-    """:func:`replay_rows` summarized as :meth:`sim.fleet.Report.summary` is."""
+    """:func:`replay_rows` summarized as :meth:`benchmarks.sim.fleet.Report.summary` is."""
     rows = replay_rows(
         trace, workers, block_size, mode, prefill_workers=prefill_workers, kv_event_lag_ms=kv_event_lag_ms, spec=spec
     )
@@ -110,7 +108,7 @@ def dynamo_replay(
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Replay's per-request records summarized as :meth:`sim.fleet.Report.summary` is (its
+    """Replay's per-request records summarized as :meth:`benchmarks.sim.fleet.Report.summary` is (its
     host-reused tokens: each request's at its first admission, as the simulator counts them)."""
     ttft = [r["ttft_ms"] for r in rows]
     return {
@@ -244,5 +242,5 @@ def main(argv: list[str] | None = None) -> int:
     run = provenance()
     print(describe(run))
     print(table(rows))
-    args.json.write_text(json.dumps({"rows": rows, "run": {"argv": sys.argv}, "provenance": run}, indent=2))
+    args.json.write_text(json.dumps({"rows": rows, "run": {"argv": recorded_argv()}, "provenance": run}, indent=2))
     return 0

@@ -1,4 +1,4 @@
-"""A fleet of :class:`sim.engine.SimEngine` workers in virtual time, fed a Mooncake trace:
+"""A fleet of :class:`benchmarks.sim.engine.SimEngine` workers in virtual time, fed a Mooncake trace:
 the arrivals at their timestamps (times ``1 / arrival_speedup``), each routed on arrival,
 each worker running passes back to back while it has work. Pure and deterministic.
 
@@ -12,7 +12,7 @@ Prompts are named as Dynamo's replay names them: each ``hash_id`` of the trace s
 their whole prefix of hash ids (two requests share a block exactly when they share the hash
 ids up to it).
 
-    python benchmarks/sim_vs_dynamo.py --trace benchmarks/traces/mooncake_conversation_trace.jsonl --workers 16
+    python -m benchmarks.sim_vs_dynamo --trace benchmarks/traces/mooncake_conversation_trace.jsonl --workers 16
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, TraceRequest
-
-from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest
+from benchmarks.fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, TraceRequest
+from benchmarks.sim.engine import EngineSpec, PassResult, SimEngine, SimRequest
 
 PASS_END, KV_EVENTS, HANDOFF, ARRIVAL, WAKE = range(5)
 """Event kinds. Events at one instant are taken in the order they were scheduled; only once
@@ -123,7 +122,7 @@ def block_names(
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (nearest rank, as both sides of :mod:`sim.compare` read it)."""
+    """The ``q`` quantile of ``values`` (nearest rank, as both sides of :mod:`benchmarks.sim.compare` read it)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
@@ -198,7 +197,7 @@ def simulate(
     places each request.
     ``requests_out`` (when given) receives every request, in trace order, as it ended.
     ``tokens_per_hash``: the tokens each hash id stands for, every prompt scaled as the live
-    fleet benchmark's ``--tokens-per-hash`` scales it (:class:`fleet.trace.PromptShape`).
+    fleet benchmark's ``--tokens-per-hash`` scales it (:class:`benchmarks.fleet.trace.PromptShape`).
     ``closed_loop_sessions``: a session's turn is sent when its previous one ended plus the
     gap between their timestamps (as Dynamo's replay sends it); False: at its own timestamp
     (as the live fleet benchmark does)."""

@@ -1,16 +1,16 @@
 """Goodput in virtual time, as DistServe defines it: the highest offered rate at which 90% of
 requests meet both SLOs, at that rate and every slower one. The SLOs are scale-free:
 
-- TTFT at most ``TTFT_SLO_X`` (:mod:`fleet.goodput`) times the request's floor: its prefill alone on an idle worker that
-  holds every block any earlier request of the trace computed (the new tokens' polynomial
-  prefill, :func:`sim.engine.prefill_ms`);
+- TTFT at most ``TTFT_SLO_X`` (:mod:`benchmarks.fleet.goodput`) times the request's floor: its
+  prefill alone on an idle worker that holds every block any earlier request of the trace
+  computed (the new tokens' polynomial prefill, :func:`benchmarks.sim.engine.prefill_ms`);
 - mean inter-token latency at most ``ITL_SLO_X`` times an idle worker's decode step at the
-  request's context (:func:`sim.engine.decode_ms`).
+  request's context (:func:`benchmarks.sim.engine.decode_ms`).
 
 Two workloads, each swept over offered rates (requests over the trace's arrival span):
 
 - a Mooncake trace (no sessions), its arrivals compressed (``--speedups``) on both sides;
-- the article's agent (``--agent``, :mod:`agent.trace`: sessions of 20 steps over a 32,000-token
+- the article's agent (``--agent``, :mod:`benchmarks.agent.trace`: sessions of 20 steps over a 32,000-token
   prefix), ``--sessions-per-worker`` sessions per worker starting within
   :data:`AGENT_START_WINDOW_S` (a session's next step is sent when its previous one ended, plus
   the tool's 2 s), so the load is the number of sessions live at once.
@@ -23,14 +23,14 @@ the agent workload one more arm, ``dynamo_cost_pinned``: Dynamo's cost with its 
 session options, which its replay lacks (:data:`DYNAMO_PINNED_COST`). ``--ablate`` runs
 kvpilot alone with each of its session terms off instead (:data:`ABLATIONS`)::
 
-    python benchmarks/sim_goodput.py --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --workers 64
-    python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 2,3,4,5,6
-    python benchmarks/sim_goodput.py --agent --workers 64 --ablate
-    python benchmarks/sim_goodput.py --agent --workers 64 --sessions-per-worker 4 --search-dynamo '[{}, ...]'
-    python benchmarks/sim_goodput.py --agent --workers 64 --prefill-workers 32
+    python -m benchmarks.sim_goodput --trace benchmarks/traces/mooncake_synthetic_trace.jsonl --workers 64
+    python -m benchmarks.sim_goodput --agent --workers 64 --sessions-per-worker 2,3,4,5,6
+    python -m benchmarks.sim_goodput --agent --workers 64 --ablate
+    python -m benchmarks.sim_goodput --agent --workers 64 --sessions-per-worker 4 --search-dynamo '[{}, ...]'
+    python -m benchmarks.sim_goodput --agent --workers 64 --prefill-workers 32
 
 With ``--prefill-workers`` the fleet is disaggregated (``--workers`` decode workers behind
-that many prefill workers, :mod:`sim.fleet`), on both sides: every request is prefilled on
+that many prefill workers, :mod:`benchmarks.sim.fleet`), on both sides: every request is prefilled on
 P, its KV handed to D (instant unless ``--kv-transfer-gb-s`` and ``--kv-bytes-per-token``
 are given, as in Dynamo's replay), and a request's floor adds the handoff and D's first step.
 """
@@ -42,7 +42,6 @@ import enum
 import json
 import math
 import statistics
-import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -50,16 +49,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from agent.trace import AgentShape, agent_trace, to_jsonl
-from fleet.goodput import ATTAINMENT, ITL_SLO_X, TTFT_SLO_X, GoodputBounds, SweepPoint, at_least, bounds
-from fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, TraceRequest, load_trace
-from provenance import describe, provenance
-
+from benchmarks.agent.trace import AgentShape, agent_trace, to_jsonl
+from benchmarks.fleet.goodput import ATTAINMENT, ITL_SLO_X, TTFT_SLO_X, GoodputBounds, SweepPoint, at_least, bounds
+from benchmarks.fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, TraceRequest, load_trace
+from benchmarks.provenance import describe, provenance, recorded_argv
+from benchmarks.sim.compare import DYNAMO_WEIGHTS, RouterMode, replay_rows
+from benchmarks.sim.engine import (
+    EngineSpec,
+    SimRequest,
+    decode_ms,
+    prefill_ms,
+    recompute_ms_per_block,
+    restore_ms_per_block,
+)
+from benchmarks.sim.fleet import DEFAULT_SPEC, KvTransfer, Pools, percentile, simulate
+from benchmarks.sim.kvpilot import KvpilotPlacement
 from kvpilot.policies.tier_credit import restore_credit
-from sim.compare import DYNAMO_WEIGHTS, RouterMode, replay_rows
-from sim.engine import EngineSpec, SimRequest, decode_ms, prefill_ms, recompute_ms_per_block, restore_ms_per_block
-from sim.fleet import DEFAULT_SPEC, KvTransfer, Pools, percentile, simulate
-from sim.kvpilot import KvpilotPlacement
 
 SPEEDUPS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 SESSIONS_PER_WORKER = (0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
@@ -125,7 +130,7 @@ def floor(
     an earlier request of the trace already had, at most its last token's block. With a
     ``handoff`` (a disaggregated fleet), plus its KV's move to D and D's first step.
     ``tokens_per_hash``: the tokens each hash id stands for, every prompt scaled as the live
-    fleet benchmark scales it (:class:`fleet.trace.PromptShape`)."""
+    fleet benchmark scales it (:class:`benchmarks.fleet.trace.PromptShape`)."""
     seen: set[tuple[int, ...]] = set()
     ttft, itl = [], []
     capacity = spec.num_gpu_blocks * spec.block_size
@@ -395,7 +400,7 @@ def sweep(points: Sequence[Point], pools: Pools, arms: dict[str, Arm]) -> dict[s
 
 
 def arm_bounds(rows: Sequence[dict[str, Any]]) -> GoodputBounds:
-    """The goodput bracket of one arm's rows (:func:`fleet.goodput.bounds`)."""
+    """The goodput bracket of one arm's rows (:func:`benchmarks.fleet.goodput.bounds`)."""
     return bounds([SweepPoint(r["rate_rps"], r["attainment"]) for r in rows])
 
 
@@ -438,7 +443,7 @@ def best_dynamo_arm(found: dict[str, GoodputBounds], tuned: bool) -> str:
 
 def ratios(points: dict[str, list[dict[str, Any]]], baseline: str) -> dict[str, Any]:
     """kvpilot's goodput against ``baseline``'s as the brackets allow
-    (:func:`fleet.goodput.at_least`: ``None`` when the baseline never missed), and kvpilot's
+    (:func:`benchmarks.fleet.goodput.at_least`: ``None`` when the baseline never missed), and kvpilot's
     mean TTFT over the baseline's at the baseline's goodput rate (at its slowest rate when
     the baseline has no goodput)."""
     ours, theirs = points["kvpilot"], points[baseline]
@@ -581,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "agent": {"steps_per_turn": args.steps_per_turn, "human_gap_s": args.human_gap_s} if args.agent else None,
         "dynamo_router_config": tuned,
-        "run": {"argv": sys.argv},
+        "run": {"argv": recorded_argv()},
         "provenance": provenance(),
     }
     args.json.write_text(json.dumps(result, indent=2))

@@ -22,8 +22,10 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from fleet.trace import TRACE_BLOCK_TOKENS
 
+from benchmarks.fleet.trace import TRACE_BLOCK_TOKENS
+from benchmarks.sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, Stored
+from benchmarks.sim.fleet import Placed
 from kvpilot.routing.config import RouterConfig, prior_model
 from kvpilot.routing.decide.ledger import LoadLedger
 from kvpilot.routing.decide.lifecycle import Clock, Lifecycle, Ticket
@@ -36,8 +38,6 @@ from kvpilot.routing.health.pair_health import PairHealth
 from kvpilot.routing.ids import SessionId, WorkerId
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.index.events import BlockRemoved, BlockStored
-from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, Stored
-from sim.fleet import Placed
 
 GPU_MEDIUM = "GPU"
 HOST_MEDIUM = "CPU_PINNED"

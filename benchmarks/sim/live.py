@@ -8,7 +8,7 @@ Each live arm is predicted by its counterpart in virtual time:
 - ``dynamo_kv``: Dynamo's replay with its KV router at its defaults;
 - ``dynamo_kv_tuned``: the live arm's options have Dynamo's hard session affinity, which its
   replay lacks; on a trace with sessions it is predicted by Dynamo's cost with that affinity
-  and the arm's request weight in the simulator (:data:`sim.goodput.DYNAMO_PINNED_COST`'s
+  and the arm's request weight in the simulator (:data:`benchmarks.sim.goodput.DYNAMO_PINNED_COST`'s
   form), else by Dynamo's replay with the arm's options;
 - ``dynamo_round_robin``: round robin in the simulator.
 
@@ -19,12 +19,12 @@ costs, so its TTFT is compared with both.
 
 Where the run judged its arms by scale-free SLOs (``bench_fleet.py``'s default: each
 request's measured floor), each arm's SLO attainment is predicted too, on the simulator's
-own floor (:func:`sim.goodput.floor`): scale-free on both sides, so a fleet of any speed is
+own floor (:func:`benchmarks.sim.goodput.floor`): scale-free on both sides, so a fleet of any speed is
 judged alike. Given the runs of a sweep (one per offered load, e.g. the agent trace with 1, 2
 and 4 sessions per worker), each arm's goodput, live and predicted::
 
-    python benchmarks/sim_live.py /tmp/kvpilot-bench-fleet-agent.json
-    python benchmarks/sim_live.py /tmp/live/agent-16-s1.json /tmp/live/agent-16-s2.json /tmp/live/agent-16-s4.json
+    python -m benchmarks.sim_live /tmp/kvpilot-bench-fleet-agent.json
+    python -m benchmarks.sim_live /tmp/live/agent-16-s1.json /tmp/live/agent-16-s2.json /tmp/live/agent-16-s4.json
 """
 
 from __future__ import annotations
@@ -33,21 +33,19 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from fleet.arms import SESSION_REQUEST_WEIGHT
-from fleet.goodput import SweepPoint, goodput
-from fleet.trace import PromptShape, TraceRequest, load_trace
-from provenance import describe, provenance
-
-from sim.compare import DYNAMO_WEIGHTS, replay_rows
-from sim.engine import EngineSpec, SimRequest
-from sim.fleet import Placement, RoundRobin, simulate
-from sim.goodput import arrival_order, attainment, floor, request_times
-from sim.kvpilot import KvpilotPlacement
+from benchmarks.fleet.arms import SESSION_REQUEST_WEIGHT
+from benchmarks.fleet.goodput import SweepPoint, goodput
+from benchmarks.fleet.trace import PromptShape, TraceRequest, load_trace
+from benchmarks.provenance import describe, provenance, recorded_argv
+from benchmarks.sim.compare import DYNAMO_WEIGHTS, replay_rows
+from benchmarks.sim.engine import EngineSpec, SimRequest
+from benchmarks.sim.fleet import Placement, RoundRobin, simulate
+from benchmarks.sim.goodput import arrival_order, attainment, floor, request_times
+from benchmarks.sim.kvpilot import KvpilotPlacement
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -201,7 +199,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def goodputs(runs: list[list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    """Each arm's goodput over the runs of a sweep (:func:`fleet.goodput.goodput`, at each
+    """Each arm's goodput over the runs of a sweep (:func:`benchmarks.fleet.goodput.goodput`, at each
     run's offered rate), live and predicted; arms without attainment in every run are left out."""
     out: dict[str, dict[str, float]] = {}
     arms = {row["arm"] for rows in runs for row in rows}
@@ -262,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     found = goodputs(predicted) if len(predicted) > 1 else {}
     run = provenance()
-    out = {"runs": runs, "goodput": found, "run": {"argv": sys.argv}, "provenance": run}
+    out = {"runs": runs, "goodput": found, "run": {"argv": recorded_argv()}, "provenance": run}
     args.json.write_text(json.dumps(out, indent=2))
     print(describe(run))
     print(tables(out))

@@ -1,4 +1,4 @@
-"""The agent benchmark's verdict on tokens (:mod:`agent.correctness`): a greedy token
+"""The agent benchmark's verdict on tokens (:mod:`benchmarks.agent.correctness`): a greedy token
 that differs from the reference's is wrong where the reference led by more than the
 noise, a tie where it led by less; logprobs alone decide nothing. And the client's
 top-2 margins, which the reference is judged by."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from agent.correctness import Verdict, judge_output
 
+from benchmarks.agent.correctness import Verdict, judge_output
 from kvpilot.deploy.client import Completion, _Parsed
 
 NOISE = 0.03

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from agent.goodput import LoadPoint, goodput, load_point, table
-from agent.results import ArmResult, Outcome, StepCounters
+
+from benchmarks.agent.goodput import LoadPoint, goodput, load_point, table
+from benchmarks.agent.results import ArmResult, Outcome, StepCounters
 
 
 def _result(requests_per_step: int, walls: list[float]) -> ArmResult:

@@ -10,11 +10,11 @@ import math
 from pathlib import Path
 
 import pytest
-from agent.bench import at_load
-from agent.correctness import Verdict
-from agent.output import finite, headline_table, result_json, results_table
-from agent.results import ArmResult, BenchConfig, Outcome, Run, StepCounters, calibration_noise, judge_run
 
+from benchmarks.agent.bench import at_load
+from benchmarks.agent.correctness import Verdict
+from benchmarks.agent.output import finite, headline_table, result_json, results_table
+from benchmarks.agent.results import ArmResult, BenchConfig, Outcome, Run, StepCounters, calibration_noise, judge_run
 from kvpilot.deploy.client import Completion
 
 GENERATED = 4

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from agent.schedule import Spread, describe, plan
+
+from benchmarks.agent.schedule import Spread, describe, plan
 
 ARMS = {"N": ["a", "b", "c", "d"], "K": ["e"], "B": ["f"]}
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from agent.trace import AgentShape, agent_trace, hash_ids, main, to_jsonl
-from fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, PromptSynth, load_trace, reuse_ceiling
+
+from benchmarks.agent.trace import AgentShape, agent_trace, hash_ids, main, to_jsonl
+from benchmarks.fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, PromptSynth, load_trace, reuse_ceiling
 
 SMALL = AgentShape(sessions=3, steps=4, shared_prefix=1_300, task=100, call=150, tool_output=600, seed=5)
 

@@ -3,7 +3,7 @@ model's text resent as reasoning before each tool call, and the three edits."""
 
 from __future__ import annotations
 
-from agent import workload as aw
+from benchmarks.agent import workload as aw
 
 
 def _run(spec: aw.WorkloadSpec) -> aw.Workload:

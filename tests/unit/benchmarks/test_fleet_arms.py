@@ -2,8 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fleet.arms import SESSION_FLAGS, TUNED_DISAGG_FLAGS, TUNED_FLAGS, ArmName, arms
-
+from benchmarks.fleet.arms import SESSION_FLAGS, TUNED_DISAGG_FLAGS, TUNED_FLAGS, ArmName, arms
 from kvpilot.deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting
 
 

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from fleet.events import StoredPromptBlocks
-from fleet.trace import PromptShape, PromptSynth, TraceRequest, prompt_block_digests
+from benchmarks.fleet.events import StoredPromptBlocks
+from benchmarks.fleet.trace import PromptShape, PromptSynth, TraceRequest, prompt_block_digests
 
 
 def test_only_blocks_of_the_prompts_count_as_computed_prompt_blocks():

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import pytest
-from fleet.floor import REPEATS, Floor, calibration_lengths, calibration_prompt, fit, floor_ttfts, measure, reachable
-from fleet.trace import FIRST_ORDINARY_ID, PromptShape, PromptSynth
+
+from benchmarks.fleet.floor import (
+    REPEATS,
+    Floor,
+    calibration_lengths,
+    calibration_prompt,
+    fit,
+    floor_ttfts,
+    measure,
+    reachable,
+)
+from benchmarks.fleet.trace import FIRST_ORDINARY_ID, PromptShape, PromptSynth
 
 
 def _ttft(tokens: int) -> float:

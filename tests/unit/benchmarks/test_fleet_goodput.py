@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fleet.goodput import ITL_SLO_X, TTFT_SLO_X, Slo, SweepPoint, attainment, goodput
-from fleet.results import Outcome
+from benchmarks.fleet.goodput import ITL_SLO_X, TTFT_SLO_X, Slo, SweepPoint, attainment, goodput
+from benchmarks.fleet.results import Outcome
 
 SLO = Slo(ttft_s=0.1, itl_s=0.01)
 
@@ -37,8 +37,8 @@ def test_scale_free_slos_judge_each_request_by_its_own_floor() -> None:
 
 
 def test_the_live_bisection_widens_an_open_bracket_and_splits_a_closed_one() -> None:
-    from fleet.bisect import next_load
-    from fleet.goodput import GoodputBounds
+    from benchmarks.fleet.bisect import next_load
+    from benchmarks.fleet.goodput import GoodputBounds
 
     loads = {5.2: 16, 10.5: 32, 22.4: 64}
     assert next_load(loads, GoodputBounds(22.4, float("inf"), True), 0.05, 512) == 128  # never missed: twice the top

@@ -2,8 +2,7 @@ from __future__ import annotations
 
 import json
 
-from fleet.replay import DYNAMO_SESSION_HEADER, JSON, body, headers
-
+from benchmarks.fleet.replay import DYNAMO_SESSION_HEADER, JSON, body, headers
 from kvpilot.routing.decide.sessions import HEADER
 
 

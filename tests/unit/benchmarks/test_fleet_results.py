@@ -3,7 +3,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from fleet.results import REQUIRED_KEYS, Outcome, ReuseCounts, reuse_from_computed, summarize
+
+from benchmarks.fleet.results import REQUIRED_KEYS, Outcome, ReuseCounts, reuse_from_computed, summarize
 
 
 def test_ttft_and_itl_of_one_request():

@@ -3,7 +3,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from fleet.trace import (
+
+from benchmarks.fleet.trace import (
     FIRST_ORDINARY_ID,
     TRACES_DIR,
     PromptShape,

@@ -1,10 +1,11 @@
 """Every measured number on the README and the benchmark pages is what a named field of a
-named results file renders (:mod:`page_numbers`), and no other figure passes for it."""
+named results file renders (:mod:`benchmarks.page_numbers`), and no other figure passes for it."""
 
 from __future__ import annotations
 
 import pytest
-from page_numbers import PAGES, README, ROOT, Marked, check, markers, perturbed, render, unsourced, wrong
+
+from benchmarks.page_numbers import PAGES, README, ROOT, Marked, check, markers, perturbed, render, unsourced, wrong
 
 MARKED = [m for page in PAGES for m in markers(page)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from provenance import describe, provenance
+from benchmarks.provenance import describe, provenance
 
 
 def test_a_run_records_its_date_commit_and_hardware() -> None:
@@ -20,7 +20,7 @@ def test_a_run_records_its_date_commit_and_hardware() -> None:
 def test_every_committed_results_file_comes_from_a_clean_tree() -> None:
     """A number on a page is rendered from a committed results file (issue 41 item 6): each
     names the commit it ran at, never one with uncommitted changes (``+dirty``)."""
-    from report import RESULTS_DIR
+    from benchmarks.report import RESULTS_DIR
 
     dirty = {
         path.name: commit

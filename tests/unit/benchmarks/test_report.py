@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from report import RESULTS_DIR, render, table_for
+
+from benchmarks.report import RESULTS_DIR, render, table_for
 
 RESULTS = sorted(RESULTS_DIR.glob("*.json"))
 
@@ -18,4 +19,4 @@ def test_there_are_results_to_quote() -> None:
 def test_each_committed_table_is_what_its_results_file_renders(path) -> None:
     results = json.loads(path.read_text())
     assert {"date", "commit", "hardware"} <= set(results["provenance"])  # where and when it ran
-    assert table_for(path).read_text() == render(results), f"run: python benchmarks/report.py {path}"
+    assert table_for(path).read_text() == render(results), f"run: python -m benchmarks.report {path}"

@@ -3,8 +3,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from scale.results import histogram_delta, quantile
 
+from benchmarks.scale.results import histogram_delta, quantile
 from kvpilot.deploy.metrics import parse
 
 

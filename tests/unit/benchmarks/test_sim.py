@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fleet.trace import TRACES_DIR, load_trace
-from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, prefill_ms
-from sim.fleet import RoundRobin, simulate
+
+from benchmarks.fleet.trace import TRACES_DIR, load_trace
+from benchmarks.sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, prefill_ms
+from benchmarks.sim.fleet import RoundRobin, simulate
 
 
 def test_one_request_alone_pays_its_prefill_then_one_decode_step_a_token() -> None:
@@ -61,9 +62,9 @@ def test_kvpilot_s_router_in_the_simulator_matches_dynamo_s_kv_router_within_fiv
     at random, so its own replays differ (ITL by up to 6% on this slice): kvpilot's figure must
     lie within 5% of the range of five replays."""
     pytest.importorskip("dynamo.replay")
-    from sim.compare import DYNAMO_WEIGHTS, dynamo_replay
-    from sim.fleet import DEFAULT_SPEC
-    from sim.kvpilot import KvpilotPlacement
+    from benchmarks.sim.compare import DYNAMO_WEIGHTS, dynamo_replay
+    from benchmarks.sim.fleet import DEFAULT_SPEC
+    from benchmarks.sim.kvpilot import KvpilotPlacement
 
     lines = (TRACES_DIR / trace).read_text().splitlines()[:2000]
     path = tmp_path / trace
@@ -84,9 +85,9 @@ def test_a_disaggregated_fleet_matches_dynamo_s_replay(routing: str, tmp_path: P
     five of Dynamo's KV router replays (both break ties at random; its decode router weighs
     load alone, kvpilot's the pair's cost)."""
     pytest.importorskip("dynamo.replay")
-    from sim.compare import DYNAMO_WEIGHTS, replay_rows
-    from sim.fleet import DEFAULT_SPEC, KvTransfer
-    from sim.kvpilot import KvpilotPlacement
+    from benchmarks.sim.compare import DYNAMO_WEIGHTS, replay_rows
+    from benchmarks.sim.fleet import DEFAULT_SPEC, KvTransfer
+    from benchmarks.sim.kvpilot import KvpilotPlacement
 
     lines = (TRACES_DIR / "mooncake_conversation_trace.jsonl").read_text().splitlines()[:600]
     path = tmp_path / "slice.jsonl"
@@ -119,8 +120,8 @@ def test_a_disaggregated_fleet_matches_dynamo_s_replay(routing: str, tmp_path: P
 
 
 def test_goodput_is_the_highest_rate_met_by_90_percent_and_every_slower_one() -> None:
-    from fleet.goodput import SweepPoint, goodput
-    from sim.goodput import Floor, attainment
+    from benchmarks.fleet.goodput import SweepPoint, goodput
+    from benchmarks.sim.goodput import Floor, attainment
 
     def sweep(*points: tuple[float, float]) -> list[SweepPoint]:
         return [SweepPoint(rate, share) for rate, share in points]
@@ -134,8 +135,8 @@ def test_goodput_is_the_highest_rate_met_by_90_percent_and_every_slower_one() ->
 
 
 def test_a_request_s_floor_is_its_new_tokens_prefill_alone() -> None:
-    from fleet.trace import TraceRequest
-    from sim.goodput import floor
+    from benchmarks.fleet.trace import TraceRequest
+    from benchmarks.sim.goodput import floor
 
     first = TraceRequest(0, 1024, 8, (1, 2))
     second = TraceRequest(5, 1536, 8, (1, 2, 3))  # shares 1,024 tokens with the first
@@ -146,9 +147,9 @@ def test_a_request_s_floor_is_its_new_tokens_prefill_alone() -> None:
 
 def _placements(cost: dict[str, object]) -> dict[str, list[int]]:
     """Each session's workers, step by step, for 16 agents on 8 simulated workers."""
-    from agent.trace import AgentShape, agent_trace
-    from sim.fleet import DEFAULT_SPEC
-    from sim.kvpilot import KvpilotPlacement
+    from benchmarks.agent.trace import AgentShape, agent_trace
+    from benchmarks.sim.fleet import DEFAULT_SPEC
+    from benchmarks.sim.kvpilot import KvpilotPlacement
 
     trace = agent_trace(AgentShape(sessions=16, steps=6, shared_prefix=16_000, session_gap_s=0.5))
     placement = KvpilotPlacement(8, DEFAULT_SPEC, cost)
@@ -164,7 +165,7 @@ def test_kvpilot_places_each_agent_for_its_later_steps_and_keeps_it_there() -> N
     """kvpilot's session terms: the 16 agents spread two per worker and never move. With
     Dynamo's cost (kvpilot's session terms off) they pile on the workers that hold the prefix
     and leave them when busy, prefilling their history again elsewhere."""
-    from sim.compare import DYNAMO_WEIGHTS
+    from benchmarks.sim.compare import DYNAMO_WEIGHTS
 
     ours = _placements({})
     assert all(len(set(workers)) == 1 for workers in ours.values())
@@ -178,8 +179,8 @@ def test_kvpilot_places_each_agent_for_its_later_steps_and_keeps_it_there() -> N
 def test_a_live_run_is_predicted_arm_by_arm_on_its_scaled_trace(tmp_path: Path) -> None:
     """``sim_live.py`` on a fleet results file: its trace scaled as the run scaled it, each
     arm predicted by its counterpart, next to what the run measured."""
-    from agent.trace import AgentShape, agent_trace, to_jsonl
-    from sim.live import predict, table
+    from benchmarks.agent.trace import AgentShape, agent_trace, to_jsonl
+    from benchmarks.sim.live import predict, table
 
     trace = tmp_path / "agent.jsonl"
     trace.write_text(to_jsonl(agent_trace(AgentShape(sessions=4, steps=3, shared_prefix=4096))))
@@ -215,7 +216,7 @@ def test_a_live_run_is_predicted_arm_by_arm_on_its_scaled_trace(tmp_path: Path) 
 
 
 def test_a_sweep_of_live_runs_gives_each_arm_s_goodput_live_and_predicted() -> None:
-    from sim.live import goodputs
+    from benchmarks.sim.live import goodputs
 
     def row(arm: str, rate: float, live: float, predicted: float) -> dict[str, Any]:
         return {"arm": arm, "live": {"offered_rps": rate, "attainment": live}, "predicted": {"attainment": predicted}}
@@ -231,8 +232,8 @@ def test_a_sweep_of_live_runs_gives_each_arm_s_goodput_live_and_predicted() -> N
 
 
 def test_placement_stats_count_moves_and_the_most_crowded_worker() -> None:
-    from fleet.trace import TraceRequest
-    from sim.goodput import placement_stats, turns
+    from benchmarks.fleet.trace import TraceRequest
+    from benchmarks.sim.goodput import placement_stats, turns
 
     def step(at: int, session: str) -> TraceRequest:
         return TraceRequest(at, 100, 10, (1,), session)
@@ -244,8 +245,8 @@ def test_placement_stats_count_moves_and_the_most_crowded_worker() -> None:
 
 
 def test_kvpilot_is_held_against_dynamo_s_best_arm_a_tie_going_to_the_tuned_one() -> None:
-    from fleet.goodput import GoodputBounds
-    from sim.goodput import best_dynamo_arm
+    from benchmarks.fleet.goodput import GoodputBounds
+    from benchmarks.sim.goodput import best_dynamo_arm
 
     inf = float("inf")
 
@@ -267,7 +268,7 @@ def test_kvpilot_is_held_against_dynamo_s_best_arm_a_tie_going_to_the_tuned_one(
 
 
 def test_a_goodput_bracket_and_the_ratio_it_supports() -> None:
-    from fleet.goodput import SweepPoint, at_least, at_most, bounds
+    from benchmarks.fleet.goodput import SweepPoint, at_least, at_most, bounds
 
     ours = bounds([SweepPoint(5.2, 0.95), SweepPoint(10.5, 0.96), SweepPoint(22.4, 0.95)])
     assert (ours.lower, ours.upper, ours.monotone) == (22.4, float("inf"), True)
@@ -280,7 +281,7 @@ def test_a_goodput_bracket_and_the_ratio_it_supports() -> None:
 
 
 def test_bisection_narrows_a_closed_bracket_to_the_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sim.goodput as module
+    import benchmarks.sim.goodput as module
 
     capacity = 7.3  # an arm that meets the SLOs below this rate and misses from it on
 
@@ -320,8 +321,8 @@ def test_the_host_tier_matches_dynamo_s_replay_with_host_offload_within_five_per
     tokens within 5% of Dynamo's replay; and the host tier changes the result: without it
     reuse falls and no token is restored."""
     pytest.importorskip("dynamo.replay")
-    from agent.trace import AgentShape, agent_trace, to_jsonl
-    from sim.compare import replay_rows, summarize
+    from benchmarks.agent.trace import AgentShape, agent_trace, to_jsonl
+    from benchmarks.sim.compare import replay_rows, summarize
 
     path = tmp_path / "agents.jsonl"
     path.write_text(to_jsonl(agent_trace(AgentShape(sessions=32, steps=8, shared_prefix=2048, tool_output=1000))))
@@ -354,9 +355,8 @@ def test_the_host_tier_s_events_reach_kvpilot_s_index_as_its_host_tier() -> None
     stores or evicts is an event of medium ``CPU_PINNED`` that kvpilot's index applies (none
     is dropped for an unknown parent), so the index holds exactly what the tiers hold; a
     router that does not hear the tier (``hears_host_tier=False``) holds none of it."""
-    from agent.trace import AgentShape, agent_trace
-    from sim.kvpilot import HOST_MEDIUM, KvpilotPlacement
-
+    from benchmarks.agent.trace import AgentShape, agent_trace
+    from benchmarks.sim.kvpilot import HOST_MEDIUM, KvpilotPlacement
     from kvpilot.routing.ids import Tier
 
     class Tally(KvpilotPlacement):

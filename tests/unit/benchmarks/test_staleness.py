@@ -6,14 +6,14 @@ import json
 import subprocess
 from pathlib import Path
 
-from staleness import MEASURES, PAGE, RESULTS_DIR, ROOT, listed, page, stale_files, standing
+from benchmarks.staleness import MEASURES, PAGE, RESULTS_DIR, ROOT, listed, page, stale_files, standing
 
 
 def test_the_stale_page_names_exactly_the_results_older_than_their_code() -> None:
     stale = stale_files()
     named = listed()
     assert named == {s.stem for s in stale}, (
-        f"{PAGE.relative_to(ROOT)} is out of date (run `python benchmarks/staleness.py --write`): "
+        f"{PAGE.relative_to(ROOT)} is out of date (run `python -m benchmarks.staleness --write`): "
         f"stale but not named {sorted({s.stem for s in stale} - named)}, "
         f"named but not stale {sorted(named - {s.stem for s in stale})}"
     )
