@@ -221,6 +221,7 @@ def _series_name(name: str, kind: str) -> str:
 def idle_router() -> RouterServer:
     """A 1 P + 1 D router as it is built, never started: what its registry and routes declare."""
     from kvpilot.routing.config import RouterConfig
+    from kvpilot.routing.core import RouterCore
     from kvpilot.routing.fleet import fleet_from_config
     from kvpilot.routing.serve.app import RouterServer
 
@@ -229,12 +230,12 @@ def idle_router() -> RouterServer:
         {"name": "decode-0", "role": "decode", "url": "http://127.0.0.1:2"},
     ]
     config = msgspec.convert({"workers": workers, "disaggregation": {"model_preset": "llama-8b"}}, RouterConfig)
-    return RouterServer(config, fleet_from_config(config), None, feed_index=False)  # type: ignore[arg-type]
+    return RouterServer(RouterCore(config, fleet_from_config(config)), feed_index=False)
 
 
 def router_metrics(server: RouterServer) -> list[MetricEntry]:
     """The families of ``server``'s ``/metrics`` (no traffic: each family's labels as declared)."""
-    registry = server.metrics.registry
+    registry = server.core.metrics.registry
     entries = []
     for collector in list(registry._collector_to_names):
         wrapped = getattr(collector, "_labelnames", None)

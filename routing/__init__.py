@@ -21,6 +21,9 @@ Packages, pure first (nothing in a pure package imports an I/O one):
 - ``gateway/`` (I/O): the endpoint picker behind Envoy (Envoy's ext_proc and its
   OpenTelemetry access log over gRPC): the router's decision for requests whose streams
   Envoy carries;
+- ``core`` (the composition root): ``RouterCore`` builds the index, the health records,
+  the router, the lifecycle and the intake once, from the config, the fleet and a clock;
+  the HTTP app, the picker's gRPC service and the simulator each take one;
 - ``cli`` (``kvpilot router``).
 
 Block naming: llm-d style, not the engines' hashes

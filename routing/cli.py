@@ -38,6 +38,11 @@ def run_router(args: argparse.Namespace) -> int:
         if not config.server.model_dir:
             raise ConfigError("server.model_dir", "required (the tokenizer lives there)")
         server = build_server(config, fleet)
+        app = server.app()
+        if config.gateway.picker_port:
+            from kvpilot.routing.gateway.service import attach
+
+            attach(app, server.core)
     except (ConfigError, OSError, ValueError) as exc:
         print(f"kvpilot router: {exc}", file=sys.stderr)
         return 2
@@ -51,11 +56,6 @@ def run_router(args: argparse.Namespace) -> int:
     # uvloop's event loop (libuv), as vLLM's API server runs under uvicorn: the router's one
     # loop relays every streamed token of every request.
     loop = uvloop.new_event_loop()
-    app = server.app()
-    if config.gateway.picker_port:
-        from kvpilot.routing.gateway.service import attach
-
-        attach(app, server)
     app.on_startup.append(_settle_gc)
     try:
         web.run_app(app, host=config.server.host, port=config.server.port, print=None, loop=loop)

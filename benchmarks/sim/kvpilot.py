@@ -1,10 +1,10 @@
-"""kvpilot's router in the simulation: :class:`kvpilot.routing.decide.router.Router` unchanged,
-over its own :class:`~kvpilot.routing.index.block_index.BlockIndex` fed the simulated workers'
-KV events (vLLM's ``BlockStored`` / ``BlockRemoved`` structs, as a live router reads them) and
-the live router's own :class:`~kvpilot.routing.decide.lifecycle.Lifecycle` booking each
-request as the relay and Envoy's picker book it (the ledger's dispatch, end of prefill at
-the first token and completion; circuits, pair health, session offers and the session's
-new state at its end), at virtual time.
+"""kvpilot's router in the simulation: the live router's
+:class:`~kvpilot.routing.core.RouterCore`, wired by the same constructor with the virtual time
+as its clock and never started. Its index is fed the simulated workers' KV events (vLLM's
+``BlockStored`` / ``BlockRemoved`` structs, as a live router reads them) and its
+:class:`~kvpilot.routing.decide.lifecycle.Lifecycle` books each request as the relay and
+Envoy's picker book it (the ledger's dispatch, end of prefill at the first token and
+completion; circuits, pair health, session offers and the session's new state at its end).
 
 A request of a session is routed with its session id (the router's session state, affinity
 and resting sessions).
@@ -15,36 +15,33 @@ A request's tokens are what Dynamo's replay synthesizes: each trace hash id repe
 
 from __future__ import annotations
 
-import random
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
+from fleet.trace import TRACE_BLOCK_TOKENS
 
-from benchmarks.fleet.trace import TRACE_BLOCK_TOKENS
-from benchmarks.sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, Stored
-from benchmarks.sim.fleet import Placed
-from kvpilot.routing.config import RouterConfig, prior_model
-from kvpilot.routing.decide.ledger import LoadLedger
-from kvpilot.routing.decide.lifecycle import Clock, Lifecycle, Ticket
-from kvpilot.routing.decide.router import Router, policy_from_config
-from kvpilot.routing.decide.sessions import SessionStore
+from kvpilot.routing.config import RouterConfig
+from kvpilot.routing.core import RouterCore
+from kvpilot.routing.decide.lifecycle import Clock, Ticket
 from kvpilot.routing.fleet import fleet_from_config
-from kvpilot.routing.health.circuit import CircuitBreaker
-from kvpilot.routing.health.event_watch import EventWatch
-from kvpilot.routing.health.pair_health import PairHealth
 from kvpilot.routing.ids import SessionId, WorkerId
-from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.index.events import BlockRemoved, BlockStored
+from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, Stored
+from sim.fleet import Placed
 
 GPU_MEDIUM = "GPU"
 HOST_MEDIUM = "CPU_PINNED"
 """The medium of a worker's host-tier events, as Dynamo's publishers name it
 (``StorageTier::HostPinned``; the router's ``index.tiers`` counts it as ``host``)."""
 SESSIONS = 100_000
-"""Sessions the router keeps (more than any trace here names)."""
+"""Sessions the router keeps (more than any trace here names), with no limit per client."""
+NO_POLLS: dict[str, Any] = {"engine_metrics_interval_s": 0.0}
+"""The ``server`` section: the simulated workers have no ``/metrics`` to poll."""
+PRIORS: dict[str, Any] = {"measured_rates": False}
+"""The ``disaggregation`` section's rates: the router prices its choices by the config's
+priors, not by rates it learns (the lifecycle still predicts each request's TTFT)."""
 DISAGGREGATED: dict[str, Any] = {"max_local_tokens": 0}
 """A disaggregated fleet's ``disaggregation`` section: every request prefilled on P, as
 Dynamo's replay and frontend serve one (kvpilot's local prefill on D is the roofline's call
@@ -76,42 +73,23 @@ class KvpilotPlacement:
             rows += [_row(f"d{i}", "decode") for i in range(workers)]
         else:
             rows = [_row(f"w{i}", "colocated") for i in range(workers)]
-        sections: dict[str, Any] = {"index": {"block_size": spec.block_size}, "cost": dict(cost or {}), "workers": rows}
-        if prefill_workers:
-            sections["disaggregation"] = DISAGGREGATED
+        sections: dict[str, Any] = {
+            "index": {"block_size": spec.block_size},
+            "cost": {**(cost or {}), "router_seed": seed},
+            "sessions": {"max_sessions": SESSIONS, "max_sessions_per_client": 0},
+            "server": NO_POLLS,
+            "disaggregation": {**PRIORS, **(DISAGGREGATED if prefill_workers else {})},
+            "workers": rows,
+        }
         config = msgspec.convert(sections, RouterConfig)
-        fleet = fleet_from_config(config)
         self.names = [WorkerId(row["name"]) for row in rows]
         self._position = {name: i for i, name in enumerate(self.names)}
         self._prefill_workers = prefill_workers
-        self.index = BlockIndex(spec.block_size)
-        policy = policy_from_config(config.disaggregation, prior_model(config)) if prefill_workers else None
-        breaker = CircuitBreaker(config.server.circuit_failures, config.server.circuit_open_s)
-        pair_health = PairHealth(config.cost)
-        event_watch = EventWatch(config.index.events_stale_after_s)
-        router = Router(  # wired to the health records as the live router is (routing/serve/app.py)
-            fleet,
-            config,
-            self.index,
-            LoadLedger(),
-            SessionStore(spec.block_size, SESSIONS),
-            policy,
-            random.Random(seed),
-            barred=lambda: breaker.barred(self._clock()),
-            events_stale=event_watch.is_stale,
-            pair_penalties=lambda: pair_health.penalties(self._clock()),
-        )
         self._now_s = 0.0
-        self.lifecycle = Lifecycle(
-            router,
-            threading.Lock(),
-            breaker,
-            pair_health,
-            event_watch,
-            dict,
-            clock=Clock(monotonic=self._clock, wall=self._clock),
-        )
-        self.router = router
+        self.core = RouterCore(config, fleet_from_config(config), clock=Clock(monotonic=self._clock, wall=self._clock))
+        self.index = self.core.index
+        self.lifecycle = self.core.lifecycle
+        self.router = self.core.router
         self.hears_host_tier = hears_host_tier
         """Whether the index is told what the workers' host tiers store and evict (a vLLM
         engine's offloading connector and Dynamo's KVBM publish it; 1.6.1's mocker does not)."""

@@ -24,7 +24,10 @@ The fronts: the relay (:mod:`kvpilot.routing.serve.proxy`), Envoy's endpoint pic
 (:mod:`kvpilot.routing.gateway.picker`) and the fleet simulator
 (``benchmarks/sim/kvpilot.py``) hold no booking of their own.
 
-Every predicted TTFT comes from :func:`~kvpilot.routing.decide.measured_prices.predict_path`.
+Every predicted TTFT is built and priced as the router's own prices are
+(:mod:`~kvpilot.routing.decide.measured_prices`, on the router's
+:meth:`~kvpilot.routing.decide.router.Router.fleet_load`), so a route's prediction (the
+header, the TTFT SLO, ``/debug/route``) is the price the router chose it by on the same state.
 A failed prefill is decided by :func:`kvpilot.policies.failure.recover` on those
 predictions: another prefill worker, D itself within its jitter budget, or a fast error.
 """
@@ -51,7 +54,7 @@ from kvpilot.policies.failure import (
 from kvpilot.policies.session_hold import HoldDecision
 from kvpilot.policies.session_options import OptionPrice
 from kvpilot.routing.config import Worker
-from kvpilot.routing.decide.measured_prices import predict_path
+from kvpilot.routing.decide.measured_prices import PathInputs, option_path, predict_path
 from kvpilot.routing.decide.rates import PrefillPath, RateEstimator, TTFTPrediction
 from kvpilot.routing.decide.router import Kind, Route, Router
 from kvpilot.routing.decide.sessions import OfferUse
@@ -190,35 +193,34 @@ class Lifecycle:
 
     # ---- predictions ------------------------------------------------------------
     def predict(self, route: Route) -> TTFTPrediction | None:
-        """``route``'s predicted TTFT with the load booked now (``None`` without rates): the
-        prefilling worker's booked prefill queues ahead of it, D reads what it lacks
-        (nothing for a local prefill), D's booked requests run."""
-        lacks = route.prompt_tokens - self._decode_cached_tokens(route)
-        return self._predict(route, route.prefill_worker.name, self._cached_tokens(route), lacks)
+        """``route``'s predicted TTFT on the load now (``None`` without rates): the session
+        option it took (:meth:`predict_option`), else its prefilling worker prefilling what
+        its GPU cache lacks, and D reading what D lacks (nothing for a local prefill). Before
+        :meth:`dispatch` books it, on the state it was routed on, this is the price the router
+        chose it by (a local option taken despite its stall: without the stall)."""
+        chosen = next((price for price in route.options if price.option is route.option), None)
+        if chosen is not None and chosen.prefill_worker == route.prefill_worker.name:
+            return self.predict_option(route, chosen)
+        d = route.decode.name
+        load = self.router.fleet_load()
+        return self._predict(
+            load.cache_path(
+                route.prefill_worker.name,
+                d,
+                route.prompt_tokens,
+                prefiller_blocks=route.cached_blocks,
+                d_blocks=route.decode_cached_blocks,
+            )
+        )
 
     def predict_option(self, route: Route, price: OptionPrice) -> TTFTPrediction | None:
-        """A session option's predicted TTFT, as :meth:`predict` (``None`` for an
-        unavailable option): its worker prefills its ``prefill_tokens`` after the rest of
-        the prompt, and a remote one moves its ``moved_tokens`` into D."""
-        if price.prefill_worker is None or not price.available:
-            return None
-        cached = route.prompt_tokens - price.prefill_tokens
-        return self._predict(route, WorkerId(price.prefill_worker), cached, price.moved_tokens)
+        """A session option's predicted TTFT on the load now, as the router priced it
+        (``None`` for an unavailable option, or without rates)."""
+        path = option_path(self.router.fleet_load(), price, route.prompt_tokens, route.decode.name)
+        return None if path is None else self._predict(path)
 
-    def _predict(self, route: Route, prefiller: WorkerId, cached: int, moved: int) -> TTFTPrediction | None:
-        if self.rates is None:
-            return None
-        d = route.decode.name
-        return predict_path(
-            self.rates,
-            prefiller,
-            d,
-            prompt_tokens=route.prompt_tokens,
-            cached_tokens=cached,
-            queued_tokens=self._ledger.load(prefiller).active_prefill_blocks * self._block_size,
-            moved_tokens=moved,
-            streams=self._ledger.load(d).active_requests,
-        )
+    def _predict(self, path: PathInputs) -> TTFTPrediction | None:
+        return None if self.rates is None else predict_path(self.rates, path)
 
     @property
     def _block_size(self) -> int:
@@ -362,19 +364,23 @@ class Lifecycle:
 
     def _remote_s(self, route: Route, p: Worker) -> float:
         """``route`` prefilled on ``p`` instead: its predicted TTFT (0 without rates)."""
-        lacks = route.prompt_tokens - self._decode_cached_tokens(route)
-        cached = min(route.prompt_tokens, self.router.gpu_overlap(route.match, p.name) * self._block_size)
-        predicted = self._predict(route, p.name, cached, lacks)
+        path = self.router.fleet_load().cache_path(
+            p.name,
+            route.decode.name,
+            route.prompt_tokens,
+            prefiller_blocks=self.router.gpu_overlap(route.match, p.name),
+            d_blocks=route.decode_cached_blocks,
+        )
+        predicted = self._predict(path)
         return predicted.seconds if predicted is not None else 0.0
-
-    def _decode_cached_tokens(self, route: Route) -> int:
-        return min(route.prompt_tokens, route.decode_cached_blocks * self._block_size)
 
     def _local(self, route: Route) -> tuple[TTFTPrediction | None, int]:
         """``route`` prefilled on D itself: its prediction (``None`` without rates) and D's
-        other running streams, which its prefill pauses (this request is booked on D too)."""
-        streams = max(0, self._ledger.load(route.decode.name).active_requests - 1)
-        return self._predict(route, route.decode.name, self._decode_cached_tokens(route), 0), streams
+        other running streams, which its prefill pauses (this request is booked on D too;
+        D's gauge adds those that bypassed this router)."""
+        d, blocks = route.decode.name, route.decode_cached_blocks
+        path = self.router.fleet_load().cache_path(d, d, route.prompt_tokens, prefiller_blocks=blocks, d_blocks=blocks)
+        return self._predict(path), max(0, path.streams - 1)
 
     def _recovery_costs(self, route: Route, other_s: float | None, now: float) -> RecoveryCosts:
         local, streams = self._local(route)

@@ -21,7 +21,8 @@ For one request the :class:`Router`:
    :func:`~kvpilot.routing.decide.cost.eligible`);
 5. for a pair, asks ``kvpilot.policies.disaggregation`` whether to prefill locally on D
    (D's cached prefix, P's cached prefix and queue, D's KV usage from the
-   ledger or D's own ``/metrics``, the larger) or remotely on P (conditional
+   ledger or D's own ``/metrics``, the larger, and D's running streams: the ledger's
+   plus those D's ``/metrics`` counts beyond them) or remotely on P (conditional
    disaggregation, article section 7);
 6. for a session's later step on a pair, prices the article's five options
    instead (:mod:`kvpilot.policies.session_options`: re-prefill on P, pull D's offer
@@ -74,7 +75,14 @@ from kvpilot.routing.config import (
 )
 from kvpilot.routing.decide.cost import CandidateTable, CostModel, Decision, TierOverlap, tier_overlap
 from kvpilot.routing.decide.ledger import LoadLedger, PromptLoads
-from kvpilot.routing.decide.measured_prices import option_price, path_times, predict_path
+from kvpilot.routing.decide.measured_prices import (
+    FleetLoad,
+    PathInputs,
+    option_path,
+    option_price,
+    path_times,
+    predict_path,
+)
 from kvpilot.routing.decide.rates import RateEstimator
 from kvpilot.routing.decide.residency import Residency
 from kvpilot.routing.decide.sessions import OfferUse, SessionOffer, SessionState, SessionStore
@@ -346,7 +354,7 @@ class Router:
             chain = PromptChain(token_ids, self.index.block_size, lora_name=lora_name, cache_salt=cache_salt)
         match = self.index.match(chain)
         overlaps = self._overlaps(match)
-        loads = self.ledger.prompt_loads(chain)
+        load = self.fleet_load(self.ledger.prompt_loads(chain))
         opts = self._options
         barred = self.barred()
         usable = np.ones(len(opts.workers), bool)
@@ -357,7 +365,7 @@ class Router:
                 "no decode or co-located worker is available: every circuit is open"
                 + (f" or it failed this request ({', '.join(sorted(exclude))})" if exclude else "")
             )
-        table = self._candidates(kept, overlaps, loads, last, len(token_ids), now)
+        table = self._candidates(kept, overlaps, load, last, len(token_ids), now)
         decision = self.cost.decide(request_id, chain.num_blocks, table)
         p, d = opts.pairs[int(kept[decision.index])]
         local_remote = None
@@ -365,7 +373,7 @@ class Router:
         option: Option | None = None
         prices: tuple[OptionPrice, ...] = ()
         if p is not None and state is not None and state.last_worker is not None:
-            prices = self._price_session_step(len(token_ids), p, d, overlaps, loads, state, reused_tokens, now, barred)
+            prices = self._price_session_step(len(token_ids), p, d, overlaps, load, state, reused_tokens, now, barred)
             chosen = choose(prices, self._forced)
             option = chosen.option
             p = None if option is Option.LOCAL else self.fleet.by_name(WorkerId(chosen.prefill_worker or ""))
@@ -374,8 +382,8 @@ class Router:
             p, kind = None, Kind.LOCAL_PREFILL
         elif p is not None:
             assert self.policy is not None
-            prompt, decode = self._policy_inputs(len(token_ids), p, d, overlaps, loads)
-            local_remote = self.policy.decide(prompt, decode, self._measured(p, d, prompt, decode))
+            prompt, decode = self._policy_inputs(len(token_ids), p, d, overlaps, load)
+            local_remote = self.policy.decide(prompt, decode, self._measured(p, d, len(token_ids), overlaps, load))
             kind = Kind.REMOTE_PREFILL if local_remote.where is Where.REMOTE else Kind.LOCAL_PREFILL
             if kind is Kind.LOCAL_PREFILL:
                 p = None
@@ -406,7 +414,7 @@ class Router:
         p: Worker,
         d: Worker,
         overlaps: Mapping[WorkerId, TierOverlap],
-        loads: PromptLoads,
+        load: FleetLoad,
         state: SessionState,
         reused_tokens: int,
         now: float | None,
@@ -423,7 +431,7 @@ class Router:
 
         def site(worker: Worker) -> PrefillSite:
             cached = min(prompt_tokens, overlaps[worker.name].gpu * bs)
-            queued = loads[worker.name].active_prefill_blocks * bs
+            queued = load.booked[worker.name].active_prefill_blocks * bs
             return PrefillSite(worker.name, cached, queued, worker.name not in barred)
 
         chosen_p = site(p)
@@ -435,7 +443,7 @@ class Router:
             offer_tokens = min(prompt_tokens, held, offer.blocks * bs)
             if offer.expires_at is not None and now is not None:
                 time_left = offer.expires_at - now
-        prompt, decode = self._policy_inputs(prompt_tokens, p, d, overlaps, loads)
+        prompt, decode = self._policy_inputs(prompt_tokens, p, d, overlaps, load)
         step = SessionStep(
             prompt_tokens=prompt_tokens,
             p=chosen_p if chosen_p.available else None,
@@ -448,15 +456,14 @@ class Router:
             offer_time_left_s=time_left,
             offer_margin_s=LEASE_MARGIN_S,
             shared_tokens=min(prompt_tokens, overlaps[p.name].shared * bs),
-            measured=self._measured(p, d, prompt, decode),
+            measured=self._measured(p, d, prompt_tokens, overlaps, load),
         )
         priced = self.pricer.price(step)
-        block_size = self.index.block_size
-        prices = tuple(
-            price
-            if self.rates is None
-            else option_price(self.rates, price, prompt_tokens, d.name, loads, block_size, decode.running_streams)
-            for price in priced
+        rates = self.rates
+        prices = (
+            priced
+            if rates is None
+            else tuple(option_price(rates, price, option_path(load, price, prompt_tokens, d.name)) for price in priced)
         )
         local = next(price for price in prices if price.option is Option.LOCAL)
         others = [price.seconds for price in prices if price.available]
@@ -465,9 +472,32 @@ class Router:
         despite = self.pricer.local_despite_stall(step, min(others))  # measured, with the stall priced in
         return prices if despite is None else tuple(despite if p is local else p for p in prices)
 
-    def _measured(self, p: Worker, d: Worker, prompt: PromptState, decode: DecodeState) -> MeasuredTimes | None:
-        """Both paths' predicted TTFTs on the measured rates (:func:`path_times`); ``None`` while they are off."""
-        return None if self.rates is None else path_times(self.rates, p.name, d.name, prompt, decode)
+    def _measured(
+        self, p: Worker, d: Worker, prompt_tokens: int, overlaps: Mapping[WorkerId, TierOverlap], load: FleetLoad
+    ) -> MeasuredTimes | None:
+        """Both paths' predicted TTFTs on the measured rates (:func:`path_times`): D prefilling,
+        and P prefilling for D; ``None`` while the rates are off."""
+        if self.rates is None:
+            return None
+        local = self._cache_path(load, d, d, prompt_tokens, overlaps)
+        return path_times(self.rates, local, self._cache_path(load, p, d, prompt_tokens, overlaps))
+
+    def _cache_path(
+        self,
+        load: FleetLoad,
+        prefiller: Worker,
+        d: Worker,
+        prompt_tokens: int,
+        overlaps: Mapping[WorkerId, TierOverlap],
+    ) -> PathInputs:
+        """``prefiller`` prefilling for ``d`` beyond its GPU prefix (:meth:`FleetLoad.cache_path`)."""
+        return load.cache_path(
+            prefiller.name,
+            d.name,
+            prompt_tokens,
+            prefiller_blocks=overlaps[prefiller.name].gpu,
+            d_blocks=overlaps[d.name].gpu,
+        )
 
     def _settle(self, session: SessionId, p: Worker | None, d: Worker, blocks: int, now: float) -> None:
         """``session`` (its latest prompt ``blocks`` long) lives on ``d`` and, prefilled
@@ -569,7 +599,7 @@ class Router:
         self,
         kept: np.ndarray,
         overlaps: defaultdict[WorkerId, TierOverlap],
-        loads: PromptLoads,
+        load: FleetLoad,
         last: WorkerId | None,
         prompt_tokens: int,
         now: float | None,
@@ -590,7 +620,7 @@ class Router:
                 per_worker_overlap[row] = overlap
         per_worker_load = np.zeros((len(opts.workers), 4))
         per_worker_load[:, :3] = self.ledger.counts(self.ledger.rows(opts.worker_names))
-        for worker, depth in loads.shared.items():
+        for worker, depth in load.booked.shared.items():
             row = opts.rows.get(worker)
             if row is not None:
                 per_worker_load[row, 3] = depth
@@ -604,8 +634,8 @@ class Router:
         prefill_rows, decode_rows = opts.prefill_rows[kept], opts.decode_rows[kept]
         resident = per_worker_resident[decode_rows]  # D's, and a pair's P's
         resident += np.where(prefill_rows != decode_rows, per_worker_resident[prefill_rows], 0.0)
-        load = per_worker_load[decode_rows]
-        load[:, 0] = per_worker_load[prefill_rows, 0]
+        candidate_load = per_worker_load[decode_rows]
+        candidate_load[:, 0] = per_worker_load[prefill_rows, 0]
         last_row = opts.rows.get(last) if last is not None else None
         per_option_penalty = np.zeros(len(opts.names))
         for pair, penalty_blocks in self.pair_penalties().items():
@@ -616,13 +646,11 @@ class Router:
         predicted = None
         if self._by_ttft:
             chosen_pairs = [opts.pairs[option] for option in kept]
-            predicted = np.array(
-                [self._predicted_ttft_s(p, d, prompt_tokens, overlaps, loads) for p, d in chosen_pairs]
-            )
+            predicted = np.array([self._predicted_ttft_s(p, d, prompt_tokens, overlaps, load) for p, d in chosen_pairs])
         return CandidateTable(
             [opts.names[option] for option in kept],
             per_worker_overlap[prefill_rows],
-            load,
+            candidate_load,
             decode_rows == (last_row if last_row is not None else -1),
             penalty,
             resident,
@@ -635,44 +663,37 @@ class Router:
         d: Worker,
         prompt_tokens: int,
         overlaps: Mapping[WorkerId, TierOverlap],
-        loads: PromptLoads,
+        load: FleetLoad,
     ) -> float:
         """The candidate's predicted TTFT from the measured rates: the prefilling worker's
         (P's, else D's) prefill queue and the prefill of what it lacks in GPU, D's read of
         what D lacks (a pair), D's first step beside its running streams."""
         assert self.rates is not None
-        bs = self.index.block_size
         prefiller = p if p is not None else d
-        cached = min(prompt_tokens, overlaps[prefiller.name].gpu * bs)
-        read = prompt_tokens - min(prompt_tokens, overlaps[d.name].gpu * bs) if p is not None else 0
-        predicted = predict_path(
-            self.rates,
-            prefiller.name,
-            d.name,
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached,
-            queued_tokens=loads[prefiller.name].active_prefill_blocks * bs,
-            moved_tokens=read,
-            streams=self._running_streams(d, loads),
-        )
-        return predicted.seconds
+        return predict_path(self.rates, self._cache_path(load, prefiller, d, prompt_tokens, overlaps)).seconds
 
     def engine_polled(self, worker: WorkerId) -> None:
         """``worker``'s gauges were just read (``engine_load``'s newest sample): remember how
         many of this router's requests were on it then."""
         self._routed_at_poll[worker] = self.ledger.load(worker).active_requests
 
-    def _running_streams(self, d: Worker, loads: PromptLoads) -> int:
-        """D's running requests: the ledger's now, plus those D's own gauge counted beyond
-        this router's requests when it was read (traffic that bypassed this router). The
-        gauge is up to a poll interval old: taken whole, a session's step that had
-        finished since would still count as a running stream, and price the next step's
-        local prefill with a stall it does not cause."""
-        reported = self.engine_load(d.name) if self.engine_load is not None else None
-        running = loads[d.name].active_requests
+    def fleet_load(self, booked: PromptLoads | None = None) -> FleetLoad:
+        """The load every price reads now (:class:`FleetLoad`): the ledger (``booked``, one
+        prompt's view of it; by default the ledger's own) and D's requests beyond it."""
+        if booked is None:
+            booked = PromptLoads(self.ledger, {})
+        return FleetLoad(booked, self._unbooked_streams, self.index.block_size)
+
+    def _unbooked_streams(self, d: WorkerId) -> int:
+        """The requests D's own gauge counted beyond this router's requests on it when it was
+        read (traffic that bypassed this router); 0 without gauges. The gauge is up to a poll
+        interval (``server.engine_metrics_interval_s``) old: taken whole, a session's step
+        that had finished since would still count as a running stream, and price the next
+        step's local prefill with a stall it does not cause."""
+        reported = self.engine_load(d) if self.engine_load is not None else None
         if reported is None:
-            return running
-        return running + max(0, int(reported.running) - self._routed_at_poll.get(d.name, 0))
+            return 0
+        return max(0, int(reported.running) - self._routed_at_poll.get(d, 0))
 
     def _policy_inputs(
         self,
@@ -680,18 +701,18 @@ class Router:
         p: Worker,
         d: Worker,
         overlaps: Mapping[WorkerId, TierOverlap],
-        loads: PromptLoads,
+        load: FleetLoad,
     ) -> tuple[PromptState, DecodeState]:
+        """The roofline policy's view of P and D, read from the same :class:`FleetLoad` as the measured prices."""
         bs = self.index.block_size
-        d_load = loads[d.name]
         prompt = PromptState(
             prompt_tokens=prompt_tokens,
             d_cached_tokens=min(prompt_tokens, overlaps[d.name].gpu * bs),
             p_cached_tokens=min(prompt_tokens, overlaps[p.name].gpu * bs),
-            p_queued_tokens=loads[p.name].active_prefill_blocks * bs,
+            p_queued_tokens=load.booked[p.name].active_prefill_blocks * bs,
         )
-        usage = self.kv_usage(d, d_load.active_decode_blocks)
-        return prompt, DecodeState(kv_usage=usage, running_streams=self._running_streams(d, loads))
+        usage = self.kv_usage(d, load.booked[d.name].active_decode_blocks)
+        return prompt, DecodeState(kv_usage=usage, running_streams=load.streams(d.name))
 
     def kv_usage(self, d: Worker, active_decode_blocks: int) -> float:
         """D's KV usage: its ``active_decode_blocks`` booked here over its ``kv_blocks``, or

@@ -65,12 +65,12 @@ from typing import Any
 import msgspec
 
 from kvpilot.routing.config import ServerConfig, Worker
+from kvpilot.routing.core import UNAUTHORIZED_MESSAGE
 from kvpilot.routing.decide.lifecycle import Lifecycle
 from kvpilot.routing.gateway.contract import is_ip_address
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
 from kvpilot.routing.refusals import BadRequest
 from kvpilot.routing.serve.admission import Admission, Rejected
-from kvpilot.routing.serve.app import UNAUTHORIZED_MESSAGE
 from kvpilot.routing.serve.chat import ChatError
 from kvpilot.routing.serve.intake import RequestIntake
 from kvpilot.routing.serve.proxy import Begun, Proxy, ProxyRequest, Reply, error_reply

@@ -26,13 +26,13 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2_grpc as ls_grpc
 
-from kvpilot.routing.config import RouterConfig
+from kvpilot.routing.config import RouterConfig, read_secret
+from kvpilot.routing.core import OPEN_PATHS, UNAUTHORIZED_MESSAGE, RouterCore
 from kvpilot.routing.gateway.access_log import AccessLogReceiver
 from kvpilot.routing.gateway.auth import TokenInterceptor
 from kvpilot.routing.gateway.extproc import ExternalProcessor
 from kvpilot.routing.gateway.picker import Addresses, Picker
 from kvpilot.routing.refusals import RejectReason
-from kvpilot.routing.serve.app import OPEN_PATHS, UNAUTHORIZED_MESSAGE, RouterServer
 from kvpilot.routing.serve.loopback import beyond_loopback
 from kvpilot.routing.serve.proxy import error_reply
 
@@ -53,51 +53,54 @@ def destination_hosts(config: RouterConfig) -> list[str]:
     return [host for host in (urlsplit(url).hostname for url in urls) if host is not None]
 
 
-def _answer_get(server: RouterServer) -> Any:
+def _answer_get(core: RouterCore) -> Any:
     """The router's answer to a GET that reached the picker: (status, JSON payload); the
     API key is required as at the router's HTTP front."""
 
     def answer(path: str, headers: Mapping[str, str]) -> tuple[int, dict[str, Any]]:
         path = path.split("?", 1)[0]
-        if path not in OPEN_PATHS and not server.authorized(headers):
+        if path not in OPEN_PATHS and not core.authorized(headers):
             return 401, error_reply(401, UNAUTHORIZED_MESSAGE, "authentication_error").payload
         if path == "/v1/models":
-            return 200, server.models_payload()
+            return 200, core.models_payload()
         if path == "/health":
-            return 200, server.health_payload()
+            return 200, core.health_payload()
         return 404, error_reply(404, f"no GET {path!r} here").payload
 
     return answer
 
 
-def attach(app: web.Application, server: RouterServer) -> None:
-    """Serve the picker with ``app`` (see the module doc), once ``server`` has started."""
+def attach(app: web.Application, core: RouterCore) -> None:
+    """Serve the picker with ``app`` (see the module doc), once ``core`` has started (the
+    app's own start step, added before this one, starts it). Reads ``gateway.token_env``'s
+    token now."""
+    config = core.config
+    token = read_secret(config.gateway.token_env, "gateway.token_env")
     state: dict[str, Any] = {}
 
     async def start(_: web.Application) -> None:
         addresses = Addresses()
-        await addresses.refresh(destination_hosts(server.config))
+        await addresses.refresh(destination_hosts(config))
         picker = Picker(
-            server.intake,
-            server.proxy,
-            server.proxy.upstream,
-            server.lifecycle,
-            server.admission,
-            server.metrics,
-            server.config.server,
-            server.authorized,
+            core.intake,
+            core.proxy,
+            core.upstream,
+            core.lifecycle,
+            core.admission,
+            core.metrics,
+            config.server,
+            core.authorized,
             addresses,
         )
-        token = server.gateway_token
-        if token is None and beyond_loopback(server.config.server.host):
+        if token is None and beyond_loopback(config.server.host):
             log.warning("the picker is reachable beyond this machine with no token (set gateway.token_env)")
-        refused = server.metrics.rejected.labels(RejectReason.UNAUTHORIZED.value).inc
+        refused = core.metrics.rejected.labels(RejectReason.UNAUTHORIZED.value).inc
         grpc_server = grpc.aio.server(interceptors=[] if token is None else [TokenInterceptor(token, refused)])
         ep_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(picker, _answer_get(server), server.config.server.max_body_bytes), grpc_server
+            ExternalProcessor(picker, _answer_get(core), config.server.max_body_bytes), grpc_server
         )
         ls_grpc.add_LogsServiceServicer_to_server(AccessLogReceiver(picker), grpc_server)
-        address = f"{server.config.server.host}:{server.config.gateway.picker_port}"
+        address = f"{config.server.host}:{config.gateway.picker_port}"
         if grpc_server.add_insecure_port(address) == 0:
             raise OSError(f"the picker cannot listen on {address}")
         await grpc_server.start()

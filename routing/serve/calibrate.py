@@ -55,7 +55,7 @@ from pathlib import Path
 
 from kvpilot.kvconnectors.pull_params import handoff_request
 from kvpilot.routing.config import Role, ServerConfig, Worker
-from kvpilot.routing.decide.measured_prices import predict_path
+from kvpilot.routing.decide.measured_prices import PathInputs, predict_path
 from kvpilot.routing.decide.rates import PrefillPath, RateEstimator, observe_interval
 from kvpilot.routing.health.engine_load import EngineLoad
 from kvpilot.routing.ids import WorkerId
@@ -95,8 +95,7 @@ class FirstToken:
     def residual_s(self, rates: RateEstimator) -> float:
         """What it spent beyond the modelled terms as ``rates`` now predict them: its
         path's overhead (:meth:`~kvpilot.routing.decide.rates.RateEstimator.observe_overhead`)."""
-        predicted = predict_path(
-            rates,
+        path = PathInputs(
             self.prefill_worker,
             self.decode_worker,
             prompt_tokens=self.new + self.cached,
@@ -105,6 +104,7 @@ class FirstToken:
             moved_tokens=self.moved,
             streams=0,
         )
+        predicted = predict_path(rates, path)
         return self.seconds - predicted.modelled_s
 
 

@@ -58,9 +58,11 @@ class Intake:
 
 
 class RequestIntake:
-    """Checks, tokenizes and routes requests for ``router`` (module doc). ``watch_events``
-    refreshes which workers' KV events stopped before each decision; ``predict`` is the
-    proxy's predicted TTFT of a route."""
+    """Checks, tokenizes and routes requests for ``router`` (module doc). ``prompts``
+    computes a prompt's token ids (``None``: a router that tokenizes nothing, as the
+    simulator's, which routes the token ids it is handed: a client's request is a 503);
+    ``watch_events`` refreshes which workers' KV events stopped before each decision;
+    ``predict`` is the proxy's predicted TTFT of a route."""
 
     def __init__(
         self,
@@ -68,7 +70,7 @@ class RequestIntake:
         router: Router,
         lock: threading.Lock,
         metrics: RouterMetrics,
-        prompts: EnginePrompt,
+        prompts: EnginePrompt | None,
         session_sync: SessionSync | None,
         watch_events: Callable[[], None],
         predict: Callable[[Route], TTFTPrediction | None],
@@ -125,6 +127,8 @@ class RequestIntake:
         return await asyncio.to_thread(self.prompt, headers, body, api)
 
     def _prompt(self, headers: Mapping[str, str], body: dict[str, Any], api: Api) -> tuple[list[int], SessionId | None]:
+        if self.prompts is None:
+            raise BadRequest("this router has no tokenizer (server.model_dir): it takes no client's prompt", 503)
         limit = self.config.server.max_prompt_tokens
         try:
             check_fields(body, api, self.limits)

@@ -84,7 +84,7 @@ def _router_families(model_dir: Path) -> dict[str, str]:
     )
     config = load_config(model_dir / "router.yaml")
     server = build_server(config, fleet_from_config(config), feed_index=False)
-    return {family.name: family.type for family in server.metrics.registry.collect()}
+    return {family.name: family.type for family in server.core.metrics.registry.collect()}
 
 
 def _sample_names(family: str, kind: str) -> set[str]:

@@ -246,12 +246,12 @@ def test_the_server_serves_the_fleet_it_was_last_given(tmp_path):
     server_cfg = ServerConfig(model_dir=str(word_model_dir(tmp_path)))
     cfg = RouterConfig(server=server_cfg, dynamo=DynamoConfig(frontend_url=FRONTEND))
     server = build_server(cfg, fleet_from_config(cfg), feed_index=False)  # not started: no discovery
-    server.set_fleet(fleet_of([_w("d0")]))
-    assert server.router.route([1, 2, 3, 4], "r0").decode.name == "d0"
-    server.set_fleet(fleet_of([_w("d1"), _w("p0", Role.PREFILL, 2)]))  # d0 left; d1 and a prefill worker joined
-    assert server.worker_names() == ["p0", "d1"] and server.pairs() == [("p0", "d1")]
-    assert server.router.route([1, 2, 3, 4], "r1").decode.name == "d1"
-    text = server.metrics.render()[0].decode()
+    server.core.set_fleet(fleet_of([_w("d0")]))
+    assert server.core.router.route([1, 2, 3, 4], "r0").decode.name == "d0"
+    server.core.set_fleet(fleet_of([_w("d1"), _w("p0", Role.PREFILL, 2)]))  # d0 left; d1 and a prefill worker joined
+    assert server.core.worker_names() == ["p0", "d1"] and server.core.pairs() == [("p0", "d1")]
+    assert server.core.router.route([1, 2, 3, 4], "r1").decode.name == "d1"
+    text = server.core.metrics.render()[0].decode()
     assert 'kvpilot_router_active_requests{worker="d1"}' in text
     assert 'kvpilot_router_active_requests{worker="d0"}' not in text  # the departed worker's gauges go
     assert 'kvpilot_router_pair_penalty_blocks{pair="p0->d1"}' in text

@@ -72,7 +72,7 @@ def _start(model_dir: Path, engines: list[FakeEngine], **server: Any) -> tuple[i
         router = build_server(cfg, fleet_from_config(cfg), feed_index=False)
         try:
             async with TestClient(TestServer(router.app(), host="127.0.0.1")) as client:
-                length = router.intake.limits.max_model_len
+                length = router.core.intake.limits.max_model_len
                 over = list(range(10, 10 + max(length, 1) + 1))
                 resp = await client.post("/v1/completions", json={"prompt": over, "max_tokens": 1})
                 return length, resp.status, (await resp.json())["error"]["message"] if resp.status != 200 else ""

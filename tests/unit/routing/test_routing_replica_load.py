@@ -32,8 +32,8 @@ REQUESTS = 32
 
 def _cache_prefix(router: RouterServer) -> None:
     hashes = [f"hot{i}".encode() for i in range(24)]
-    with router.lock:
-        router.index.apply(WorkerId("co-0"), BlockStored(hashes, None, PREFIX, BS, medium="GPU"))
+    with router.core.lock:
+        router.core.index.apply(WorkerId("co-0"), BlockStored(hashes, None, PREFIX, BS, medium="GPU"))
 
 
 def _prompt(n: int) -> list[int]:

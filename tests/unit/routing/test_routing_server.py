@@ -72,7 +72,7 @@ PROMPT = [i % len(WORDS) for i in range(40)]  # 10 blocks, ids inside the vocabu
 
 
 def _idle(router: RouterServer) -> bool:
-    return all(router.ledger.load(w.name) == WorkerLoad() for w in router.fleet.workers)
+    return all(router.core.ledger.load(w.name) == WorkerLoad() for w in router.core.fleet.workers)
 
 
 def test_remote_prefill_then_decode_with_p_params(model_dir):
@@ -186,7 +186,7 @@ def test_chat_goes_to_the_engines_chat_endpoint_and_answers_as_the_engine_wrote(
         assert answer["choices"][0]["message"] == {"role": "assistant", "content": "decode-0:1"}
         route = await (await client.post("/debug/route", json={"messages": messages})).json()
         rendered = "hello<|user|> fix the bug <|end|> <|assistant|> "
-        assert route["prompt_tokens"] == len(router.prompts.tokenizer.text_token_ids(rendered))
+        assert route["prompt_tokens"] == len(router.core.intake.prompts.tokenizer.text_token_ids(rendered))
         resp = await client.post("/v1/chat/completions", json={"messages": messages, "stream": True})
         chunks = [json.loads(e[6:]) for e in (await resp.text()).split("\n\n") if e and e != "data: [DONE]"]
         assert [c["choices"][0]["delta"] for c in chunks] == [{"content": "x"}, {"content": "y"}]
@@ -246,9 +246,9 @@ def test_malformed_requests_are_400s_naming_the_field(model_dir, path, body, sta
 @pytest.mark.parametrize("backend", ["kvpilot", "dynamo"])
 def test_debug_route_explains_without_sending_and_metrics_count_decisions(model_dir, backend):
     async def scenario(client, router, engines):
-        assert type(router.index).__name__ == {"kvpilot": "BlockIndex", "dynamo": "DynamoIndex"}[backend]
+        assert type(router.core.index).__name__ == {"kvpilot": "BlockIndex", "dynamo": "DynamoIndex"}[backend]
         hashes = [f"h{i}".encode() for i in range(6)]
-        router.index.apply(WorkerId("co-1"), BlockStored(hashes, None, PROMPT[:24], BS, medium="GPU"))
+        router.core.index.apply(WorkerId("co-1"), BlockStored(hashes, None, PROMPT[:24], BS, medium="GPU"))
         resp = await client.post("/debug/route", json={"prompt": PROMPT}, headers={"X-Request-Id": "dbg-1"})
         assert resp.status == 200
         info = await resp.json()
@@ -284,7 +284,9 @@ def test_session_header_gives_affinity_to_the_last_decode_worker(model_dir):
         # both hold the prompt's first 3 blocks (the session's worker from its first step): the
         # other would not start a step sooner, so the session stays
         for holder in (worker, other):
-            router.index.apply(WorkerId(holder), BlockStored([b"a", b"b", b"c"], None, PROMPT[:12], BS, medium="GPU"))
+            router.core.index.apply(
+                WorkerId(holder), BlockStored([b"a", b"b", b"c"], None, PROMPT[:12], BS, medium="GPU")
+            )
         for step in range(3):
             body = {"prompt": PROMPT + [7] * (4 * (step + 1)), "conversation_id": "s1"}
             resp = await client.post("/v1/completions", json=body)
@@ -360,7 +362,7 @@ def test_overload_is_refused_early_with_retry_after(model_dir):
         assert 'kvpilot_router_rejected_total{reason="queue_timeout"} 1.0' in metrics
         engines["decode-0"].delay_s = 0.0  # every slot given back: the next request is served at once
         assert (await client.post("/v1/completions", json=body)).status == 200
-        assert router.admission.queued == 0 and _idle(router)
+        assert router.core.admission.queued == 0 and _idle(router)
 
     run(
         model_dir,
@@ -382,14 +384,14 @@ def test_a_request_predicted_over_the_ttft_slo_is_refused_before_any_engine_sees
             assert resp.status == 503 and int(resp.headers["Retry-After"]) >= 1, (resp.status, message)
             assert "predicted TTFT" in message and "server.ttft_slo_s (1e-09 s)" in message
         assert not engines["prefill-0"].bodies and not engines["decode-0"].bodies
-        state = router.router.sessions.get("s1")
+        state = router.core.router.sessions.get("s1")
         assert state is None or state.chain is None  # the refused step did not advance it
         metrics = await (await client.get("/metrics")).text()
         assert 'kvpilot_router_rejected_total{reason="ttft_slo"} 2.0' in metrics
         assert (await client.get("/health")).status == 200 and _idle(router)
         # the same router with the SLO off (where requests are taken in) serves the next request
-        off = msgspec.structs.replace(router.config.server, ttft_slo_s=0.0)
-        router.intake.config = msgspec.structs.replace(router.config, server=off)
+        off = msgspec.structs.replace(router.core.config.server, ttft_slo_s=0.0)
+        router.core.intake.config = msgspec.structs.replace(router.core.config, server=off)
         resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert resp.status == 200 and engines["decode-0"].bodies
 
@@ -475,7 +477,7 @@ def test_a_client_error_is_not_retried(model_dir):
 def test_a_worker_with_an_open_circuit_is_not_routed_to(model_dir):
     async def scenario(client, router, engines):
         for _ in range(2):
-            router.breaker.failed("co-0", time.monotonic())
+            router.core.breaker.failed("co-0", time.monotonic())
         body = {"prompt": PROMPT, "max_tokens": 2}
         served = [
             (await client.post("/v1/completions", json=body)).headers["X-KVPilot-Decode-Worker"] for _ in range(4)
@@ -642,7 +644,7 @@ def test_router_cli_flags_override_the_yaml(tmp_path):
 
 def test_engines_own_metrics_feed_the_decode_busy_guard_and_the_router_metrics(model_dir):
     async def scenario(client, router, engines):
-        router.index.apply(WorkerId("decode-0"), BlockStored([b"a", b"b", b"c", b"d"], None, PROMPT[:16], BS))
+        router.core.index.apply(WorkerId("decode-0"), BlockStored([b"a", b"b", b"c", b"d"], None, PROMPT[:16], BS))
         short = PROMPT[:18]  # D holds 4 of 4 blocks: a local prefill on D
         assert (await (await client.post("/debug/route", json={"prompt": short})).json())["kind"] == "local_prefill"
         engines["decode-0"].metrics_text = (

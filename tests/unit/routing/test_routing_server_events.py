@@ -15,6 +15,7 @@ import time
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvpilot.routing.config import RouterConfig
+from kvpilot.routing.core import RouterCore
 from kvpilot.routing.fleet import fleet_from_config
 from kvpilot.routing.serve.app import RouterServer
 from kvpilot.routing.serve.prompt import EnginePrompt
@@ -58,11 +59,11 @@ def _batch(blocks: int) -> object:
 def test_debug_route_picks_the_worker_that_published_the_blocks(model_dir):
     ports = free_ports(4)
     cfg = _config(model_dir, ports)
-    server = RouterServer(cfg, fleet_from_config(cfg), EnginePrompt(PromptTokenizer(model_dir), None))
+    server = RouterServer(RouterCore(cfg, fleet_from_config(cfg), EnginePrompt(PromptTokenizer(model_dir), None)))
 
     async def main() -> None:
         async with TestClient(TestServer(server.app(), host="127.0.0.1")) as client:
-            assert server.feeder is not None and len(server.feeder.subscribers) == 2
+            assert server.core.feeder is not None and len(server.core.feeder.subscribers) == 2
             publisher = vllm_publisher(cfg.workers[1].kv_events_endpoint, cfg.workers[1].replay_endpoint)
             try:
                 publisher.publish(_batch(7))  # may be lost before the connection is up: replay recovers it
@@ -82,6 +83,6 @@ def test_debug_route_picks_the_worker_that_published_the_blocks(model_dir):
                 assert batches is not None and float(batches.group(1)) >= 1  # a series exists from the start at 0
             finally:
                 publisher.shutdown()
-        assert server.feeder.subscribers == []  # stopped and closed at cleanup
+        assert server.core.feeder.subscribers == []  # stopped and closed at cleanup
 
     asyncio.run(main())

@@ -209,7 +209,7 @@ def test_a_session_alternating_between_two_routers_is_served_as_one_router_would
         assert 'kvpilot_router_session_options_total{option="affinity"} 2.0' in texts[1]
         assert "kvpilot_router_session_store_restored_total 1.0" in texts[0]
         assert "kvpilot_router_session_store_restored_total 2.0" in texts[1]
-        state = router_b.router.sessions.get(SessionId("agent"))
+        state = router_b.core.router.sessions.get(SessionId("agent"))
         assert (state.steps, state.offer is not None) == (4, True)
 
     sessions = {"force_option": "affinity", "store": "redis", "redis_url": redis_url, "store_key_prefix": prefix}

@@ -74,7 +74,7 @@ def run(
         if peer is not None:
             app.middlewares.insert(0, _forged_peer(peer))
         if picker:
-            attach(app, router)
+            attach(app, router.core)
         try:
             async with TestClient(TestServer(app, host="127.0.0.1")) as client:
                 await scenario(client, router, picker_port)
@@ -143,7 +143,9 @@ def _field(message: Any, number: int) -> Any:
 
 
 def _trips(router: RouterServer) -> float:
-    return router.metrics.registry.get_sample_value("kvpilot_router_circuit_trips_total", {"worker": "co-0"}) or 0.0
+    return (
+        router.core.metrics.registry.get_sample_value("kvpilot_router_circuit_trips_total", {"worker": "co-0"}) or 0.0
+    )
 
 
 def test_forged_access_log_records_without_the_token_open_no_circuit(model_dir, monkeypatch):
@@ -260,23 +262,23 @@ def test_the_explain_tokenizes_off_the_event_loop_and_waits_for_admission(model_
 
     async def scenario(client, router, _):
         loop_thread, tokenized_on = threading.get_ident(), []
-        token_ids = router.prompts.token_ids
+        token_ids = router.core.intake.prompts.token_ids
 
         def recorded(api: Api, body: dict[str, Any], **kwargs: Any) -> list[int]:
             tokenized_on.append(threading.get_ident())
             return token_ids(api, body, **kwargs)
 
-        monkeypatch.setattr(router.prompts, "token_ids", recorded)
+        monkeypatch.setattr(router.core.intake.prompts, "token_ids", recorded)
         text = " ".join(WORDS[i % len(WORDS)] for i in range(40))
         for body in ({"prompt": text}, {"messages": [{"role": "user", "content": text}]}):
             assert (await client.post("/debug/route", json=body)).status == 200, body
         assert len(tokenized_on) == 2 and loop_thread not in tokenized_on
-        await router.admission.acquire()  # the one slot taken, no queue
+        await router.core.admission.acquire()  # the one slot taken, no queue
         try:
             full = await client.post("/debug/route", json={"prompt": text})
             assert full.status == 429 and full.headers["Retry-After"] == "2"
         finally:
-            router.admission.release()
+            router.core.admission.release()
         assert len(tokenized_on) == 2  # refused before its prompt was read
         assert (await client.post("/debug/route", json={"prompt": text})).status == 200
 
@@ -306,10 +308,10 @@ def test_a_dry_run_creates_no_session(model_dir):
         for i in range(5):
             resp = await client.post("/debug/route", json={"prompt": PROMPT, "conversation_id": f"probe-{i}"})
             assert resp.status == 200
-        assert len(router.router.sessions) == 0
+        assert len(router.core.router.sessions) == 0
         body = {"prompt": PROMPT, "max_tokens": 2, "conversation_id": "real"}
         assert (await client.post("/v1/completions", json=body)).status == 200
-        assert router.router.sessions.get(SessionId("real")).steps == 1
+        assert router.core.router.sessions.get(SessionId("real")).steps == 1
         explained = await (await client.post("/debug/route", json={**body, "prompt": [*PROMPT, 1]})).json()
         assert explained["session_option"] is None or explained["options"]  # the live session is explained
 
@@ -350,7 +352,7 @@ def test_the_relay_holds_a_client_to_its_session_limit(model_dir):
         for i in range(6):
             body = {"prompt": PROMPT, "max_tokens": 2, "conversation_id": f"s{i}"}
             assert (await client.post("/v1/completions", json=body)).status == 200
-        held = [SessionId(f"s{i}") in router.router.sessions for i in range(6)]
+        held = [SessionId(f"s{i}") in router.core.router.sessions for i in range(6)]
         assert held == [False, False, False, False, True, True]
 
     run(model_dir, scenario, sessions={"max_sessions_per_client": 2})
