@@ -20,16 +20,16 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from fleet.trace import TRACE_BLOCK_TOKENS
 
+from benchmarks.fleet.trace import TRACE_BLOCK_TOKENS
+from benchmarks.sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, Stored
+from benchmarks.sim.fleet import Placed
 from kvpilot.routing.config import RouterConfig
 from kvpilot.routing.core import RouterCore
 from kvpilot.routing.decide.lifecycle import Clock, Ticket
 from kvpilot.routing.fleet import fleet_from_config
 from kvpilot.routing.ids import SessionId, WorkerId
 from kvpilot.routing.index.events import BlockRemoved, BlockStored
-from sim.engine import EngineSpec, PassResult, SimEngine, SimRequest, Stored
-from sim.fleet import Placed
 
 GPU_MEDIUM = "GPU"
 HOST_MEDIUM = "CPU_PINNED"
