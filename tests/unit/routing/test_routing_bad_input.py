@@ -75,13 +75,13 @@ def test_each_field_vllm_refuses_is_a_400_with_vllms_message_and_no_engine_sees_
 def _recording_encoder(router: Any) -> list[int]:
     """Record the thread of each call to the router's tokenizer; returns the list."""
     threads: list[int] = []
-    encode = router.prompts.tokenizer.encode
+    encode = router.core.intake.prompts.tokenizer.encode
 
     def recorded(text: str, *, add_special_tokens: bool) -> list[int]:
         threads.append(threading.get_ident())
         return encode(text, add_special_tokens=add_special_tokens)
 
-    router.prompts.tokenizer.encode = recorded
+    router.core.intake.prompts.tokenizer.encode = recorded
     return threads
 
 
@@ -107,7 +107,7 @@ def test_prompts_are_tokenized_off_the_event_loop_in_the_router(sized_model_dir)
 )
 def test_a_prompt_over_the_size_limit_is_refused_before_the_tokenizer_runs(sized_model_dir, server, fragment):
     async def scenario(client, router, engines):
-        widest = router.intake.limits.max_chars_per_token
+        widest = router.core.intake.limits.max_chars_per_token
         assert widest == max(len(w) for w in [*PROMPT_WORDS, f"w{VOCAB_SIZE - 1}"])
         text = "x" * (128 * widest + 1)
         threads = _recording_encoder(router)
