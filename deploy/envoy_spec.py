@@ -232,8 +232,8 @@ def _access_log(spec: GatewaySpec) -> dict[str, Any]:
         "typed_config": {
             "@type": TYPES + "access_loggers.open_telemetry.v3.OpenTelemetryAccessLogConfig",
             # common_config, though Envoy 1.40 calls it deprecated: its new top-level fields of
-            # the same names parse, but batched entries for 1 s whatever they said (measured:
-            # 600-950 ms from a request's end to the picker, against 4-7 ms with these).
+            # the same names parse, but batched entries for 1 s whatever they said, holding each
+            # request's end back from the picker.
             "common_config": {
                 "log_name": ACCESS_LOG_NAME,
                 "transport_api_version": "V3",
@@ -300,8 +300,8 @@ def _clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
             "connect_timeout": "1s",
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
             # A fresh connection per request: Dynamo 1.6.1's frontend leaves Nagle on (dynamo#14643),
-            # so on a kept-alive connection its first token waits for Envoy's delayed ACK (~40 ms,
-            # measured through Envoy: 55 ms TTFT at every prompt length, against 12-15 ms fresh).
+            # so on a kept-alive connection its first token waits for Envoy's delayed ACK
+            # (docs/benchmarks/dynamo-connections.md).
             "typed_extension_protocol_options": {
                 "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                     "@type": TYPES + "upstreams.http.v3.HttpProtocolOptions",

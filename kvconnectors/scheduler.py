@@ -276,8 +276,7 @@ class KVPilotScheduler:
 
     def plan_attach(self, request: Request, num_computed_tokens: int) -> AttachPlan | None:
         """Decide what ``request`` may load from its peer; ``None`` if it loads nothing
-        remote. Pure with respect to the request; remembers the plan for
-        :meth:`take_plan`."""
+        remote. Leaves ``request`` as it is; remembers the plan for :meth:`take_plan`."""
         params = request.kv_transfer_params
         screened = request.request_id in self._screened_out
         if not screened and not wants_remote_pull(params):

@@ -4,7 +4,8 @@ signatures, string literals, registrations, as Python's ``ast`` sees the files.
 Any vLLM version can be read this way on any box (no torch, no CUDA, no compiled
 extension): the installed package, or a wheel unpacked into a scratch folder.
 :mod:`kvpilot.kvconnectors.vllm_contract` checks what ``KVPilotConnector`` relies on
-against it. Pure: reads files under ``root``, caches them, writes nothing.
+against it. Not pure: it reads the files under ``root`` (and caches what it read); it
+imports nothing from them and writes nothing.
 """
 
 from __future__ import annotations

@@ -124,7 +124,9 @@ def recover(costs: RecoveryCosts, config: FailurePolicyConfig = KVPILOT_DEFAULT)
 
 class JitterWindow:
     """The stream-seconds of delay each decode worker's local prefills imposed on its
-    running streams within the last ``window_s`` seconds. Pure; the caller passes the clock."""
+    running streams within the last ``window_s`` seconds. No I/O and no clock of its own:
+    the caller passes ``now``. Not pure: :meth:`charge` records a charge, and :meth:`spent`
+    drops the charges older than the window before it sums the rest."""
 
     def __init__(self, window_s: float = JITTER_WINDOW_S) -> None:
         if window_s <= 0:
@@ -137,6 +139,8 @@ class JitterWindow:
             self._charges.setdefault(worker, deque()).append((now, stream_seconds))
 
     def spent(self, worker: str, now: float) -> float:
+        """``worker``'s stream-seconds charged within ``window_s`` before ``now`` (0 for a
+        worker never charged); forgets its charges older than that."""
         charges = self._charges.get(worker)
         if not charges:
             return 0.0

@@ -98,9 +98,9 @@ class LinearFit:
         the traffic, and kept where the traffic has been they would blend into its fit
         (their lengths, not the traffic's, would set its curve). Where the traffic has not
         been, the probe is the engine's only measurement, and stays however much traffic
-        passes: a D whose traffic was a session's short increments alone, its probes
-        dropped, priced a 1,132-token local prefill at 1.4x its TTFT (its per-token rate
-        extrapolated 20x from increments of 60 tokens)."""
+        passes: without it, a D whose traffic was a session's short increments alone would
+        price a long local prefill by a per-token rate extrapolated far beyond those
+        increments."""
         row = (tuple(float(f) for f in features), float(y))
         (self._probes if provisional else self._rows).append(row)
         self._fitted = self._in_fit = None

@@ -36,9 +36,10 @@ of a chain is named ``key_i = key_{i-1} XOR mix(i, tokens_i)``
 finalizer, 60-bit keys, vectorized with numpy, never sent anywhere). Why:
 
 - speed: vLLM's own names (``kvpilot.kvconnectors.hash_contract``: pickle + SHA-256 or
-  XXH3-128 per block in Python) cost 2.5-4.5 ms for a 64K-token prompt on this
-  box, against about 0.7 ms for Dynamo's ``compute_block_hash_for_seq``; this
-  naming costs about 0.26 ms, and only as far as the match goes;
+  XXH3-128 per block in Python) cost a Python call and a cryptographic or 128-bit hash
+  per block; this naming is a few numpy passes over the whole prompt, and runs only as
+  far as the match goes (``benchmarks/bench_router_index.py`` compares it with Dynamo's
+  ``compute_block_hash_for_seq``);
 - independence: the engines' ``prefix_caching_hash_algo`` and
   ``PYTHONHASHSEED`` do not matter (xxhash engines without a shared seed work).
 

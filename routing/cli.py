@@ -67,12 +67,10 @@ def run_router(args: argparse.Namespace) -> int:
 
 GC_YOUNG_THRESHOLD = 50_000
 """Python's youngest-generation threshold in the router (700 by default). Each decision makes
-a few short-lived tuples per worker (256 workers: about 770 a request), so at the default
-the collector runs every request, and its full collections, which walk every live
-container (the prompts in flight, the sessions' chains), fell on the decision: measured
-offline (``Router.route`` on 256 workers, 200 decisions over 14K-token prompts), p99
-24-78 ms against a p50 of 1 ms; with this threshold, or with :func:`gc.freeze` after
-startup, p99 1.1 ms."""
+a few short-lived tuples per worker, so on a large fleet the default runs the collector on
+every request, and its full collections, which walk every live container (the prompts in
+flight, the sessions' chains), fall on a decision and set the decision's tail latency. This
+threshold, with :func:`gc.freeze` after startup (:func:`_settle_gc`), keeps them off it."""
 
 
 async def _settle_gc(_: object) -> None:

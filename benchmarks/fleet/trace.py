@@ -1,5 +1,6 @@
 """Mooncake traces as the fleet benchmark's requests: loading, prompts, arrivals and the
-trace's own ceiling for prefix reuse. Pure: no processes, no HTTP.
+trace's own ceiling for prefix reuse. No processes, no HTTP; pure but for :func:`load_trace`,
+which reads the trace's file.
 
 A trace line (``benchmarks/traces/README.md``) is one request::
 

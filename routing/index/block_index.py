@@ -156,7 +156,7 @@ class BlockIndex(EventApplier):
         self._slot_blocks[bitno] += len(keys) - sum(map(truth, map(and_, before, repeat(bit))))
         masks.update(zip(keys, map(or_, before, repeat(bit)), strict=False))
         # a key no slot held gets ``bit`` itself: one int object for all of them (a distinct
-        # block's entry costs no int of its own; 28-32 B per (block, worker) measured)
+        # block's entry costs no int of its own)
         masks.update(zip(compress(keys, map(not_, before)), repeat(bit)))
         packed = list(map(or_, keys, count(_pack(ROOT_KEY, pos0, nsid), 1 << (KEY_BITS + _NS_BITS))))
         if any(before):  # blocks other slots hold: their workers' names share one int each

@@ -31,7 +31,8 @@ _DECISION_BUCKETS = (
 )
 """The decision alone takes tens of microseconds to milliseconds: finer than the TTFT buckets."""
 _RATIO_BUCKETS = (0.125, 0.25, 0.5, 0.8, 1.25, 2, 4, 8, 16, 64, 256, 1024)
-"""Observed over predicted: within 2x is (0.5, 2]; the roofline prior of an H100 on a CPU box is far above 8."""
+"""Observed over predicted: within 2x is (0.5, 2]; the wide top holds a roofline prior priced for
+hardware other than the engine's."""
 
 
 class RouterMetrics:

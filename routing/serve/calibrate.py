@@ -18,16 +18,16 @@ engine's first prefill of a length is slow):
   is one sample of the decode step beside ``B - 1`` others;
 - **prefill workers**: each probe above as a real handoff, the router's own remote path: P
   prefills with a handoff request (``max_tokens=1``), timed as the proxy times P's
-  handoffs (the call, since P's KV held for a peer costs P more than a plain request: a
-  plain probe underpriced the remote path, and an e2e check then chose remote prefill where
-  local was 25% faster), then the first calibrated decode worker reads that KV with one
-  token, streamed (and timed by D's metrics: its KV reads), so P frees it as after any
-  handoff. A deployment that prefills on P within D's call (Dynamo's frontend: a deferred
-  handoff) is not probed there: P's prefill has no time of its own to take;
+  handoffs (the call, since P's KV held for a peer costs P more than a plain request, and a
+  plain probe would underprice the remote path), then the first calibrated decode worker
+  reads that KV with one token, streamed (and timed by D's metrics: its KV reads), so P
+  frees it as after any handoff. A deployment that prefills on P within D's call (Dynamo's
+  frontend: a deferred handoff) is not probed there: P's prefill has no time of its own to
+  take;
 - **overhead**: each timed prefill probe's first token, against the terms the calibrated fits
   predict for it (:class:`FirstToken`): the overhead of its path, local for a probe of D
   or a co-located worker, remote for a handoff (what P's call, the handoff and the HTTP
-  around them add: on the CPU fleet 10-14 ms, half the first remote step's TTFT).
+  around them add, which on a small model can be a large share of a remote step's TTFT).
 
 The samples are provisional: they price the first requests, and each model drops them once
 the engine's own traffic gave it enough samples spanning their length (probes are not the
@@ -71,9 +71,8 @@ DECODE_PROMPT_TOKENS = 32
 PROBE_TIMEOUT_S = 60.0
 WARM_PASSES = 1
 """Untimed passes of a worker's probes (fresh prompts of the same lengths) before the timed
-one: an engine's first prefill of a length runs cold (on the CPU fleet a 1,024-token prompt
-took 100-107 ms on its first prefill, 50-56 ms on later ones; priced by the cold probes, D's
-local prefill of a 1,132-token session step was predicted at 1.4x its TTFT)."""
+one: an engine's first prefill of a length runs cold and slower than later ones, and
+priced by cold probes the engine's prefills would be overpredicted."""
 FIRST_TOKEN_ID = 10
 """Fresh ids start here (below it: a tokenizer's special tokens)."""
 DEFAULT_VOCAB = 32000

@@ -38,8 +38,8 @@ class CompletionsHttp:
         timeout: aiohttp.ClientTimeout | None = None,
     ) -> Any:
         """The request, to be entered with ``async with`` (aiohttp's errors propagate).
-        The body is encoded by msgspec: a 14K-token prompt took 0.05 ms, against 0.67 ms
-        with the json module aiohttp uses (measured here), on the router's one loop."""
+        The body is encoded by msgspec, not the json module aiohttp uses: the encoding runs
+        on the router's one loop, and a long prompt of ids is most of the body."""
         url = f"{worker.url}{api.value}"
         sent = {**self._headers, **(headers or {}), "Content-Type": "application/json"}
         data = msgspec.json.encode(body)

@@ -116,7 +116,7 @@ def checked_body(raw: bytes, api: Api | None, *, model_name: str, max_output_tok
     ``messages`` a chat). Raises :class:`BadRequest` naming the problem: not a JSON
     object, another model, a refused field, a value of the wrong type, or ``max_tokens`` over
     ``max_output_tokens`` (0: no limit)."""
-    try:  # msgspec: 2.4x json's speed on a 14K-token prompt of ids (0.30 against 0.72 ms here)
+    try:  # msgspec, not json: a long prompt of ids is most of the body
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None

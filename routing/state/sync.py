@@ -2,8 +2,8 @@
 request for the store.
 
 - :meth:`SessionSync.open`, at the router's start: connect, so that the first step's read
-  after a restart is one round trip, not a connection and its handshake (a restarted
-  router in ``tests/e2e/test_router_state.py`` once forgot a session that way).
+  after a restart is one round trip, not a connection and its handshake (which could
+  outlast the read's timeout and route the step as if the session were new).
 - :meth:`SessionSync.pull`, before a session's step is routed: read its record, at most
   ``sessions.store_read_timeout_s``, and merge it when it is newer than the local view
   (:func:`~kvpilot.routing.decide.session_record.merge`: after a restart, or when another replica
@@ -13,9 +13,7 @@ request for the store.
   ``sessions.store_write_timeout_s``, before the answer is returned. Not off the
   request's path: the client may send the next step to another replica the moment it has
   the answer, and a write still in flight then is a step routed on that replica's older
-  view (seen once in ``tests/e2e/test_router_state.py`` with the write queued in the
-  background: the replica serving step 4 did not take step 3's record). One round trip (0.1 ms p50 on
-  127.0.0.1, ``benchmarks/bench_session_store.py``). A streamed answer's write follows its
+  view. One round trip (``benchmarks/bench_session_store.py`` times it). A streamed answer's write follows its
   last event, so a step sent on at once may still race it. A failed or timed-out write is
   counted; the next step writes again.
 """
