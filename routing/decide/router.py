@@ -105,7 +105,7 @@ class Kind(str, enum.Enum):
     REMOTE_PREFILL = "remote_prefill"  # P prefills, D decodes with P's KV
     LOCAL_PREFILL = "local_prefill"  # a P/D fleet, but D prefills itself
     COLOCATED = "colocated"  # one worker does both
-    FALLBACK = "fallback"  # routed REMOTE_PREFILL, but P failed: D prefilled itself (set by the proxy)
+    FALLBACK = "fallback"  # routed REMOTE_PREFILL, but P failed: D prefilled itself (Lifecycle.prefill_failed)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ PREDICTED_TTFT_HEADER = "X-KVPilot-Predicted-TTFT-Ms"
 the TTFT it sees."""
 UNCALIBRATED = "uncalibrated"
 """:data:`PREDICTED_TTFT_HEADER`'s value while no engine's prefill has been measured: the
-roofline prior of a preset (an H100 pricing a CPU box's tiny model says 0.009 ms) is no
+roofline prior of a preset, priced for hardware the engines may not run on, is no
 prediction to hand a client."""
 
 
