@@ -8,8 +8,8 @@ objects it reads (request, scheduler output, connector output, configs), the NIX
 ``kv_transfer_params`` fields and extra-config keys, the KV-event structs the router
 decodes, the hash function the block-hash contract mirrors, the metric names the
 dashboards read, and where vLLM's OpenAI answers carry ``kv_transfer_params`` (the whole
-answers do, the stream chunks do not: the router withholds it from clients, and keeps D's
-offer from whole answers only). :func:`check` reads a vLLM tree with :mod:`kvpilot.kvconnectors.vllm_source`
+answers; the router withholds it from clients and keeps D's offer, from a stream chunk too
+where a release streams it). :func:`check` reads a vLLM tree with :mod:`kvpilot.kvconnectors.vllm_source`
 (``ast`` only: no vLLM import, so any version can be checked on any box) and returns
 one :class:`Violation` per seam that moved.
 
@@ -58,15 +58,14 @@ class Method:
 @dataclass(frozen=True, slots=True)
 class ClassSeam:
     """A vLLM class kvpilot subclasses, calls or reads: the methods with their
-    signatures, the attributes read, attributes it relies on vLLM's class not having
-    (``absent``), and class keywords (a msgspec struct's wire options) that must hold."""
+    signatures, the attributes read, and class keywords (a msgspec struct's wire options)
+    that must hold."""
 
     module: str
     name: str
     methods: tuple[Method, ...] = ()
     attributes: tuple[str, ...] = ()
     keywords: tuple[tuple[str, object], ...] = ()
-    absent: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,14 +281,11 @@ CONTRACT = Contract(
         ),
         ClassSeam("vllm.v1.metrics.stats", "PromptTokenStats", attributes=("ALL_SOURCES",)),
         # Where D's offer of a session's KV reaches an answer (routing/serve/withheld.py): a top-level
-        # field of the whole answers, which the router reads and answers null; in no stream class,
-        # so that the relay keeps no offer from a streamed step (routing/serve/proxy.py). A release
-        # that streams it is withheld from clients all the same, but fails here until the relay
-        # learns to keep a streamed step's offer.
+        # field of the whole answers, which the router reads and answers null. A stream chunk may
+        # carry it too (vLLM 0.34's stream classes have it): the relay then keeps the chunk's
+        # offer as a whole answer's and withholds it, and Envoy's filter withholds it.
         ClassSeam(_COMPLETION, "CompletionResponse", attributes=("kv_transfer_params",)),
         ClassSeam(_CHAT, "ChatCompletionResponse", attributes=("kv_transfer_params",)),
-        ClassSeam(_COMPLETION, "CompletionStreamResponse", attributes=("choices",), absent=("kv_transfer_params",)),
-        ClassSeam(_CHAT, "ChatCompletionStreamResponse", attributes=("choices",), absent=("kv_transfer_params",)),
         # The KV events the router decodes (routing/index/events.py mirrors these fields).
         ClassSeam(
             "vllm.distributed.kv_events",
@@ -432,11 +428,6 @@ def _check_class(tree: SourceTree, seam: ClassSeam, version: str) -> list[Violat
         Violation(f"{seam.name}.{attr}", f"attribute missing in vLLM {version}")
         for attr in seam.attributes
         if tree.lookup(cls, attr) is None
-    ]
-    violations += [
-        Violation(f"{seam.name}.{attr}", f"attribute present in vLLM {version}; kvpilot relies on its absence")
-        for attr in seam.absent
-        if tree.lookup(cls, attr) is not None
     ]
     keywords = tree.class_keywords(cls)
     violations += [

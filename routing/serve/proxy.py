@@ -183,9 +183,8 @@ class Proxy:
         ticket = begun.ticket
         try:
             reply: Reply | None
-            if request.engine.body.get("stream"):  # vLLM streams no offer (vllm_contract checks it): none to keep
-                decode_params = None
-                answered = await self._stream(request, begun, client)
+            if request.engine.body.get("stream"):
+                answered, decode_params = await self._stream(request, begun, client)
                 reply = None
             else:
                 reply, decode_params = await self._unary(request, begun)
@@ -308,32 +307,36 @@ class Proxy:
         answer, offer = scrubbed_answer(payload)
         return Reply(200, answer, begun.headers), offer
 
-    async def _stream(self, request: ProxyRequest, begun: Begun, client: ClientStream) -> bool:
+    async def _stream(self, request: ProxyRequest, begun: Begun, client: ClientStream) -> tuple[bool, object]:
         """D's stream relayed to ``client``, each batch of events as it comes, less what
         :func:`~kvpilot.routing.serve.withheld.scrubbed_events` withholds; whether it ended
-        normally (a break is sent to the client as an error event and counted against D)."""
+        normally (a break is sent to the client as an error event and counted against D), and
+        D's offer where a chunk carried one (``None``: none, or the stream broke)."""
         ticket = begun.ticket
         d = ticket.route.decode
         sent_at = time.perf_counter()
         async with self.upstream.stream(d, request.engine, begun.handoff) as events:
             await client.open(begun.headers)
             first = True
+            offer: object = None
             try:
                 async for batch in events:
                     if first:
                         now = time.perf_counter()
                         self.first_token(ticket, now - sent_at, now - request.started)
                     first = False
-                    await client.send(scrubbed_events(batch))
+                    scrubbed, carried = scrubbed_events(batch)
+                    offer = carried if carried is not None else offer
+                    await client.send(scrubbed)
             except StreamBroke as exc:
                 self.metrics.upstream_errors.labels(d.name).inc()
                 self.metrics.circuit_changed(self.lifecycle.decode_failed(ticket, engine_fault=True))
                 message = f"engine {d.name} ({d.url}): stream broke: {exc}"
                 await client.send([json.dumps(error_reply(502, message, "upstream_error").payload)])
                 await client.close()
-                return False
+                return False, None
             await client.close()
-            return True
+            return True, offer
 
     def first_token(self, ticket: Ticket, since_sent_s: float, ttft_s: float) -> None:
         """D's first token came ``since_sent_s`` after D's request was sent and ``ttft_s``

@@ -7,13 +7,14 @@ key named ``kvpilot_*`` is kvpilot's by name and no client's either.
 
 - A whole answer keeps ``kv_transfer_params`` as ``null``, as vLLM answers a request that
   transferred nothing, and loses every top-level ``kvpilot_*`` key (:func:`scrubbed_answer`).
-- A streamed chunk loses both (:func:`scrubbed_events`): vLLM's stream classes have no such
-  field, so the chunk then reads as vLLM writes it. A chunk whose text names neither is passed
-  on as it came, unparsed: a substring test per event is the whole cost of a clean stream.
+- A streamed chunk loses both (:func:`scrubbed_events`), and D's offer, where a release
+  streams one (vLLM 0.34 has the field in its stream classes), is handed to the router as a
+  whole answer's is. A chunk whose text names neither is passed on as it came, unparsed: a
+  substring test per event is the whole cost of a clean stream.
 - A chunk that names one but is not a JSON object is withheld: an error event takes its place.
 
 ``kvpilot.kvconnectors.vllm_contract`` checks, on each vLLM release, that the key is a
-top-level field of vLLM's whole answers and of none of its stream classes; Envoy's Lua filter
+top-level field of vLLM's whole answers; Envoy's Lua filter
 (``deploy/envoy_spec.py``) applies the same rules on Envoy's path. Key names are matched as
 vLLM writes them (no JSON escapes in a key: pydantic writes none for ASCII).
 """
@@ -55,24 +56,31 @@ def scrubbed_answer(payload: Mapping[str, Any]) -> tuple[dict[str, Any], object]
     return answer, offer
 
 
-def _scrubbed_event(data: str) -> str:
+def _scrubbed_event(data: str) -> tuple[str, object]:
+    """One event's data as the client gets it, and the offer it carried (``None``: none)."""
     if TRANSFER_PARAMS_KEY not in data and KVPILOT_PREFIX not in data:
-        return data
+        return data, None
     try:
         chunk = json.loads(data)
     except ValueError:
-        return WITHHELD_CHUNK
+        return WITHHELD_CHUNK, None
     if not isinstance(chunk, dict):
-        return WITHHELD_CHUNK
+        return WITHHELD_CHUNK, None
     if not any(_withheld(key) for key in chunk):
-        return data  # the text only named it (a token, a tool call's argument)
-    return json.dumps({k: v for k, v in chunk.items() if not _withheld(k)})
+        return data, None  # the text only named it (a token, a tool call's argument)
+    return json.dumps({k: v for k, v in chunk.items() if not _withheld(k)}), chunk.get(TRANSFER_PARAMS_KEY)
 
 
-def scrubbed_events(events: Sequence[str]) -> Sequence[str]:
+def scrubbed_events(events: Sequence[str]) -> tuple[Sequence[str], object]:
     """The data of a batch of streamed events (each a JSON chunk or ``[DONE]``), each chunk
-    without its top-level ``kv_transfer_params`` and ``kvpilot_*`` keys; ``events`` itself when
-    no event's text names either."""
+    without its top-level ``kv_transfer_params`` and ``kvpilot_*`` keys (``events`` itself when
+    no event's text names either), and the last offer a chunk of the batch carried (``None``:
+    none)."""
     if not any(TRANSFER_PARAMS_KEY in data or KVPILOT_PREFIX in data for data in events):
-        return events
-    return [_scrubbed_event(data) for data in events]
+        return events, None
+    scrubbed, offer = [], None
+    for data in events:
+        text, carried = _scrubbed_event(data)
+        scrubbed.append(text)
+        offer = carried if carried is not None else offer
+    return scrubbed, offer

@@ -291,17 +291,35 @@ class OfferingUpstream(ScriptedUpstream):
         yield events()
 
 
+def _kept_offers(rig: Rig) -> list[object]:
+    """The offers D's answers hand the lifecycle (the session's, for its next step)."""
+    kept: list[object] = []
+    finished = rig.proxy.lifecycle.finished
+
+    def recording(ticket: Any, *, answered: bool, decode_params: object = None) -> Any:
+        kept.append(decode_params)
+        return finished(ticket, answered=answered, decode_params=decode_params)
+
+    rig.proxy.lifecycle.finished = recording  # type: ignore[method-assign]
+    return kept
+
+
 def test_the_relay_withholds_d_s_offer_and_kvpilot_keys_whole_and_streamed():
     """The client never reads D's offer (where the session's KV lives, how to pull it) nor a
     top-level ``kvpilot_*`` key: ``null`` and gone in a whole answer, gone from each streamed
     chunk; a chunk whose text only names them passes as D wrote it, and one that names them
-    but cannot be read is withheld."""
+    but cannot be read is withheld. The offer is the router's, kept for the session's next
+    step, whole or streamed (vLLM 0.34 streams it)."""
     rig = Rig(OfferingUpstream())
+    kept = _kept_offers(rig)
     reply = asyncio.run(rig.proxy.serve(rig.request({}), RecordingClient()))
     assert reply is not None and reply.payload["kv_transfer_params"] is None and "kvpilot_lease" not in reply.payload
+    assert kept == [OFFER]
     rig = Rig(OfferingUpstream())
+    kept = _kept_offers(rig)
     client = RecordingClient()
     assert asyncio.run(rig.proxy.serve(rig.request({"stream": True}), client)) is None
+    assert kept == [OFFER]
     first, second, named, broken, done = client.events
     assert json.loads(first) == json.loads(second) == {"id": "x", "choices": [{"index": 0, "text": "t"}]}
     assert json.loads(named)["choices"][0]["text"] == 'say "kv_transfer_params"'
