@@ -125,10 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(record(load, run_load(args, load, [arm])))
     found = {arm: arm_bounds(points_of(runs, arm)) for arm in arms}
     others = [a for a in arms if a != "kvpilot"]
-    baseline = max(others, key=lambda a: (found[a].upper, found[a].lower))
     result = {
         "live_goodput": {arm: {**found[arm].as_dict(), "points": points_of(runs, arm)} for arm in arms},
-        "baseline": baseline,
         "at_least": {a: at_least(found["kvpilot"], found[a]) for a in others},
         "resolution": args.resolution,
         "workers": args.workers,
