@@ -5,6 +5,7 @@
 
 setup:
 	./scripts/bootstrap.sh
+	$(MAKE) --no-print-directory -C routing/native  # kvpilot's compiled decision (routing/native/README.md)
 
 demo: setup
 	.venv/bin/kvpilot demo

@@ -1,0 +1,168 @@
+"""ctypes binding of kvpilot's compiled decision core (``kvp_core.h``, built by ``make setup``
+into ``build/libkvpcore.so``): block naming, the block index, the prefix match and Dynamo's
+cost, with the same outcomes as :mod:`kvpilot.routing.index.block_index` and
+:mod:`kvpilot.routing.decide.cost` within the scope ``kvp_core.h`` states.
+
+:func:`load` raises :class:`NativeUnavailable` when the library was not built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+LIBRARY = Path(__file__).with_name("build") / "libkvpcore.so"
+TIER_CLASSES = {"gpu": 0, "host": 1, "disk": 2, "shared": 3}
+""":class:`kvpilot.routing.config.TierClass` values -> ``enum kvp_tier_class``."""
+OUTCOMES = ("applied", "block_size", "unknown_parent", "bad_shape", "unknown_slot", "no_memory")
+"""``enum kvp_outcome``, by value."""
+
+_u32p = np.ctypeslib.ndpointer(np.uint32, flags="C_CONTIGUOUS")
+_u64p = np.ctypeslib.ndpointer(np.uint64, flags="C_CONTIGUOUS")
+_f64p = np.ctypeslib.ndpointer(np.float64, flags="C_CONTIGUOUS")
+_u8p = np.ctypeslib.ndpointer(np.uint8, flags="C_CONTIGUOUS")
+
+
+class NativeUnavailable(RuntimeError):
+    """The compiled core is not built here (run ``make setup``)."""
+
+
+class CostConfig(ctypes.Structure):
+    """``kvp_cost_config``: the fields of the ``cost`` section the formula reads."""
+
+    _fields_ = [
+        (name, ctypes.c_double)
+        for name in (
+            "overlap_score_credit",
+            "overlap_score_credit_decay",
+            "host_cache_hit_weight",
+            "disk_cache_hit_weight",
+            "shared_cache_multiplier",
+            "prefill_load_scale",
+            "decode_active_request_weight",
+            "session_affinity_credit",
+            "session_residency_weight",
+        )
+    ] + [("session_stays_unless_sooner", ctypes.c_int)]
+
+
+class Load(ctypes.Structure):
+    """``kvp_load``: one candidate's row of the cost table besides its overlap."""
+
+    _fields_ = [
+        (name, ctypes.c_double)
+        for name in (
+            "prefill_blocks",
+            "decode_blocks",
+            "requests",
+            "shared_decode_blocks",
+            "pair_penalty_blocks",
+            "resident_blocks",
+        )
+    ] + [("session_affinity", ctypes.c_int)]
+
+
+_lib: ctypes.CDLL | None = None
+
+
+def load() -> ctypes.CDLL:
+    """The library, its signatures declared (loaded once). Raises NativeUnavailable."""
+    global _lib
+    if _lib is None:
+        if not LIBRARY.exists():
+            raise NativeUnavailable(f"{LIBRARY} is not built: run `make setup`")
+        lib = ctypes.CDLL(str(LIBRARY))
+        size, u32, u64, ptr = ctypes.c_size_t, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
+        lib.kvp_index_new.restype = ptr
+        lib.kvp_index_new.argtypes = [u32, u32, u32, _u64p, u64]
+        lib.kvp_index_free.argtypes = [ptr]
+        lib.kvp_chain_keys.argtypes = [ptr, _u32p, size, u64, u64, _u64p]
+        lib.kvp_index_store.argtypes = [ptr, u32, u32, _u64p, size, ctypes.c_int, u64, u32, _u32p, size]
+        lib.kvp_index_remove.argtypes = [ptr, u32, u32, _u64p, size]
+        lib.kvp_index_clear_worker.argtypes = [ptr, u32]
+        lib.kvp_index_match.restype = size
+        lib.kvp_index_match.argtypes = [ptr, _u32p, size, _u32p]
+        lib.kvp_tier_overlap.argtypes = [_u32p, _u8p, u32, u32, _f64p]
+        lib.kvp_price.restype = size
+        lib.kvp_price.argtypes = [ctypes.POINTER(CostConfig), u64, size, _f64p, ctypes.POINTER(Load), _f64p, _u32p]
+        _lib = lib
+    return _lib
+
+
+class NativeIndex:
+    """A compiled block index of ``max_workers`` workers times ``media`` (worker and medium
+    are given by position); names blocks with ``lanes`` and ``position_lane`` (the process's
+    own: :mod:`kvpilot.routing.index.chain`). Not thread-safe."""
+
+    def __init__(
+        self, block_size: int, max_workers: int, media: Sequence[str], lanes: np.ndarray, position_lane: int
+    ) -> None:
+        self._lib = load()
+        self.block_size, self.max_workers, self.media = block_size, max_workers, tuple(media)
+        lanes = np.ascontiguousarray(lanes, dtype=np.uint64)
+        self._ptr = self._lib.kvp_index_new(block_size, max_workers, len(self.media), lanes, position_lane)
+        if not self._ptr:
+            raise ValueError(f"no index of {max_workers} workers x {len(self.media)} media, block size {block_size}")
+        self._depths = np.zeros(max_workers * len(self.media), dtype=np.uint32)
+
+    def __del__(self) -> None:
+        if getattr(self, "_ptr", None):
+            self._lib.kvp_index_free(self._ptr)
+
+    def store(
+        self, worker: int, medium: int, ehashes: np.ndarray, parent: int | None, block_size: int, tokens: np.ndarray
+    ) -> str:
+        """A ``BlockStored``; returns ``"applied"`` or the skip's name."""
+        hashes = np.ascontiguousarray(ehashes, dtype=np.uint64)
+        toks = np.ascontiguousarray(tokens, dtype=np.uint32)
+        code = self._lib.kvp_index_store(
+            self._ptr, worker, medium, hashes, len(hashes), parent is not None, parent or 0, block_size, toks, len(toks)
+        )
+        return OUTCOMES[code]
+
+    def remove(self, worker: int, medium: int, ehashes: np.ndarray) -> str:
+        """A ``BlockRemoved``; returns ``"applied"`` or the skip's name."""
+        hashes = np.ascontiguousarray(ehashes, dtype=np.uint64)
+        return OUTCOMES[self._lib.kvp_index_remove(self._ptr, worker, medium, hashes, len(hashes))]
+
+    def clear_worker(self, worker: int) -> None:
+        self._lib.kvp_index_clear_worker(self._ptr, worker)
+
+    def match(self, tokens: np.ndarray) -> np.ndarray:
+        """Depths, shape ``(max_workers, len(media))`` (a view valid until the next match)."""
+        toks = np.ascontiguousarray(tokens, dtype=np.uint32)
+        self._lib.kvp_index_match(self._ptr, toks, len(toks), self._depths)
+        return self._depths.reshape(self.max_workers, len(self.media))
+
+    def chain_keys(self, tokens: np.ndarray) -> np.ndarray:
+        """The keys of ``tokens``' full blocks from block 0."""
+        toks = np.ascontiguousarray(tokens, dtype=np.uint32)
+        out = np.zeros(len(toks) // self.block_size, dtype=np.uint64)
+        self._lib.kvp_chain_keys(self._ptr, toks, len(out), 0, 0, out)
+        return out
+
+
+def tier_overlaps(depths: np.ndarray, classes: np.ndarray) -> np.ndarray:
+    """Each worker's :class:`~kvpilot.routing.decide.cost.TierOverlap`, shape ``(workers, 4)``,
+    from :meth:`NativeIndex.match`'s depths and each medium's tier class."""
+    lib, classes = load(), np.ascontiguousarray(classes, dtype=np.uint8)
+    shared_media = classes == TIER_CLASSES["shared"]
+    shared = int(depths[:, shared_media].max()) if shared_media.any() and depths.size else 0
+    out = np.zeros((len(depths), 4))
+    row = np.zeros(4)
+    for w in range(len(depths)):
+        lib.kvp_tier_overlap(np.ascontiguousarray(depths[w]), classes, len(classes), shared, row)
+        out[w] = row
+    return out
+
+
+def price(config: CostConfig, prompt_blocks: int, overlap: np.ndarray, loads: Sequence[Load]) -> tuple[np.ndarray, list[int]]:
+    """Each candidate's cost, and the rows tied at the lowest cost among the eligible ones."""
+    n = len(loads)
+    costs, ties = np.zeros(n), np.zeros(max(n, 1), dtype=np.uint32)
+    rows = (Load * max(n, 1))(*loads)
+    count = load().kvp_price(ctypes.byref(config), prompt_blocks, n, np.ascontiguousarray(overlap, dtype=np.float64), rows, costs, ties)
+    return costs, ties[:count].tolist()
