@@ -276,7 +276,7 @@ size_t kvp_index_match(const kvp_index *ix, const uint32_t *tokens, size_t n_tok
   uint64_t alive[KVP_MAX_SLOTS / 64];
   for (uint32_t w = 0; w < words; w++) alive[w] = ~0ULL;
   uint64_t key = 0;
-  int any = 1;
+  int any = n_blocks > 0;
   for (size_t j = 0; j < n_blocks && any; j++) {
     key ^= block_hash(ix, tokens + j * ix->block_size, j);
     const uint64_t *row = key_row(ix, key_find(ix, key));
