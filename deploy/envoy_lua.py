@@ -42,7 +42,7 @@ import json
 from collections.abc import Iterable, Mapping
 
 from kvpilot.routing.gateway.contract import DESTINATION_HEADER
-from kvpilot.routing.serve.proxy import error_reply
+from kvpilot.routing.serve.driver import error_reply
 from kvpilot.routing.serve.request_fields import ACCEPTED, ENGINE_INTERNAL, refused_field
 from kvpilot.routing.serve.upstream import Api
 from kvpilot.routing.serve.withheld import KVPILOT_PREFIX, TRANSFER_PARAMS_KEY, WITHHELD_CHUNK

@@ -8,7 +8,8 @@ health records (circuits, KV-event watch, pair health), the rates, the
 :class:`~kvpilot.routing.serve.intake.RequestIntake`, the metrics and the shared session
 store. :meth:`RouterCore.start` opens what the live fronts share with the engines: their
 HTTP client and :class:`~kvpilot.routing.serve.upstream.Upstream`, the
-:class:`~kvpilot.routing.serve.proxy.Proxy`, the KV-event feeder, Dynamo's discovery, the
+:class:`~kvpilot.routing.serve.driver.RequestDriver` (every front's request steps around
+D's call) and the relay's :class:`~kvpilot.routing.serve.proxy.Proxy`, the KV-event feeder, Dynamo's discovery, the
 engines' limits, the calibration and the ``/metrics`` poller.
 
 The fronts take a core and add only their own I/O: the HTTP relay
@@ -71,6 +72,7 @@ from kvpilot.routing.metrics.router_metrics import RouterMetrics
 from kvpilot.routing.refusals import RejectReason
 from kvpilot.routing.serve.admission import Admission
 from kvpilot.routing.serve.calibrate import Calibrator
+from kvpilot.routing.serve.driver import RequestDriver
 from kvpilot.routing.serve.intake import RequestIntake
 from kvpilot.routing.serve.learned_limits import learned_limits
 from kvpilot.routing.serve.prompt import EnginePrompt
@@ -225,6 +227,7 @@ class RouterCore:
         self._engine_headers = {"Authorization": f"Bearer {engine_key}"} if engine_key else {}
         self._background: list[asyncio.Task[None]] = []
         self._http: aiohttp.ClientSession | None = None
+        self._driver: RequestDriver | None = None
         self._proxy: Proxy | None = None
         self.discovery: DynamoDiscovery | None = None
 
@@ -312,9 +315,15 @@ class RouterCore:
         return self._proxy
 
     @property
+    def driver(self) -> RequestDriver:
+        """The request driver every front drives its requests with, once the core has started."""
+        assert self._driver is not None, "the router has not started"
+        return self._driver
+
+    @property
     def upstream(self) -> Upstream:
         """The engines' client, once the core has started."""
-        return self.proxy.upstream
+        return self.driver.upstream
 
     async def start(self, *, feed_index: bool = True) -> None:
         """Open the engines' side: their HTTP client and the proxy, the shared session store,
@@ -329,14 +338,15 @@ class RouterCore:
         # measured here); a new connection ACKs at once (TCP quick-ACK at its start).
         connector = aiohttp.TCPConnector(force_close=self.config.dynamo.enabled)
         self._http = aiohttp.ClientSession(timeout=timeout, connector=connector)
-        self._proxy = Proxy(
-            await self._upstream(self._http),
+        upstream = await self._upstream(self._http)
+        self._driver = RequestDriver(
+            upstream,
             self.lifecycle,
             self.metrics,
-            self.config.server.max_retries,
             prefill_timeout_s=self.config.server.prefill_timeout_s,
             session_served=self.session_sync.push if self.session_sync is not None else None,
         )
+        self._proxy = Proxy(self._driver, self.config.server.max_retries)
         if self.session_sync is not None:
             await self.session_sync.open()
         if feed_index and (self.discovery is not None or any(w.kv_events_endpoint for w in self.fleet.workers)):

@@ -20,8 +20,9 @@ the prefilling worker must publish, and the rates it learns from (P's prefill, e
 path's overhead). Its methods return outcomes as data (:class:`CircuitChange`, the
 prediction ratios); the fronts record metrics and logs from them.
 
-The fronts: the relay (:mod:`kvpilot.routing.serve.proxy`), Envoy's endpoint picker
-(:mod:`kvpilot.routing.gateway.picker`) and the fleet simulator
+The live fronts, the relay (:mod:`kvpilot.routing.serve.proxy`) and Envoy's endpoint picker
+(:mod:`kvpilot.routing.gateway.picker`), call it through one request driver
+(:mod:`kvpilot.routing.serve.driver`); they and the fleet simulator
 (``benchmarks/sim/kvpilot.py``) hold no booking of their own.
 
 Every predicted TTFT is built and priced as the router's own prices are

@@ -350,7 +350,7 @@ class Router:
             assert chain is not None
         else:
             if state is not None:  # a dry run leaves the chain: compare without advancing it
-                reused_tokens = state.shared_prefix(token_ids)
+                reused_tokens = state.shared_prefix(token_ids, lora_name=lora_name, cache_salt=cache_salt)
             chain = PromptChain(token_ids, self.index.block_size, lora_name=lora_name, cache_salt=cache_salt)
         match = self.index.match(chain)
         overlaps = self._overlaps(match)
@@ -407,6 +407,25 @@ class Router:
             option=option,
             options=prices,
         )
+
+    def commit(
+        self,
+        route: Route,
+        token_ids: Sequence[int],
+        *,
+        session: SessionId | None,
+        now: float | None,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> None:
+        """Take a ``dry_run`` :meth:`route` of ``token_ids`` as the decision, with no second
+        decision: the session's chain advances to ``token_ids`` and it settles on the route's
+        workers, as the same call without ``dry_run`` would have left them on the same state."""
+        if session is None:
+            return
+        self.sessions.get(session).advance(token_ids, lora_name=lora_name, cache_salt=cache_salt)
+        if now is not None:
+            self._settle(session, route.prefill, route.decode, route.prompt_blocks, now)
 
     def _price_session_step(
         self,

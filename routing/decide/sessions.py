@@ -184,9 +184,12 @@ class SessionState:
         chain.extend(packed[same:])
         return Advance(same, len(prompt) - same, diverged)
 
-    def shared_prefix(self, prompt: Sequence[int]) -> int:
-        """How many leading tokens ``prompt`` shares with the last prompt (0: none yet)."""
-        if self.chain is None:
+    def shared_prefix(
+        self, prompt: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> int:
+        """How many leading tokens ``prompt`` shares with the last prompt (0: none yet, or
+        another salt or LoRA): what :meth:`advance` would reuse, without advancing."""
+        if self.chain is None or (lora_name, cache_salt) != (self._lora, self._salt):
             return 0
         return first_difference(self.chain.tokens, pack_tokens(prompt))
 

@@ -56,7 +56,7 @@ from multidict import CIMultiDict
 
 from kvpilot.routing.gateway.contract import CLIENT_ATTRIBUTE, DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE
 from kvpilot.routing.gateway.picker import Picked, Picker, Refused, RequestEnd
-from kvpilot.routing.serve.proxy import error_reply
+from kvpilot.routing.serve.driver import error_reply
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ response byte reaches Python.
 :meth:`Picker.pick` drives the request's :class:`~kvpilot.routing.decide.lifecycle.Lifecycle`
 as the relay does up to D's call: an admission slot (``server.max_concurrent_requests`` and
 its queue: 429 or 503 with ``Retry-After``, as GAIE's protocol lets an endpoint picker
-refuse), the intake (check, the engine's token ids, session, route, TTFT SLO), the
-session's claim for its client (the TCP peer Envoy saw: ``sessions.max_sessions_per_client``,
-as the relay claims for its own peer), then
-:meth:`~kvpilot.routing.serve.proxy.Proxy.begin` (the booking and P's prefill with its
+refuse), the intake (check, the engine's token ids, session, route, TTFT SLO), then
+:meth:`~kvpilot.routing.serve.driver.RequestDriver.begin`, as the relay (the session's claim
+for its client, the TCP peer Envoy saw: ``sessions.max_sessions_per_client``; the booking and
+P's prefill with its
 recovery when the route prefills remotely on vLLM engines: another P, D, or a 503; beside
 Dynamo P's step is deferred into D's call). It answers with D's
 :class:`~kvpilot.routing.serve.upstream.Destination` and the answer's ``X-KVPilot-*`` headers
@@ -66,15 +66,13 @@ import msgspec
 
 from kvpilot.routing.config import ServerConfig, Worker
 from kvpilot.routing.core import UNAUTHORIZED_MESSAGE
-from kvpilot.routing.decide.lifecycle import Lifecycle
 from kvpilot.routing.gateway.contract import is_ip_address
-from kvpilot.routing.metrics.router_metrics import RouterMetrics
 from kvpilot.routing.refusals import BadRequest
 from kvpilot.routing.serve.admission import Admission, Rejected
 from kvpilot.routing.serve.chat import ChatError
+from kvpilot.routing.serve.driver import Begun, ProxyRequest, Reply, RequestDriver, error_reply
 from kvpilot.routing.serve.intake import RequestIntake
-from kvpilot.routing.serve.proxy import Begun, Proxy, ProxyRequest, Reply, error_reply
-from kvpilot.routing.serve.upstream import Api, Destination, Upstream, UpstreamError
+from kvpilot.routing.serve.upstream import Api, Destination, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -210,32 +208,25 @@ class Addresses:
 
 class Picker:
     """Picks for Envoy (see the module doc), given at construction what it drives: the
-    request ``intake`` (check, token ids, session, route, TTFT SLO), the ``proxy``'s steps
-    before and after D's call (P's prefill and its recovery; the end's metrics and the
-    session store), the ``upstream`` that names D's destination, the request
-    ``lifecycle`` that books it all, ``admission`` (one slot from the pick to the access
-    log's entry), the ``metrics``, the ``server`` section's limits, ``authorized`` (the
-    API key check) and the destinations' ``addresses``. Runs on the router's event loop;
-    not thread-safe."""
+    request ``intake`` (check, token ids, session, route, TTFT SLO), the request ``driver``
+    (its steps before and after D's call, booked by the lifecycle, with the metrics, and
+    the upstream that names D's destination), ``admission`` (one slot from the pick to the
+    access log's entry), the ``server`` section's limits, ``authorized`` (the API key check)
+    and the destinations' ``addresses``. Runs on the router's event loop; not thread-safe."""
 
     def __init__(
         self,
         intake: RequestIntake,
-        proxy: Proxy,
-        upstream: Upstream,
-        lifecycle: Lifecycle,
+        driver: RequestDriver,
         admission: Admission,
-        metrics: RouterMetrics,
         server: ServerConfig,
         authorized: Callable[[Mapping[str, str]], bool],
         addresses: Addresses,
     ) -> None:
         self._intake = intake
-        self._proxy = proxy
-        self._upstream = upstream
-        self._lifecycle = lifecycle
+        self._driver = driver
         self._admission = admission
-        self._metrics = metrics
+        self._metrics = driver.metrics
         self._server = server
         self._authorized = authorized
         self._addresses = addresses
@@ -284,24 +275,22 @@ class Picker:
     ) -> Picked:
         intake = self._intake
         try:
-            taken = await intake.take(headers, intake.checked_body(raw, api), api, arrived)
+            taken = await intake.take(headers, intake.checked_body(raw, api), api, arrived, client)
         except (BadRequest, ChatError) as exc:
             raise Refused(getattr(exc, "status", 400), str(exc)) from None
         except Rejected as exc:
             raise self._rejected(exc) from None
         request = taken.request
-        if client is not None:
-            self._lifecycle.claim_session(request.session, client)
-        begun = await self._proxy.begin(request, request.route)
+        begun = await self._driver.begin(request, request.route)
         if isinstance(begun, Reply):
             raise Refused(begun.status, begun.payload["error"]["message"], begun.payload["error"]["type"])
         ticket = begun.ticket
         decode = ticket.route.decode
         try:
-            destination = self._upstream.destination(decode, request.engine, begun.handoff)
+            destination = self._driver.upstream.destination(decode, request.engine, begun.handoff)
             address = await self._addresses.ip_port(decode, destination.host_port)
         except UpstreamError as exc:
-            self._metrics.circuit_changed(self._lifecycle.decode_failed(ticket, engine_fault=True))
+            self._driver.decode_failed(ticket, engine_fault=True)
             raise Refused(exc.status, str(exc), "upstream_error") from None
         picked_s = time.perf_counter() - arrived
         self._in_flight[ticket.request_id] = _InFlight(request, begun, picked_s, self._prefill_timer(begun, picked_s))
@@ -316,10 +305,10 @@ class Picker:
         if prediction is None:
             return None
         delay = max(0.0, prediction.seconds - picked_s)
-        return asyncio.get_running_loop().call_later(delay, self._lifecycle.prefill_over, begun.ticket)
+        return asyncio.get_running_loop().call_later(delay, self._driver.prefill_over, begun.ticket)
 
     async def ended(self, end: RequestEnd) -> None:
-        """Envoy's entry for a request that ended: the proxy's steps after D's stream (see
+        """Envoy's entry for a request that ended: the driver's steps after D's stream (see
         the module doc) and the request's admission slot. An entry for a request the picker
         did not pick (it refused it, or picked it before a restart) is ignored."""
         item = self._in_flight.pop(end.request_id, None)
@@ -331,14 +320,13 @@ class Picker:
         try:
             if end.status == 200 and end.first_body_s is not None:
                 since_sent = max(0.0, end.first_body_s - item.picked_s)
-                self._proxy.first_token(ticket, since_sent, end.first_body_s)
+                self._driver.first_token(ticket, since_sent, end.first_body_s)
             if end.upstream_broke:  # D's fault: no session step booked, D's circuit counts it
-                self._metrics.upstream_errors.labels(ticket.route.decode.name).inc()
-                self._metrics.circuit_changed(self._lifecycle.decode_failed(ticket, engine_fault=True))
+                self._driver.decode_failed(ticket, engine_fault=True)
             else:  # a client's 4xx, a client that left, an entry that never came: no one's fault
-                await self._proxy.finish(ticket, answered=end.answered)
+                await self._driver.finish(ticket, answered=end.answered)
         finally:
-            self._lifecycle.failed(ticket)  # a no-op for a ticket that ended above
+            self._driver.failed(ticket)  # a no-op for a ticket that ended above
             self._admission.release()
 
     async def expire(self, now: float) -> None:

@@ -33,8 +33,8 @@ from kvpilot.routing.gateway.auth import TokenInterceptor
 from kvpilot.routing.gateway.extproc import ExternalProcessor
 from kvpilot.routing.gateway.picker import Addresses, Picker
 from kvpilot.routing.refusals import RejectReason
+from kvpilot.routing.serve.driver import error_reply
 from kvpilot.routing.serve.loopback import beyond_loopback
-from kvpilot.routing.serve.proxy import error_reply
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +83,8 @@ def attach(app: web.Application, core: RouterCore) -> None:
         await addresses.refresh(destination_hosts(config))
         picker = Picker(
             core.intake,
-            core.proxy,
-            core.upstream,
-            core.lifecycle,
+            core.driver,
             core.admission,
-            core.metrics,
             config.server,
             core.authorized,
             addresses,

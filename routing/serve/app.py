@@ -1,7 +1,7 @@
 """The router's HTTP front (aiohttp): OpenAI-compatible, token ids to the engines.
 
 :class:`RouterServer` is the HTTP handlers over a :class:`~kvpilot.routing.core.RouterCore`
-(the composition root: index, ledger, sessions, health, router, lifecycle, intake, proxy,
+(the composition root: index, ledger, sessions, health, router, lifecycle, intake, driver, proxy,
 metrics, pollers, the shared session store), which it starts and stops with its app. Per request: admit it
 (:mod:`kvpilot.routing.serve.admission`: a full queue is a 429, a queue wait past its
 timeout a 503, both with ``Retry-After``), take it in (:mod:`kvpilot.routing.serve.intake`:
@@ -12,8 +12,9 @@ record from the shared store
 (:mod:`kvpilot.routing.state.sync`); route (:mod:`kvpilot.routing.decide.router`); refuse a
 route whose predicted TTFT is over ``server.ttft_slo_s``: 429 for load, else 503, with
 ``Retry-After``) and hand the route to the
-proxy (:mod:`kvpilot.routing.serve.proxy`: P, fallback, retry, bookkeeping), whose answer (the
-engine's, as it wrote it) is written here as JSON or as server-sent events.
+proxy (:mod:`kvpilot.routing.serve.proxy`: D's call and its retry, every step around it
+driven by :mod:`kvpilot.routing.serve.driver`), whose answer (the engine's, as it wrote it) is
+written here as JSON or as server-sent events.
 
 An upstream failure reaches the client as a JSON error naming the engine (the
 engine's 4xx status is kept, anything else is a 502); the router keeps serving.
@@ -45,14 +46,13 @@ from aiohttp.typedefs import Handler
 from kvpilot.routing.config import ConfigError, RouterConfig, read_secret
 from kvpilot.routing.core import OPEN_PATHS, UNAUTHORIZED_MESSAGE, RouterCore
 from kvpilot.routing.decide.rates import TTFTPrediction
-from kvpilot.routing.decide.sessions import InvalidSessionKey, scoped, session_key
 from kvpilot.routing.fleet import Fleet
 from kvpilot.routing.ids import pair_name
 from kvpilot.routing.refusals import BadRequest, RejectReason
 from kvpilot.routing.serve.admission import Rejected
 from kvpilot.routing.serve.chat import ChatError, ChatTemplate
+from kvpilot.routing.serve.driver import error_reply
 from kvpilot.routing.serve.prompt import EnginePrompt
-from kvpilot.routing.serve.proxy import error_reply
 from kvpilot.routing.serve.sse import sse_events
 from kvpilot.routing.serve.tokenizer import TOKENIZER_FILE, PromptTokenizer
 from kvpilot.routing.serve.upstream import Api
@@ -246,7 +246,9 @@ class RouterServer:
             await intake.pull_session(session)
             with core.lock:
                 held = session is not None and session in core.router.sessions
-            route = intake.route(request.headers, token_ids, body, api, session if held else None, dry_run=True)
+            route = intake.route(
+                request.headers, token_ids, body, api, session if held else None, dry_run=True, timed=False
+            )
         except BadRequest as exc:
             return _error(exc.status, str(exc))
         predicted = core.lifecycle.predict(route)
@@ -326,8 +328,8 @@ class RouterServer:
         proxy = self.core.proxy
         try:
             body = await self._body(request, api)
-            self._claim_session(request, body)
-            intake = await self.core.intake.take(request.headers, body, api, started)
+            # the session, if it names one, is its client's: the TCP peer's address (behind another proxy, that proxy's)
+            intake = await self.core.intake.take(request.headers, body, api, started, request.remote or "")
         except (BadRequest, ChatError) as exc:
             return _error(getattr(exc, "status", 400), str(exc))
         client = _SSEResponse(request)
@@ -336,18 +338,6 @@ class RouterServer:
             assert client.response is not None
             return client.response
         return web.json_response(reply.payload, status=reply.status, headers=reply.headers)
-
-    def _claim_session(self, request: web.Request, body: Mapping[str, Any]) -> None:
-        """The request's session, if it names one, is its client's (``sessions.max_sessions_per_client``;
-        the client is the TCP peer's address: behind another proxy, that proxy's). A malformed
-        session field is left for the intake to refuse."""
-        try:
-            key = session_key(body, request.headers)
-        except InvalidSessionKey:
-            return
-        if key is not None:
-            with self.core.lock:
-                self.core.router.sessions.claim(scoped(key, body.get("cache_salt")), request.remote or "")
 
 
 def build_server(config: RouterConfig, fleet: Fleet, *, feed_index: bool = True) -> RouterServer:

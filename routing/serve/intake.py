@@ -38,9 +38,9 @@ from kvpilot.routing.metrics.router_metrics import RouterMetrics
 from kvpilot.routing.refusals import BadRequest, RejectReason
 from kvpilot.routing.serve.admission import check_ttft_slo
 from kvpilot.routing.serve.chat import ChatError
+from kvpilot.routing.serve.driver import ProxyRequest
 from kvpilot.routing.serve.engine_checks import EngineLimits, check_fields, check_sampling, check_text
 from kvpilot.routing.serve.prompt import EnginePrompt
-from kvpilot.routing.serve.proxy import ProxyRequest
 from kvpilot.routing.serve.request_fields import checked_body
 from kvpilot.routing.serve.tokenizer import PromptError
 from kvpilot.routing.serve.truncation import truncation_of
@@ -183,8 +183,11 @@ class RequestIntake:
         *,
         dry_run: bool = False,
         exclude: frozenset[WorkerId] = frozenset(),
+        timed: bool = True,
     ) -> Route:
-        """Decide where ``token_ids`` go (under the index lock); raises :class:`BadRequest`."""
+        """Decide where ``token_ids`` go (under the index lock; ``dry_run``: see
+        :meth:`~kvpilot.routing.decide.router.Router.route`), its time counted in
+        ``kvpilot_router_decision_seconds`` when ``timed``; raises :class:`BadRequest`."""
         prefix = "chatcmpl" if api is Api.CHAT else "cmpl"
         request_id = headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
         self.watch_events()
@@ -202,17 +205,21 @@ class RequestIntake:
                 )
             except NoHealthyWorker as exc:
                 raise BadRequest(str(exc), 503) from None
-            if not dry_run:
+            if timed:
                 self.metrics.decision.observe(time.perf_counter() - started)
             return route
 
-    async def take(self, headers: Mapping[str, str], body: dict[str, Any], api: Api, started: float) -> Intake:
-        """A checked ``body`` (:meth:`checked_body`) sent to ``api``, its token ids computed,
-        its session taken from the shared store, routed (a session's step on a dry
-        run first when there is a TTFT SLO, so that a refused step leaves the session as
-        it was) and checked against ``server.ttft_slo_s``. Raises :class:`BadRequest` or
-        :class:`ChatError` (400 unless they say otherwise), or
-        :class:`~kvpilot.routing.serve.admission.Rejected` for a predicted TTFT over the SLO."""
+    async def take(
+        self, headers: Mapping[str, str], body: dict[str, Any], api: Api, started: float, client: str | None = None
+    ) -> Intake:
+        """A checked ``body`` (:meth:`checked_body`) sent to ``api`` by ``client`` (its address as
+        the front saw it, ``None``: unknown), its token ids computed, its session taken from the
+        shared store, routed once and checked against ``server.ttft_slo_s``: a session's step is
+        decided on a dry run and committed only once it meets the SLO
+        (:meth:`~kvpilot.routing.decide.router.Router.commit`), so that a refused step leaves the
+        session as it was. Raises :class:`BadRequest` or :class:`ChatError` (400 unless they
+        say otherwise), or :class:`~kvpilot.routing.serve.admission.Rejected` for a predicted
+        TTFT over the SLO."""
         slo_s = self.config.server.ttft_slo_s
         token_ids, session = await self.tokenized(headers, body, api)
         await self.pull_session(session)
@@ -222,7 +229,10 @@ class RequestIntake:
         if prediction is not None:
             check_ttft_slo(prediction, slo_s)
         if checked_first:
-            route = self.route(headers, token_ids, body, api, session)
+            with self.lock:
+                self.router.commit(
+                    route, token_ids, session=session, now=time.time(), cache_salt=body.get("cache_salt")
+                )
         engine_body = {k: v for k, v in body.items() if k not in SESSION_FIELDS}
 
         def reroute(exclude: frozenset[WorkerId]) -> Route | None:
@@ -232,7 +242,7 @@ class RequestIntake:
                 return None
 
         engine = EngineRequest(api, engine_body, token_ids)
-        return Intake(ProxyRequest(route, engine, session, started, reroute), body)
+        return Intake(ProxyRequest(route, engine, session, started, reroute, client), body)
 
 
 def engine_limits(server: ServerConfig) -> EngineLimits:

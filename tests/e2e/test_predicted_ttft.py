@@ -40,7 +40,7 @@ from kvpilot.deploy.metrics import delta, scrape
 from kvpilot.deploy.prompts import filler_text
 from kvpilot.kvconnectors.pull_params import handoff_request
 from kvpilot.policies.session_options import TIE_ORDER, Option
-from kvpilot.routing.serve.proxy import PREDICTED_TTFT_HEADER
+from kvpilot.routing.serve.driver import PREDICTED_TTFT_HEADER
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
 from tests.e2e.scenarios import BLOCK_SIZE

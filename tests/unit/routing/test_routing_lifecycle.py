@@ -117,7 +117,7 @@ def test_a_half_open_worker_takes_one_probe_and_its_answer_closes_it():
     assert ended.circuit is not None and not ended.circuit.opened and rig.breaker.allows(d, time.monotonic())
 
 
-FRONTS = ("routing/serve/proxy.py", "routing/gateway/picker.py", "benchmarks/sim/kvpilot.py")
+FRONTS = ("routing/serve/proxy.py", "routing/gateway/picker.py", "routing/serve/driver.py", "benchmarks/sim/kvpilot.py")
 BOOKING = {
     "ledger",
     "breaker",
@@ -138,6 +138,23 @@ def test_the_fronts_hold_no_booking(front):
     tree = ast.parse((ROOT / front).read_text())
     touched = sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)} & BOOKING)
     assert touched == [], f"{front} books {touched} itself"
+
+
+@pytest.mark.parametrize("front", ["routing/serve/proxy.py", "routing/gateway/picker.py", "routing/serve/app.py"])
+def test_the_live_fronts_reach_the_lifecycle_through_the_driver_alone(front):
+    """One request driver: the relay and the picker add their own I/O to the driver's steps
+    and never book with the lifecycle (claims, dispatch, ends) themselves; they may read its
+    predictions (``/debug/route``)."""
+    tree = ast.parse((ROOT / front).read_text())
+    names = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    names |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert not names & {"_lifecycle", "Lifecycle", "claim", "claim_session", "dispatch"}, front
+    lifecycle_calls = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "lifecycle"
+    }
+    assert lifecycle_calls <= {"predict", "predict_option"}, front
 
 
 D_OFFER = {

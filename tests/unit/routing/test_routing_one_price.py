@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from kvpilot.routing.decide.rates import RateEstimator
-from kvpilot.routing.ids import WorkerId
-from kvpilot.routing.serve.proxy import PREDICTED_TTFT_HEADER
+from kvpilot.routing.ids import SessionId, WorkerId
+from kvpilot.routing.serve.driver import PREDICTED_TTFT_HEADER
 from tests.unit.routing.test_routing_server import PD, PROMPT, run
 
 UNBOOKED = 3
@@ -73,3 +73,30 @@ def test_the_choice_the_header_the_slo_check_and_debug_route_read_one_price(mode
         assert float(served.headers[PREDICTED_TTFT_HEADER]) == pytest.approx(figure * 1e3, abs=1e-3)
 
     run(model_dir, PD, scenario, server_extra={"engine_metrics_interval_s": 0.05})
+
+
+def test_a_session_step_under_a_ttft_slo_is_decided_once_and_committed(model_dir):
+    """With a TTFT SLO a session's step is priced on a dry run and, once it meets the SLO,
+    committed without a second decision: one ``Router.route`` call per request, and the
+    session's chain names the step's prompt as a decided step leaves it."""
+
+    async def scenario(client, server, engines):
+        core = server.core
+        calls: list[bool] = []
+        route = core.router.route
+
+        def counted(*args, **kwargs):
+            calls.append(kwargs.get("dry_run", False))
+            return route(*args, **kwargs)
+
+        core.router.route = counted
+        server_cfg = msgspec.structs.replace(core.config.server, ttft_slo_s=3600.0)
+        core.intake.config = msgspec.structs.replace(core.config, server=server_cfg)
+        for prompt in (PROMPT, STEP_2):
+            answer = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}, headers=SESSION)
+            assert answer.status == 200, await answer.text()
+        assert calls == [True, True]  # one decision each: the dry run, committed
+        state = core.router.sessions.get(SessionId("one-price"))
+        assert list(state.chain.tokens) == STEP_2
+
+    run(model_dir, PD, scenario)

@@ -29,7 +29,8 @@ from kvpilot.routing.health.pair_health import PairHealth
 from kvpilot.routing.ids import WorkerId
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
-from kvpilot.routing.serve.proxy import Proxy, ProxyRequest
+from kvpilot.routing.serve.driver import ProxyRequest, RequestDriver
+from kvpilot.routing.serve.proxy import Proxy
 from kvpilot.routing.serve.upstream import (
     Api,
     EngineRequest,
@@ -143,7 +144,8 @@ class Rig:
             dict,
             rates=self.rates,
         )
-        self.proxy = Proxy(upstream, self.lifecycle, self.metrics, max_retries, prefill_timeout_s=30.0)
+        self.driver = RequestDriver(upstream, self.lifecycle, self.metrics, prefill_timeout_s=30.0)
+        self.proxy = Proxy(self.driver, max_retries)
 
     def request(self, body: dict[str, Any], exclude_calls: list[frozenset[WorkerId]] | None = None) -> ProxyRequest:
         prompt = list(range(8 * BS))
@@ -294,13 +296,13 @@ class OfferingUpstream(ScriptedUpstream):
 def _kept_offers(rig: Rig) -> list[object]:
     """The offers D's answers hand the lifecycle (the session's, for its next step)."""
     kept: list[object] = []
-    finished = rig.proxy.lifecycle.finished
+    finished = rig.driver.lifecycle.finished
 
     def recording(ticket: Any, *, answered: bool, decode_params: object = None) -> Any:
         kept.append(decode_params)
         return finished(ticket, answered=answered, decode_params=decode_params)
 
-    rig.proxy.lifecycle.finished = recording  # type: ignore[method-assign]
+    rig.driver.lifecycle.finished = recording  # type: ignore[method-assign]
     return kept
 
 
@@ -366,7 +368,7 @@ def test_a_deferred_prefill_goes_with_d_s_call_and_p_prefills_until_d_answers(de
     upstream = DeferringUpstream(lambda: rig.ledger)
     if not deferred:
         upstream.prefill_outcome = PrefillOutcome(HANDOFF)
-    rig.proxy.upstream = upstream
+    rig.driver.upstream = upstream
     reply = asyncio.run(rig.proxy.serve(rig.request({}), RecordingClient()))
     assert reply is not None and reply.status == 200
     assert reply.headers["X-KVPilot-Route"] == Kind.REMOTE_PREFILL.value
@@ -394,7 +396,7 @@ def test_where_engines_publish_no_timings_a_prefill_within_d_s_call_is_timed_by_
     call, D's own when D prefilled; never twice for a P that answered itself."""
     rig = Rig(ScriptedUpstream())
     rig.lifecycle.prefills_timed_here = timed_here
-    rig.proxy.upstream = DeferringUpstream(lambda: rig.ledger)
+    rig.driver.upstream = DeferringUpstream(lambda: rig.ledger)
     asyncio.run(rig.proxy.serve(rig.request({"stream": True}), RecordingClient()))
     assert rig.rates.prefill("p0", 8 * BS, 0).samples == (1 if timed_here else 0)
 
@@ -409,7 +411,7 @@ def test_where_engines_publish_no_timings_a_prefill_within_d_s_call_is_timed_by_
     assert local.rates.prefill(d, 8 * BS, 0).samples == (1 if timed_here else 0)
 
     answered = Rig(ScriptedUpstream())  # P answered its prefill: timed once, by that answer
-    answered.proxy.prefills_timed_here = timed_here
+    answered.lifecycle.prefills_timed_here = timed_here
     asyncio.run(answered.proxy.serve(answered.request({"stream": True}), RecordingClient()))
     assert answered.rates.prefill("p0", 8 * BS, 0).samples == 1
 
@@ -418,7 +420,7 @@ def test_the_predicted_ttft_header_says_uncalibrated_until_a_prefill_is_measured
     """A fresh fleet's prediction is the prior's (an H100 pricing a CPU box: 0.009 ms): the
     header says so instead of printing it; once a prefill is measured it carries the figure."""
     from kvpilot.routing.decide.rates import Estimate, TTFTPrediction
-    from kvpilot.routing.serve.proxy import UNCALIBRATED, predicted_ttft_header
+    from kvpilot.routing.serve.driver import UNCALIBRATED, predicted_ttft_header
 
     nothing = Estimate(0.0, None, 0)
     prior_only = TTFTPrediction(nothing, Estimate(9e-6, None, 0), nothing, nothing, nothing)
