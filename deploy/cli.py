@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvpilot.deploy.cli_parser import Parser
 from kvpilot.deploy.envoy_spec import PickerFailure
 
 if TYPE_CHECKING:  # imported where used: the console script starts without them
@@ -36,12 +37,48 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("kvpilot")
+
+
+def json_object(text: str) -> dict[str, object]:
+    """An argparse ``type``: ``text`` parsed as a JSON object; anything else is refused
+    (argparse names the flag beside the reason)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}: {text!r}")
+    return value
+
+
+def argument_string(text: str) -> tuple[str, ...]:
+    """An argparse ``type``: ``text`` split as a shell would (``'--x 1 --y "a b"'``)."""
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}: {text!r}") from None
+
+
+def model_dir(text: str) -> Path:
+    """An argparse ``type``: a model's directory, which must exist and hold the model's
+    ``config.json`` (refused before any engine starts)."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory")
+    if not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no config.json in it (not a model's directory)")
+    return path
+
+
 def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
     from kvpilot.deploy.fleet_spec import ENGINE_API_KEY_ENV, FleetSpec
     from kvpilot.deploy.tiny_model import ensure_tiny_model
     from kvpilot.routing.config import IndexBackend
 
-    extra = json.loads(args.connector_extra_config) if args.connector_extra_config else {}
     return FleetSpec(
         model_dir=args.model_dir or ensure_tiny_model(),
         run_dir=args.run_dir,
@@ -53,7 +90,7 @@ def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
         events_port=args.events_port,
         router_port=args.server_port,
         connector=args.connector,
-        connector_extra_config=extra,
+        connector_extra_config=args.connector_extra_config or {},
         disaggregation=args.disaggregation,
         index_backend=IndexBackend(args.index_backend),
         ttft_slo_s=args.server_ttft_slo_s,
@@ -63,7 +100,7 @@ def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
         on_picker_failure=PickerFailure(args.on_picker_failure),
         session_store_url=args.sessions_redis_url,
         engine_api_key=os.environ.get(ENGINE_API_KEY_ENV) or None,
-        engine_args=tuple(shlex.split(args.engine_args)),
+        engine_args=args.engine_args,
     )
 
 
@@ -180,10 +217,6 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.run_dir, args.disaggregation)
 
 
-HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
-"""Every ``kvpilot`` command's ``--help`` shows each flag's default."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvpilot`` command and its subcommands. A flag that sets a router setting has
     the router's name for it (:func:`kvpilot.routing.config_load.flag_name`: ``--server-port``,
@@ -191,8 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     from kvpilot.deploy.fleet_spec import FLEET_TTFT_SLO_S
     from kvpilot.routing.config import IndexBackend
 
-    parser = argparse.ArgumentParser(
-        prog="kvpilot", description="KV, prefix and session caching for vLLM fleets", formatter_class=HELP_FORMAT
+    parser: argparse.ArgumentParser = Parser(
+        prog="kvpilot", description="KV, prefix and session caching for vLLM fleets"
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"kvpilot {_version()}", help="print the version and exit"
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -200,7 +236,6 @@ def build_parser() -> argparse.ArgumentParser:
         "tiny-model",
         help="build the tiny offline Llama (deterministic, no hub)",
         description="Build the tiny offline Llama the CPU fleet and the tests serve.",
-        formatter_class=HELP_FORMAT,
     )
     tiny.add_argument("path", type=Path, nargs="?", help="where to build it (default: the shared cache)")
     tiny.add_argument("--force", action="store_true", help="replace PATH if it exists")
@@ -210,11 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
         "fleet",
         help="a local CPU fleet of vLLM engines (or Dynamo mockers) behind the router and Envoy",
         description="Start, inspect or stop a local fleet: engines, the router, Envoy (and Prometheus).",
-        formatter_class=HELP_FORMAT,
     )
     fl.add_argument("action", choices=["up", "status", "down"], help="start the fleet, list its processes, stop it")
     fl.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="logs, pids and fleet.json")
-    fl.add_argument("--model-dir", type=Path, help="the served model's directory (default: the tiny model)")
+    fl.add_argument("--model-dir", type=model_dir, help="the served model's directory (default: the tiny model)")
     fl.add_argument("--prefill", type=int, default=1, help="prefill (P) engines")
     fl.add_argument("--decode", type=int, default=1, help="decode (D) engines")
     fl.add_argument("--colocated", type=int, default=0, help="co-located engines (prefill and decode their own)")
@@ -228,9 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the router's sessions in Redis at this URL (redis://127.0.0.1:6379/0; started by you; "
         "YAML: sessions.redis_url with sessions.store: redis)",
     )
-    fl.add_argument("--connector-extra-config", help="JSON for kv_connector_extra_config")
+    fl.add_argument(
+        "--connector-extra-config", type=json_object, help="a JSON object: the engines' kv_connector_extra_config"
+    )
     fl.add_argument(
         "--engine-args",
+        type=argument_string,
         default="",
         help="more `vllm serve` arguments for every engine, as one shell-quoted string (tool calling: "
         "'--enable-auto-tool-choice --tool-call-parser hermes'; a reasoning parser: '--reasoning-parser qwen3')",
@@ -323,7 +360,6 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="1 P + 1 D tiny fleet, a few requests, a table, then down",
         description="The main job on the embedded default: a tiny fleet serves a few requests, then stops.",
-        formatter_class=HELP_FORMAT,
     )
     demo.add_argument("--run-dir", type=Path, default=Path(".kvpilot") / "demo", help="logs, pids and fleet.json")
     demo.add_argument(
@@ -339,14 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
         "docs",
         help="the generated reference pages",
         description="Write (or check) docs/reference/: config keys, CLI, metrics, endpoints, from the code.",
-        formatter_class=HELP_FORMAT,
     )
     docs_sub = docs.add_subparsers(dest="docs_command", required=True)
     reference = docs_sub.add_parser(
         "reference",
         help="write docs/reference/*.md from the code",
         description="Write docs/reference/*.md from the code, or with --check only compare.",
-        formatter_class=HELP_FORMAT,
     )
     reference.add_argument("--root", type=Path, default=Path("."), help="the repository's root")
     reference.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each stale page")

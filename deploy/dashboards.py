@@ -239,20 +239,18 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         "dashboards", help="the Grafana dashboards", description="Generate, draw or list the Grafana dashboards."
     )
     sub = dashboards.add_subparsers(dest="dashboards_command", required=True)
-    formatter = argparse.ArgumentDefaultsHelpFormatter
     gen = sub.add_parser(
         "generate",
         help="write grafana/dashboards/*.json from grafana/panels.py",
         description="Build the dashboards with Grafana's foundation SDK (needs kvpilot[dev]).",
-        formatter_class=formatter,
     )
     gen.add_argument("--check", action="store_true", help="compare with the committed JSON instead of writing")
     gen.set_defaults(func=_generate)
     draw = sub.add_parser(
         "render",
         help="every panel to a PNG, from Prometheus range queries",
-        description=__doc__.splitlines()[0],
-        formatter_class=formatter,
+        description="Draw every panel of the committed dashboards to a PNG, from a Prometheus' range queries "
+        "(template variables substituted as Grafana would), without Grafana.",
     )
     draw.add_argument("--prometheus", default="http://127.0.0.1:9090", help="Prometheus' base URL")
     draw.add_argument("--out", type=Path, required=True, help="folder for <dashboard>/<panel>.png")

@@ -231,9 +231,10 @@ def _access_log(spec: GatewaySpec) -> dict[str, Any]:
         "name": "envoy.access_loggers.open_telemetry",
         "typed_config": {
             "@type": TYPES + "access_loggers.open_telemetry.v3.OpenTelemetryAccessLogConfig",
-            # common_config, though Envoy 1.40 calls it deprecated: its new top-level fields of
-            # the same names parse, but batched entries for 1 s whatever they said, holding each
-            # request's end back from the picker.
+            # common_config, though Envoy 1.40 warns at start that it will remove it: 1.40 reads
+            # the buffer settings from there only (its top-level fields of the same names parse
+            # and are ignored: entries then wait for the 1 s default flush), and each entry must
+            # reach the picker as its request ends. Move them up once the pinned Envoy reads them.
             "common_config": {
                 "log_name": ACCESS_LOG_NAME,
                 "transport_api_version": "V3",

@@ -127,7 +127,6 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         help="Envoy's config (and, with --run, Envoy) for the fleet a router config names",
         description="Write Envoy's bootstrap for the engines and picker of a router config "
         "(docs/guides/gpu.md); with --run, run Envoy on it.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", type=Path, required=True, help="the router's YAML")
     parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help=f"where {ENVOY_CONFIG} is written")

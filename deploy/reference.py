@@ -169,7 +169,7 @@ def config_page(title: str, intro: str, keys: Sequence[ConfigKey]) -> str:
 def _flag_default(action: argparse.Action) -> str:
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         return f"`{str(action.default).lower()}`"
-    if action.default is None or action.default is argparse.SUPPRESS:
+    if action.default is None or action.default is argparse.SUPPRESS or action.default == "":
         return "none"
     value = action.default.value if isinstance(action.default, enum.Enum) else action.default
     return f"`{value}`"
@@ -196,7 +196,7 @@ def cli_page(parser: argparse.ArgumentParser) -> str:
             if not action.help:
                 raise ReferenceError(f"{path} {'/'.join(action.option_strings) or action.dest}: a flag with no help")
             name = ", ".join(f"`{o}`" for o in action.option_strings) or f"`{action.dest}` (positional)"
-            choices = f" One of: {', '.join(f'`{c}`' for c in action.choices)}." if action.choices else ""
+            choices = f"; one of: {', '.join(f'`{c}`' for c in action.choices)}" if action.choices else ""
             rows.append(f"| {name} | {_flag_default(action)} | {_cell(action.help % vars(action))}{choices} |")
         if rows:
             lines += ["| flag | default | meaning |", "|---|---|---|", *rows, ""]

@@ -78,8 +78,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     parser = k8s_sub.add_parser(
         "render",
         help="render the manifests",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Render the Kubernetes manifests (base.yaml, one file per transport, dynamo.yaml) for a fleet; "
+        "with --check, only compare them with the files in --out.",
     )
     parser.add_argument(
         "--out",
