@@ -159,10 +159,14 @@ def tier_overlaps(depths: np.ndarray, classes: np.ndarray) -> np.ndarray:
     return out
 
 
-def price(config: CostConfig, prompt_blocks: int, overlap: np.ndarray, loads: Sequence[Load]) -> tuple[np.ndarray, list[int]]:
+def price(
+    config: CostConfig, prompt_blocks: int, overlap: np.ndarray, loads: Sequence[Load]
+) -> tuple[np.ndarray, list[int]]:
     """Each candidate's cost, and the rows tied at the lowest cost among the eligible ones."""
     n = len(loads)
     costs, ties = np.zeros(n), np.zeros(max(n, 1), dtype=np.uint32)
     rows = (Load * max(n, 1))(*loads)
-    count = load().kvp_price(ctypes.byref(config), prompt_blocks, n, np.ascontiguousarray(overlap, dtype=np.float64), rows, costs, ties)
+    count = load().kvp_price(
+        ctypes.byref(config), prompt_blocks, n, np.ascontiguousarray(overlap, dtype=np.float64), rows, costs, ties
+    )
     return costs, ties[:count].tolist()

@@ -44,7 +44,9 @@ class Mirror:
         self.media = list(router.config.index.tiers)
         self.classes = np.array([native.TIER_CLASSES[router.config.index.tiers[m].value] for m in self.media])
         bs = placement.block_size
-        self.index = native.NativeIndex(bs, len(placement.names), self.media, chain._lanes(bs), int(chain._POSITION_LANE))
+        self.index = native.NativeIndex(
+            bs, len(placement.names), self.media, chain._lanes(bs), int(chain._POSITION_LANE)
+        )
         self.worker = {name: i for i, name in enumerate(placement.names)}
         self.stats: Counter[str] = Counter()
         self._apply, self._route = placement.index.apply, router.route
@@ -61,7 +63,7 @@ class Mirror:
         else:
             assert isinstance(event, BlockRemoved)
             ours = self.index.remove(w, m, hashes)
-        assert ours == outcome or outcome == "applied" and ours == "applied", (event, outcome, ours)
+        assert ours == outcome or (outcome == "applied" and ours == "applied"), (event, outcome, ours)
         self.stats[f"event_{ours}"] += 1
         return outcome
 
@@ -83,7 +85,9 @@ class Mirror:
         overlap = native.tier_overlaps(depths, self.classes)[rows]
         assert np.array_equal(overlap, table.overlap), (request_id, overlap, table.overlap)
         loads = [
-            native.Load(*table.load[i], table.pair_penalty_blocks[i], table.resident_blocks[i], bool(table.session_affinity[i]))
+            native.Load(
+                *table.load[i], table.pair_penalty_blocks[i], table.resident_blocks[i], bool(table.session_affinity[i])
+            )
             for i in range(len(table))
         ]
         costs, ties = native.price(_cost_config(self.placement.router.cost.cfg), route.prompt_blocks, overlap, loads)

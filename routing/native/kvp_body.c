@@ -1,0 +1,125 @@
+/* The token-id prompt of an OpenAI completions body (kvp_wire.h): a bounded JSON scanner
+ * that reads the top-level object's keys, the "prompt" array of integers, the "cache_salt",
+ * and skips every other value (strings with escapes, numbers, literals, containers nested at
+ * most MAX_DEPTH deep) without building anything. */
+#include <string.h>
+
+#include "kvp_wire.h"
+
+#define MAX_DEPTH 64
+
+typedef struct scan {
+  const char *p, *end;
+} scan;
+
+static void ws(scan *s) {
+  while (s->p < s->end && (*s->p == ' ' || *s->p == '\n' || *s->p == '\r' || *s->p == '\t')) s->p++;
+}
+
+static int eat(scan *s, char c) {
+  ws(s);
+  if (s->p < s->end && *s->p == c) return s->p++, 1;
+  return 0;
+}
+
+/* A string: its raw bytes between the quotes (escapes left as they are). */
+static int string(scan *s, const char **start, size_t *len) {
+  if (!eat(s, '"')) return 0;
+  const char *b = s->p;
+  while (s->p < s->end && *s->p != '"') {
+    if (*s->p == '\\' && ++s->p == s->end) return 0;
+    if ((unsigned char)*s->p < 0x20) return 0;
+    s->p++;
+  }
+  if (s->p == s->end) return 0;
+  *start = b, *len = (size_t)(s->p - b);
+  s->p++;
+  return 1;
+}
+
+static int value(scan *s, int depth);
+
+static int container(scan *s, char close, int is_object, int depth) {
+  if (depth > MAX_DEPTH) return 0;
+  if (eat(s, close)) return 1;
+  do {
+    const char *k;
+    size_t n;
+    if (is_object && (!string(s, &k, &n) || !eat(s, ':'))) return 0;
+    if (!value(s, depth + 1)) return 0;
+  } while (eat(s, ','));
+  return eat(s, close);
+}
+
+static int value(scan *s, int depth) {
+  ws(s);
+  if (s->p >= s->end) return 0;
+  const char *k;
+  size_t n;
+  switch (*s->p) {
+    case '{': s->p++; return container(s, '}', 1, depth);
+    case '[': s->p++; return container(s, ']', 0, depth);
+    case '"': return string(s, &k, &n);
+    default: {
+      const char *b = s->p;
+      while (s->p < s->end && (strchr("+-.eE", *s->p) || (*s->p >= '0' && *s->p <= '9') ||
+                               (*s->p >= 'a' && *s->p <= 'z')))
+        s->p++;
+      return s->p > b;
+    }
+  }
+}
+
+/* "prompt"'s array of token ids; KVP_BODY_OK or why not. */
+static int ids(scan *s, uint32_t *out, size_t max, size_t *count) {
+  if (!eat(s, '[')) return value(s, 1) ? KVP_BODY_NOT_TOKEN_IDS : KVP_BODY_MALFORMED;
+  *count = 0;
+  if (eat(s, ']')) return KVP_BODY_OK;
+  do {
+    ws(s);
+    uint64_t v = 0;
+    const char *b = s->p;
+    while (s->p < s->end && *s->p >= '0' && *s->p <= '9' && v <= UINT32_MAX) v = v * 10 + (uint64_t)(*s->p++ - '0');
+    if (s->p == b || v > UINT32_MAX || (s->p < s->end && strchr(".eE-+", *s->p)))
+      return KVP_BODY_NOT_TOKEN_IDS;
+    if (*count == max) return KVP_BODY_TOO_MANY_IDS;
+    out[(*count)++] = (uint32_t)v;
+  } while (eat(s, ','));
+  return eat(s, ']') ? KVP_BODY_OK : KVP_BODY_MALFORMED;
+}
+
+int kvp_parse_prompt(const char *body, size_t len, uint32_t *out, size_t max_ids, size_t *n_ids) {
+  scan s = {body, body + len};
+  int found = 0, salted = 0;
+  *n_ids = 0;
+  if (!eat(&s, '{')) return KVP_BODY_MALFORMED;
+  if (!eat(&s, '}')) {
+    do {
+      const char *k;
+      size_t n;
+      if (!string(&s, &k, &n) || !eat(&s, ':')) return KVP_BODY_MALFORMED;
+      if (n == 6 && !memcmp(k, "prompt", 6)) {
+        int status = ids(&s, out, max_ids, n_ids);
+        if (status != KVP_BODY_OK) return status;
+        found = 1;
+      } else if (n == 10 && !memcmp(k, "cache_salt", 10)) {
+        const char *v;
+        size_t vn;
+        ws(&s);
+        if (s.p < s.end && *s.p == '"') {
+          if (!string(&s, &v, &vn)) return KVP_BODY_MALFORMED;
+          salted |= vn > 0;
+        } else if (!value(&s, 1)) {
+          return KVP_BODY_MALFORMED;
+        }
+      } else if (!value(&s, 1)) {
+        return KVP_BODY_MALFORMED;
+      }
+    } while (eat(&s, ','));
+    if (!eat(&s, '}')) return KVP_BODY_MALFORMED;
+  }
+  ws(&s);
+  if (s.p != s.end) return KVP_BODY_MALFORMED;
+  if (salted) return KVP_BODY_NAMESPACED;
+  return found ? KVP_BODY_OK : KVP_BODY_NO_PROMPT;
+}

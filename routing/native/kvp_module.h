@@ -1,0 +1,55 @@
+/* The picker's state shared by Envoy's worker threads (kvp_module.c) and the feeder thread
+ * (kvp_feed.c). The index is written by the feeder only, under ``lock`` held for writing one
+ * batch; requests read it under the lock held for reading. Loads are atomics booked by
+ * requests. Everything else is set once by the config hook and read-only afterwards. */
+#ifndef KVP_MODULE_H
+#define KVP_MODULE_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "kvp_core.h"
+#include "kvp_wire.h"
+
+#define KVP_MAX_WORKERS 256
+#define KVP_NAME_MAX 256
+
+typedef struct kvp_worker {
+  char destination[KVP_NAME_MAX]; /* host:port, the header's value */
+  char endpoint[KVP_NAME_MAX];    /* the engine's KV-event socket */
+  int bind;                       /* 1: the engine connects and we bind; 0: we connect */
+  atomic_long prefill_blocks, decode_blocks, requests;
+  uint64_t last_seq;
+  int seen_seq;
+} kvp_worker;
+
+typedef struct kvp_picker {
+  kvp_index *index;
+  pthread_rwlock_t lock;
+  uint32_t block_size, n_workers, n_media;
+  kvp_worker workers[KVP_MAX_WORKERS];
+  char media[KVP_MAX_MEDIA][32];
+  uint8_t classes[KVP_MAX_MEDIA];
+  kvp_cost_config cost;
+  char topic[64];
+  char libzmq[512];
+  size_t max_body_bytes, max_prompt_ids, max_event_tokens;
+  /* the feeder */
+  pthread_t feeder;
+  int feeder_started;
+  atomic_int stop;
+  atomic_ulong batches, bad_frames, restarts, events_applied, events_skipped;
+  /* Envoy's counters (ids from define_counter) */
+  size_t counter_decided, counter_passthrough;
+} kvp_picker;
+
+/* Parse the filter config (README.md); on error write a message to ``err`` and return -1. */
+int kvp_config_parse(kvp_picker *pk, const char *text, size_t len, char *err, size_t err_len);
+
+/* Start the feeder thread subscribing to every worker's endpoint (none configured: no
+ * thread). Returns 0, or -1 with a message in ``err``. */
+int kvp_feed_start(kvp_picker *pk, char *err, size_t err_len);
+/* Stop and join the feeder (no-op when not started). */
+void kvp_feed_stop(kvp_picker *pk);
+
+#endif

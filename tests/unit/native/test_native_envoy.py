@@ -1,0 +1,233 @@
+"""The picker module in the real Envoy (.venv/bin/envoy, ABI v0.2.0): a token-id prompt of
+12,000 ids (a body Envoy hands over in slices) is routed to the worker whose KV events say it
+holds the prompt's blocks; a text prompt passes through untouched to the default route; each
+is counted; ``--mode validate`` loads the config and opens no socket. Only 127.0.0.1."""
+
+from __future__ import annotations
+
+import fcntl
+import http.server
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+zmq = pytest.importorskip("zmq")
+
+ROOT = Path(__file__).resolve().parents[3]
+MODULE_DIR = ROOT / "routing" / "native" / "build"
+ENVOY = shutil.which("envoy", path=str(ROOT / ".venv" / "bin"))
+LIBZMQ = next((Path(zmq.__file__).parent.parent / "pyzmq.libs").glob("libzmq*.so*"), None)
+BLOCK = 64
+TYPES = "type.googleapis.com/envoy.extensions."
+PROMPT = [7 + (i * 7919) % 2000 for i in range(12_000)]
+
+pytestmark = pytest.mark.skipif(
+    ENVOY is None or LIBZMQ is None or not (MODULE_DIR / "libkvpilot_picker.so").exists(),
+    reason="needs .venv/bin/envoy, pyzmq's libzmq and `make setup`'s module",
+)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Upstream(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        body = json.dumps({"worker": self.server.name, "decided_by": self.headers.get("x-kvpilot-decided-by")})  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _upstream(name: str) -> tuple[http.server.ThreadingHTTPServer, int]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    server.name = name  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, int(server.server_address[1])
+
+
+def _config(listen: int, admin: int, ports: dict[str, int], events: dict[str, int]) -> dict[str, Any]:
+    lines = [f"block_size {BLOCK}", "topic kv", f"libzmq {LIBZMQ}"]
+    lines += [f"worker 127.0.0.1:{ports[w]} connect tcp://127.0.0.1:{events[w]}" for w in ("a", "b")]
+    module = {
+        "name": "envoy.filters.http.dynamic_modules",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+            "dynamic_module_config": {"name": "kvpilot_picker", "do_not_close": True},
+            "filter_name": "kvpilot_picker",
+            "filter_config": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": "\n".join(lines)},
+        },
+    }
+    router = {
+        "name": "envoy.filters.http.router",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+    }
+    picked = {
+        "match": {"prefix": "/", "headers": [{"name": "x-gateway-destination-endpoint", "present_match": True}]},
+        "route": {"cluster": "picked"},
+    }
+    default = {"match": {"prefix": "/"}, "route": {"cluster": "default"}}
+    hcm = {
+        "@type": TYPES + "filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "ingress",
+        "http_filters": [module, router],
+        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [picked, default]}]},
+    }
+    address = lambda port: {"socket_address": {"address": "127.0.0.1", "port_value": port}}  # noqa: E731
+    endpoint = {"lb_endpoints": [{"endpoint": {"address": address(ports["a"])}}]}
+    return {
+        "admin": {"address": address(admin)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "in",
+                    "address": address(listen),
+                    "filter_chains": [
+                        {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+                    ],
+                }
+            ],
+            "clusters": [
+                {
+                    "name": "picked",
+                    "type": "ORIGINAL_DST",
+                    "lb_policy": "CLUSTER_PROVIDED",
+                    "connect_timeout": "1s",
+                    "original_dst_lb_config": {
+                        "use_http_header": True,
+                        "http_header_name": "x-gateway-destination-endpoint",
+                    },
+                },
+                {
+                    "name": "default",
+                    "type": "STATIC",
+                    "connect_timeout": "1s",
+                    "load_assignment": {"cluster_name": "default", "endpoints": [endpoint]},
+                },
+            ],
+        },
+    }
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    with open("/tmp/kvpilot-e2e.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        servers = {w: _upstream(w) for w in ("a", "b")}
+        ctx = zmq.Context()
+        pubs, events = {}, {}
+        for w in ("a", "b"):
+            pubs[w] = ctx.socket(zmq.PUB)
+            events[w] = pubs[w].bind_to_random_port("tcp://127.0.0.1")
+        listen, admin = _port(), _port()
+        config = tmp_path / "envoy.json"
+        config.write_text(json.dumps(_config(listen, admin, {w: s[1] for w, s in servers.items()}, events)))
+        env = {**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(MODULE_DIR)}
+        log = (tmp_path / "envoy.log").open("w")
+        base = ["--base-id", str(listen), "--concurrency", "2", "-c", str(config), "--log-level", "info"]
+        proc = subprocess.Popen([ENVOY, *base], env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=1)
+                    break
+                except OSError:
+                    time.sleep(0.2)
+            else:
+                pytest.fail((tmp_path / "envoy.log").read_text()[-3000:])
+            yield {
+                "listen": listen,
+                "admin": admin,
+                "pubs": pubs,
+                "config": config,
+                "env": env,
+                "log": tmp_path / "envoy.log",
+            }
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+            for pub in pubs.values():
+                pub.close(0)
+            ctx.term()
+            for server, _ in servers.values():
+                server.shutdown()
+
+
+def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        return dict(json.loads(answer.read()))
+
+
+def _stored(seq: int, tokens: list[int]) -> list[bytes]:
+    blocks = len(tokens) // BLOCK
+    event = {
+        "type": "BlockStored",
+        "block_hashes": list(range(1, blocks + 1)),
+        "parent_block_hash": None,
+        "token_ids": tokens[: blocks * BLOCK],
+        "block_size": BLOCK,
+        "medium": "GPU",
+    }
+    return [b"kv", seq.to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), [event]])]
+
+
+def test_the_module_routes_a_token_id_prompt_to_the_worker_holding_it(gateway: dict[str, Any]) -> None:
+    port, pub = gateway["listen"], gateway["pubs"]["b"]
+    deadline, seq, answer = time.monotonic() + 15, 0, {}
+    while time.monotonic() < deadline:  # a SUB joins a moment after it connects: publish until heard
+        pub.send_multipart(_stored(seq, PROMPT))
+        seq += 1
+        answer = _post(port, {"model": "tiny", "prompt": PROMPT, "max_tokens": 1})
+        if answer["worker"] == "b":
+            break
+        time.sleep(0.1)
+    assert answer == {"worker": "b", "decided_by": "module"}, gateway["log"].read_text()[-3000:]
+    for _ in range(10):
+        assert _post(port, {"model": "tiny", "prompt": PROMPT, "max_tokens": 1})["worker"] == "b"
+    text = _post(port, {"model": "tiny", "prompt": "hello", "max_tokens": 1})
+    assert text == {"worker": "a", "decided_by": None}  # untouched: the default route
+    stats = urllib.request.urlopen(f"http://127.0.0.1:{gateway['admin']}/stats?filter=kvpilot").read().decode()
+    counts = {
+        line.split(": ")[0].rsplit(".", 1)[-1]: int(line.split(": ")[1]) for line in stats.splitlines() if ": " in line
+    }
+    assert counts.get("kvpilot_picker_passthrough") == 1 and counts.get("kvpilot_picker_decided", 0) >= 11, stats
+
+
+def test_validation_mode_loads_the_config_and_subscribes_to_nothing(gateway: dict[str, Any], tmp_path: Path) -> None:
+    """The config now binds the ports the engines' PUB sockets hold: a bind would fail."""
+    config = tmp_path / "validate.json"
+    config.write_text(gateway["config"].read_text().replace(" connect tcp://", " bind tcp://"))
+    assert " bind tcp://" in config.read_text()
+    out = subprocess.run(
+        [ENVOY, "--mode", "validate", "-c", str(config), "--base-id", "7"],
+        env=gateway["env"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
