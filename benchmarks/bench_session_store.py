@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -40,7 +39,6 @@ async def measure(url: str, n: int, blocks: int) -> dict[str, list[float]]:
     writer = SessionSync(
         RedisSessionStore(url, "bench:"),
         local,
-        threading.Lock(),
         RouterMetrics([]),
         read_timeout_s=1.0,
         write_timeout_s=1.0,
@@ -50,7 +48,6 @@ async def measure(url: str, n: int, blocks: int) -> dict[str, list[float]]:
     reader = SessionSync(
         RedisSessionStore(url, "bench:"),
         reader_sessions,
-        threading.Lock(),
         RouterMetrics([]),
         read_timeout_s=1.0,
         write_timeout_s=1.0,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -126,8 +125,11 @@ class RouterCore:
     refused). ``clock`` times circuits, pair health, KV-event watches and the engines'
     samples, and dates sessions (the simulator passes its virtual time).
 
-    ``lock`` guards the index and the sessions, shared with the feeder's thread. Runs on one
-    event loop; :meth:`start` and :meth:`stop` bracket the live fronts' serving."""
+    Its state (the index, the ledger, the sessions, the health records) is the event loop's
+    alone: every change to it runs there, the feeder's too (its thread reads and decodes the
+    engines' KV events and hands each change to the loop), so no lock guards it and no request
+    waits on another thread. Runs on one event loop; :meth:`start` and :meth:`stop` bracket
+    the live fronts' serving."""
 
     def __init__(
         self, config: RouterConfig, fleet: Fleet, prompts: EnginePrompt | None = None, *, clock: Clock = REAL_TIME
@@ -135,7 +137,6 @@ class RouterCore:
         self.config = config
         self.fleet = fleet
         self.clock = clock
-        self.lock = threading.Lock()
         self.index = make_index(config.index)
         self.ledger = LoadLedger()
         srv = config.server
@@ -180,7 +181,6 @@ class RouterCore:
             else SessionSync(
                 store,
                 sessions,
-                self.lock,
                 self.metrics,
                 read_timeout_s=config.sessions.store_read_timeout_s,
                 write_timeout_s=config.sessions.store_write_timeout_s,
@@ -190,7 +190,6 @@ class RouterCore:
         )
         self.lifecycle = Lifecycle(
             self.router,
-            self.lock,
             self.breaker,
             self.pair_health,
             self.event_watch,
@@ -203,7 +202,6 @@ class RouterCore:
         self.intake = RequestIntake(
             config,
             self.router,
-            self.lock,
             self.metrics,
             prompts,
             self.session_sync,
@@ -213,7 +211,7 @@ class RouterCore:
         for collector in (
             LedgerCollector(self.ledger, self.worker_names),
             FeederCollector(lambda: self.feeder),
-            IndexCollector(self.index, self.worker_names, list(config.index.tiers), self.lock),
+            IndexCollector(self.index, self.worker_names, list(config.index.tiers)),
             EventWatchCollector(self.event_watch, self.worker_names),
             PairHealthCollector(
                 self.pair_health,
@@ -253,8 +251,7 @@ class RouterCore:
         longer read and their blocks dropped from the index (requests in flight on them
         finish or fail as they would)."""
         joined, left = fleet_changes(self.fleet, fleet)
-        with self.lock:
-            self.router.set_fleet(fleet)
+        self.router.set_fleet(fleet)
         self.fleet = fleet
         if self.feeder is not None:
             for worker in left:
@@ -272,8 +269,7 @@ class RouterCore:
         """A worker's polled ``/metrics``: its pair health and its measured rates (P's
         prefills are timed by the proxy, not taken from P's histogram)."""
         self.pair_health.observe(worker, sample.transfer, sample.at)
-        with self.lock:
-            self.router.engine_polled(worker)
+        self.router.engine_polled(worker)
         self.rates.observe_sample(worker, sample, prefill=self.role(worker) is not Role.PREFILL)
 
     # ---- KV events ------------------------------------------------------------
@@ -351,7 +347,12 @@ class RouterCore:
             await self.session_sync.open()
         if feed_index and (self.discovery is not None or any(w.kv_events_endpoint for w in self.fleet.workers)):
             # Dynamo's workers bind their event sockets: the feeder connects to them
-            self.feeder = IndexFeeder(self.fleet, self.index, self.lock, bind=False if self.discovery else None)
+            self.feeder = IndexFeeder(
+                self.fleet,
+                self.index,
+                deliver=asyncio.get_running_loop().call_soon_threadsafe,
+                bind=False if self.discovery else None,
+            )
             self.feeder.start()
             # serve once the index holds what the engines' replay buffers hold (a restart mid-session)
             wait_s = CATCH_UP_WAIT_S * (1 + len(self.feeder.subscribers))

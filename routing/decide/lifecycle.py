@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -156,19 +155,17 @@ class Ended:
 
 
 class Lifecycle:
-    """Books requests through their life (see the module doc). ``lock`` guards ``router``
-    (its index and sessions, shared with the index feeder's thread); ``event_batches``
+    """Books requests through their life (see the module doc) on ``router`` (its index,
+    ledger and sessions, which it and the router's event loop alone change); ``event_batches``
     gives each subscribed worker's count of applied KV-event batches. ``rates``: predicts
     each route's TTFT and learns P's prefill and each path's overhead; ``None`` predicts
     nothing. ``prefills_timed_here``: the engines' own prefill timings are not read, so a
     prefill that ends at D's first token (D's own, or P's within D's call) is timed by it
-    when nothing was queued ahead of it. Not thread-safe beyond ``lock``: one event loop
-    drives it."""
+    when nothing was queued ahead of it. Not thread-safe: one event loop drives it."""
 
     def __init__(
         self,
         router: Router,
-        lock: threading.Lock,
         breaker: CircuitBreaker,
         pair_health: PairHealth,
         event_watch: EventWatch,
@@ -180,7 +177,6 @@ class Lifecycle:
         clock: Clock = REAL_TIME,
     ) -> None:
         self.router = router
-        self.lock = lock
         self.breaker = breaker
         self.pair_health = pair_health
         self.event_watch = event_watch
@@ -242,8 +238,7 @@ class Lifecycle:
         dropped, never another client's (:meth:`~kvpilot.routing.decide.sessions.SessionStore.claim`).
         A no-op without a session."""
         if session is not None:
-            with self.lock:
-                self.router.sessions.claim(session, client)
+            self.router.sessions.claim(session, client)
 
     def dispatch(self, route: Route, session: SessionId | None, *, parallel_samples: bool = False) -> Ticket:
         """Book ``route`` as sent: the ledger, the half-open probes, the pair's use, and
@@ -258,9 +253,8 @@ class Lifecycle:
         except ValueError:
             raise InFlight(f"X-Request-Id {rid!r} is already in flight") from None
         wall = self.clock.wall()
-        with self.lock:
-            offer, use = self.router.take_session_offer(session, route, wall)
-            hold = self.router.hold(session, route, wall)
+        offer, use = self.router.take_session_offer(session, route, wall)
+        hold = self.router.hold(session, route, wall)
         kind, prefiller = route.kind, route.prefill_worker.name
         if route.prefill is not None and parallel_samples:
             self._ledger.move_prefill(rid, d, route.decode_cached_blocks)
@@ -428,8 +422,7 @@ class Lifecycle:
         session stays where its last answered step left it."""
         change, session_changed = None, False
         if answered:
-            with self.lock:
-                self.router.served(ticket.session, ticket.route, decode_params, now=self.clock.wall())
+            self.router.served(ticket.session, ticket.route, decode_params, now=self.clock.wall())
             session_changed = ticket.session is not None
             change = self._answered(ticket, ticket.route.decode)
             self._expect_events(ticket)

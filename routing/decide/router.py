@@ -32,8 +32,8 @@ For one request the :class:`Router`:
 :meth:`Router.route` does not touch the :class:`~kvpilot.routing.decide.ledger.LoadLedger`; the
 caller dispatches (:meth:`Route.prefill_worker` and :attr:`Route.cached_blocks`
 say what to count) and records the session's decode worker with
-:meth:`Router.served` once the request succeeded. Not thread-safe: callers
-serialize calls with the lock that guards the index.
+:meth:`Router.served` once the request succeeded. Not thread-safe: the thread
+that owns the index (the router's event loop) makes every call.
 """
 
 from __future__ import annotations

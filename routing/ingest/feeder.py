@@ -1,7 +1,8 @@
 """The thread that feeds the index: :class:`IndexFeeder` owns one
 :class:`~kvpilot.routing.ingest.subscriber.EngineSubscriber` per worker with an events
-endpoint and polls them in one background thread, applying events to the shared
-:class:`~kvpilot.routing.index.kvindex.KVIndex` under a lock the request path shares.
+endpoint and polls them in one background thread, which reads and decodes the events and
+hands each change to the :class:`~kvpilot.routing.index.kvindex.KVIndex` to the thread that
+owns it (the router's event loop), so the request path never waits on this thread.
 Workers may join (:meth:`IndexFeeder.add`) and leave (:meth:`IndexFeeder.remove`)
 while it runs. Each new subscriber is first caught up from its engine's replay buffer
 (:meth:`~kvpilot.routing.ingest.subscriber.EngineSubscriber.catch_up`), so a restarted router
@@ -9,6 +10,7 @@ starts from what the engines hold, not from an empty index."""
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import zmq
@@ -17,18 +19,18 @@ from kvpilot.routing.config import Worker
 from kvpilot.routing.fleet import Fleet
 from kvpilot.routing.ids import WorkerId
 from kvpilot.routing.index.kvindex import KVIndex
-from kvpilot.routing.ingest.subscriber import EngineSubscriber
+from kvpilot.routing.ingest.subscriber import Deliver, EngineSubscriber
 
 
 class IndexFeeder:
     """One subscriber per worker with events, polled by one daemon thread.
 
     The subscribers' sockets are created (and bound) in ``__init__``, so engines
-    may connect as soon as it returns. Every change to ``index`` is made while
-    holding ``lock``, and only the change: socket waits and replay fetches run
-    without it, so a reader holding it (the router's event loop) never waits on
-    I/O. Readers of ``index`` must hold it too, and so must readers of
-    :attr:`subscribers` (joins and departures change it under ``lock``). :meth:`stop`
+    may connect as soon as it returns. Every change to ``index`` is handed to
+    ``deliver``, which runs the changes in the order handed in the thread that owns the
+    index (``loop.call_soon_threadsafe``; ``None``: made at once in this thread, for an
+    index no other thread reads); socket waits, replay fetches and decoding stay in
+    this thread. :attr:`subscribers` is a snapshot any thread may read. :meth:`stop`
     joins the thread and closes the sockets; it is idempotent.
 
     ``bind``: whether each subscriber binds its endpoint (``None``: vLLM's rule,
@@ -40,26 +42,29 @@ class IndexFeeder:
         self,
         fleet: Fleet,
         index: KVIndex,
-        lock: threading.Lock,
         *,
+        deliver: Deliver | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         poll_ms: int = 100,
         bind: bool | None = None,
     ) -> None:
         self.index = index
-        self.lock = lock
+        self._deliver = deliver
         self.poll_ms = poll_ms
         self._context = context
         self._bind = bind
-        self.subscribers: list[EngineSubscriber] = []
+        self.subscribers: tuple[EngineSubscriber, ...] = ()
+        """The subscribers polled now, replaced whole by the thread's turn (never changed in place)."""
         try:
             for worker in fleet.workers:
                 if worker.kv_events_endpoint is not None:
-                    self.subscribers.append(self._subscriber(worker))
+                    self.subscribers += (self._subscriber(worker),)
         except zmq.ZMQError:
             for sub in self.subscribers:
                 sub.close()
             raise
+        self._lock = threading.Lock()
+        """Guards :attr:`_pending`, the one thing callers and the thread share."""
         self._pending: list[EngineSubscriber | WorkerId] = []
         """Joins (a new subscriber) and departures (a name), in call order, for the
         thread's next turn."""
@@ -80,7 +85,7 @@ class IndexFeeder:
             topic=worker.topic,
             bind=self._bind,
             context=self._context,
-            guard=self.lock,
+            deliver=self._deliver,
         )
 
     def add(self, worker: Worker) -> None:
@@ -98,7 +103,7 @@ class IndexFeeder:
         self._queue(worker)
 
     def _queue(self, change: EngineSubscriber | WorkerId) -> None:
-        with self.lock:
+        with self._lock:
             self._pending.append(change)
         self._changed.set()
         if self._thread is None:  # nobody polls yet: apply it now
@@ -116,23 +121,29 @@ class IndexFeeder:
             self._thread = None
         for sub in self.subscribers:
             sub.close()
-        self.subscribers = []
+        self.subscribers = ()
 
     def _apply_pending(self) -> None:
         """Apply the queued joins and departures in order (the thread's, between polls)."""
         closing: list[EngineSubscriber] = []
-        with self.lock:
+        with self._lock:
             pending, self._pending = self._pending, []
-            for change in pending:
-                if isinstance(change, EngineSubscriber):
-                    if any(s.worker == change.worker for s in self.subscribers):
-                        closing.append(change)
-                    else:
-                        self.subscribers.append(change)
+        subscribers = list(self.subscribers)
+        for change in pending:
+            if isinstance(change, EngineSubscriber):
+                if any(s.worker == change.worker for s in subscribers):
+                    closing.append(change)
                 else:
-                    closing += [s for s in self.subscribers if s.worker == change]
-                    self.subscribers = [s for s in self.subscribers if s.worker != change]
-                    self.index.remove_worker(change)
+                    subscribers.append(change)
+            else:
+                closing += [s for s in subscribers if s.worker == change]
+                subscribers = [s for s in subscribers if s.worker != change]
+                remove = functools.partial(self.index.remove_worker, change)
+                if self._deliver is None:
+                    remove()
+                else:
+                    self._deliver(remove)
+        self.subscribers = tuple(subscribers)
         for sub in closing:
             sub.close()
 
@@ -144,8 +155,7 @@ class IndexFeeder:
             if self._changed.is_set():
                 self._changed.clear()
                 self._apply_pending()
-                with self.lock:
-                    current = list(self.subscribers)
+                current = self.subscribers
                 for sub in current:
                     if sub.socket not in by_socket:  # new: rebuild its entries from the replay buffer first
                         sub.catch_up()
@@ -158,4 +168,4 @@ class IndexFeeder:
                 self._changed.wait(self.poll_ms / 1000)
                 continue
             for sock, _ in poller.poll(self.poll_ms):
-                by_socket[sock].poll(0)  # takes the lock around each apply
+                by_socket[sock].poll(0)  # hands each change to deliver

@@ -27,15 +27,15 @@ Sequencing, per engine:
 - a seq at or below the last one is an engine *restart*: the worker's entries
   are cleared before the new batch is applied.
 
-Not thread-safe: call :meth:`EngineSubscriber.poll` from the thread that owns
-the index.
+Not thread-safe: call :meth:`EngineSubscriber.poll` from one thread; its changes to the
+index reach the index's owner through ``deliver``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import time
-from contextlib import AbstractContextManager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -45,6 +45,14 @@ from kvpilot.routing.index.events import BlockStored, EventDecoder
 from kvpilot.routing.index.kvindex import KVIndex
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+Deliver = Callable[[Callable[[], object]], object]
+"""Hands a change to the index to the thread that owns it, which runs the changes in the order
+handed (``loop.call_soon_threadsafe``)."""
+
+
+def _at_once(change: Callable[[], object]) -> None:
+    change()
 
 
 def subscriber_binds(engine_endpoint: str) -> bool:
@@ -86,13 +94,15 @@ class EngineSubscriber:
         decoder: EventDecoder | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         replay_timeout_s: float = 1.0,
-        guard: AbstractContextManager[object] | None = None,
+        deliver: Deliver | None = None,
     ) -> None:
-        """``guard`` (a lock) is held around each change to ``index`` and nothing
-        else: never across a socket wait or a replay fetch, so a reader holding it
-        (the router's event loop) waits for one batch's apply at most."""
+        """``deliver`` is handed each change to ``index`` (a batch's apply, a worker's
+        clearing) and runs the changes in the order handed, in the thread that owns the
+        index (the router's event loop: ``loop.call_soon_threadsafe``); ``None`` makes
+        each change at once in the calling thread. Socket waits, replay fetches and
+        decoding stay in the calling thread."""
         self.worker = worker
-        self._guard = guard if guard is not None else contextlib.nullcontext()
+        self._deliver: Deliver = deliver if deliver is not None else _at_once
         self.index = index
         self.decoder = decoder if decoder is not None else EventDecoder()
         self.stats = SubscriberStats()
@@ -138,7 +148,7 @@ class EngineSubscriber:
         endpoint, 0). A buffer that no longer starts at seq 0 (it rolled over) is counted as
         an unrecoverable gap: the entries of blocks stored before it stay unknown until
         they are stored again (under-credited, never wrongly credited). Replay I/O runs
-        outside the guard, as in :meth:`poll`."""
+        in the calling thread, as in :meth:`poll`."""
         if self.replay_endpoint is None or self._last_seq is not None:
             return 0
         recovered = self._replay(0, MAX_SEQ_JUMP)
@@ -164,18 +174,16 @@ class EngineSubscriber:
         last = self._last_seq
         if last is not None and seq <= last:
             self.stats.restarts += 1
-            with self._guard:
-                self.index.clear_worker(self.worker)
+            self._deliver(functools.partial(self.index.clear_worker, self.worker))
             last = self._last_seq = None
         expected = 0 if last is None else last + 1
         if seq > expected:
             self.stats.gaps += 1
-            recovered = self._replay(expected, seq)  # I/O: outside the guard
+            recovered = self._replay(expected, seq)  # I/O, in this thread
             if [s for s, _ in recovered] != list(range(expected, seq)):  # bounded by MAX_SEQ_JUMP
                 self.stats.unrecoverable_gaps += 1
                 if last is not None:
-                    with self._guard:
-                        self.index.clear_worker(self.worker)
+                    self._deliver(functools.partial(self.index.clear_worker, self.worker))
             for rseq, payload in recovered:
                 self._apply_replayed(rseq, payload)
         self._apply(seq, frames[2])
@@ -183,8 +191,7 @@ class EngineSubscriber:
     def _apply(self, seq: int, payload: bytes) -> int:
         """Apply one batch; returns the blocks it stored."""
         batch = self.decoder.decode(payload)
-        with self._guard:
-            self.index.apply_all(self.worker, batch.events)
+        self._deliver(functools.partial(self.index.apply_all, self.worker, batch.events))
         self.stats.batches += 1
         self._last_seq = seq
         return sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))

@@ -10,10 +10,8 @@ join or leave a live fleet are listed as they are.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -54,24 +52,17 @@ class LedgerCollector(Collector):
 
 
 class IndexCollector(Collector):
-    """``kvpilot_router_index_blocks{worker,tier}``, read under the index's ``lock``."""
+    """``kvpilot_router_index_blocks{worker,tier}``, read on the thread that owns the index
+    (the router's event loop, which serves ``/metrics``)."""
 
-    def __init__(
-        self,
-        index: KVIndex,
-        workers: Callable[[], Sequence[WorkerId]],
-        tiers: Sequence[str],
-        lock: AbstractContextManager[object] | None = None,
-    ) -> None:
+    def __init__(self, index: KVIndex, workers: Callable[[], Sequence[WorkerId]], tiers: Sequence[str]) -> None:
         self.index, self.workers, self.tiers = index, workers, tuple(tiers)
-        self.lock = lock if lock is not None else contextlib.nullcontext()
 
     def collect(self) -> Iterator[Metric]:
         blocks = GaugeMetricFamily(P + "index_blocks", "Blocks in the index", labels=["worker", "tier"])
-        with self.lock:
-            for worker in self.workers():
-                for tier in self.tiers:
-                    blocks.add_metric([worker, tier], self.index.block_count(worker, Tier(tier)))
+        for worker in self.workers():
+            for tier in self.tiers:
+                blocks.add_metric([worker, tier], self.index.block_count(worker, Tier(tier)))
         yield blocks
 
 
@@ -93,12 +84,11 @@ class FeederCollector(Collector):
             P + "kv_events_rejected", "Malformed KV events skipped", labels=["worker", "reason"]
         )
         feeder = self.feeder()
-        with feeder.lock if feeder is not None else contextlib.nullcontext():
-            for sub in feeder.subscribers if feeder is not None else ():
-                for s in SUBSCRIBER_STATS:
-                    families[s].add_metric([sub.worker], getattr(sub.stats, s))
-                for rejection, n in sub.decoder.rejections.items():
-                    rejected.add_metric([sub.worker, rejection.value], n)
+        for sub in feeder.subscribers if feeder is not None else ():
+            for s in SUBSCRIBER_STATS:
+                families[s].add_metric([sub.worker], getattr(sub.stats, s))
+            for rejection, n in dict(sub.decoder.rejections).items():  # a copy: the feeder's thread counts on
+                rejected.add_metric([sub.worker, rejection.value], n)
         yield from families.values()
         yield rejected
 

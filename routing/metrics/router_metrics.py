@@ -44,11 +44,11 @@ class RouterMetrics:
     ``kvpilot_router_cached_blocks_total{tier}`` (hit rate = cached / prompt,
     also as the gauge ``kvpilot_router_cache_hit_ratio``). TTFT by stage
     (article section 10.4): ``kvpilot_router_ttft_stage_seconds{stage}`` with
-    ``route`` (parse, tokenize, queue for the index lock, decide), ``prefill``
+    ``route`` (parse, tokenize, decide), ``prefill``
     (P's answer), ``decode_first_token`` (D's first SSE event; streams only),
     and the client's ``kvpilot_router_ttft_seconds``. The decision alone (the prompt's
-    chain, the index match, the cost of every candidate: ``Router.route`` under the
-    index lock, the wait for the lock excluded; dry runs not counted):
+    chain, the index match, the cost of every candidate: ``Router.route``; ``/debug/route``'s
+    dry runs not counted):
     ``kvpilot_router_decision_seconds``. Failures:
     ``kvpilot_router_prefill_failures_total{worker,reason}``,
     ``kvpilot_router_prefill_fallbacks_total``, ``kvpilot_router_upstream_errors_total{worker}``.
@@ -91,7 +91,7 @@ class RouterMetrics:
         )
         self.decision = Histogram(
             p + "decision_seconds",
-            "Time of one routing decision (chain, index match, cost of every candidate), under the index lock",
+            "Time of one routing decision (chain, index match, cost of every candidate)",
             buckets=_DECISION_BUCKETS,
             registry=r,
         )

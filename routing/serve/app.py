@@ -244,8 +244,7 @@ class RouterServer:
             api = Api.CHAT if "messages" in body else Api.COMPLETIONS
             token_ids, session = await intake.tokenized(request.headers, body, api)
             await intake.pull_session(session)
-            with core.lock:
-                held = session is not None and session in core.router.sessions
+            held = session is not None and session in core.router.sessions
             route = intake.route(
                 request.headers, token_ids, body, api, session if held else None, dry_run=True, timed=False
             )

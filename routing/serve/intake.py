@@ -1,6 +1,6 @@
 """A request's way in, before the proxy: its body checked, its prompt's token ids computed as
 the engine will compute them (:mod:`kvpilot.routing.serve.prompt`), its session taken from the
-shared store, routed under the index lock and held against ``server.ttft_slo_s``. The engines
+shared store, routed and held against ``server.ttft_slo_s``. The engines
 are sent the client's body as it came, less the session fields the router reads.
 
 Whatever vLLM would refuse is refused here, with vLLM's message, before P prefills
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -68,7 +67,6 @@ class RequestIntake:
         self,
         config: RouterConfig,
         router: Router,
-        lock: threading.Lock,
         metrics: RouterMetrics,
         prompts: EnginePrompt | None,
         session_sync: SessionSync | None,
@@ -77,7 +75,6 @@ class RequestIntake:
     ) -> None:
         self.config = config
         self.router = router
-        self.lock = lock
         self.metrics = metrics
         self.prompts = prompts
         self.session_sync = session_sync
@@ -185,29 +182,28 @@ class RequestIntake:
         exclude: frozenset[WorkerId] = frozenset(),
         timed: bool = True,
     ) -> Route:
-        """Decide where ``token_ids`` go (under the index lock; ``dry_run``: see
+        """Decide where ``token_ids`` go (``dry_run``: see
         :meth:`~kvpilot.routing.decide.router.Router.route`), its time counted in
         ``kvpilot_router_decision_seconds`` when ``timed``; raises :class:`BadRequest`."""
         prefix = "chatcmpl" if api is Api.CHAT else "cmpl"
         request_id = headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
         self.watch_events()
-        with self.lock:
-            started = time.perf_counter()
-            try:
-                route = self.router.route(
-                    token_ids,
-                    request_id,
-                    cache_salt=body.get("cache_salt"),
-                    session=session,
-                    dry_run=dry_run,
-                    now=time.time(),
-                    exclude=exclude,
-                )
-            except NoHealthyWorker as exc:
-                raise BadRequest(str(exc), 503) from None
-            if timed:
-                self.metrics.decision.observe(time.perf_counter() - started)
-            return route
+        started = time.perf_counter()
+        try:
+            route = self.router.route(
+                token_ids,
+                request_id,
+                cache_salt=body.get("cache_salt"),
+                session=session,
+                dry_run=dry_run,
+                now=time.time(),
+                exclude=exclude,
+            )
+        except NoHealthyWorker as exc:
+            raise BadRequest(str(exc), 503) from None
+        if timed:
+            self.metrics.decision.observe(time.perf_counter() - started)
+        return route
 
     async def take(
         self, headers: Mapping[str, str], body: dict[str, Any], api: Api, started: float, client: str | None = None
@@ -229,10 +225,7 @@ class RequestIntake:
         if prediction is not None:
             check_ttft_slo(prediction, slo_s)
         if checked_first:
-            with self.lock:
-                self.router.commit(
-                    route, token_ids, session=session, now=time.time(), cache_salt=body.get("cache_salt")
-                )
+            self.router.commit(route, token_ids, session=session, now=time.time(), cache_salt=body.get("cache_salt"))
         engine_body = {k: v for k, v in body.items() if k not in SESSION_FIELDS}
 
         def reroute(exclude: frozenset[WorkerId]) -> Route | None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -46,14 +45,13 @@ connect timeout is 1 s; its handshake follows)."""
 
 
 class SessionSync:
-    """Reads and writes ``sessions``' records in ``store`` (module doc). ``lock`` guards
-    ``sessions`` (the router's index lock)."""
+    """Reads and writes ``sessions``' records in ``store`` (module doc). Not thread-safe:
+    it runs on the event loop that owns ``sessions``."""
 
     def __init__(
         self,
         store: SessionStateStore,
         sessions: SessionStore,
-        lock: threading.Lock,
         metrics: RouterMetrics,
         *,
         read_timeout_s: float,
@@ -63,7 +61,6 @@ class SessionSync:
     ) -> None:
         self.store = store
         self.sessions = sessions
-        self.lock = lock
         self.metrics = metrics
         self.read_timeout_s = read_timeout_s
         self.write_timeout_s = write_timeout_s
@@ -105,16 +102,14 @@ class SessionSync:
         self._answered()
         if record is None:
             return False
-        with self.lock:
-            taken = merge(self.sessions.get(session), record)
+        taken = merge(self.sessions.get(session), record)
         if taken:
             self.metrics.session_store_restored.inc()
         return taken
 
     async def push(self, session: SessionId) -> None:
         """Write ``session``'s record as it is now (module doc); never raises for the store."""
-        with self.lock:
-            record = SessionRecord.of(self.sessions.get(session))
+        record = SessionRecord.of(self.sessions.get(session))
         await self._write(session, record)
 
     async def _write(self, session: SessionId, record: SessionRecord) -> None:

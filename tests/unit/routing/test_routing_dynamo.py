@@ -5,8 +5,8 @@ upstream's headers against a fake frontend. Dynamo itself runs in tests/e2e/test
 from __future__ import annotations
 
 import asyncio
+import queue
 import random
-import threading
 import time
 from typing import Any
 
@@ -194,7 +194,8 @@ def _wait(condition: Any, timeout: float = 5.0) -> bool:
 
 
 def test_the_feeder_reads_a_worker_that_joins_and_forgets_one_that_leaves():
-    """Publishers that bind (as Dynamo's workers do), a feeder that connects to them."""
+    """Publishers that bind (as Dynamo's workers do), a feeder that connects to them; the
+    index is this thread's alone: the feeder's thread hands it every change."""
     ctx = zmq.Context()
     port_a, port_b = free_ports(2)
     pubs = []
@@ -203,16 +204,17 @@ def test_the_feeder_reads_a_worker_that_joins_and_forgets_one_that_leaves():
         pub.setsockopt(zmq.LINGER, 0)
         pub.bind(f"tcp://127.0.0.1:{port}")
         pubs.append(pub)
-    index, lock = BlockIndex(BS), threading.Lock()
+    index, changes = BlockIndex(BS), queue.SimpleQueue[Any]()
     a = _w("a", events=f"tcp://127.0.0.1:{port_a}")
     b = _w("b", events=f"tcp://127.0.0.1:{port_b}")
-    feeder = IndexFeeder(fleet_of([a]), index, lock, context=ctx, poll_ms=20, bind=False)
+    feeder = IndexFeeder(fleet_of([a]), index, deliver=changes.put, context=ctx, poll_ms=20, bind=False)
     feeder.start()
     chain = PromptChain([1, 2, 3, 4], BS)
 
     def holds(name: str) -> bool:
-        with lock:
-            return bool(index.match(chain).blocks.get(WorkerId(name)))
+        while not changes.empty():  # the owner runs the changes handed to it, in order
+            changes.get()()
+        return bool(index.match(chain).blocks.get(WorkerId(name)))
 
     def publish(pub: zmq.Socket[bytes], until: Any) -> bool:
         """Publish seq 0 until ``until()`` (a connecting SUB misses what came before it)."""
@@ -226,12 +228,10 @@ def test_the_feeder_reads_a_worker_that_joins_and_forgets_one_that_leaves():
         assert publish(pubs[0], lambda: holds("a"))
         feeder.add(b)
         assert publish(pubs[1], lambda: holds("b"))
-        with lock:
-            assert sorted(s.worker for s in feeder.subscribers) == ["a", "b"]
+        assert sorted(s.worker for s in feeder.subscribers) == ["a", "b"]
         feeder.remove(WorkerId("a"))
         assert _wait(lambda: not holds("a"))
-        with lock:
-            assert [s.worker for s in feeder.subscribers] == ["b"]
+        assert [s.worker for s in feeder.subscribers] == ["b"]
         pubs[0].send_multipart((b"", (1).to_bytes(8, "big"), _stored([1, 2, 3, 4], 11)))
         time.sleep(0.2)
         assert not holds("a")  # nothing of a departed worker is applied again

@@ -23,6 +23,7 @@ PURE = (
 )
 IO_FREE = (
     "kvpilot.routing.serve.proxy",
+    "kvpilot.routing.serve.driver",
     "kvpilot.routing.serve.upstream",
     "kvpilot.routing.serve.request_fields",
 )

@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import json
 import random
-import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -137,7 +136,6 @@ class Rig:
         self.rates = RateEstimator(lambda engine: priors.of(fleet.by_name(WorkerId(engine)).role))
         self.lifecycle = Lifecycle(
             self.router,
-            threading.Lock(),
             self.breaker,
             PairHealth(cfg.cost),
             EventWatch(0.0),

@@ -32,8 +32,7 @@ REQUESTS = 32
 
 def _cache_prefix(router: RouterServer) -> None:
     hashes = [f"hot{i}".encode() for i in range(24)]
-    with router.core.lock:
-        router.core.index.apply(WorkerId("co-0"), BlockStored(hashes, None, PREFIX, BS, medium="GPU"))
+    router.core.index.apply(WorkerId("co-0"), BlockStored(hashes, None, PREFIX, BS, medium="GPU"))
 
 
 def _prompt(n: int) -> list[int]:

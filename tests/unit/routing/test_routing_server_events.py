@@ -83,6 +83,6 @@ def test_debug_route_picks_the_worker_that_published_the_blocks(model_dir):
                 assert batches is not None and float(batches.group(1)) >= 1  # a series exists from the start at 0
             finally:
                 publisher.shutdown()
-        assert server.core.feeder.subscribers == []  # stopped and closed at cleanup
+        assert server.core.feeder.subscribers == ()  # stopped and closed at cleanup
 
     asyncio.run(main())

@@ -5,7 +5,6 @@ routers (replicas, or one router and its restart) sharing a session over fake en
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +41,7 @@ def prefix(request: pytest.FixtureRequest) -> str:
 def _sync(url: str, prefix: str, metrics: RouterMetrics, **kw: float) -> tuple[SessionSync, SessionStore]:
     sessions = SessionStore(block_size=4, max_sessions=16)
     timeouts = {"read_timeout_s": 0.2, "write_timeout_s": 0.2, "ttl_s": 60.0, **kw}
-    sync = SessionSync(RedisSessionStore(url, prefix), sessions, threading.Lock(), metrics, **timeouts)
+    sync = SessionSync(RedisSessionStore(url, prefix), sessions, metrics, **timeouts)
     return sync, sessions
 
 
