@@ -65,6 +65,41 @@ class Load(ctypes.Structure):
     ] + [("session_affinity", ctypes.c_int)]
 
 
+class _Event(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("ehashes", ctypes.POINTER(ctypes.c_uint64)),
+        ("n_hashes", ctypes.c_size_t),
+        ("has_parent", ctypes.c_int),
+        ("parent", ctypes.c_uint64),
+        ("tokens", ctypes.POINTER(ctypes.c_uint32)),
+        ("n_tokens", ctypes.c_size_t),
+        ("block_size", ctypes.c_uint32),
+        ("medium", ctypes.POINTER(ctypes.c_char)),
+        ("medium_len", ctypes.c_size_t),
+    ]
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [
+        ("hashes", ctypes.POINTER(ctypes.c_uint64)),
+        ("max_hashes", ctypes.c_size_t),
+        ("tokens", ctypes.POINTER(ctypes.c_uint32)),
+        ("max_tokens", ctypes.c_size_t),
+    ]
+
+
+class BatchCounts(ctypes.Structure):
+    """``kvp_batch_counts``: what one batch carried."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in ("events", "rejected", "skipped_namespace", "skipped_group")]
+
+
+_SINK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(_Event))
+BODY_STATUSES = ("ok", "malformed", "no_prompt", "not_token_ids", "too_many_ids", "namespaced")
+"""``enum kvp_body_status``, by value."""
+EVENT_KINDS = ("stored", "removed", "cleared")
+
 _lib: ctypes.CDLL | None = None
 
 
@@ -88,6 +123,9 @@ def load() -> ctypes.CDLL:
         lib.kvp_tier_overlap.argtypes = [_u32p, _u8p, u32, u32, _f64p]
         lib.kvp_price.restype = size
         lib.kvp_price.argtypes = [ctypes.POINTER(CostConfig), u64, size, _f64p, ctypes.POINTER(Load), _f64p, _u32p]
+        lib.kvp_parse_prompt.argtypes = [ctypes.c_char_p, size, _u32p, size, ctypes.POINTER(size)]
+        lib.kvp_decode_batch.argtypes = [ctypes.c_char_p, size, ctypes.POINTER(_Scratch), _SINK, ptr]
+        lib.kvp_decode_batch.argtypes.append(ctypes.POINTER(BatchCounts))
         _lib = lib
     return _lib
 
@@ -170,3 +208,39 @@ def price(
         ctypes.byref(config), prompt_blocks, n, np.ascontiguousarray(overlap, dtype=np.float64), rows, costs, ties
     )
     return costs, ties[:count].tolist()
+
+
+def parse_prompt(body: bytes, max_ids: int) -> tuple[str, list[int]]:
+    """``kvp_parse_prompt``: the body's status (:data:`BODY_STATUSES`) and its prompt's ids."""
+    ids, n = np.zeros(max(max_ids, 1), dtype=np.uint32), ctypes.c_size_t(0)
+    status = load().kvp_parse_prompt(body, len(body), ids, max_ids, ctypes.byref(n))
+    return BODY_STATUSES[status], ids[: n.value].tolist()
+
+
+def decode_batch(
+    payload: bytes, max_tokens: int = 1 << 16
+) -> tuple[bool, list[tuple[str, list[int], int | None, list[int], int, str]], BatchCounts]:
+    """``kvp_decode_batch``: whether the batch decoded, each event handed on as
+    ``(kind, engine hashes, parent, token ids, block size, medium)``, and the counts."""
+    hashes, tokens = (ctypes.c_uint64 * max_tokens)(), (ctypes.c_uint32 * max_tokens)()
+    scratch = _Scratch(hashes, max_tokens, tokens, max_tokens)
+    events: list[tuple[str, list[int], int | None, list[int], int, str]] = []
+
+    def sink(_: int | None, event: ctypes._Pointer[_Event]) -> None:
+        e = event.contents
+        events.append(
+            (
+                EVENT_KINDS[e.kind],
+                e.ehashes[: e.n_hashes] if e.n_hashes else [],
+                e.parent if e.has_parent else None,
+                e.tokens[: e.n_tokens] if e.n_tokens else [],
+                e.block_size,
+                ctypes.string_at(e.medium, e.medium_len).decode(errors="replace"),
+            )
+        )
+
+    counts = BatchCounts()
+    status = load().kvp_decode_batch(
+        payload, len(payload), ctypes.byref(scratch), _SINK(sink), None, ctypes.byref(counts)
+    )
+    return status == 0, events, counts

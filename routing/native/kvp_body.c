@@ -88,7 +88,7 @@ static int ids(scan *s, uint32_t *out, size_t max, size_t *count) {
   return eat(s, ']') ? KVP_BODY_OK : KVP_BODY_MALFORMED;
 }
 
-int kvp_parse_prompt(const char *body, size_t len, uint32_t *out, size_t max_ids, size_t *n_ids) {
+static int parse(const char *body, size_t len, uint32_t *out, size_t max_ids, size_t *n_ids) {
   scan s = {body, body + len};
   int found = 0, salted = 0;
   *n_ids = 0;
@@ -122,4 +122,10 @@ int kvp_parse_prompt(const char *body, size_t len, uint32_t *out, size_t max_ids
   if (s.p != s.end) return KVP_BODY_MALFORMED;
   if (salted) return KVP_BODY_NAMESPACED;
   return found ? KVP_BODY_OK : KVP_BODY_NO_PROMPT;
+}
+
+int kvp_parse_prompt(const char *body, size_t len, uint32_t *ids, size_t max_ids, size_t *n_ids) {
+  int status = parse(body, len, ids, max_ids, n_ids);
+  if (status != KVP_BODY_OK) *n_ids = 0;
+  return status;
 }

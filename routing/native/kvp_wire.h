@@ -21,7 +21,7 @@ enum kvp_body_status {
 };
 
 /* The token ids of a top-level ``"prompt": [ids]`` of the JSON object ``body``, up to
- * ``max_ids`` into ``ids`` (their count in ``*n_ids``). A top-level ``"cache_salt"`` that is
+ * ``max_ids`` into ``ids`` (their count in ``*n_ids``, 0 unless KVP_BODY_OK). A top-level ``"cache_salt"`` that is
  * a non-empty string makes it KVP_BODY_NAMESPACED. Returns an enum kvp_body_status. */
 KVP_API int kvp_parse_prompt(const char *body, size_t len, uint32_t *ids, size_t max_ids,
                              size_t *n_ids);
