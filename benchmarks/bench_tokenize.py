@@ -7,7 +7,10 @@ whose ``/tokenize`` returns exactly its own ids. This times both on request shap
 agent, in one run on one engine (a co-located tiny engine started here, the tiny model shaped
 like real ones): per shape, the median of ``--repeats`` calls each way (the engine's over one
 kept-alive connection, as a router's client would hold it), and checks the two give the same
-ids. ::
+ids. An agent's chat step is also timed as a session's next step, tokenized from the session's
+last prompt (the step before it, kept beforehand and untimed:
+``routing/serve/incremental_tokens.py``), interleaved with the whole tokenization and the
+rendering alone, and its ids checked against the engine's too. ::
 
     python -m benchmarks.bench_tokenize --json docs/benchmarks/results/tokenize.json
 """
@@ -59,12 +62,17 @@ def _agent_history(steps: int, tool_words: int) -> list[dict[str, Any]]:
     return messages
 
 
-SHAPES: tuple[tuple[str, Api, dict[str, Any]], ...] = (
-    ("completions, 200-word text", Api.COMPLETIONS, {"prompt": filler_text(200, 1)}),
-    ("completions, 6,000-word text", Api.COMPLETIONS, {"prompt": filler_text(6000, 2)}),
-    ("chat, agent step 2 (tools, tool calls)", Api.CHAT, {"messages": _agent_history(2, 150), "tools": TOOLS}),
-    ("chat, agent step 30 (tools, tool calls)", Api.CHAT, {"messages": _agent_history(30, 150), "tools": TOOLS}),
+def _agent_chat(steps: int) -> dict[str, Any]:
+    return {"messages": _agent_history(steps, 150), "tools": TOOLS}
+
+
+SHAPES: tuple[tuple[str, Api, dict[str, Any], dict[str, Any] | None], ...] = (
+    ("completions, 200-word text", Api.COMPLETIONS, {"prompt": filler_text(200, 1)}, None),
+    ("completions, 6,000-word text", Api.COMPLETIONS, {"prompt": filler_text(6000, 2)}, None),
+    ("chat, agent step 2 (tools, tool calls)", Api.CHAT, _agent_chat(2), _agent_chat(1)),
+    ("chat, agent step 30 (tools, tool calls)", Api.CHAT, _agent_chat(30), _agent_chat(29)),
 )
+"""Each shape's request, and for an agent's step the request of its step before (a session's last prompt)."""
 
 
 def _engine_ids(conn: http.client.HTTPConnection, body: dict[str, Any]) -> list[int]:
@@ -76,13 +84,29 @@ def _engine_ids(conn: http.client.HTTPConnection, body: dict[str, Any]) -> list[
     return list(payload["tokens"])
 
 
-def _median_ms(call: Any, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
+def _ms(call: Any) -> float:
+    started = time.perf_counter()
+    call()
+    return (time.perf_counter() - started) * 1e3
+
+
+def _session_step(
+    prompts: EnginePrompt, body: dict[str, Any], previous: dict[str, Any], repeats: int
+) -> dict[str, Any]:
+    """``body`` as a session's next step after ``previous``: its ids, and the medians of the
+    step with the session's last prompt kept, of the whole tokenization and of the rendering
+    alone, interleaved (each repeat a fresh session, primed untimed)."""
+    template = prompts.chat_template
+    assert template is not None
+    times: dict[str, list[float]] = {"local_ms": [], "session_ms": [], "render_ms": []}
+    for k in range(repeats):
+        prompts.token_ids(Api.CHAT, previous, session=f"bench-{k}")
+        times["session_ms"].append(_ms(lambda k=k: prompts.token_ids(Api.CHAT, body, session=f"bench-{k}")))
+        times["local_ms"].append(_ms(lambda: prompts.token_ids(Api.CHAT, body)))
+        times["render_ms"].append(_ms(lambda: template.render(body)))
+    prompts.token_ids(Api.CHAT, previous, session="bench-ids")
+    ids = prompts.token_ids(Api.CHAT, body, session="bench-ids")
+    return {"session_ids": ids, **{name: statistics.median(values) for name, values in times.items()}}
 
 
 def measure(repeats: int) -> list[dict[str, Any]]:
@@ -105,18 +129,20 @@ def measure(repeats: int) -> list[dict[str, Any]]:
     try:
         host, port = started.engines[0].url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        for name, api, body in SHAPES:
+        for name, api, body, previous in SHAPES:
             local = prompts.token_ids(api, body)
             engine = _engine_ids(conn, body)
-            rows.append(
-                {
-                    "shape": name,
-                    "tokens": len(engine),
-                    "same_ids": local == engine,
-                    "local_ms": _median_ms(lambda a=api, b=body: prompts.token_ids(a, b), repeats),
-                    "engine_ms": _median_ms(lambda b=body: _engine_ids(conn, b), repeats),
-                }
-            )
+            row: dict[str, Any] = {"shape": name, "tokens": len(engine)}
+            if previous is None:
+                times = (_ms(lambda a=api, b=body: prompts.token_ids(a, b)) for _ in range(repeats))
+                row |= {"local_ms": statistics.median(times), "session_ms": None, "render_ms": None}
+                session_ids = local
+            else:
+                row |= _session_step(prompts, body, previous, repeats)
+                session_ids = row.pop("session_ids")
+            row["same_ids"] = local == engine == session_ids
+            row["engine_ms"] = statistics.median(_ms(lambda b=body: _engine_ids(conn, b)) for _ in range(repeats))
+            rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
         conn.close()
     finally:
@@ -126,14 +152,19 @@ def measure(repeats: int) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| request | prompt tokens | same ids | at the router (ms) | engine's `/tokenize` (ms) | engine / router |",
-        "|---|---:|---|---:|---:|---:|",
+        (
+            "| request | prompt tokens | same ids | at the router (ms) | from the session's last prompt (ms) "
+            "| of it, rendering (ms) | engine's `/tokenize` (ms) | engine / router |"
+        ),
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ratio = r["engine_ms"] / r["local_ms"] if r["local_ms"] else float("inf")
         same = "yes" if r["same_ids"] else "NO"
+        session, render = (f"{r[k]:.2f}" if r.get(k) is not None else "-" for k in ("session_ms", "render_ms"))
         lines.append(
-            f"| {r['shape']} | {r['tokens']:,} | {same} | {r['local_ms']:.2f} | {r['engine_ms']:.2f} | {ratio:.1f}x |"
+            f"| {r['shape']} | {r['tokens']:,} | {same} | {r['local_ms']:.2f} | {session} | {render} "
+            f"| {r['engine_ms']:.2f} | {ratio:.1f}x |"
         )
     return "\n".join(lines) + "\n"
 

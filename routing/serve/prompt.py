@@ -14,6 +14,10 @@ Dynamo hands them to the frontend (``nvext.token_data``). So the ids follow vLLM
 - ``truncate_prompt_tokens`` (and ``truncation_side``) applied as vLLM applies them
   (:mod:`kvpilot.routing.serve.truncation`).
 
+A session's text without special tokens (a chat, as a rule) is tokenized from its last
+prompt's ids on (:mod:`kvpilot.routing.serve.incremental_tokens`): the same ids, in time
+proportional to what the step added.
+
 A mismatch would cost a cache miss, never a wrong answer (each engine tokenizes for itself
 and the connector verifies every block it attaches); tests/e2e/test_parity.py holds these
 ids equal to the engine's own ``POST /tokenize``.
@@ -25,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvpilot.routing.serve.chat import ChatError, ChatTemplate
+from kvpilot.routing.serve.incremental_tokens import IncrementalTokens
 from kvpilot.routing.serve.tokenizer import PromptError, PromptTokenizer
 from kvpilot.routing.serve.truncation import Truncation
 from kvpilot.routing.serve.upstream import Api
@@ -34,14 +39,21 @@ class EnginePrompt:
     """The token ids an engine computes for a request's prompt (module doc).
     ``completion_special_tokens``: whether the engines add special tokens to a text
     completion by default (vLLM's completions endpoint does; Dynamo 1.6.1's frontend does
-    not, measured in tests/e2e/test_dynamo.py)."""
+    not, measured in tests/e2e/test_dynamo.py). ``sessions``: the sessions' last prompts
+    (by default :class:`IncrementalTokens`' own bounds)."""
 
     def __init__(
-        self, tokenizer: PromptTokenizer, chat_template: ChatTemplate | None, *, completion_special_tokens: bool = True
+        self,
+        tokenizer: PromptTokenizer,
+        chat_template: ChatTemplate | None,
+        *,
+        completion_special_tokens: bool = True,
+        sessions: IncrementalTokens | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.completion_special_tokens = completion_special_tokens
+        self.sessions = IncrementalTokens(tokenizer) if sessions is None else sessions
 
     def token_ids(
         self,
@@ -50,6 +62,7 @@ class EnginePrompt:
         *,
         truncation: Truncation | None = None,
         before_encoding: Callable[[str], None] | None = None,
+        session: str | None = None,
     ) -> list[int]:
         """The prompt's token ids for ``body`` sent to ``api``, truncated as ``truncation``
         says (the request's, :func:`~kvpilot.routing.serve.truncation.truncation_of`); raises
@@ -57,7 +70,9 @@ class EnginePrompt:
         without a chat template, a value of the wrong type). ``before_encoding`` is called
         with the text (the prompt, or the rendered chat) before it is tokenized, so that a
         bound on its size can refuse it without the tokenizer's work; whatever it raises
-        propagates."""
+        propagates. ``session``: the request's session key (scoped as the router keys its
+        sessions); a text encoded without special tokens nor truncation is then tokenized
+        from that session's last prompt on (module doc), to the same ids."""
         add_special = body.get("add_special_tokens", api is Api.COMPLETIONS and self.completion_special_tokens)
         if not isinstance(add_special, bool):
             raise PromptError("'add_special_tokens' must be true or false")
@@ -76,6 +91,8 @@ class EnginePrompt:
         if before_encoding is not None:
             before_encoding(text)
         if truncation is None:
+            if session is not None and not add_special:
+                return self.sessions.encode(session, text)
             return self.tokenizer.encode(text, add_special_tokens=add_special)
         if truncation.side is None:
             return self.tokenizer.encode_keeping_last(text, truncation.keep, add_special_tokens=add_special)

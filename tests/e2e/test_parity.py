@@ -8,7 +8,8 @@ own ``POST /tokenize``'s, and the answer through the fleet equals D's answer to 
 request sent to it directly (greedy tokens, logprobs within bf16 noise, content, reasoning,
 tool calls, usage); first, the fleet's first request is a handoff, not a fallback. Then an
 agent loop with the OpenAI SDK: tools declared, the call forced by
-name, tool results fed back, each step equal to D's own answer.
+name, tool results fed back, each step equal to D's own answer; and an agent's session
+tokenized step by step from its last prompt, each step's ids the engine's own.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ from kvpilot.routing.serve.upstream import Api
 from tests.e2e.conftest import PD_MAX_LOGPROBS
 from tests.e2e.parity import (
     CASES,
+    HISTORY,
     NAMED,
+    TOOLS,
     Case,
     agent_loop,
     answer,
     answers_are_the_engine_s,
     differences,
+    engine_token_ids,
     router_ids_are_the_engine_s,
 )
 from tests.e2e.scenarios import BLOCK_SIZE, PROMPT_TOKENS
@@ -97,6 +101,41 @@ def test_an_agent_loop_with_the_openai_sdk_equals_the_engine_step_by_step(pd_fle
     """Three steps of an agent through Envoy (:func:`tests.e2e.parity.agent_loop`), each
     equal to D's own answer."""
     agent_loop(pd_fleet.client_url, _d(pd_fleet), model_dir)
+
+
+def test_a_session_s_steps_tokenized_from_its_last_prompt_are_the_engine_s(
+    pd_fleet: Fleet, prompts: EnginePrompt
+) -> None:
+    """An agent's session, step by step (:mod:`kvpilot.routing.serve.incremental_tokens`):
+    each step's ids, tokenized from the session's last prompt on, are D's own ``/tokenize``;
+    from the second step on the ids before the new turn are kept, not tokenized again; an
+    edit to an earlier turn, and thinking switched off, still give D's ids."""
+    session = f"parity-{uuid.uuid4().hex}"
+    messages: list[dict[str, Any]] = json.loads(json.dumps(HISTORY))
+    bodies: list[dict[str, Any]] = []
+    for step in range(4):
+        bodies.append({"messages": [*messages], "tools": TOOLS})
+        call = {"id": f"s{step}", "type": "function", "function": {"name": "run_tests", "arguments": "{}"}}
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"s{step}", "content": f"step {step}: " + filler_text(80, 20 + step)},
+        ]
+    edited = [{**messages[0], "content": "You are a careful coding agent."}, *messages[1:]]
+    bodies += [
+        {"messages": edited, "tools": TOOLS},
+        {"messages": edited, "tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}},
+    ]
+    reused, sizes = [], []
+    for k, body in enumerate(bodies):
+        before = prompts.sessions.stats.reused_tokens
+        ids = prompts.token_ids(Api.CHAT, body, session=session)
+        assert ids == engine_token_ids(_d(pd_fleet), Case(f"step {k}", Api.CHAT, body)), k
+        reused.append(prompts.sessions.stats.reused_tokens - before)
+        sizes.append(len(ids))
+    assert reused[0] == 0, reused
+    kept_all_but_the_last_turn_s_end = all(sizes[k - 1] - 10 <= reused[k] < sizes[k - 1] for k in (1, 2, 3))
+    assert kept_all_but_the_last_turn_s_end, (reused, sizes)
+    assert reused[4] <= 2, reused  # the system turn edited: BOS and <|system|> kept, no more
 
 
 def test_a_truncated_prompt_is_routed_on_the_ids_the_engine_keeps(
