@@ -33,7 +33,23 @@ SESSION_FIELDS = ("conversation_id", "prompt_cache_key")
 """The body fields that name a session, by precedence (the router strips them before
 the engines see the body)."""
 
-HEADER = "x-session-id"
+SESSION_HEADERS = (
+    "x-session-id",
+    "x-dynamo-session-id",
+    "x-claude-code-session-id",
+    "session_id",
+    "x-session-affinity",
+    "x-opencode-session",
+)
+"""The headers that name a session, by precedence, after :data:`SESSION_FIELDS` (names in
+lower case; a request's header names match in any case):
+
+- ``X-Session-ID``: kvpilot's own (OpenCode sends it too, with its session id);
+- ``X-Dynamo-Session-ID``: NVIDIA Dynamo's, so a client written for Dynamo's router keeps its sessions;
+- ``X-Claude-Code-Session-Id``: Claude Code's, on every request of a session;
+- ``session_id``: OpenAI Codex CLI's (its conversation id, ``codex-rs/codex-api/src/requests/headers.rs``);
+- ``x-session-affinity``, then ``x-opencode-session``: OpenCode's (the second only to its own providers).
+"""
 MAX_KEY_LENGTH = 256
 MAX_GAPS = 8
 """The gaps a session keeps (:attr:`SessionState.gaps_s`): its recent rhythm, tool calls and human turns."""
@@ -46,18 +62,24 @@ class InvalidSessionKey(ValueError):
 def session_key(body: Mapping[str, Any], headers: Mapping[str, str]) -> SessionId | None:
     """The request's affinity key, or None.
 
-    Precedence: body ``conversation_id``, then body ``prompt_cache_key``, then
-    the ``X-Session-ID`` header (any case). A present key must be a non-empty
-    string of at most 256 characters, else :class:`InvalidSessionKey` naming the
-    field. A ``None`` body value counts as absent.
+    Precedence: body ``conversation_id``, then body ``prompt_cache_key``, then each of
+    :data:`SESSION_HEADERS` in turn (a header name in any case; of one header given twice,
+    the first). The first present key decides: it must be a non-empty string of at most
+    256 characters, else :class:`InvalidSessionKey` naming the field or header (a later
+    one is not tried). A ``None`` body value counts as absent.
     """
     for field in SESSION_FIELDS:
         value = body.get(field)
         if value is not None:
             return _checked(value, field)
+    named: dict[str, str] = {}
     for name, value in headers.items():
-        if name.lower() == HEADER:
-            return _checked(value, "X-Session-ID")
+        lowered = name.lower()
+        if lowered in SESSION_HEADERS:
+            named.setdefault(lowered, value)
+    for header in SESSION_HEADERS:
+        if header in named:
+            return _checked(named[header], header)
     return None
 
 
