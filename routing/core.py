@@ -53,6 +53,7 @@ from kvpilot.routing.health.circuit import CircuitBreaker
 from kvpilot.routing.health.engine_load import EngineLoad
 from kvpilot.routing.health.event_watch import EventWatch
 from kvpilot.routing.health.pair_health import PairHealth
+from kvpilot.routing.health.view import FleetHealth
 from kvpilot.routing.ids import WorkerId, pair_name
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.index.kvindex import KVIndex
@@ -158,18 +159,16 @@ class RouterCore:
             if interval > 0
             else None
         )
-        self.router = Router(
-            fleet,
-            config,
-            self.index,
-            self.ledger,
-            sessions,
-            policy,
+        self.health = FleetHealth(
+            self.breaker,
+            self.pair_health,
+            self.event_watch,
             engine_load=self.engine_load.latest if self.engine_load is not None else None,
-            barred=lambda: self.breaker.barred(clock.monotonic()),
-            events_stale=self.event_watch.is_stale,
-            pair_penalties=lambda: self.pair_health.penalties(clock.monotonic()),
-            rates=self.rates,
+            event_batches=self.event_batches,
+            monotonic=clock.monotonic,
+        )
+        self.router = Router(
+            fleet, config, self.index, self.ledger, sessions, policy, health=self.health, rates=self.rates
         )
         self.feeder: IndexFeeder | None = None
         """The KV-event subscribers, once :meth:`start` opened them (``None``: none, or not started)."""
@@ -190,10 +189,6 @@ class RouterCore:
         )
         self.lifecycle = Lifecycle(
             self.router,
-            self.breaker,
-            self.pair_health,
-            self.event_watch,
-            self.event_batches,
             rates=self.rates,
             prefills_timed_here=self.engine_load is None,
             failure=FailurePolicyConfig(max_stall_s=config.disaggregation.max_stall_s),

@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -58,9 +58,6 @@ from kvpilot.routing.decide.measured_prices import PathInputs, option_path, pred
 from kvpilot.routing.decide.rates import PrefillPath, RateEstimator, TTFTPrediction
 from kvpilot.routing.decide.router import Kind, Route, Router
 from kvpilot.routing.decide.sessions import OfferUse
-from kvpilot.routing.health.circuit import CircuitBreaker
-from kvpilot.routing.health.event_watch import EventWatch
-from kvpilot.routing.health.pair_health import PairHealth
 from kvpilot.routing.ids import SessionId, WorkerId
 
 MAX_PREFILL_ATTEMPTS = 2
@@ -156,31 +153,27 @@ class Ended:
 
 class Lifecycle:
     """Books requests through their life (see the module doc) on ``router`` (its index,
-    ledger and sessions, which it and the router's event loop alone change); ``event_batches``
-    gives each subscribed worker's count of applied KV-event batches. ``rates``: predicts
-    each route's TTFT and learns P's prefill and each path's overhead; ``None`` predicts
-    nothing. ``prefills_timed_here``: the engines' own prefill timings are not read, so a
-    prefill that ends at D's first token (D's own, or P's within D's call) is timed by it
-    when nothing was queued ahead of it. Not thread-safe: one event loop drives it."""
+    ledger and sessions, which it and the router's event loop alone change) and the router's
+    :class:`~kvpilot.routing.health.view.FleetHealth` (circuits, pair health, the KV-event
+    watch). ``rates``: predicts each route's TTFT and learns P's prefill and each path's
+    overhead; ``None`` predicts nothing. ``prefills_timed_here``: the engines' own prefill
+    timings are not read, so a prefill that ends at D's first token (D's own, or P's within
+    D's call) is timed by it when nothing was queued ahead of it. Not thread-safe: one event
+    loop drives it. Raises ValueError for a router without health records."""
 
     def __init__(
         self,
         router: Router,
-        breaker: CircuitBreaker,
-        pair_health: PairHealth,
-        event_watch: EventWatch,
-        event_batches: Callable[[], Mapping[WorkerId, int]],
         *,
         rates: RateEstimator | None = None,
         prefills_timed_here: bool = False,
         failure: FailurePolicyConfig = KVPILOT_DEFAULT,
         clock: Clock = REAL_TIME,
     ) -> None:
+        if router.health is None:
+            raise ValueError("the lifecycle books the router's health records: build the Router with health=")
         self.router = router
-        self.breaker = breaker
-        self.pair_health = pair_health
-        self.event_watch = event_watch
-        self.event_batches = event_batches
+        self.health = router.health
         self.rates = rates
         self.prefills_timed_here = prefills_timed_here
         self.failure = failure
@@ -264,12 +257,12 @@ class Lifecycle:
         now = self.clock.monotonic()
         if kind is Kind.REMOTE_PREFILL:
             assert route.prefill is not None
-            self.pair_health.routed(route.prefill.name, d, now)
+            self.health.pair_health.routed(route.prefill.name, d, now)
             ticket.tried_prefill.add(route.prefill.name)
         elif kind is Kind.LOCAL_PREFILL:
             self._charge_stall(route, now)
         for worker in {prefiller, d}:
-            if self.breaker.dispatched(worker, now):
+            if self.health.breaker.dispatched(worker, now):
                 ticket.probes.add(worker)
         return ticket
 
@@ -309,7 +302,7 @@ class Lifecycle:
         change = None
         if engine_fault:
             change = self._failed(ticket, p, now)
-            self.pair_health.failed(p.name, d.name, now)
+            self.health.pair_health.failed(p.name, d.name, now)
         else:
             self._release(ticket, p.name)
         other: Worker | None = None
@@ -330,8 +323,8 @@ class Lifecycle:
             ticket.tried_prefill.add(other.name)
             ticket.prefilled_on = other.name
             self._ledger.move_prefill(ticket.request_id, other.name, gpu)
-            self.pair_health.routed(other.name, d.name, now)
-            if self.breaker.dispatched(other.name, now):
+            self.health.pair_health.routed(other.name, d.name, now)
+            if self.health.breaker.dispatched(other.name, now):
                 ticket.probes.add(other.name)
             return PrefillFailed(decision, change, other)
         if decision.action is Recovery.LOCAL:
@@ -349,7 +342,7 @@ class Lifecycle:
         candidates = [
             w
             for w in self.router.fleet.prefill
-            if w.name not in ticket.tried_prefill and self.breaker.allows(w.name, now)
+            if w.name not in ticket.tried_prefill and self.health.breaker.allows(w.name, now)
         ]
         if not candidates:
             return None, None
@@ -447,26 +440,26 @@ class Lifecycle:
         ticket.phase = Phase.ENDED
         self._ledger.complete(ticket.request_id)
         for worker in ticket.probes:
-            self.breaker.released(worker)
+            self.health.breaker.released(worker)
         ticket.probes.clear()
 
     # ---- circuits, events, learning ------------------------------------------------
     def _answered(self, ticket: Ticket, worker: Worker) -> CircuitChange | None:
         ticket.probes.discard(worker.name)
-        if self.breaker.succeeded(worker.name):
-            return CircuitChange(worker.name, False, self.breaker.open_s)
+        if self.health.breaker.succeeded(worker.name):
+            return CircuitChange(worker.name, False, self.health.breaker.open_s)
         return None
 
     def _failed(self, ticket: Ticket, worker: Worker, now: float) -> CircuitChange | None:
         ticket.probes.discard(worker.name)
-        if self.breaker.failed(worker.name, now):
-            return CircuitChange(worker.name, True, self.breaker.open_s)
+        if self.health.breaker.failed(worker.name, now):
+            return CircuitChange(worker.name, True, self.health.breaker.open_s)
         return None
 
     def _release(self, ticket: Ticket, worker: WorkerId) -> None:
         if worker in ticket.probes:
             ticket.probes.discard(worker)
-            self.breaker.released(worker)
+            self.health.breaker.released(worker)
 
     def _learn_prefill(self, route: Route, seconds: float) -> None:
         """``route``'s prefilling worker took ``seconds`` for its uncached tokens."""
@@ -476,10 +469,10 @@ class Lifecycle:
 
     def _expect_events(self, ticket: Ticket) -> None:
         """The prefilling worker served the prompt; blocks it did not hold must show up as events."""
-        if not self.event_watch.enabled:
+        if not self.health.event_watch.enabled:
             return
         route, prefilled_on = ticket.route, ticket.prefilled_on
         cached = route.cached_blocks if prefilled_on == route.prefill_worker.name else route.decode_cached_blocks
-        batches = self.event_batches()
+        batches = self.health.event_batches()
         if route.prompt_blocks > cached and prefilled_on in batches:
-            self.event_watch.expect(prefilled_on, batches[prefilled_on], self.clock.monotonic())
+            self.health.event_watch.expect(prefilled_on, batches[prefilled_on], self.clock.monotonic())

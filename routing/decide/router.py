@@ -41,7 +41,7 @@ from __future__ import annotations
 import enum
 import random
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -92,7 +92,7 @@ from kvpilot.routing.index.chain import PromptChain
 from kvpilot.routing.index.kvindex import KVIndex, Match
 
 if TYPE_CHECKING:
-    from kvpilot.routing.health.engine_load import EngineLoad
+    from kvpilot.routing.health.view import FleetHealth
 
 
 class NoHealthyWorker(Exception):
@@ -255,21 +255,16 @@ class Router:
         policy: LocalVsRemotePolicy | None,
         rng: random.Random | None = None,
         *,
-        engine_load: Callable[[WorkerId], EngineLoad | None] | None = None,
-        barred: Callable[[], Set[WorkerId]] | None = None,
-        events_stale: Callable[[WorkerId], bool] | None = None,
-        pair_penalties: Callable[[], Mapping[tuple[WorkerId, WorkerId], float]] | None = None,
+        health: FleetHealth | None = None,
         rates: RateEstimator | None = None,
     ) -> None:
-        """``barred()``: the workers not to route to now, their circuits open
-        (:meth:`kvpilot.routing.health.circuit.CircuitBreaker.barred`).
-        ``events_stale(worker)``: True while the worker's KV events have stopped
-        (:class:`kvpilot.routing.health.event_watch.EventWatch`); it gets no overlap credit (load only).
-        ``pair_penalties()``: per (P, D) pair, the blocks added to its cost for its recent
-        transfer failures and transfer time; a pair not named adds none
-        (:meth:`kvpilot.routing.health.pair_health.PairHealth.penalties`). Both are asked once
-        per request and name only the few workers and pairs with a record, so no
-        decision spends Python per worker of the fleet.
+        """``health``: who is fit to serve (:class:`~kvpilot.routing.health.view.FleetHealth`):
+        the workers whose circuits are open are not routed to, those whose KV events stopped
+        get no overlap credit (load only), each (P, D) pair's recent transfers add to its
+        cost, and D's self-reported running streams beyond this router's count in its load.
+        Its verdicts are asked once per request and name only the few workers and pairs with
+        a record, so no decision spends Python per worker of the fleet. ``None``: every
+        worker is fit, and only this router's own load is known.
         ``rates``: the measured rates the policy and the session options price with when
         ``disaggregation.measured_rates`` is on."""
         if fleet.prefill and policy is None:
@@ -280,12 +275,10 @@ class Router:
         self.ledger = ledger
         self.sessions = sessions
         self.policy = policy
-        self.engine_load = engine_load
+        self.health = health
+        self.engine_load = health.engine_load if health is not None else None
         self._routed_at_poll: dict[WorkerId, int] = {}
         """Per worker, this router's requests on it when its gauges were last read (:meth:`engine_polled`)."""
-        self.barred = barred if barred is not None else frozenset
-        self.events_stale = events_stale if events_stale is not None else (lambda _: False)
-        self.pair_penalties = pair_penalties if pair_penalties is not None else dict
         self.pricer = SessionOptionPricer(policy) if policy is not None else None
         self.rates = rates if config.disaggregation.measured_rates else None
         self._by_ttft = config.cost.objective is CostObjective.PREDICTED_TTFT
@@ -304,6 +297,10 @@ class Router:
         self.prefill_residency = Residency(config.sessions.resident_s)
         """The sessions whose latest step a prefill worker prefilled: its later steps' history
         is cached there, and a pair's P is charged for them as D is for its own."""
+
+    def barred(self) -> Set[WorkerId]:
+        """The workers not to route to now (their circuits are open)."""
+        return self.health.barred() if self.health is not None else frozenset()
 
     def set_fleet(self, fleet: Fleet) -> None:
         """Route over ``fleet`` from the next request on (workers joined or left the
@@ -610,7 +607,7 @@ class Router:
             {
                 worker: tier_overlap(tiers, self._tiers, shared)
                 for worker, tiers in match.blocks.items()
-                if not self.events_stale(worker)
+                if self.health is None or not self.health.events_stale(worker)
             },
         )
 
@@ -657,7 +654,7 @@ class Router:
         candidate_load[:, 0] = per_worker_load[prefill_rows, 0]
         last_row = opts.rows.get(last) if last is not None else None
         per_option_penalty = np.zeros(len(opts.names))
-        for pair, penalty_blocks in self.pair_penalties().items():
+        for pair, penalty_blocks in (self.health.pair_penalties() if self.health is not None else {}).items():
             option = opts.pair_options.get(pair)
             if option is not None:  # not a pair of the fleet any more
                 per_option_penalty[option] = penalty_blocks

@@ -11,7 +11,10 @@ from kvpilot.routing.decide.ledger import LoadLedger
 from kvpilot.routing.decide.router import Router
 from kvpilot.routing.decide.sessions import SessionStore
 from kvpilot.routing.fleet import fleet_from_config
+from kvpilot.routing.health.circuit import CircuitBreaker
 from kvpilot.routing.health.event_watch import EventWatch
+from kvpilot.routing.health.pair_health import PairHealth
+from kvpilot.routing.health.view import FleetHealth
 from kvpilot.routing.ids import WorkerId
 from kvpilot.routing.index.block_index import BlockIndex
 from tests.unit.routing.test_routing_router import COLOCATED, _config, _prompt, _store
@@ -75,7 +78,7 @@ def test_a_stale_worker_earns_no_overlap_credit():
         SessionStore(4, 16),
         None,
         random.Random(0),
-        events_stale=watch.is_stale,
+        health=FleetHealth(CircuitBreaker(), PairHealth(cfg.cost), watch),
     )
     prompt = _prompt(10)
     _store(router.index, "w2", prompt[: 8 * 4])

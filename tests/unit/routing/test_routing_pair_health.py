@@ -12,7 +12,10 @@ from kvpilot.routing.decide.ledger import LoadLedger
 from kvpilot.routing.decide.router import Router, policy_from_config
 from kvpilot.routing.decide.sessions import SessionStore
 from kvpilot.routing.fleet import fleet_from_config
+from kvpilot.routing.health.circuit import CircuitBreaker
+from kvpilot.routing.health.event_watch import EventWatch
 from kvpilot.routing.health.pair_health import ATTRIBUTION_WINDOW_S, PairHealth, TransferCounters
+from kvpilot.routing.health.view import FleetHealth
 from kvpilot.routing.ids import WorkerId
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.ingest.engine_metrics import parse_engine_load
@@ -143,7 +146,7 @@ def test_a_pair_with_recent_failures_loses_to_an_equal_healthy_pair():
         SessionStore(4, 16),
         policy_from_config(cfg.disaggregation, prior_model(cfg)),
         random.Random(0),
-        pair_penalties=lambda: health.penalties(0.0),
+        health=FleetHealth(CircuitBreaker(), health, EventWatch(0.0), monotonic=lambda: 0.0),
     )
     prompt = _prompt(10)
     chosen = {router.route(prompt, f"r{i}").prefill_worker.name for i in range(20)}

@@ -25,6 +25,7 @@ from kvpilot.routing.fleet import fleet_from_config
 from kvpilot.routing.health.circuit import CircuitBreaker
 from kvpilot.routing.health.event_watch import EventWatch
 from kvpilot.routing.health.pair_health import PairHealth
+from kvpilot.routing.health.view import FleetHealth
 from kvpilot.routing.ids import WorkerId
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.metrics.router_metrics import RouterMetrics
@@ -130,18 +131,14 @@ class Rig:
         self.breaker = CircuitBreaker(failures_to_open=1, open_s=60.0)
         self.metrics = RouterMetrics([w.name for w in fleet.workers])
         policy = policy_from_config(cfg.disaggregation, prior_model(cfg))
-        self.router = Router(fleet, cfg, BlockIndex(BS), self.ledger, SessionStore(BS, 8), policy, random.Random(0))
+        health = FleetHealth(self.breaker, PairHealth(cfg.cost), EventWatch(0.0))
+        self.router = Router(
+            fleet, cfg, BlockIndex(BS), self.ledger, SessionStore(BS, 8), policy, random.Random(0), health=health
+        )
         self.upstream = upstream
         priors = RolePriors.from_config(cfg.disaggregation, prior_model(cfg))
         self.rates = RateEstimator(lambda engine: priors.of(fleet.by_name(WorkerId(engine)).role))
-        self.lifecycle = Lifecycle(
-            self.router,
-            self.breaker,
-            PairHealth(cfg.cost),
-            EventWatch(0.0),
-            dict,
-            rates=self.rates,
-        )
+        self.lifecycle = Lifecycle(self.router, rates=self.rates)
         self.driver = RequestDriver(upstream, self.lifecycle, self.metrics, prefill_timeout_s=30.0)
         self.proxy = Proxy(self.driver, max_retries)
 

@@ -23,6 +23,10 @@ from kvpilot.routing.decide.rates import RateEstimator, RolePriors
 from kvpilot.routing.decide.router import Kind, Router, policy_from_config
 from kvpilot.routing.decide.sessions import SessionOffer, SessionStore
 from kvpilot.routing.fleet import fleet_from_config, kv_events_config
+from kvpilot.routing.health.circuit import CircuitBreaker
+from kvpilot.routing.health.event_watch import EventWatch
+from kvpilot.routing.health.pair_health import PairHealth
+from kvpilot.routing.health.view import FleetHealth
 from kvpilot.routing.ids import SessionId, WorkerId, pair_name
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.index.chain import PromptChain
@@ -491,7 +495,7 @@ def test_d_s_gauge_counts_only_what_bypassed_the_router_beyond_its_ledger():
         SessionStore(BS, 16),
         policy_from_config(cfg.disaggregation, prior_model(cfg)),
         random.Random(0),
-        engine_load=lambda worker: gauge.get(worker),
+        health=FleetHealth(CircuitBreaker(), PairHealth(cfg.cost), EventWatch(0.0), engine_load=gauge.get),
     )
 
     def streams() -> str:
