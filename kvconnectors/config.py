@@ -25,7 +25,9 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kvpilot.kvconnectors.faults import FaultInjection
 from kvpilot.kvconnectors.pull_policy import PEER_RETRY_AFTER_S, RecomputePolicy
+from kvpilot.kvconnectors.read_deadline import READ_DEADLINE_FACTOR, READ_DEADLINE_FLOOR_S, DeadlineRule
 from kvpilot.policies.typed_config import TypedConfig, TypedConfigError, check_range, convert
 
 EXTRA_CONFIG = "kv_connector_extra_config"
@@ -104,14 +106,39 @@ class KVPilotConfig(TypedConfig, frozen=True):
     peer_retry_after_s: float = PEER_RETRY_AFTER_S
     """After a pull from a peer fails, that peer's offers are prefilled locally for this long
     instead of paying another failed handshake."""
+    kv_digest: bool = True
+    """Digest every offered block's KV bytes (all layers, every KV-cache group) on the holder,
+    and check what a read brought against it before attaching: a block that differs is a
+    failed load (recomputed from the first bad block under ``kv_load_failure_policy:
+    recompute``). Off: offers carry no digests and reads are attached on the token check alone."""
+    read_deadline_floor_s: float = READ_DEADLINE_FLOOR_S
+    """The least time a read of a peer's KV is given before it is abandoned (its blocks then
+    fail to load): the bound is ``max(floor, bytes / measured link rate * read_deadline_factor)``."""
+    read_deadline_factor: float = READ_DEADLINE_FACTOR
+    """How many times its size over the measured link rate a read may take before it is abandoned."""
+    fault_injection: FaultInjection | None = None
+    """Testing only: faults injected into this engine's reads (``kinds``: ``corrupt_block``,
+    ``stall_read``, ``drop_completion``; ``rate``; ``request_ids``; ``stall_s``; ``seed``).
+    Refused unless ``allow_fault_injection`` is true."""
+    allow_fault_injection: bool = False
+    """The explicit permission ``fault_injection`` needs; without it a config that carries one is refused."""
 
     def __post_init__(self) -> None:
         if self.inner_connector in _FORBIDDEN_INNER:
             problem = f"{self.inner_connector} cannot be wrapped by KVPilotConnector"
             raise KVPilotConfigError("inner_connector", problem)
         check_range(self, "peer_retry_after_s", above=0)
+        check_range(self, "read_deadline_floor_s", above=0)
+        check_range(self, "read_deadline_factor", above=0)
+        if self.fault_injection is not None and not self.allow_fault_injection:
+            problem = "injects faults into reads; set allow_fault_injection: true beside it (never in production)"
+            raise KVPilotConfigError("fault_injection", problem)
         _check_presets({key: getattr(self, key) for key in _PRESET_KEYS})
         msgspec.structs.force_setattr(self, "inner_extra_config", MappingProxyType(dict(self.inner_extra_config)))
+
+    def deadline_rule(self) -> DeadlineRule:
+        """The bound on each read, from ``read_deadline_floor_s`` and ``read_deadline_factor``."""
+        return DeadlineRule(self.read_deadline_floor_s, self.read_deadline_factor)
 
     def inner_config_for_vllm(self) -> dict[str, Any]:
         """What the inner connector is built with. Under the roofline policy its fixed

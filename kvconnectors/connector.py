@@ -46,11 +46,16 @@ from vllm.v1.outputs import KVConnectorOutput
 from kvpilot.kvconnectors import CONNECTOR_NAME
 from kvpilot.kvconnectors.attach_plan import apply_plan
 from kvpilot.kvconnectors.config import KVPilotConfig, KVPilotConfigError
+from kvpilot.kvconnectors.faults import FaultInjector
+from kvpilot.kvconnectors.integrity import IntegrityLedger
+from kvpilot.kvconnectors.metadata import DigestReport, KVPilotMetadata
 from kvpilot.kvconnectors.policy_setup import build_pull_policy
 from kvpilot.kvconnectors.pull_params import PULL_DONE_KEY
 from kvpilot.kvconnectors.scheduler import KVPilotScheduler
 from kvpilot.kvconnectors.stats import KVPilotPromMetrics, KVPilotStats
 from kvpilot.kvconnectors.thread_binding import keeping_thread_binding
+from kvpilot.kvconnectors.transfer_params import PARAMS_KEY, TransferParamsError, decode_offer
+from kvpilot.kvconnectors.worker import KVPilotWorker
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
@@ -122,11 +127,26 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
                 inner_vllm_config(vllm_config, self.config), role, kv_cache_config
             )
         self._pilot: KVPilotScheduler | None = None
+        self._ledger: IntegrityLedger | None = None
+        self._worker: KVPilotWorker | None = None
+        # the digest needs one worker per engine: its report is the engine's, not a shard's
+        digests = self.config.kv_digest and vllm_config.parallel_config.world_size == 1
         if role == KVConnectorRole.SCHEDULER:
             layout = inner_cls.get_required_kvcache_layout(inner_vllm_config(vllm_config, self.config))
             policy = build_pull_policy(vllm_config, self.config)
             self._pilot = KVPilotScheduler(
                 vllm_config, kv_cache_config, layout, policy, peer_retry_after_s=self.config.peer_retry_after_s
+            )
+            bidirectional = bool(self.config.inner_extra_config.get("bidirectional_kv_xfer"))
+            self._ledger = IntegrityLedger(kv_cache_config, digests, self.config.deadline_rule(), bidirectional)
+        elif kv_cache_config is not None:
+            spec = self.config.fault_injection
+            self._worker = KVPilotWorker(
+                self._inner,
+                tuple(tuple(g.layer_names) for g in kv_cache_config.kv_cache_groups),
+                kv_cache_config.num_blocks,
+                digests,
+                FaultInjector(spec) if spec is not None else None,
             )
 
     @property
@@ -186,7 +206,13 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------------------------------------------------------- shared
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        self._inner.bind_connector_metadata(connector_metadata)
+        """Unwraps kvpilot's metadata: the inner connector gets its own, the worker layer the rest."""
+        inner = connector_metadata
+        if isinstance(connector_metadata, KVPilotMetadata):
+            if self._worker is not None:
+                self._worker.bind(connector_metadata)
+            inner = connector_metadata.inner if connector_metadata.inner is not None else connector_metadata
+        self._inner.bind_connector_metadata(inner)
         super().bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
@@ -199,7 +225,10 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         inner = self._inner.get_kv_connector_stats()
         if self._pilot is None:
-            return None if inner is None else KVPilotStats.wrap(self.config.inner_connector, inner)
+            wrapped = KVPilotStats.wrap(self.config.inner_connector, inner)
+            if self._worker is not None:
+                wrapped.aggregate(self._worker.take_stats())
+            return None if wrapped.is_empty() else wrapped
         stats = self._pilot.take_stats()
         if inner is not None:
             stats.aggregate(KVPilotStats.wrap(self.config.inner_connector, inner))
@@ -217,6 +246,8 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._inner.register_kv_caches(kv_caches)
+        if self._worker is not None:
+            self._worker.register_kv_caches(kv_caches)
 
     def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
         self._inner.set_host_xfer_buffer_ops(copy_operation)
@@ -250,22 +281,44 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self) -> None:
+        """After the forward pass: the inner connector's saves, then the step's digests."""
         self._inner.wait_for_save()
+        if self._worker is not None:
+            self._worker.after_forward()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._inner.get_finished(finished_req_ids)
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._inner.get_transfer_results(finished_req_ids)
+        """The inner connector's results with kvpilot's checks applied: reads whose bytes
+        differ from the holder's digests, or past their deadline, fail their blocks
+        (:class:`~kvpilot.kvconnectors.worker.KVPilotWorker`)."""
+        results = self._inner.get_transfer_results(finished_req_ids)
+        if self._worker is None:
+            return results
+        finished, failed = self._worker.transfer_results(results.finished_recving, results.failed_recving)
+        return KVConnectorTransferResults(
+            finished_sending=results.finished_sending, finished_recving=finished, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._inner.get_block_ids_with_load_errors()
+        errors = self._inner.get_block_ids_with_load_errors()
+        if self._worker is not None:
+            errors |= self._worker.take_load_errors()
+        return errors
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._inner.get_handshake_metadata()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._inner.build_connector_worker_meta()
+        """The step's digests (:class:`DigestReport`) around the inner connector's own metadata."""
+        inner = self._inner.build_connector_worker_meta()
+        report = self._worker.take_report() if self._worker is not None else None
+        if report is None:
+            return inner if inner is None else DigestReport(inner=inner)
+        report.inner = inner
+        return report
 
     def get_finished_count(self) -> int | None:
         return self._inner.get_finished_count()
@@ -273,6 +326,8 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------------------------------------------------------- scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._inner.bind_kv_cache_manager(kv_cache_manager)
+        if self._ledger is not None:
+            self._ledger.bind(kv_cache_manager)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         self._inner.bind_gpu_block_pool(gpu_block_pool)
@@ -314,18 +369,38 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens > 0:
             unhashed = blocks.get_unhashed_block_ids_all_groups()
             pilot.pull_started(request, (b for group in unhashed for b in group), num_external_tokens)
+            self._read_started(request, unhashed)
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def _read_started(self, request: Request, local_block_ids: list[list[int]]) -> None:
+        params = request.kv_transfer_params or {}
+        try:
+            offer = decode_offer(params[PARAMS_KEY]) if PARAMS_KEY in params else None
+        except TransferParamsError:
+            offer = None
+        rate = self._scheduler_layer().link_rate()
+        self._integrity().read_started(request.request_id, local_block_ids, params.get("remote_block_ids"), offer, rate)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """The inner connector's metadata, wrapped with the step's digest jobs and new reads."""
         self._scheduler_layer().observe_step(scheduler_output)
-        return self._inner.build_connector_meta(scheduler_output)
+        inner = self._inner.build_connector_meta(scheduler_output)
+        ledger = self._integrity()
+        return KVPilotMetadata(inner=inner, digest_jobs=ledger.digest_jobs(scheduler_output), reads=ledger.take_reads())
 
     def on_new_request(self, request: Request) -> None:
         self._scheduler_layer().screen_new_request(request)
+        self._integrity().track(request)
         self._inner.on_new_request(request)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Observes the worker's report (digests complete the offers made this pass); the
+        inner connector gets it with its own worker metadata in place of kvpilot's."""
         self._scheduler_layer().observe_transfers(connector_output)
+        report = connector_output.kv_connector_worker_meta
+        self._integrity().merge(report)
+        if isinstance(report, DigestReport):
+            connector_output = dataclasses.replace(connector_output, kv_connector_worker_meta=report.inner)
         self._inner.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -369,7 +444,13 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
         return self._inner.has_pending_push_work()
 
     def _stamp(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:
-        return self._scheduler_layer().stamp_offer(request, params)
+        stamped = self._scheduler_layer().stamp_offer(request, params)
+        self._integrity().offer(request.request_id, stamped, PARAMS_KEY)
+        return stamped
+
+    def _integrity(self) -> IntegrityLedger:
+        assert self._ledger is not None, "called on the scheduler-side connector only"
+        return self._ledger
 
     def _scheduler_layer(self) -> KVPilotScheduler:
         assert self._pilot is not None, "called on the scheduler-side connector only"

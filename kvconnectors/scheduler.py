@@ -59,6 +59,7 @@ from kvpilot.kvconnectors.pull_policy import (
     PrefillBacklog,
     PullPolicy,
 )
+from kvpilot.kvconnectors.read_deadline import measured_rate
 from kvpilot.kvconnectors.reasons import Reason
 from kvpilot.kvconnectors.stats import KVPilotStats
 from kvpilot.kvconnectors.step_rates import Chunk, StepRates
@@ -325,6 +326,10 @@ class KVPilotScheduler:
             session_pull=is_session_pull(params),
             started_s=self._clock(),
         )
+
+    def link_rate(self) -> float | None:
+        """Bytes per second of this engine's recent whole pulls (``None`` before the first)."""
+        return measured_rate(self._link.telemetry().pulls)
 
     def has_pulls_in_flight(self) -> bool:
         """Whether a pull is still waiting for the worker to report it received: the

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvpilot.kvconnectors import reasons, vllm_metrics
+from kvpilot.kvconnectors.faults import FAULT_KINDS
 from kvpilot.kvconnectors.pull_policy import DecidedBy
 
 
@@ -44,6 +45,8 @@ class CounterSpec:
 
 REASONS = tuple(reason.value for reason in reasons.REJECT_REASONS)
 RECOMPUTE_REASONS = tuple(reason.value for reason in reasons.RECOMPUTE_REASONS)
+INTEGRITY_REASONS = ("digest_mismatch", "deadline")
+"""Why the worker failed a read's blocks: their bytes differ from the holder's, or the read was too slow."""
 PULL_DECISIONS = tuple(f"{choice}/{by.value}" for choice in ("pull", "recompute") for by in DecidedBy)
 
 COUNTERS: tuple[CounterSpec, ...] = (
@@ -97,6 +100,50 @@ COUNTERS: tuple[CounterSpec, ...] = (
         vllm_metrics.KVPILOT_HOLDS_RELEASED,
         "Finished requests whose blocks this engine freed at once because the router declined its hold "
         "for the session's next step (bidirectional mode holds them for decoder_kv_blocks_ttl otherwise).",
+    ),
+    CounterSpec(
+        "checked_blocks",
+        vllm_metrics.KVPILOT_DIGEST_CHECKED_BLOCKS,
+        "Blocks read from a peer whose KV bytes this engine digested and compared with the holder's digests.",
+    ),
+    CounterSpec(
+        "digest_mismatch_blocks",
+        vllm_metrics.KVPILOT_DIGEST_MISMATCH_BLOCKS,
+        "Blocks read from a peer whose KV bytes differ from the holder's digest: never attached.",
+    ),
+    CounterSpec(
+        "digest_seconds",
+        vllm_metrics.KVPILOT_DIGEST_SECONDS,
+        "Worker time spent digesting KV blocks (offered blocks on the holder, landed blocks on the reader).",
+    ),
+    CounterSpec(
+        "unchecked_reads",
+        vllm_metrics.KVPILOT_UNCHECKED_READS,
+        "Reads attached on the token check alone: the offer carried no KV digests, or digests are off here.",
+    ),
+    CounterSpec(
+        "abandoned_reads",
+        vllm_metrics.KVPILOT_ABANDONED_READS,
+        "Reads of a peer's KV abandoned past their deadline: stopped, their blocks failed to load.",
+    ),
+    CounterSpec(
+        "unabortable_reads",
+        vllm_metrics.KVPILOT_UNABORTABLE_READS,
+        "Reads past their deadline that the inner connector could not stop: left to finish.",
+    ),
+    CounterSpec(
+        "integrity_failed_blocks",
+        vllm_metrics.KVPILOT_INTEGRITY_FAILED_BLOCKS,
+        "Blocks this engine's worker reported as failed loads (recomputed under kv_load_failure_policy: "
+        "recompute), by why: a digest mismatch (from the first bad block on) or a read past its deadline.",
+        INTEGRITY_REASONS,
+    ),
+    CounterSpec(
+        "faults_injected",
+        vllm_metrics.KVPILOT_FAULTS_INJECTED,
+        "Faults the data-plane fault injector put into reads (testing only), by kind.",
+        FAULT_KINDS,
+        ("kind",),
     ),
 )
 _SPECS = {spec.key: spec for spec in COUNTERS}

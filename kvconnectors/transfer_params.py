@@ -10,7 +10,9 @@ server and an HTTP proxy as JSON, so the wire form holds only JSON types::
                   "kv_layout": "NHD", "salt_id": ""},
      "num_blocks": 4096,
      "block_digests": "<base64 of num_blocks * 8 bytes>",
-     "tail_token_ids": [17, 4, 99]}
+     "tail_token_ids": [17, 4, 99],
+     "kv_digest_algo": "xxh3_64",
+     "kv_digests": ["<base64 of 8 bytes per offered block of KV-cache group 0>", ...]}
 
 ``block_digests`` packs, for each full block P offers (block 0 first), the
 first :data:`DIGEST_BYTES` bytes of vLLM's block hash (the same hashes vLLM
@@ -19,6 +21,13 @@ puts in its KV events; see :mod:`kvpilot.kvconnectors.hash_contract`).
 than ``block_size``; vLLM hashes only full blocks). Given a verified chain up
 to it, equal tail tokens mean equal KV for the tail, so D may load it too
 instead of recomputing it (which would split D's prefill at another point).
+
+``kv_digests`` (version 2 on) are digests of the offered blocks' KV *bytes*, one string
+per KV-cache group, aligned with that group's ``remote_block_ids``
+(:mod:`kvpilot.kvconnectors.kv_digest` says how they are computed and their collision
+bound); ``kv_digest_algo`` names the digest. Both are empty when the holder computed none
+(``kv_digest: false``, or an engine with more than one worker); the reader then attaches on
+the token check alone.
 
 Why 8 bytes per block is enough
 -------------------------------
@@ -56,7 +65,7 @@ import base64
 import math
 import re
 from collections.abc import Sequence
-from typing import Annotated, Any, Final, NamedTuple, NewType
+from typing import Annotated, Any, Final, Literal, NamedTuple, NewType
 
 import msgspec
 
@@ -67,7 +76,8 @@ from kvpilot.kvconnectors.hash_contract import (
     SeedId,
 )
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
+"""2 added ``kv_digest_algo`` and ``kv_digests``; a version-1 offer is refused (local prefill)."""
 PARAMS_KEY: Final = "kvpilot"
 DIGEST_BYTES: Final = 8
 """Bytes of each block hash carried in an offer (fixed by the schema version)."""
@@ -75,6 +85,9 @@ DIGEST_BYTES: Final = 8
 MAX_OFFER_BLOCKS: Final = 1 << 20
 """Default bound on ``num_blocks`` (16M tokens at block size 16): a decoder
 never allocates more than 8 MiB for an offer."""
+
+KV_DIGEST_ALGOS: Final = ("xxh3_64", "mix64_sum")
+"""The KV digests an offer may name (:mod:`kvpilot.kvconnectors.kv_digest` computes them)."""
 
 PackedDigests = NewType("PackedDigests", bytes)
 """For blocks 0, 1, ... in order, the first :data:`DIGEST_BYTES` bytes of each
@@ -144,6 +157,10 @@ class BlockOffer(msgspec.Struct, frozen=True):
     contract: ContractId
     packed_digests: PackedDigests
     tail_token_ids: tuple[int, ...] = ()
+    kv_digest_algo: str = ""
+    """The KV digest's name, one of :data:`KV_DIGEST_ALGOS`; ``""`` when the offer has none."""
+    kv_digests: tuple[bytes, ...] = ()
+    """Per KV-cache group, :data:`DIGEST_BYTES` bytes per offered block, in ``remote_block_ids`` order."""
 
     @property
     def num_blocks(self) -> int:
@@ -165,6 +182,8 @@ class _WireOffer(msgspec.Struct, forbid_unknown_fields=True):
     num_blocks: Annotated[int, msgspec.Meta(ge=0)]
     block_digests: str
     tail_token_ids: list[_TokenId] = []
+    kv_digest_algo: Literal["", "xxh3_64", "mix64_sum"] = ""
+    kv_digests: list[str] = []
 
 
 class TransferParamsError(ValueError):
@@ -274,7 +293,40 @@ def decode_offer(raw: object, max_blocks: int = MAX_OFFER_BLOCKS) -> BlockOffer:
         contract=wire.contract,
         packed_digests=PackedDigests(packed),
         tail_token_ids=tuple(wire.tail_token_ids),
+        kv_digest_algo=wire.kv_digest_algo,
+        kv_digests=_decode_kv_digests(wire, max_blocks),
     )
+
+
+def _decode_kv_digests(wire: _WireOffer, max_blocks: int) -> tuple[bytes, ...]:
+    if bool(wire.kv_digests) != bool(wire.kv_digest_algo):
+        raise TransferParamsError(f"{PARAMS_KEY}.kv_digest_algo", "given without kv_digests, or kv_digests without it")
+    groups = []
+    for index, text in enumerate(wire.kv_digests):
+        field = f"{PARAMS_KEY}.kv_digests[{index}]"
+        if len(text) > _digests_chars(max_blocks + 1):
+            raise TransferParamsError(field, f"oversized: {len(text)} characters")
+        try:
+            packed = base64.b64decode(text, validate=True)
+        except ValueError as exc:
+            raise TransferParamsError(field, f"not base64: {exc}") from None
+        if len(packed) % DIGEST_BYTES:
+            raise TransferParamsError(field, f"decodes to {len(packed)} bytes, not a multiple of {DIGEST_BYTES}")
+        groups.append(packed)
+    return tuple(groups)
+
+
+def set_kv_digests(offer: dict[str, Any], algo: str, per_group: Sequence[bytes]) -> None:
+    """Put the KV digests of the offered blocks (per KV-cache group, packed) into ``offer``,
+    the sub-dict :func:`encode_offer` returned (mutated). Raises :class:`TransferParamsError`
+    for an unknown ``algo`` or a group whose bytes are not whole digests."""
+    if algo not in KV_DIGEST_ALGOS:
+        raise TransferParamsError(f"{PARAMS_KEY}.kv_digest_algo", f"unknown digest {algo!r}")
+    for index, packed in enumerate(per_group):
+        if len(packed) % DIGEST_BYTES:
+            raise TransferParamsError(f"{PARAMS_KEY}.kv_digests[{index}]", f"{len(packed)} bytes")
+    offer["kv_digest_algo"] = algo
+    offer["kv_digests"] = [base64.b64encode(packed).decode("ascii") for packed in per_group]
 
 
 _MSGSPEC_PATH = re.compile(r"^(?P<reason>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.S)

@@ -141,6 +141,14 @@ KVPILOT_RECOMPUTED_TOKENS = CounterFamily("vllm:kvpilot_recomputed_tokens")
 KVPILOT_PULL_DECISIONS = CounterFamily("vllm:kvpilot_pull_decisions")
 KVPILOT_LOAD_FAILURES = CounterFamily("vllm:kvpilot_load_failures")
 KVPILOT_HOLDS_RELEASED = CounterFamily("vllm:kvpilot_holds_released")
+KVPILOT_DIGEST_CHECKED_BLOCKS = CounterFamily("vllm:kvpilot_digest_checked_blocks")
+KVPILOT_DIGEST_MISMATCH_BLOCKS = CounterFamily("vllm:kvpilot_digest_mismatch_blocks")
+KVPILOT_DIGEST_SECONDS = CounterFamily("vllm:kvpilot_digest_seconds")
+KVPILOT_UNCHECKED_READS = CounterFamily("vllm:kvpilot_unchecked_reads")
+KVPILOT_ABANDONED_READS = CounterFamily("vllm:kvpilot_abandoned_reads")
+KVPILOT_UNABORTABLE_READS = CounterFamily("vllm:kvpilot_unabortable_reads")
+KVPILOT_INTEGRITY_FAILED_BLOCKS = CounterFamily("vllm:kvpilot_integrity_failed_blocks")
+KVPILOT_FAULTS_INJECTED = CounterFamily("vllm:kvpilot_faults_injected")
 
 KVPILOT_FAMILIES: tuple[CounterFamily, ...] = (
     KVPILOT_OFFERS,
@@ -151,4 +159,12 @@ KVPILOT_FAMILIES: tuple[CounterFamily, ...] = (
     KVPILOT_PULL_DECISIONS,
     KVPILOT_LOAD_FAILURES,
     KVPILOT_HOLDS_RELEASED,
+    KVPILOT_DIGEST_CHECKED_BLOCKS,
+    KVPILOT_DIGEST_MISMATCH_BLOCKS,
+    KVPILOT_DIGEST_SECONDS,
+    KVPILOT_UNCHECKED_READS,
+    KVPILOT_ABANDONED_READS,
+    KVPILOT_UNABORTABLE_READS,
+    KVPILOT_INTEGRITY_FAILED_BLOCKS,
+    KVPILOT_FAULTS_INJECTED,
 )

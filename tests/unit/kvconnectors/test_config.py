@@ -103,7 +103,10 @@ def test_convert_names_the_key_of_the_extra_config(raw: dict[str, object], key: 
 
 
 def test_parse_lists_the_inner_connectors_keys_beside_its_own() -> None:
-    with pytest.raises(KVPilotConfigError, match=r"bogus: unknown key \(known keys: backends, .*recompute_policy"):
+    with pytest.raises(
+        KVPilotConfigError,
+        match=r"bogus: unknown key \(known keys: allow_fault_injection, backends, .*recompute_policy",
+    ):
         KVPilotConfig.parse({"bogus": 1})
 
 

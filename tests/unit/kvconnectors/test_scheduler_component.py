@@ -135,17 +135,21 @@ class Engine:
         failed: Iterable[str] = (),
         telemetry: KVPilotStats | None = None,
         pass_seconds: float = 0.0,
+        worker: Callable[[SchedulerOutput], KVConnectorOutput] | None = None,
     ) -> SchedulerOutput:
         """Schedule once, then report what the model runner and the NIXL worker did:
         a sampled token per scheduled request, after ``pass_seconds`` on the clock; pulls
         ``received`` and ``failed`` (NIXL's worker lists a failed pull among the finished
         ones too); telemetry. A pass that ran returns connector output, as vLLM's model
-        runner does with a connector; a step that ran nothing only when it has some."""
+        runner does with a connector; a step that ran nothing only when it has some.
+        ``worker``, when given, plays the worker instead: it returns the step's connector output."""
         out = self.scheduler.schedule()
         self.clock.now += pass_seconds
         ids = list(out.num_scheduled_tokens)
         kv = None
-        if received or failed or telemetry or ids:
+        if worker is not None:
+            kv = worker(out)
+        elif received or failed or telemetry or ids:
             done = {*received, *failed}
             kv = KVConnectorOutput(finished_recving=done, failed_recving=set(failed), kv_connector_stats=telemetry)
         runner = ModelRunnerOutput(
@@ -165,8 +169,9 @@ class Engine:
 
 
 def recv(out: SchedulerOutput, request_id: str) -> ReqMeta | None:
-    """The pull NIXL's scheduler asked its worker to make this step for ``request_id``."""
-    meta: Any = out.kv_connector_metadata
+    """The pull NIXL's scheduler asked its worker to make this step for ``request_id``
+    (inside kvpilot's wrapper, :class:`~kvpilot.kvconnectors.metadata.KVPilotMetadata`)."""
+    meta: Any = out.kv_connector_metadata.inner
     found: ReqMeta | None = meta.reqs_to_recv.get(request_id)
     return found
 

@@ -1,0 +1,70 @@
+"""A fault injector for the data plane, to prove the digest and the read deadline: it
+acts on the reading engine's worker (:mod:`kvpilot.kvconnectors.worker`) between the
+inner connector's report that a read landed and kvpilot's check of it.
+
+Off by default, and refused unless ``allow_fault_injection`` is set beside it
+(:class:`kvpilot.kvconnectors.config.KVPilotConfig`): a production config that carries
+an injector by mistake fails to load. Pure: the randomness is a seeded ``random.Random``.
+
+The kinds (:class:`FaultKind`), one per read at most:
+
+* ``corrupt_block``: flip one byte of the first block the read filled, before the digest
+  check (a torn or misdirected write); the check must catch it;
+* ``stall_read``: hold the read's completion for ``stall_s`` (a read that hangs); past the
+  read's deadline it is abandoned, and the late completion is dropped, never attached;
+* ``drop_completion``: never report the read's completion (a lost notification, as in
+  nixl#2047); only the deadline ends the wait.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from typing import Annotated
+
+import msgspec
+
+
+class FaultKind(enum.Enum):
+    """What the injector does to one read. Values are config strings and a metric label."""
+
+    CORRUPT_BLOCK = "corrupt_block"
+    STALL_READ = "stall_read"
+    DROP_COMPLETION = "drop_completion"
+
+
+FAULT_KINDS: tuple[str, ...] = tuple(kind.value for kind in FaultKind)
+
+_Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+_Seconds = Annotated[float, msgspec.Meta(gt=0.0)]
+_RequestId = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class FaultInjection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which reads get a fault, and which. A read is picked when its request id contains
+    one of ``request_ids`` (vLLM adds suffixes to a client's id), or else with probability
+    ``rate``; a picked read gets one of ``kinds`` at random (the first for a named id)."""
+
+    kinds: Annotated[tuple[FaultKind, ...], msgspec.Meta(min_length=1)]
+    rate: _Rate = 0.0
+    request_ids: tuple[_RequestId, ...] = ()
+    stall_s: _Seconds = 60.0
+    """How long ``stall_read`` holds a completion (longer than the deadline to test it)."""
+    seed: int = 0
+
+
+class FaultInjector:
+    """Picks the fault of each read, once, from a :class:`FaultInjection`."""
+
+    def __init__(self, spec: FaultInjection) -> None:
+        self.spec = spec
+        self._rng = random.Random(spec.seed)
+
+    def pick(self, request_id: str) -> FaultKind | None:
+        """The fault for the read of ``request_id``, or ``None``. Advances the RNG once
+        per call that is not decided by ``request_ids``."""
+        if any(chosen in request_id for chosen in self.spec.request_ids):
+            return self.spec.kinds[0]
+        if self.spec.rate and self._rng.random() < self.spec.rate:
+            return self._rng.choice(self.spec.kinds)
+        return None
