@@ -12,8 +12,12 @@ typedef struct scan {
   const char *p, *end;
 } scan;
 
+static inline int space(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
+
+static inline int digit(char c) { return (unsigned char)(c - '0') < 10; }
+
 static void ws(scan *s) {
-  while (s->p < s->end && (*s->p == ' ' || *s->p == '\n' || *s->p == '\r' || *s->p == '\t')) s->p++;
+  while (s->p < s->end && space(*s->p)) s->p++;
 }
 
 static int eat(scan *s, char c) {
@@ -62,30 +66,42 @@ static int value(scan *s, int depth) {
     case '"': return string(s, &k, &n);
     default: {
       const char *b = s->p;
-      while (s->p < s->end && (strchr("+-.eE", *s->p) || (*s->p >= '0' && *s->p <= '9') ||
-                               (*s->p >= 'a' && *s->p <= 'z')))
+      while (s->p < s->end && (digit(*s->p) || *s->p == '+' || *s->p == '-' || *s->p == '.' ||
+                               (*s->p >= 'a' && *s->p <= 'z') || *s->p == 'E'))
         s->p++;
       return s->p > b;
     }
   }
 }
 
-/* "prompt"'s array of token ids; KVP_BODY_OK or why not. */
+/* "prompt"'s array of token ids; KVP_BODY_OK or why not. One pass, no call per id. */
 static int ids(scan *s, uint32_t *out, size_t max, size_t *count) {
   if (!eat(s, '[')) return value(s, 1) ? KVP_BODY_NOT_TOKEN_IDS : KVP_BODY_MALFORMED;
-  *count = 0;
-  if (eat(s, ']')) return KVP_BODY_OK;
-  do {
-    ws(s);
+  const char *p = s->p, *end = s->end;
+  size_t n = 0;
+  while (p < end && space(*p)) p++;
+  if (p < end && *p == ']') {
+    s->p = p + 1;
+    return *count = 0, KVP_BODY_OK;
+  }
+  for (;;) {
+    while (p < end && space(*p)) p++;
+    const char *first = p;
     uint64_t v = 0;
-    const char *b = s->p;
-    while (s->p < s->end && *s->p >= '0' && *s->p <= '9' && v <= UINT32_MAX) v = v * 10 + (uint64_t)(*s->p++ - '0');
-    if (s->p == b || v > UINT32_MAX || (s->p < s->end && strchr(".eE-+", *s->p)))
+    while (p < end && digit(*p) && p - first < 11) v = v * 10 + (uint64_t)(*p++ - '0');
+    if (p == first || v > UINT32_MAX || (p < end && (digit(*p) || *p == '.' || *p == 'e' || *p == 'E')))
       return KVP_BODY_NOT_TOKEN_IDS;
-    if (*count == max) return KVP_BODY_TOO_MANY_IDS;
-    out[(*count)++] = (uint32_t)v;
-  } while (eat(s, ','));
-  return eat(s, ']') ? KVP_BODY_OK : KVP_BODY_MALFORMED;
+    if (n == max) return KVP_BODY_TOO_MANY_IDS;
+    out[n++] = (uint32_t)v;
+    while (p < end && space(*p)) p++;
+    if (p < end && *p == ',') {
+      p++;
+      continue;
+    }
+    s->p = p;
+    *count = n;
+    return p < end && *p == ']' ? (s->p++, KVP_BODY_OK) : KVP_BODY_MALFORMED;
+  }
 }
 
 static int parse(const char *body, size_t len, uint32_t *out, size_t max_ids, size_t *n_ids) {
