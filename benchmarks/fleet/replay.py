@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from benchmarks.fleet.results import Outcome
-from kvpilot.routing.decide.sessions import HEADER as KVPILOT_SESSION_HEADER
+from kvpilot.routing.decide.sessions import SESSION_HEADERS
 
 JSON = {"Content-Type": "application/json"}
 DYNAMO_SESSION_HEADER = "x-dynamo-session-id"
@@ -63,7 +63,7 @@ def headers(session_id: str | None) -> dict[str, str]:
     under kvpilot's and Dynamo's session headers."""
     if session_id is None:
         return dict(JSON)
-    return {**JSON, KVPILOT_SESSION_HEADER: session_id, DYNAMO_SESSION_HEADER: session_id}
+    return {**JSON, SESSION_HEADERS[0]: session_id, DYNAMO_SESSION_HEADER: session_id}
 
 
 def body(prompt: list[int], max_tokens: int, model: str = "tiny") -> bytes:

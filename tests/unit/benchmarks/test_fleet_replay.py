@@ -3,7 +3,7 @@ from __future__ import annotations
 import json
 
 from benchmarks.fleet.replay import DYNAMO_SESSION_HEADER, JSON, body, headers
-from kvpilot.routing.decide.sessions import HEADER
+from kvpilot.routing.decide.sessions import SESSION_HEADERS
 
 
 def test_a_request_body_streams_exactly_the_trace_s_output_with_usage_at_the_end():
@@ -16,5 +16,5 @@ def test_a_request_body_streams_exactly_the_trace_s_output_with_usage_at_the_end
 def test_a_session_s_step_names_its_session_to_both_routers_and_a_lone_request_names_none():
     assert headers(None) == JSON
     named = headers("agent-7")
-    assert named[HEADER] == named[DYNAMO_SESSION_HEADER] == "agent-7"
+    assert named[SESSION_HEADERS[0]] == named[DYNAMO_SESSION_HEADER] == "agent-7"
     assert named["Content-Type"] == JSON["Content-Type"]
