@@ -95,8 +95,10 @@ class IncrementalTokens:
         """``text``'s token ids without special tokens, equal to
         ``tokenizer.encode(text, add_special_tokens=False)``; only the part after the last safe
         cut it shares with ``session``'s last prompt is tokenized. Keeps ``text`` as
-        ``session``'s last prompt (the least recently used sessions dropped past the bounds).
-        Returns a list the caller owns."""
+        ``session``'s last prompt (the least recently used sessions dropped past the bounds),
+        unless the tokenizer has no cuts. Returns a list the caller owns."""
+        if not self.tokenizer.cuts:  # nothing could be kept: tokenized whole, nothing held
+            return self.tokenizer.encode(text, add_special_tokens=False)
         with self._lock:
             last = self._prompts.get(session)
         cut = None if last is None else self._last_cut(last, text)
