@@ -117,9 +117,9 @@ class KVPilotConfig(TypedConfig, frozen=True):
     read_deadline_factor: float = READ_DEADLINE_FACTOR
     """How many times its size over the measured link rate a read may take before it is abandoned."""
     fault_injection: FaultInjection | None = None
-    """Testing only: faults injected into this engine's reads (``kinds``: ``corrupt_block``,
-    ``stall_read``, ``drop_completion``; ``rate``; ``request_ids``; ``stall_s``; ``seed``).
-    Refused unless ``allow_fault_injection`` is true."""
+    """Testing only: faults injected into this engine's reads: ``request_ids`` (a request id part
+    -> its fault: ``corrupt_block``, ``stall_read``, ``drop_completion``), else at ``rate`` one of
+    ``kinds``; ``stall_s``, ``seed``. Refused unless ``allow_fault_injection`` is true."""
     allow_fault_injection: bool = False
     """The explicit permission ``fault_injection`` needs; without it a config that carries one is refused."""
 
@@ -130,6 +130,8 @@ class KVPilotConfig(TypedConfig, frozen=True):
         check_range(self, "peer_retry_after_s", above=0)
         check_range(self, "read_deadline_floor_s", above=0)
         check_range(self, "read_deadline_factor", above=0)
+        if self.fault_injection is not None and self.fault_injection.rate and not self.fault_injection.kinds:
+            raise KVPilotConfigError("fault_injection.kinds", "a fault rate needs at least one kind")
         if self.fault_injection is not None and not self.allow_fault_injection:
             problem = "injects faults into reads; set allow_fault_injection: true beside it (never in production)"
             raise KVPilotConfigError("fault_injection", problem)

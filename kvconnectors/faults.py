@@ -41,13 +41,13 @@ _RequestId = Annotated[str, msgspec.Meta(min_length=1)]
 
 
 class FaultInjection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Which reads get a fault, and which. A read is picked when its request id contains
-    one of ``request_ids`` (vLLM adds suffixes to a client's id), or else with probability
-    ``rate``; a picked read gets one of ``kinds`` at random (the first for a named id)."""
+    """Which reads get a fault, and which. A read whose request id contains a key of
+    ``request_ids`` gets that key's fault (vLLM wraps a client's ``request_id`` in a prefix
+    and suffixes); any other read, with probability ``rate``, one of ``kinds`` at random."""
 
-    kinds: Annotated[tuple[FaultKind, ...], msgspec.Meta(min_length=1)]
+    kinds: tuple[FaultKind, ...] = tuple(FaultKind)
     rate: _Rate = 0.0
-    request_ids: tuple[_RequestId, ...] = ()
+    request_ids: dict[_RequestId, FaultKind] = {}
     stall_s: _Seconds = 60.0
     """How long ``stall_read`` holds a completion (longer than the deadline to test it)."""
     seed: int = 0
@@ -57,14 +57,17 @@ class FaultInjector:
     """Picks the fault of each read, once, from a :class:`FaultInjection`."""
 
     def __init__(self, spec: FaultInjection) -> None:
+        if spec.rate and not spec.kinds:
+            raise ValueError("a fault rate needs at least one kind")
         self.spec = spec
         self._rng = random.Random(spec.seed)
 
     def pick(self, request_id: str) -> FaultKind | None:
         """The fault for the read of ``request_id``, or ``None``. Advances the RNG once
         per call that is not decided by ``request_ids``."""
-        if any(chosen in request_id for chosen in self.spec.request_ids):
-            return self.spec.kinds[0]
+        for chosen, kind in self.spec.request_ids.items():
+            if chosen in request_id:
+                return kind
         if self.spec.rate and self._rng.random() < self.spec.rate:
             return self._rng.choice(self.spec.kinds)
         return None

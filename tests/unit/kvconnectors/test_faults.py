@@ -19,15 +19,16 @@ def test_an_injector_is_refused_without_the_explicit_permission() -> None:
 def test_an_allowed_injector_parses_and_is_off_by_default() -> None:
     assert KVPilotConfig.parse(None).fault_injection is None
     config = KVPilotConfig.parse(
-        {"fault_injection": {"kinds": ["stall_read"], "request_ids": ["abc"]}, "allow_fault_injection": True}
+        {"fault_injection": {"request_ids": {"abc": "stall_read"}}, "allow_fault_injection": True}
     )
-    assert config.fault_injection == FaultInjection(kinds=(FaultKind.STALL_READ,), request_ids=("abc",))
+    assert config.fault_injection == FaultInjection(request_ids={"abc": FaultKind.STALL_READ})
 
 
 @pytest.mark.parametrize(
     ("spec", "key"),
     [
-        ({"kinds": []}, "fault_injection.kinds"),
+        ({"kinds": [], "rate": 0.5}, "fault_injection.kinds"),
+        ({"request_ids": {"abc": "melt"}}, "fault_injection.request_ids.abc"),
         ({"kinds": ["melt"]}, "fault_injection.kinds[0]"),
         ({"kinds": ["stall_read"], "rate": 1.5}, "fault_injection.rate"),
         ({"kinds": ["stall_read"], "stall_s": 0}, "fault_injection.stall_s"),
@@ -39,10 +40,11 @@ def test_a_bad_injector_is_refused_naming_the_field(spec: dict[str, object], key
         KVPilotConfig.parse({"fault_injection": spec, "allow_fault_injection": True})
 
 
-def test_named_requests_get_the_first_kind_whatever_the_rate() -> None:
-    spec = FaultInjection(kinds=(FaultKind.DROP_COMPLETION, FaultKind.STALL_READ), request_ids=("s7",))
+def test_named_requests_get_their_fault_whatever_the_rate() -> None:
+    spec = FaultInjection(request_ids={"s7": FaultKind.DROP_COMPLETION, "s9": FaultKind.STALL_READ})
     injector = FaultInjector(spec)
     assert injector.pick("cmpl-s7-step3-0") is FaultKind.DROP_COMPLETION
+    assert injector.pick("cmpl-s9-0-1f2e") is FaultKind.STALL_READ
     assert injector.pick("cmpl-s8-step3-0") is None
 
 

@@ -40,7 +40,7 @@ class Reader:
 
     def __post_init__(self) -> None:
         self.kv = {"l": torch.randn(NUM_BLOCKS, 32, 4)}
-        spec = FaultInjection(kinds=(self.kind,), request_ids=("r1",), stall_s=self.stall_s)
+        spec = FaultInjection(request_ids={"r1": self.kind}, stall_s=self.stall_s)
         self.layer = KVPilotWorker(self.inner, (("l",),), NUM_BLOCKS, True, FaultInjector(spec), self.clock)
         self.layer.register_kv_caches(self.kv)
         expected = digest_blocks(GroupKV.of(self.kv, ["l"], NUM_BLOCKS), LOCAL)  # the holder's, equal bytes
