@@ -34,212 +34,47 @@ caller dispatches (:meth:`Route.prefill_worker` and :attr:`Route.cached_blocks`
 say what to count) and records the session's decode worker with
 :meth:`Router.served` once the request succeeded. Not thread-safe: the thread
 that owns the index (the router's event loop) makes every call.
+
+What it returns is :mod:`~kvpilot.routing.decide.route`'s (``Route``, ``Kind``,
+``NoHealthyWorker``, imported here too); the candidates' rows are
+:mod:`~kvpilot.routing.decide.candidate_rows`'s, the prices it reads for a chosen pair
+:mod:`~kvpilot.routing.decide.session_step`'s, and what it builds from the config
+:mod:`~kvpilot.routing.decide.from_config`'s (``policy_from_config``, imported here too).
 """
 
 from __future__ import annotations
 
-import enum
 import random
 from collections import defaultdict
 from collections.abc import Mapping, Sequence, Set
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import msgspec
 import numpy as np
 
 from kvpilot.kvconnectors.pull_params import LEASE_MARGIN_S
-from kvpilot.policies.disaggregation import (
-    DecodeState,
-    LocalRemoteDecision,
-    LocalVsRemotePolicy,
-    MeasuredTimes,
-    PromptState,
-    Where,
-)
-from kvpilot.policies.presets import hardware_preset, kv_format_preset, link_preset
+from kvpilot.policies.disaggregation import LocalVsRemotePolicy, Where
 from kvpilot.policies.session_hold import HoldDecision, decide_hold
-from kvpilot.policies.session_options import Option, OptionPrice, PrefillSite, SessionOptionPricer, SessionStep, choose
-from kvpilot.policies.specs import ModelSpec, SpecError
-from kvpilot.policies.tier_credit import host_block_credit
-from kvpilot.routing.config import (
-    ConfigError,
-    CostConfig,
-    CostObjective,
-    DisaggregationConfig,
-    HoldMode,
-    RouterConfig,
-    TierClass,
-    Worker,
-    prior_model,
-)
-from kvpilot.routing.decide.cost import CandidateTable, CostModel, Decision, TierOverlap, tier_overlap
+from kvpilot.policies.session_options import Option, OptionPrice, SessionOptionPricer, choose
+from kvpilot.routing.config import CostObjective, HoldMode, RouterConfig, TierClass, Worker
+from kvpilot.routing.decide.candidate_rows import CandidateRows
+from kvpilot.routing.decide.cost import CandidateTable, CostModel, TierOverlap, tier_overlap
+from kvpilot.routing.decide.from_config import effective_cost, policy_from_config
 from kvpilot.routing.decide.ledger import LoadLedger, PromptLoads
-from kvpilot.routing.decide.measured_prices import (
-    FleetLoad,
-    PathInputs,
-    option_path,
-    option_price,
-    path_times,
-    predict_path,
-)
+from kvpilot.routing.decide.measured_prices import FleetLoad, predict_path
 from kvpilot.routing.decide.rates import RateEstimator
 from kvpilot.routing.decide.residency import Residency
-from kvpilot.routing.decide.sessions import OfferUse, SessionOffer, SessionState, SessionStore
+from kvpilot.routing.decide.route import Kind, NoHealthyWorker, Route
+from kvpilot.routing.decide.session_step import cache_path, measured_times, policy_inputs, price_session_step
+from kvpilot.routing.decide.sessions import OfferUse, SessionOffer, SessionStore
 from kvpilot.routing.fleet import Fleet
-from kvpilot.routing.ids import SessionId, WorkerId, pair_name
+from kvpilot.routing.ids import SessionId, WorkerId
 from kvpilot.routing.index.chain import PromptChain
 from kvpilot.routing.index.kvindex import KVIndex, Match
 
 if TYPE_CHECKING:
     from kvpilot.routing.health.view import FleetHealth
 
-
-class NoHealthyWorker(Exception):
-    """Every worker that could decode this request is unavailable."""
-
-
-class Kind(str, enum.Enum):
-    """How a request is served."""
-
-    REMOTE_PREFILL = "remote_prefill"  # P prefills, D decodes with P's KV
-    LOCAL_PREFILL = "local_prefill"  # a P/D fleet, but D prefills itself
-    COLOCATED = "colocated"  # one worker does both
-    FALLBACK = "fallback"  # routed REMOTE_PREFILL, but P failed: D prefilled itself (Lifecycle.prefill_failed)
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where one request goes, and why.
-
-    ``prefill`` is P for a remote prefill, else None (D or the co-located worker
-    prefills). ``chain`` names the prompt's blocks (the ledger counts them).
-    ``cached_blocks`` is the GPU prefix the prefilling worker holds,
-    ``decode_cached_blocks`` D's (what a local fallback on D reuses).
-    """
-
-    request_id: str
-    kind: Kind
-    prefill: Worker | None
-    decode: Worker
-    prompt_tokens: int
-    prompt_blocks: int
-    chain: PromptChain
-    cached_blocks: int
-    decode_cached_blocks: int
-    overlap: TierOverlap
-    match: Match
-    decision: Decision
-    local_remote: LocalRemoteDecision | None
-    option: Option | None = None
-    """The article's option chosen for a session's later step (None otherwise)."""
-    options: tuple[OptionPrice, ...] = ()
-    """Every option, priced, when ``option`` is set."""
-
-    @property
-    def prefill_worker(self) -> Worker:
-        """The worker that prefills (P, or D itself)."""
-        return self.prefill if self.prefill is not None else self.decode
-
-    def explain(self) -> str:
-        """The cost decision term by term, then the local-vs-remote verdict, tagged."""
-        head = (
-            f"request={self.request_id} kind={self.kind.value} "
-            f"prefill={self.prefill_worker.name} decode={self.decode.name} "
-            f"prompt_tokens={self.prompt_tokens} cached_blocks={self.cached_blocks}"
-        )
-        lines = [head, self.decision.explain()]
-        if self.local_remote is not None:
-            lines.append(f"request={self.request_id} {self.local_remote.explain()}")
-        for price in self.options:
-            chosen = " <- chosen" if price.option is self.option else ""
-            lines.append(f"request={self.request_id} {price.explain()}{chosen}")
-        return "\n".join(lines)
-
-
-@dataclass(frozen=True, slots=True)
-class _Options:
-    """Every candidate of a fleet, in rows: each (P, D) pair, each co-located worker, and
-    each decode worker of a fleet without prefill workers (it serves like a co-located
-    one). A pair is named ``"P->D"``. ``prefill_rows`` and ``decode_rows`` index
-    ``workers`` (the prefilling worker: P, or the worker itself), so a request's
-    candidate columns are gathered from per-worker arrays in one numpy step."""
-
-    names: list[str]
-    pairs: list[tuple[Worker | None, Worker]]
-    workers: tuple[Worker, ...]
-    worker_names: tuple[WorkerId, ...]
-    rows: dict[WorkerId, int]
-    """Worker name -> its row in ``workers``."""
-    pair_options: dict[tuple[WorkerId, WorkerId], int]
-    """(P, D) -> the pair's option (its index in ``names``)."""
-    prefill_rows: np.ndarray
-    decode_rows: np.ndarray
-
-    @classmethod
-    def of(cls, fleet: Fleet) -> _Options:
-        pairs: dict[str, tuple[Worker | None, Worker]] = {
-            pair_name(p.name, d.name): (p, d) for p in fleet.prefill for d in fleet.decode
-        }
-        for worker in fleet.colocated:
-            pairs[worker.name] = (None, worker)
-        if not fleet.prefill:
-            for worker in fleet.decode:
-                pairs[worker.name] = (None, worker)
-        rows = {w.name: i for i, w in enumerate(fleet.workers)}
-        return cls(
-            list(pairs),
-            list(pairs.values()),
-            fleet.workers,
-            tuple(w.name for w in fleet.workers),
-            rows,
-            {(p.name, d.name): i for i, (p, d) in enumerate(pairs.values()) if p is not None},
-            np.array([rows[(p if p is not None else d).name] for p, d in pairs.values()], dtype=np.intp),
-            np.array([rows[d.name] for _, d in pairs.values()], dtype=np.intp),
-        )
-
-
-def policy_from_config(cfg: DisaggregationConfig, model: ModelSpec) -> LocalVsRemotePolicy:
-    """The local-vs-remote policy the ``disaggregation`` section describes, pricing
-    ``model`` (:func:`kvpilot.routing.config.prior_model`).
-
-    Raises :class:`ConfigError` naming the field for an unknown preset.
-    """
-    try:
-        return LocalVsRemotePolicy(
-            model,
-            kv_format_preset(cfg.kv_format),
-            hardware_preset(cfg.p_hardware),
-            hardware_preset(cfg.d_hardware),
-            link_preset(cfg.link_preset),
-            cfg,
-        )
-    except SpecError as exc:
-        raise ConfigError("disaggregation", str(exc)) from None
-
-
-def _effective_cost(config: RouterConfig, fleet: Fleet) -> CostConfig:
-    """The ``cost`` section as it applies to ``fleet``: ``session_stays_unless_sooner`` off
-    where decode workers never prefill (its docstring), and a tier with a restore link
-    credited by what its restore saves (``host_restore_link``, ``disk_restore_link``)."""
-    cost = config.cost
-    never_local = bool(fleet.prefill) and config.disaggregation.max_local_tokens == 0
-    if never_local and cost.session_stays_unless_sooner:
-        cost = msgspec.structs.replace(cost, session_stays_unless_sooner=False)
-    links = {"host_cache_hit_weight": cost.host_restore_link, "disk_cache_hit_weight": cost.disk_restore_link}
-    if any(links.values()):
-        model, cfg = prior_model(config), config.disaggregation
-        try:
-            fmt, hw = kv_format_preset(cfg.kv_format), hardware_preset(cfg.d_hardware)
-        except SpecError as exc:
-            raise ConfigError("disaggregation", str(exc)) from None
-        credits = {
-            weight: host_block_credit(model, fmt, hw, link_preset(link), config.index.block_size)
-            for weight, link in links.items()
-            if link
-        }
-        cost = msgspec.structs.replace(cost, **credits)
-    return cost
+__all__ = ["Kind", "NoHealthyWorker", "Route", "Router", "policy_from_config"]
 
 
 class Router:
@@ -286,10 +121,10 @@ class Router:
             raise ValueError("cost.objective predicted_ttft needs the measured rates")
         self._forced = config.sessions.force_option.option
         self.cost = CostModel(
-            _effective_cost(config, fleet), rng if rng is not None else random.Random(config.cost.router_seed)
+            effective_cost(config, fleet), rng if rng is not None else random.Random(config.cost.router_seed)
         )
         self._tiers = config.index.tiers
-        self._options = _Options.of(fleet)
+        self._options = CandidateRows.of(fleet)
         self.residency = Residency(config.sessions.resident_s)
         """The sessions living on each decode worker (a session's first step is charged for them)."""
         self._hold_s: dict[WorkerId, float] = {}
@@ -309,8 +144,8 @@ class Router:
         if fleet.prefill and self.policy is None:
             raise ValueError("a fleet with prefill workers needs a local-vs-remote policy")
         self.fleet = fleet
-        self._options = _Options.of(fleet)
-        self.cost.cfg = _effective_cost(self.config, fleet)
+        self._options = CandidateRows.of(fleet)
+        self.cost.cfg = effective_cost(self.config, fleet)
 
     def route(
         self,
@@ -370,7 +205,23 @@ class Router:
         option: Option | None = None
         prices: tuple[OptionPrice, ...] = ()
         if p is not None and state is not None and state.last_worker is not None:
-            prices = self._price_session_step(len(token_ids), p, d, overlaps, load, state, reused_tokens, now, barred)
+            assert self.pricer is not None
+            prices = price_session_step(
+                self.pricer,
+                self.rates,
+                load,
+                p,
+                d,
+                len(token_ids),
+                overlaps,
+                state=state,
+                reused_tokens=reused_tokens,
+                now=now,
+                barred=barred,
+                prefill_workers=self.fleet.prefill,
+                fleet_workers=opts.rows,
+                kv_usage=self.kv_usage(d, load.booked[d.name].active_decode_blocks),
+            )
             chosen = choose(prices, self._forced)
             option = chosen.option
             p = None if option is Option.LOCAL else self.fleet.by_name(WorkerId(chosen.prefill_worker or ""))
@@ -379,8 +230,11 @@ class Router:
             p, kind = None, Kind.LOCAL_PREFILL
         elif p is not None:
             assert self.policy is not None
-            prompt, decode = self._policy_inputs(len(token_ids), p, d, overlaps, load)
-            local_remote = self.policy.decide(prompt, decode, self._measured(p, d, len(token_ids), overlaps, load))
+            usage = self.kv_usage(d, load.booked[d.name].active_decode_blocks)
+            prompt, decode = policy_inputs(load, p, d, len(token_ids), overlaps, usage)
+            local_remote = self.policy.decide(
+                prompt, decode, measured_times(self.rates, load, p, d, len(token_ids), overlaps)
+            )
             kind = Kind.REMOTE_PREFILL if local_remote.where is Where.REMOTE else Kind.LOCAL_PREFILL
             if kind is Kind.LOCAL_PREFILL:
                 p = None
@@ -423,97 +277,6 @@ class Router:
         self.sessions.get(session).advance(token_ids, lora_name=lora_name, cache_salt=cache_salt)
         if now is not None:
             self._settle(session, route.prefill, route.decode, route.prompt_blocks, now)
-
-    def _price_session_step(
-        self,
-        prompt_tokens: int,
-        p: Worker,
-        d: Worker,
-        overlaps: Mapping[WorkerId, TierOverlap],
-        load: FleetLoad,
-        state: SessionState,
-        reused_tokens: int,
-        now: float | None,
-        barred: Set[WorkerId],
-    ) -> tuple[OptionPrice, ...]:
-        """The five options for a session's later step, with (P, D) the cost model's pair
-        (a worker in ``barred`` is not available for any).
-
-        D's offer covers the prompt as far as the index says its holder caches it, or
-        at least the ``reused_tokens`` it shares with the last prompt (whose KV the
-        holder kept), within the blocks offered."""
-        assert self.pricer is not None
-        bs = self.index.block_size
-
-        def site(worker: Worker) -> PrefillSite:
-            cached = min(prompt_tokens, overlaps[worker.name].gpu * bs)
-            queued = load.booked[worker.name].active_prefill_blocks * bs
-            return PrefillSite(worker.name, cached, queued, worker.name not in barred)
-
-        chosen_p = site(p)
-        last_p = next((w for w in self.fleet.prefill if w.name == state.last_prefill), None)  # None: it left
-        offer_tokens = time_left = None
-        offer = state.offer
-        if offer is not None and offer.holder not in barred and offer.holder in self._options.rows:
-            held = max(overlaps[offer.holder].gpu * bs, reused_tokens // bs * bs)
-            offer_tokens = min(prompt_tokens, held, offer.blocks * bs)
-            if offer.expires_at is not None and now is not None:
-                time_left = offer.expires_at - now
-        prompt, decode = self._policy_inputs(prompt_tokens, p, d, overlaps, load)
-        step = SessionStep(
-            prompt_tokens=prompt_tokens,
-            p=chosen_p if chosen_p.available else None,
-            d_name=d.name,
-            d_cached_tokens=prompt.d_cached_tokens,
-            decode=decode,
-            last_p=site(last_p) if last_p is not None else None,
-            last_d_chosen=d.name == state.last_worker,
-            offer_tokens=offer_tokens,
-            offer_time_left_s=time_left,
-            offer_margin_s=LEASE_MARGIN_S,
-            shared_tokens=min(prompt_tokens, overlaps[p.name].shared * bs),
-            measured=self._measured(p, d, prompt_tokens, overlaps, load),
-        )
-        priced = self.pricer.price(step)
-        rates = self.rates
-        prices = (
-            priced
-            if rates is None
-            else tuple(option_price(rates, price, option_path(load, price, prompt_tokens, d.name)) for price in priced)
-        )
-        local = next(price for price in prices if price.option is Option.LOCAL)
-        others = [price.seconds for price in prices if price.available]
-        if local.available or not others:
-            return prices
-        despite = self.pricer.local_despite_stall(step, min(others))  # measured, with the stall priced in
-        return prices if despite is None else tuple(despite if p is local else p for p in prices)
-
-    def _measured(
-        self, p: Worker, d: Worker, prompt_tokens: int, overlaps: Mapping[WorkerId, TierOverlap], load: FleetLoad
-    ) -> MeasuredTimes | None:
-        """Both paths' predicted TTFTs on the measured rates (:func:`path_times`): D prefilling,
-        and P prefilling for D; ``None`` while the rates are off."""
-        if self.rates is None:
-            return None
-        local = self._cache_path(load, d, d, prompt_tokens, overlaps)
-        return path_times(self.rates, local, self._cache_path(load, p, d, prompt_tokens, overlaps))
-
-    def _cache_path(
-        self,
-        load: FleetLoad,
-        prefiller: Worker,
-        d: Worker,
-        prompt_tokens: int,
-        overlaps: Mapping[WorkerId, TierOverlap],
-    ) -> PathInputs:
-        """``prefiller`` prefilling for ``d`` beyond its GPU prefix (:meth:`FleetLoad.cache_path`)."""
-        return load.cache_path(
-            prefiller.name,
-            d.name,
-            prompt_tokens,
-            prefiller_blocks=overlaps[prefiller.name].gpu,
-            d_blocks=overlaps[d.name].gpu,
-        )
 
     def _settle(self, session: SessionId, p: Worker | None, d: Worker, blocks: int, now: float) -> None:
         """``session`` (its latest prompt ``blocks`` long) lives on ``d`` and, prefilled
@@ -620,8 +383,9 @@ class Router:
         prompt_tokens: int,
         now: float | None,
     ) -> CandidateTable:
-        """The ``kept`` options (rows of :class:`_Options`) as cost columns: per worker,
-        arrays filled from the sparse overlaps, loads and living sessions, then gathered
+        """The ``kept`` options (rows of
+        :class:`~kvpilot.routing.decide.candidate_rows.CandidateRows`) as cost columns: per
+        worker, arrays filled from the sparse overlaps, loads and living sessions, then gathered
         per option (a pair: P's overlap and active prefill blocks, D's decode load and, unless
         this is a session's later step, the sessions living on D and on P; its session credit
         if D served the session last, its ``pair_penalty``)."""
@@ -686,7 +450,7 @@ class Router:
         what D lacks (a pair), D's first step beside its running streams."""
         assert self.rates is not None
         prefiller = p if p is not None else d
-        return predict_path(self.rates, self._cache_path(load, prefiller, d, prompt_tokens, overlaps)).seconds
+        return predict_path(self.rates, cache_path(load, prefiller, d, prompt_tokens, overlaps)).seconds
 
     def engine_polled(self, worker: WorkerId) -> None:
         """``worker``'s gauges were just read (``engine_load``'s newest sample): remember how
@@ -710,25 +474,6 @@ class Router:
         if reported is None:
             return 0
         return max(0, int(reported.running) - self._routed_at_poll.get(d, 0))
-
-    def _policy_inputs(
-        self,
-        prompt_tokens: int,
-        p: Worker,
-        d: Worker,
-        overlaps: Mapping[WorkerId, TierOverlap],
-        load: FleetLoad,
-    ) -> tuple[PromptState, DecodeState]:
-        """The roofline policy's view of P and D, read from the same :class:`FleetLoad` as the measured prices."""
-        bs = self.index.block_size
-        prompt = PromptState(
-            prompt_tokens=prompt_tokens,
-            d_cached_tokens=min(prompt_tokens, overlaps[d.name].gpu * bs),
-            p_cached_tokens=min(prompt_tokens, overlaps[p.name].gpu * bs),
-            p_queued_tokens=load.booked[p.name].active_prefill_blocks * bs,
-        )
-        usage = self.kv_usage(d, load.booked[d.name].active_decode_blocks)
-        return prompt, DecodeState(kv_usage=usage, running_streams=load.streams(d.name))
 
     def kv_usage(self, d: Worker, active_decode_blocks: int) -> float:
         """D's KV usage: its ``active_decode_blocks`` booked here over its ``kv_blocks``, or

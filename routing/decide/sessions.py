@@ -215,6 +215,18 @@ class SessionState:
             return 0
         return first_difference(self.chain.tokens, pack_tokens(prompt))
 
+    def preview(
+        self, prompt: Sequence[int], *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> tuple[PromptChain, int]:
+        """A chain naming ``prompt`` and the tokens it shares with the last prompt (:meth:`shared_prefix`),
+        without advancing: the shared blocks' keys are the session chain's, named once
+        (:meth:`~kvpilot.routing.index.chain.PromptChain.seeded`), so a step's preview costs
+        what its new tokens cost to name. The chain names what :meth:`advance` would make it name."""
+        shared = self.shared_prefix(prompt, lora_name=lora_name, cache_salt=cache_salt)
+        if self.chain is None or (lora_name, cache_salt) != (self._lora, self._salt):
+            return PromptChain(prompt, self.block_size, lora_name=lora_name, cache_salt=cache_salt), shared
+        return self.chain.seeded(prompt, shared), shared
+
     def extend(self, appended: Sequence[int]) -> Advance:
         """The caller vouches that the new prompt is the last one plus ``appended``.
 

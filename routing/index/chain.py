@@ -223,6 +223,16 @@ class PromptChain:
                 self._pos.update(zip(new, count(have)))
         return self._keys
 
+    def seeded(self, tokens: Tokens, shared_tokens: int) -> PromptChain:
+        """A fresh chain (not incremental) naming ``tokens``, which share their first
+        ``shared_tokens`` with this chain's tokens, in this chain's namespace: the keys this
+        chain already named for the shared full blocks are copied, not hashed again, so
+        naming it costs only the blocks past them. This chain is left as it was."""
+        fork = PromptChain(tokens, self.block_size)
+        fork.namespace = self.namespace
+        fork._keys = self._keys[: min(len(self._keys), shared_tokens // self.block_size)]
+        return fork
+
     def positions(self) -> Mapping[BlockKey, int]:
         """Key -> block position, for named blocks (built on first use, then kept)."""
         if self._pos is None:
