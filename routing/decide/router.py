@@ -180,9 +180,9 @@ class Router:
             reused_tokens = state.advance(token_ids, lora_name=lora_name, cache_salt=cache_salt).reused_tokens
             chain = state.chain
             assert chain is not None
+        elif state is not None:  # a dry run leaves the chain: a preview names only the new blocks
+            chain, reused_tokens = state.preview(token_ids, lora_name=lora_name, cache_salt=cache_salt)
         else:
-            if state is not None:  # a dry run leaves the chain: compare without advancing it
-                reused_tokens = state.shared_prefix(token_ids, lora_name=lora_name, cache_salt=cache_salt)
             chain = PromptChain(token_ids, self.index.block_size, lora_name=lora_name, cache_salt=cache_salt)
         match = self.index.match(chain)
         overlaps = self._overlaps(match)
