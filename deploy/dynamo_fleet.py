@@ -139,6 +139,10 @@ def up(spec: DynamoFleetSpec, timeout: float = 120.0, progress: Callable[[str], 
         else:
             wait_for_frontend(frontend.url, spec.served_model_name, timeout)
             progress(f"  the frontend routes over its {len(workers)} workers (no kvpilot router)")
+            if gateway is not None:  # Envoy in front with a fixed route: the gateway's hop alone
+                return _record(
+                    spec, started, gateway=start_gateway(gateway, spec.run_dir, time.monotonic() + timeout, progress)
+                )
     return _record(spec, started)
 
 

@@ -96,6 +96,10 @@ class DynamoFleetSpec:
     which relays every stream."""
     picker_port: int = 8070
     envoy_admin_port: int = 8071
+    envoy_in_front: bool = False
+    """Where Dynamo routes (not kvpilot): Envoy on ``gateway_port`` in front of the frontend
+    with a fixed route (no picker), the gateway's hop alone (a baseline beside kvpilot's
+    Envoy and picker)."""
     on_picker_failure: PickerFailure = PickerFailure.REFUSE
     """What Envoy answers when the picker fails (beside Dynamo's direct-mode frontend
     nothing else can route: :attr:`PickerFailure.REFUSE` only)."""
@@ -121,15 +125,21 @@ class DynamoFleetSpec:
 
     @property
     def gateway(self) -> GatewaySpec | None:
-        """Envoy in front, when kvpilot routes and ``gateway_port`` is set."""
-        if not (self.kvpilot_routes and self.gateway_port):
+        """Envoy in front, when ``gateway_port`` is set and kvpilot routes (asking its picker)
+        or :attr:`envoy_in_front` (a fixed route to the frontend)."""
+        if not self.gateway_port:
             return None
-        return GatewaySpec(self.gateway_port, self.envoy_admin_port, self.picker_port, self.on_picker_failure)
+        if self.kvpilot_routes:
+            return GatewaySpec(self.gateway_port, self.envoy_admin_port, self.picker_port, self.on_picker_failure)
+        if self.envoy_in_front:
+            fixed = f"{HOST}:{self.frontend_port}"
+            return GatewaySpec(self.gateway_port, self.envoy_admin_port, self.picker_port, fixed_upstream=fixed)
+        return None
 
     @property
     def client_url(self) -> str:
         """Where clients send requests: Envoy, the router (no Envoy), or the frontend
-        (Dynamo routes)."""
+        (Dynamo routes, no Envoy)."""
         if self.gateway is not None:
             return f"http://{HOST}:{self.gateway_port}"
         return f"http://{HOST}:{self.router_port}" if self.kvpilot_routes else self.frontend_url

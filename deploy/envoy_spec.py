@@ -73,6 +73,7 @@ ENVOY_CONFIG = "envoy.yaml"
 TYPES = "type.googleapis.com/envoy.extensions."
 """The prefix of every typed config's ``@type`` here."""
 PICKED_CLUSTER = "picked"
+FIXED_CLUSTER = "fixed"
 PICKER_CLUSTER = "kvpilot_picker"
 FALLBACK_CLUSTER = "fallback"
 
@@ -126,6 +127,11 @@ class GatewaySpec:
     drain_s: int = 600
     """On a hot restart (a SIGHUP to :mod:`kvpilot.deploy.envoy_restarter`), how long the Envoy being
     replaced keeps serving the streams it holds (the new one takes every new connection)."""
+    fixed_upstream: str | None = None
+    """``host:port`` every request goes to, with no picker asked (no ext_proc, Lua filter or
+    access log): Envoy as a plain proxy in front of a router of another's (Dynamo's frontend
+    with its KV router), to measure what the gateway's hop alone costs. ``None``: the picker
+    names each request's destination."""
     picker_token: str | None = field(default=None, repr=False)
     """The picker's token (the router's ``gateway.token_env``), sent as ``authorization:
     Bearer`` metadata on every call to it, ext_proc's and the access log's; ``None``: none.
@@ -286,7 +292,41 @@ def _routes(spec: GatewaySpec) -> list[dict[str, Any]]:
     return [picked, unpicked]
 
 
+def _fresh_connection_per_request() -> dict[str, Any]:
+    """An upstream cluster's HTTP/1.1 options with one request per connection: Dynamo 1.6.1's
+    frontend leaves Nagle on (dynamo#14643), so on a kept-alive connection its first token
+    waits for Envoy's delayed ACK (docs/benchmarks/dynamo-connections.md)."""
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": TYPES + "upstreams.http.v3.HttpProtocolOptions",
+            "common_http_protocol_options": {"max_requests_per_connection": 1},
+            "explicit_http_config": {"http_protocol_options": {}},
+        }
+    }
+
+
+def _fixed_route_manager() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The HTTP filters and routes of :attr:`GatewaySpec.fixed_upstream`: the router filter
+    alone, every request to the one upstream."""
+    routes = [{"match": {"prefix": "/"}, "route": {"cluster": FIXED_CLUSTER, "timeout": "0s"}}]
+    router = {"name": "envoy.filters.http.router", "typed_config": {"@type": TYPES + "filters.http.router.v3.Router"}}
+    return [router], routes
+
+
 def _clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
+    if spec.fixed_upstream is not None:
+        return [
+            {
+                "name": FIXED_CLUSTER,
+                **_discovery([spec.fixed_upstream]),
+                "connect_timeout": "1s",
+                "typed_extension_protocol_options": _fresh_connection_per_request(),
+                "load_assignment": {
+                    "cluster_name": FIXED_CLUSTER,
+                    "endpoints": [{"lb_endpoints": _endpoints([spec.fixed_upstream])}],
+                },
+            }
+        ]
     http2 = {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": TYPES + "upstreams.http.v3.HttpProtocolOptions",
@@ -300,16 +340,7 @@ def _clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
             "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": "1s",
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
-            # A fresh connection per request: Dynamo 1.6.1's frontend leaves Nagle on (dynamo#14643),
-            # so on a kept-alive connection its first token waits for Envoy's delayed ACK
-            # (docs/benchmarks/dynamo-connections.md).
-            "typed_extension_protocol_options": {
-                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    "@type": TYPES + "upstreams.http.v3.HttpProtocolOptions",
-                    "common_http_protocol_options": {"max_requests_per_connection": 1},
-                    "explicit_http_config": {"http_protocol_options": {}},
-                }
-            },
+            "typed_extension_protocol_options": _fresh_connection_per_request(),
         },
         {
             "name": PICKER_CLUSTER,
@@ -340,6 +371,22 @@ def _clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
 
 def envoy_bootstrap(spec: GatewaySpec) -> dict[str, Any]:
     """Envoy's bootstrap for ``spec`` (see the module doc), as a mapping to write as YAML."""
+    if spec.fixed_upstream is not None:
+        filters, routes = _fixed_route_manager()
+    else:
+        routes = _routes(spec)
+        filters = [
+            # answers: after ext_proc on the response path, which may hold a response's headers
+            _lua("kvpilot.withhold_from_answers", answers_lua()),
+            _ext_proc(spec),
+            # requests: after ext_proc, whose destination header tells a routed request
+            _lua("kvpilot.check_unrouted_requests", requests_lua()),
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": TYPES + "filters.http.router.v3.Router"},
+            },
+        ]
+    picked = spec.fixed_upstream is None
     manager = {
         "@type": TYPES + "filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "gateway",
@@ -362,21 +409,11 @@ def envoy_bootstrap(spec: GatewaySpec) -> dict[str, Any]:
         "request_timeout": "0s",
         "route_config": {
             "name": "picked",
-            "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": _routes(spec)}],
+            "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}],
         },
-        "http_filters": [
-            # answers: after ext_proc on the response path, which may hold a response's headers
-            _lua("kvpilot.withhold_from_answers", answers_lua()),
-            _ext_proc(spec),
-            # requests: after ext_proc, whose destination header tells a routed request
-            _lua("kvpilot.check_unrouted_requests", requests_lua()),
-            {
-                "name": "envoy.filters.http.router",
-                "typed_config": {"@type": TYPES + "filters.http.router.v3.Router"},
-            },
-        ],
-        "access_log": [_access_log(spec)] if spec.style is ProcessorStyle.KVPILOT else [],
-        "local_reply_config": {"mappers": [_picker_unreachable()]},
+        "http_filters": filters,
+        "access_log": [_access_log(spec)] if picked and spec.style is ProcessorStyle.KVPILOT else [],
+        **({"local_reply_config": {"mappers": [_picker_unreachable()]}} if picked else {}),
     }
     listener = {
         "name": "gateway",

@@ -496,7 +496,8 @@ def start_gateway(
     except BaseException:
         stop_group(started[0].pid)
         raise
-    progress(f"  Envoy on {plan.url}: the router's picker decides, Envoy carries the streams")
+    what = "a fixed route to " + gateway.fixed_upstream if gateway.fixed_upstream else "the router's picker decides"
+    progress(f"  Envoy on {plan.url}: {what}, Envoy carries the streams")
     return started
 
 

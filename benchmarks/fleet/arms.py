@@ -6,6 +6,10 @@ mocker fleet (:class:`kvpilot.deploy.dynamo_spec.DynamoFleetSpec`, restarted per
 * ``dynamo_kv_tuned``: the same KV router with :data:`TUNED_FLAGS` (aggregated) or
   :data:`TUNED_DISAGG_FLAGS` (disaggregated), the documented options
   (``python -m dynamo.frontend --help``) that fit this workload.
+* ``dynamo_kv_envoy``: the tuned KV router behind the same Envoy as kvpilot's arm, with a
+  fixed route to the frontend (no picker, no filter but the router's; the same fresh upstream
+  connection per request): kvpilot's gateway hop carried by Dynamo's arm too, so the picker's
+  own share is the difference between the two.
 * ``kvpilot``: ``kvpilot fleet up --dynamo``'s fleet: Envoy in front of the frontend in
   direct mode, asking kvpilot's picker (ext_proc) for each request's instances; Envoy
   carries the stream, the frontend only forwards. Its handicap: one more hop (client ->
@@ -30,6 +34,7 @@ class ArmName(str, enum.Enum):
     DYNAMO_ROUND_ROBIN = "dynamo_round_robin"
     DYNAMO_KV = "dynamo_kv"
     DYNAMO_KV_TUNED = "dynamo_kv_tuned"
+    DYNAMO_KV_ENVOY = "dynamo_kv_envoy"
     KVPILOT = "kvpilot"
     KVPILOT_RELAY = "kvpilot_relay"
 
@@ -98,6 +103,8 @@ class Arm:
     """kvpilot's ``cost`` over its defaults (kvpilot's arms only)."""
     relay: bool = False
     """kvpilot's router relays the streams itself: no Envoy (``gateway_port`` 0)."""
+    envoy_in_front: bool = False
+    """Dynamo routes behind Envoy with a fixed route (:attr:`DynamoFleetSpec.envoy_in_front`)."""
 
     def spec(self, fleet: DynamoFleetSpec) -> DynamoFleetSpec:
         """``fleet`` (workers, ports, mocker options) with this arm's routing."""
@@ -107,6 +114,7 @@ class Arm:
             frontend_flags=self.frontend_flags,
             router_cost=self.router_cost,
             gateway_port=0 if self.relay else fleet.gateway_port,
+            envoy_in_front=self.envoy_in_front,
         )
 
 
@@ -130,6 +138,13 @@ def arms(
         Arm(ArmName.DYNAMO_ROUND_ROBIN, "Dynamo round robin", FrontendRouting.ROUND_ROBIN),
         Arm(ArmName.DYNAMO_KV, "Dynamo KV router (defaults)", FrontendRouting.KV),
         Arm(ArmName.DYNAMO_KV_TUNED, "Dynamo KV router (tuned)", FrontendRouting.KV, tuned_flags),
+        Arm(
+            ArmName.DYNAMO_KV_ENVOY,
+            "Envoy (fixed route) -> Dynamo KV router (tuned)",
+            FrontendRouting.KV,
+            tuned_flags,
+            envoy_in_front=True,
+        ),
         Arm(
             ArmName.KVPILOT,
             "Envoy + kvpilot picker -> Dynamo frontend (direct)",

@@ -120,3 +120,11 @@ def test_one_mocker_process_holds_every_aggregated_worker_each_with_its_own_even
     assert plan.side_ports == (28000, 28500, 28501, 28502) and plan.argv[-2:] == ("--x", "1")
     with pytest.raises(ValueError, match="aggregated workers only"):
         mocker_group_plan(_spec(prefill=1, decode=1))
+
+
+def test_envoy_in_front_of_dynamo_s_router_is_a_fixed_route_the_clients_reach() -> None:
+    """A baseline's gateway hop: Dynamo routes, Envoy forwards every request to its frontend."""
+    spec = _spec(workers=2, frontend_routing=FrontendRouting.KV, envoy_in_front=True, gateway_port=18080)
+    assert spec.gateway is not None and spec.gateway.fixed_upstream == f"127.0.0.1:{spec.frontend_port}"
+    assert spec.client_url == "http://127.0.0.1:18080"
+    assert _spec(workers=2, frontend_routing=FrontendRouting.KV).gateway is None  # Dynamo alone: no Envoy

