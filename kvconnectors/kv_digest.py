@@ -14,11 +14,13 @@ group, in the group's layer order, computed where the cache lives:
 * **a device cache** (GPU): a reduction written as a few elementwise tensor passes over
   all the read's blocks at once, run on the device (no Python loop per block)::
 
-    s_l = sum_i mix(w_i ^ key(l, i))  (mod 2**64)     over the 64-bit words w_i of layer l's block b
+    s_l = sum_i m(w_i ^ key(l, i))  (mod 2**64)     over the 64-bit words w_i of layer l's block b
     d   = mix(... mix(mix(s_0) ^ s_1) ... ^ s_{L-1})
 
-  where ``mix`` is the splitmix64 finaliser (a bijection of 64-bit words) and ``key(l, i)``
-  a distinct constant per layer and word position.
+  where ``m(z) = y ^ (y >> 32)`` with ``y = z * C`` (``C`` odd; both steps are bijections of
+  64-bit words, so ``m`` is one, in four elementwise passes), ``mix`` is the splitmix64
+  finaliser (a bijection, applied once per block and layer) and ``key(l, i)`` a distinct
+  constant per layer and word position.
 
 Both sides of a transfer have their caches on the same kind of device (the offer's
 contract holds the layout and dtype), so both compute the same kind of digest; the offer
@@ -28,7 +30,7 @@ Collision bound
 ---------------
 * Device reduction: a corruption confined to one 64-bit word of one layer of a block (a
   flipped bit, a torn 8-byte store) **always** changes the digest: it changes one summand of
-  ``s_l`` through a bijection, and every later step is a bijection of ``s_l``.
+  ``s_l`` through the bijection ``m``, and every later step is a bijection of ``s_l``.
 * Either digest: any difference is missed with probability 2**-64 per block compared, taking the
   mixed words as independent uniform values (the usual model for non-cryptographic hashes;
   it is not a proof). Blocks are compared pairwise (block ``i`` with the holder's block
@@ -43,7 +45,7 @@ contract already refuses a peer that differs) and digest the same tensors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -118,7 +120,8 @@ def _layer_sums(layer: torch.Tensor, index: torch.Tensor, layer_no: int) -> torc
     words = blocks.view(torch.uint8).view(torch.int64)
     positions = torch.arange(words.shape[1], dtype=torch.int64, device=words.device)
     keys = positions * _GOLDEN + _signed((layer_no + 1) * _M2)
-    return mix64(words ^ keys).sum(dim=1, dtype=torch.int64)
+    mixed = (words ^ keys) * _M1
+    return (mixed ^ _shr(mixed, 32)).sum(dim=1, dtype=torch.int64)
 
 
 DigestAlgo = Literal["xxh3_64", "mix64_sum"]
@@ -191,3 +194,53 @@ def mismatched(expected: bytes, actual: bytes) -> list[int]:
         for i in range(0, len(expected), DIGEST_BYTES)
         if expected[i : i + DIGEST_BYTES] != actual[i : i + DIGEST_BYTES]
     ]
+
+
+def _main() -> None:
+    """``python -m kvpilot.kvconnectors.kv_digest``: time the digest of a read's blocks
+    against copying the same blocks (what a read on one host costs at least), on CPU
+    tensors in vLLM's CPU layout, and print one line per digest."""
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(description=_main.__doc__)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--blocks", type=int, default=256, help="blocks in one read")
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    total = 2 * args.blocks
+    shape = (total, args.kv_heads, args.block_size, 2 * args.head_size)
+    caches = {f"l{i}": torch.randn(shape).to(torch.bfloat16) for i in range(args.layers)}
+    group = GroupKV.of(caches, list(caches), total)
+    ids = list(range(args.blocks))
+    src_index, dest_index = torch.arange(args.blocks), torch.arange(args.blocks, total)
+    block_bytes = args.layers * caches["l0"][0].numel() * 2
+
+    def best(run: Callable[[], object]) -> float:
+        run()
+        times = []
+        for _ in range(args.repeat):
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    def copy() -> None:
+        for cache in caches.values():
+            cache.index_copy_(0, dest_index, cache.index_select(0, src_index))
+
+    copied = best(copy)
+    print(f"{args.blocks} blocks of {block_bytes} bytes ({args.layers} layers): copy {copied * 1e3:.2f} ms")
+    for algo in ("xxh3_64", "mix64_sum"):
+        spent = best(lambda algo=algo: digest_blocks(group, ids, algo))  # type: ignore[misc]
+        print(
+            f"  {algo}: {spent * 1e3:.2f} ms, {spent / args.blocks * 1e6:.1f} us per block, "
+            f"{args.blocks * block_bytes / spent / 1e9:.2f} GB/s, {spent / copied:.2f} x the copy"
+        )
+
+
+if __name__ == "__main__":
+    _main()
