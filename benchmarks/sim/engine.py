@@ -4,6 +4,10 @@ worker (AISimulate 0.13.0's vLLM core, read from its source: ``engine/common/per
 the files named below). Pure: no clock, no I/O;
 the caller passes the time in and gets the time a pass ends.
 
+This module's :class:`SimEngine` schedules the passes; the spec and timing model are
+:mod:`benchmarks.sim.spec`'s, the request and pass records :mod:`benchmarks.sim.request`'s,
+the host pool :mod:`benchmarks.sim.host_tier`'s (all imported here too).
+
 - **Timing** (the polynomial model, ms, divided by ``speedup_ratio``): a pass lasts
   ``prefill(T) + decode(p)``. ``prefill(T) = 4.209989e-07 T^2 + 1.518344e-02 T + 16.50142``
   (0 without prompt tokens), ``T = n * (floor(sum(isl) / n) - floor(sum(prefix) / n))`` over the
@@ -70,298 +74,42 @@ the caller passes the time in and gets the time a pass ends.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import OrderedDict, deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-STORE, LOAD = 0, 1
-"""Host transfer kinds (D2H, H2D), in the order same-time completions apply."""
-MISS, PENDING, HIT = range(3)
-"""What the host tier holds of a block: nothing, a store not completed, the block."""
-PREFILL_MS = (4.209989e-07, 1.518344e-02, 1.650142e01)
-"""The polynomial prefill model's coefficients (T^2, T, 1), milliseconds."""
-DECODE_MS = (-25.74, 54.01, 5.74)
-"""The polynomial decode model's coefficients (p^2, p, 1), milliseconds, floored at 1 ms."""
+from benchmarks.sim.host_tier import HIT, LOAD, MISS, PENDING, STORE, HostTier
+from benchmarks.sim.request import GeneratedBlock, HostLoad, PassResult, SimRequest, Stored
+from benchmarks.sim.spec import (
+    DECODE_MS,
+    PREFILL_MS,
+    EngineSpec,
+    decode_ms,
+    prefill_ms,
+    recompute_ms_per_block,
+    restore_ms_per_block,
+)
 
-
-@dataclass(frozen=True, slots=True)
-class EngineSpec:
-    """Dynamo 1.6.1 mocker defaults for the vLLM backend."""
-
-    block_size: int = 64
-    num_gpu_blocks: int = 16384
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    speedup_ratio: float = 1.0
-    cache_generated_blocks: bool = False
-    """Keep a finished request's full generated blocks cached, as the mocker does (they
-    compete for eviction with prompt blocks); off: they are freed at once, as before. Only a
-    cache that evicts tells the two apart (module doc)."""
-    num_host_blocks: int = 0
-    """The mocker's ``native_host_offload.num_host_blocks`` (0: no host tier, as by default)."""
-    kv_bytes_per_token: int = 0
-    """The mocker's ``kv_cache_bytes_per_token``: a host block moves ``block_size`` times this."""
-    h2d_gb_s: float = 32.0
-    """``native_host_offload.h2d_bandwidth_gbps`` (the mocker's default), decimal GB/s."""
-    d2h_gb_s: float = 32.0
-    """``native_host_offload.d2h_bandwidth_gbps`` (the mocker's default), decimal GB/s."""
-
-    def __post_init__(self) -> None:
-        if self.num_host_blocks and self.kv_bytes_per_token <= 0:
-            raise ValueError("a host tier needs kv_bytes_per_token (the bytes a block moves)")
-        if self.h2d_gb_s < 0 or self.d2h_gb_s < 0:
-            raise ValueError("host bandwidths must not be negative")
-
-    def host_engine_args(self) -> dict[str, object]:
-        """The mocker's engine arguments for this host tier (none without one)."""
-        if not self.num_host_blocks:
-            return {}
-        return {
-            "kv_cache_bytes_per_token": self.kv_bytes_per_token,
-            "native_host_offload": {
-                "num_host_blocks": self.num_host_blocks,
-                "h2d_bandwidth_gbps": self.h2d_gb_s,
-                "d2h_bandwidth_gbps": self.d2h_gb_s,
-            },
-        }
-
-
-def restore_ms_per_block(spec: EngineSpec) -> float:
-    """The H2D time of one block of ``spec``'s host tier (its first-byte latency 0, as the mocker's)."""
-    return spec.block_size * spec.kv_bytes_per_token / (spec.h2d_gb_s * 1e6) if spec.h2d_gb_s else 0.0
-
-
-def recompute_ms_per_block(spec: EngineSpec) -> float:
-    """One more block's share of a prefill: the polynomial's linear term (its fixed cost is
-    paid by any prefill, its quadratic term is small at a block)."""
-    return PREFILL_MS[1] * spec.block_size / spec.speedup_ratio
-
-
-def prefill_ms(tokens: int) -> float:
-    if tokens <= 0:
-        return 0.0
-    a, b, c = PREFILL_MS
-    return max(0.0, a * tokens * tokens + b * tokens + c)
-
-
-def decode_ms(utilization: float) -> float:
-    a, b, c = DECODE_MS
-    p = min(1.0, utilization)
-    return max(1.0, a * p * p + b * p + c)
-
-
-@dataclass(slots=True)
-class SimRequest:
-    """A request as the engine sees it: ``blocks`` names its full prompt blocks (each key
-    names its whole prefix), ``arrival_ms`` when the client sent it."""
-
-    rid: int
-    prompt_len: int
-    output_len: int
-    blocks: Sequence[object]
-    arrival_ms: float
-    hash_ids: Sequence[int] = ()
-    """The trace's hash ids of its prompt (a router that names tokens synthesizes them)."""
-    session: str | None = None
-    """The trace's ``session_id`` (a router that knows sessions is told it)."""
-    transferred: bool = False
-    """Its prompt's KV was computed elsewhere and moved here: admitted computed (module doc)."""
-    computed: int = 0
-    generated: int = 0
-    reused_tokens: int = 0
-    held: list[object] = field(default_factory=list)
-    """The cached blocks this request pins (in order)."""
-    private_blocks: int = 0
-    """Blocks it holds that no other request can reuse (its partial and generated blocks)."""
-    first_token_ms: float | None = None
-    token_ms: list[float] = field(default_factory=list)
-    host_reused_tokens: int = 0
-    """Of ``reused_tokens``, those restored from the host tier (the rest were on the GPU)."""
-    next_store_block: int = 0
-    """The host tier's write-through cursor: its prompt blocks before this were offered."""
-    load: HostLoad | None = None
-    """Its restore from the host tier, while it loads and until it is admitted."""
-
-    @property
-    def seq_len(self) -> int:
-        return self.prompt_len + self.generated
-
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < self.prompt_len
-
-
-@dataclass(slots=True)
-class HostLoad:
-    """A request's restore from the host tier: its GPU hit when it looked, the host blocks
-    it restores after it, and when that H2D ends (``None`` once activated)."""
-
-    g1_blocks: int
-    blocks: list[object]
-    deadline_ms: float | None
-    transfer: int
-
-
-@dataclass(frozen=True, slots=True)
-class GeneratedBlock:
-    """A full block of a finished request's generated tokens, cached under a name no prompt
-    has (its evictions are not reported: no router was told of it)."""
-
-    rid: int
-    index: int
-
-
-Stored = tuple[SimRequest, int]
-"""A block that became cached: the request that computed it and the block's index in its prompt."""
-
-
-@dataclass(slots=True)
-class PassResult:
-    """What a pass did: when it ends, the blocks it stored and evicted (its KV events), who
-    emits a token."""
-
-    end_ms: float
-    stored: list[Stored]
-    evicted: list[object]
-    emitting: list[SimRequest]
-    host_stored: list[Stored] = field(default_factory=list)
-    """Blocks whose copy to the host tier completed since the last pass ended, up to this
-    one's end (its host-tier events; set by :meth:`SimEngine.finish_pass`)."""
-    host_evicted: list[object] = field(default_factory=list)
-    """Blocks the host tier evicted in the same span."""
-
-
-class HostTier:
-    """One worker's private host pool, as AISimulate 0.13.0's ``HostTier`` with FIFO lanes
-    (module doc): entries pending a store or resident, an LRU over resident blocks no load
-    pins, a D2H and an H2D lane, transfers completed in deadline order (stores first)."""
-
-    def __init__(self, capacity: int, block_bytes: int, d2h_gb_s: float, h2d_gb_s: float) -> None:
-        self.capacity = capacity
-        self.evicted: list[object] = []
-        """Resident blocks evicted since the engine last took them (its host-tier events)."""
-        self.pending: dict[object, int] = {}
-        """Blocks whose store has not completed: the store's transfer id."""
-        self.resident: set[object] = set()
-        self.pins: dict[object, int] = {}
-        self.lru: OrderedDict[object, None] = OrderedDict()
-        """Resident, unpinned blocks, least recent first."""
-        self.block_bytes = block_bytes
-        self.rate = {STORE: d2h_gb_s * 1e6, LOAD: h2d_gb_s * 1e6}  # bytes per ms
-        self.tail = {STORE: 0.0, LOAD: 0.0}
-        self.transfers: dict[int, tuple[int, list[object], SimRequest | None, float | None]] = {}
-        """Transfer id -> kind, blocks, the loading request, deadline (None until submitted)."""
-        self.deadlines: list[tuple[float, int, int]] = []  # (at, kind, id), a heap
-        self.prepared: list[int] = []
-        self.loading: dict[object, int] = {}
-        self.next_id = 0
-
-    def lookup(self, key: object) -> int:
-        """``MISS``, ``PENDING`` (its store not completed) or ``HIT``."""
-        if key in self.resident:
-            return HIT
-        return PENDING if key in self.pending else MISS
-
-    def touch(self, key: object) -> None:
-        if key in self.resident and not self.pins.get(key):
-            self.lru.pop(key, None)
-            self.lru[key] = None
-
-    def touch_cohort(self, keys: list[object]) -> None:
-        """One recency epoch for ``keys``, the block's name breaking ties (as its hash does)."""
-        for key in sorted(keys, key=hash):
-            self.lru.pop(key, None)
-            self.lru[key] = None
-
-    def prepare_store(self, keys: Sequence[object]) -> int | None:
-        """Admit the missing ones of ``keys`` (one cohort), evicting LRU victims outside it:
-        the store's id, ``-1`` if none is missing, ``None`` if they do not fit (retried)."""
-        protected = set(keys)
-        missing = [key for key in dict.fromkeys(keys) if key not in self.resident and key not in self.pending]
-        if not missing:
-            return -1
-        needed = len(missing) - (self.capacity - len(self.resident) - len(self.pending))
-        victims = []
-        if needed > 0:
-            for key in self.lru:
-                if key not in protected:
-                    victims.append(key)
-                    if len(victims) == needed:
-                        break
-            if len(victims) < needed:
-                return None
-        for key in victims:
-            self.resident.discard(key)
-            del self.lru[key]
-        self.evicted.extend(victims)
-        transfer = self._new(STORE, missing, None)
-        for key in missing:
-            self.pending[key] = transfer
-        self.prepared.append(transfer)
-        return transfer
-
-    def _new(self, kind: int, blocks: list[object], request: SimRequest | None) -> int:
-        transfer = self.next_id
-        self.next_id += 1
-        self.transfers[transfer] = (kind, blocks, request, None)
-        return transfer
-
-    def _submit(self, transfer: int, not_before_ms: float) -> float:
-        kind, blocks, request, _ = self.transfers[transfer]
-        rate = self.rate[kind]
-        duration = len(blocks) * self.block_bytes / rate if rate > 0 else 0.0
-        at = self.tail[kind] = max(self.tail[kind], not_before_ms) + duration
-        self.transfers[transfer] = (kind, blocks, request, at)
-        heapq.heappush(self.deadlines, (at, kind, transfer))
-        return at
-
-    def submit_prepared(self, now_ms: float) -> None:
-        for transfer in self.prepared:
-            self._submit(transfer, now_ms)
-        self.prepared = []
-
-    def deadline(self, transfer: int) -> float | None:
-        entry = self.transfers.get(transfer)
-        return entry[3] if entry is not None else None
-
-    def schedule_load(self, request: SimRequest, keys: list[object], now_ms: float, not_before_ms: float) -> int:
-        for key in keys:
-            self.lru.pop(key, None)
-            self.pins[key] = self.pins.get(key, 0) + 1
-        transfer = self._new(LOAD, keys, request)
-        for key in keys:
-            self.loading[key] = transfer
-        self._submit(transfer, max(now_ms, not_before_ms))
-        return transfer
-
-    def due(self, now_ms: float) -> list[tuple[int, int, list[object], SimRequest | None]]:
-        """Complete every transfer due by ``now_ms`` (at one time, stores before loads, then
-        by id): stored blocks become resident, loads unpin theirs."""
-        done = []
-        while self.deadlines and self.deadlines[0][0] <= now_ms:
-            _, kind, transfer = heapq.heappop(self.deadlines)
-            _, blocks, request, _ = self.transfers.pop(transfer)
-            if kind == STORE:
-                for key in blocks:
-                    del self.pending[key]
-                    self.resident.add(key)
-                self.touch_cohort(blocks)
-            else:
-                unpinned = []
-                for key in blocks:
-                    del self.loading[key]
-                    self.pins[key] -= 1
-                    if not self.pins[key]:
-                        del self.pins[key]
-                        unpinned.append(key)
-                self.touch_cohort(unpinned)
-            done.append((kind, transfer, blocks, request))
-        return done
-
-    def next_deadline(self) -> float | None:
-        return self.deadlines[0][0] if self.deadlines else None
+__all__ = [
+    "DECODE_MS",
+    "HIT",
+    "LOAD",
+    "MISS",
+    "PENDING",
+    "PREFILL_MS",
+    "STORE",
+    "EngineSpec",
+    "GeneratedBlock",
+    "HostLoad",
+    "HostTier",
+    "PassResult",
+    "SimEngine",
+    "SimRequest",
+    "Stored",
+    "decode_ms",
+    "prefill_ms",
+    "recompute_ms_per_block",
+    "restore_ms_per_block",
+]
 
 
 class SimEngine:
