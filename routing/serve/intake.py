@@ -132,11 +132,15 @@ class RequestIntake:
             truncation = truncation_of(
                 body, api, max_model_len=limits.max_model_len, max_chars_per_token=limits.max_chars_per_token
             )
-            token_ids = self.prompts.token_ids(
-                api, body, truncation=truncation, before_encoding=lambda text: self._check_chars(text, body)
-            )
             key = session_key(body, headers)
             session = None if key is None else scoped(key, body.get("cache_salt"))
+            token_ids = self.prompts.token_ids(  # a session's step tokenized from its last prompt on
+                api,
+                body,
+                truncation=truncation,
+                before_encoding=lambda text: self._check_chars(text, body),
+                session=session,
+            )
         except (PromptError, ChatError, InvalidSessionKey) as exc:
             raise BadRequest(str(exc)) from None
         if not token_ids:
