@@ -33,38 +33,57 @@ With ``--prefill-workers`` the fleet is disaggregated (``--workers`` decode work
 that many prefill workers, :mod:`benchmarks.sim.fleet`), on both sides: every request is prefilled on
 P, its KV handed to D (instant unless ``--kv-transfer-gb-s`` and ``--kv-bytes-per-token``
 are given, as in Dynamo's replay), and a request's floor adds the handoff and D's first step.
+
+The SLOs' floors are :mod:`benchmarks.sim.slo`'s, the arms :mod:`benchmarks.sim.arms`'s, the
+brackets and ratios :mod:`benchmarks.sim.brackets`'s, the table and figure
+:mod:`benchmarks.sim.goodput_table`'s (all imported here too); this module sweeps and bisects.
 """
 
 from __future__ import annotations
 
 import argparse
-import enum
 import json
 import math
 import statistics
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks.agent.trace import AgentShape, agent_trace, to_jsonl
-from benchmarks.fleet.goodput import ATTAINMENT, ITL_SLO_X, TTFT_SLO_X, GoodputBounds, SweepPoint, at_least, bounds
-from benchmarks.fleet.trace import TRACE_BLOCK_TOKENS, PromptShape, TraceRequest, load_trace
+from benchmarks.fleet.goodput import ATTAINMENT, ITL_SLO_X, TTFT_SLO_X
+from benchmarks.fleet.trace import TraceRequest, load_trace
 from benchmarks.provenance import describe, provenance, recorded_argv
-from benchmarks.sim.compare import DYNAMO_WEIGHTS, RouterMode, replay_rows
-from benchmarks.sim.engine import (
-    EngineSpec,
-    SimRequest,
-    decode_ms,
-    prefill_ms,
-    recompute_ms_per_block,
-    restore_ms_per_block,
-)
-from benchmarks.sim.fleet import DEFAULT_SPEC, KvTransfer, Pools, percentile, simulate
-from benchmarks.sim.kvpilot import KvpilotPlacement
-from kvpilot.policies.tier_credit import restore_credit
+from benchmarks.sim.arms import UNTIERED, Arm, Point, Served, Tiers, dynamo_arm, host_credit, simulated_arm, turns
+from benchmarks.sim.brackets import arm_bounds, best_dynamo_arm, ratios
+from benchmarks.sim.compare import DYNAMO_WEIGHTS
+from benchmarks.sim.fleet import DEFAULT_SPEC, KvTransfer, Pools, percentile
+from benchmarks.sim.goodput_table import plot, table
+from benchmarks.sim.slo import Floor, arrival_order, attainment, floor, request_times
+
+__all__ = [
+    "UNTIERED",
+    "Arm",
+    "Floor",
+    "Point",
+    "Served",
+    "Tiers",
+    "arm_bounds",
+    "arrival_order",
+    "attainment",
+    "best_dynamo_arm",
+    "dynamo_arm",
+    "floor",
+    "host_credit",
+    "plot",
+    "ratios",
+    "request_times",
+    "simulated_arm",
+    "table",
+    "turns",
+]
 
 SPEEDUPS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 SESSIONS_PER_WORKER = (0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
@@ -93,221 +112,6 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 """kvpilot's cost with one session term off: a first step priced without the sessions living
 on each worker; a later step left to Dynamo's cost and the affinity credit."""
-
-
-UNTIERED = "kvpilot_without_tiers"
-"""The arm of kvpilot on workers without host tiers, which a tiered run's kvpilot is also held against."""
-
-
-class Tiers(str, enum.Enum):
-    """What a simulated kvpilot arm makes of a fleet with host tiers (``--host-blocks``)."""
-
-    HEARD = "heard"
-    """The workers keep their host tiers and the router hears their events (as from vLLM's
-    offloading connector or Dynamo's KVBM), crediting a host block by what its restore saves."""
-    BLIND = "blind"
-    """The workers keep their host tiers; the router hears GPU events only (as from 1.6.1's
-    mocker, which Dynamo's replay arms run): what hearing the tier is worth."""
-    NONE = "none"
-    """The workers have no host tier: kvpilot as it was."""
-
-
-@dataclass(frozen=True, slots=True)
-class Floor:
-    """Per request (in trace order): the TTFT and ITL it would have alone on an idle worker."""
-
-    ttft_ms: list[float]
-    itl_ms: list[float]
-
-
-def floor(
-    trace: Sequence[TraceRequest],
-    spec: EngineSpec = DEFAULT_SPEC,
-    handoff: KvTransfer | None = None,
-    tokens_per_hash: int = TRACE_BLOCK_TOKENS,
-) -> Floor:
-    """Each request's floor (module doc): reusable blocks are those of its hash-id prefix that
-    an earlier request of the trace already had, at most its last token's block. With a
-    ``handoff`` (a disaggregated fleet), plus its KV's move to D and D's first step.
-    ``tokens_per_hash``: the tokens each hash id stands for, every prompt scaled as the live
-    fleet benchmark scales it (:class:`benchmarks.fleet.trace.PromptShape`)."""
-    seen: set[tuple[int, ...]] = set()
-    ttft, itl = [], []
-    capacity = spec.num_gpu_blocks * spec.block_size
-    shape = PromptShape(tokens_per_hash, spec.block_size)
-    for entry in trace:
-        input_length = shape.input_tokens(entry)
-        reused_ids = 0
-        for k in range(len(entry.hash_ids)):
-            if entry.hash_ids[: k + 1] in seen:
-                reused_ids = k + 1
-            else:
-                break
-        for k in range(len(entry.hash_ids)):
-            seen.add(entry.hash_ids[: k + 1])
-        cap = (input_length - 1) // spec.block_size * spec.block_size
-        cached = min(cap, reused_ids * tokens_per_hash)
-        step_ms = decode_ms(input_length / capacity) / spec.speedup_ratio
-        alone_ms = prefill_ms(input_length - cached) / spec.speedup_ratio
-        if handoff is not None:
-            alone_ms += handoff.delay_ms(input_length) + step_ms
-        ttft.append(alone_ms)
-        itl.append(step_ms)
-    return Floor(ttft, itl)
-
-
-def attainment(ttft_ms: Sequence[float], itl_ms: Sequence[float | None], base: Floor) -> float:
-    """The share of requests meeting both SLOs (a request of one output token has no ITL to miss)."""
-    met = sum(
-        1
-        for t, i, ft, fi in zip(ttft_ms, itl_ms, base.ttft_ms, base.itl_ms, strict=True)
-        if t <= TTFT_SLO_X * ft and (i is None or i <= ITL_SLO_X * fi)
-    )
-    return met / len(ttft_ms)
-
-
-def arrival_order(trace: Sequence[TraceRequest], lengths: Sequence[int] | None = None) -> list[int]:
-    """The trace's indices by (arrival, prompt, output length): how both sides' requests are
-    paired with their floors (Dynamo's replay reports its requests under random ids).
-    ``lengths``: the prompts' lengths where they were scaled (else each ``input_length``)."""
-    prompt = [e.input_length for e in trace] if lengths is None else lengths
-    return sorted(range(len(trace)), key=lambda i: (trace[i].timestamp_ms, prompt[i], trace[i].output_length))
-
-
-def request_times(requests: Sequence[SimRequest]) -> tuple[list[float], list[float | None]]:
-    """Each simulated request's TTFT (ms; infinite if it never started) and mean ITL (ms;
-    ``None`` for one token), in the order given."""
-    ttft = [r.first_token_ms - r.arrival_ms if r.first_token_ms is not None else float("inf") for r in requests]
-    itl: list[float | None] = [
-        (r.token_ms[-1] - r.token_ms[0]) / (len(r.token_ms) - 1) if len(r.token_ms) > 1 else None for r in requests
-    ]
-    return ttft, itl
-
-
-@dataclass(frozen=True, slots=True)
-class Point:
-    """One offered rate: the trace both sides run (``path``: as Dynamo's replay reads it) and
-    the arrival compression both apply."""
-
-    label: str
-    load: float
-    """What sets the rate: sessions per worker (the agent) or the arrivals' compression."""
-    trace: list[TraceRequest]
-    path: Path
-    speedup: float
-
-    @property
-    def rate_rps(self) -> float:
-        span_s = (self.trace[-1].timestamp_ms - self.trace[0].timestamp_ms) / 1e3
-        return len(self.trace) / (span_s / self.speedup)
-
-
-@dataclass(frozen=True, slots=True)
-class Served:
-    """Per request in :func:`arrival_order`: TTFT (ms), mean ITL (ms; ``None`` for one
-    token) and the worker that decoded it."""
-
-    ttft_ms: list[float]
-    itl_ms: list[float | None]
-    workers: list[int]
-    computed_tokens: int
-    """Prompt tokens prefilled (the rest were reused from a GPU or host tier)."""
-    host_reused_tokens: int
-    """Prompt tokens restored from the workers' host tiers."""
-
-
-Arm = Callable[[Point, Pools], Served]
-
-
-def turns(trace: Sequence[TraceRequest]) -> list[tuple[str | None, int]]:
-    """Each request's session and its place in it (0 first; every request of no session is 0)."""
-    seen: Counter[str | None] = Counter()
-    out = []
-    for entry in trace:
-        out.append((entry.session_id, seen[entry.session_id] if entry.session_id is not None else 0))
-        if entry.session_id is not None:
-            seen[entry.session_id] += 1
-    return out
-
-
-def simulated_arm(cost: dict[str, Any] | None = None, tiers: Tiers = Tiers.HEARD, pressure: bool = True) -> Arm:
-    """kvpilot's router in the simulator, its ``cost`` section ``cost`` (its defaults:
-    ``None``), on workers whose host tiers (where the fleet has them) are as ``tiers`` says;
-    ``pressure`` False: with the mocker's default GPU blocks instead of the fleet's."""
-
-    def run(point: Point, pools: Pools) -> Served:
-        requests: list[SimRequest] = []
-        spec = pools.spec if tiers is not Tiers.NONE else replace(pools.spec, num_host_blocks=0)
-        if not pressure:
-            spec = replace(spec, num_gpu_blocks=DEFAULT_SPEC.num_gpu_blocks)
-        placement = KvpilotPlacement(
-            pools.workers, spec, cost, prefill_workers=pools.prefill_workers, hears_host_tier=tiers is Tiers.HEARD
-        )
-        simulate(
-            point.trace,
-            pools.workers,
-            placement,
-            spec,
-            arrival_speedup=point.speedup,
-            requests_out=requests,
-            prefill_workers=pools.prefill_workers,
-            transfer=pools.handoff,
-        )
-        ordered = [requests[i] for i in arrival_order(point.trace)]
-        ttft, itl = request_times(ordered)
-        return Served(
-            ttft,
-            itl,
-            [placement.placed[r.rid] for r in ordered],
-            sum(r.prompt_len - r.reused_tokens for r in requests),
-            sum(r.host_reused_tokens for r in requests),
-        )
-
-    return run
-
-
-def host_credit(spec: EngineSpec) -> dict[str, float]:
-    """kvpilot's cost section on workers with ``spec``'s host tier: a host block credited by
-    the share of its prefill a restore saves (:func:`kvpilot.policies.tier_credit.restore_credit`),
-    not Dynamo's preset 0.75."""
-    return {"host_cache_hit_weight": restore_credit(restore_ms_per_block(spec), recompute_ms_per_block(spec))}
-
-
-def dynamo_arm(mode: RouterMode, router_config: dict[str, Any] | None = None) -> Arm:
-    """Dynamo's replay with ``router_mode`` ``mode`` (and KV router options ``router_config``).
-    Its records are paired with the trace's requests by session and turn (its arrivals of a
-    session's later turns are its own), else by arrival, prompt and output length."""
-
-    def run(point: Point, pools: Pools) -> Served:
-        rows = replay_rows(
-            point.path,
-            pools.workers,
-            pools.spec.block_size,
-            mode,
-            point.speedup,
-            router_config,
-            prefill_workers=pools.prefill_workers,
-            transfer=pools.handoff,
-            spec=pools.spec,
-        )
-        order = arrival_order(point.trace)
-        if any(e.session_id for e in point.trace):
-            by_turn = {(r["session_id"], r["turn_index"]): r for r in rows}
-            keys = turns(point.trace)
-            ordered = [by_turn[keys[i]] for i in order]
-        else:
-            ordered = sorted(
-                rows, key=lambda r: (r["arrival_time_ms"], r["input_length"], r["requested_output_length"])
-            )
-        return Served(
-            [r["ttft_ms"] for r in ordered],
-            [r["itl_ms"] if r["output_length"] > 1 else None for r in ordered],
-            [r["decode_worker_idx"] for r in ordered],
-            sum(r["input_length"] - r["reused_input_tokens"] for r in rows),
-            sum(r.get("first_admission_host_reused_input_tokens") or 0 for r in rows),
-        )
-
-    return run
 
 
 def placement_stats(trace: Sequence[TraceRequest], workers: Sequence[int]) -> dict[str, int]:
@@ -399,11 +203,6 @@ def sweep(points: Sequence[Point], pools: Pools, arms: dict[str, Arm]) -> dict[s
     return results
 
 
-def arm_bounds(rows: Sequence[dict[str, Any]]) -> GoodputBounds:
-    """The goodput bracket of one arm's rows (:func:`benchmarks.fleet.goodput.bounds`)."""
-    return bounds([SweepPoint(r["rate_rps"], r["attainment"]) for r in rows])
-
-
 def bisect(
     rows: list[dict[str, Any]],
     name: str,
@@ -428,37 +227,6 @@ def bisect(
             return
         rows.append(measure(point, pools, {name: arm})[name])
         rows.sort(key=lambda r: r["rate_rps"])
-
-
-def best_dynamo_arm(found: dict[str, GoodputBounds], tuned: bool) -> str:
-    """The arm kvpilot is held against: of the arms other than kvpilot's own (``kvpilot``
-    and its variants, ``kvpilot_*``), the one whose goodput may be highest (the highest
-    upper end of its bracket, then lower end), a tie going to Dynamo's tuned KV router,
-    then to its default."""
-    preference = ["dynamo_kv_tuned"] if tuned else []
-    preference += ["dynamo_kv", *sorted(found)]
-    others = [arm for arm in dict.fromkeys(preference) if arm in found and not arm.startswith("kvpilot")]
-    return max(others, key=lambda arm: (found[arm].upper, found[arm].lower, -others.index(arm)))
-
-
-def ratios(points: dict[str, list[dict[str, Any]]], baseline: str) -> dict[str, Any]:
-    """kvpilot's goodput against ``baseline``'s as the brackets allow
-    (:func:`benchmarks.fleet.goodput.at_least`: ``None`` when the baseline never missed), and kvpilot's
-    mean TTFT over the baseline's at the baseline's goodput rate (at its slowest rate when
-    the baseline has no goodput)."""
-    ours, theirs = points["kvpilot"], points[baseline]
-    ours_bounds, theirs_bounds = arm_bounds(ours), arm_bounds(theirs)
-    shared = {p["rate_rps"] for p in ours} & {p["rate_rps"] for p in theirs}
-    at = max(
-        (r for r in shared if r <= theirs_bounds.lower),
-        default=min(shared),
-    )
-    mean = {p["rate_rps"]: p["mean_ttft_ms"] for p in ours}, {p["rate_rps"]: p["mean_ttft_ms"] for p in theirs}
-    return {
-        "goodput_at_least": at_least(ours_bounds, theirs_bounds),
-        "mean_ttft_at_baseline_goodput": mean[0][at] / mean[1][at],
-        "at_rate_rps": at,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -593,114 +361,3 @@ def main(argv: list[str] | None = None) -> int:
     print(describe(result["provenance"]))
     print(table(result))
     return 0
-
-
-def table(result: dict[str, Any]) -> str:
-    """Goodput per arm, and each arm's attainment and mean TTFT at each offered rate (and,
-    on a trace with sessions, where they went: :func:`placement_stats`)."""
-    placed = any("moved_steps" in p for points in result["points"].values() for p in points)
-    what = "mean TTFT ms; steps moved, most sessions on one worker" if placed else "mean TTFT ms"
-    lines = [f"| arm | goodput req/s | offered req/s: SLO attainment ({what}) |", "|---|---:|---|"]
-    for arm, points in result["points"].items():
-        cells = "; ".join(
-            f"{p['rate_rps']:.1f}: {p['attainment']:.3f} ({p['mean_ttft_ms']:.0f}"
-            + (f"; {p['moved_steps']}, {p['most_sessions_on_one_worker']}" if "moved_steps" in p else "")
-            + ")"
-            for p in points
-        )
-        lines.append(f"| {arm} | {_bracket(arm_bounds(points))} | {cells} |")
-    compared = ""
-    found = {arm: arm_bounds(points) for arm, points in result["points"].items()}
-    if "kvpilot" in found and len(found) > 1 and any(not arm.startswith("kvpilot") for arm in found):
-        baseline = best_dynamo_arm(found, result.get("dynamo_router_config") is not None)
-        r = ratios(result["points"], baseline)
-        claim = (
-            f"goodput at least {r['goodput_at_least']:.2f}x (our lower end over its upper)"
-            if r["goodput_at_least"] is not None
-            else "no goodput ratio (it never missed)"
-        )
-        compared = (
-            f" kvpilot against {baseline}: {claim}; mean TTFT at {r['at_rate_rps']:.1f} "
-            f"req/s {r['mean_ttft_at_baseline_goodput']:.2f}x."
-        )
-    if any("computed_tokens" in p for points in result["points"].values() for p in points):
-        lines += ["", "| arm | at each offered req/s: prompt tokens prefilled, M (restored from host, M) |"]
-        lines.append("|---|---|")
-        for arm, points in result["points"].items():
-            cells = "; ".join(
-                f"{p['rate_rps']:.1f}: {p['computed_tokens'] / 1e6:.1f} ({p['host_reused_tokens'] / 1e6:.1f})"
-                for p in points
-            )
-            lines.append(f"| {arm} | {cells} |")
-    if {"kvpilot", UNTIERED} <= set(found):
-        untiered = at_least(found["kvpilot"], found[UNTIERED])
-        compared += " kvpilot against kvpilot_without_tiers: " + (
-            f"goodput at least {untiered:.2f}x." if untiered is not None else "no goodput ratio (it never missed)."
-        )
-    resolution = result.get("resolution")
-    bisected = f" Brackets bisected to {resolution:.0%} where closed." if resolution else " Brackets from the grid."
-    return (
-        f"{result['workload']}{_shapes(result)}, {_pools(result)}; SLOs: TTFT at most "
-        f"{result['slo']['ttft_x_floor']:g}x the floor, ITL at most {result['slo']['itl_x_idle']:g}x an idle "
-        f"worker's, met by {result['slo']['attainment']:.0%} of requests.{compared}{bisected} "
-        "Goodput lies in [lower, upper); * marks an arm that met the SLOs again above its first miss.\n\n"
-        + "\n".join(lines)
-    )
-
-
-def _bracket(found: GoodputBounds) -> str:
-    """A goodput bracket as the table shows it: ``[lower, upper)``, ``at least lower`` when
-    open above; ``*`` where the arm met the SLOs again above its first miss."""
-    text = f"at least {found.lower:.1f}" if found.upper == float("inf") else f"[{found.lower:.1f}, {found.upper:.1f})"
-    return text + ("" if found.monotone else " *")
-
-
-def _shapes(result: dict[str, Any]) -> str:
-    """A results file's human turns and host tiers, where it has them (none before tiers)."""
-    agent, engine = result.get("agent") or {}, result.get("engine") or {}
-    out = ""
-    if agent.get("steps_per_turn"):
-        out += f" (a human turn every {agent['steps_per_turn']} steps, mean gap {agent['human_gap_s']:g} s)"
-    if engine.get("num_host_blocks"):
-        out += (
-            f", {engine['num_gpu_blocks']:,} GPU and {engine['num_host_blocks']:,} host blocks a worker at "
-            f"{engine['host_gb_s']:g} GB/s ({engine['kv_bytes_per_token']:,} B a token; host credit "
-            f"{engine['host_credit']:.2f})"
-        )
-    return out
-
-
-def _pools(result: dict[str, Any]) -> str:
-    """A results file's fleet, as :class:`Pools` names it (files before disaggregation: co-located)."""
-    return str(Pools(result["workers"], result.get("prefill_workers", 0)))
-
-
-def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
-    """One column per results file (a fleet size): mean TTFT (log) and SLO attainment
-    against the offered rate, one line per arm, the attainment target drawn."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, len(results), figsize=(4.2 * len(results), 6.4), squeeze=False, sharex="col")
-    for column, result in enumerate(results):
-        top, bottom = axes[0][column], axes[1][column]
-        for arm, points in result["points"].items():
-            rates = [p["rate_rps"] for p in points]
-            (line,) = top.plot(rates, [p["mean_ttft_ms"] for p in points], marker="o", ms=3, label=arm)
-            bottom.plot(rates, [p["attainment"] for p in points], marker="o", ms=3, color=line.get_color())
-        top.set_title(f"{result['workload']}, {_pools(result)}", fontsize=9)
-        top.set_yscale("log")
-        top.grid(alpha=0.3)
-        bottom.axhline(result["slo"]["attainment"], color="grey", lw=0.8, ls=":")
-        bottom.set_ylim(0, 1.02)
-        bottom.set_xlabel("offered requests/s")
-        bottom.grid(alpha=0.3)
-    axes[0][0].set_ylabel("mean TTFT ms")
-    axes[1][0].set_ylabel("requests meeting both SLOs")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
