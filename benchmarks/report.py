@@ -74,9 +74,12 @@ def render(results: dict[str, Any]) -> str:
         body = tables(results["fleets"], results["index_memory"], results["run"].get("limit_ms", 5.0))
     else:
         from benchmarks.fleet.bench import table
+        from benchmarks.fleet.stages import stage_table
 
         arms = {k: v for k, v in results.items() if k not in RUN_KEYS}
         body = table(arms, results["run"]["workload"]["reuse_ceiling"])
+        stages = stage_table(results)
+        body += f"\n\n{stages}" if stages else ""
     return "\n".join([*_head(results), body]) + "\n"
 
 

@@ -51,6 +51,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -69,6 +70,7 @@ from benchmarks.fleet.events import EventTap, StoredPromptBlocks
 from benchmarks.fleet.goodput import ATTAINMENT, ITL_SLO_X, TTFT_SLO_X, Slo, SweepPoint, attainment, goodput
 from benchmarks.fleet.replay import Connections, Send, body, headers, replay
 from benchmarks.fleet.results import Outcome, ReuseCounts, reuse_from_computed, summarize
+from benchmarks.fleet.stages import THREAD_PREFIX, stage_table
 from benchmarks.fleet.trace import (
     TRACES_DIR,
     PromptShape,
@@ -153,14 +155,37 @@ def replicas(spec: DynamoFleetSpec, count: int, workers: int) -> Iterator[list[R
             stop_group(router.pid)
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """User + system CPU seconds so far of each thread of process ``pid`` by its name (as
+    Linux keeps it, 15 characters; threads of one name, a pool's numbered ones included, added
+    together). Empty where the process is gone."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = re.sub(r"[_-]?\d+$", "", name) or name
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
 def fleet_cpu(fleet: Fleet, spec: DynamoFleetSpec, extra_routers: Sequence[RunningProcess] = ()) -> dict[str, float]:
     """CPU seconds so far of the frontend, the kvpilot routers (if they run: all replicas
-    together), Envoy (if it runs) and all workers."""
+    together, and the first one's by thread, :data:`~benchmarks.fleet.stages.THREAD_PREFIX`), Envoy (if it runs) and all
+    workers."""
     workers = [e for e in fleet.engines if e.role]
     frontend = fleet.router if not spec.kvpilot_routes else next(e for e in fleet.engines if not e.role)
     out = {"frontend": cpu_seconds(frontend.pid), "workers": sum(cpu_seconds(w.pid) for w in workers)}
     if spec.kvpilot_routes:
         out["kvpilot_router"] = sum(cpu_seconds(r.pid) for r in (fleet.router, *extra_routers))
+        out |= {THREAD_PREFIX + name: s for name, s in thread_cpu(fleet.router.pid).items()}
     if fleet.gateway is not None:
         out["envoy"] = cpu_seconds(fleet.gateway.pid)
     return out
@@ -255,7 +280,7 @@ def run_arm(
                     connections=args.client_connections,
                 )
             )
-            cpu = {k: v - cpu_before[k] for k, v in fleet_cpu(fleet, spec, extra_routers).items()}
+            cpu = {k: v - cpu_before.get(k, 0.0) for k, v in fleet_cpu(fleet, spec, extra_routers).items()}
         time.sleep(SUBSCRIBE_S)  # the last requests' events
         tap.stop()
         extra: dict[str, Any] = {
@@ -649,6 +674,9 @@ def main(argv: list[str] | None = None) -> int:
         f"kvpilot cost {next((dict(a.router_cost) for a in chosen if a.router_cost), 'defaults')}"
     )
     print(table(results, ceiling.reuse))
+    stages = stage_table(results)
+    if stages:
+        print("\n" + stages)
     for key, summary in results.items():
         if "kvpilot_router_stages" in summary:
             stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in summary["kvpilot_router_stages"].items())
