@@ -122,214 +122,45 @@ with one repeat, in the fixed order a-d then e and with fleet K's threshold pinn
 0, before these rules. Wall time is dominated by this 2-core box's contention: the
 default run took 56 min while other fleets shared the box (load average 20-70), a
 2 x 4 run 10-15 min; each repeat adds a start of every fleet it needs.
+
+The fleets are :mod:`benchmarks.agent.fleets`', the lockstep runner
+:mod:`benchmarks.agent.lockstep`'s; this module runs the reference, the calibration and
+every repeat of every arm, and the sweep over loads.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from benchmarks.agent import goodput as agent_goodput
 from benchmarks.agent import schedule as agent_schedule
 from benchmarks.agent import workload as aw
 from benchmarks.agent.arms import ARMS, Arm, ArmSetup, FleetName, Served
+from benchmarks.agent.fleets import FLEET_DESCRIPTIONS, fleet_spec, logged_warm_up, restart_unhealthy, running
+from benchmarks.agent.lockstep import lockstep
 from benchmarks.agent.output import print_report, write_outputs
+from benchmarks.agent.progress import log, timed
 from benchmarks.agent.results import (
     HANDICAP_ARM,
-    ArmResult,
     BenchConfig,
-    Outcome,
     Run,
     RunSummary,
     calibration_noise,
-    counters,
     judge_run,
 )
 from benchmarks.fleet.goodput import ATTAINMENT
 from benchmarks.provenance import provenance
 from kvpilot.deploy import fleet as fleet_io
-from kvpilot.deploy.agent_session import prefill_then_decode
 from kvpilot.deploy.client import Completion, complete
 from kvpilot.deploy.fleet_spec import FleetSpec
-from kvpilot.deploy.metrics import scrape
-from kvpilot.deploy.tiny_model import TOOL_CALLING_ENGINE_ARGS, ensure_tiny_model
-from kvpilot.kvconnectors.pull_policy import RecomputePolicy
-
-FLEET_DESCRIPTIONS = {
-    FleetName.N: "NixlConnector, 1 P + 1 D",
-    FleetName.K: "KVPilotConnector, 1 P + 1 D, kvpilot router, live pull policy",
-    FleetName.B: "KVPilotConnector as a drop-in for NixlConnector (vLLM's pull rule), 1 P + 1 D",
-}
-NIXL_KEYS = {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 480}
-"""Fleet N's ``kv_connector_extra_config``; fleet B's NixlConnector keys. D holds its
-blocks vLLM's default 480 s, not the CPU fleet's 60 s (``kvpilot.deploy.fleet_spec.DECODE_HOLD_TTL_S``):
-the conversation-id proxy arm keeps sessions 450 s, for vLLM's hold (``agent_arms``)."""
-
-
-@dataclass(frozen=True)
-class _FleetPlan:
-    """What a fleet's :class:`FleetSpec` sets beyond the model and run directory."""
-
-    connector: str
-    extra_config: Mapping[str, object]
-    disaggregation: str
-    ports: tuple[int, int, int, int]  # engine, side channel, events, router
-    dev_mode: bool
-    gateway_ports: tuple[int, int, int] | None = None
-    """Envoy's, the picker's and Envoy's admin port: kvpilot's arm goes through Envoy, as a
-    client of ``kvpilot fleet up`` does; ``None``: no Envoy (the baselines' own proxies)."""
-
-
-_FLEETS = {
-    FleetName.N: _FleetPlan("NixlConnector", NIXL_KEYS, "always", (9410, 7640, 7740, 9400), True),
-    FleetName.K: _FleetPlan(
-        "KVPilotConnector", NIXL_KEYS, "conditional", (9510, 7660, 7760, 9500), False, (9520, 9521, 9522)
-    ),
-    FleetName.B: _FleetPlan(
-        "KVPilotConnector",
-        {**NIXL_KEYS, "recompute_policy": RecomputePolicy.THRESHOLD.value},
-        "always",
-        (9610, 7680, 7780, 9600),
-        True,
-    ),
-}
-
-
-def fleet_spec(fleet: FleetName, model_dir: Path, run_dir: Path) -> FleetSpec:
-    """Fleet N, K or B (see the module doc); each on its own ports."""
-    plan = _FLEETS[fleet]
-    engine_port, side_channel_port, events_port, router_port = plan.ports
-    spec = FleetSpec(
-        model_dir=model_dir,
-        run_dir=run_dir,
-        connector=plan.connector,
-        connector_extra_config=dict(plan.extra_config),
-        disaggregation=plan.disaggregation,
-        engine_port=engine_port,
-        side_channel_port=side_channel_port,
-        events_port=events_port,
-        router_port=router_port,
-        engine_env={"VLLM_SERVER_DEV_MODE": "1"} if plan.dev_mode else {},
-        engine_args=TOOL_CALLING_ENGINE_ARGS,  # every request declares a tool (tool_choice auto)
-    )
-    if plan.gateway_ports is None:
-        return spec
-    gateway_port, picker_port, envoy_admin_port = plan.gateway_ports
-    return dataclasses.replace(
-        spec, gateway_port=gateway_port, picker_port=picker_port, envoy_admin_port=envoy_admin_port
-    )
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-@contextmanager
-def timed(run: Run, what: str) -> Iterator[None]:
-    """Record the seconds the block took as ``run.timings[what]``."""
-    started = time.perf_counter()
-    try:
-        yield
-    finally:
-        run.timings[what] = time.perf_counter() - started
-
-
-@contextmanager
-def running(spec: FleetSpec) -> Iterator[fleet_io.Fleet]:
-    started = fleet_io.up(spec, progress=lambda m: log(m.strip()))
-    try:
-        yield started
-    finally:
-        log(f"stopping the fleet in {spec.run_dir}")
-        fleet_io.down(spec.run_dir)
-
-
-# ---- engines --------------------------------------------------------------------------
-def nixl_warm_up(p_url: str, d_url: str, timeout: float) -> float:
-    """One uncounted two-turn session that makes both NIXL handshakes (D reads P,
-    then P reads D: 96 tokens beyond P's own hit, above vLLM's 64-token rule).
-    Returns its seconds."""
-    started = time.perf_counter()
-    salt = f"nixl-warm-up-{uuid.uuid4().hex}"
-    x = [aw.FIRST_ORDINARY_ID + (i * 37) % 1900 for i in range(256)]
-    d1 = prefill_then_decode(p_url, d_url, x, 97, timeout, cache_salt=salt).d
-    x2 = x + list(d1.token_ids) + [aw.FIRST_ORDINARY_ID + (i * 53) % 1900 for i in range(40)]
-    offer = {**(d1.kv_transfer_params or {}), "do_remote_decode": True, "do_remote_prefill": False}
-    prefill_then_decode(p_url, d_url, x2, 2, timeout, offer, cache_salt=salt)
-    return time.perf_counter() - started
-
-
-def logged_warm_up(fleet: str, p_url: str, d_url: str, timeout: float) -> float:
-    """:func:`nixl_warm_up`, logged; ``nan`` seconds if it failed (the arms still run)."""
-    log(f"NIXL warm-up on fleet {fleet} (uncounted)")
-    try:
-        seconds = nixl_warm_up(p_url, d_url, timeout)
-    except Exception as exc:  # noqa: BLE001 - a failed warm-up is reported, the run goes on
-        log(f"  warm-up failed: {exc}")
-        return math.nan
-    log(f"  warm-up took {seconds:.1f} s")
-    return seconds
-
-
-# ---- the lockstep runner -------------------------------------------------------------
-Serve = Callable[[int, list[aw.Message]], Served]
-"""``serve(session, messages)``: one request of the current step."""
-
-
-def lockstep(
-    run: Run,
-    key: str,
-    title: str,
-    serve: Serve,
-    engines: dict[str, str],
-    before_step: Callable[[int], None] | None = None,
-) -> ArmResult:
-    """All sessions' step k concurrently, scrape, step k+1, ... (``engines``: name ->
-    URL, scraped around each step; ``"D"`` is the decoding engine)."""
-    config = run.config
-    result = ArmResult(key, title)
-    started = time.perf_counter()
-
-    def one(session: int, step: int) -> Outcome:
-        t0 = time.perf_counter()
-        try:
-            served = serve(session, run.prompts[(session, step)])
-        except Exception as exc:  # noqa: BLE001 - a failed request is counted, the arm goes on
-            return Outcome(session, step, time.perf_counter() - t0, None, error=f"{type(exc).__name__}: {exc}"[:300])
-        latency = time.perf_counter() - t0
-        return Outcome(session, step, latency, served.completion, route=served.route, p_seconds=served.p_seconds)
-
-    with ThreadPoolExecutor(max_workers=config.sessions) as pool:
-        for step in range(1, config.steps + 1):
-            if before_step is not None:
-                before_step(step)
-            before = {n: scrape(u) for n, u in engines.items()}
-            t0 = time.perf_counter()
-            outcomes = list(pool.map(one, range(config.sessions), [step] * config.sessions))
-            wall = time.perf_counter() - t0
-            time.sleep(config.settle)  # counters reach /metrics on the stats loop's next tick
-            after = {n: scrape(u) for n, u in engines.items()}
-            c = result.steps[step] = counters(before, after, "D")
-            c.wall = wall
-            result.outcomes += outcomes
-            failed = [o.error for o in outcomes if o.error is not None]
-            log(
-                f"  {key} step {step:2d}: {wall:6.2f} s, computed {c.computed:6.0f}, "
-                f"cached {c.cached:6.0f}, external {c.external:6.0f}, KV {c.kv_bytes / 1e6:6.2f} MB"
-                + (f", {len(failed)} failed: {failed[0]}" if failed else "")
-            )
-    result.seconds = time.perf_counter() - started
-    return result
+from kvpilot.deploy.tiny_model import ensure_tiny_model
 
 
 # ---- the run ---------------------------------------------------------------------------
@@ -397,19 +228,6 @@ def run_arm(run: Run, arm: Arm, spec: FleetSpec, fleet: fleet_io.Fleet, repeat: 
         result.notes += arm.handicaps()
     run.results.setdefault(arm.key, []).append(result)
     return restart_unhealthy(spec, fleet, f"arm {arm.key}", result.notes)
-
-
-def restart_unhealthy(spec: FleetSpec, fleet: fleet_io.Fleet, after: str, notes: list[str]) -> fleet_io.Fleet:
-    """``fleet`` with each engine that no longer answers ``/health`` restarted, each
-    restart noted in ``notes`` (``after``: what it was found unhealthy after). Returns the
-    fleet as it then runs."""
-    for role, name in (("prefill", "P"), ("decode", "D")):
-        engine = fleet.by_role(role)[0]
-        if not fleet_io.is_healthy(engine.url):
-            notes.append(f"{name} unhealthy after {after}")
-            log(f"  {name} is not healthy after {after}; restarting it")
-            fleet = fleet_io.restart_engine(spec, engine.name)
-    return fleet
 
 
 def reference_fleet(run: Run, model_dir: Path, workload: aw.Workload) -> None:
