@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvpilot.routing.config import IndexBackend
 
     parser: argparse.ArgumentParser = Parser(
-        prog="kvpilot", description="KV, prefix and session caching for vLLM fleets"
+        prog="kvpilot", description="KV, prefix and session caching for vLLM fleets."
     )
     parser.add_argument(
         "--version", action="version", version=f"kvpilot {_version()}", help="print the version and exit"
