@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from benchmarks.fleet.trace import TRACES_DIR, load_trace
+from benchmarks.sim.engine import EngineSpec
 from benchmarks.sim.fleet import DEFAULT_SPEC, simulate
 from benchmarks.sim.kvpilot import KvpilotPlacement
 from kvpilot.routing.index import chain
@@ -96,13 +98,14 @@ class Mirror:
         self.stats["routes"] += 1
         self.stats["unique_choice" if len(ties) == 1 else "tied_choice"] += 1
         self.stats["matched_routes"] += bool(ours)
+        self.stats["host_credited"] += bool(overlap[:, 1].any())
         return route
 
 
-def _run(trace: list[Any], workers: int, cost: dict[str, Any] | None = None) -> Counter[str]:
-    placement = KvpilotPlacement(workers, DEFAULT_SPEC, cost)
+def _run(trace: list[Any], workers: int, spec: EngineSpec = DEFAULT_SPEC) -> Counter[str]:
+    placement = KvpilotPlacement(workers, spec)
     mirror = Mirror(placement)
-    simulate(trace, workers, placement)
+    simulate(trace, workers, placement, spec=spec)
     return mirror.stats
 
 
@@ -115,6 +118,17 @@ def test_the_c_core_decides_as_the_python_router_on_the_mooncake_traces(trace: s
     assert stats["routes"] == 600
     assert stats["matched_routes"] > 30 and stats["unique_choice"] > 60, stats  # the test bites
     assert stats["event_applied"] > 1000, stats
+
+
+def test_the_c_core_decides_as_the_python_router_on_a_memory_pressured_fleet(tmp_path: Path) -> None:
+    """Few GPU blocks and a host tier: prefixes evicted to host are credited at the host weight."""
+    lines = (TRACES_DIR / "mooncake_conversation_trace.jsonl").read_text().splitlines()[:600]
+    path = tmp_path / "slice.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    spec = replace(DEFAULT_SPEC, num_gpu_blocks=1200, num_host_blocks=20_000, kv_bytes_per_token=131_072)
+    stats = _run(load_trace(path), 8, spec)
+    assert stats["routes"] == 600
+    assert stats["host_credited"] > 50 and stats["unique_choice"] > 100, stats
 
 
 def test_the_c_core_decides_as_the_python_router_on_agent_sessions() -> None:
