@@ -11,6 +11,16 @@ and Envoy with the endpoint picker (``fleet.gateway``), on one 1 P + 1 D fleet.
 (A stale or forged block id is refused by the engine itself: D verifies every block's hash
 before it attaches it, whichever front sent the request.)
 
+The data plane's faults (issue 52) run on the same fleet, whose engines carry kvpilot's fault
+injector: it acts only on the reads of requests whose id names a fault (:data:`FAULTS`), which
+a row sends D in a P->D handoff driven as a router drives it:
+
+| fault on D's read of P's KV | caught by | the answer |
+|---|---|---|
+| a byte of a landed block flipped | the KV digest | the co-located answer (recomputed from the bad block) |
+| the read's completion held past its deadline | the read deadline | the co-located answer, within the bound |
+| the read's completion dropped | the read deadline | the co-located answer, within the bound |
+
 Each request ends within a stated bound, with the engine's own answer (a prefill D did
 itself after the router's recovery equals D's answer with a fresh cache salt) or a clear
 error naming the worker; a stream already running on D when P stalls runs to its end.
@@ -35,8 +45,9 @@ from kvpilot.deploy import fleet as fleet_io
 from kvpilot.deploy.client import Completion, HTTPStatusError, complete
 from kvpilot.deploy.fleet import Fleet
 from kvpilot.deploy.fleet_spec import FleetSpec
-from kvpilot.deploy.metrics import delta, scrape
+from kvpilot.deploy.metrics import delta, scrape, total, wait_for_metric
 from kvpilot.deploy.prompts import filler_text
+from kvpilot.kvconnectors.pull_params import handoff_request
 from kvpilot.routing.serve.tokenizer import PromptTokenizer
 from tests.e2e.fleets import running_fleet
 from tests.e2e.parity import LOGPROB_TOLERANCE
@@ -54,6 +65,14 @@ prefill and six tokens on a loaded 2-core box."""
 STREAM_END_BOUND_S = 60.0
 """How long a client's stream may last after its D died."""
 RECOVERIES = "kvpilot_router_prefill_recoveries_total"
+READ_DEADLINE_FLOOR_S = 8.0
+"""The faulty fleet's floor on a read's deadline (its reads are small: the floor is the bound)."""
+READ_BOUND_S = READ_DEADLINE_FLOOR_S + 60.0
+"""How long D's answer may take when its read is abandoned: the deadline, then D's own
+prefill and six tokens on a loaded 2-core box."""
+PEER_RETRY_AFTER_S = 1.0
+FAULTS = {"fm-corrupt": "corrupt_block", "fm-stall": "stall_read", "fm-drop": "drop_completion"}
+"""A request id part -> the fault the faulty fleet's engines inject into that request's read."""
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +85,14 @@ def spec(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FleetSpec
         picker_port=BLOCK.spare(1),
         envoy_admin_port=BLOCK.spare(2),
         prefill_timeout_s=PREFILL_TIMEOUT_S,
+        connector_extra_config={
+            "fault_injection": {"request_ids": FAULTS, "stall_s": 3 * READ_BOUND_S},
+            "allow_fault_injection": True,
+            "read_deadline_floor_s": READ_DEADLINE_FLOOR_S,
+            # a failed read marks its peer failed (its offers prefilled locally) for this long:
+            # short, so that each fault row reads from P again
+            "peer_retry_after_s": PEER_RETRY_AFTER_S,
+        },
         **BLOCK.fleet(),
     )
 
@@ -228,3 +255,65 @@ def test_a_decode_worker_killed_mid_stream_through_envoy(
     restarted = fleet_io.restart_engine(spec, "decode-0")
     out = complete(_front(restarted, "envoy"), tokenizer.text_token_ids(filler_text(100, 95)), max_tokens=4)
     assert len(out.tokens) == 4
+
+
+def _handoff(fleet: Fleet, x: list[int], request_id: str) -> tuple[Completion, float]:
+    """P prefills ``x`` for D, D reads P's KV under ``request_id`` and answers six tokens:
+    the answer, and how long D took."""
+    prefill, decode = fleet.by_role("prefill")[0].url, fleet.by_role("decode")[0].url
+    params = complete(prefill, x, max_tokens=1, kv_transfer_params=handoff_request()).kv_transfer_params
+    assert params is not None and params["kvpilot"]["kv_digests"], "P's offer carries no KV digests"
+    started = time.perf_counter()
+    out = complete(decode, x, max_tokens=6, kv_transfer_params=params, request_id=request_id, timeout=READ_BOUND_S)
+    return out, time.perf_counter() - started
+
+
+def _colocated(fleet: Fleet, x: list[int]) -> Completion:
+    """D's own answer to ``x`` with a fresh cache salt: the oracle."""
+    return complete(fleet.by_role("decode")[0].url, x, max_tokens=6, cache_salt=uuid.uuid4().hex)
+
+
+def test_a_clean_handoff_is_checked_byte_for_byte(fleet: Fleet, tokenizer: PromptTokenizer) -> None:
+    decode = fleet.by_role("decode")[0].url
+    _handoff(fleet, tokenizer.text_token_ids(filler_text(100, 105)), f"fm-warm-{uuid.uuid4().hex}")  # handshake
+    x = tokenizer.text_token_ids(filler_text(600, 96))
+    before = scrape(decode)
+    out, _ = _handoff(fleet, x, f"fm-clean-{uuid.uuid4().hex}")
+    reference = _colocated(fleet, x)
+    assert out.tokens == reference.tokens and out.max_logprob_diff(reference) <= LOGPROB_TOLERANCE
+    after = wait_for_metric(
+        decode,
+        "vllm:kvpilot_digest_checked_blocks_total",
+        lambda n: n > total(before, "vllm:kvpilot_digest_checked_blocks_total"),
+    )
+    assert delta(after, before, "vllm:kvpilot_digest_mismatch_blocks_total") == 0
+    assert delta(after, before, "vllm:kvpilot_abandoned_reads_total") == 0
+
+
+@pytest.mark.parametrize(
+    ("fault", "counter"),
+    [
+        ("fm-corrupt", "vllm:kvpilot_digest_mismatch_blocks_total"),
+        ("fm-stall", "vllm:kvpilot_abandoned_reads_total"),
+        ("fm-drop", "vllm:kvpilot_abandoned_reads_total"),
+    ],
+)
+def test_a_faulty_read_is_never_attached_and_the_answer_is_the_colocated_one(
+    fleet: Fleet, tokenizer: PromptTokenizer, fault: str, counter: str
+) -> None:
+    """D's read of P's KV is corrupted, stalled or its completion lost: D recomputes what the
+    read would have brought, within the bound, and answers as a co-located engine does."""
+    decode = fleet.by_role("decode")[0].url
+    x = tokenizer.text_token_ids(filler_text(600, 97 + list(FAULTS).index(fault)))
+    time.sleep(PEER_RETRY_AFTER_S)  # an earlier row's failed read no longer skips P
+    before = scrape(decode)
+    out, elapsed = _handoff(fleet, x, f"{fault}-{uuid.uuid4().hex}")
+    assert elapsed <= READ_BOUND_S, f"D answered {elapsed:.1f} s after its read began"
+    reference = _colocated(fleet, x)
+    assert out.tokens == reference.tokens and out.max_logprob_diff(reference) <= LOGPROB_TOLERANCE
+    after = wait_for_metric(decode, counter, lambda n: n > total(before, counter))
+    assert delta(after, before, counter) >= 1
+    kind = FAULTS[fault]
+    assert delta(after, before, "vllm:kvpilot_faults_injected_total", kind=kind) == 1
+    reason = "digest_mismatch" if fault == "fm-corrupt" else "deadline"
+    assert delta(after, before, "vllm:kvpilot_integrity_failed_blocks_total", reason=reason) >= 1
