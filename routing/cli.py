@@ -96,7 +96,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from importlib.metadata import version
+
     parser = argparse.ArgumentParser(prog="python -m kvpilot.routing.cli")
+    parser.add_argument(
+        "--version", action="version", version=f"kvpilot {version('kvpilot')}", help="print the version and exit"
+    )
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -91,3 +91,12 @@ def test_engine_args_may_start_with_a_dash() -> None:
 )
 def test_join_argument_strings(argv: list[str], joined: list[str]) -> None:
     assert join_argument_strings(argv) == joined
+
+
+def test_the_router_s_own_entry_prints_the_version_too(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpilot.routing.cli import main as router_main
+
+    with pytest.raises(SystemExit) as done:
+        router_main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvpilot {version('kvpilot')}"
