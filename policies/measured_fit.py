@@ -157,6 +157,8 @@ class LinearFit:
                 error = float(np.sum((x[:, keep] @ coef - y) ** 2))
                 if best is None or error < best[0]:
                     best = (error, keep, coef)
+            if best is not None and size == len(features):
+                break  # every feature's own fit is non-negative: no subset fits better
         if best is None:
             return None
         out = [0.0] * x.shape[1]
