@@ -100,6 +100,10 @@ class DynamoFleetSpec:
     """Where Dynamo routes (not kvpilot): Envoy on ``gateway_port`` in front of the frontend
     with a fixed route (no picker), the gateway's hop alone (a baseline beside kvpilot's
     Envoy and picker)."""
+    envoy_upstream_http2: bool = False
+    """Envoy reaches the frontend over HTTP/2 on kept-alive connections
+    (:attr:`~kvpilot.deploy.envoy_spec.GatewaySpec.upstream_http2`), not one HTTP/1.1
+    connection per request."""
     on_picker_failure: PickerFailure = PickerFailure.REFUSE
     """What Envoy answers when the picker fails (beside Dynamo's direct-mode frontend
     nothing else can route: :attr:`PickerFailure.REFUSE` only)."""
@@ -130,10 +134,22 @@ class DynamoFleetSpec:
         if not self.gateway_port:
             return None
         if self.kvpilot_routes:
-            return GatewaySpec(self.gateway_port, self.envoy_admin_port, self.picker_port, self.on_picker_failure)
+            return GatewaySpec(
+                self.gateway_port,
+                self.envoy_admin_port,
+                self.picker_port,
+                self.on_picker_failure,
+                upstream_http2=self.envoy_upstream_http2,
+            )
         if self.envoy_in_front:
             fixed = f"{HOST}:{self.frontend_port}"
-            return GatewaySpec(self.gateway_port, self.envoy_admin_port, self.picker_port, fixed_upstream=fixed)
+            return GatewaySpec(
+                self.gateway_port,
+                self.envoy_admin_port,
+                self.picker_port,
+                fixed_upstream=fixed,
+                upstream_http2=self.envoy_upstream_http2,
+            )
         return None
 
     @property

