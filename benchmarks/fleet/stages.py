@@ -11,17 +11,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.routing.ingest.feeder import THREAD_NAME as FEEDER_THREAD
+
 THREAD_PREFIX = "kvpilot_router."
 """The key prefix of the router's CPU seconds per thread in ``cpu_s_per_request``:
 ``kvpilot_router.<thread name>``."""
 
 THREADS = {
-    "python": "the event loop (the main thread: the picker's gRPC calls, intake, decision, bookings)",
-    "kvpilot-index-f": "the KV-event feeder (reads and decodes the engines' events)",
-    "ThreadPoolExecu": "the default executor (tokenizing text and chats)",
-    "asyncio": "the default executor (tokenizing text and chats)",
+    "python": "Python's threads: the event loop (the picker's gRPC calls, intake, decision, bookings, "
+    "KV-event applies) and the default executor (tokenizing text and chats)",
+    FEEDER_THREAD: "the KV-event feeder (reads and decodes the engines' events)",
+    "event_engine": "gRPC's event engine",
+    "ZMQbg/IO/": "libzmq's I/O thread",
+    "tokio-rt-worker": "Dynamo's discovery runtime",
 }
-"""What each of the router's threads does, by the name Linux keeps (15 characters)."""
+"""What each of the router's threads does, by the name Linux keeps (15 characters, a pool's
+number dropped); the rest are :data:`OTHER`."""
+OTHER = "other library threads"
+MIN_ROW_S = 1e-5
+"""A thread under this CPU per request counts among :data:`OTHER`."""
 
 
 def stage_rows(results: dict[str, Any]) -> list[tuple[str, float]] | None:
@@ -42,8 +50,13 @@ def stage_rows(results: dict[str, Any]) -> list[tuple[str, float]] | None:
         rows.append(("Envoy: the picker's filters (ext_proc, Lua, access log)", envoy - fixed))
     elif envoy is not None:
         rows.append(("Envoy", envoy))
+    other = 0.0
     for name, seconds in sorted(threads.items(), key=lambda item: -item[1]):
-        rows.append((f"router thread {name}: {THREADS.get(name, 'gRPC and other library threads')}", seconds))
+        if name in THREADS and seconds >= MIN_ROW_S:
+            rows.append((f"router thread {name}: {THREADS[name]}", seconds))
+        else:
+            other += seconds
+    rows.append((f"router: {OTHER}", other))
     rows.append(("router: threads that ended, child processes", cpu["kvpilot_router"] - sum(threads.values())))
     return rows
 
