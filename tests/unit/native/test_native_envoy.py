@@ -200,6 +200,8 @@ def test_the_module_routes_a_token_id_prompt_to_the_worker_holding_it(gateway: d
     port, pub = gateway["listen"], gateway["pubs"]["b"]
     deadline, seq, answer = time.monotonic() + 15, 0, {}
     while time.monotonic() < deadline:  # a SUB joins a moment after it connects: publish until heard
+        for hostile in ([b"kv", b"short"], [b"kv", b"\0" * 8, b"\xc1not msgpack"], [b"kv"] * 5):
+            pub.send_multipart(hostile)  # counted and dropped by the feeder
         pub.send_multipart(_stored(seq, PROMPT))
         seq += 1
         answer = _post(port, {"model": "tiny", "prompt": PROMPT, "max_tokens": 1})
@@ -231,3 +233,22 @@ def test_validation_mode_loads_the_config_and_subscribes_to_nothing(gateway: dic
         timeout=60,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_a_config_it_cannot_read_is_refused_naming_the_line(tmp_path: Path) -> None:
+    config = _config(_port(), _port(), {"a": 1, "b": 2}, {"a": 3, "b": 4})
+    module = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    module["http_filters"][0]["typed_config"]["filter_config"]["value"] += "\nblock_sise 64"
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(config))
+    env = {**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(MODULE_DIR)}
+    assert ENVOY is not None
+    out = subprocess.run(
+        [ENVOY, "--mode", "validate", "-c", str(path), "--base-id", "9"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert "config line 6: cannot read 'block_sise 64'" in out.stdout + out.stderr
