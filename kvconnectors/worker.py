@@ -123,7 +123,9 @@ class KVPilotWorker:
         self._jobs = {}
 
     def take_report(self) -> DigestReport | None:
-        """The digests computed since the last call, or ``None`` for none."""
+        """The digests computed since the last call (this step's jobs first, if
+        ``wait_for_save`` was deferred), or ``None`` for none."""
+        self.after_forward()
         if not self._report:
             return None
         report, self._report = DigestReport(algo=self._algo, digests=self._report), {}
