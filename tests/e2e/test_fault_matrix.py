@@ -13,13 +13,16 @@ before it attaches it, whichever front sent the request.)
 
 The data plane's faults (issue 52) run on the same fleet, whose engines carry kvpilot's fault
 injector: it acts only on the reads of requests whose id names a fault (:data:`FAULTS`), which
-a row sends D in a P->D handoff driven as a router drives it:
+a row sends the reader in a handoff driven as a router drives it:
 
-| fault on D's read of P's KV | caught by | the answer |
+| fault on a read (D of P's KV, and P of D's: the router's role reversal) | caught by | the answer |
 |---|---|---|
 | a byte of a landed block flipped | the KV digest | the co-located answer (recomputed from the bad block) |
 | the read's completion held past its deadline | the read deadline | the co-located answer, within the bound |
 | the read's completion dropped | the read deadline | the co-located answer, within the bound |
+
+The router's fronts (relay and Envoy) do not carry a client's request id to the engines, so
+these rows drive the engines as a router does; the fronts' own recovery is the rows above.
 
 Each request ends within a stated bound, with the engine's own answer (a prefill D did
 itself after the router's recovery equals D's answer with a fresh cache salt) or a clear
@@ -257,39 +260,49 @@ def test_a_decode_worker_killed_mid_stream_through_envoy(
     assert len(out.tokens) == 4
 
 
-def _handoff(fleet: Fleet, x: list[int], request_id: str) -> tuple[Completion, float]:
-    """P prefills ``x`` for D, D reads P's KV under ``request_id`` and answers six tokens:
-    the answer, and how long D took."""
-    prefill, decode = fleet.by_role("prefill")[0].url, fleet.by_role("decode")[0].url
-    params = complete(prefill, x, max_tokens=1, kv_transfer_params=handoff_request()).kv_transfer_params
-    assert params is not None and params["kvpilot"]["kv_digests"], "P's offer carries no KV digests"
+ROLES = {"p-to-d": ("prefill", "decode"), "d-to-p": ("decode", "prefill")}
+"""A read's direction -> (the holder's role, the reader's role). D->P is the router's role
+reversal: D prefills the session's prefix for P (``do_remote_decode``), P reads it."""
+
+
+def _handoff(fleet: Fleet, x: list[int], request_id: str, direction: str) -> tuple[Completion, float]:
+    """The holder prefills ``x`` for the reader, the reader reads the holder's KV under
+    ``request_id`` and answers six tokens: the answer, and how long the reader took."""
+    holder, reader = (fleet.by_role(role)[0].url for role in ROLES[direction])
+    params = complete(holder, x, max_tokens=1, kv_transfer_params=handoff_request()).kv_transfer_params
+    assert params is not None and params["kvpilot"]["kv_digests"], "the holder's offer carries no KV digests"
     started = time.perf_counter()
-    out = complete(decode, x, max_tokens=6, kv_transfer_params=params, request_id=request_id, timeout=READ_BOUND_S)
+    out = complete(reader, x, max_tokens=6, kv_transfer_params=params, request_id=request_id, timeout=READ_BOUND_S)
     return out, time.perf_counter() - started
 
 
-def _colocated(fleet: Fleet, x: list[int]) -> Completion:
-    """D's own answer to ``x`` with a fresh cache salt: the oracle."""
-    return complete(fleet.by_role("decode")[0].url, x, max_tokens=6, cache_salt=uuid.uuid4().hex)
+def _reader(fleet: Fleet, direction: str) -> str:
+    return fleet.by_role(ROLES[direction][1])[0].url
 
 
-def test_a_clean_handoff_is_checked_byte_for_byte(fleet: Fleet, tokenizer: PromptTokenizer) -> None:
-    decode = fleet.by_role("decode")[0].url
-    _handoff(fleet, tokenizer.text_token_ids(filler_text(100, 105)), f"fm-warm-{uuid.uuid4().hex}")  # handshake
-    x = tokenizer.text_token_ids(filler_text(600, 96))
-    before = scrape(decode)
-    out, _ = _handoff(fleet, x, f"fm-clean-{uuid.uuid4().hex}")
-    reference = _colocated(fleet, x)
+def _colocated(reader: str, x: list[int]) -> Completion:
+    """The reader's own answer to ``x`` with a fresh cache salt: the oracle."""
+    return complete(reader, x, max_tokens=6, cache_salt=uuid.uuid4().hex)
+
+
+@pytest.mark.parametrize("direction", list(ROLES))
+def test_a_clean_handoff_is_checked_byte_for_byte(fleet: Fleet, tokenizer: PromptTokenizer, direction: str) -> None:
+    reader = _reader(fleet, direction)
+    seed = 96 if direction == "p-to-d" else 106
+    _handoff(fleet, tokenizer.text_token_ids(filler_text(100, seed + 9)), f"fm-warm-{uuid.uuid4().hex}", direction)
+    x = tokenizer.text_token_ids(filler_text(600, seed))
+    before = scrape(reader)
+    out, _ = _handoff(fleet, x, f"fm-clean-{uuid.uuid4().hex}", direction)
+    reference = _colocated(reader, x)
     assert out.tokens == reference.tokens and out.max_logprob_diff(reference) <= LOGPROB_TOLERANCE
-    after = wait_for_metric(
-        decode,
-        "vllm:kvpilot_digest_checked_blocks_total",
-        lambda n: n > total(before, "vllm:kvpilot_digest_checked_blocks_total"),
-    )
+    checked = "vllm:kvpilot_digest_checked_blocks_total"
+    after = wait_for_metric(reader, checked, lambda n: n > total(before, checked))
+    assert delta(after, before, checked) >= 1
     assert delta(after, before, "vllm:kvpilot_digest_mismatch_blocks_total") == 0
     assert delta(after, before, "vllm:kvpilot_abandoned_reads_total") == 0
 
 
+@pytest.mark.parametrize("direction", list(ROLES))
 @pytest.mark.parametrize(
     ("fault", "counter"),
     [
@@ -299,19 +312,21 @@ def test_a_clean_handoff_is_checked_byte_for_byte(fleet: Fleet, tokenizer: Promp
     ],
 )
 def test_a_faulty_read_is_never_attached_and_the_answer_is_the_colocated_one(
-    fleet: Fleet, tokenizer: PromptTokenizer, fault: str, counter: str
+    fleet: Fleet, tokenizer: PromptTokenizer, fault: str, counter: str, direction: str
 ) -> None:
-    """D's read of P's KV is corrupted, stalled or its completion lost: D recomputes what the
-    read would have brought, within the bound, and answers as a co-located engine does."""
-    decode = fleet.by_role("decode")[0].url
-    x = tokenizer.text_token_ids(filler_text(600, 97 + list(FAULTS).index(fault)))
-    time.sleep(PEER_RETRY_AFTER_S)  # an earlier row's failed read no longer skips P
-    before = scrape(decode)
-    out, elapsed = _handoff(fleet, x, f"{fault}-{uuid.uuid4().hex}")
-    assert elapsed <= READ_BOUND_S, f"D answered {elapsed:.1f} s after its read began"
-    reference = _colocated(fleet, x)
+    """The reader's read of the holder's KV is corrupted, stalled or its completion lost: the
+    reader recomputes what the read would have brought, within the bound, and answers as it
+    does co-located."""
+    reader = _reader(fleet, direction)
+    seed = 97 + list(FAULTS).index(fault) + (0 if direction == "p-to-d" else 10)
+    x = tokenizer.text_token_ids(filler_text(600, seed))
+    time.sleep(PEER_RETRY_AFTER_S)  # an earlier row's failed read no longer skips the holder
+    before = scrape(reader)
+    out, elapsed = _handoff(fleet, x, f"{fault}-{uuid.uuid4().hex}", direction)
+    assert elapsed <= READ_BOUND_S, f"the reader answered {elapsed:.1f} s after its read began"
+    reference = _colocated(reader, x)
     assert out.tokens == reference.tokens and out.max_logprob_diff(reference) <= LOGPROB_TOLERANCE
-    after = wait_for_metric(decode, counter, lambda n: n > total(before, counter))
+    after = wait_for_metric(reader, counter, lambda n: n > total(before, counter))
     assert delta(after, before, counter) >= 1
     kind = FAULTS[fault]
     assert delta(after, before, "vllm:kvpilot_faults_injected_total", kind=kind) == 1
