@@ -88,8 +88,8 @@ static int ids(scan *s, uint32_t *out, size_t max, size_t *count) {
     while (p < end && space(*p)) p++;
     const char *first = p;
     uint64_t v = 0;
-    while (p < end && digit(*p) && p - first < 11) v = v * 10 + (uint64_t)(*p++ - '0');
-    if (p == first || v > UINT32_MAX || (p < end && (digit(*p) || *p == '.' || *p == 'e' || *p == 'E')))
+    while (p < end && digit(*p)) v = v * 10 + (uint64_t)(*p++ - '0'); /* wraps past 19 digits */
+    if (p == first || p - first > 10 || v > UINT32_MAX || (p < end && (*p == '.' || *p == 'e' || *p == 'E')))
       return KVP_BODY_NOT_TOKEN_IDS;
     if (n == max) return KVP_BODY_TOO_MANY_IDS;
     out[n++] = (uint32_t)v;
