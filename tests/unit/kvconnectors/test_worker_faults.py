@@ -101,3 +101,17 @@ def test_a_read_not_named_gets_no_fault() -> None:
     reader.layer.bind(KVPilotMetadata(inner=None, reads={"cmpl-r2-0": check}))
     assert reader.report("cmpl-r2-0") == ({"cmpl-r2-0"}, set())
     assert reader.count("unchecked_reads") == 1
+
+
+def test_a_steps_digests_are_each_requests_own() -> None:
+    """The holder digests every request of a step in one pass; each gets its blocks' digests."""
+    kv = {"l": torch.randn(NUM_BLOCKS, 32, 4)}
+    layer = KVPilotWorker(FakeNixlInner(), (("l",),), NUM_BLOCKS, True, None, Clock())
+    layer.register_kv_caches(kv)
+    jobs = {"a": ((1, 2, 3),), "b": ((9,),), "c": ((),), "d": ((4, 0),)}
+    layer.bind(KVPilotMetadata(inner=None, digest_jobs=jobs))
+    report = layer.take_report()
+    assert report is not None and report.algo == "xxh3_64"
+    group = GroupKV.of(kv, ["l"], NUM_BLOCKS)
+    assert report.digests == {r: ((ids[0], digest_blocks(group, ids[0])),) for r, ids in jobs.items()}
+    assert layer.take_report() is None
