@@ -15,12 +15,17 @@ def test_the_arms_in_order_each_on_the_same_fleet_with_its_own_routing():
         ArmName.DYNAMO_ROUND_ROBIN: FrontendRouting.ROUND_ROBIN,
         ArmName.DYNAMO_KV: FrontendRouting.KV,
         ArmName.DYNAMO_KV_TUNED: FrontendRouting.KV,
+        ArmName.DYNAMO_KV_ENVOY: FrontendRouting.KV,
         ArmName.KVPILOT: FrontendRouting.DIRECT,
         ArmName.KVPILOT_RELAY: FrontendRouting.DIRECT,
     }
     assert all((s.workers, s.speedup_ratio) == (4, 3.0) for s in specs.values())  # the same workers
     assert specs[ArmName.DYNAMO_KV].frontend_flags == ()  # Dynamo's defaults
     assert specs[ArmName.DYNAMO_KV_TUNED].frontend_flags == TUNED_FLAGS
+    envoy_tuned = specs[ArmName.DYNAMO_KV_ENVOY]  # the tuned router behind the same Envoy, a fixed route
+    assert envoy_tuned.frontend_flags == TUNED_FLAGS and envoy_tuned.gateway is not None
+    assert envoy_tuned.gateway.fixed_upstream == f"127.0.0.1:{base.frontend_port}"
+    assert envoy_tuned.client_url.endswith(f":{base.gateway_port}")
     assert [n for n, s in specs.items() if s.kvpilot_routes] == [ArmName.KVPILOT, ArmName.KVPILOT_RELAY]
     assert specs[ArmName.KVPILOT].gateway is not None and specs[ArmName.KVPILOT_RELAY].gateway is None
     assert specs[ArmName.KVPILOT].client_url.endswith(f":{base.gateway_port}")  # clients talk to Envoy
