@@ -51,8 +51,10 @@ from kvpilot.routing.index.chain import (
     chain_from_hashes,
     chain_keys,
     freeze,
+    lane_sums,
+    placed_hashes,
 )
-from kvpilot.routing.index.events import BlockRemoved, BlockStored
+from kvpilot.routing.index.events import BlockRemoved, BlockStored, KVEvent
 from kvpilot.routing.index.kvindex import EventApplier, Match
 
 _NS_BITS = 20
@@ -126,7 +128,19 @@ class BlockIndex(EventApplier):
         self.counters: Counter[str] = Counter()
 
     # ---- ingest ---------------------------------------------------------
-    def _stored(self, worker: WorkerId, ev: BlockStored) -> str:
+    def _ahead(self, event: KVEvent) -> object:
+        """A stored block's :func:`~kvpilot.routing.index.chain.lane_sums` (its hashing but for its
+        position), where it carries no extra keys; ``None`` otherwise (its apply hashes it)."""
+        if not isinstance(event, BlockStored) or event.block_size != self.block_size:
+            return None
+        if event.extra_keys and any(e is not None for e in event.extra_keys):
+            return None
+        try:
+            return lane_sums(event.token_ids, self.block_size)
+        except ValueError:
+            return None  # its apply refuses the token ids
+
+    def _stored(self, worker: WorkerId, ev: BlockStored, ahead: object = None) -> str:
         if ev.block_size != self.block_size:
             return "block_size"
         names = self._names.get(worker) or self._names.setdefault(worker, {})
@@ -145,6 +159,8 @@ class BlockIndex(EventApplier):
         try:
             if extras and any(e is not None and freeze(e) != plain for e in extras[1 if pos0 == 0 else 0 :]):
                 keys = self._keys_with_extras(ev, pos0, parent, plain)
+            elif isinstance(ahead, np.ndarray):  # hashed ahead by the thread that read it
+                keys = chain_from_hashes(placed_hashes(ahead, pos0), parent)
             else:
                 keys = chain_keys(ev.token_ids, self.block_size, pos0, parent)
         except ValueError:

@@ -101,6 +101,14 @@ def block_hashes(
     tokens (``array('I')`` or a uint32 numpy array) are read in place. Raises
     ValueError for a token id outside ``[0, 2**32)`` or not an integer.
     """
+    return placed_hashes(lane_sums(tokens, block_size, start, stop), first_pos)
+
+
+def lane_sums(tokens: Tokens, block_size: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """The position-free half of :func:`block_hashes` (uint64, one per full block of
+    ``tokens[start:stop]``): the bulk of its work, which needs no block's position, so a
+    thread that does not own the index can do it ahead (:func:`placed_hashes` finishes it).
+    Raises ValueError as :func:`block_hashes` does."""
     stop = len(tokens) if stop is None else min(stop, len(tokens))
     n = max(0, stop - start) // block_size
     if isinstance(tokens, np.ndarray):
@@ -109,8 +117,14 @@ def block_hashes(
         flat = np.frombuffer(tokens, dtype=np.uint32, count=n * block_size, offset=4 * start)
     else:
         flat = np.frombuffer(pack_tokens(tokens[start : start + n * block_size]), dtype=np.uint32)
-    h: np.ndarray = flat.reshape(n, block_size) @ _lanes(block_size)
-    h += np.arange(first_pos, first_pos + n, dtype=np.uint64) * _POSITION_LANE
+    sums: np.ndarray = flat.reshape(n, block_size) @ _lanes(block_size)
+    return sums
+
+
+def placed_hashes(sums: np.ndarray, first_pos: int) -> np.ndarray:
+    """:func:`block_hashes` from its :func:`lane_sums`, the first block at chain position
+    ``first_pos`` (``sums`` is left as it was)."""
+    h = sums + np.arange(first_pos, first_pos + len(sums), dtype=np.uint64) * _POSITION_LANE
     h ^= h >> _SHIFT_A
     h *= _FINAL_MULTIPLIER
     h ^= h >> _SHIFT_B

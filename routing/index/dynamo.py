@@ -108,7 +108,7 @@ class DynamoIndex(EventApplier):
         self._event_id = 0
 
     # ---- ingest ---------------------------------------------------------
-    def _stored(self, worker: WorkerId, ev: BlockStored) -> str:
+    def _stored(self, worker: WorkerId, ev: BlockStored, ahead: object = None) -> str:
         if ev.block_size != self.block_size:
             return "block_size"
         hashes = _u64s(ev.block_hashes)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple, Protocol
 
 from kvpilot.routing.ids import DEFAULT_TIER, Tier, WorkerId
@@ -23,8 +23,8 @@ class Match(NamedTuple):
 class KVIndex(Protocol):
     """What the router needs of a block index: :class:`~kvpilot.routing.index.block_index.BlockIndex`
     (kvpilot's) or :class:`~kvpilot.routing.index.dynamo.DynamoIndex` (Dynamo's ``RadixTree``),
-    chosen with ``index.backend``. Not thread-safe: callers serialize every call (the
-    router and the index feeder share one lock). Both backends run the same scenarios
+    chosen with ``index.backend``. Not thread-safe: one thread owns it and makes every call
+    (the router's event loop) but :meth:`prepare`, which any thread may call. Both backends run the same scenarios
     against the same expected matches (tests/unit/routing/test_routing_dynamo_index.py)."""
 
     block_size: int
@@ -42,6 +42,16 @@ class KVIndex(Protocol):
 
     def apply_all(self, worker: WorkerId, events: Iterable[KVEvent]) -> None:
         """:meth:`apply` each event in order."""
+        ...
+
+    def prepare(self, events: Sequence[KVEvent]) -> Prepared:
+        """``events`` with the work their applying needs that reads no index state done
+        ahead (a stored block's hashing, but for its position): thread-safe, for the thread
+        that reads the events, so that the owner's :meth:`apply_prepared` does the rest."""
+        ...
+
+    def apply_prepared(self, worker: WorkerId, prepared: Prepared) -> None:
+        """:meth:`apply_all` of :meth:`prepare`'s events, the same outcome."""
         ...
 
     def clear_worker(self, worker: WorkerId) -> None:
@@ -69,6 +79,10 @@ class KVIndex(Protocol):
         ...
 
 
+Prepared = list[tuple[KVEvent, object]]
+"""Events, each with what :meth:`KVIndex.prepare` did ahead for it (``None``: nothing)."""
+
+
 class EventApplier:
     """Applies KV events to an index: the dispatch and counting both backends share.
 
@@ -79,8 +93,9 @@ class EventApplier:
     kv_group: int
     counters: Counter[str]
 
-    def apply(self, worker: WorkerId, event: KVEvent) -> str:
-        """Apply one event from ``worker``; returns ``"applied"`` or why it was skipped.
+    def apply(self, worker: WorkerId, event: KVEvent, ahead: object = None) -> str:
+        """Apply one event from ``worker`` (``ahead``: what :meth:`prepare` did for it); returns
+        ``"applied"`` or why it was skipped.
 
         Skips are counted in :attr:`counters`, never raised: ``other_group`` (a
         KV cache group other than ``kv_group``) here, the rest per backend.
@@ -92,7 +107,7 @@ class EventApplier:
         elif event.group_idx not in (None, self.kv_group):
             outcome = "other_group"
         elif isinstance(event, BlockStored):
-            outcome = self._stored(worker, event)
+            outcome = self._stored(worker, event, ahead)
         else:
             outcome = self._removed(worker, event)
         self.counters[outcome] += 1
@@ -103,10 +118,23 @@ class EventApplier:
         for event in events:
             self.apply(worker, event)
 
+    def prepare(self, events: Sequence[KVEvent]) -> Prepared:
+        """``events`` with what :meth:`_ahead` does for each, in any thread."""
+        return [(event, self._ahead(event)) for event in events]
+
+    def apply_prepared(self, worker: WorkerId, prepared: Prepared) -> None:
+        """Apply :meth:`prepare`'s events in order."""
+        for event, ahead in prepared:
+            self.apply(worker, event, ahead)
+
+    def _ahead(self, event: KVEvent) -> object:
+        """What applying ``event`` needs that reads no index state (``None``: nothing)."""
+        return None
+
     def clear_worker(self, worker: WorkerId) -> None:
         raise NotImplementedError
 
-    def _stored(self, worker: WorkerId, ev: BlockStored) -> str:
+    def _stored(self, worker: WorkerId, ev: BlockStored, ahead: object = None) -> str:
         raise NotImplementedError
 
     def _removed(self, worker: WorkerId, ev: BlockRemoved) -> str:

@@ -191,7 +191,8 @@ class EngineSubscriber:
     def _apply(self, seq: int, payload: bytes) -> int:
         """Apply one batch; returns the blocks it stored."""
         batch = self.decoder.decode(payload)
-        self._deliver(functools.partial(self.index.apply_all, self.worker, batch.events))
+        prepared = self.index.prepare(batch.events)  # the hashing that needs no index state, in this thread
+        self._deliver(functools.partial(self.index.apply_prepared, self.worker, prepared))
         self.stats.batches += 1
         self._last_seq = seq
         return sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))
