@@ -26,7 +26,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "default" in text or action.default is None or action.default is False or action.default == "":
+        stated = "(default" in text or "default:" in text
+        if stated or action.default is None or action.default is False or action.default == "":
             return action.help
         return super()._get_help_string(action)
 
