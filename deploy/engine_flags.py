@@ -119,6 +119,7 @@ class EngineCommand:
         return " ".join(["env", *assignments, *(shlex.quote(a) for a in self.argv)])
 
     def as_json(self) -> dict[str, object]:
+        """The command as data: the worker's ``name`` and ``role``, ``argv`` and ``env``."""
         return {
             "name": self.worker.name,
             "role": self.worker.role.value,
@@ -127,23 +128,26 @@ class EngineCommand:
         }
 
 
+def _binds_every_address(endpoint: str) -> bool:
+    """Whether ``endpoint`` is a ``tcp://`` endpoint on a wildcard host (:data:`WILDCARD_HOSTS`)."""
+    parts = urlsplit(endpoint)
+    return parts.scheme == "tcp" and parts.netloc.rsplit(":", 1)[0] in WILDCARD_HOSTS
+
+
 def _events_endpoint(worker: Worker, router_host: str | None) -> str:
-    """``worker.kv_events_endpoint`` as the engine connects to it."""
+    """``worker.kv_events_endpoint`` as the engine connects to it (``ipc://`` and
+    ``inproc://`` name the same socket on both sides)."""
     endpoint = worker.kv_events_endpoint
     if endpoint is None:
         raise ConfigError(f"workers.{worker.name}", "has no kv_events_endpoint: the router would hear no KV events")
-    parts = urlsplit(endpoint)
-    if parts.scheme != "tcp" or parts.hostname is None:
-        return endpoint  # ipc:// and inproc:// name the same socket on both sides
-    host = parts.netloc.rsplit(":", 1)[0]
-    if host not in WILDCARD_HOSTS:
+    if not _binds_every_address(endpoint):
         return endpoint
     if router_host is None:
         raise ConfigError(
             f"workers.{worker.name}.kv_events_endpoint",
             f"{endpoint} binds every address of the router's host: give --router-host, the address engines reach it at",
         )
-    return f"tcp://{router_host}:{parts.port}"
+    return f"tcp://{router_host}:{urlsplit(endpoint).port}"
 
 
 def _host_port(worker: Worker) -> tuple[str, int]:
@@ -166,7 +170,8 @@ def engine_commands(config: RouterConfig, settings: EngineSettings) -> list[Engi
     """Each worker's ``vllm serve`` command, in the config's order. Raises
     :class:`ConfigError` naming the worker for a config whose engines cannot be told what
     to run (no workers, no events endpoint, a wildcard event host without
-    ``settings.router_host``, a url without a port)."""
+    ``settings.router_host``, a url without a port), and ``ValueError`` for a
+    ``settings.router_host`` that no worker's endpoint needs."""
     workers = fleet_from_config(config).workers
     if not workers:
         raise ConfigError("workers", "is empty (beside Dynamo the workers are Dynamo's, started by Dynamo)")
@@ -220,6 +225,8 @@ def engine_commands(config: RouterConfig, settings: EngineSettings) -> list[Engi
             SIDE_CHANNEL_PORT_ENV: str(settings.side_channel_port + rank),
         }
         commands.append(EngineCommand(worker, argv, env))
+    if settings.router_host is not None and not any(_binds_every_address(w.kv_events_endpoint or "") for w in workers):
+        raise ValueError("--router-host changes nothing: no worker's kv_events_endpoint binds a wildcard host")
     return commands
 
 

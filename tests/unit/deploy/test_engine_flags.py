@@ -106,6 +106,12 @@ def test_a_config_engines_cannot_follow_is_refused_by_name(
         engine_commands(load_config(_config(tmp_path, workers)), settings)
 
 
+def test_a_router_host_no_endpoint_needs_is_refused(tmp_path: Path) -> None:
+    only_addresses = TWO_ON_ONE_HOST.replace('"tcp://*:5702"', '"tcp://10.0.0.10:5702"')
+    with pytest.raises(ValueError, match="--router-host changes nothing"):
+        engine_commands(load_config(_config(tmp_path, only_addresses)), EngineSettings(router_host="10.0.0.10"))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
