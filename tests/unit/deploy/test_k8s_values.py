@@ -202,3 +202,42 @@ def test_values_away_from_the_defaults_still_validate(version: str) -> None:
                 kubernetes_validate.validate(obj, version, strict=True)
                 checked += 1
     assert checked >= 15
+
+
+def test_the_image_s_build_context_leaves_out_the_clone_s_own_state() -> None:
+    """``docker build -f deploy/k8s/Dockerfile .`` sends the clone: not its virtual environment
+    (gigabytes), its git history or what it built, but every file pip needs."""
+    import fnmatch
+
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and p[0] != "#"]
+
+    def ignored(path: str) -> bool:
+        """Docker's rule, for the patterns used: a pattern names a path from the context's
+        root (or, after ``**/``, at any depth), and excludes everything under it."""
+        parts = path.split("/")
+        prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+        for pattern in patterns:
+            if pattern.startswith("**/"):
+                if any(fnmatch.fnmatchcase(part, pattern[3:]) for part in parts):
+                    return True
+            elif any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes):
+                return True
+        return False
+
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "build/lib/x.py",
+        "routing/__pycache__/a.txt",
+        "policies/a.pyc",
+        "kvpilot.egg-info/PKG-INFO",
+    ):
+        assert ignored(path), path
+    for path in (
+        "pyproject.toml",
+        "README.md",
+        "routing/cli.py",
+        "deploy/recipes/kv-transfer-config.json",
+        "grafana/alerts.yml",
+    ):
+        assert not ignored(path), path
