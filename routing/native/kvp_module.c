@@ -117,6 +117,11 @@ EXPORT void *envoy_dynamic_module_on_http_filter_config_new(void *config_envoy, 
 EXPORT void envoy_dynamic_module_on_http_filter_config_destroy(void *config) {
   picker_config *pc = config;
   kvp_feed_stop(&pc->pk);
+  char line[256];
+  snprintf(line, sizeof line, "kvpilot picker: %lu event batches (%lu bad frames, %lu restarts), %lu events applied, %lu skipped",
+           atomic_load(&pc->pk.batches), atomic_load(&pc->pk.bad_frames), atomic_load(&pc->pk.restarts),
+           atomic_load(&pc->pk.events_applied), atomic_load(&pc->pk.events_skipped));
+  log_line(LOG_INFO, line);
   pthread_rwlock_destroy(&pc->pk.lock);
   kvp_index_free(pc->pk.index);
   free(pc);

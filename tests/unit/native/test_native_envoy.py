@@ -162,10 +162,11 @@ def gateway(tmp_path: Path) -> Iterator[dict[str, Any]]:
                 "config": config,
                 "env": env,
                 "log": tmp_path / "envoy.log",
+                "stop": lambda: (proc.terminate(), proc.wait(timeout=10)),
             }
         finally:
             proc.terminate()
-            proc.wait(timeout=10)
+            assert proc.wait(timeout=10) == 0, (tmp_path / "envoy.log").read_text()[-3000:]
             for pub in pubs.values():
                 pub.close(0)
             ctx.term()
@@ -218,6 +219,8 @@ def test_the_module_routes_a_token_id_prompt_to_the_worker_holding_it(gateway: d
         line.split(": ")[0].rsplit(".", 1)[-1]: int(line.split(": ")[1]) for line in stats.splitlines() if ": " in line
     }
     assert counts.get("kvpilot_picker_passthrough") == 1 and counts.get("kvpilot_picker_decided", 0) >= 11, stats
+    gateway["stop"]()
+    assert "bad frames" in gateway["log"].read_text()  # the feeder's counts, logged at the config's end
 
 
 def test_validation_mode_loads_the_config_and_subscribes_to_nothing(gateway: dict[str, Any], tmp_path: Path) -> None:
