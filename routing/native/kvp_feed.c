@@ -117,6 +117,11 @@ int kvp_config_parse(kvp_picker *pk, const char *text, size_t len, char *err, si
     for (int i = 0; i < 4; i++) snprintf(pk->media[i], sizeof pk->media[0], "%s", media[i]), pk->classes[i] = classes[i];
     pk->n_media = 4;
   }
+  if (pk->n_workers * pk->n_media > KVP_MAX_SLOTS) {
+    snprintf(err, err_len, "kvpilot picker config: %u workers x %u media exceed %d slots", pk->n_workers,
+             pk->n_media, KVP_MAX_SLOTS);
+    return -1;
+  }
   for (uint32_t i = 0; i < pk->n_workers; i++)
     if (pk->workers[i].endpoint[0] && !pk->libzmq[0]) {
       snprintf(err, err_len, "kvpilot picker config: a worker names a KV-event endpoint and no libzmq path is set");
