@@ -135,7 +135,7 @@ def graph(plan: ClusterPlan) -> Obj:
     return obj(
         "nvidia.com/v1alpha1",
         "DynamoGraphDeployment",
-        meta(GRAPH),
+        meta(GRAPH, plan.spec.namespace),
         spec={"backendFramework": "vllm", "services": services},
     )
 
@@ -167,11 +167,12 @@ def dynamo_router(plan: ClusterPlan) -> RouterPod:
 def dynamo_example(plan: ClusterPlan) -> list[Obj]:
     """The graph, the router (its picker on), and the standalone Envoy in front of it."""
     router = dynamo_router(plan)
-    envoy = [envoy_config_map(), envoy_deployment(), envoy_service()]
+    spec = plan.spec
+    envoy = [envoy_config_map(spec), envoy_deployment(spec), envoy_service(spec)]
     return [
         graph(plan),
-        router_config_map(router),
+        router_config_map(spec, router),
         router_deployment(plan.spec, router),
-        router_service(router),
+        router_service(spec, router),
         *envoy,
     ]

@@ -27,6 +27,7 @@ from kvpilot.deploy.k8s.plan import (
     PICKER_PORT,
     ROUTER_SERVICE,
     ClusterPlan,
+    ClusterSpec,
     service_name,
 )
 from kvpilot.routing.config import Role
@@ -43,9 +44,10 @@ PICKER_TIMEOUT_S = 120.0
 """How long Envoy waits for the picker, which runs P's one-token prefill before it answers."""
 
 
-def gateway_spec() -> GatewaySpec:
-    """Envoy's spec in its pod: the listener on every address, the picker by Service name."""
-    picker_host = f"{ROUTER_SERVICE}.{NAME}.svc.cluster.local"
+def gateway_spec(namespace: str) -> GatewaySpec:
+    """Envoy's spec in its pod: the listener on every address, the picker by the name of its
+    Service in ``namespace``."""
+    picker_host = f"{ROUTER_SERVICE}.{namespace}.svc.cluster.local"
     return GatewaySpec(
         GATEWAY_PORT,
         ENVOY_ADMIN_PORT,
@@ -56,12 +58,13 @@ def gateway_spec() -> GatewaySpec:
     )
 
 
-def envoy_config_map() -> Obj:
-    text = yaml.safe_dump(envoy_bootstrap(gateway_spec()), sort_keys=False)
-    return obj("v1", "ConfigMap", meta(GATEWAY_CONFIG_MAP, labels=labels(GATEWAY)), data={"envoy.yaml": text})
+def envoy_config_map(spec: ClusterSpec) -> Obj:
+    text = yaml.safe_dump(envoy_bootstrap(gateway_spec(spec.namespace)), sort_keys=False)
+    metadata = meta(GATEWAY_CONFIG_MAP, spec.namespace, labels=labels(GATEWAY))
+    return obj("v1", "ConfigMap", metadata, data={"envoy.yaml": text})
 
 
-def envoy_deployment() -> Obj:
+def envoy_deployment(spec: ClusterSpec) -> Obj:
     pod_labels = labels(GATEWAY)
     container: Obj = {
         "name": "envoy",
@@ -81,17 +84,17 @@ def envoy_deployment() -> Obj:
     return obj(
         "apps/v1",
         "Deployment",
-        meta(GATEWAY_SERVICE, labels=pod_labels),
+        meta(GATEWAY_SERVICE, spec.namespace, labels=pod_labels),
         # Envoy keeps no state: replicas share the one picker
         spec={"replicas": 2, "selector": {"matchLabels": pod_labels}, "template": pod},
     )
 
 
-def envoy_service() -> Obj:
+def envoy_service(spec: ClusterSpec) -> Obj:
     return obj(
         "v1",
         "Service",
-        meta(GATEWAY_SERVICE, labels=labels(GATEWAY)),
+        meta(GATEWAY_SERVICE, spec.namespace, labels=labels(GATEWAY)),
         spec={
             "selector": labels(GATEWAY),
             "ports": [{"name": HTTP_PORT_NAME, "port": GATEWAY_PORT, "targetPort": HTTP_PORT_NAME}],
@@ -109,7 +112,7 @@ def inference_pool(plan: ClusterPlan) -> Obj:
     return obj(
         "inference.networking.k8s.io/v1",
         "InferencePool",
-        meta(POOL, labels=labels(GATEWAY)),
+        meta(POOL, plan.spec.namespace, labels=labels(GATEWAY)),
         spec={
             "selector": {"matchLabels": {**labels(ENGINE), ROLE_LABEL: Role.DECODE.value}},
             "targetPorts": [{"number": port}],
@@ -122,11 +125,11 @@ def inference_pool(plan: ClusterPlan) -> Obj:
     )
 
 
-def http_route() -> Obj:
+def http_route(spec: ClusterSpec) -> Obj:
     return obj(
         "gateway.networking.k8s.io/v1",
         "HTTPRoute",
-        meta(POOL, labels=labels(GATEWAY)),
+        meta(POOL, spec.namespace, labels=labels(GATEWAY)),
         spec={
             "parentRefs": [{"name": GAIE_GATEWAY}],
             "rules": [
@@ -141,4 +144,5 @@ def http_route() -> Obj:
 
 def gateway_objects(plan: ClusterPlan) -> list[Obj]:
     """The standalone Envoy (config, Deployment, Service), the InferencePool and the HTTPRoute."""
-    return [envoy_config_map(), envoy_deployment(), envoy_service(), inference_pool(plan), http_route()]
+    spec = plan.spec
+    return [envoy_config_map(spec), envoy_deployment(spec), envoy_service(spec), inference_pool(plan), http_route(spec)]

@@ -62,7 +62,7 @@ def engines_policy(plan: ClusterPlan) -> Obj:
     return obj(
         "networking.k8s.io/v1",
         "NetworkPolicy",
-        meta(service_name("engines")),
+        meta(service_name("engines"), plan.spec.namespace),
         spec={
             "podSelector": pods_of(ENGINE),
             "policyTypes": ["Ingress"],
@@ -81,7 +81,7 @@ def router_policy(plan: ClusterPlan) -> Obj:
     return obj(
         "networking.k8s.io/v1",
         "NetworkPolicy",
-        meta(service_name(ROUTER)),
+        meta(service_name(ROUTER), plan.spec.namespace),
         spec={
             "podSelector": pods_of(ROUTER),
             "policyTypes": ["Ingress"],

@@ -31,7 +31,8 @@ def labels(component: str, **extra: str) -> dict[str, str]:
     return {NAME_LABEL: NAME, COMPONENT_LABEL: component, **extra}
 
 
-def meta(name: str, namespace: str | None = NAME, **fields: object) -> Obj:
+def meta(name: str, namespace: str | None, **fields: object) -> Obj:
+    """An object's ``metadata``: its name, its namespace (``None``: a cluster-wide object), ``fields``."""
     out: Obj = {"name": name}
     if namespace is not None:
         out["namespace"] = namespace

@@ -27,10 +27,10 @@ def service_monitor(spec: ClusterSpec) -> Obj:
     return obj(
         MONITORING_API,
         "ServiceMonitor",
-        meta(NAME, labels={NAME_LABEL: NAME, **spec.prometheus_labels}),
+        meta(NAME, spec.namespace, labels={NAME_LABEL: NAME, **spec.prometheus_labels}),
         spec={
             "selector": {"matchLabels": {NAME_LABEL: NAME, METRICS_LABEL: "true"}},
-            "namespaceSelector": {"matchNames": [NAME]},
+            "namespaceSelector": {"matchNames": [spec.namespace]},
             "endpoints": [{"port": HTTP_PORT_NAME, "path": "/metrics", "interval": SCRAPE_INTERVAL}],
         },
     )
@@ -42,12 +42,12 @@ def prometheus_rule(spec: ClusterSpec, rules: Path = DEFAULT_RULES) -> Obj:
     return obj(
         MONITORING_API,
         "PrometheusRule",
-        meta(NAME, labels={NAME_LABEL: NAME, **spec.prometheus_labels}),
+        meta(NAME, spec.namespace, labels={NAME_LABEL: NAME, **spec.prometheus_labels}),
         spec={"groups": groups},
     )
 
 
-def dashboard_config_maps(directory: Path = DASHBOARD_DIR) -> list[Obj]:
+def dashboard_config_maps(namespace: str, directory: Path = DASHBOARD_DIR) -> list[Obj]:
     """One ConfigMap per dashboard JSON, its file name as the key, text unchanged."""
     return [
         obj(
@@ -55,6 +55,7 @@ def dashboard_config_maps(directory: Path = DASHBOARD_DIR) -> list[Obj]:
             "ConfigMap",
             meta(
                 service_name(f"dashboard-{path.stem.removeprefix(NAME + '-')}"),
+                namespace,
                 labels={NAME_LABEL: NAME, **DASHBOARD_LABEL},
             ),
             data={path.name: path.read_text()},
@@ -64,4 +65,4 @@ def dashboard_config_maps(directory: Path = DASHBOARD_DIR) -> list[Obj]:
 
 
 def observability(spec: ClusterSpec) -> list[Obj]:
-    return [service_monitor(spec), prometheus_rule(spec), *dashboard_config_maps()]
+    return [service_monitor(spec), prometheus_rule(spec), *dashboard_config_maps(spec.namespace)]

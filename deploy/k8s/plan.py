@@ -21,6 +21,7 @@ CPU fleet's plan verbatim (same flags, same connector config, same ports, same h
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,10 @@ carries over gives engine i the ports ``base + i``, and beyond this its side-cha
 KV-event and replay ranges meet (the router binds one KV-event port per engine)."""
 
 
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+"""A Kubernetes namespace's name (RFC 1123 label)."""
+
+
 class Transport(str, enum.Enum):
     """How D pulls P's KV (docs/guides/gpu.md's table); each is one rendered overlay."""
 
@@ -99,6 +104,8 @@ class ClusterSpec(TypedConfig, frozen=True):
     transport: Transport = Transport.RDMA
     """How D pulls P's KV: ``rdma`` or ``mnnvl`` (each has its own file; this one is printed
     without ``--out`` and sets ``dynamo.yaml``'s environment)."""
+    namespace: str = NAME
+    """The namespace every object lives in (``base.yaml`` creates it)."""
     prefill: int = 1
     """Prefill engines (one pod each)."""
     decode: int = 1
@@ -142,6 +149,10 @@ class ClusterSpec(TypedConfig, frozen=True):
                 f"{MAX_ENGINES} ports apart",
             )
         check_range(self, "tensor_parallel_size", "block_size", "max_model_len", at_least=1)
+        if not _DNS_LABEL.fullmatch(self.namespace):
+            raise self.error_type(
+                "namespace", f"must be a DNS label (a-z, 0-9, '-'; at most 63), got {self.namespace!r}"
+            )
         for name in ("image", "dynamo_image", "served_model_name", "models_claim", "monitoring_namespace"):
             if not getattr(self, name).strip():
                 raise self.error_type(name, "must not be empty")

@@ -37,7 +37,7 @@ DYNAMO = "dynamo"
 def overlays(spec: ClusterSpec) -> dict[str, list[Obj]]:
     """Each file's objects, by file stem: the base, one per transport, Dynamo's example.
     ``spec.transport`` is replaced by each transport in turn."""
-    out = {BASE: [namespace(), api_keys_secret(), *observability(spec)]}
+    out = {BASE: [namespace(spec), api_keys_secret(spec), *observability(spec)]}
     for transport in Transport:
         plan = plan_cluster(msgspec.structs.replace(spec, transport=transport))
         out[transport.value] = [*workloads(plan), *gateway_objects(plan), *network_policies(plan)]

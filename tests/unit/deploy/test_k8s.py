@@ -90,7 +90,9 @@ def test_committed_manifests_are_what_the_code_renders() -> None:
     files = render(DEFAULT)
     assert sorted(files) == sorted(p.name for p in MANIFEST_DIR.glob("*.yaml"))
     for name, text in files.items():
-        assert (MANIFEST_DIR / name).read_text() == text, f"run: kvpilot k8s render --out deploy/k8s/manifests ({name} is stale)"
+        assert (MANIFEST_DIR / name).read_text() == text, (
+            f"run: kvpilot k8s render --out deploy/k8s/manifests ({name} is stale)"
+        )
     # and the committed YAML reads back as the objects
     assert list(yaml.safe_load_all((MANIFEST_DIR / "rdma.yaml").read_text())) == OVERLAYS[Transport.RDMA.value]
 

@@ -24,6 +24,7 @@ NAMESPACE = "kvpilot"
 
 NOT_DEFAULT: dict[str, Any] = {
     "transport": "mnnvl",
+    "namespace": "llm-serving",
     "prefill": 2,
     "decode": 3,
     "image": "registry.example/kvpilot:1",
@@ -133,13 +134,13 @@ def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
 
 
-def _peer_admits(peer: dict[str, Any], namespace: str, labels: dict[str, str]) -> bool:
-    """A ``from`` entry: a podSelector alone means the policy's own namespace."""
+def _peer_admits(peer: dict[str, Any], namespace: str, labels: dict[str, str], own: str) -> bool:
+    """A ``from`` entry: a podSelector alone means the policy's own namespace, ``own``."""
     ns_labels = {"kubernetes.io/metadata.name": namespace}
     if "namespaceSelector" in peer:
         ok = _matches(peer["namespaceSelector"], ns_labels)
         return ok and ("podSelector" not in peer or _matches(peer["podSelector"], labels))
-    return namespace == NAMESPACE and _matches(peer["podSelector"], labels)
+    return namespace == own and _matches(peer["podSelector"], labels)
 
 
 def may_connect(objects: list[dict[str, Any]], namespace: str, labels: dict[str, str], target: str, port: str) -> bool:
@@ -156,7 +157,8 @@ def may_connect(objects: list[dict[str, Any]], namespace: str, labels: dict[str,
         for rule in policy["spec"]["ingress"]:
             if port not in [p["port"] for p in rule["ports"]]:
                 continue
-            if "from" not in rule or any(_peer_admits(peer, namespace, labels) for peer in rule["from"]):
+            own = policy["metadata"]["namespace"]
+            if "from" not in rule or any(_peer_admits(peer, namespace, labels, own) for peer in rule["from"]):
                 return True
     return False
 
@@ -241,3 +243,29 @@ def test_the_image_s_build_context_leaves_out_the_clone_s_own_state() -> None:
         "grafana/alerts.yml",
     ):
         assert not ignored(path), path
+
+
+def test_every_object_lives_in_the_namespace_the_values_name() -> None:
+    spec = ClusterSpec(namespace="llm-serving", gateway_namespace="gaie-gw")
+    files = overlays(spec)
+    (created,) = [o for o in files["base"] if o["kind"] == "Namespace"]
+    assert created["metadata"] == {"name": "llm-serving", "labels": {"kubernetes.io/metadata.name": "llm-serving"}}
+    for objects in files.values():
+        for obj in objects:
+            if obj["kind"] != "Namespace":
+                assert obj["metadata"]["namespace"] == "llm-serving", (obj["kind"], obj["metadata"]["name"])
+    (monitor,) = [o for o in files["base"] if o["kind"] == "ServiceMonitor"]
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["llm-serving"]}
+    rdma = files[Transport.RDMA.value]
+    (envoy,) = [o for o in rdma if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "kvpilot-gateway-config"]
+    assert "kvpilot-router.llm-serving.svc.cluster.local" in envoy["data"]["envoy.yaml"]
+    envoy_pod = {"app.kubernetes.io/name": "kvpilot", "app.kubernetes.io/component": "gateway"}
+    assert may_connect(rdma, "llm-serving", envoy_pod, "kvpilot-router", "picker")
+    assert not may_connect(rdma, NAMESPACE, envoy_pod, "kvpilot-router", "picker")  # the default's name: another one
+    assert may_connect(rdma, "gaie-gw", GAIE_PROXY, "kvpilot-decode-0", "http")
+
+
+@pytest.mark.parametrize("bad", ["LLM", "-x", "a_b", "x" * 64, ""])
+def test_a_namespace_kubernetes_would_refuse_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="namespace: must be a DNS label"):
+        ClusterSpec(namespace=bad)
