@@ -66,6 +66,7 @@ class IntegrityLedger:
         self._done: dict[str, list[int]] = {}  # request id -> per group, blocks digested after their last write
         self._digests: dict[str, list[dict[int, bytes]]] = {}  # request id -> per group, block id -> digest
         self._pending: dict[str, tuple[dict[str, Any], tuple[tuple[int, ...], ...]]] = {}
+        self._awaiting: set[str] = set()  # requests whose step's digests the worker has not reported yet
         self._algo = ""
         self._reads: dict[str, ReadCheck] = {}
 
@@ -110,11 +111,13 @@ class IntegrityLedger:
                 done[g] = min(after // size, end)
             if any(groups):
                 jobs[request_id] = tuple(groups)
+        self._awaiting.update(jobs)
         return jobs
 
     def merge(self, report: object) -> None:
         """The worker's digests of a step (a :class:`DigestReport`; anything else is
         ignored); then completes the offers waiting for them."""
+        self._awaiting.clear()
         if isinstance(report, DigestReport):
             self._algo = report.algo or self._algo
             for request_id, groups in report.digests.items():
@@ -139,7 +142,9 @@ class IntegrityLedger:
             return
         assert params is not None
         remote = tuple(tuple(group) for group in _per_group(params.get("remote_block_ids")))
-        if not self._complete(request_id, offer, remote):
+        # a block the last step wrote may hold an older digest (a partial block digested
+        # before): wait for the step's report
+        if request_id in self._awaiting or not self._complete(request_id, offer, remote):
             self._pending[request_id] = (offer, remote)
             return
         self._drop(request_id)
@@ -163,11 +168,6 @@ class IntegrityLedger:
         self._done.pop(request_id, None)
         if request_id not in self._pending:
             self._digests.pop(request_id, None)
-
-    def forget(self, request_id: str) -> None:
-        """``request_id`` ended without an offer (aborted): drop what is kept for it."""
-        self._pending.pop(request_id, None)
-        self._drop(request_id)
 
     # ------------------------------------------------------------------ reader
     def read_started(

@@ -60,6 +60,8 @@ class PlayedWorker:
     layer: KVPilotWorker = field(init=False)
     landed: set[str] = field(default_factory=set)
     """Reads whose bytes have landed: the inner connector reports them finished next step."""
+    engine: Engine | None = None
+    """Set: each step writes new KV into the slots of the tokens it scheduled, as a forward pass does."""
 
     def __post_init__(self) -> None:
         gen = torch.Generator().manual_seed(self.seed)
@@ -70,6 +72,8 @@ class PlayedWorker:
     def __call__(self, out: SchedulerOutput) -> KVConnectorOutput:
         meta = out.kv_connector_metadata
         assert isinstance(meta, KVPilotMetadata)
+        if self.engine is not None:
+            self._forward(out, self.engine)
         self.layer.bind(meta)
         self.layer.after_forward()
         finished, failed = self.layer.transfer_results(self.landed, set())
@@ -82,6 +86,15 @@ class PlayedWorker:
             kv_connector_worker_meta=self.layer.take_report(),
             kv_connector_stats=None if stats.is_empty() else stats,
         )
+
+    def _forward(self, out: SchedulerOutput, engine: Engine) -> None:
+        cached = out.scheduled_cached_reqs
+        steps = [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs]
+        steps += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for request_id, computed in steps:
+            (blocks,) = engine.scheduler.kv_cache_manager.get_block_ids(request_id)
+            for position in range(computed, computed + out.num_scheduled_tokens[request_id]):
+                self.kv["layer"][blocks[position // BS], position % BS] = torch.randn(2)
 
     def land(self, out: SchedulerOutput, request_id: str, holder: PlayedWorker) -> list[int]:
         """Copy the holder's blocks into the ones NIXL's scheduler asked this worker to fill
@@ -222,3 +235,22 @@ def test_a_read_nixl_cannot_stop_is_left_to_finish(engines: Any) -> None:
     decode.step(worker=reader)
     assert request.status == WAITING_FOR_KV
     assert counters(decode, "unabortable_reads") == 1 and not counters(decode, "abandoned_reads")
+
+
+def test_a_decoders_session_offer_carries_digests_of_every_block_it_holds(engines: Any) -> None:
+    """Bidirectional mode: D offers its session's KV at the end of a decode; the digests cover
+    the blocks it read from P and those its decode steps wrote, the last step's included."""
+    holder = PlayedWorker(seed=1)
+    params = prefill(engines("prefill", {"bidirectional_kv_xfer": True}), holder)
+    decode = engines("decode", {"bidirectional_kv_xfer": True})
+    reader = PlayedWorker(seed=2, engine=decode)
+    decode.add("d-1", PROMPT, params, max_tokens=12)  # 87 + 12 tokens: the decode fills block 5 and opens 6
+    out = decode.step(worker=reader)
+    reader.land(out, "d-1", holder)
+    while "d-1" not in decode.finished:
+        decode.step(worker=reader)
+    offered = wire(decode.finished["d-1"])
+    offer = decode_offer(offered[PARAMS_KEY])
+    (blocks,) = offered["remote_block_ids"]
+    assert len(blocks) == 7
+    assert offer.kv_digests == (digest_blocks(GroupKV.of(reader.kv, ["layer"], NUM_BLOCKS), blocks),)
