@@ -4,8 +4,10 @@ One P/D fleet (KVPilotConnector, NIXL's own exporter on) with Prometheus scrapin
 every engine, every NIXL agent and the router (``fleet up --observe``), then traffic
 that does what the panels show: verified transfers through the router, a stream, a
 three-step session, offers D rejects (edited tokens, another contract), a prefill
-fallback, an engine error, a refused prompt, and a forged KV-event frame (a gap the
-engine cannot replay, carrying an event the router rejects). Then every query of
+fallback, an engine error, a refused prompt, a forged KV-event frame (a gap the
+engine cannot replay, carrying an event the router rejects), and two reads the engines'
+fault injector breaks (a corrupted block the KV digest catches, a lost completion the read
+deadline ends). Then every query of
 every panel, with the template variables set to "All" as Grafana sends it, is
 evaluated through Prometheus' HTTP API and must return a finite value; every alert
 expression evaluates; and the injected faults fire their alerts.
@@ -51,7 +53,16 @@ WINDOW = "10m"
 """``$__rate_interval`` in the checks: wider than the whole run, so each rate sees all of it."""
 FIRST_REQUEST_TIMEOUT_S = 900.0
 """D's first pull from P pays NIXL's handshake; on a busy 2-core box that has taken minutes."""
-FAULT_ALERTS = ("KVPilotKVEventGapUnrecoverable", "KVPilotPrefillFallbacks", "KVPilotOfferContractMismatch")
+FAULT_ALERTS = (
+    "KVPilotKVEventGapUnrecoverable",
+    "KVPilotPrefillFallbacks",
+    "KVPilotOfferContractMismatch",
+    "KVPilotKVDigestMismatch",
+    "KVPilotReadsAbandoned",
+)
+FAULTS = {"dash-corrupt": "corrupt_block", "dash-drop": "drop_completion"}
+"""Request id parts the engines' fault injector breaks the reads of."""
+READ_DEADLINE_FLOOR_S = 5.0
 
 
 def _rules_without_waiting(path: Path) -> Path:
@@ -160,6 +171,13 @@ def _drive(fleet: Fleet, prom: dashboards.Prometheus, tokenizer: PromptTokenizer
         w for w in yaml.safe_load((fleet.run_dir / "router.yaml").read_text())["workers"] if w["role"] == "decode"
     )
     _forge_kv_event_gap(decode_worker["kv_events_endpoint"], router, decode_worker["name"])
+    # Reads the fault injector breaks: D's read of P's KV corrupted (the digest catches it),
+    # then one whose completion is lost (the deadline ends it); D recomputes both.
+    for seed, fault in enumerate(FAULTS, start=8):
+        time.sleep(1.5)  # past peer_retry_after_s: the last failed read no longer skips P
+        prompt = ids(seed)
+        params = prefill_on(prefill, prompt, salt=None)
+        complete(decode, prompt, max_tokens=2, kv_transfer_params=params, request_id=f"{fault}-{uuid.uuid4().hex}")
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +191,13 @@ def observed(
         model_dir=model_dir,
         run_dir=run_dir,
         disaggregation="always",
-        connector_extra_config={"bidirectional_kv_xfer": True},
+        connector_extra_config={
+            "bidirectional_kv_xfer": True,
+            "fault_injection": {"request_ids": FAULTS},
+            "allow_fault_injection": True,
+            "read_deadline_floor_s": READ_DEADLINE_FLOOR_S,
+            "peer_retry_after_s": 1.0,
+        },
         **PORTS,
     )
     observe = ObserveSpec(port=PROMETHEUS_PORT, rules=_rules_without_waiting(run_dir / "alerts-now.yml"))
@@ -252,6 +276,13 @@ def test_panels_show_what_the_fleet_did(observed: tuple[Fleet, dashboards.Promet
         assert max(_values(r[f"{t} / Rejected blocks by reason / A"], reason=reason)) > 0, reason
         assert max(_values(r[f"{t} / Recomputed tokens by reason / A"], reason=reason)) > 0, reason
     assert max(_values(r[f"{t} / NIXL agent bytes / A"], worker="decode-0")) > 0  # D reads P's KV
+    assert max(_values(r[f"{t} / Blocks checked and digest mismatches / A"])) > 0
+    assert max(_values(r[f"{t} / Blocks checked and digest mismatches / B"])) > 0  # the corrupted read
+    assert max(_values(r[f"{t} / Reads abandoned at their deadline / A"])) > 0  # the lost completion
+    for reason in ("digest_mismatch", "deadline"):
+        assert max(_values(r[f"{t} / Blocks failed by the checks / A"], reason=reason)) > 0, reason
+    for kind in FAULTS.values():
+        assert max(_values(r[f"{t} / Faults injected (tests only) / A"], kind=kind)) > 0, kind
     stages = {s["metric"]["stage"]: float(s["value"][1]) for s in r[f"{rt} / Mean TTFT by stage / A"]}
     assert set(stages) == {"route", "prefill", "decode_first_token"} and min(stages.values()) > 0
     assert max(_values(r[f"{rt} / Decisions by kind / A"], kind="remote_prefill")) > 0
