@@ -271,6 +271,8 @@ class KVPilotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._inner.start_load_kv(forward_context, **kwargs)
+        if self._worker is not None:
+            self._worker.after_start_load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._inner.wait_for_layer_load(layer_name)

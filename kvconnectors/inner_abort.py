@@ -6,7 +6,10 @@ left running would go on writing into blocks vLLM has handed back for recomputat
 handle is released while it runs; vLLM's own failure path does the same) and removes the
 request from the worker's books, so that it is never reported done, and
 :func:`drop_queued_reads` removes a read queued behind a handshake before the inner
-connector's ``start_load_kv`` can post it. The attributes read are vLLM 0.32's
+connector's ``start_load_kv`` can post it; a handshake that finishes between the two (its
+callback runs on NIXL's handshake thread) can still get a read posted, which the worker
+layer stops right after ``start_load_kv`` (:func:`posted_read`), before that step's forward
+pass: a window of one ``start_load_kv`` call remains. The attributes read are vLLM 0.32's
 ``NixlBaseConnectorWorker`` (``connector_worker``): ``_recving_transfers``,
 ``_recving_metadata``, ``_recv_failures``, ``_pending_recv_notifs``, ``_ready_requests``
 and ``nixl_wrapper``. Another inner connector, or a NIXL worker without them, cannot
@@ -51,6 +54,12 @@ def abort_read(inner: object, request_id: str) -> bool:
     getattr(worker, "_pending_recv_notifs", {}).pop(request_id, None)
     drop_queued_reads(inner, {request_id})
     return True
+
+
+def posted_read(inner: object, request_id: str) -> bool:
+    """Whether the inner NIXL worker has a transfer of ``request_id`` in its books."""
+    worker = _nixl_worker(inner)
+    return worker is not None and request_id in worker._recving_transfers
 
 
 def drop_queued_reads(inner: object, request_ids: Collection[str]) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.kvconnectors.faults import FaultInjector, FaultKind
-from kvpilot.kvconnectors.inner_abort import abort_read, drop_queued_reads
+from kvpilot.kvconnectors.inner_abort import abort_read, drop_queued_reads, posted_read
 from kvpilot.kvconnectors.kv_digest import DigestAlgo, DigestLayoutError, GroupKV, algo_for, digest_blocks, mismatched
 from kvpilot.kvconnectors.metadata import DigestReport, KVPilotMetadata, ReadCheck
 from kvpilot.kvconnectors.stats import KVPilotStats
@@ -109,6 +109,13 @@ class KVPilotWorker:
             fault = self._injector.pick(request_id) if self._injector is not None else None
             self._reads[request_id] = _Read(check, now, fault)
         drop_queued_reads(self._inner, self._abandoned.keys())
+
+    def after_start_load(self) -> None:
+        """After the inner connector posted this step's reads: stop any read of an abandoned
+        request that a handshake finishing late queued and the inner connector just posted."""
+        for request_id in self._abandoned:
+            if posted_read(self._inner, request_id):
+                abort_read(self._inner, request_id)
 
     def after_forward(self) -> None:
         """Digest this step's jobs (the forward pass has written their KV): one

@@ -115,3 +115,19 @@ def test_a_steps_digests_are_each_requests_own() -> None:
     group = GroupKV.of(kv, ["l"], NUM_BLOCKS)
     assert report.digests == {r: ((ids[0], digest_blocks(group, ids[0])),) for r, ids in jobs.items()}
     assert layer.take_report() is None
+
+
+def test_a_read_posted_after_its_abandonment_is_stopped_at_once() -> None:
+    """A handshake that finished late got the abandoned read posted: stopped after start_load_kv."""
+    reader = Reader(FaultKind.DROP_COMPLETION)
+    nixl = reader.inner.connector_worker
+    nixl.post("cmpl-r1-0", 5)
+    reader.clock.now += DEADLINE_S + 1
+    assert reader.report() == ({"cmpl-r1-0"}, set(LOCAL))  # abandoned: handle 5 released
+    nixl._ready_requests.put(("cmpl-r1-0", object()))
+    nixl._ready_requests.put(("cmpl-r9-0", object()))
+    reader.layer.bind(KVPilotMetadata(inner=None))  # queued behind the handshake: dropped
+    assert [nixl._ready_requests.get_nowait()[0]] == ["cmpl-r9-0"]
+    nixl.post("cmpl-r1-0", 6)  # posted all the same (the handshake thread won the race)
+    reader.layer.after_start_load()
+    assert nixl.nixl_wrapper.released == [5, 6] and "cmpl-r1-0" not in nixl._recving_transfers
