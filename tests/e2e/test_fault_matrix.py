@@ -265,14 +265,18 @@ ROLES = {"p-to-d": ("prefill", "decode"), "d-to-p": ("decode", "prefill")}
 reversal: D prefills the session's prefix for P (``do_remote_decode``), P reads it."""
 
 
-def _handoff(fleet: Fleet, x: list[int], request_id: str, direction: str) -> tuple[Completion, float]:
+def _handoff(
+    fleet: Fleet, x: list[int], request_id: str, direction: str, max_tokens: int = 6
+) -> tuple[Completion, float]:
     """The holder prefills ``x`` for the reader, the reader reads the holder's KV under
-    ``request_id`` and answers six tokens: the answer, and how long the reader took."""
+    ``request_id`` and answers ``max_tokens`` tokens: the answer, and how long the reader took."""
     holder, reader = (fleet.by_role(role)[0].url for role in ROLES[direction])
     params = complete(holder, x, max_tokens=1, kv_transfer_params=handoff_request()).kv_transfer_params
     assert params is not None and params["kvpilot"]["kv_digests"], "the holder's offer carries no KV digests"
     started = time.perf_counter()
-    out = complete(reader, x, max_tokens=6, kv_transfer_params=params, request_id=request_id, timeout=READ_BOUND_S)
+    out = complete(
+        reader, x, max_tokens=max_tokens, kv_transfer_params=params, request_id=request_id, timeout=READ_BOUND_S
+    )
     return out, time.perf_counter() - started
 
 
@@ -332,3 +336,29 @@ def test_a_faulty_read_is_never_attached_and_the_answer_is_the_colocated_one(
     assert delta(after, before, "vllm:kvpilot_faults_injected_total", kind=kind) == 1
     reason = "digest_mismatch" if fault == "fm-corrupt" else "deadline"
     assert delta(after, before, "vllm:kvpilot_integrity_failed_blocks_total", reason=reason) >= 1
+
+
+DIGEST_SHARE_BOUND = 0.01
+"""The KV digest's cost, both sides together, as a share of the handoffs' time to first token."""
+
+
+def test_the_digest_costs_under_one_percent_of_the_handoffs_ttft(fleet: Fleet, tokenizer: PromptTokenizer) -> None:
+    """Ten clean handoffs: the worker time both engines spent digesting (the holder its
+    offered blocks, the reader what landed) against the time from P's prefill request to D's
+    answer of one token (the handoff's time to first token), summed. The share is printed (``-s``)."""
+    engines = [fleet.by_role(role)[0].url for role in ("prefill", "decode")]
+    digest = "vllm:kvpilot_digest_seconds_total"
+    before = [scrape(url) for url in engines]
+    ttft = 0.0
+    for seed in range(10):
+        x = tokenizer.text_token_ids(filler_text(1500, 300 + seed))
+        started = time.perf_counter()
+        _handoff(fleet, x, f"fm-cost-{uuid.uuid4().hex}", "p-to-d", max_tokens=1)
+        ttft += time.perf_counter() - started
+    after = [
+        wait_for_metric(url, digest, lambda n, b=b: n > total(b, digest))
+        for url, b in zip(engines, before, strict=True)
+    ]
+    spent = sum(delta(a, b, digest) for a, b in zip(after, before, strict=True))
+    print(f"digest {spent * 1e3:.1f} ms of {ttft * 1e3:.0f} ms TTFT over 10 handoffs: {spent / ttft:.3%}")
+    assert 0 < spent < DIGEST_SHARE_BOUND * ttft
