@@ -73,6 +73,24 @@ def router_workers(router_url: str) -> list[str]:
         return []
 
 
+def native_picker_config(router_url: str, frontend: str) -> str:
+    """The compiled picker's config (``routing/native/README.md``) for the fleet the router
+    serves now (its ``/debug/fleet``, from the router's host): each worker by its Dynamo
+    instance id, subscribed to its KV events (the mocker binds them), every request sent to
+    ``frontend`` (``host:port``) naming its instance."""
+    with urllib.request.urlopen(f"{router_url}/debug/fleet", timeout=5) as resp:
+        fleet = json.loads(resp.read())
+    libzmq = next((Path(zmq.__file__).parent.parent / "pyzmq.libs").glob("libzmq*.so*"), None)
+    if libzmq is None:
+        raise FleetStartError("the compiled picker needs pyzmq's bundled libzmq (pyzmq.libs/libzmq*.so)")
+    lines = [f"block_size {fleet['block_size']}", f"libzmq {libzmq}", f"dynamo_frontend {frontend}"]
+    for worker in fleet["workers"]:
+        if worker["instance_id"] is None or worker["kv_events_endpoint"] is None:
+            raise FleetStartError(f"the compiled picker cannot reach worker {worker['name']}: {worker}")
+        lines.append(f"worker {worker['instance_id']} connect {worker['kv_events_endpoint']}")
+    return "\n".join(lines)
+
+
 def wait_for_workers(router_url: str, done: Callable[[list[str]], bool], timeout: float = 30.0) -> list[str]:
     """The router's workers once ``done(workers)``; raises TimeoutError naming them."""
     deadline = time.monotonic() + timeout
@@ -133,6 +151,9 @@ def up(spec: DynamoFleetSpec, timeout: float = 120.0, progress: Callable[[str], 
             wait_for_workers(router.url, lambda names: len(names) == len(workers), timeout)
             progress(f"  router on {router.url}, serving {len(workers)} workers from Dynamo's discovery")
             if gateway is not None:
+                if spec.native_picker:
+                    native = native_picker_config(router.url, f"{HOST}:{spec.frontend_port}")
+                    gateway = dataclasses.replace(gateway, native_picker=native)
                 return _record(
                     spec, started, gateway=start_gateway(gateway, spec.run_dir, time.monotonic() + timeout, progress)
                 )

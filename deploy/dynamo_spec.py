@@ -100,6 +100,10 @@ class DynamoFleetSpec:
     """Where Dynamo routes (not kvpilot): Envoy on ``gateway_port`` in front of the frontend
     with a fixed route (no picker), the gateway's hop alone (a baseline beside kvpilot's
     Envoy and picker)."""
+    native_picker: bool = False
+    """Where kvpilot routes through Envoy: Envoy decides each token-id prompt itself with the
+    compiled picker (``routing/native``), its index fed by the workers' KV events; the Python
+    picker decides the rest."""
     envoy_upstream_http2: bool = False
     """Envoy reaches the frontend over HTTP/2 on kept-alive connections
     (:attr:`~kvpilot.deploy.envoy_spec.GatewaySpec.upstream_http2`), not one HTTP/1.1

@@ -60,6 +60,7 @@ from kvpilot.routing.gateway.contract import (
     ACCESS_LOG_NAME,
     ANSWER_HEADERS,
     CLIENT_ATTRIBUTE,
+    DECIDED_HEADER,
     DESTINATION_HEADER,
     ROUTING_HEADERS,
     LogAttribute,
@@ -131,6 +132,11 @@ class GatewaySpec:
     """Envoy speaks HTTP/2 (cleartext, prior knowledge) to the engines or the frontend, on
     kept-alive connections; else HTTP/1.1 with one request per connection
     (:func:`_upstream_protocol`)."""
+    native_picker: str | None = None
+    """The compiled picker's config (``routing/native/README.md``: its workers, their KV-event
+    endpoints, the block size): Envoy decides each request whose token ids it can read with
+    ``libkvpilot_picker.so`` in its own process, asking the picker over ext_proc for the rest
+    (a request it decided skips ext_proc). ``None``: the picker decides every request."""
     fixed_upstream: str | None = None
     """``host:port`` every request goes to, with no picker asked (no ext_proc, Lua filter or
     access log): Envoy as a plain proxy in front of a router of another's (Dynamo's frontend
@@ -278,7 +284,25 @@ def _picker_unreachable() -> dict[str, Any]:
     }
 
 
+NATIVE_MODULE = "kvpilot_picker"
+"""The compiled picker's name: its library is ``lib<name>.so`` (``routing/native/build``)."""
+
+
+def _native_picker(spec: GatewaySpec) -> dict[str, Any]:
+    """The dynamic-module filter running the compiled picker with :attr:`GatewaySpec.native_picker`."""
+    return {
+        "name": "envoy.filters.http.dynamic_modules",
+        "typed_config": {
+            "@type": TYPES + "filters.http.dynamic_modules.v3.DynamicModuleFilter",
+            "dynamic_module_config": {"name": NATIVE_MODULE, "do_not_close": True},
+            "filter_name": NATIVE_MODULE,
+            "filter_config": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": spec.native_picker},
+        },
+    }
+
+
 def _routes(spec: GatewaySpec) -> list[dict[str, Any]]:
+    decided: list[dict[str, Any]] = []
     picked = {
         "match": {"prefix": "/", "headers": [{"name": DESTINATION_HEADER, "present_match": True}]},
         "route": {"cluster": PICKED_CLUSTER, "timeout": "0s"},
@@ -288,12 +312,27 @@ def _routes(spec: GatewaySpec) -> list[dict[str, Any]]:
             for name in ANSWER_HEADERS
         ],
     }
+    if spec.native_picker is not None:  # decided in Envoy: ext_proc is skipped for it
+        disabled = {"@type": TYPES + "filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}
+        decided = [
+            {
+                **picked,
+                "match": {
+                    "prefix": "/",
+                    "headers": [
+                        {"name": DESTINATION_HEADER, "present_match": True},
+                        {"name": DECIDED_HEADER, "present_match": True},
+                    ],
+                },
+                "typed_per_filter_config": {"envoy.filters.http.ext_proc": disabled},
+            }
+        ]
     if spec.on_picker_failure is PickerFailure.ROUND_ROBIN:
         unpicked: dict[str, Any] = {"match": {"prefix": "/"}, "route": {"cluster": FALLBACK_CLUSTER, "timeout": "0s"}}
     else:  # reached only when the picker let a request through without a destination
         body = '{"error": {"message": "kvpilot\'s picker named no destination", "type": "unavailable", "code": 503}}'
         unpicked = {"match": {"prefix": "/"}, "direct_response": {"status": 503, "body": {"inline_string": body}}}
-    return [picked, unpicked]
+    return [*decided, picked, unpicked]
 
 
 def _upstream_protocol(spec: GatewaySpec) -> dict[str, Any]:
@@ -389,6 +428,7 @@ def envoy_bootstrap(spec: GatewaySpec) -> dict[str, Any]:
         filters = [
             # answers: after ext_proc on the response path, which may hold a response's headers
             _lua("kvpilot.withhold_from_answers", answers_lua()),
+            *([_native_picker(spec)] if spec.native_picker is not None else []),
             _ext_proc(spec),
             # requests: after ext_proc, whose destination header tells a routed request
             _lua("kvpilot.check_unrouted_requests", requests_lua()),

@@ -20,6 +20,7 @@ from kvpilot.deploy.envoy_spec import ENVOY_CONFIG, GatewaySpec, PickerFailure, 
 from kvpilot.routing.config import IndexBackend, Role, Worker
 from kvpilot.routing.fleet import kv_events_config
 from kvpilot.routing.ids import WorkerId
+from kvpilot.routing.native import LIBRARY as NATIVE_LIBRARY
 
 HOST = "127.0.0.1"
 ROUTER_CONFIG = "router.yaml"
@@ -373,7 +374,12 @@ def envoy_plan(spec: GatewaySpec, run_dir: Path) -> ProcessPlan:
         "--log-level",
         "warn",
     )
-    return ProcessPlan("envoy", None, argv, {}, spec.gateway_port, (spec.admin_port,), ("admin",), "gateway HTTP")
+    env = {} if spec.native_picker is None else {MODULES_PATH_ENV: str(NATIVE_LIBRARY.parent)}
+    return ProcessPlan("envoy", None, argv, env, spec.gateway_port, (spec.admin_port,), ("admin",), "gateway HTTP")
+
+
+MODULES_PATH_ENV = "ENVOY_DYNAMIC_MODULES_SEARCH_PATH"
+"""Where Envoy looks for a dynamic module's library (the compiled picker's)."""
 
 
 MAX_LOGPROBS_FLAG = "--max-logprobs"

@@ -293,6 +293,24 @@ class RouterCore:
         """``/health``'s answer: the workers served now."""
         return {"status": "ok", "workers": [w.name for w in self.fleet.workers]}
 
+    def fleet_payload(self) -> dict[str, Any]:
+        """``/debug/fleet``'s answer: each worker served now, with its role, URL, KV-event
+        endpoint and Dynamo instance id (``None`` beside vLLM engines)."""
+        instance = self.discovery.instance_id if self.discovery is not None else (lambda _: None)
+        return {
+            "block_size": self.config.index.block_size,
+            "workers": [
+                {
+                    "name": w.name,
+                    "role": w.role.value,
+                    "url": w.url,
+                    "kv_events_endpoint": w.kv_events_endpoint,
+                    "instance_id": instance(w.name),
+                }
+                for w in self.fleet.workers
+            ],
+        }
+
     def models_payload(self) -> dict[str, Any]:
         """``/v1/models``' answer: the one served model."""
         model = {"id": self.config.server.model_name, "object": "model", "owned_by": "kvpilot"}

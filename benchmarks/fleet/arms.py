@@ -14,6 +14,9 @@ mocker fleet (:class:`kvpilot.deploy.dynamo_spec.DynamoFleetSpec`, restarted per
   direct mode, asking kvpilot's picker (ext_proc) for each request's instances; Envoy
   carries the stream, the frontend only forwards. Its handicap: one more hop (client ->
   Envoy -> frontend), in compiled code, and the picker's decision before it.
+* ``kvpilot_native``: ``kvpilot``'s fleet with the compiled picker in Envoy
+  (``routing/native``): Envoy decides every token-id prompt itself (hash, match, Dynamo's cost,
+  its own load bookings; no session terms) and asks the Python picker only for the rest.
 * ``kvpilot_relay``: kvpilot's router itself in front of the frontend (no Envoy), relaying
   every streamed token in Python: the layout before the picker, kept to measure what
   leaving the token path bought.
@@ -36,6 +39,7 @@ class ArmName(str, enum.Enum):
     DYNAMO_KV_TUNED = "dynamo_kv_tuned"
     DYNAMO_KV_ENVOY = "dynamo_kv_envoy"
     KVPILOT = "kvpilot"
+    KVPILOT_NATIVE = "kvpilot_native"
     KVPILOT_RELAY = "kvpilot_relay"
 
 
@@ -105,6 +109,8 @@ class Arm:
     """kvpilot's router relays the streams itself: no Envoy (``gateway_port`` 0)."""
     envoy_in_front: bool = False
     """Dynamo routes behind Envoy with a fixed route (:attr:`DynamoFleetSpec.envoy_in_front`)."""
+    native_picker: bool = False
+    """Envoy decides token-id prompts with the compiled picker (:attr:`DynamoFleetSpec.native_picker`)."""
 
     def spec(self, fleet: DynamoFleetSpec) -> DynamoFleetSpec:
         """``fleet`` (workers, ports, mocker options) with this arm's routing."""
@@ -115,6 +121,7 @@ class Arm:
             router_cost=self.router_cost,
             gateway_port=0 if self.relay else fleet.gateway_port,
             envoy_in_front=self.envoy_in_front,
+            native_picker=self.native_picker,
         )
 
 
@@ -151,6 +158,14 @@ def arms(
             FrontendRouting.DIRECT,
             (),
             kvpilot_cost,
+        ),
+        Arm(
+            ArmName.KVPILOT_NATIVE,
+            "Envoy + compiled picker (Python picker for the rest) -> Dynamo frontend (direct)",
+            FrontendRouting.DIRECT,
+            (),
+            kvpilot_cost,
+            native_picker=True,
         ),
         Arm(
             ArmName.KVPILOT_RELAY,

@@ -11,7 +11,10 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 host name: Envoy's original-destination cluster connects to nothing else), as a header and
 under the same key in the dynamic metadata namespace :data:`DESTINATION_METADATA_NAMESPACE`."""
 DESTINATION_METADATA_NAMESPACE = "envoy.lb"
-ROUTING_HEADERS = (DESTINATION_HEADER, "x-dynamo-worker-instance-id", "x-dynamo-prefill-instance-id")
+DECIDED_HEADER = "x-kvpilot-decided-by"
+"""Set by the compiled picker in Envoy (``routing/native/kvp_module.c``) on a request it decided:
+Envoy then skips ext_proc for it."""
+ROUTING_HEADERS = (DESTINATION_HEADER, DECIDED_HEADER, "x-dynamo-worker-instance-id", "x-dynamo-prefill-instance-id")
 """Headers only the picker sets: Envoy strips them from what clients send, so no client
 routes itself past the picker."""
 ANSWER_HEADERS = (

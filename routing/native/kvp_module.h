@@ -15,7 +15,7 @@
 #define KVP_NAME_MAX 256
 
 typedef struct kvp_worker {
-  char destination[KVP_NAME_MAX]; /* host:port, the header's value */
+  char destination[KVP_NAME_MAX]; /* host:port, the header's value; beside Dynamo its instance id */
   char endpoint[KVP_NAME_MAX];    /* the engine's KV-event socket */
   int bind;                       /* 1: the engine connects and we bind; 0: we connect */
   atomic_long prefill_blocks, decode_blocks, requests;
@@ -33,6 +33,7 @@ typedef struct kvp_picker {
   kvp_cost_config cost;
   char topic[64];
   char libzmq[512];
+  char dynamo_frontend[KVP_NAME_MAX]; /* set: every request goes there, naming its worker's instance */
   size_t max_body_bytes, max_prompt_ids, max_event_tokens;
   /* the feeder */
   pthread_t feeder;

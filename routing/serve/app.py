@@ -57,7 +57,7 @@ from kvpilot.routing.serve.sse import sse_events
 from kvpilot.routing.serve.tokenizer import TOKENIZER_FILE, PromptTokenizer
 from kvpilot.routing.serve.upstream import Api
 
-ADMIN_PATHS = frozenset({"/debug/route"})
+ADMIN_PATHS = frozenset({"/debug/route", "/debug/fleet"})
 """Endpoints for operators, not clients (:meth:`RouterServer.admin_allowed`)."""
 ADMIN_REFUSED_MESSAGE = (
     "an admin endpoint needs the admin token (Authorization: Bearer <token>, server.admin_token_env), "
@@ -162,6 +162,7 @@ class RouterServer:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/debug/route", self._debug_route)
+        app.router.add_get("/debug/fleet", self._debug_fleet)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -210,6 +211,11 @@ class RouterServer:
     async def _health(self, _: web.Request) -> web.Response:
         """Liveness: 200 with the workers served now (no API key needed)."""
         return web.json_response(self.core.health_payload())
+
+    async def _debug_fleet(self, _: web.Request) -> web.Response:
+        """The workers served now, each with its role, URL, KV-event endpoint and (beside
+        Dynamo) its instance id: what a gateway's own decision needs to reach them."""
+        return web.json_response(self.core.fleet_payload())
 
     async def _models(self, _: web.Request) -> web.Response:
         """The served model (``server.model_name``), OpenAI's list format."""

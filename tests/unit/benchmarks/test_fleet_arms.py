@@ -17,6 +17,7 @@ def test_the_arms_in_order_each_on_the_same_fleet_with_its_own_routing():
         ArmName.DYNAMO_KV_TUNED: FrontendRouting.KV,
         ArmName.DYNAMO_KV_ENVOY: FrontendRouting.KV,
         ArmName.KVPILOT: FrontendRouting.DIRECT,
+        ArmName.KVPILOT_NATIVE: FrontendRouting.DIRECT,
         ArmName.KVPILOT_RELAY: FrontendRouting.DIRECT,
     }
     assert all((s.workers, s.speedup_ratio) == (4, 3.0) for s in specs.values())  # the same workers
@@ -26,7 +27,12 @@ def test_the_arms_in_order_each_on_the_same_fleet_with_its_own_routing():
     assert envoy_tuned.frontend_flags == TUNED_FLAGS and envoy_tuned.gateway is not None
     assert envoy_tuned.gateway.fixed_upstream == f"127.0.0.1:{base.frontend_port}"
     assert envoy_tuned.client_url.endswith(f":{base.gateway_port}")
-    assert [n for n, s in specs.items() if s.kvpilot_routes] == [ArmName.KVPILOT, ArmName.KVPILOT_RELAY]
+    assert [n for n, s in specs.items() if s.kvpilot_routes] == [
+        ArmName.KVPILOT,
+        ArmName.KVPILOT_NATIVE,
+        ArmName.KVPILOT_RELAY,
+    ]
+    assert [n for n, s in specs.items() if s.native_picker] == [ArmName.KVPILOT_NATIVE]
     assert specs[ArmName.KVPILOT].gateway is not None and specs[ArmName.KVPILOT_RELAY].gateway is None
     assert specs[ArmName.KVPILOT].client_url.endswith(f":{base.gateway_port}")  # clients talk to Envoy
     assert specs[ArmName.KVPILOT_RELAY].client_url.endswith(f":{base.router_port}")

