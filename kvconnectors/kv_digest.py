@@ -153,24 +153,26 @@ def _xxh3_digests(group: GroupKV, block_ids: Sequence[int]) -> bytes:
     for block_id in block_ids:
         if not 0 <= block_id < num_blocks:
             raise IndexError(f"block id {block_id} out of range for a cache of {num_blocks} blocks")
-    arrays = [_cpu_bytes(layer) for layer in group.layers]
+    layers = [_cpu_rows(layer, block_ids) for layer in group.layers]
     hasher = xxhash.xxh3_64()
     out = bytearray()
-    for block_id in block_ids:
+    for i, block_id in enumerate(block_ids):
         hasher.reset()
-        for array in arrays:
-            hasher.update(memoryview(array[block_id]))
+        for array, by_id in layers:
+            hasher.update(memoryview(array[block_id if by_id else i]))
         out += hasher.intdigest().to_bytes(DIGEST_BYTES, "little")
     return bytes(out)
 
 
-def _cpu_bytes(layer: torch.Tensor) -> np.ndarray:
-    """The layer's blocks as a ``[num_blocks, block_bytes]`` uint8 array; a view of the
-    cache where each block is contiguous, else a copy."""
-    flat = layer.reshape(layer.shape[0], -1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    return flat.view(torch.uint8).cpu().numpy()
+def _cpu_rows(layer: torch.Tensor, block_ids: Sequence[int]) -> tuple[np.ndarray, bool]:
+    """The layer's blocks as rows of a uint8 array, and whether a row is found by block id
+    (a view of the whole cache, whose blocks are contiguous: vLLM's CPU layout) or by the
+    block's place in ``block_ids`` (a copy of those blocks only, for any other layout)."""
+    if layer.is_contiguous():
+        return layer.reshape(layer.shape[0], -1).view(torch.uint8).numpy(), True
+    index = torch.tensor(list(block_ids), dtype=torch.int64)
+    picked = layer.index_select(0, index).reshape(len(block_ids), -1)
+    return picked.view(torch.uint8).numpy(), False
 
 
 def _mix_digests(group: GroupKV, block_ids: Sequence[int]) -> bytes:
