@@ -215,6 +215,10 @@ def test_the_admin_endpoint_is_closed_whatever_else_is_configured(model_dir, mon
                     assert json.loads(text)["decode_worker"] == "co-0", case
                 respelled = yarl.URL("/debug/%72oute", encoded=True)  # the same route, spelled otherwise
                 assert (await client.post(respelled, json={"prompt": PROMPT}, headers=headers)).status == status, case
+                fleet = await client.get("/debug/fleet", headers=headers)  # the other admin endpoint, the same rule
+                assert fleet.status == status, case
+                if status == 200:
+                    assert [w["name"] for w in (await fleet.json())["workers"]] == ["co-0"], case
                 client_status = 401 if api_key and sent != "API key" else 200
                 models = await client.get("/v1/models", headers=headers)
                 assert models.status == client_status, case
@@ -241,6 +245,7 @@ def test_every_endpoint_is_declared_open_client_or_admin(model_dir):
         "/health": Access.OPEN,
         "/metrics": Access.OPEN,
         "/debug/route": Access.ADMIN,
+        "/debug/fleet": Access.ADMIN,
     }
     config = load_config(_write_config(model_dir))
     routes = build_server(config, fleet_from_config(config), feed_index=False).app().router.routes()
