@@ -1,9 +1,10 @@
 """kvpilot's own CPU per request on the live path, stage by stage, from a fleet results file
-(``bench_fleet.py --json`` with the arms ``kvpilot`` and ``dynamo_kv_envoy``).
+(``bench_fleet.py --json`` with the arm ``dynamo_kv_envoy`` and ``kvpilot`` or ``kvpilot_native``).
 
 The rows sum to kvpilot's whole hop: Envoy's CPU (split into what Envoy spends proxying, its
 CPU in arm ``dynamo_kv_envoy`` with a fixed route on the same requests, and what the picker's
-filters add: ext_proc, the Lua filters, the access log) plus the router process's, split by
+filters add: ext_proc, the Lua filters, the access log; in ``kvpilot_native``'s, the compiled
+picker's decisions and its KV-event feed too) plus the router process's, split by
 thread (:func:`benchmarks.fleet.bench.thread_cpu`); what no live thread accounts for (threads
 that ended, child processes) is its own row. Pure."""
 
@@ -32,10 +33,14 @@ MIN_ROW_S = 1e-5
 """A thread under this CPU per request counts among :data:`OTHER`."""
 
 
-def stage_rows(results: dict[str, Any]) -> list[tuple[str, float]] | None:
-    """``(stage, CPU seconds per request)`` of arm ``kvpilot``, summing to its router's and
-    Envoy's CPU per request; ``None`` when the file has no per-thread CPU of the router."""
-    arm = results.get("kvpilot")
+ARMS = ("kvpilot", "kvpilot_native")
+"""The arms whose hop is kvpilot's: the picker, and the compiled picker in Envoy."""
+
+
+def stage_rows(results: dict[str, Any], name: str = "kvpilot") -> list[tuple[str, float]] | None:
+    """``(stage, CPU seconds per request)`` of arm ``name``, summing to its router's and
+    Envoy's CPU per request; ``None`` when the file has no per-thread CPU of its router."""
+    arm = results.get(name)
     if arm is None:
         return None
     cpu: dict[str, float] = arm["cpu_s_per_request"]
@@ -47,7 +52,12 @@ def stage_rows(results: dict[str, Any]) -> list[tuple[str, float]] | None:
     fixed = results.get("dynamo_kv_envoy", {}).get("cpu_s_per_request", {}).get("envoy")
     if envoy is not None and fixed is not None:
         rows.append(("Envoy: proxying (its CPU with a fixed route, arm dynamo_kv_envoy)", fixed))
-        rows.append(("Envoy: the picker's filters (ext_proc, Lua, access log)", envoy - fixed))
+        what = (
+            "the compiled picker, ext_proc, Lua, access log"
+            if name == "kvpilot_native"
+            else "ext_proc, Lua, access log"
+        )
+        rows.append((f"Envoy: the picker's filters ({what})", envoy - fixed))
     elif envoy is not None:
         rows.append(("Envoy", envoy))
     other = 0.0
@@ -62,11 +72,15 @@ def stage_rows(results: dict[str, Any]) -> list[tuple[str, float]] | None:
 
 
 def stage_table(results: dict[str, Any]) -> str:
-    """:func:`stage_rows` as a markdown table with its total; empty without them."""
-    rows = stage_rows(results)
-    if rows is None:
-        return ""
-    lines = ["| kvpilot's hop, by stage | CPU ms per request |", "|---|---:|"]
-    lines += [f"| {stage} | {seconds * 1e3:.2f} |" for stage, seconds in rows]
-    lines.append(f"| **total** | **{sum(s for _, s in rows) * 1e3:.2f}** |")
-    return "\n".join(lines)
+    """:func:`stage_rows` of each of :data:`ARMS` in ``results`` as a markdown table with its
+    total; empty without them."""
+    tables = []
+    for name in ARMS:
+        rows = stage_rows(results, name)
+        if rows is None:
+            continue
+        lines = [f"| arm {name}: kvpilot's hop, by stage | CPU ms per request |", "|---|---:|"]
+        lines += [f"| {stage} | {seconds * 1e3:.2f} |" for stage, seconds in rows]
+        lines.append(f"| **total** | **{sum(s for _, s in rows) * 1e3:.2f}** |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)

@@ -27,7 +27,7 @@ def test_the_stages_sum_to_kvpilot_s_whole_hop():
     assert sum(s for _, s in rows) == pytest.approx(0.008 + 0.0095)
     named = dict(rows)
     assert named["Envoy: the picker's filters (ext_proc, Lua, access log)"] == pytest.approx(0.0025)
-    assert "**17.50**" in stage_table(RESULTS)
+    assert "**17.50**" in stage_table(RESULTS) and "arm kvpilot:" in stage_table(RESULTS)
 
 
 def test_without_the_router_s_threads_there_is_no_stage_table():
