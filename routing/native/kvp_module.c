@@ -20,6 +20,7 @@
 #define ABI_VERSION "v0.2.0"
 #define DESTINATION_HEADER "x-gateway-destination-endpoint"
 #define DECIDED_HEADER "x-kvpilot-decided-by"
+#define DYNAMO_INSTANCE_HEADER "x-dynamo-worker-instance-id"
 
 /* ---- Envoy's side of the ABI (callbacks), as documented ---- */
 typedef struct { const char *ptr; size_t length; } envoy_buffer;
@@ -212,6 +213,10 @@ static int choose(kvp_picker *pk, const uint32_t *ids, size_t n_ids, double *gpu
       loads[w].prefill_blocks = (double)atomic_load(&pk->workers[w].prefill_blocks);
       loads[w].decode_blocks = (double)atomic_load(&pk->workers[w].decode_blocks);
       loads[w].requests = (double)atomic_load(&pk->workers[w].requests);
+      /* a candidate's decode load grows by the blocks it does not cache already (the ledger's
+       * shared-decode rule, the cached prefix standing in for the active one); each request
+       * books its whole prompt, as the ledger books a request's chain */
+      loads[w].shared_decode_blocks = overlap[4 * w];
     }
     size_t n_ties = kvp_price(&pk->cost, blocks, n, overlap, loads, costs, ties);
     if (n_ties) {
@@ -238,7 +243,14 @@ static void decide(filter *f, void *fe) {
   free(ids);
   if (worker < 0) return count(f, fe, 0);
   kvp_worker *w = &pk->workers[worker];
-  envoy_dynamic_module_callback_http_set_header(fe, HEADER_REQUEST, text(DESTINATION_HEADER), text(w->destination));
+  if (pk->dynamo_frontend[0]) { /* Dynamo's frontend in direct mode serves the instance the header names */
+    envoy_dynamic_module_callback_http_set_header(fe, HEADER_REQUEST, text(DESTINATION_HEADER),
+                                                  text(pk->dynamo_frontend));
+    envoy_dynamic_module_callback_http_set_header(fe, HEADER_REQUEST, text(DYNAMO_INSTANCE_HEADER),
+                                                  text(w->destination));
+  } else {
+    envoy_dynamic_module_callback_http_set_header(fe, HEADER_REQUEST, text(DESTINATION_HEADER), text(w->destination));
+  }
   envoy_dynamic_module_callback_http_set_header(fe, HEADER_REQUEST, text(DECIDED_HEADER), text("module"));
   envoy_dynamic_module_callback_http_clear_route_cache(fe);
   long blocks = (long)(n_ids / pk->block_size);
