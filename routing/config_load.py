@@ -80,6 +80,21 @@ def flag_name(section: str, name: str) -> str:
     return "--" + f"{section}_{name}".replace("_", "-")
 
 
+DYNAMO_FLAGS = {
+    ("cost", "overlap_score_credit"): "--router-kv-overlap-score-credit",
+    ("cost", "overlap_score_credit_decay"): "--router-kv-overlap-score-credit-decay",
+    ("cost", "host_cache_hit_weight"): "--router-host-cache-hit-weight",
+    ("cost", "disk_cache_hit_weight"): "--router-disk-cache-hit-weight",
+    ("cost", "prefill_load_scale"): "--router-prefill-load-scale",
+    ("cost", "decode_active_request_weight"): "--router-decode-active-request-weight",
+    ("cost", "router_temperature"): "--router-temperature",
+    ("index", "block_size"): "--kv-cache-block-size",
+}
+"""Dynamo's frontend flags (``python -m dynamo.frontend --help``, 1.6.1) for the settings that mean
+the same in kvpilot, accepted as aliases of :func:`flag_name`'s, so that a Dynamo router's
+command line carries over without renaming."""
+
+
 def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     """Add :func:`flag_name` for every scalar leaf (default None = not given, the YAML's
     or the struct's value stands); a nullable leaf takes ``none``, a boolean ``true`` or
@@ -98,8 +113,10 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
         default = next(f.default for f in msgspec.structs.fields(struct) if f.name == name)
         shown = default.value if isinstance(default, enum.Enum) else default
         meaning = docs[section].get(name, "")
+        alias = DYNAMO_FLAGS.get((section, name))
         group.add_argument(
             flag_name(section, name),
+            *([alias] if alias else []),
             dest=f"{section}__{name}",
             type=_flag_parser(kind, nullable),
             choices=choices,
