@@ -25,6 +25,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -60,6 +61,7 @@ from kvpilot.routing.index.kvindex import KVIndex
 from kvpilot.routing.ingest.dynamo_discovery import DynamoDiscovery
 from kvpilot.routing.ingest.engine_metrics import EngineLoadPoller, read_engine_load
 from kvpilot.routing.ingest.feeder import IndexFeeder
+from kvpilot.routing.ingest.workers_file import WorkersFile
 from kvpilot.routing.metrics.collectors import (
     EngineLoadCollector,
     EventWatchCollector,
@@ -144,7 +146,8 @@ class RouterCore:
         self.admission = Admission(srv.max_concurrent_requests, srv.max_queued_requests, srv.queue_timeout_s)
         dynamo = config.dynamo.enabled  # prefill workers may join at any time
         model = prior_model(config)
-        policy = policy_from_config(config.disaggregation, model) if fleet.prefill or dynamo else None
+        listed = bool(srv.workers_file)  # the fleet is read from a file, and may gain prefill workers
+        policy = policy_from_config(config.disaggregation, model) if fleet.prefill or dynamo or listed else None
         sessions = SessionStore(
             config.index.block_size, config.sessions.max_sessions, config.sessions.max_sessions_per_client
         )
@@ -248,6 +251,8 @@ class RouterCore:
         joined, left = fleet_changes(self.fleet, fleet)
         self.router.set_fleet(fleet)
         self.fleet = fleet
+        if self.engine_load is not None:
+            self.engine_load.follow(fleet.workers)
         if self.feeder is not None:
             for worker in left:
                 self.feeder.remove(worker.name)
@@ -358,7 +363,11 @@ class RouterCore:
         self._proxy = Proxy(self._driver, self.config.server.max_retries)
         if self.session_sync is not None:
             await self.session_sync.open()
-        if feed_index and (self.discovery is not None or any(w.kv_events_endpoint for w in self.fleet.workers)):
+        listed = WorkersFile(Path(self.config.server.workers_file), self.config.server.workers_poll_s)
+        if self.config.server.workers_file:  # before the feeder: the listed workers' events are read from the start
+            self.set_fleet(listed.read())
+        dynamic = self.discovery is not None or bool(self.config.server.workers_file)
+        if feed_index and (dynamic or any(w.kv_events_endpoint for w in self.fleet.workers)):
             # Dynamo's workers bind their event sockets: the feeder connects to them
             self.feeder = IndexFeeder(
                 self.fleet,
@@ -370,6 +379,8 @@ class RouterCore:
             # serve once the index holds what the engines' replay buffers hold (a restart mid-session)
             wait_s = CATCH_UP_WAIT_S * (1 + len(self.feeder.subscribers))
             await asyncio.get_running_loop().run_in_executor(None, self.feeder.caught_up.wait, wait_s)
+        if self.config.server.workers_file:
+            self._background.append(asyncio.create_task(listed.watch(self.set_fleet)))
         if self.discovery is not None:
             self.set_fleet(fleet_of(self.discovery.workers()))
             self._background.append(asyncio.create_task(self.discovery.watch(self.set_fleet)))

@@ -77,25 +77,36 @@ def fleet_from_config(cfg: RouterConfig) -> Fleet:
                 "workers", "must be empty when dynamo.frontend_url is set: the workers come from Dynamo's discovery"
             )
         return fleet_of(())
+    if cfg.server.workers_file:
+        if cfg.workers:
+            raise ConfigError("workers", "must be empty when server.workers_file is set: the workers come from it")
+        return fleet_of(())
+    return checked_fleet(cfg.workers)
+
+
+def checked_fleet(listed: Iterable[Worker], where: str = "workers") -> Fleet:
+    """``listed`` as a fleet, checked: unique names and event endpoints, a decode or co-located
+    worker, a decode worker beside any prefill one; raises :class:`ConfigError` naming the
+    entry (``<where>[i]``) and field."""
     workers: list[Worker] = []
     seen: set[str] = set()
     endpoints: set[str] = set()
-    for i, worker in enumerate(cfg.workers):
-        where = f"workers[{i}]"
+    for i, worker in enumerate(listed):
+        entry = f"{where}[{i}]"
         if worker.name in seen:
-            raise ConfigError(f"{where}.name", f"{worker.name!r} is used twice")
+            raise ConfigError(f"{entry}.name", f"{worker.name!r} is used twice")
         seen.add(worker.name)
         for endpoint in (worker.kv_events_endpoint, worker.replay_endpoint):
             if endpoint is not None:
                 if endpoint in endpoints:
-                    raise ConfigError(where, f"endpoint {endpoint} is used twice")
+                    raise ConfigError(entry, f"endpoint {endpoint} is used twice")
                 endpoints.add(endpoint)
         workers.append(worker)
     fleet = fleet_of(workers)
     if fleet.prefill and not fleet.decode:
-        raise ConfigError("workers", "with role prefill need at least one decode worker")
+        raise ConfigError(where, "with role prefill need at least one decode worker")
     if not (fleet.decode or fleet.colocated):
-        raise ConfigError("workers", "must include at least one decode or colocated worker")
+        raise ConfigError(where, "must include at least one decode or colocated worker")
     return fleet
 
 

@@ -97,6 +97,14 @@ class ServerConfig(TypedConfig, frozen=True):
     ``max_prompt_tokens`` are skipped."""
     calibration_decode_streams: list[int] = msgspec.field(default_factory=lambda: [1, 4])
     """Before it serves, the router times decode steps with each of these numbers of streams."""
+    workers_file: str = ""
+    """A YAML file listing the engines (a list of ``workers`` entries) that the router reads at
+    start and again whenever it changes (every ``workers_poll_s``): engines join and leave with
+    no restart, as an operator or an autoscaler edits it (the top-level ``workers`` must then be
+    empty). A file that does not parse, or lists no fleet, is refused at start and, later, logged
+    and ignored (the fleet stays as it was). Empty: ``workers`` is the fleet."""
+    workers_poll_s: float = 2.0
+    """How often ``workers_file`` is checked for a change."""
     calibration_workers: int = 0
     """Workers calibrated per role (prefill, decode, co-located) before the router serves, the
     fleet's first: the others are predicted from them (one model) until their own traffic is
@@ -118,7 +126,15 @@ class ServerConfig(TypedConfig, frozen=True):
             at_least=0,
         )
         check_range(self, "max_body_bytes", at_least=1024)
-        check_range(self, "queue_timeout_s", "circuit_open_s", "prefill_timeout_s", "request_timeout_s", above=0)
+        check_range(
+            self,
+            "queue_timeout_s",
+            "circuit_open_s",
+            "prefill_timeout_s",
+            "request_timeout_s",
+            "workers_poll_s",
+            above=0,
+        )
         check_range(self, "calibration_workers", at_least=0)
         check_range(self, "max_logprobs", at_least=-1)
         for key in ("calibration_prompt_tokens", "calibration_decode_streams"):

@@ -178,6 +178,13 @@ class EngineLoadPoller:
         self._samples: dict[WorkerId, EngineLoad] = {}
         self._failing: set[WorkerId] = set()
 
+    def follow(self, workers: Iterable[Worker]) -> None:
+        """Poll ``workers`` from the next round on (engines joined or left); a departed one's
+        last sample is dropped."""
+        self.workers = tuple(workers)
+        names = {w.name for w in self.workers}
+        self._samples = {name: sample for name, sample in self._samples.items() if name in names}
+
     def latest(self, worker: WorkerId) -> EngineLoad | None:
         """``worker``'s last sample if it is fresh, else None."""
         sample = self._samples.get(worker)
