@@ -84,9 +84,10 @@ class ServerConfig(TypedConfig, frozen=True):
 
     admin_token_env: str = ""
     """The environment variable (or ``<it>_FILE``, :func:`read_secret`) holding the admin
-    token that ``POST /debug/route`` needs (``Authorization: Bearer <token>``), from any
-    address; the client API key does not open it. ``""``: ``/debug/route`` answers only a
-    loopback peer (an operator on the router's host), with the API key if one is set."""
+    token that the admin endpoints (``POST /debug/route``, ``GET /debug/fleet``) need
+    (``Authorization: Bearer <token>``), from any address; the client API key does not open
+    them. ``""``: they answer only a loopback peer (an operator on the router's host), with the
+    API key if one is set."""
 
     engine_api_key_env: str = ""
     """The environment variable holding the engines' API key (vLLM's ``--api-key``),
