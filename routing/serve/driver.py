@@ -122,8 +122,9 @@ class RequestDriver:
         session_served: Callable[[SessionId], Awaitable[None]] | None = None,
     ) -> None:
         """``prefill_timeout_s``: the floor of P's timeout (the whole of it without
-        predictions). ``session_served``: awaited (before the answer is returned) with a session whose step was served and whose state changed: the
-        shared store writes it; it must not raise and should be bounded."""
+        predictions). ``session_served``: awaited (before the answer is returned) with a session
+        whose step was served and whose state changed: the shared store writes it; it must not
+        raise and should be bounded."""
         self.upstream = upstream
         self.lifecycle = lifecycle
         self.metrics = metrics
