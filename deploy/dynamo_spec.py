@@ -135,26 +135,16 @@ class DynamoFleetSpec:
     def gateway(self) -> GatewaySpec | None:
         """Envoy in front, when ``gateway_port`` is set and kvpilot routes (asking its picker)
         or :attr:`envoy_in_front` (a fixed route to the frontend)."""
-        if not self.gateway_port:
+        if not self.gateway_port or not (self.kvpilot_routes or self.envoy_in_front):
             return None
-        if self.kvpilot_routes:
-            return GatewaySpec(
-                self.gateway_port,
-                self.envoy_admin_port,
-                self.picker_port,
-                self.on_picker_failure,
-                upstream_http2=self.envoy_upstream_http2,
-            )
-        if self.envoy_in_front:
-            fixed = f"{HOST}:{self.frontend_port}"
-            return GatewaySpec(
-                self.gateway_port,
-                self.envoy_admin_port,
-                self.picker_port,
-                fixed_upstream=fixed,
-                upstream_http2=self.envoy_upstream_http2,
-            )
-        return None
+        return GatewaySpec(
+            self.gateway_port,
+            self.envoy_admin_port,
+            self.picker_port,
+            self.on_picker_failure,
+            fixed_upstream=None if self.kvpilot_routes else f"{HOST}:{self.frontend_port}",
+            upstream_http2=self.envoy_upstream_http2,
+        )
 
     @property
     def client_url(self) -> str:

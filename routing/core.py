@@ -343,8 +343,8 @@ class RouterCore:
         """Open the engines' side: their HTTP client and the proxy, the shared session store,
         the KV-event feeder (with ``feed_index``, one subscriber per worker with a KV-events
         endpoint, and the index caught up from their replay buffers), Dynamo's discovery,
-        the engines' limits, the calibration (``disaggregation.measured_rates``) and the
-        ``/metrics`` poller."""
+        the fleet from ``server.workers_file`` (read now, then watched), the engines' limits,
+        the calibration (``disaggregation.measured_rates``) and the ``/metrics`` poller."""
         timeout = aiohttp.ClientTimeout(total=self.config.server.request_timeout_s)
         # Beside Dynamo, a fresh connection per request: Dynamo 1.6.1's frontend leaves Nagle on
         # its client sockets (dynamo#14643), so on a kept-alive connection the first token,
@@ -363,10 +363,11 @@ class RouterCore:
         self._proxy = Proxy(self._driver, self.config.server.max_retries)
         if self.session_sync is not None:
             await self.session_sync.open()
-        listed = WorkersFile(Path(self.config.server.workers_file), self.config.server.workers_poll_s)
-        if self.config.server.workers_file:  # before the feeder: the listed workers' events are read from the start
+        srv = self.config.server
+        listed = WorkersFile(Path(srv.workers_file), srv.workers_poll_s) if srv.workers_file else None
+        if listed is not None:  # before the feeder: the listed workers' events are read from the start
             self.set_fleet(listed.read())
-        dynamic = self.discovery is not None or bool(self.config.server.workers_file)
+        dynamic = self.discovery is not None or listed is not None
         if feed_index and (dynamic or any(w.kv_events_endpoint for w in self.fleet.workers)):
             # Dynamo's workers bind their event sockets: the feeder connects to them
             self.feeder = IndexFeeder(
@@ -379,7 +380,7 @@ class RouterCore:
             # serve once the index holds what the engines' replay buffers hold (a restart mid-session)
             wait_s = CATCH_UP_WAIT_S * (1 + len(self.feeder.subscribers))
             await asyncio.get_running_loop().run_in_executor(None, self.feeder.caught_up.wait, wait_s)
-        if self.config.server.workers_file:
+        if listed is not None:
             self._background.append(asyncio.create_task(listed.watch(self.set_fleet)))
         if self.discovery is not None:
             self.set_fleet(fleet_of(self.discovery.workers()))

@@ -123,8 +123,9 @@ def lane_sums(tokens: Tokens, block_size: int, start: int = 0, stop: int | None 
 
 def placed_hashes(sums: np.ndarray, first_pos: int) -> np.ndarray:
     """:func:`block_hashes` from its :func:`lane_sums`, the first block at chain position
-    ``first_pos`` (``sums`` is left as it was)."""
-    h: np.ndarray = sums + np.arange(first_pos, first_pos + len(sums), dtype=np.uint64) * _POSITION_LANE
+    ``first_pos``, computed in ``sums``' own storage (consumed: it holds the hashes after)."""
+    h = sums
+    h += np.arange(first_pos, first_pos + len(sums), dtype=np.uint64) * _POSITION_LANE
     h ^= h >> _SHIFT_A
     h *= _FINAL_MULTIPLIER
     h ^= h >> _SHIFT_B
