@@ -28,9 +28,11 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from ctypes import c_double
 from pathlib import Path
+from typing import Any
 
 import yaml
 import zmq
@@ -59,7 +61,10 @@ from kvpilot.deploy.fleet import (
     stop_group,
 )
 from kvpilot.deploy.fleet_spec import HOST, ROUTER_CONFIG, PortCollision, ProcessPlan, envoy_plan
+from kvpilot.routing.config import CostObjective, RouterConfig
+from kvpilot.routing.config_load import load_config
 from kvpilot.routing.index.events import BlockStored, EventDecoder
+from kvpilot.routing.native import CostConfig
 
 Started = tuple[subprocess.Popen[bytes], RunningProcess]
 
@@ -73,22 +78,36 @@ def router_workers(router_url: str) -> list[str]:
         return []
 
 
-def native_picker_config(router_url: str, frontend: str) -> str:
-    """The compiled picker's config (``routing/native/README.md``) for the fleet the router
-    serves now (its ``/debug/fleet``, from the router's host): each worker by its Dynamo
-    instance id, subscribed to its KV events (the mocker binds them), every request sent to
-    ``frontend`` (``host:port``) naming its instance."""
+def native_picker_config(router_url: str, frontend: str, config: RouterConfig) -> str:
+    """The compiled picker's config for the fleet the router serves now (its ``/debug/fleet``,
+    from the router's host): :func:`native_picker_lines`."""
     with urllib.request.urlopen(f"{router_url}/debug/fleet", timeout=5) as resp:
         fleet = json.loads(resp.read())
     libzmq = next((Path(zmq.__file__).parent.parent / "pyzmq.libs").glob("libzmq*.so*"), None)
     if libzmq is None:
         raise FleetStartError("the compiled picker needs pyzmq's bundled libzmq (pyzmq.libs/libzmq*.so)")
+    return "\n".join(native_picker_lines(fleet, frontend, config, libzmq))
+
+
+def native_picker_lines(fleet: Mapping[str, Any], frontend: str, config: RouterConfig, libzmq: Path) -> list[str]:
+    """The compiled picker's config lines (``routing/native/README.md``) for ``fleet`` (the
+    router's ``/debug/fleet`` answer): each worker by its Dynamo instance id, subscribed to its
+    KV events (the mocker binds them), every request sent to ``frontend`` (``host:port``)
+    naming its instance, priced with the router's ``cost`` and ``sessions`` settings. Raises
+    FleetStartError for a worker it cannot reach or settings it does not price."""
+    cost = config.cost
+    if cost.objective is not CostObjective.BLOCKS or cost.router_temperature != 0:
+        raise FleetStartError("the compiled picker prices cost.objective 'blocks' at cost.router_temperature 0 only")
     lines = [f"block_size {fleet['block_size']}", f"libzmq {libzmq}", f"dynamo_frontend {frontend}"]
+    priced = [name for name, kind, *_ in CostConfig._fields_ if kind is c_double]
+    lines += [f"cost.{name} {float(getattr(cost, name))!r}" for name in priced]
+    lines.append(f"cost.session_stays_unless_sooner {int(cost.session_stays_unless_sooner)}")
+    lines += [f"max_sessions {config.sessions.max_sessions}", f"session_resident_s {config.sessions.resident_s!r}"]
     for worker in fleet["workers"]:
         if worker["instance_id"] is None or worker["kv_events_endpoint"] is None:
             raise FleetStartError(f"the compiled picker cannot reach worker {worker['name']}: {worker}")
         lines.append(f"worker {worker['instance_id']} connect {worker['kv_events_endpoint']}")
-    return "\n".join(lines)
+    return lines
 
 
 def wait_for_workers(router_url: str, done: Callable[[list[str]], bool], timeout: float = 30.0) -> list[str]:
@@ -152,7 +171,8 @@ def up(spec: DynamoFleetSpec, timeout: float = 120.0, progress: Callable[[str], 
             progress(f"  router on {router.url}, serving {len(workers)} workers from Dynamo's discovery")
             if gateway is not None:
                 if spec.native_picker:
-                    native = native_picker_config(router.url, f"{HOST}:{spec.frontend_port}")
+                    frontend_at = f"{HOST}:{spec.frontend_port}"
+                    native = native_picker_config(router.url, frontend_at, load_config(spec.run_dir / ROUTER_CONFIG))
                     gateway = dataclasses.replace(gateway, native_picker=native)
                 return _record(
                     spec, started, gateway=start_gateway(gateway, spec.run_dir, time.monotonic() + timeout, progress)

@@ -96,7 +96,7 @@ class BatchCounts(ctypes.Structure):
 
 
 _SINK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(_Event))
-BODY_STATUSES = ("ok", "malformed", "no_prompt", "not_token_ids", "too_many_ids", "namespaced")
+BODY_STATUSES = ("ok", "malformed", "no_prompt", "not_token_ids", "too_many_ids", "namespaced", "session_field")
 """``enum kvp_body_status``, by value."""
 EVENT_KINDS = ("stored", "removed", "cleared")
 
@@ -126,6 +126,27 @@ def load() -> ctypes.CDLL:
         lib.kvp_parse_prompt.argtypes = [ctypes.c_char_p, size, _u32p, size, ctypes.POINTER(size)]
         lib.kvp_decode_batch.argtypes = [ctypes.c_char_p, size, ctypes.POINTER(_Scratch), _SINK, ptr]
         lib.kvp_decode_batch.argtypes.append(ctypes.POINTER(BatchCounts))
+        dbl = ctypes.c_double
+        lib.kvp_ledger_new.restype = ptr
+        lib.kvp_ledger_new.argtypes = [u32]
+        lib.kvp_ledger_free.argtypes = [ptr]
+        lib.kvp_ledger_add.argtypes = [ptr, u32, _u64p, size]
+        lib.kvp_ledger_remove.argtypes = [ptr, u32, _u64p, size]
+        lib.kvp_ledger_unique.restype = u64
+        lib.kvp_ledger_unique.argtypes = [ptr, u32]
+        lib.kvp_ledger_shared_depth.restype = size
+        lib.kvp_ledger_shared_depth.argtypes = [ptr, u32, _u64p, size]
+        lib.kvp_sessions_new.restype = ptr
+        lib.kvp_sessions_new.argtypes = [u32, u32, dbl]
+        lib.kvp_sessions_free.argtypes = [ptr]
+        lib.kvp_sessions_last.restype = ctypes.c_int
+        lib.kvp_sessions_last.argtypes = [ptr, u64]
+        lib.kvp_sessions_resident.restype = ctypes.POINTER(dbl)
+        lib.kvp_sessions_resident.argtypes = [ptr, dbl]
+        lib.kvp_sessions_settle.argtypes = [ptr, u64, u32, u32, dbl]
+        lib.kvp_sessions_served.argtypes = [ptr, u64, u32, u32, dbl]
+        lib.kvp_sessions_count.restype = u32
+        lib.kvp_sessions_count.argtypes = [ptr]
         _lib = lib
     return _lib
 
@@ -181,6 +202,68 @@ class NativeIndex:
         out = np.zeros(len(toks) // self.block_size, dtype=np.uint64)
         self._lib.kvp_chain_keys(self._ptr, toks, len(out), 0, 0, out)
         return out
+
+
+class NativeLedger:
+    """The compiled active-block ledger (``kvp_ledger.c``) of ``n_workers`` workers, by position."""
+
+    def __init__(self, n_workers: int) -> None:
+        self._lib, self.n_workers = load(), n_workers
+        self._ptr = self._lib.kvp_ledger_new(n_workers)
+        if not self._ptr:
+            raise ValueError(f"no ledger of {n_workers} workers")
+
+    def __del__(self) -> None:
+        if getattr(self, "_ptr", None):
+            self._lib.kvp_ledger_free(self._ptr)
+
+    def add(self, worker: int, keys: Sequence[int]) -> str:
+        """A request naming ``keys`` became active on ``worker``; ``"applied"`` or the refusal's name."""
+        arr = np.ascontiguousarray(keys, dtype=np.uint64)
+        return OUTCOMES[self._lib.kvp_ledger_add(self._ptr, worker, arr, len(arr))]
+
+    def remove(self, worker: int, keys: Sequence[int]) -> None:
+        arr = np.ascontiguousarray(keys, dtype=np.uint64)
+        self._lib.kvp_ledger_remove(self._ptr, worker, arr, len(arr))
+
+    def unique(self, worker: int) -> int:
+        return int(self._lib.kvp_ledger_unique(self._ptr, worker))
+
+    def shared_depth(self, worker: int, keys: Sequence[int]) -> int:
+        arr = np.ascontiguousarray(keys, dtype=np.uint64)
+        return int(self._lib.kvp_ledger_shared_depth(self._ptr, worker, arr, len(arr)))
+
+
+class NativeSessions:
+    """The compiled session table (``kvp_session.c``): ``capacity`` sessions of ``n_workers``
+    workers, each living on its worker ``horizon_s`` after it settled."""
+
+    def __init__(self, capacity: int, n_workers: int, horizon_s: float) -> None:
+        self._lib, self.n_workers = load(), n_workers
+        self._ptr = self._lib.kvp_sessions_new(capacity, n_workers, horizon_s)
+        if not self._ptr:
+            raise ValueError(f"no session table of {capacity} sessions, {n_workers} workers, horizon {horizon_s}")
+
+    def __del__(self) -> None:
+        if getattr(self, "_ptr", None):
+            self._lib.kvp_sessions_free(self._ptr)
+
+    def last(self, key: int) -> int | None:
+        worker = int(self._lib.kvp_sessions_last(self._ptr, key))
+        return None if worker < 0 else worker
+
+    def resident(self, now: float) -> list[float]:
+        row = self._lib.kvp_sessions_resident(self._ptr, now)
+        return [row[w] for w in range(self.n_workers)]
+
+    def settle(self, key: int, worker: int, blocks: int, now: float) -> None:
+        self._lib.kvp_sessions_settle(self._ptr, key, worker, blocks, now)
+
+    def served(self, key: int, worker: int, blocks: int, now: float) -> None:
+        self._lib.kvp_sessions_served(self._ptr, key, worker, blocks, now)
+
+    def __len__(self) -> int:
+        return int(self._lib.kvp_sessions_count(self._ptr))
 
 
 def tier_overlaps(depths: np.ndarray, classes: np.ndarray) -> np.ndarray:

@@ -1,6 +1,6 @@
 /* The token-id prompt of an OpenAI completions body (kvp_wire.h): a bounded JSON scanner
  * that reads the top-level object's keys, the "prompt" array of integers, the "cache_salt",
- * and skips every other value (strings with escapes, numbers, literals, containers nested at
+ * the session fields, and skips every other value (strings with escapes, numbers, literals, containers nested at
  * most MAX_DEPTH deep) without building anything. */
 #include <string.h>
 
@@ -106,7 +106,7 @@ static int ids(scan *s, uint32_t *out, size_t max, size_t *count) {
 
 static int parse(const char *body, size_t len, uint32_t *out, size_t max_ids, size_t *n_ids) {
   scan s = {body, body + len};
-  int found = 0, salted = 0;
+  int found = 0, salted = 0, session = 0;
   *n_ids = 0;
   if (!eat(&s, '{')) return KVP_BODY_MALFORMED;
   if (!eat(&s, '}')) {
@@ -128,6 +128,11 @@ static int parse(const char *body, size_t len, uint32_t *out, size_t max_ids, si
         } else if (!value(&s, 1)) {
           return KVP_BODY_MALFORMED;
         }
+      } else if ((n == 15 && !memcmp(k, "conversation_id", 15)) || (n == 16 && !memcmp(k, "prompt_cache_key", 16))) {
+        ws(&s);
+        const char *v = s.p;
+        if (!value(&s, 1)) return KVP_BODY_MALFORMED;
+        session |= !(s.p - v == 4 && !memcmp(v, "null", 4));
       } else if (!value(&s, 1)) {
         return KVP_BODY_MALFORMED;
       }
@@ -137,6 +142,7 @@ static int parse(const char *body, size_t len, uint32_t *out, size_t max_ids, si
   ws(&s);
   if (s.p != s.end) return KVP_BODY_MALFORMED;
   if (salted) return KVP_BODY_NAMESPACED;
+  if (session) return KVP_BODY_SESSION_FIELD;
   return found ? KVP_BODY_OK : KVP_BODY_NO_PROMPT;
 }
 

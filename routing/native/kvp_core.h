@@ -1,14 +1,15 @@
-/* kvpilot's per-request decision in C: block naming, the block index, the prefix match and
- * Dynamo's cost (routing/index/chain.py, routing/index/block_index.py, routing/decide/cost.py).
+/* kvpilot's per-request decision in C: block naming, the block index, the prefix match,
+ * Dynamo's cost, the active-block ledger and the sessions (routing/index/chain.py,
+ * routing/index/block_index.py, routing/decide/cost.py, ledger.py, residency.py).
  *
- * Pure: no I/O, clock, thread or global state. An index is not thread-safe: callers serialize
+ * Pure: no I/O, clock, thread or global state. No structure is thread-safe: callers serialize
  * writers against readers. Every function bounds-checks its inputs and reports a refusal as a
  * return code; none aborts on hostile input.
  *
  * Scope (what the Python router does that this does not): only the default namespace (no
  * LoRA, no cache_salt, no multimodal extra keys: such events are skipped, such prompts are not
  * decided here); co-located candidates only (no P->D pairs, no local-vs-remote policy, no
- * session options); router_temperature 0 only; objective "blocks" only (no predicted TTFT).
+ * P/D session options); router_temperature 0 only; objective "blocks" only (no predicted TTFT).
  */
 #ifndef KVP_CORE_H
 #define KVP_CORE_H
@@ -95,5 +96,39 @@ KVP_API void kvp_tier_overlap(const uint32_t *depths, const uint8_t *classes, ui
  * returns how many tie, 0 when n is 0. ``overlap`` is n rows of 4. */
 KVP_API size_t kvp_price(const kvp_cost_config *cfg, uint64_t prompt_blocks, size_t n,
                  const double *overlap, const kvp_load *load, double *costs, uint32_t *ties);
+
+/* Sessions (kvp_session.c): each session's last worker and the blocks of the sessions living
+ * on each worker (routing/decide/residency.py), for ``capacity`` sessions (the least recently
+ * settled is forgotten past it) of ``n_workers`` workers; a session lives on a worker until
+ * ``horizon_s`` after it last settled there. Times are seconds on any one clock, never
+ * decreasing across calls. Keys are the caller's 64-bit names of sessions. */
+typedef struct kvp_sessions kvp_sessions;
+KVP_API kvp_sessions *kvp_sessions_new(uint32_t capacity, uint32_t n_workers, double horizon_s);
+KVP_API void kvp_sessions_free(kvp_sessions *s);
+/* The worker that served ``key`` last (kvp_sessions_served), -1 when none. */
+KVP_API int kvp_sessions_last(const kvp_sessions *s, uint64_t key);
+/* Per worker (``n_workers`` entries), the blocks of the sessions living there at ``now``;
+ * valid until the next call on ``s``. */
+KVP_API const double *kvp_sessions_resident(kvp_sessions *s, double now);
+/* ``key``'s step of ``blocks`` blocks was routed to ``worker`` at ``now``: it lives there. */
+KVP_API void kvp_sessions_settle(kvp_sessions *s, uint64_t key, uint32_t worker, uint32_t blocks, double now);
+/* ``key``'s step ended on ``worker`` at ``now``: it lives there and ``worker`` served it last. */
+KVP_API void kvp_sessions_served(kvp_sessions *s, uint64_t key, uint32_t worker, uint32_t blocks, double now);
+KVP_API uint32_t kvp_sessions_count(const kvp_sessions *s);
+
+/* The active-block ledger (kvp_ledger.c, routing/decide/ledger.py's held blocks): per worker,
+ * how many active requests name each block key. */
+typedef struct kvp_ledger kvp_ledger;
+KVP_API kvp_ledger *kvp_ledger_new(uint32_t n_workers);
+KVP_API void kvp_ledger_free(kvp_ledger *l);
+/* A request on ``worker`` naming ``keys`` became active. Returns an enum kvp_outcome. */
+KVP_API int kvp_ledger_add(kvp_ledger *l, uint32_t worker, const uint64_t *keys, size_t n);
+/* A request added with ``keys`` ended (a key never added is ignored). */
+KVP_API void kvp_ledger_remove(kvp_ledger *l, uint32_t worker, const uint64_t *keys, size_t n);
+/* ``worker``'s unique active blocks (Dynamo's decode blocks). */
+KVP_API uint64_t kvp_ledger_unique(const kvp_ledger *l, uint32_t worker);
+/* The leading blocks of the chain ``keys`` that active requests on ``worker`` name
+ * (ledger.py's shared_decode_blocks; each key names its whole prefix). */
+KVP_API size_t kvp_ledger_shared_depth(const kvp_ledger *l, uint32_t worker, const uint64_t *keys, size_t n);
 
 #endif

@@ -61,6 +61,7 @@ int kvp_config_parse(kvp_picker *pk, const char *text, size_t len, char *err, si
   pk->block_size = 0;
   snprintf(pk->topic, sizeof pk->topic, "%s", "");
   pk->max_body_bytes = 8u << 20, pk->max_prompt_ids = 1u << 20, pk->max_event_tokens = 1u << 20;
+  pk->max_sessions = 10000, pk->session_resident_s = 30.0; /* routing/config/sessions.py's defaults */
   char *copy = strndup(text, len), *save = NULL;
   if (!copy) return snprintf(err, err_len, "out of memory"), -1;
   int rc = 0, line_no = 0;
@@ -82,6 +83,11 @@ int kvp_config_parse(kvp_picker *pk, const char *text, size_t len, char *err, si
       pk->max_body_bytes = v;
     } else if (!strcmp(key, "max_prompt_ids") && number && v && v <= (1ULL << 24)) {
       pk->max_prompt_ids = v;
+    } else if (!strcmp(key, "max_sessions") && number && v && v <= (1ULL << 24)) {
+      pk->max_sessions = (uint32_t)v;
+    } else if (!strcmp(key, "session_resident_s") && n == 2) {
+      pk->session_resident_s = strtod(a, &end);
+      if (*end || !(pk->session_resident_s > 0) || pk->session_resident_s > 1e9) rc = -1;
     } else if (!strcmp(key, "cost.session_stays_unless_sooner") && number && v <= 1) {
       pk->cost.session_stays_unless_sooner = (int)v;
     } else if (!strcmp(key, "topic") && n == 2 && strlen(a) < sizeof pk->topic) {

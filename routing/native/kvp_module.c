@@ -2,17 +2,22 @@
  * declarations below are written from the ABI's documented functions (Envoy's
  * source/extensions/dynamic_modules/abi.h at v1.40); Envoy resolves them in its own binary.
  *
- * Per request: hold the headers, buffer the body, read a top-level "prompt" of token ids,
- * match it against the index the feeder keeps (kvp_feed.c), price every worker with kvpilot's
- * cost (kvp_cost.c), set x-gateway-destination-endpoint to the chosen worker's host:port and
- * x-kvpilot-decided-by: module, clear the route cache, and book the request's load until it
- * ends. A request it cannot decide (no body, no token-id prompt, a cache_salt, a body over
- * max_body_bytes) continues untouched and is counted (kvpilot_picker_passthrough). */
+ * Per request: hold the headers, buffer the body, read a top-level "prompt" of token ids and
+ * the session the headers name (routing/decide/sessions.py's SESSION_HEADERS), match the
+ * prompt against the index the feeder keeps (kvp_feed.c), price every worker with kvpilot's
+ * cost (kvp_cost.c) over what this Envoy booked (the active-block ledger, kvp_ledger.c) and
+ * the sessions it placed (kvp_session.c), set x-gateway-destination-endpoint to the chosen
+ * worker's host:port and x-kvpilot-decided-by: module, clear the route cache, and book the
+ * request until it ends (its prefill until the answer's first bytes). A request it cannot
+ * decide (no body, no token-id prompt, a cache_salt, a session named in the body or by a bad
+ * header, a body over max_body_bytes) continues untouched and is counted
+ * (kvpilot_picker_passthrough). */
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <time.h>
 
 #include "kvp_module.h"
 
@@ -25,7 +30,7 @@
 /* ---- Envoy's side of the ABI (callbacks), as documented ---- */
 typedef struct { const char *ptr; size_t length; } envoy_buffer;
 enum { BODY_RECEIVED_REQUEST = 0, BODY_BUFFERED_REQUEST = 1 };
-enum { HEADER_REQUEST = 0 };
+enum { HEADER_REQUEST = 0, HEADER_RESPONSE = 2 };
 enum { LOG_INFO = 2, LOG_ERROR = 4 };
 #define WEAK __attribute__((weak))
 WEAK extern size_t envoy_dynamic_module_callback_http_get_body_chunks_size(void *filter, int body_type);
@@ -33,6 +38,8 @@ WEAK extern bool envoy_dynamic_module_callback_http_get_body_chunks(void *filter
 WEAK extern bool envoy_dynamic_module_callback_http_received_buffered_request_body(void *filter);
 WEAK extern bool envoy_dynamic_module_callback_http_set_header(void *filter, int header_type, envoy_buffer key,
                                                           envoy_buffer value);
+WEAK extern bool envoy_dynamic_module_callback_http_get_header(void *filter, int header_type, envoy_buffer key,
+                                                          envoy_buffer *value, size_t index, size_t *count);
 WEAK extern void envoy_dynamic_module_callback_http_clear_route_cache(void *filter);
 WEAK extern bool envoy_dynamic_module_callback_is_validation_mode(void);
 WEAK extern void envoy_dynamic_module_callback_log(int level, envoy_buffer message);
@@ -48,6 +55,7 @@ static const struct { const char *name; void *address; } CALLBACKS[] = {
     CALLBACK(envoy_dynamic_module_callback_http_get_body_chunks),
     CALLBACK(envoy_dynamic_module_callback_http_received_buffered_request_body),
     CALLBACK(envoy_dynamic_module_callback_http_set_header),
+    CALLBACK(envoy_dynamic_module_callback_http_get_header),
     CALLBACK(envoy_dynamic_module_callback_http_clear_route_cache),
     CALLBACK(envoy_dynamic_module_callback_is_validation_mode),
     CALLBACK(envoy_dynamic_module_callback_log),
@@ -75,6 +83,12 @@ typedef struct picker_config {
   int counters;
 } picker_config;
 
+static void free_state(kvp_picker *pk) {
+  kvp_index_free(pk->index);
+  kvp_ledger_free(pk->ledger);
+  kvp_sessions_free(pk->sessions);
+}
+
 EXPORT void *envoy_dynamic_module_on_http_filter_config_new(void *config_envoy, envoy_buffer name,
                                                             envoy_buffer config) {
   (void)name;
@@ -95,12 +109,16 @@ EXPORT void *envoy_dynamic_module_on_http_filter_config_new(void *config_envoy, 
   }
   for (uint32_t i = 0; i < pk->block_size; i++) lanes[i] |= 1; /* odd, as chain.py's */
   pk->index = kvp_index_new(pk->block_size, pk->n_workers, pk->n_media, lanes, position_lane | 1);
-  if (!pk->index || pthread_rwlock_init(&pk->lock, NULL)) {
-    log_line(LOG_ERROR, "kvpilot picker: cannot allocate the index");
-    kvp_index_free(pk->index);
+  pk->ledger = kvp_ledger_new(pk->n_workers);
+  pk->sessions = kvp_sessions_new(pk->max_sessions, pk->n_workers, pk->session_resident_s);
+  if (!pk->index || !pk->ledger || !pk->sessions || getrandom(&pk->session_seed, 8, 0) != 8 ||
+      pthread_rwlock_init(&pk->lock, NULL)) {
+    log_line(LOG_ERROR, "kvpilot picker: cannot allocate the index, the ledger or the sessions");
+    free_state(pk);
     free(pc);
     return NULL;
   }
+  pthread_mutex_init(&pk->book_lock, NULL);
   pc->counters = !envoy_dynamic_module_callback_http_filter_config_define_counter(
                      config_envoy, text("kvpilot_picker_decided"), NULL, 0, &pk->counter_decided) &&
                  !envoy_dynamic_module_callback_http_filter_config_define_counter(
@@ -108,7 +126,8 @@ EXPORT void *envoy_dynamic_module_on_http_filter_config_new(void *config_envoy, 
   if (!envoy_dynamic_module_callback_is_validation_mode() && kvp_feed_start(pk, err, sizeof err)) {
     log_line(LOG_ERROR, err);
     pthread_rwlock_destroy(&pk->lock);
-    kvp_index_free(pk->index);
+    pthread_mutex_destroy(&pk->book_lock);
+    free_state(pk);
     free(pc);
     return NULL;
   }
@@ -124,15 +143,20 @@ EXPORT void envoy_dynamic_module_on_http_filter_config_destroy(void *config) {
            atomic_load(&pc->pk.events_applied), atomic_load(&pc->pk.events_skipped));
   log_line(LOG_INFO, line);
   pthread_rwlock_destroy(&pc->pk.lock);
-  kvp_index_free(pc->pk.index);
+  pthread_mutex_destroy(&pc->pk.book_lock);
+  free_state(&pc->pk);
   free(pc);
 }
 
 /* ---- one request ---- */
 typedef struct filter {
   picker_config *pc;
-  int worker; /* booked worker, -1: none */
-  long prefill_booked, decode_booked;
+  int worker;           /* booked worker, -1: none */
+  long prefill_booked;  /* until the answer's first bytes */
+  uint64_t *keys;       /* the prompt's block keys, booked in the ledger */
+  size_t n_keys;
+  int has_session, ok;  /* ok: the answer's status is 2xx */
+  uint64_t session;
   int decided;
 } filter;
 
@@ -194,8 +218,46 @@ static uint64_t next_random(void) {
   return state;
 }
 
-/* The chosen worker for ``ids``, or -1; its GPU overlap in ``*gpu``. */
-static int choose(kvp_picker *pk, const uint32_t *ids, size_t n_ids, double *gpu) {
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* routing/decide/sessions.py's SESSION_HEADERS, by precedence (Envoy keeps names in lower case). */
+static const char *const SESSION_HEADERS[] = {
+    "x-session-id", "x-dynamo-session-id", "x-claude-code-session-id", "session_id", "x-session-affinity",
+    "x-opencode-session",
+};
+#define MAX_SESSION_KEY 256 /* sessions.py's MAX_KEY_LENGTH */
+
+enum session_header { SESSION_NONE = 0, SESSION_NAMED = 1, SESSION_BAD = 2 };
+
+/* The session the first present of SESSION_HEADERS names, keyed by ``seed`` (FNV-1a over the
+ * seed and the name): SESSION_BAD when that header is empty or too long (the Python picker
+ * answers it). */
+static int session_of(void *fe, uint64_t seed, uint64_t *key) {
+  for (size_t h = 0; h < sizeof SESSION_HEADERS / sizeof *SESSION_HEADERS; h++) {
+    envoy_buffer value = {NULL, 0};
+    size_t n = 0;
+    if (!envoy_dynamic_module_callback_http_get_header(fe, HEADER_REQUEST, text(SESSION_HEADERS[h]), &value, 0, &n) ||
+        !value.ptr)
+      continue;
+    if (!value.length || value.length > MAX_SESSION_KEY) return SESSION_BAD;
+    uint64_t x = 0xCBF29CE484222325ULL ^ seed;
+    for (size_t i = 0; i < value.length; i++) x = (x ^ (unsigned char)value.ptr[i]) * 0x100000001B3ULL;
+    *key = x ^ (x >> 31);
+    return SESSION_NAMED;
+  }
+  return SESSION_NONE;
+}
+
+/* Choose a worker for the prompt ``ids`` (its block ``keys``) and book it, as Router.route
+ * prices a co-located fleet at router_temperature 0: each worker's overlap, its booked
+ * prefill, unique active blocks and requests, the prompt's blocks already active there; a
+ * session's later step with its last worker's affinity, any other request with the blocks
+ * of the sessions living on each worker. Returns the worker, or -1. */
+static int choose_and_book(kvp_picker *pk, filter *f, const uint32_t *ids, size_t n_ids) {
   uint32_t n = pk->n_workers, m = pk->n_media, shared = 0;
   uint32_t *depths = calloc((size_t)n * m, sizeof *depths);
   double *overlap = calloc((size_t)n * 4, sizeof *overlap), *costs = calloc(n, sizeof *costs);
@@ -208,21 +270,34 @@ static int choose(kvp_picker *pk, const uint32_t *ids, size_t n_ids, double *gpu
     pthread_rwlock_unlock(&pk->lock);
     for (uint32_t i = 0; i < n * m; i++)
       if (pk->classes[i % m] == KVP_SHARED && depths[i] > shared) shared = depths[i];
+    for (uint32_t w = 0; w < n; w++) kvp_tier_overlap(depths + (size_t)w * m, pk->classes, m, shared, overlap + 4 * w);
+    double now = now_s();
+    pthread_mutex_lock(&pk->book_lock);
+    int last = f->has_session ? kvp_sessions_last(pk->sessions, f->session) : -1;
+    const double *resident = last < 0 ? kvp_sessions_resident(pk->sessions, now) : NULL;
     for (uint32_t w = 0; w < n; w++) {
-      kvp_tier_overlap(depths + (size_t)w * m, pk->classes, m, shared, overlap + 4 * w);
-      loads[w].prefill_blocks = (double)atomic_load(&pk->workers[w].prefill_blocks);
-      loads[w].decode_blocks = (double)atomic_load(&pk->workers[w].decode_blocks);
-      loads[w].requests = (double)atomic_load(&pk->workers[w].requests);
-      /* a candidate's decode load grows by the blocks it does not cache already (the ledger's
-       * shared-decode rule, the cached prefix standing in for the active one); each request
-       * books its whole prompt, as the ledger books a request's chain */
-      loads[w].shared_decode_blocks = overlap[4 * w];
+      loads[w].prefill_blocks = (double)pk->workers[w].prefill_blocks;
+      loads[w].decode_blocks = (double)kvp_ledger_unique(pk->ledger, w);
+      loads[w].requests = (double)pk->workers[w].requests;
+      loads[w].shared_decode_blocks = (double)kvp_ledger_shared_depth(pk->ledger, w, f->keys, f->n_keys);
+      loads[w].resident_blocks = resident ? resident[w] : 0.0;
+      loads[w].session_affinity = (int)w == last;
     }
     size_t n_ties = kvp_price(&pk->cost, blocks, n, overlap, loads, costs, ties);
     if (n_ties) {
       chosen = (int)ties[next_random() % n_ties];
-      *gpu = overlap[4 * chosen];
+      if (kvp_ledger_add(pk->ledger, (uint32_t)chosen, f->keys, f->n_keys) != KVP_APPLIED) {
+        chosen = -1;
+      } else {
+        long gpu = (long)overlap[4 * chosen];
+        f->prefill_booked = (long)blocks - gpu > 0 ? (long)blocks - gpu : 0;
+        pk->workers[chosen].prefill_blocks += f->prefill_booked;
+        pk->workers[chosen].requests++;
+        if (f->has_session) kvp_sessions_settle(pk->sessions, f->session, (uint32_t)chosen, (uint32_t)blocks, now);
+        f->worker = chosen;
+      }
     }
+    pthread_mutex_unlock(&pk->book_lock);
   }
   free(depths), free(overlap), free(costs), free(loads), free(ties);
   return chosen;
@@ -232,13 +307,21 @@ static void decide(filter *f, void *fe) {
   kvp_picker *pk = &f->pc->pk;
   size_t len = 0, n_ids = 0;
   f->decided = 1;
+  int session = session_of(fe, pk->session_seed, &f->session);
+  if (session == SESSION_BAD) return count(f, fe, 0);
+  f->has_session = session == SESSION_NAMED;
   char *body = gather_body(fe, pk->max_body_bytes, &len);
   size_t max_ids = len / 2 + 1 < pk->max_prompt_ids ? len / 2 + 1 : pk->max_prompt_ids;
   uint32_t *ids = body ? malloc(max_ids * sizeof *ids) : NULL;
   int worker = -1;
-  double gpu = 0;
-  if (ids && kvp_parse_prompt(body, len, ids, max_ids, &n_ids) == KVP_BODY_OK && n_ids)
-    worker = choose(pk, ids, n_ids, &gpu);
+  if (ids && kvp_parse_prompt(body, len, ids, max_ids, &n_ids) == KVP_BODY_OK && n_ids) {
+    f->n_keys = n_ids / pk->block_size;
+    f->keys = malloc((f->n_keys ? f->n_keys : 1) * sizeof *f->keys);
+    if (f->keys) {
+      kvp_chain_keys(pk->index, ids, f->n_keys, 0, 0, f->keys);
+      worker = choose_and_book(pk, f, ids, n_ids);
+    }
+  }
   free(body);
   free(ids);
   if (worker < 0) return count(f, fe, 0);
@@ -253,31 +336,36 @@ static void decide(filter *f, void *fe) {
   }
   envoy_dynamic_module_callback_http_set_header(fe, HEADER_REQUEST, text(DECIDED_HEADER), text("module"));
   envoy_dynamic_module_callback_http_clear_route_cache(fe);
-  long blocks = (long)(n_ids / pk->block_size);
-  f->worker = worker;
-  f->prefill_booked = blocks - (long)gpu > 0 ? blocks - (long)gpu : 0;
-  f->decode_booked = blocks;
-  atomic_fetch_add(&w->prefill_blocks, f->prefill_booked);
-  atomic_fetch_add(&w->decode_blocks, f->decode_booked);
-  atomic_fetch_add(&w->requests, 1);
   count(f, fe, 1);
 }
 
+/* The prefill is over: the answer's first bytes (a stream's first token) reached Envoy. */
 static void release_prefill(filter *f) {
   if (f->worker >= 0 && f->prefill_booked) {
-    atomic_fetch_sub(&f->pc->pk.workers[f->worker].prefill_blocks, f->prefill_booked);
+    kvp_picker *pk = &f->pc->pk;
+    pthread_mutex_lock(&pk->book_lock);
+    pk->workers[f->worker].prefill_blocks -= f->prefill_booked;
+    pthread_mutex_unlock(&pk->book_lock);
     f->prefill_booked = 0;
   }
 }
 
+/* The request ended: release all it booked; a session answered 2xx was served there. */
 static void release(filter *f) {
-  release_prefill(f);
   if (f->worker >= 0) {
-    kvp_worker *w = &f->pc->pk.workers[f->worker];
-    atomic_fetch_sub(&w->decode_blocks, f->decode_booked);
-    atomic_fetch_sub(&w->requests, 1);
-    f->worker = -1;
+    kvp_picker *pk = &f->pc->pk;
+    pthread_mutex_lock(&pk->book_lock);
+    kvp_worker *w = &pk->workers[f->worker];
+    w->prefill_blocks -= f->prefill_booked;
+    w->requests--;
+    kvp_ledger_remove(pk->ledger, (uint32_t)f->worker, f->keys, f->n_keys);
+    if (f->has_session && f->ok)
+      kvp_sessions_served(pk->sessions, f->session, (uint32_t)f->worker, (uint32_t)f->n_keys, now_s());
+    pthread_mutex_unlock(&pk->book_lock);
+    f->worker = -1, f->prefill_booked = 0;
   }
+  free(f->keys);
+  f->keys = NULL, f->n_keys = 0;
 }
 
 EXPORT void envoy_dynamic_module_on_http_filter_destroy(void *fm) {
@@ -305,8 +393,18 @@ EXPORT int envoy_dynamic_module_on_http_filter_request_trailers(void *fe, void *
 }
 
 EXPORT int envoy_dynamic_module_on_http_filter_response_headers(void *fe, void *fm, bool end_of_stream) {
+  filter *f = fm;
+  envoy_buffer status = {NULL, 0};
+  size_t n = 0;
+  if (f->worker >= 0 && envoy_dynamic_module_callback_http_get_header(fe, HEADER_RESPONSE, text(":status"), &status, 0, &n))
+    f->ok = status.ptr && status.length == 3 && status.ptr[0] == '2';
+  if (end_of_stream) release_prefill(f);
+  return 0;
+}
+
+EXPORT int envoy_dynamic_module_on_http_filter_response_body(void *fe, void *fm, bool end_of_stream) {
   (void)fe, (void)end_of_stream;
-  release_prefill(fm); /* the prefill is over once the answer starts */
+  release_prefill(fm); /* the answer's first bytes: the prefill is over */
   return 0;
 }
 
@@ -316,7 +414,6 @@ EXPORT void envoy_dynamic_module_on_http_filter_stream_complete(void *fe, void *
 }
 
 /* Hooks Envoy requires of every HTTP filter module; this one has no use for them. */
-EXPORT int envoy_dynamic_module_on_http_filter_response_body(void *fe, void *fm, bool eos) { (void)fe, (void)fm, (void)eos; return 0; }
 EXPORT int envoy_dynamic_module_on_http_filter_response_trailers(void *fe, void *fm) { (void)fe, (void)fm; return 0; }
 EXPORT int envoy_dynamic_module_on_http_filter_local_reply(void *fe, void *fm) { (void)fe, (void)fm; return 0; }
 EXPORT void *envoy_dynamic_module_on_http_filter_per_route_config_new(void) { return NULL; }

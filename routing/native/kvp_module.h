@@ -1,7 +1,9 @@
 /* The picker's state shared by Envoy's worker threads (kvp_module.c) and the feeder thread
  * (kvp_feed.c). The index is written by the feeder only, under ``lock`` held for writing one
- * batch; requests read it under the lock held for reading. Loads are atomics booked by
- * requests. Everything else is set once by the config hook and read-only afterwards. */
+ * batch; requests read it under the lock held for reading. What requests book (each worker's
+ * prefill blocks and requests, the active-block ledger, the sessions) is read and written
+ * under ``book_lock`` only. Everything else is set once by the config hook and read-only
+ * afterwards. */
 #ifndef KVP_MODULE_H
 #define KVP_MODULE_H
 
@@ -18,7 +20,7 @@ typedef struct kvp_worker {
   char destination[KVP_NAME_MAX]; /* host:port, the header's value; beside Dynamo its instance id */
   char endpoint[KVP_NAME_MAX];    /* the engine's KV-event socket */
   int bind;                       /* 1: the engine connects and we bind; 0: we connect */
-  atomic_long prefill_blocks, decode_blocks, requests;
+  long prefill_blocks, requests; /* booked, under book_lock */
   uint64_t last_seq;
   int seen_seq;
 } kvp_worker;
@@ -31,6 +33,13 @@ typedef struct kvp_picker {
   char media[KVP_MAX_MEDIA][32];
   uint8_t classes[KVP_MAX_MEDIA];
   kvp_cost_config cost;
+  /* what requests book, under book_lock */
+  pthread_mutex_t book_lock;
+  kvp_ledger *ledger;
+  kvp_sessions *sessions;
+  uint32_t max_sessions;
+  double session_resident_s;
+  uint64_t session_seed; /* keys sessions by their names, unguessably */
   char topic[64];
   char libzmq[512];
   char dynamo_frontend[KVP_NAME_MAX]; /* set: every request goes there, naming its worker's instance */

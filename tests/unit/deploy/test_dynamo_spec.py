@@ -5,10 +5,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvpilot.deploy.dynamo_fleet import native_picker_lines
 from kvpilot.deploy.dynamo_spec import DynamoFleetSpec, FrontendRouting, mocker_group_plan, plan_dynamo_fleet
 from kvpilot.deploy.env import DYNAMO_LOOPBACK_ENV
+from kvpilot.deploy.fleet import FleetStartError
 from kvpilot.deploy.fleet_spec import FLEET_TTFT_SLO_S
-from kvpilot.routing.config import CostObjective, Role
+from kvpilot.routing.config import CostConfig, CostObjective, DisaggregationConfig, Role, RouterConfig
 from kvpilot.routing.config_load import load_config
 from kvpilot.routing.fleet import fleet_from_config
 from kvpilot.routing.ingest.dynamo_discovery import kv_events_endpoint
@@ -128,3 +130,13 @@ def test_envoy_in_front_of_dynamo_s_router_is_a_fixed_route_the_clients_reach() 
     assert spec.gateway is not None and spec.gateway.fixed_upstream == f"127.0.0.1:{spec.frontend_port}"
     assert spec.client_url == "http://127.0.0.1:18080"
     assert _spec(workers=2, frontend_routing=FrontendRouting.KV).gateway is None  # Dynamo alone: no Envoy
+
+
+@pytest.mark.parametrize(
+    "cost", [CostConfig(objective=CostObjective.PREDICTED_TTFT), CostConfig(router_temperature=0.5)]
+)
+def test_the_compiled_picker_is_refused_a_cost_it_does_not_price(cost: CostConfig) -> None:
+    fleet = {"block_size": 32, "workers": []}
+    config = RouterConfig(cost=cost, disaggregation=DisaggregationConfig(measured_rates=True))
+    with pytest.raises(FleetStartError, match=r"prices cost\.objective 'blocks' at cost\.router_temperature 0 only"):
+        native_picker_lines(fleet, "127.0.0.1:8000", config, Path("libzmq.so"))

@@ -1,7 +1,9 @@
 """The picker module in the real Envoy (.venv/bin/envoy, ABI v0.2.0): a token-id prompt of
 12,000 ids (a body Envoy hands over in slices) is routed to the worker whose KV events say it
 holds the prompt's blocks; a text prompt passes through untouched to the default route; each
-is counted; ``--mode validate`` loads the config and opens no socket. Only 127.0.0.1."""
+is counted; a session's later steps stay on the worker that served it; a session named in the
+body or by a bad header is left to the Python picker; ``--mode validate`` loads the config
+and opens no socket. Only 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from typing import Any
 
 import msgspec
 import pytest
+
+from kvpilot.deploy.dynamo_fleet import native_picker_lines
+from kvpilot.routing.config import CostConfig, RouterConfig
 
 zmq = pytest.importorskip("zmq")
 
@@ -174,11 +179,11 @@ def gateway(tmp_path: Path) -> Iterator[dict[str, Any]]:
                 server.shutdown()
 
 
-def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
+def _post(port: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",
         data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
+        headers={"content-type": "application/json", **(headers or {})},
     )
     with urllib.request.urlopen(request, timeout=5) as answer:
         return dict(json.loads(answer.read()))
@@ -223,6 +228,39 @@ def test_the_module_routes_a_token_id_prompt_to_the_worker_holding_it(gateway: d
     assert "bad frames" in gateway["log"].read_text()  # the feeder's counts, logged at the config's end
 
 
+def test_a_session_s_later_steps_stay_on_the_worker_that_served_it(gateway: dict[str, Any]) -> None:
+    """No worker holds these prompts, so both price alike but for the session's affinity:
+    without it, each step would land on either worker at random."""
+    port = gateway["listen"]
+    homes = set()
+    for session in range(8):
+        name = {"x-dynamo-session-id": f"agent-{session}"}
+        prompt = [3 + session] * (2 * BLOCK)
+        first = _post(port, {"model": "tiny", "prompt": prompt, "max_tokens": 1}, name)
+        assert first["decided_by"] == "module"
+        homes.add(first["worker"])
+        for step in range(1, 6):
+            prompt += [100 + step] * BLOCK
+            later = _post(port, {"model": "tiny", "prompt": prompt, "max_tokens": 1}, name)
+            assert later == first, (session, step)
+    assert homes == {"a", "b"}  # the first steps of new sessions are spread
+
+
+@pytest.mark.parametrize(
+    ("body", "headers"),
+    [
+        ({"conversation_id": "c-1"}, {}),
+        ({"prompt_cache_key": "k-1"}, {}),
+        ({}, {"x-session-id": "s" * 257}),
+    ],
+)
+def test_a_session_the_python_picker_must_answer_passes_through(
+    gateway: dict[str, Any], body: dict[str, Any], headers: dict[str, str]
+) -> None:
+    answer = _post(gateway["listen"], {"model": "tiny", "prompt": PROMPT[:256], "max_tokens": 1, **body}, headers)
+    assert answer == {"worker": "a", "decided_by": None}
+
+
 def test_validation_mode_loads_the_config_and_subscribes_to_nothing(gateway: dict[str, Any], tmp_path: Path) -> None:
     """The config now binds the ports the engines' PUB sockets hold: a bind would fail."""
     config = tmp_path / "validate.json"
@@ -231,6 +269,33 @@ def test_validation_mode_loads_the_config_and_subscribes_to_nothing(gateway: dic
     out = subprocess.run(
         [ENVOY, "--mode", "validate", "-c", str(config), "--base-id", "7"],
         env=gateway["env"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_the_fleet_s_config_lines_load(tmp_path: Path) -> None:
+    """Every line :func:`native_picker_lines` writes (the router's cost and sessions
+    settings among them) is one the module reads."""
+    fleet = {
+        "block_size": 32,
+        "workers": [{"name": "decode-11", "instance_id": 17, "kv_events_endpoint": "tcp://127.0.0.1:5999"}],
+    }
+    router = RouterConfig(cost=CostConfig(session_affinity_credit=1000.0, session_stays_unless_sooner=False))
+    assert LIBZMQ is not None and ENVOY is not None
+    lines = native_picker_lines(fleet, "127.0.0.1:8000", router, LIBZMQ)
+    assert "cost.session_affinity_credit 1000.0" in lines and "cost.session_stays_unless_sooner 0" in lines
+    config = _config(_port(), _port(), {"a": 1, "b": 2}, {"a": 3, "b": 4})
+    module = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    module["http_filters"][0]["typed_config"]["filter_config"]["value"] = "\n".join(lines)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(config))
+    env = {**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(MODULE_DIR)}
+    out = subprocess.run(
+        [ENVOY, "--mode", "validate", "-c", str(path), "--base-id", "11"],
+        env=env,
         capture_output=True,
         text=True,
         timeout=60,
