@@ -61,7 +61,7 @@ from kvpilot.deploy.fleet import (
     stop_group,
 )
 from kvpilot.deploy.fleet_spec import HOST, ROUTER_CONFIG, PortCollision, ProcessPlan, envoy_plan
-from kvpilot.routing.config import CostObjective, RouterConfig
+from kvpilot.routing.config import CostObjective, Role, RouterConfig
 from kvpilot.routing.config_load import load_config
 from kvpilot.routing.index.events import BlockStored, EventDecoder
 from kvpilot.routing.native import CostConfig
@@ -94,10 +94,13 @@ def native_picker_lines(fleet: Mapping[str, Any], frontend: str, config: RouterC
     router's ``/debug/fleet`` answer): each worker by its Dynamo instance id, subscribed to its
     KV events (the mocker binds them), every request sent to ``frontend`` (``host:port``)
     naming its instance, priced with the router's ``cost`` and ``sessions`` settings. Raises
-    FleetStartError for a worker it cannot reach or settings it does not price."""
+    FleetStartError for a worker it cannot reach, a disaggregated fleet, or settings it does not
+    price."""
     cost = config.cost
     if cost.objective is not CostObjective.BLOCKS or cost.router_temperature != 0:
         raise FleetStartError("the compiled picker prices cost.objective 'blocks' at cost.router_temperature 0 only")
+    if any(worker["role"] == Role.PREFILL.value for worker in fleet["workers"]):
+        raise FleetStartError("the compiled picker places co-located workers only: this fleet has prefill workers")
     lines = [f"block_size {fleet['block_size']}", f"libzmq {libzmq}", f"dynamo_frontend {frontend}"]
     priced = [name for name, kind, *_ in CostConfig._fields_ if kind is c_double]
     lines += [f"cost.{name} {float(getattr(cost, name))!r}" for name in priced]

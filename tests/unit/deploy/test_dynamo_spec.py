@@ -140,3 +140,9 @@ def test_the_compiled_picker_is_refused_a_cost_it_does_not_price(cost: CostConfi
     config = RouterConfig(cost=cost, disaggregation=DisaggregationConfig(measured_rates=True))
     with pytest.raises(FleetStartError, match=r"prices cost\.objective 'blocks' at cost\.router_temperature 0 only"):
         native_picker_lines(fleet, "127.0.0.1:8000", config, Path("libzmq.so"))
+
+
+def test_the_compiled_picker_is_refused_a_disaggregated_fleet() -> None:
+    worker = {"name": "prefill-1", "role": "prefill", "instance_id": 1, "kv_events_endpoint": "tcp://127.0.0.1:1"}
+    with pytest.raises(FleetStartError, match="co-located workers only"):
+        native_picker_lines({"block_size": 32, "workers": [worker]}, "127.0.0.1:8000", RouterConfig(), Path("z.so"))

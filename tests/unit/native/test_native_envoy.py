@@ -281,7 +281,9 @@ def test_the_fleet_s_config_lines_load(tmp_path: Path) -> None:
     settings among them) is one the module reads."""
     fleet = {
         "block_size": 32,
-        "workers": [{"name": "decode-11", "instance_id": 17, "kv_events_endpoint": "tcp://127.0.0.1:5999"}],
+        "workers": [
+            {"name": "decode-11", "role": "decode", "instance_id": 17, "kv_events_endpoint": "tcp://127.0.0.1:5999"}
+        ],
     }
     router = RouterConfig(cost=CostConfig(session_affinity_credit=1000.0, session_stays_unless_sooner=False))
     assert LIBZMQ is not None and ENVOY is not None
