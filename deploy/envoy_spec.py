@@ -263,6 +263,17 @@ def _access_log(spec: GatewaySpec) -> dict[str, Any]:
                 "values": [{"key": a.value, "value": {"string_value": a.envoy_format}} for a in LogAttribute]
             },
         },
+        # a request the compiled picker decided was never booked by the Python picker: its end
+        # is nothing the picker needs (its own header, which no client can send, tells it)
+        **(
+            {
+                "filter": {
+                    "header_filter": {"header": {"name": DECIDED_HEADER, "present_match": True, "invert_match": True}}
+                }
+            }
+            if spec.native_picker is not None
+            else {}
+        ),
     }
 
 
@@ -283,6 +294,9 @@ def _picker_unreachable() -> dict[str, Any]:
         "body_format_override": {"json_format": {"error": {"message": message, "type": "unavailable", "code": 503}}},
     }
 
+
+UNROUTED_CHECK = "kvpilot.check_unrouted_requests"
+"""The request path's Lua filter (:func:`~kvpilot.deploy.envoy_lua.requests_lua`)."""
 
 NATIVE_MODULE = "kvpilot_picker"
 """The compiled picker's name: its library is ``lib<name>.so`` (``routing/native/build``)."""
@@ -312,8 +326,9 @@ def _routes(spec: GatewaySpec) -> list[dict[str, Any]]:
             for name in ANSWER_HEADERS
         ],
     }
-    if spec.native_picker is not None:  # decided in Envoy: ext_proc is skipped for it
+    if spec.native_picker is not None:  # decided in Envoy: ext_proc and the unrouted check skip it
         disabled = {"@type": TYPES + "filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}
+        no_check = {"@type": TYPES + "filters.http.lua.v3.LuaPerRoute", "disabled": True}
         decided = [
             {
                 **picked,
@@ -324,7 +339,7 @@ def _routes(spec: GatewaySpec) -> list[dict[str, Any]]:
                         {"name": DECIDED_HEADER, "present_match": True},
                     ],
                 },
-                "typed_per_filter_config": {"envoy.filters.http.ext_proc": disabled},
+                "typed_per_filter_config": {"envoy.filters.http.ext_proc": disabled, UNROUTED_CHECK: no_check},
             }
         ]
     if spec.on_picker_failure is PickerFailure.ROUND_ROBIN:
@@ -431,7 +446,7 @@ def envoy_bootstrap(spec: GatewaySpec) -> dict[str, Any]:
             *([_native_picker(spec)] if spec.native_picker is not None else []),
             _ext_proc(spec),
             # requests: after ext_proc, whose destination header tells a routed request
-            _lua("kvpilot.check_unrouted_requests", requests_lua()),
+            _lua(UNROUTED_CHECK, requests_lua()),
             {
                 "name": "envoy.filters.http.router",
                 "typed_config": {"@type": TYPES + "filters.http.router.v3.Router"},

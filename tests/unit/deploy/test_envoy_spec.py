@@ -15,6 +15,7 @@ import yaml
 from kvpilot.deploy.envoy_spec import (
     FALLBACK_CLUSTER,
     PICKED_CLUSTER,
+    UNROUTED_CHECK,
     GatewaySpec,
     PickerFailure,
     ProcessorStyle,
@@ -148,3 +149,17 @@ def test_the_compiled_picker_decides_first_and_a_request_it_decided_skips_ext_pr
     assert {h["name"] for h in decided["match"]["headers"]} == {DESTINATION_HEADER, DECIDED_HEADER}
     assert decided["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
     assert DECIDED_HEADER in ROUTING_HEADERS  # a client cannot claim the module decided for it
+
+
+def test_a_request_the_compiled_picker_decided_skips_the_python_picker_s_filters_and_log() -> None:
+    manager = _manager(envoy_bootstrap(NATIVE))
+    decided = manager["route_config"]["virtual_hosts"][0]["routes"][0]
+    assert {h["name"] for h in decided["match"]["headers"]} == {DESTINATION_HEADER, DECIDED_HEADER}
+    skipped = decided["typed_per_filter_config"]
+    assert set(skipped) == {"envoy.filters.http.ext_proc", UNROUTED_CHECK}
+    assert all(config["disabled"] for config in skipped.values())
+    assert UNROUTED_CHECK in {f["name"] for f in manager["http_filters"]}
+    (log,) = manager["access_log"]
+    header = log["filter"]["header_filter"]["header"]
+    assert header == {"name": DECIDED_HEADER, "present_match": True, "invert_match": True}
+    assert "filter" not in _manager(envoy_bootstrap(REFUSE))["access_log"][0]  # every picked request logged
