@@ -13,6 +13,7 @@ from kvpilot.deploy.cli_parser import Parser, argument_string, json_object, mode
 from kvpilot.deploy.envoy_spec import PickerFailure
 
 if TYPE_CHECKING:  # imported where used: the console script starts without them
+    from kvpilot.deploy.dynamo_spec import DynamoFleetSpec
     from kvpilot.deploy.fleet_spec import FleetSpec
 
 DEFAULT_RUN_DIR = Path(".kvpilot") / "fleet"
@@ -96,25 +97,23 @@ def _ignored_beside_dynamo(args: argparse.Namespace) -> list[tuple[str, str]]:
         ),
         (args.sessions_redis_url, "--sessions-redis-url", "the Dynamo fleet keeps the router's sessions in memory"),
         (args.engine_args, "--engine-args", "Dynamo's mockers are not vLLM engines"),
+        (
+            args.python_picker and not args.workers,
+            "--python-picker",
+            "a disaggregated Dynamo fleet has only the Python picker (the compiled one places co-located workers)",
+        ),
     ]
     return [(flag, why) for given, flag, why in checks if given]
 
 
-def _dynamo_fleet_up(args: argparse.Namespace) -> int:
-    """``fleet up --dynamo``: Dynamo's frontend and mocker workers beside the router."""
-    from kvpilot.deploy import dynamo_fleet
+def dynamo_fleet_spec(args: argparse.Namespace, model_dir: Path) -> DynamoFleetSpec:
+    """``fleet up --dynamo``'s fleet from its flags: aggregated workers get the compiled picker
+    in Envoy unless ``--python-picker`` (or no Envoy)."""
     from kvpilot.deploy.dynamo_spec import DynamoFleetSpec
-    from kvpilot.deploy.fleet import FleetStartError
-    from kvpilot.deploy.tiny_model import ensure_tiny_model
 
     counts = {"workers": args.workers} if args.workers else {"prefill": args.prefill, "decode": args.decode}
-    refused = _ignored_beside_dynamo(args)
-    if refused:
-        for flag, why in refused:
-            print(f"kvpilot fleet up --dynamo: {flag} is refused: {why}", file=sys.stderr)
-        return 2
-    spec = DynamoFleetSpec(
-        model_dir=args.model_dir or ensure_tiny_model(),
+    return DynamoFleetSpec(
+        model_dir=model_dir,
         run_dir=args.run_dir,
         speedup_ratio=args.speedup_ratio,
         worker_port=args.worker_port,
@@ -125,8 +124,24 @@ def _dynamo_fleet_up(args: argparse.Namespace) -> int:
         envoy_admin_port=args.gateway_picker_port + 1,
         on_picker_failure=PickerFailure(args.on_picker_failure),
         ttft_slo_s=args.server_ttft_slo_s,
+        native_picker=bool(args.workers) and bool(args.gateway_port) and not args.python_picker,
         **counts,
     )
+
+
+def _dynamo_fleet_up(args: argparse.Namespace) -> int:
+    """``fleet up --dynamo``: Dynamo's frontend and mocker workers beside the router."""
+    from kvpilot.deploy import dynamo_fleet
+    from kvpilot.deploy.fleet import FleetStartError
+    from kvpilot.deploy.tiny_model import ensure_tiny_model
+
+    refused = _ignored_beside_dynamo(args)
+    if refused:
+        for flag, why in refused:
+            print(f"kvpilot fleet up --dynamo: {flag} is refused: {why}", file=sys.stderr)
+        return 2
+    spec = dynamo_fleet_spec(args, args.model_dir or ensure_tiny_model())
+    counts = {"workers": spec.workers} if spec.workers else {"prefill": spec.prefill, "decode": spec.decode}
     print(f"kvpilot fleet up --dynamo: {', '.join(f'{n} {k}' for k, n in counts.items())} (dynamo.mocker)")
     try:
         started = dynamo_fleet.up(spec, timeout=args.timeout)
@@ -309,6 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
     dyn.add_argument("--speedup-ratio", type=float, default=10.0, help="with --dynamo: the mocker's simulated speedup")
     dyn.add_argument("--worker-port", type=int, default=20000, help="with --dynamo: worker 0's request-plane port")
     dyn.add_argument("--frontend-port", type=int, default=8090, help="with --dynamo: the frontend's HTTP port")
+    dyn.add_argument(
+        "--python-picker",
+        action="store_true",
+        help="with --dynamo --workers: Envoy asks the router's Python picker for every request (default: Envoy "
+        "decides token-id prompts itself with the compiled picker, routing/native; the Python picker the rest)",
+    )
     fl.set_defaults(func=_fleet)
 
     from kvpilot.deploy.dashboards import add_subcommands as add_dashboard_subcommands

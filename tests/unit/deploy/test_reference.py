@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from kvpilot.deploy import reference
-from kvpilot.deploy.cli import build_parser, main
+from kvpilot.deploy.cli import build_parser, dynamo_fleet_spec, main
 from kvpilot.policies.typed_config import TypedConfig
 from kvpilot.routing.config_load import flag_name
 
@@ -69,6 +69,7 @@ def test_every_command_and_flag_has_help_and_the_router_flags_are_named_by_their
         (["--index-backend", "dynamo"], "--index-backend"),
         (["--on-picker-failure", "round_robin"], "--on-picker-failure"),
         (["--sessions-redis-url", "redis://127.0.0.1:1/0"], "--sessions-redis-url"),
+        (["--prefill", "1", "--decode", "1", "--python-picker"], "--python-picker"),
     ],
 )
 def test_a_flag_the_dynamo_fleet_cannot_honour_is_refused_with_its_reason(
@@ -85,3 +86,19 @@ def test_help_shows_each_flag_s_default() -> None:
     fleet = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["fleet"]
     assert "(default: 8000)" in " ".join(fleet.format_help().split())
     assert msgspec  # the reference reads the structs through msgspec
+
+
+@pytest.mark.parametrize(
+    ("flags", "compiled"),
+    [
+        (["--workers", "4"], True),
+        (["--workers", "4", "--python-picker"], False),
+        (["--workers", "4", "--gateway-port", "0"], False),  # no Envoy: the router relays
+        (["--prefill", "1", "--decode", "1"], False),
+    ],
+)
+def test_aggregated_dynamo_workers_get_the_compiled_picker_by_default(
+    flags: list[str], compiled: bool, tmp_path: Path
+) -> None:
+    args = build_parser().parse_args(["fleet", "up", "--dynamo", "--run-dir", str(tmp_path), *flags])
+    assert dynamo_fleet_spec(args, tmp_path).native_picker is compiled
