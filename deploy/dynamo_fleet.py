@@ -48,6 +48,7 @@ from kvpilot.deploy.dynamo_spec import (
     router_config,
     router_plan,
 )
+from kvpilot.deploy.envoy_spec import GatewaySpec
 from kvpilot.deploy.fleet import (
     Fleet,
     FleetStartError,
@@ -87,6 +88,15 @@ def native_picker_config(router_url: str, frontend: str, config: RouterConfig) -
     if libzmq is None:
         raise FleetStartError("the compiled picker needs pyzmq's bundled libzmq (pyzmq.libs/libzmq*.so)")
     return "\n".join(native_picker_lines(fleet, frontend, config, libzmq))
+
+
+def with_native_picker(spec: DynamoFleetSpec, gateway: GatewaySpec, router_url: str) -> GatewaySpec:
+    """``gateway`` with the compiled picker for the fleet the router at ``router_url`` serves,
+    priced with the router config written in ``spec.run_dir``, sending to ``spec``'s frontend."""
+    config = load_config(spec.run_dir / ROUTER_CONFIG)
+    return dataclasses.replace(
+        gateway, native_picker=native_picker_config(router_url, f"{HOST}:{spec.frontend_port}", config)
+    )
 
 
 def native_picker_lines(fleet: Mapping[str, Any], frontend: str, config: RouterConfig, libzmq: Path) -> list[str]:
@@ -174,9 +184,7 @@ def up(spec: DynamoFleetSpec, timeout: float = 120.0, progress: Callable[[str], 
             progress(f"  router on {router.url}, serving {len(workers)} workers from Dynamo's discovery")
             if gateway is not None:
                 if spec.native_picker:
-                    frontend_at = f"{HOST}:{spec.frontend_port}"
-                    native = native_picker_config(router.url, frontend_at, load_config(spec.run_dir / ROUTER_CONFIG))
-                    gateway = dataclasses.replace(gateway, native_picker=native)
+                    gateway = with_native_picker(spec, gateway, router.url)
                 return _record(
                     spec, started, gateway=start_gateway(gateway, spec.run_dir, time.monotonic() + timeout, progress)
                 )
@@ -390,6 +398,7 @@ def up_one_process(
         wait_for_workers(router.url, lambda names: len(names) == spec.workers, timeout)
         progress(f"  router on {router.url}, serving {spec.workers} workers, after {time.monotonic() - t0:.1f} s")
         if spec.gateway is not None:
-            gateway = start_gateway(spec.gateway, spec.run_dir, time.monotonic() + timeout, progress)
-            return _record(spec, started, gateway=gateway)
+            gateway = spec.gateway if not spec.native_picker else with_native_picker(spec, spec.gateway, router.url)
+            envoy = start_gateway(gateway, spec.run_dir, time.monotonic() + timeout, progress)
+            return _record(spec, started, gateway=envoy)
     return _record(spec, started)

@@ -20,9 +20,11 @@ front of the direct frontend (the fleet of ``kvpilot fleet up --dynamo``). Then:
    p50 and p99 interpolated inside the bucket that holds them (Dynamo's buckets grow by
    3x: 0.09, 0.27, 0.81 ms), each with its bucket's bounds.
 3. Added latency against the request rate: at each rate of ``--rates``, ``--per-rate``
-   requests at even spacing (open loop), each a warm prompt plus new tokens, sent three
-   ways one after another: straight to the worker holding it (direct frontend,
-   ``x-worker-instance-id``: the baseline), through kvpilot's router, through Dynamo's
+   requests at even spacing (open loop), each a warm prompt plus new tokens, sent each
+   way one after another: straight to the worker holding it (direct frontend,
+   ``x-worker-instance-id``: the baseline), through kvpilot's router, through Envoy with
+   its Python picker, through a second Envoy deciding with the compiled picker
+   (``routing/native``, its own index from the workers' KV events), through Dynamo's
    KV frontend. Every request asks for ONE token, not streamed: its latency is its TTFT.
    (Streamed, Dynamo 1.6.1's frontend held the first chunk of a one-token answer
    ~40 ms before an aiohttp client read it, measured here: 43.9 ms streamed against
@@ -66,7 +68,7 @@ from benchmarks.provenance import ROOT, describe, provenance, recorded_argv
 from benchmarks.scale.results import histogram_delta
 from kvpilot.deploy import dynamo_fleet
 from kvpilot.deploy.dynamo_spec import DynamoFleetSpec
-from kvpilot.deploy.fleet import Fleet, down
+from kvpilot.deploy.fleet import Fleet, down, start_gateway, stop_group
 from kvpilot.deploy.fleet_spec import HOST
 from kvpilot.deploy.metrics import scrape
 from kvpilot.deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
@@ -78,9 +80,13 @@ events from 28500, its system server 29000), the frontends 27990 and KV_FRONTEND
 the router 27980 (no e2e test or other benchmark uses 27980-29499)."""
 KV_FRONTEND_PORT = 27991
 KVPILOT_DECISION = "kvpilot_router_decision_seconds"
-ARMS = ("kvpilot", "kvpilot_envoy", "dynamo_kv")
+ARMS = ("kvpilot", "kvpilot_envoy", "kvpilot_native", "dynamo_kv")
 """The rate sweep's ways through a router: kvpilot's router relaying, Envoy with kvpilot's
-picker (the fleet's client URL), Dynamo's KV frontend."""
+picker (the fleet's client URL), a second Envoy deciding with the compiled picker
+(:data:`NATIVE_GATEWAY_PORT`), Dynamo's KV frontend."""
+NATIVE_GATEWAY_PORT = 27970
+"""The compiled picker's Envoy, beside the fleet's own; its admin port is the next (no e2e test
+or other benchmark uses them)."""
 DYNAMO_DECISION = "dynamo_router_overhead_total_ms"
 BLOCK_SIZE = 32
 NEW_TOKENS = 64
@@ -118,17 +124,29 @@ def body(prompt: list[int]) -> bytes:
     return json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0}).encode()
 
 
-async def one(http: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str]) -> tuple[float, str | None]:
-    """One completion of one token: (seconds to its answer, the router's decode worker
-    header); raises on a failure."""
+@dataclass(frozen=True)
+class Answer:
+    """One completion's seconds to its answer, the router's decode worker header (where it
+    sets one) and the cached prompt tokens the serving worker reports."""
+
+    latency_s: float
+    worker: str | None
+    cached_tokens: int
+
+
+async def one(http: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str]) -> Answer:
+    """One completion of one token; raises on a failure."""
     started = time.perf_counter()
     async with http.post(f"{url}/v1/completions", data=data, headers={**JSON_HEADERS, **headers}) as resp:
         payload = await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {payload[:200]!r}")
-        if not json.loads(payload).get("choices"):
+        answer = json.loads(payload)
+        if not answer.get("choices"):
             raise RuntimeError("no choice in the answer")
-        return time.perf_counter() - started, resp.headers.get("X-KVPilot-Decode-Worker")
+        details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+        cached = int(details.get("cached_tokens") or 0)
+        return Answer(time.perf_counter() - started, resp.headers.get("X-KVPilot-Decode-Worker"), cached)
 
 
 async def warm_up(frontend: str, prompts: list[Warm], concurrency: int = 16) -> None:
@@ -143,15 +161,10 @@ async def warm_up(frontend: str, prompts: list[Warm], concurrency: int = 16) -> 
         await asyncio.gather(*(send(w) for w in prompts))
 
 
-async def sequential(url: str, requests: list[tuple[bytes, str]]) -> tuple[list[float], list[str | None]]:
-    """Each request alone, one after another: latencies and the routers' decode workers."""
-    latencies, workers = [], []
+async def sequential(url: str, requests: list[tuple[bytes, str]]) -> list[Answer]:
+    """Each request alone, one after another."""
     async with aiohttp.ClientSession() as http:
-        for data, _ in requests:
-            latency, worker = await one(http, url, data, {})
-            latencies.append(latency)
-            workers.append(worker)
-    return latencies, workers
+        return [await one(http, url, data, {}) for data, _ in requests]
 
 
 async def at_rate(url: str, requests: list[tuple[bytes, dict[str, str]]], rate: float) -> dict[str, Any]:
@@ -164,7 +177,7 @@ async def at_rate(url: str, requests: list[tuple[bytes, dict[str, str]]], rate: 
         async def timed(k: int, data: bytes, headers: dict[str, str]) -> tuple[float, float] | str:
             await asyncio.sleep(max(0.0, k / rate - (time.perf_counter() - t0)))
             try:
-                latency, _ = await one(http, url, data, headers)
+                latency = (await one(http, url, data, headers)).latency_s
             except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:
                 return f"{type(exc).__name__}: {exc}"
             return latency, time.perf_counter() - t0
@@ -229,6 +242,20 @@ def profile(pid: int, seconds: float, out: Path) -> dict[str, Any]:
     }
 
 
+def _start_native_gateway(spec: DynamoFleetSpec, router: str) -> tuple[subprocess.Popen[bytes], str] | None:
+    """A second Envoy in front of the direct frontend, deciding with the compiled picker (its
+    index fed by the workers' KV events from now on: it replays nothing, so it starts before
+    the warm-up); None when the fleet has no Envoy."""
+    if spec.gateway is None:
+        return None
+    ports = replace(spec.gateway, gateway_port=NATIVE_GATEWAY_PORT, admin_port=NATIVE_GATEWAY_PORT + 1)
+    gateway = dynamo_fleet.with_native_picker(spec, ports, router)
+    run_dir = spec.run_dir / "native-gateway"
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    proc, _ = start_gateway(gateway, run_dir, time.monotonic() + 120, lambda m: log(m.strip()))
+    return proc, f"http://{HOST}:{gateway.gateway_port}"
+
+
 def run_fleet(n: int, base: DynamoFleetSpec, args: argparse.Namespace) -> dict[str, Any]:
     spec = replace(base, workers=n, run_dir=base.run_dir / f"w{n}")
     log(f"{n} workers: starting")
@@ -241,12 +268,24 @@ def run_fleet(n: int, base: DynamoFleetSpec, args: argparse.Namespace) -> dict[s
         progress=lambda m: log(m.strip()),
     )
     try:
-        return measure(spec, fleet, n, args, time.perf_counter() - started)
+        native = _start_native_gateway(spec, fleet.router.url)  # before the warm-up: its index hears it
+        try:
+            return measure(spec, fleet, n, args, time.perf_counter() - started, native)
+        finally:
+            if native is not None:
+                stop_group(native[0].pid)
     finally:
         down(spec.run_dir)
 
 
-def measure(spec: DynamoFleetSpec, fleet: Fleet, n: int, args: argparse.Namespace, up_s: float) -> dict[str, Any]:
+def measure(
+    spec: DynamoFleetSpec,
+    fleet: Fleet,
+    n: int,
+    args: argparse.Namespace,
+    up_s: float,
+    native: tuple[subprocess.Popen[bytes], str] | None,
+) -> dict[str, Any]:
     direct, router, kv = spec.frontend_url, fleet.router.url, f"http://{HOST}:{KV_FRONTEND_PORT}"
     instances = dynamo_fleet.generate_instances(spec.discovery_dir)
     rng = random.Random(args.seed + n)
@@ -262,15 +301,25 @@ def measure(spec: DynamoFleetSpec, fleet: Fleet, n: int, args: argparse.Namespac
     picks = [rng.choice(warm) for _ in range(args.decisions)]
     reqs = [(body(extended(w, rng)), f"decode-{w.instance:x}") for w in picks]
     before_k, before_d = scrape(router), scrape(kv)
-    lat_k, chosen = asyncio.run(sequential(router, reqs))
-    lat_d, _ = asyncio.run(sequential(kv, reqs))
+    by_k = asyncio.run(sequential(router, reqs))
+    by_d = asyncio.run(sequential(kv, reqs))
     after_k, after_d = scrape(router), scrape(kv)
+    by_n = asyncio.run(sequential(native[1], reqs)) if native is not None else []
     out["decision"] = {
         "kvpilot": histogram_delta(after_k, before_k, KVPILOT_DECISION),
         "dynamo_kv": histogram_delta(after_d, before_d, DYNAMO_DECISION, scale=1e-3),
     }
+    chosen = [a.worker for a in by_k]
     out["decision"]["kvpilot"]["chose_holder"] = sum(c == h for c, (_, h) in zip(chosen, reqs, strict=True)) / len(reqs)
-    out["sequential_latency_p50_s"] = {"kvpilot": statistics.median(lat_k), "dynamo_kv": statistics.median(lat_d)}
+    if by_n:  # no header of the module's own: the holder alone caches the warm prompt
+        held = args.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
+        out["native_chose_holder"] = sum(a.cached_tokens >= held for a in by_n) / len(by_n)
+        log(f"  the compiled picker chose the prompt's holder in {out['native_chose_holder']:.0%}")
+    out["sequential_latency_p50_s"] = {
+        "kvpilot": statistics.median(a.latency_s for a in by_k),
+        "dynamo_kv": statistics.median(a.latency_s for a in by_d),
+        **({"kvpilot_native": statistics.median(a.latency_s for a in by_n)} if by_n else {}),
+    }
     out["index_blocks_kvpilot"] = sum(v for (name, _), v in after_k.items() if name == "kvpilot_router_index_blocks")
     for key, d in out["decision"].items():
         log(
@@ -281,7 +330,12 @@ def measure(spec: DynamoFleetSpec, fleet: Fleet, n: int, args: argparse.Namespac
 
     # 3. the rate sweep
     sweep: list[dict[str, Any]] = []
-    alive = {"kvpilot": router, **({"kvpilot_envoy": fleet.client_url} if fleet.gateway else {}), "dynamo_kv": kv}
+    alive = {
+        "kvpilot": router,
+        **({"kvpilot_envoy": fleet.client_url} if fleet.gateway else {}),
+        **({"kvpilot_native": native[1]} if native is not None else {}),
+        "dynamo_kv": kv,
+    }
     sustained: dict[str, float] = {}
     last_rate = 0.0
     for rate in args.rates:
@@ -378,9 +432,10 @@ def tables(results: list[dict[str, Any]], memory: list[dict[str, Any]], limit_ms
     lines = [
         (
             "| workers | entries | kvpilot decision mean / p50 / p99 ms | Dynamo KV decision mean / p50 / p99 ms "
-            "| kvpilot sustained req/s | kvpilot via Envoy sustained req/s | Dynamo KV sustained req/s |"
+            "| kvpilot sustained req/s | kvpilot via Envoy sustained req/s "
+            "| kvpilot compiled in Envoy sustained req/s | Dynamo KV sustained req/s |"
         ),
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         k, d = r["decision"]["kvpilot"], r["decision"]["dynamo_kv"]
@@ -392,8 +447,11 @@ def tables(results: list[dict[str, Any]], memory: list[dict[str, Any]], limit_ms
         )
     lines += ["", f"Added latency (one token: TTFT) p50 / p99 ms over direct (limit {limit_ms:g} ms on p50):", ""]
     lines += [
-        "| workers | rate req/s | direct p50 ms | kvpilot added | kvpilot via Envoy added | Dynamo KV added |",
-        "|---:|---:|---:|---:|---:|---:|",
+        (
+            "| workers | rate req/s | direct p50 ms | kvpilot added | kvpilot via Envoy added "
+            "| kvpilot compiled in Envoy added | Dynamo KV added |"
+        ),
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         for row in r["sweep"]:
