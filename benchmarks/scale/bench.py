@@ -56,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -70,8 +71,9 @@ from kvpilot.deploy import dynamo_fleet
 from kvpilot.deploy.dynamo_spec import DynamoFleetSpec
 from kvpilot.deploy.fleet import Fleet, down, start_gateway, stop_group
 from kvpilot.deploy.fleet_spec import HOST
-from kvpilot.deploy.metrics import scrape
+from kvpilot.deploy.metrics import Samples, parse, scrape
 from kvpilot.deploy.tiny_model import TINY_MODEL_SPEC, ensure_tiny_model
+from kvpilot.routing import native
 from kvpilot.routing.config import IndexBackend
 
 PORTS = {"worker_port": 28000, "port_stride": 500, "frontend_port": 27990, "router_port": 27980}
@@ -80,6 +82,10 @@ events from 28500, its system server 29000), the frontends 27990 and KV_FRONTEND
 the router 27980 (no e2e test or other benchmark uses 27980-29499)."""
 KV_FRONTEND_PORT = 27991
 KVPILOT_DECISION = "kvpilot_router_decision_seconds"
+NATIVE_DECISION = native.ENVOY_STATS_PREFIX + native.DECISION_HISTOGRAM
+"""The compiled picker's own decision time (microseconds), in its Envoy's stats."""
+ENVOY_STATS_FLUSH_S = 6.0
+"""Longer than Envoy's stats flush (5 s), after which its histograms hold every worker's values."""
 ARMS = ("kvpilot", "kvpilot_envoy", "kvpilot_native", "dynamo_kv")
 """The rate sweep's ways through a router: kvpilot's router relaying, Envoy with kvpilot's
 picker (the fleet's client URL), a second Envoy deciding with the compiled picker
@@ -91,6 +97,12 @@ DYNAMO_DECISION = "dynamo_router_overhead_total_ms"
 BLOCK_SIZE = 32
 NEW_TOKENS = 64
 JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def envoy_stats(admin_url: str) -> Samples:
+    """Envoy's stats (its admin ``/stats/prometheus``)."""
+    with urllib.request.urlopen(f"{admin_url}/stats/prometheus", timeout=30) as resp:
+        return parse(resp.read().decode())
 
 
 def log(msg: str) -> None:
@@ -304,11 +316,17 @@ def measure(
     by_k = asyncio.run(sequential(router, reqs))
     by_d = asyncio.run(sequential(kv, reqs))
     after_k, after_d = scrape(router), scrape(kv)
-    by_n = asyncio.run(sequential(native[1], reqs)) if native is not None else []
     out["decision"] = {
         "kvpilot": histogram_delta(after_k, before_k, KVPILOT_DECISION),
         "dynamo_kv": histogram_delta(after_d, before_d, DYNAMO_DECISION, scale=1e-3),
     }
+    by_n = []
+    if native is not None:
+        admin = f"http://{HOST}:{NATIVE_GATEWAY_PORT + 1}"
+        before_n = envoy_stats(admin)
+        by_n = asyncio.run(sequential(native[1], reqs))
+        time.sleep(ENVOY_STATS_FLUSH_S)  # Envoy merges its workers' histograms at each stats flush
+        out["decision"]["kvpilot_native"] = histogram_delta(envoy_stats(admin), before_n, NATIVE_DECISION, scale=1e-6)
     chosen = [a.worker for a in by_k]
     out["decision"]["kvpilot"]["chose_holder"] = sum(c == h for c, (_, h) in zip(chosen, reqs, strict=True)) / len(reqs)
     if by_n:  # no header of the module's own: the holder alone caches the warm prompt
@@ -431,17 +449,22 @@ def ms(x: float) -> str:
 def tables(results: list[dict[str, Any]], memory: list[dict[str, Any]], limit_ms: float) -> str:
     lines = [
         (
-            "| workers | entries | kvpilot decision mean / p50 / p99 ms | Dynamo KV decision mean / p50 / p99 ms "
+            "| workers | entries | kvpilot decision mean / p50 / p99 ms "
+            "| kvpilot compiled decision mean / p50 / p99 ms | Dynamo KV decision mean / p50 / p99 ms "
             "| kvpilot sustained req/s | kvpilot via Envoy sustained req/s "
             "| kvpilot compiled in Envoy sustained req/s | Dynamo KV sustained req/s |"
         ),
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def times(d: dict[str, Any] | None) -> str:
+        return "-" if d is None else f"{ms(d['mean_s'])} / {ms(d['p50_s'])} / {ms(d['p99_s'])}"
+
     for r in results:
-        k, d = r["decision"]["kvpilot"], r["decision"]["dynamo_kv"]
+        decision = r["decision"]
         lines.append(
-            f"| {r['workers']} | {r['warm_entries']} | {ms(k['mean_s'])} / {ms(k['p50_s'])} / {ms(k['p99_s'])} "
-            f"| {ms(d['mean_s'])} / {ms(d['p50_s'])} / {ms(d['p99_s'])} "
+            f"| {r['workers']} | {r['warm_entries']} | {times(decision['kvpilot'])} "
+            f"| {times(decision.get('kvpilot_native'))} | {times(decision['dynamo_kv'])} "
             + "".join(f"| {r['sustained_rps'].get(arm, 0.0):g} " for arm in ARMS)
             + "|"
         )

@@ -17,6 +17,11 @@ import numpy as np
 LIBRARY = Path(__file__).with_name("build") / "libkvpcore.so"
 TIER_CLASSES = {"gpu": 0, "host": 1, "disk": 2, "shared": 3}
 """:class:`kvpilot.routing.config.TierClass` values -> ``enum kvp_tier_class``."""
+DECISION_HISTOGRAM = "kvpilot_picker_decision_us"
+"""The module's histogram of each decision's time, microseconds from its body gathered to its
+destination set (``kvp_module.c``'s ``DECISION_HISTOGRAM``)."""
+ENVOY_STATS_PREFIX = "envoy_dynamicmodulescustom_"
+"""What Envoy's ``/stats/prometheus`` puts before a dynamic module's own stat names."""
 OUTCOMES = ("applied", "block_size", "unknown_parent", "bad_shape", "unknown_slot", "no_memory")
 """``enum kvp_outcome``, by value."""
 

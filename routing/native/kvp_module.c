@@ -26,6 +26,7 @@
 #define DESTINATION_HEADER "x-gateway-destination-endpoint"
 #define DECIDED_HEADER "x-kvpilot-decided-by"
 #define DYNAMO_INSTANCE_HEADER "x-dynamo-worker-instance-id"
+#define DECISION_HISTOGRAM "kvpilot_picker_decision_us"
 
 /* ---- Envoy's side of the ABI (callbacks), as documented ---- */
 typedef struct { const char *ptr; size_t length; } envoy_buffer;
@@ -48,6 +49,12 @@ WEAK extern int envoy_dynamic_module_callback_http_filter_config_define_counter(
                                                                            size_t *id);
 WEAK extern int envoy_dynamic_module_callback_http_filter_increment_counter(void *filter, size_t id, envoy_buffer *labels,
                                                                        size_t n_labels, uint64_t value);
+WEAK extern int envoy_dynamic_module_callback_http_filter_config_define_histogram(void *config, envoy_buffer name,
+                                                                             envoy_buffer *labels, size_t n_labels,
+                                                                             size_t *id);
+WEAK extern int envoy_dynamic_module_callback_http_filter_record_histogram_value(void *filter, size_t id,
+                                                                            envoy_buffer *labels, size_t n_labels,
+                                                                            uint64_t value);
 
 #define CALLBACK(name) {#name, (void *)(uintptr_t)name}
 static const struct { const char *name; void *address; } CALLBACKS[] = {
@@ -61,6 +68,8 @@ static const struct { const char *name; void *address; } CALLBACKS[] = {
     CALLBACK(envoy_dynamic_module_callback_log),
     CALLBACK(envoy_dynamic_module_callback_http_filter_config_define_counter),
     CALLBACK(envoy_dynamic_module_callback_http_filter_increment_counter),
+    CALLBACK(envoy_dynamic_module_callback_http_filter_config_define_histogram),
+    CALLBACK(envoy_dynamic_module_callback_http_filter_record_histogram_value),
 };
 
 static envoy_buffer text(const char *s) { return (envoy_buffer){s, strlen(s)}; }
@@ -122,7 +131,9 @@ EXPORT void *envoy_dynamic_module_on_http_filter_config_new(void *config_envoy, 
   pc->counters = !envoy_dynamic_module_callback_http_filter_config_define_counter(
                      config_envoy, text("kvpilot_picker_decided"), NULL, 0, &pk->counter_decided) &&
                  !envoy_dynamic_module_callback_http_filter_config_define_counter(
-                     config_envoy, text("kvpilot_picker_passthrough"), NULL, 0, &pk->counter_passthrough);
+                     config_envoy, text("kvpilot_picker_passthrough"), NULL, 0, &pk->counter_passthrough) &&
+                 !envoy_dynamic_module_callback_http_filter_config_define_histogram(
+                     config_envoy, text(DECISION_HISTOGRAM), NULL, 0, &pk->histogram_decision);
   if (!envoy_dynamic_module_callback_is_validation_mode() && kvp_feed_start(pk, err, sizeof err)) {
     log_line(LOG_ERROR, err);
     pthread_rwlock_destroy(&pk->lock);
@@ -306,6 +317,7 @@ static int choose_and_book(kvp_picker *pk, filter *f, const uint32_t *ids, size_
 static void decide(filter *f, void *fe) {
   kvp_picker *pk = &f->pc->pk;
   size_t len = 0, n_ids = 0;
+  double started = now_s();
   f->decided = 1;
   int session = session_of(fe, pk->session_seed, &f->session);
   if (session == SESSION_BAD) return count(f, fe, 0);
@@ -337,6 +349,9 @@ static void decide(filter *f, void *fe) {
   envoy_dynamic_module_callback_http_set_header(fe, HEADER_REQUEST, text(DECIDED_HEADER), text("module"));
   envoy_dynamic_module_callback_http_clear_route_cache(fe);
   count(f, fe, 1);
+  if (f->pc->counters) /* the decision, body gathered and parsed to destination set, in microseconds */
+    envoy_dynamic_module_callback_http_filter_record_histogram_value(
+        fe, pk->histogram_decision, NULL, 0, (uint64_t)((now_s() - started) * 1e6 + 0.5));
 }
 
 /* The prefill is over: the answer's first bytes (a stream's first token) reached Envoy. */

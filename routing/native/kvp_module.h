@@ -49,8 +49,8 @@ typedef struct kvp_picker {
   int feeder_started;
   atomic_int stop;
   atomic_ulong batches, bad_frames, restarts, events_applied, events_skipped;
-  /* Envoy's counters (ids from define_counter) */
-  size_t counter_decided, counter_passthrough;
+  /* Envoy's counters and the decision histogram (ids from define_counter, define_histogram) */
+  size_t counter_decided, counter_passthrough, histogram_decision;
 } kvp_picker;
 
 /* Parse the filter config (README.md); on error write a message to ``err`` and return -1. */

@@ -25,6 +25,8 @@ import msgspec
 import pytest
 
 from kvpilot.deploy.dynamo_fleet import native_picker_lines
+from kvpilot.deploy.metrics import parse, total
+from kvpilot.routing import native
 from kvpilot.routing.config import CostConfig, RouterConfig
 
 zmq = pytest.importorskip("zmq")
@@ -219,11 +221,15 @@ def test_the_module_routes_a_token_id_prompt_to_the_worker_holding_it(gateway: d
         assert _post(port, {"model": "tiny", "prompt": PROMPT, "max_tokens": 1})["worker"] == "b"
     text = _post(port, {"model": "tiny", "prompt": "hello", "max_tokens": 1})
     assert text == {"worker": "a", "decided_by": None}  # untouched: the default route
-    stats = urllib.request.urlopen(f"http://127.0.0.1:{gateway['admin']}/stats?filter=kvpilot").read().decode()
+    admin = f"http://127.0.0.1:{gateway['admin']}"
+    stats = urllib.request.urlopen(f"{admin}/stats?filter=kvpilot_picker_(decided|passthrough)$").read().decode()
     counts = {
         line.split(": ")[0].rsplit(".", 1)[-1]: int(line.split(": ")[1]) for line in stats.splitlines() if ": " in line
     }
     assert counts.get("kvpilot_picker_passthrough") == 1 and counts.get("kvpilot_picker_decided", 0) >= 11, stats
+    time.sleep(6)  # Envoy merges its workers' histograms at each stats flush (5 s)
+    samples = parse(urllib.request.urlopen(f"{admin}/stats/prometheus").read().decode())
+    assert total(samples, f"{native.ENVOY_STATS_PREFIX}{native.DECISION_HISTOGRAM}_count") >= 11  # every decision timed
     gateway["stop"]()
     assert "bad frames" in gateway["log"].read_text()  # the feeder's counts, logged at the config's end
 
