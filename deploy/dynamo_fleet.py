@@ -112,6 +112,7 @@ def native_picker_lines(fleet: Mapping[str, Any], frontend: str, config: RouterC
     if any(worker["role"] == Role.PREFILL.value for worker in fleet["workers"]):
         raise FleetStartError("the compiled picker places co-located workers only: this fleet has prefill workers")
     lines = [f"block_size {fleet['block_size']}", f"libzmq {libzmq}", f"dynamo_frontend {frontend}"]
+    lines.append(f"model {config.server.model_name}")  # another model (a LoRA adapter) is the Python picker's
     priced = [name for name, kind, *_ in CostConfig._fields_ if kind is c_double]
     lines += [f"cost.{name} {float(getattr(cost, name))!r}" for name in priced]
     lines.append(f"cost.session_stays_unless_sooner {int(cost.session_stays_unless_sooner)}")

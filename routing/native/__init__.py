@@ -128,7 +128,7 @@ def load() -> ctypes.CDLL:
         lib.kvp_tier_overlap.argtypes = [_u32p, _u8p, u32, u32, _f64p]
         lib.kvp_price.restype = size
         lib.kvp_price.argtypes = [ctypes.POINTER(CostConfig), u64, size, _f64p, ctypes.POINTER(Load), _f64p, _u32p]
-        lib.kvp_parse_prompt.argtypes = [ctypes.c_char_p, size, _u32p, size, ctypes.POINTER(size)]
+        lib.kvp_parse_prompt.argtypes = [ctypes.c_char_p, size, ctypes.c_char_p, _u32p, size, ctypes.POINTER(size)]
         lib.kvp_decode_batch.argtypes = [ctypes.c_char_p, size, ctypes.POINTER(_Scratch), _SINK, ptr]
         lib.kvp_decode_batch.argtypes.append(ctypes.POINTER(BatchCounts))
         dbl = ctypes.c_double
@@ -298,10 +298,12 @@ def price(
     return costs, ties[:count].tolist()
 
 
-def parse_prompt(body: bytes, max_ids: int) -> tuple[str, list[int]]:
-    """``kvp_parse_prompt``: the body's status (:data:`BODY_STATUSES`) and its prompt's ids."""
+def parse_prompt(body: bytes, max_ids: int, served_model: str | None = None) -> tuple[str, list[int]]:
+    """``kvp_parse_prompt``: the body's status (:data:`BODY_STATUSES`) and its prompt's ids
+    (a body naming another model than ``served_model``, where given, is namespaced)."""
     ids, n = np.zeros(max(max_ids, 1), dtype=np.uint32), ctypes.c_size_t(0)
-    status = load().kvp_parse_prompt(body, len(body), ids, max_ids, ctypes.byref(n))
+    model = None if served_model is None else served_model.encode()
+    status = load().kvp_parse_prompt(body, len(body), model, ids, max_ids, ctypes.byref(n))
     return BODY_STATUSES[status], ids[: n.value].tolist()
 
 

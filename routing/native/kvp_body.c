@@ -1,6 +1,6 @@
 /* The token-id prompt of an OpenAI completions body (kvp_wire.h): a bounded JSON scanner
  * that reads the top-level object's keys, the "prompt" array of integers, the "cache_salt",
- * the session fields, and skips every other value (strings with escapes, numbers, literals, containers nested at
+ * the "model", the session fields, and skips every other value (strings with escapes, numbers, literals, containers nested at
  * most MAX_DEPTH deep) without building anything. */
 #include <string.h>
 
@@ -104,9 +104,10 @@ static int ids(scan *s, uint32_t *out, size_t max, size_t *count) {
   }
 }
 
-static int parse(const char *body, size_t len, uint32_t *out, size_t max_ids, size_t *n_ids) {
+static int parse(const char *body, size_t len, const char *served_model, uint32_t *out, size_t max_ids,
+                 size_t *n_ids) {
   scan s = {body, body + len};
-  int found = 0, salted = 0, session = 0;
+  int found = 0, salted = 0, session = 0, other_model = 0;
   *n_ids = 0;
   if (!eat(&s, '{')) return KVP_BODY_MALFORMED;
   if (!eat(&s, '}')) {
@@ -128,6 +129,18 @@ static int parse(const char *body, size_t len, uint32_t *out, size_t max_ids, si
         } else if (!value(&s, 1)) {
           return KVP_BODY_MALFORMED;
         }
+      } else if (n == 5 && !memcmp(k, "model", 5) && served_model) {
+        const char *v;
+        size_t vn;
+        ws(&s);
+        if (s.p < s.end && *s.p == '"') {
+          if (!string(&s, &v, &vn)) return KVP_BODY_MALFORMED;
+          other_model |= vn != strlen(served_model) || memcmp(v, served_model, vn);
+        } else if (value(&s, 1)) {
+          other_model = 1;
+        } else {
+          return KVP_BODY_MALFORMED;
+        }
       } else if ((n == 15 && !memcmp(k, "conversation_id", 15)) || (n == 16 && !memcmp(k, "prompt_cache_key", 16))) {
         ws(&s);
         const char *v = s.p;
@@ -141,13 +154,14 @@ static int parse(const char *body, size_t len, uint32_t *out, size_t max_ids, si
   }
   ws(&s);
   if (s.p != s.end) return KVP_BODY_MALFORMED;
-  if (salted) return KVP_BODY_NAMESPACED;
+  if (salted || other_model) return KVP_BODY_NAMESPACED;
   if (session) return KVP_BODY_SESSION_FIELD;
   return found ? KVP_BODY_OK : KVP_BODY_NO_PROMPT;
 }
 
-int kvp_parse_prompt(const char *body, size_t len, uint32_t *ids, size_t max_ids, size_t *n_ids) {
-  int status = parse(body, len, ids, max_ids, n_ids);
+int kvp_parse_prompt(const char *body, size_t len, const char *served_model, uint32_t *ids, size_t max_ids,
+                     size_t *n_ids) {
+  int status = parse(body, len, served_model, ids, max_ids, n_ids);
   if (status != KVP_BODY_OK) *n_ids = 0;
   return status;
 }

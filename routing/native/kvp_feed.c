@@ -94,6 +94,8 @@ int kvp_config_parse(kvp_picker *pk, const char *text, size_t len, char *err, si
       snprintf(pk->topic, sizeof pk->topic, "%s", a);
     } else if (!strcmp(key, "dynamo_frontend") && n == 2 && strlen(a) < sizeof pk->dynamo_frontend) {
       snprintf(pk->dynamo_frontend, sizeof pk->dynamo_frontend, "%s", a);
+    } else if (!strcmp(key, "model") && n == 2 && strlen(a) < sizeof pk->model) {
+      snprintf(pk->model, sizeof pk->model, "%s", a);
     } else if (!strcmp(key, "libzmq") && n == 2 && strlen(a) < sizeof pk->libzmq) {
       snprintf(pk->libzmq, sizeof pk->libzmq, "%s", a);
     } else if (!strcmp(key, "medium") && n == 3 && class_of(m) >= 0 && pk->n_media < KVP_MAX_MEDIA &&

@@ -9,8 +9,8 @@
  * the sessions it placed (kvp_session.c), set x-gateway-destination-endpoint to the chosen
  * worker's host:port and x-kvpilot-decided-by: module, clear the route cache, and book the
  * request until it ends (its prefill until the answer's first bytes). A request it cannot
- * decide (no body, no token-id prompt, a cache_salt, a session named in the body or by a bad
- * header, a body over max_body_bytes) continues untouched and is counted
+ * decide (no body, no token-id prompt, a cache_salt or another model than the served one, a
+ * session named in the body or by a bad header, a body over max_body_bytes) continues untouched and is counted
  * (kvpilot_picker_passthrough). */
 #include <stdbool.h>
 #include <stdio.h>
@@ -282,8 +282,8 @@ static int choose_and_book(kvp_picker *pk, filter *f, const uint32_t *ids, size_
     for (uint32_t i = 0; i < n * m; i++)
       if (pk->classes[i % m] == KVP_SHARED && depths[i] > shared) shared = depths[i];
     for (uint32_t w = 0; w < n; w++) kvp_tier_overlap(depths + (size_t)w * m, pk->classes, m, shared, overlap + 4 * w);
-    double now = now_s();
     pthread_mutex_lock(&pk->book_lock);
+    double now = now_s(); /* under the lock: the sessions' times never decrease */
     int last = f->has_session ? kvp_sessions_last(pk->sessions, f->session) : -1;
     const double *resident = last < 0 ? kvp_sessions_resident(pk->sessions, now) : NULL;
     for (uint32_t w = 0; w < n; w++) {
@@ -326,7 +326,8 @@ static void decide(filter *f, void *fe) {
   size_t max_ids = len / 2 + 1 < pk->max_prompt_ids ? len / 2 + 1 : pk->max_prompt_ids;
   uint32_t *ids = body ? malloc(max_ids * sizeof *ids) : NULL;
   int worker = -1;
-  if (ids && kvp_parse_prompt(body, len, ids, max_ids, &n_ids) == KVP_BODY_OK && n_ids) {
+  const char *model = pk->model[0] ? pk->model : NULL;
+  if (ids && kvp_parse_prompt(body, len, model, ids, max_ids, &n_ids) == KVP_BODY_OK && n_ids) {
     f->n_keys = n_ids / pk->block_size;
     f->keys = malloc((f->n_keys ? f->n_keys : 1) * sizeof *f->keys);
     if (f->keys) {

@@ -43,6 +43,7 @@ typedef struct kvp_picker {
   char topic[64];
   char libzmq[512];
   char dynamo_frontend[KVP_NAME_MAX]; /* set: every request goes there, naming its worker's instance */
+  char model[KVP_NAME_MAX];           /* set: only bodies naming this model are decided */
   size_t max_body_bytes, max_prompt_ids, max_event_tokens;
   /* the feeder */
   pthread_t feeder;

@@ -41,7 +41,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   }
   if (!target_events) {
     size_t n = 0;
-    int status = kvp_parse_prompt((const char *)data, size, ids, sizeof ids / sizeof *ids, &n);
+    int status = kvp_parse_prompt((const char *)data, size, size % 2 ? "tiny" : NULL, ids, sizeof ids / sizeof *ids, &n);
     if (status != KVP_BODY_OK && n > sizeof ids / sizeof *ids) abort();
     return 0;
   }

@@ -50,6 +50,22 @@ def test_a_body_s_prompt(body: bytes, status: str, ids: list[int]) -> None:
     assert native.parse_prompt(body, 4) == (status, ids)
 
 
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b'{"model": "tiny", "prompt": [1, 2]}', "ok"),
+        (b'{"prompt": [1, 2]}', "ok"),
+        (b'{"model": "tiny-lora", "prompt": [1, 2]}', "namespaced"),
+        (b'{"model": "tin", "prompt": [1, 2]}', "namespaced"),
+        (b'{"model": "t\\u0069ny", "prompt": [1, 2]}', "namespaced"),  # an escape: not the name as written
+        (b'{"model": null, "prompt": [1, 2]}', "namespaced"),
+        (b'{"model": "tiny, "prompt": [1, 2]}', "malformed"),
+    ],
+)
+def test_only_the_served_model_is_decided(body: bytes, status: str) -> None:
+    assert native.parse_prompt(body, 4, served_model="tiny")[0] == status
+
+
 def test_a_large_prompt_in_full() -> None:
     prompt = [random.Random(1).randrange(2**32) for _ in range(12_000)]
     assert native.parse_prompt(json.dumps({"prompt": prompt}).encode(), 12_000) == ("ok", prompt)
