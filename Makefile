@@ -67,7 +67,8 @@ bench: setup
 	.venv/bin/python -m benchmarks.bench_fleet
 	.venv/bin/python -m benchmarks.make_agent_trace --sessions 32 --steps 20 --out /tmp/kvpilot-agent-trace.jsonl
 	.venv/bin/python -m benchmarks.bench_fleet --trace /tmp/kvpilot-agent-trace.jsonl --workers 64 --max-requests 640 \
-		--tokens-per-hash 128 --speedup 1 --json /tmp/kvpilot-bench-fleet-agent.json
+		--tokens-per-hash 128 --speedup 1 --arms dynamo_kv,dynamo_kv_tuned,dynamo_kv_envoy,kvpilot,kvpilot_native \
+		--no-floor --json /tmp/kvpilot-bench-fleet-agent.json
 	for p in 16:16:1.25 16:32:0.625 16:64:0.3125 64:32:0.625 64:64:0.3125 64:128:0.15625; do w=$${p%%:*}; \
 		g=$${p##*:}; s=$${p#*:}; s=$${s%:*}; .venv/bin/python -m benchmarks.make_agent_trace --sessions $$s --steps 20 \
 		--session-gap-s $$g --out /tmp/kvpilot-agent-s$$s.jsonl && .venv/bin/python -m benchmarks.bench_fleet \
