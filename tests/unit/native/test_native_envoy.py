@@ -282,6 +282,24 @@ def test_validation_mode_loads_the_config_and_subscribes_to_nothing(gateway: dic
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
 
+def _validate(tmp_path: Path, module_config: str, base_id: int) -> subprocess.CompletedProcess[str]:
+    """``envoy --mode validate`` of a two-worker bootstrap whose module config is ``module_config``."""
+    config = _config(_port(), _port(), {"a": 1, "b": 2}, {"a": 3, "b": 4})
+    module = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    module["http_filters"][0]["typed_config"]["filter_config"]["value"] = module_config
+    path = tmp_path / "envoy.json"
+    path.write_text(json.dumps(config))
+    env = {**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(MODULE_DIR)}
+    assert ENVOY is not None
+    return subprocess.run(
+        [ENVOY, "--mode", "validate", "-c", str(path), "--base-id", str(base_id)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_the_fleet_s_config_lines_load(tmp_path: Path) -> None:
     """Every line :func:`native_picker_lines` writes (the router's cost and sessions
     settings among them) is one the module reads."""
@@ -295,36 +313,14 @@ def test_the_fleet_s_config_lines_load(tmp_path: Path) -> None:
     assert LIBZMQ is not None and ENVOY is not None
     lines = native_picker_lines(fleet, "127.0.0.1:8000", router, LIBZMQ)
     assert "cost.session_affinity_credit 1000.0" in lines and "cost.session_stays_unless_sooner 0" in lines
-    config = _config(_port(), _port(), {"a": 1, "b": 2}, {"a": 3, "b": 4})
-    module = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    module["http_filters"][0]["typed_config"]["filter_config"]["value"] = "\n".join(lines)
-    path = tmp_path / "fleet.json"
-    path.write_text(json.dumps(config))
-    env = {**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(MODULE_DIR)}
-    out = subprocess.run(
-        [ENVOY, "--mode", "validate", "-c", str(path), "--base-id", "11"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _validate(tmp_path, "\n".join(lines), base_id=11)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
 
 def test_a_config_it_cannot_read_is_refused_naming_the_line(tmp_path: Path) -> None:
-    config = _config(_port(), _port(), {"a": 1, "b": 2}, {"a": 3, "b": 4})
-    module = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    module["http_filters"][0]["typed_config"]["filter_config"]["value"] += "\nblock_sise 64"
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps(config))
-    env = {**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(MODULE_DIR)}
-    assert ENVOY is not None
-    out = subprocess.run(
-        [ENVOY, "--mode", "validate", "-c", str(path), "--base-id", "9"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    two_workers = _config(_port(), _port(), {"a": 1, "b": 2}, {"a": 3, "b": 4})
+    module = two_workers["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    value = module["http_filters"][0]["typed_config"]["filter_config"]["value"]
+    out = _validate(tmp_path, value + "\nblock_sise 64", base_id=9)
     assert out.returncode != 0
     assert "config line 6: cannot read 'block_sise 64'" in out.stdout + out.stderr
