@@ -8,6 +8,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "kvp_module.h"
 
@@ -15,11 +18,14 @@
 #define ZMQ_SUBSCRIBE 6
 #define ZMQ_LINGER 17
 #define ZMQ_MAXMSGSIZE 22
+#define ZMQ_FD 14
+#define ZMQ_EVENTS 15
 #define ZMQ_DONTWAIT 1
 #define ZMQ_POLLIN 1
+#define WAIT_MS 100    /* the longest one wait for a socket lasts (so a stop is seen) */
+#define SWEEP_MS 1000 /* every socket is drained at least this often, woken or not */
 
 typedef struct { unsigned char bytes[64]; } __attribute__((aligned(8))) zmq_msg;
-typedef struct { void *socket; int fd; short events, revents; } zmq_pollitem;
 
 typedef struct zmq_api {
   void *(*ctx_new)(void);
@@ -27,9 +33,9 @@ typedef struct zmq_api {
   void *(*socket)(void *, int);
   int (*close)(void *);
   int (*setsockopt)(void *, int, const void *, size_t);
+  int (*getsockopt)(void *, int, void *, size_t *);
   int (*connect)(void *, const char *);
   int (*bind)(void *, const char *);
-  int (*poll)(zmq_pollitem *, int, long);
   int (*msg_init)(zmq_msg *);
   int (*msg_recv)(zmq_msg *, void *, int);
   int (*msg_close)(zmq_msg *);
@@ -190,6 +196,7 @@ typedef struct feeder_args {
 } feeder_args;
 
 static void drain(feeder_args *a, int i, kvp_scratch *scratch) {
+  int rechecked = 0; /* one recheck per message at most: a socket that says POLLIN and reads nothing is left */
   for (;;) {
     zmq_msg parts[3];
     int got = 0, more = 1, bad = 0;
@@ -198,7 +205,14 @@ static void drain(feeder_args *a, int i, kvp_scratch *scratch) {
       a->z.msg_init(&part);
       if (a->z.msg_recv(&part, a->sockets[i], got ? 0 : ZMQ_DONTWAIT) < 0) {
         a->z.msg_close(&part);
-        if (!got) return; /* nothing waiting */
+        if (!got) { /* nothing waiting, unless the socket's state says more came (which rearms its ZMQ_FD) */
+          int events = 0;
+          size_t size = sizeof events;
+          if (rechecked++ || a->z.getsockopt(a->sockets[i], ZMQ_EVENTS, &events, &size) || !(events & ZMQ_POLLIN))
+            return;
+          more = 0; /* a message came after all: read it on the next turn */
+          continue;
+        }
         bad = 1;
         break;
       }
@@ -207,6 +221,8 @@ static void drain(feeder_args *a, int i, kvp_scratch *scratch) {
       else a->z.msg_close(&part), bad = 1;
       got++;
     }
+    if (!got) continue;
+    rechecked = 0;
     int kept = got < 3 ? got : 3;
     if (!bad && got == 3 && a->z.msg_size(&parts[1]) == 8) {
       const uint8_t *s = a->z.msg_data(&parts[1]);
@@ -220,18 +236,45 @@ static void drain(feeder_args *a, int i, kvp_scratch *scratch) {
   }
 }
 
+static long now_ms(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1000L + t.tv_nsec / 1000000L;
+}
+
+/* Waits on every socket's ZMQ_FD in one epoll and drains only the sockets it names
+ * (zmq_poll checks every socket on each of its many wakeups a batch); every SWEEP_MS, drains
+ * them all, so no batch waits on a missed edge longer than that. */
 static void *feeder_main(void *arg) {
   feeder_args *a = arg;
   kvp_picker *pk = a->pk;
   size_t max_tokens = pk->max_event_tokens, max_hashes = max_tokens / pk->block_size + 1;
   kvp_scratch scratch = {malloc(max_hashes * 8), max_hashes, malloc(max_tokens * 4), max_tokens};
-  zmq_pollitem items[KVP_MAX_WORKERS];
-  for (int i = 0; i < a->n; i++) items[i] = (zmq_pollitem){a->sockets[i], 0, ZMQ_POLLIN, 0};
-  while (scratch.hashes && scratch.tokens && !atomic_load(&pk->stop)) {
-    if (a->z.poll(items, a->n, 100) <= 0) continue;
-    for (int i = 0; i < a->n; i++)
-      if (items[i].revents & ZMQ_POLLIN) drain(a, i, &scratch);
+  int ep = epoll_create1(EPOLL_CLOEXEC);
+  for (int i = 0; i < a->n && ep >= 0; i++) {
+    int fd = -1;
+    size_t size = sizeof fd;
+    struct epoll_event ev = {.events = EPOLLIN, .data.u32 = (uint32_t)i};
+    if (a->z.getsockopt(a->sockets[i], ZMQ_FD, &fd, &size) || epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev))
+      close(ep), ep = -1; /* no epoll: every socket is drained each WAIT_MS */
   }
+  long next_sweep = 0; /* without epoll, every wait ends in a sweep */
+  struct epoll_event ready[KVP_MAX_WORKERS];
+  while (scratch.hashes && scratch.tokens && !atomic_load(&pk->stop)) {
+    int n = ep >= 0 ? epoll_wait(ep, ready, KVP_MAX_WORKERS, WAIT_MS) : 0;
+    if (ep < 0) {
+      struct timespec pause = {0, WAIT_MS * 1000000L};
+      nanosleep(&pause, NULL);
+    }
+    long now = now_ms();
+    if (now >= next_sweep || ep < 0) {
+      next_sweep = now + SWEEP_MS;
+      for (int i = 0; i < a->n; i++) drain(a, i, &scratch);
+    } else {
+      for (int k = 0; k < n; k++) drain(a, (int)ready[k].data.u32, &scratch);
+    }
+  }
+  if (ep >= 0) close(ep);
   free(scratch.hashes);
   free(scratch.tokens);
   for (int i = 0; i < a->n; i++) a->z.close(a->sockets[i]);
@@ -246,7 +289,8 @@ static int load_zmq(zmq_api *z, const char *path, char *err, size_t err_len) {
 #define SYM(field, name) if (!(*(void **)&z->field = dlsym(lib, name))) \
     return snprintf(err, err_len, "kvpilot picker: '%s' lacks %s", path, name), -1;
   SYM(ctx_new, "zmq_ctx_new") SYM(ctx_term, "zmq_ctx_term") SYM(socket, "zmq_socket") SYM(close, "zmq_close")
-  SYM(setsockopt, "zmq_setsockopt") SYM(connect, "zmq_connect") SYM(bind, "zmq_bind") SYM(poll, "zmq_poll")
+  SYM(setsockopt, "zmq_setsockopt") SYM(connect, "zmq_connect") SYM(bind, "zmq_bind")
+  SYM(getsockopt, "zmq_getsockopt")
   SYM(msg_init, "zmq_msg_init") SYM(msg_recv, "zmq_msg_recv") SYM(msg_close, "zmq_msg_close")
   SYM(msg_data, "zmq_msg_data") SYM(msg_size, "zmq_msg_size") SYM(msg_more, "zmq_msg_more")
 #undef SYM
