@@ -58,6 +58,7 @@ from kvpilot.routing.health.view import FleetHealth
 from kvpilot.routing.ids import WorkerId, pair_name
 from kvpilot.routing.index.block_index import BlockIndex
 from kvpilot.routing.index.kvindex import KVIndex
+from kvpilot.routing.index.queued import RUN_QUEUED_INTERVAL_S, QueuedIndex
 from kvpilot.routing.ingest.dynamo_discovery import DynamoDiscovery
 from kvpilot.routing.ingest.engine_metrics import EngineLoadPoller, read_engine_load
 from kvpilot.routing.ingest.feeder import IndexFeeder
@@ -130,8 +131,9 @@ class RouterCore:
 
     Its state (the index, the ledger, the sessions, the health records) is the event loop's
     alone: every change to it runs there, the feeder's too (its thread reads and decodes the
-    engines' KV events and hands each change to the loop), so no lock guards it and no request
-    waits on another thread. Runs on one event loop; :meth:`start` and :meth:`stop` bracket
+    engines' KV events and queues each change, which the loop runs before its next read of the
+    index: :class:`~kvpilot.routing.index.queued.QueuedIndex`), so no lock guards it and no
+    request waits on another thread. Runs on one event loop; :meth:`start` and :meth:`stop` bracket
     the live fronts' serving."""
 
     def __init__(
@@ -140,7 +142,7 @@ class RouterCore:
         self.config = config
         self.fleet = fleet
         self.clock = clock
-        self.index = make_index(config.index)
+        self.index = QueuedIndex(make_index(config.index))
         self.ledger = LoadLedger()
         srv = config.server
         self.admission = Admission(srv.max_concurrent_requests, srv.max_queued_requests, srv.queue_timeout_s)
@@ -372,11 +374,14 @@ class RouterCore:
             # Dynamo's workers bind their event sockets: the feeder connects to them
             self.feeder = IndexFeeder(
                 self.fleet,
-                self.index,
-                deliver=asyncio.get_running_loop().call_soon_threadsafe,
+                self.index.inner,
+                deliver=self.index.defer,
                 bind=False if self.discovery else None,
+                matches=lambda: self.index.matches,
+                idle_read_s=self.config.index.events_idle_read_s,
             )
             self.feeder.start()
+            self._background.append(asyncio.create_task(self._run_queued_changes()))
             # serve once the index holds what the engines' replay buffers hold (a restart mid-session)
             wait_s = CATCH_UP_WAIT_S * (1 + len(self.feeder.subscribers))
             await asyncio.get_running_loop().run_in_executor(None, self.feeder.caught_up.wait, wait_s)
@@ -393,6 +398,13 @@ class RouterCore:
             await self._calibrate(self._http)
         if self.engine_load is not None:
             self._background.append(asyncio.create_task(self.engine_load.run(self._http)))
+
+    async def _run_queued_changes(self) -> None:
+        """Apply the feeder's queued changes where no read of the index did, every
+        :data:`~kvpilot.routing.index.queued.RUN_QUEUED_INTERVAL_S`. Runs until cancelled."""
+        while True:
+            await asyncio.sleep(RUN_QUEUED_INTERVAL_S)
+            self.index.run_queued()
 
     async def _upstream(self, http: aiohttp.ClientSession) -> Upstream:
         """vLLM's engines, or Dynamo's frontend (its discovery opened here)."""

@@ -53,6 +53,12 @@ class IndexConfig(TypedConfig, frozen=True):
     event for this long is routed on load alone (``kvpilot.routing.health.event_watch``); 0 = off
     (the default: right after a router restart the index can lack blocks an engine
     holds, and a prefill of those publishes nothing)."""
+    events_idle_read_s: float = 0.1
+    """While the router has matched no request against the index for a second (a compiled
+    picker in front decides them all), its feeder reads the engines' KV events this often
+    instead of as each batch arrives, waking once a period rather than once a batch; the
+    first request matched after such a spell sees events up to this late. 0 = always as each
+    batch arrives."""
     tiers: Mapping[str, TierClass] = msgspec.field(
         default_factory=lambda: {
             "GPU": TierClass.GPU,
@@ -67,5 +73,5 @@ class IndexConfig(TypedConfig, frozen=True):
 
     def __post_init__(self) -> None:
         check_range(self, "block_size", "removal_log_capacity", above=0)
-        check_range(self, "kv_group", "events_stale_after_s", at_least=0)
+        check_range(self, "kv_group", "events_stale_after_s", "events_idle_read_s", at_least=0)
         msgspec.structs.force_setattr(self, "tiers", MappingProxyType(dict(self.tiers)))

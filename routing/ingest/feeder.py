@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import select
 import threading
+import time
+from collections.abc import Callable
 
 import zmq
 
@@ -36,6 +39,11 @@ def _name_this_thread(name: str) -> None:
         pass
 
 
+SWEEP_S = 1.0
+"""How often the feeder drains every subscriber, whether its socket woke it or not."""
+MATCHED_RECENTLY_S = 1.0
+"""How long after the index's last match the feeder still reads each batch as it arrives."""
+
 PR_SET_NAME = 15
 """Linux's ``prctl`` option that names the calling thread."""
 
@@ -46,14 +54,19 @@ class IndexFeeder:
     The subscribers' sockets are created (and bound) in ``__init__``, so engines
     may connect as soon as it returns. Every change to ``index`` is handed to
     ``deliver``, which runs the changes in the order handed in the thread that owns the
-    index (``loop.call_soon_threadsafe``; ``None``: made at once in this thread, for an
-    index no other thread reads); socket waits, replay fetches and decoding stay in
-    this thread. :attr:`subscribers` is a snapshot any thread may read. :meth:`stop`
-    joins the thread and closes the sockets; it is idempotent.
+    index (:meth:`~kvpilot.routing.index.queued.QueuedIndex.defer` or
+    ``loop.call_soon_threadsafe``; ``None``: made at once in this thread, for an index no
+    other thread reads); socket waits, replay fetches and decoding stay in this thread.
+    :attr:`subscribers` is a snapshot any thread may read. :meth:`stop` joins the thread and
+    closes the sockets; it is idempotent.
 
     ``bind``: whether each subscriber binds its endpoint (``None``: vLLM's rule,
     :func:`~kvpilot.routing.ingest.subscriber.subscriber_binds`; ``False`` for publishers that
     bind, as Dynamo's workers do).
+
+    ``matches`` counts the index's matches so far; while it has not moved for
+    :data:`MATCHED_RECENTLY_S`, the thread reads the sockets every ``idle_read_s`` instead of
+    as each batch arrives (``None`` or 0: always as each arrives).
     """
 
     def __init__(
@@ -65,10 +78,14 @@ class IndexFeeder:
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         poll_ms: int = 100,
         bind: bool | None = None,
+        matches: Callable[[], int] | None = None,
+        idle_read_s: float = 0.0,
     ) -> None:
         self.index = index
         self._deliver = deliver
         self.poll_ms = poll_ms
+        self._matches = matches
+        self.idle_read_s = idle_read_s
         self._context = context
         self._bind = bind
         self.subscribers: tuple[EngineSubscriber, ...] = ()
@@ -166,25 +183,48 @@ class IndexFeeder:
             sub.close()
 
     def _run(self) -> None:
+        """Wait on every subscriber's :attr:`~EngineSubscriber.signal_fd` in one ``epoll`` and
+        drain only the subscribers it names (libzmq's ``zmq_poll`` checks every socket on each
+        of its many wakeups a batch); every :data:`SWEEP_S`, drain them all, so no batch waits
+        on a missed edge longer than that. While the index's matches stand still, one
+        pass every ``idle_read_s``."""
         _name_this_thread(THREAD_NAME)
-        by_socket: dict[zmq.Socket[bytes], EngineSubscriber] = {}
-        poller = zmq.Poller()
+        by_fd: dict[int, EngineSubscriber] = {}
+        waiter = select.epoll()
+        next_sweep = read_eagerly_until = 0.0
+        last_matched = -1
         self._changed.set()
-        while not self._stop.is_set():
-            if self._changed.is_set():
-                self._changed.clear()
-                self._apply_pending()
-                current = self.subscribers
-                for sub in current:
-                    if sub.socket not in by_socket:  # new: rebuild its entries from the replay buffer first
-                        sub.catch_up()
-                self.caught_up.set()
-                poller, by_socket = zmq.Poller(), {}
-                for sub in current:
-                    poller.register(sub.socket, zmq.POLLIN)
-                    by_socket[sub.socket] = sub
-            if not by_socket:  # nothing to poll: wait for a join (or the stop) instead
-                self._changed.wait(self.poll_ms / 1000)
-                continue
-            for sock, _ in poller.poll(self.poll_ms):
-                by_socket[sock].poll(0)  # hands each change to deliver
+        try:
+            while not self._stop.is_set():
+                if self._changed.is_set():
+                    self._changed.clear()
+                    self._apply_pending()
+                    current = self.subscribers
+                    known = set(by_fd.values())
+                    for sub in current:
+                        if sub not in known:  # new: rebuild its entries from the replay buffer first
+                            sub.catch_up()
+                    self.caught_up.set()
+                    waiter.close()
+                    waiter, by_fd = select.epoll(), {sub.signal_fd: sub for sub in current}
+                    for fd in by_fd:
+                        waiter.register(fd, select.EPOLLIN)
+                    for sub in current:  # batches queued before the waiter watched
+                        sub.drain()
+                if not by_fd:  # nothing to wait on: wait for a join (or the stop) instead
+                    self._changed.wait(self.poll_ms / 1000)
+                    continue
+                ready = waiter.poll(self.poll_ms / 1000)
+                now = time.monotonic()
+                if now >= next_sweep:  # every subscriber, woken or not: no missed edge strands a batch
+                    ready, next_sweep = [(fd, 0) for fd in by_fd], now + SWEEP_S
+                for fd, _ in ready:
+                    by_fd[fd].drain()  # hands each change to deliver
+                if self._matches is not None and self.idle_read_s:
+                    matched = self._matches()
+                    if matched != last_matched:
+                        last_matched, read_eagerly_until = matched, now + MATCHED_RECENTLY_S
+                    elif now >= read_eagerly_until:  # nobody reads the index: wake once a period
+                        self._stop.wait(self.idle_read_s)
+        finally:
+            waiter.close()

@@ -126,17 +126,32 @@ class EngineSubscriber:
         """The SUB socket, for a caller's ``zmq.Poller``."""
         return self._sub
 
+    @property
+    def signal_fd(self) -> int:
+        """libzmq's ``ZMQ_FD`` of the SUB socket: readable when the socket's state may have
+        changed (an edge, not a level: after it turns readable, :meth:`drain` until it says
+        nothing is left). For an ``epoll`` that waits on many subscribers at once."""
+        return int(self._sub.getsockopt(zmq.FD))
+
     def poll(self, timeout_ms: int = 0) -> int:
         """Wait up to ``timeout_ms`` for events, then apply all that are queued; returns how many."""
         if not self._sub.poll(timeout_ms):
             return 0
-        handled = 0
+        return self.drain()
+
+    def drain(self) -> int:
+        """Apply every batch queued now, without waiting, until the socket reports none
+        (``ZMQ_EVENTS``, which also rearms :attr:`signal_fd`); returns how many."""
+        handled, rechecked = 0, False
         while True:
             try:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return handled
-            handled += 1
+                if rechecked or not int(self._sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    return handled
+                rechecked = True  # once a message: a socket that says POLLIN and reads nothing is left
+                continue
+            handled, rechecked = handled + 1, False
             self._on_frames(frames)
 
     def close(self) -> None:

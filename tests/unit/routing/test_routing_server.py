@@ -246,7 +246,7 @@ def test_malformed_requests_are_400s_naming_the_field(model_dir, path, body, sta
 @pytest.mark.parametrize("backend", ["kvpilot", "dynamo"])
 def test_debug_route_explains_without_sending_and_metrics_count_decisions(model_dir, backend):
     async def scenario(client, router, engines):
-        assert type(router.core.index).__name__ == {"kvpilot": "BlockIndex", "dynamo": "DynamoIndex"}[backend]
+        assert type(router.core.index.inner).__name__ == {"kvpilot": "BlockIndex", "dynamo": "DynamoIndex"}[backend]
         hashes = [f"h{i}".encode() for i in range(6)]
         router.core.index.apply(WorkerId("co-1"), BlockStored(hashes, None, PROMPT[:24], BS, medium="GPU"))
         resp = await client.post("/debug/route", json={"prompt": PROMPT}, headers={"X-Request-Id": "dbg-1"})
