@@ -22,6 +22,7 @@ lifecycle, an intake or an index of its own (``tests/unit/routing/test_routing_c
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 from collections.abc import Mapping
@@ -379,6 +380,7 @@ class RouterCore:
                 bind=False if self.discovery else None,
                 matches=lambda: self.index.matches,
                 idle_read_s=self.config.index.events_idle_read_s,
+                read_now=functools.partial(asyncio.get_running_loop().call_soon_threadsafe, self.index.run_queued),
             )
             self.feeder.start()
             self._background.append(asyncio.create_task(self._run_queued_changes()))

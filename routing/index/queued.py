@@ -4,8 +4,9 @@ The feeder's thread reads and decodes the engines' KV events; handing each chang
 event loop with ``call_soon_threadsafe`` wakes the loop once a batch, which costs more than
 applying the batch. Here the feeder only appends the change to a queue, and the loop runs
 the queued changes when it next reads the index (a decision's match, a metrics scrape) or when
-:meth:`QueuedIndex.run_queued` is called (the router calls it every
-:data:`RUN_QUEUED_INTERVAL_S`, so the queue stays short where nothing reads). A read sees
+:meth:`QueuedIndex.run_queued` is called: by the feeder's prompt once a pass while the index
+is being matched (so a decision seldom applies them itself), and every
+:data:`RUN_QUEUED_INTERVAL_S` (so the queue stays short where nothing reads). A read sees
 every change queued before it, in the order queued, as it did when each change woke the loop.
 """
 

@@ -66,7 +66,9 @@ class IndexFeeder:
 
     ``matches`` counts the index's matches so far; while it has not moved for
     :data:`MATCHED_RECENTLY_S`, the thread reads the sockets every ``idle_read_s`` instead of
-    as each batch arrives (``None`` or 0: always as each arrives).
+    as each batch arrives (``None`` or 0: always as each arrives). Otherwise, after each pass
+    that handed changes on, it calls ``read_now`` (the owner's prompt to apply them while it
+    is idle, rather than inside its next decision; once a pass, not once a batch).
     """
 
     def __init__(
@@ -80,12 +82,14 @@ class IndexFeeder:
         bind: bool | None = None,
         matches: Callable[[], int] | None = None,
         idle_read_s: float = 0.0,
+        read_now: Callable[[], object] | None = None,
     ) -> None:
         self.index = index
         self._deliver = deliver
         self.poll_ms = poll_ms
         self._matches = matches
         self.idle_read_s = idle_read_s
+        self._read_now = read_now
         self._context = context
         self._bind = bind
         self.subscribers: tuple[EngineSubscriber, ...] = ()
@@ -218,13 +222,16 @@ class IndexFeeder:
                 now = time.monotonic()
                 if now >= next_sweep:  # every subscriber, woken or not: no missed edge strands a batch
                     ready, next_sweep = [(fd, 0) for fd in by_fd], now + SWEEP_S
-                for fd, _ in ready:
-                    by_fd[fd].drain()  # hands each change to deliver
+                read = sum(by_fd[fd].drain() for fd, _ in ready)  # each change handed to deliver
+                eager = True
                 if self._matches is not None and self.idle_read_s:
                     matched = self._matches()
                     if matched != last_matched:
                         last_matched, read_eagerly_until = matched, now + MATCHED_RECENTLY_S
-                    elif now >= read_eagerly_until:  # nobody reads the index: wake once a period
-                        self._stop.wait(self.idle_read_s)
+                    eager = now < read_eagerly_until
+                if read and eager and self._read_now is not None:
+                    self._read_now()  # the owner applies them before its next decision needs them
+                if not eager:  # nobody reads the index: one pass a period
+                    self._stop.wait(self.idle_read_s)
         finally:
             waiter.close()

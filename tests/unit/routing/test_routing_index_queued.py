@@ -68,7 +68,7 @@ def _read_within(feeder: IndexFeeder, pubs: list[zmq.Socket[bytes]], index: Queu
 
 
 def _fleet_feeder(
-    poll_ms: int, idle_read_s: float = 0.0
+    poll_ms: int, idle_read_s: float = 0.0, read_now: Any = None
 ) -> tuple[IndexFeeder, list[zmq.Socket[bytes]], QueuedIndex, zmq.Context[Any]]:
     """Four publishers that bind, a feeder that connects to them, each worker heard once."""
     ctx: zmq.Context[Any] = zmq.Context()
@@ -91,6 +91,7 @@ def _fleet_feeder(
         poll_ms=poll_ms,
         matches=lambda: index.matches,
         idle_read_s=idle_read_s,
+        read_now=read_now,
     )
     feeder.start()
     assert feeder.caught_up.wait(5)
@@ -118,18 +119,24 @@ def test_the_feeder_is_woken_by_the_socket_that_holds_a_batch():
 
 
 def test_the_feeder_reads_once_a_period_while_nobody_matches_and_at_once_while_they_do():
-    feeder, pubs, index, ctx = _fleet_feeder(poll_ms=20, idle_read_s=0.4)
+    """And while the index is matched, it prompts the owner to apply what it read at once
+    (``read_now``), so that no decision applies them itself."""
+    prompts: list[float] = []
+    feeder, pubs, index, ctx = _fleet_feeder(poll_ms=20, idle_read_s=0.4, read_now=lambda: prompts.append(1.0))
     try:
         time.sleep(1.2)  # past the eager spell that follows the start
+        prompted = len(prompts)
         idle = [_read_within(feeder, pubs, index, 2.0) for _ in range(4)]
         assert max(idle) < 0.4 + 0.3  # no batch waits longer than a period
         assert sum(idle) / len(idle) > 0.05  # and they do wait for it: on average half a period
+        assert len(prompts) == prompted  # nobody matches: the changes wait for the owner's next read
         eager = []
         for _ in range(4):
             index.match(CHAIN)  # the router is reading: the next pass reads each batch as it comes
             time.sleep(0.45)
             eager.append(_read_within(feeder, pubs, index, 2.0))
         assert max(eager) < 0.1
+        assert len(prompts) > prompted
     finally:
         feeder.stop()
         ctx.destroy(linger=0)
