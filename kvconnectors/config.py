@@ -118,8 +118,9 @@ class KVPilotConfig(TypedConfig, frozen=True):
     """How many times its size over the measured link rate a read may take before it is abandoned."""
     fault_injection: FaultInjection | None = None
     """Testing only: faults injected into this engine's reads: ``request_ids`` (a request id part
-    -> its fault: ``corrupt_block``, ``stall_read``, ``drop_completion``), else at ``rate`` one of
-    ``kinds``; ``stall_s``, ``seed``. Refused unless ``allow_fault_injection`` is true."""
+    -> its fault: ``corrupt_block``, ``reused_block``, ``stall_read``, ``drop_completion``), else
+    at ``rate`` one of ``kinds``; ``stall_s``, ``seed``. Refused unless ``allow_fault_injection``
+    is true."""
     allow_fault_injection: bool = False
     """The explicit permission ``fault_injection`` needs; without it a config that carries one is refused."""
 

@@ -10,6 +10,9 @@ The kinds (:class:`FaultKind`), one per read at most:
 
 * ``corrupt_block``: flip one byte of the first block the read filled, before the digest
   check (a torn or misdirected write); the check must catch it;
+* ``reused_block``: replace the first block the read filled, in every layer of its group,
+  with the bytes of another block (the holder freed the block and reused it for other
+  tokens before the read: well-formed KV of the wrong tokens); the check must catch it;
 * ``stall_read``: hold the read's completion for ``stall_s`` (a read that hangs); past the
   read's deadline it is abandoned, and the late completion is dropped, never attached;
 * ``drop_completion``: never report the read's completion (a lost notification, as in
@@ -29,6 +32,7 @@ class FaultKind(enum.Enum):
     """What the injector does to one read. Values are config strings and a metric label."""
 
     CORRUPT_BLOCK = "corrupt_block"
+    REUSED_BLOCK = "reused_block"
     STALL_READ = "stall_read"
     DROP_COMPLETION = "drop_completion"
 

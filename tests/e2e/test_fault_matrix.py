@@ -74,7 +74,12 @@ READ_BOUND_S = READ_DEADLINE_FLOOR_S + 60.0
 """How long D's answer may take when its read is abandoned: the deadline, then D's own
 prefill and six tokens on a loaded 2-core box."""
 PEER_RETRY_AFTER_S = 1.0
-FAULTS = {"fm-corrupt": "corrupt_block", "fm-stall": "stall_read", "fm-drop": "drop_completion"}
+FAULTS = {
+    "fm-corrupt": "corrupt_block",
+    "fm-reused": "reused_block",
+    "fm-stall": "stall_read",
+    "fm-drop": "drop_completion",
+}
 """A request id part -> the fault the faulty fleet's engines inject into that request's read."""
 
 
@@ -311,6 +316,7 @@ def test_a_clean_handoff_is_checked_byte_for_byte(fleet: Fleet, tokenizer: Promp
     ("fault", "counter"),
     [
         ("fm-corrupt", "vllm:kvpilot_digest_mismatch_blocks_total"),
+        ("fm-reused", "vllm:kvpilot_digest_mismatch_blocks_total"),
         ("fm-stall", "vllm:kvpilot_abandoned_reads_total"),
         ("fm-drop", "vllm:kvpilot_abandoned_reads_total"),
     ],
@@ -318,9 +324,9 @@ def test_a_clean_handoff_is_checked_byte_for_byte(fleet: Fleet, tokenizer: Promp
 def test_a_faulty_read_is_never_attached_and_the_answer_is_the_colocated_one(
     fleet: Fleet, tokenizer: PromptTokenizer, fault: str, counter: str, direction: str
 ) -> None:
-    """The reader's read of the holder's KV is corrupted, stalled or its completion lost: the
-    reader recomputes what the read would have brought, within the bound, and answers as it
-    does co-located."""
+    """The reader's read of the holder's KV is corrupted, brings a reused block's bytes, is
+    stalled or its completion lost: the reader recomputes what the read would have brought,
+    within the bound, and answers as it does co-located."""
     reader = _reader(fleet, direction)
     seed = 97 + list(FAULTS).index(fault) + (0 if direction == "p-to-d" else 10)
     x = tokenizer.text_token_ids(filler_text(600, seed))
@@ -334,7 +340,7 @@ def test_a_faulty_read_is_never_attached_and_the_answer_is_the_colocated_one(
     assert delta(after, before, counter) >= 1
     kind = FAULTS[fault]
     assert delta(after, before, "vllm:kvpilot_faults_injected_total", kind=kind) == 1
-    reason = "digest_mismatch" if fault == "fm-corrupt" else "deadline"
+    reason = "digest_mismatch" if fault in ("fm-corrupt", "fm-reused") else "deadline"
     assert delta(after, before, "vllm:kvpilot_integrity_failed_blocks_total", reason=reason) >= 1
 
 

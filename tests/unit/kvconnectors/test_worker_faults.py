@@ -66,6 +66,19 @@ def test_a_corrupted_block_is_caught_by_the_check() -> None:
     assert stats[counter_key("digest_mismatch_blocks")] == 1
 
 
+def test_a_block_reused_for_other_tokens_is_caught_by_the_check() -> None:
+    """Well-formed KV of the wrong tokens (the holder freed and reused the block before the
+    read): every byte plausible, the digest still tells."""
+    reader = Reader(FaultKind.REUSED_BLOCK)
+    done, errors = reader.report("cmpl-r1-0")
+    assert done == {"cmpl-r1-0"}
+    assert torch.equal(reader.kv["l"][LOCAL[0]], reader.kv["l"][LOCAL[-1]])  # the fault acted
+    assert errors == set(LOCAL)
+    stats = reader.layer.take_stats().counters
+    assert stats[counter_key("faults_injected", "reused_block")] == 1
+    assert stats[counter_key("digest_mismatch_blocks")] == 1
+
+
 def test_a_stall_shorter_than_the_deadline_is_checked_when_it_ends() -> None:
     reader = Reader(FaultKind.STALL_READ, stall_s=2.0)
     assert reader.report("cmpl-r1-0") == (set(), set())  # held
