@@ -43,6 +43,14 @@ lint:
 compat: setup
 	./scripts/compat.sh
 
+# The image every kvpilot pod runs (deploy/k8s/Dockerfile: vLLM's CUDA image with kvpilot
+# installed), tagged as deploy/k8s/values.yaml's `image` names it; `make image BASE=...` builds
+# it on another base image (the Dockerfile says which ones work).
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+.PHONY: image
+image:
+	docker build -f deploy/k8s/Dockerfile $(if $(BASE),--build-arg BASE=$(BASE) )-t kvpilot:$(VERSION) .
+
 # Re-run exactly the committed results that are older than the code they measure
 # (docs/benchmarks/stale.md, benchmarks/staleness.py), each by its recorded command from a clean
 # worktree of HEAD; then `python -m benchmarks.staleness --write` and commit.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import subprocess
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -238,6 +239,15 @@ def test_the_image_is_built_on_the_gpu_extras_vllm() -> None:
     assert Version(base.split(":v", 1)[1]) in vllm.specifier
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert DEFAULT.image == f"kvpilot:{project['version']}"
+
+
+def test_make_image_builds_the_image_the_manifests_name() -> None:
+    """``make image`` (dry run: no Docker daemon here) builds the Dockerfile into the tag the
+    default values name, and ``BASE=`` swaps the base image."""
+    dry = subprocess.run(["make", "-s", "-n", "image"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert dry.stdout.split() == ["docker", "build", "-f", "deploy/k8s/Dockerfile", "-t", DEFAULT.image, "."]
+    other = subprocess.run(["make", "-s", "-n", "image", "BASE=b:1"], cwd=ROOT, capture_output=True, text=True)
+    assert "--build-arg BASE=b:1 -t " + DEFAULT.image in other.stdout
 
 
 @pytest.mark.parametrize("transport", list(Transport))
