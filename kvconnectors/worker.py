@@ -177,10 +177,8 @@ class KVPilotWorker:
                 finished.discard(request_id)  # held: reported when released, or abandoned
                 continue
             del self._reads[request_id]
-            if read.fault is FaultKind.CORRUPT_BLOCK:
-                self._corrupt_first_block(read.check)
-            elif read.fault is FaultKind.REUSED_BLOCK:
-                self._reuse_first_block(read.check)
+            if read.fault in (FaultKind.CORRUPT_BLOCK, FaultKind.REUSED_BLOCK):
+                self._damage_first_block(read.check, read.fault)
             bad = self._check(request_id, read.check)
             if bad and len(read.check.local_block_ids) > 1:
                 failed.add(request_id)
@@ -250,25 +248,21 @@ class KVPilotWorker:
         )
         return True
 
-    def _corrupt_first_block(self, check: ReadCheck) -> None:
-        for g, ids in enumerate(check.local_block_ids):
-            if ids and self._groups:
-                layer = self._groups[g].layers[0]
-                block = layer[ids[0]].view(-1).view(torch.uint8)
-                block[0] ^= 0xFF
-                self._stats.count("faults_injected", reason=FaultKind.CORRUPT_BLOCK.value)
-                return
-
-    def _reuse_first_block(self, check: ReadCheck) -> None:
-        """The first landed block takes another block's bytes in every layer of its group: the
-        read's last block, or for a one-block read the next block of the cache."""
+    def _damage_first_block(self, check: ReadCheck, fault: FaultKind) -> None:
+        """The first landed block's bytes as ``fault`` leaves them: ``corrupt_block`` flips the
+        first byte of its first layer; ``reused_block`` gives it another block's bytes in every
+        layer of its group (the read's last block, or for a one-block read the cache's next)."""
         for g, ids in enumerate(check.local_block_ids):
             if ids and self._groups:
                 layers = self._groups[g].layers
-                donor = ids[-1] if len(ids) > 1 else (ids[0] + 1) % len(layers[0])
-                for layer in layers:
-                    layer[ids[0]].copy_(layer[donor])
-                self._stats.count("faults_injected", reason=FaultKind.REUSED_BLOCK.value)
+                if fault is FaultKind.CORRUPT_BLOCK:
+                    block = layers[0][ids[0]].view(-1).view(torch.uint8)
+                    block[0] ^= 0xFF
+                else:
+                    donor = ids[-1] if len(ids) > 1 else (ids[0] + 1) % len(layers[0])
+                    for layer in layers:
+                        layer[ids[0]].copy_(layer[donor])
+                self._stats.count("faults_injected", reason=fault.value)
                 return
 
     def take_load_errors(self) -> set[int]:
