@@ -7,10 +7,11 @@ whose ``/tokenize`` returns exactly its own ids. This times both on request shap
 agent, in one run on one engine (a co-located tiny engine started here, the tiny model shaped
 like real ones): per shape, the median of ``--repeats`` calls each way (the engine's over one
 kept-alive connection, as a router's client would hold it), and checks the two give the same
-ids. An agent's chat step is also timed as a session's next step, tokenized from the session's
-last prompt (the step before it, kept beforehand and untimed:
-``routing/serve/incremental_tokens.py``), interleaved with the whole tokenization and the
-rendering alone, and its ids checked against the engine's too. ::
+ids. An agent's chat step is also timed as a session's next step, rendered and tokenized from
+the session's last prompt (the step before it, kept beforehand and untimed:
+``routing/serve/incremental_chat.py``, ``routing/serve/incremental_tokens.py``), interleaved
+with the whole tokenization and that rendering alone, and its ids checked against the
+engine's too. ::
 
     python -m benchmarks.bench_tokenize --json docs/benchmarks/results/tokenize.json
 """
@@ -94,16 +95,17 @@ def _session_step(
     prompts: EnginePrompt, body: dict[str, Any], previous: dict[str, Any], repeats: int
 ) -> dict[str, Any]:
     """``body`` as a session's next step after ``previous``: its ids, and the medians of the
-    step with the session's last prompt kept, of the whole tokenization and of the rendering
-    alone, interleaved (each repeat a fresh session, primed untimed)."""
-    template = prompts.chat_template
-    assert template is not None
+    step with the session's last prompt kept, of the whole tokenization and of that step's
+    rendering alone, interleaved (each repeat fresh sessions, primed untimed)."""
+    chats = prompts.chats
+    assert chats is not None
     times: dict[str, list[float]] = {"local_ms": [], "session_ms": [], "render_ms": []}
     for k in range(repeats):
         prompts.token_ids(Api.CHAT, previous, session=f"bench-{k}")
         times["session_ms"].append(_ms(lambda k=k: prompts.token_ids(Api.CHAT, body, session=f"bench-{k}")))
         times["local_ms"].append(_ms(lambda: prompts.token_ids(Api.CHAT, body)))
-        times["render_ms"].append(_ms(lambda: template.render(body)))
+        chats.render(f"render-{k}", previous)
+        times["render_ms"].append(_ms(lambda k=k: chats.render(f"render-{k}", body)))
     prompts.token_ids(Api.CHAT, previous, session="bench-ids")
     ids = prompts.token_ids(Api.CHAT, body, session="bench-ids")
     return {"session_ids": ids, **{name: statistics.median(values) for name, values in times.items()}}

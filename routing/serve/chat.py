@@ -38,10 +38,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError, nodes
+from jinja2 import Template, TemplateError, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kvpilot.routing.serve.template_loop import TURNS, MessageLoop, message_loop
 
 
 class ChatError(ValueError):
@@ -104,6 +106,9 @@ class ChatTemplate:
         self.openai_content = iterates_content(env.parse(template))
         """Whether the template iterates over a message's content (vLLM's "openai" content
         format: text parts kept as a list), else reads it as a string."""
+        self.message_loop: MessageLoop | None = message_loop(env, template)
+        """The template's message loop and tail, each renderable alone, where its form allows
+        (:mod:`kvpilot.routing.serve.template_loop`); None: it renders only whole."""
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> ChatTemplate | None:
@@ -130,17 +135,36 @@ class ChatTemplate:
 
         Raises :class:`ChatError` naming the bad field.
         """
-        kwargs = self._kwargs(body)
-        messages = self._conversation(body.get("messages"))
-        continued = bool(kwargs.get("continue_final_message"))
-        final = _continued_text(messages) if continued else ""
-        try:
-            text = self._template.render(messages=messages, **kwargs)
-        except TemplateError as exc:
-            raise ChatError(f"chat template failed on 'messages': {exc}") from None
-        return _cut_after_final(text, final) if continued else text
+        variables = self.variables(body)
+        messages = self.conversation(body.get("messages"))
+        return self.finished(self.whole(messages, variables), messages[-1], variables)
 
-    def _kwargs(self, body: Mapping[str, Any]) -> dict[str, Any]:
+    def whole(self, messages: list[dict[str, Any]], variables: Mapping[str, Any]) -> str:
+        """The template rendered over ``messages`` (:meth:`conversation`'s) with
+        ``variables`` (:meth:`variables`'), before :meth:`finished`."""
+        return rendered(self._template, {**variables, "messages": messages})
+
+    def turns(self, messages: list[dict[str, Any]], variables: Mapping[str, Any]) -> str:
+        """What the template's message loop renders for ``messages`` alone (its
+        :attr:`message_loop` must not be None)."""
+        assert self.message_loop is not None
+        return rendered(self.message_loop.loop, {**variables, TURNS: messages})
+
+    def tail(self, variables: Mapping[str, Any]) -> str:
+        """What the template renders after its message loop (its :attr:`message_loop` must not
+        be None)."""
+        assert self.message_loop is not None
+        return rendered(self.message_loop.tail, variables)
+
+    def finished(self, text: str, final: dict[str, Any], variables: Mapping[str, Any]) -> str:
+        """``text`` (:meth:`whole`'s) as the prompt: cut after the ``final`` message's content
+        where the chat is continued (module doc, 4)."""
+        if not variables.get("continue_final_message"):
+            return text
+        return _cut_after_final(text, _continued_text(final))
+
+    def variables(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The template's variables for the chat request ``body`` (module doc, 2 and 3)."""
         user = body.get("chat_template_kwargs") or {}
         if not isinstance(user, dict):
             raise ChatError("'chat_template_kwargs' must be an object")
@@ -160,10 +184,12 @@ class ChatTemplate:
         kwargs: dict[str, Any] = {"tools": _tool_schemas(body.get("tools")), "documents": None}
         return {**kwargs, **self._special_tokens, **user, **overrides}
 
-    def _conversation(self, messages: object) -> list[dict[str, Any]]:
+    def conversation(self, messages: object, start: int = 0) -> list[dict[str, Any]]:
+        """``messages[start:]`` as the template reads them (module doc, 1); ``messages`` must be
+        a non-empty list."""
         if not isinstance(messages, list) or not messages:
             raise ChatError("'messages' must be a non-empty list")
-        out = [self._message(i, message) for i, message in enumerate(messages)]
+        out = [self._message(i, messages[i]) for i in range(start, len(messages))]
         for message in out:
             _tool_call_arguments_as_objects(message)
         return out
@@ -195,6 +221,14 @@ class ChatTemplate:
         if isinstance(message.get("name"), str):
             out["name"] = message["name"]
         return out
+
+
+def rendered(template: Template, variables: Mapping[str, Any]) -> str:
+    """``template`` rendered with ``variables``; a template's own error as a :class:`ChatError`."""
+    try:
+        return template.render(variables)
+    except TemplateError as exc:
+        raise ChatError(f"chat template failed on 'messages': {exc}") from None
 
 
 def _texts(i: int, content: object) -> Iterator[str]:
@@ -266,9 +300,9 @@ def _tool_schemas(tools: object) -> list[dict[str, Any]] | None:
     return out
 
 
-def _continued_text(messages: list[dict[str, Any]]) -> str:
+def _continued_text(final: dict[str, Any]) -> str:
     """The final message's text that a continued chat ends with (transformers' rule)."""
-    content = messages[-1].get("content")
+    content = final.get("content")
     if isinstance(content, list):
         texts = [part["text"] for part in content if "text" in part]
         if not texts:

@@ -20,19 +20,19 @@ Where no cut passes (an edit before the first turn, a first step, a tokenizer wi
 cuts), the text is tokenized whole. The cache only saves time: whatever a client sends
 under a session key, the ids are the text's own.
 
-Bounded: least recently used sessions are dropped past ``max_sessions`` or past
-``max_tokens`` ids held in all; a prompt longer than ``max_tokens`` is not kept.
-Thread-safe (the router tokenizes in worker threads): one lock guards the entries and is
-never held while tokenizing.
+Bounded (:class:`~kvpilot.routing.serve.session_cache.SessionCache`): least recently used
+sessions are dropped past ``max_sessions`` or past ``max_tokens`` ids held in all; a prompt
+longer than ``max_tokens`` is not kept. Thread-safe (the router tokenizes in worker threads):
+no lock is held while tokenizing.
 """
 
 from __future__ import annotations
 
 import threading
 from bisect import bisect_right
-from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvpilot.routing.serve.session_cache import SessionCache
 from kvpilot.routing.serve.tokenizer import CutEncoding, PromptTokenizer
 
 MAX_SESSIONS = 4096
@@ -86,9 +86,8 @@ class IncrementalTokens:
         self.tokenizer = tokenizer
         self.max_sessions = max_sessions
         self.max_tokens = max_tokens
+        self._prompts: SessionCache[_Prompt] = SessionCache(max_sessions=max_sessions, max_weight=max_tokens)
         self._lock = threading.Lock()
-        self._prompts: OrderedDict[str, _Prompt] = OrderedDict()
-        self._held = 0
         self._stats = IncrementalStats(0, 0, 0)
 
     def encode(self, session: str, text: str) -> list[int]:
@@ -99,8 +98,7 @@ class IncrementalTokens:
         unless the tokenizer has no cuts. Returns a list the caller owns."""
         if not self.tokenizer.cuts:  # nothing could be kept: tokenized whole, nothing held
             return self.tokenizer.encode(text, add_special_tokens=False)
-        with self._lock:
-            last = self._prompts.get(session)
+        last = self._prompts.get(session)
         cut = None if last is None else self._last_cut(last, text)
         if last is None or cut is None:
             encoding = self.tokenizer.encode_with_cuts(text)
@@ -141,19 +139,10 @@ class IncrementalTokens:
         return True
 
     def _keep(self, session: str, prompt: _Prompt, reused: int) -> None:
-        size = len(prompt.encoding.ids)
         with self._lock:
             s = self._stats
             self._stats = IncrementalStats(s.prompts + 1, s.reused + (reused > 0), s.reused_tokens + reused)
-            if (dropped := self._prompts.pop(session, None)) is not None:
-                self._held -= len(dropped.encoding.ids)
-            if size > self.max_tokens or not self.max_sessions:
-                return
-            self._prompts[session] = prompt
-            self._held += size
-            while len(self._prompts) > self.max_sessions or self._held > self.max_tokens:
-                _, dropped = self._prompts.popitem(last=False)
-                self._held -= len(dropped.encoding.ids)
+        self._prompts.keep(session, prompt, len(prompt.encoding.ids))
 
     @property
     def stats(self) -> IncrementalStats:
@@ -163,5 +152,4 @@ class IncrementalTokens:
     @property
     def held(self) -> tuple[int, int]:
         """The sessions kept and the token ids they hold."""
-        with self._lock:
-            return len(self._prompts), self._held
+        return self._prompts.held

@@ -14,9 +14,10 @@ Dynamo hands them to the frontend (``nvext.token_data``). So the ids follow vLLM
 - ``truncate_prompt_tokens`` (and ``truncation_side``) applied as vLLM applies them
   (:mod:`kvpilot.routing.serve.truncation`).
 
-A session's text without special tokens (a chat, as a rule) is tokenized from its last
-prompt's ids on (:mod:`kvpilot.routing.serve.incremental_tokens`): the same ids, in time
-proportional to what the step added.
+A session's chat is rendered from its last one (:mod:`kvpilot.routing.serve.incremental_chat`)
+and a session's text without special tokens (a chat, as a rule) is tokenized from its last
+prompt's ids on (:mod:`kvpilot.routing.serve.incremental_tokens`): the same text and ids, in
+time proportional to what the step added.
 
 A mismatch would cost a cache miss, never a wrong answer (each engine tokenizes for itself
 and the connector verifies every block it attaches); tests/e2e/test_parity.py holds these
@@ -29,6 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvpilot.routing.serve.chat import ChatError, ChatTemplate
+from kvpilot.routing.serve.incremental_chat import IncrementalChat
 from kvpilot.routing.serve.incremental_tokens import IncrementalTokens
 from kvpilot.routing.serve.tokenizer import PromptError, PromptTokenizer
 from kvpilot.routing.serve.truncation import Truncation
@@ -54,6 +56,8 @@ class EnginePrompt:
         self.chat_template = chat_template
         self.completion_special_tokens = completion_special_tokens
         self.sessions = IncrementalTokens(tokenizer) if sessions is None else sessions
+        self.chats = None if chat_template is None else IncrementalChat(chat_template)
+        """The sessions' last chats (:class:`IncrementalChat`' own bounds)."""
 
     def token_ids(
         self,
@@ -71,15 +75,16 @@ class EnginePrompt:
         with the text (the prompt, or the rendered chat) before it is tokenized, so that a
         bound on its size can refuse it without the tokenizer's work; whatever it raises
         propagates. ``session``: the request's session key (scoped as the router keys its
-        sessions); a text encoded without special tokens nor truncation is then tokenized
-        from that session's last prompt on (module doc), to the same ids."""
+        sessions); a chat is then rendered from that session's last chat, and a text encoded
+        without special tokens nor truncation tokenized from that session's last prompt on
+        (module doc), to the same text and ids."""
         add_special = body.get("add_special_tokens", api is Api.COMPLETIONS and self.completion_special_tokens)
         if not isinstance(add_special, bool):
             raise PromptError("'add_special_tokens' must be true or false")
         if api is Api.CHAT:
-            if self.chat_template is None:
+            if self.chat_template is None or self.chats is None:
                 raise ChatError("this model has no chat template: use /v1/completions")
-            text = self.chat_template.render(body)
+            text = self.chat_template.render(body) if session is None else self.chats.render(session, body)
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt:
