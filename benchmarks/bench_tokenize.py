@@ -9,11 +9,11 @@ like real ones): per shape, the median of ``--repeats`` calls each way (the engi
 kept-alive connection, as a router's client would hold it), and checks the two give the same
 ids. An agent's chat step is also timed as a session's next step, rendered and tokenized from
 the session's last prompt (the step before it, kept beforehand and untimed:
-``routing/serve/incremental_chat.py``, ``routing/serve/incremental_tokens.py``), interleaved
-with the whole tokenization and that rendering alone, and its ids checked against the
-engine's too. ::
+``routing/serve/incremental_chat.py``, ``routing/serve/incremental_tokens.py``), beside the
+whole tokenization and that rendering alone, and its ids checked against the engine's
+too. ::
 
-    python -m benchmarks.bench_tokenize --json docs/benchmarks/results/tokenize.json
+    python -m benchmarks.bench_tokenize --repeats 200 --json docs/benchmarks/results/tokenize.json
 """
 
 from __future__ import annotations
@@ -96,16 +96,21 @@ def _session_step(
 ) -> dict[str, Any]:
     """``body`` as a session's next step after ``previous``: its ids, and the medians of the
     step with the session's last prompt kept, of the whole tokenization and of that step's
-    rendering alone, interleaved (each repeat fresh sessions, primed untimed)."""
+    rendering alone. Each repeat has its own sessions, all primed with ``previous`` first;
+    each way is then timed over all repeats in turn, so that every timed call follows a call
+    of its own kind (a call right after a long prompt's whole tokenization runs on caches
+    that tokenization filled)."""
     chats = prompts.chats
     assert chats is not None
-    times: dict[str, list[float]] = {"local_ms": [], "session_ms": [], "render_ms": []}
     for k in range(repeats):
         prompts.token_ids(Api.CHAT, previous, session=f"bench-{k}")
-        times["session_ms"].append(_ms(lambda k=k: prompts.token_ids(Api.CHAT, body, session=f"bench-{k}")))
-        times["local_ms"].append(_ms(lambda: prompts.token_ids(Api.CHAT, body)))
         chats.render(f"render-{k}", previous)
-        times["render_ms"].append(_ms(lambda k=k: chats.render(f"render-{k}", body)))
+    step = prompts.token_ids
+    times = {
+        "session_ms": [_ms(lambda k=k: step(Api.CHAT, body, session=f"bench-{k}")) for k in range(repeats)],
+        "local_ms": [_ms(lambda: prompts.token_ids(Api.CHAT, body)) for _ in range(repeats)],
+        "render_ms": [_ms(lambda k=k: chats.render(f"render-{k}", body)) for k in range(repeats)],
+    }
     prompts.token_ids(Api.CHAT, previous, session="bench-ids")
     ids = prompts.token_ids(Api.CHAT, body, session="bench-ids")
     return {"session_ids": ids, **{name: statistics.median(values) for name, values in times.items()}}
