@@ -139,6 +139,7 @@ def measure(repeats: int) -> list[dict[str, Any]]:
         for name, api, body, previous in SHAPES:
             local = prompts.token_ids(api, body)
             engine = _engine_ids(conn, body)
+            engine_ms = statistics.median(_ms(lambda b=body: _engine_ids(conn, b)) for _ in range(repeats))
             row: dict[str, Any] = {"shape": name, "tokens": len(engine)}
             if previous is None:
                 times = (_ms(lambda a=api, b=body: prompts.token_ids(a, b)) for _ in range(repeats))
@@ -148,7 +149,7 @@ def measure(repeats: int) -> list[dict[str, Any]]:
                 row |= _session_step(prompts, body, previous, repeats)
                 session_ids = row.pop("session_ids")
             row["same_ids"] = local == engine == session_ids
-            row["engine_ms"] = statistics.median(_ms(lambda b=body: _engine_ids(conn, b)) for _ in range(repeats))
+            row["engine_ms"] = engine_ms
             rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
         conn.close()
