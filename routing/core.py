@@ -281,9 +281,23 @@ class RouterCore:
         return {sub.worker: sub.stats.batches for sub in (self.feeder.subscribers if self.feeder is not None else ())}
 
     def watch_events(self) -> None:
-        """Flag the workers whose KV events stopped, and clear the ones heard again."""
-        if self.event_watch.enabled:
-            self.event_watch.update(self.event_batches(), self.clock.monotonic())
+        """Flag the workers whose KV events stopped, and clear the ones heard again; each
+        change is logged, naming the worker."""
+        if not self.event_watch.enabled:
+            return
+        before = self.event_watch.stale
+        self.event_watch.update(self.event_batches(), self.clock.monotonic())
+        after = self.event_watch.stale
+        for worker in sorted(after - before):
+            log.warning(
+                "worker %s prefilled blocks and published no KV event for %.0f s: routed on load alone until "
+                "its next batch (is its --kv-events-config endpoint the one the router subscribes to? "
+                "`kvpilot engine-flags` prints it)",
+                worker,
+                self.event_watch.stale_after_s,
+            )
+        for worker in sorted(before - after):
+            log.info("worker %s publishes KV events again", worker)
 
     # ---- what every front answers alike ----------------------------------------
     def authorized(self, headers: Mapping[str, str]) -> bool:

@@ -70,7 +70,7 @@ from benchmarks.fleet.events import EventTap, StoredPromptBlocks
 from benchmarks.fleet.goodput import ATTAINMENT, ITL_SLO_X, TTFT_SLO_X, Slo, SweepPoint, attainment, goodput
 from benchmarks.fleet.replay import Connections, Send, body, headers, replay
 from benchmarks.fleet.results import Outcome, ReuseCounts, reuse_from_computed, summarize
-from benchmarks.fleet.stages import THREAD_PREFIX, stage_table
+from benchmarks.fleet.stages import ENVOY_THREAD_PREFIX, THREAD_PREFIX, stage_table
 from benchmarks.fleet.trace import (
     TRACES_DIR,
     PromptShape,
@@ -156,16 +156,17 @@ def replicas(spec: DynamoFleetSpec, count: int, workers: int) -> Iterator[list[R
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """User + system CPU seconds so far of each thread of process ``pid`` by its name (as
-    Linux keeps it, 15 characters; threads of one name, a pool's numbered ones included, added
-    together). Empty where the process is gone."""
+    """User + system CPU seconds so far of each thread of process ``pid`` and its children by
+    its name (as Linux keeps it, 15 characters; threads of one name, a pool's numbered ones
+    included, added together). Empty where the process is gone."""
     ticks = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
+        proc = psutil.Process(pid)
+        pids = [pid, *(child.pid for child in proc.children(recursive=True))]
+    except psutil.NoSuchProcess:
         return out
-    for task in tasks:
+    for task in (t for p in pids for t in _tasks(p)):
         try:
             name = (task / "comm").read_text().strip()
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
@@ -176,10 +177,17 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def _tasks(pid: int) -> list[Path]:
+    try:
+        return list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return []
+
+
 def fleet_cpu(fleet: Fleet, spec: DynamoFleetSpec, extra_routers: Sequence[RunningProcess] = ()) -> dict[str, float]:
     """CPU seconds so far of the frontend, the kvpilot routers (if they run: all replicas
-    together, and the first one's by thread, :data:`~benchmarks.fleet.stages.THREAD_PREFIX`), Envoy (if it runs) and all
-    workers."""
+    together, and the first one's by thread, :data:`~benchmarks.fleet.stages.THREAD_PREFIX`), Envoy (if it runs; also by
+    thread, :data:`~benchmarks.fleet.stages.ENVOY_THREAD_PREFIX`) and all workers."""
     workers = [e for e in fleet.engines if e.role]
     frontend = fleet.router if not spec.kvpilot_routes else next(e for e in fleet.engines if not e.role)
     out = {"frontend": cpu_seconds(frontend.pid), "workers": sum(cpu_seconds(w.pid) for w in workers)}
@@ -188,6 +196,7 @@ def fleet_cpu(fleet: Fleet, spec: DynamoFleetSpec, extra_routers: Sequence[Runni
         out |= {THREAD_PREFIX + name: s for name, s in thread_cpu(fleet.router.pid).items()}
     if fleet.gateway is not None:
         out["envoy"] = cpu_seconds(fleet.gateway.pid)
+        out |= {ENVOY_THREAD_PREFIX + name: s for name, s in thread_cpu(fleet.gateway.pid).items()}
     return out
 
 

@@ -18,6 +18,16 @@ THREAD_PREFIX = "kvpilot_router."
 """The key prefix of the router's CPU seconds per thread in ``cpu_s_per_request``:
 ``kvpilot_router.<thread name>``."""
 
+ENVOY_THREAD_PREFIX = "envoy."
+"""The key prefix of Envoy's CPU seconds per thread in ``cpu_s_per_request``:
+``envoy.<thread name>``."""
+
+ENVOY_WORKERS = "wrk:worker"
+"""Envoy's worker threads (``wrk:worker_<n>``), which run every filter of every request."""
+ENVOY_FEED_THREADS = (FEEDER_THREAD, "ZMQbg/IO/")
+"""The compiled picker's threads in Envoy: its KV-event feeder (named as the router's) and
+libzmq's I/O thread."""
+
 THREADS = {
     "python": "Python's threads: the event loop (the picker's gRPC calls, intake, decision, bookings, "
     "KV-event applies) and the default executor (tokenizing text and chats)",
@@ -49,15 +59,11 @@ def stage_rows(results: dict[str, Any], name: str = "kvpilot") -> list[tuple[str
         return None
     rows: list[tuple[str, float]] = []
     envoy = cpu.get("envoy")
-    fixed = results.get("dynamo_kv_envoy", {}).get("cpu_s_per_request", {}).get("envoy")
+    fixed_cpu = results.get("dynamo_kv_envoy", {}).get("cpu_s_per_request", {})
+    fixed = fixed_cpu.get("envoy")
     if envoy is not None and fixed is not None:
         rows.append(("Envoy: proxying (its CPU with a fixed route, arm dynamo_kv_envoy)", fixed))
-        what = (
-            "the compiled picker, ext_proc, Lua, access log"
-            if name == "kvpilot_native"
-            else "ext_proc, Lua, access log"
-        )
-        rows.append((f"Envoy: the picker's filters ({what})", envoy - fixed))
+        rows += _picker_in_envoy(name, envoy - fixed, cpu, fixed_cpu)
     elif envoy is not None:
         rows.append(("Envoy", envoy))
     other = 0.0
@@ -69,6 +75,25 @@ def stage_rows(results: dict[str, Any], name: str = "kvpilot") -> list[tuple[str
     rows.append((f"router: {OTHER}", other))
     rows.append(("router: threads that ended, child processes", cpu["kvpilot_router"] - sum(threads.values())))
     return rows
+
+
+def _picker_in_envoy(
+    arm: str, added: float, cpu: dict[str, float], fixed_cpu: dict[str, float]
+) -> list[tuple[str, float]]:
+    """What the picker adds to Envoy's CPU (``added``), split by Envoy's threads where both
+    arms have them: its worker threads' extra (the filters on each request and its answer),
+    the compiled picker's KV-event feed (its feeder and libzmq's I/O thread), the rest."""
+    what = "the compiled picker, ext_proc, Lua, access log" if arm == "kvpilot_native" else "ext_proc, Lua, access log"
+    workers = ENVOY_THREAD_PREFIX + ENVOY_WORKERS
+    if workers not in cpu or workers not in fixed_cpu:
+        return [(f"Envoy: the picker's filters ({what})", added)]
+    on_requests = cpu[workers] - fixed_cpu[workers]
+    feed = sum(cpu.get(ENVOY_THREAD_PREFIX + thread, 0.0) for thread in ENVOY_FEED_THREADS)
+    return [
+        (f"Envoy: its workers' extra, the filters on each request and answer ({what})", on_requests),
+        ("Envoy: the compiled picker's KV-event feed (its feeder thread, libzmq's I/O thread)", feed),
+        ("Envoy: its other threads", added - on_requests - feed),
+    ]
 
 
 def stage_table(results: dict[str, Any]) -> str:

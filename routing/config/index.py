@@ -48,11 +48,14 @@ class IndexConfig(TypedConfig, frozen=True):
     removal_log_capacity: int = 65536
     """Removals the ``kvpilot`` index keeps so a session's next step re-matches only what
     was evicted since its last one; past it, the step is matched from scratch."""
-    events_stale_after_s: float = 0.0
+    events_stale_after_s: float = 30.0
     """A worker that prefilled blocks its entries lacked and then published no KV
-    event for this long is routed on load alone (``kvpilot.routing.health.event_watch``); 0 = off
-    (the default: right after a router restart the index can lack blocks an engine
-    holds, and a prefill of those publishes nothing)."""
+    event for this long is routed on load alone (``kvpilot.routing.health.event_watch``),
+    flagged in ``kvpilot_router_kv_events_stale{worker}`` and named in a warning: an engine
+    whose ``--kv-events-config`` does not reach the router is found within this long of its
+    first prefill. 0 = off. A false alarm (right after a router restart the index can lack
+    blocks an engine holds, and a prefill of those publishes nothing) costs that worker its
+    overlap credit until its next batch."""
     events_idle_read_s: float = 0.1
     """While the router has matched no request against the index for a second (a compiled
     picker in front decides them all), its feeder reads the engines' KV events this often

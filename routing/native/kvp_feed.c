@@ -329,6 +329,7 @@ int kvp_feed_start(kvp_picker *pk, char *err, size_t err_len) {
     a->z.ctx_term(a->ctx);
     return free(a), -1;
   }
+  pthread_setname_np(pk->feeder, "kvpilot-feeder"); /* as the router's: per-thread CPU shows it */
   pk->feeder_started = 1;
   return 0;
 }

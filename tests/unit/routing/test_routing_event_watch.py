@@ -88,3 +88,26 @@ def test_a_stale_worker_earns_no_overlap_credit():
     route = router.route(prompt, "after")
     assert route.cached_blocks == 0
     assert all(term.credit_blocks == 0 for term in route.decision.terms), route.explain()
+
+
+def test_the_router_names_a_worker_whose_events_stop_and_the_watch_is_on_by_default(caplog):
+    from kvpilot.routing.config import RouterConfig
+    from kvpilot.routing.core import RouterCore
+    from kvpilot.routing.decide.lifecycle import Clock
+
+    assert RouterConfig().index.events_stale_after_s > 0
+    now = [0.0]
+    cfg = _config(COLOCATED)
+    core = RouterCore(cfg, fleet_from_config(cfg), clock=Clock(monotonic=lambda: now[0]))
+    batches = {W1: 3, W2: 5}
+    core.event_batches = lambda: batches  # type: ignore[method-assign]
+    core.event_watch.expect(W2, 5, now=0.0)
+    now[0] = cfg.index.events_stale_after_s
+    with caplog.at_level("INFO", logger="kvpilot.routing.core"):
+        core.watch_events()
+        core.watch_events()  # still silent: said once
+        batches[W2] = 6
+        core.watch_events()
+    said = [r.getMessage() for r in caplog.records if r.name == "kvpilot.routing.core"]
+    assert len(said) == 2 and said[0].startswith("worker w2 prefilled blocks and published no KV event"), said
+    assert "kvpilot engine-flags" in said[0] and said[1] == "worker w2 publishes KV events again"
