@@ -22,7 +22,9 @@ a row sends the reader in a handoff driven as a router drives it:
 | the read's completion dropped | the read deadline | the co-located answer, within the bound |
 
 The router's fronts (relay and Envoy) do not carry a client's request id to the engines, so
-these rows drive the engines as a router does; the fronts' own recovery is the rows above.
+these rows drive the engines as a router does; the fronts' own recovery is the rows above,
+and ``tests/e2e/test_fault_fronts.py`` sends requests through both fronts to engines that
+corrupt reads at random.
 
 Each request ends within a stated bound, with the engine's own answer (a prefill D did
 itself after the router's recovery equals D's answer with a fresh cache salt) or a clear
