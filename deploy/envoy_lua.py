@@ -45,7 +45,7 @@ from kvpilot.routing.gateway.contract import DESTINATION_HEADER
 from kvpilot.routing.serve.driver import error_reply
 from kvpilot.routing.serve.request_fields import ACCEPTED, ENGINE_INTERNAL, refused_field
 from kvpilot.routing.serve.upstream import Api
-from kvpilot.routing.serve.withheld import KVPILOT_PREFIX, TRANSFER_PARAMS_KEY, WITHHELD_CHUNK
+from kvpilot.routing.serve.withheld import KVPILOT_PREFIX, TRANSFER_PARAMS_KEY, WITHHELD_ANSWER, WITHHELD_CHUNK
 
 OPEN_GETS = ("/health", "/v1/models")
 """What a client may ``GET`` from an engine when the picker routed nothing."""
@@ -311,7 +311,7 @@ def _filled(script: str) -> str:
         "OPEN_GETS": _lua_set(OPEN_GETS),
         "NOT_SERVED": _error(404, f"kvpilot serves POST {served} (its picker is down: unrouted)"),
         "NOT_AN_OBJECT": _error(400, "request body must be a JSON object"),
-        "WITHHELD_ANSWER": _error(502, "kvpilot: the engine's answer is not a JSON object; withheld", "upstream_error"),
+        "WITHHELD_ANSWER": _lua_string(WITHHELD_ANSWER),
         "WITHHELD_CHUNK": _lua_string(WITHHELD_CHUNK),
     }
     for name, value in values.items():

@@ -18,7 +18,9 @@
   session's KV: where it lives, how to pull it) or a top-level ``kvpilot_*`` key, as the relay
   withholds them (:mod:`kvpilot.routing.serve.withheld`); one after ``ext_proc``, so that a
   request the picker routed nothing for (``round_robin``) reaches an engine only with the
-  fields the picker accepts;
+  fields the picker accepts. Both are off on the compiled picker's route
+  (:attr:`GatewaySpec.native_picker`), whose module withholds the same from the answers it
+  routed (``routing/native/kvp_answer.h``);
 - the client is the TCP peer Envoy sees (``use_remote_address``): ext_proc sends it to the
   picker as the ``source.address`` attribute, and ``x-forwarded-for`` from a client is not
   believed (without ``use_remote_address`` Envoy would take the downstream address from
@@ -297,6 +299,9 @@ def _picker_unreachable() -> dict[str, Any]:
 
 UNROUTED_CHECK = "kvpilot.check_unrouted_requests"
 """The request path's Lua filter (:func:`~kvpilot.deploy.envoy_lua.requests_lua`)."""
+ANSWERS_CHECK = "kvpilot.withhold_from_answers"
+"""The response path's Lua filter (:func:`~kvpilot.deploy.envoy_lua.answers_lua`); off on the
+compiled picker's route, whose module withholds the same from the answers it routed."""
 
 NATIVE_MODULE = "kvpilot_picker"
 """The compiled picker's name: its library is ``lib<name>.so`` (``routing/native/build``)."""
@@ -326,7 +331,7 @@ def _routes(spec: GatewaySpec) -> list[dict[str, Any]]:
             for name in ANSWER_HEADERS
         ],
     }
-    if spec.native_picker is not None:  # decided in Envoy: ext_proc and the unrouted check skip it
+    if spec.native_picker is not None:  # decided in Envoy: ext_proc and both Lua filters skip it
         disabled = {"@type": TYPES + "filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}
         no_check = {"@type": TYPES + "filters.http.lua.v3.LuaPerRoute", "disabled": True}
         decided = [
@@ -339,7 +344,11 @@ def _routes(spec: GatewaySpec) -> list[dict[str, Any]]:
                         {"name": DECIDED_HEADER, "present_match": True},
                     ],
                 },
-                "typed_per_filter_config": {"envoy.filters.http.ext_proc": disabled, UNROUTED_CHECK: no_check},
+                "typed_per_filter_config": {
+                    "envoy.filters.http.ext_proc": disabled,
+                    UNROUTED_CHECK: no_check,
+                    ANSWERS_CHECK: no_check,
+                },
             }
         ]
     if spec.on_picker_failure is PickerFailure.ROUND_ROBIN:
@@ -442,7 +451,7 @@ def envoy_bootstrap(spec: GatewaySpec) -> dict[str, Any]:
         routes = _routes(spec)
         filters = [
             # answers: after ext_proc on the response path, which may hold a response's headers
-            _lua("kvpilot.withhold_from_answers", answers_lua()),
+            _lua(ANSWERS_CHECK, answers_lua()),
             *([_native_picker(spec)] if spec.native_picker is not None else []),
             _ext_proc(spec),
             # requests: after ext_proc, whose destination header tells a routed request

@@ -4,9 +4,9 @@
 The rows sum to kvpilot's whole hop: Envoy's CPU (split into what Envoy spends proxying, its
 CPU in arm ``dynamo_kv_envoy`` with a fixed route on the same requests, and what the picker's
 filters add: ext_proc, the Lua filters, the access log; in ``kvpilot_native``'s, the compiled
-picker's decisions and its KV-event feed too) plus the router process's, split by
-thread (:func:`benchmarks.fleet.bench.thread_cpu`); what no live thread accounts for (threads
-that ended, child processes) is its own row. Pure."""
+picker's decisions, its scrub of the answers it routed and its KV-event feed too) plus the router process's, split by
+thread (:func:`benchmarks.fleet.bench.thread_cpu`, a living child's threads included); what no
+living thread accounts for (threads and child processes that ended) is its own row. Pure."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def stage_rows(results: dict[str, Any], name: str = "kvpilot") -> list[tuple[str
         else:
             other += seconds
     rows.append((f"router: {OTHER}", other))
-    rows.append(("router: threads that ended, child processes", cpu["kvpilot_router"] - sum(threads.values())))
+    rows.append(("router: threads and child processes that ended", cpu["kvpilot_router"] - sum(threads.values())))
     return rows
 
 

@@ -122,11 +122,6 @@ class EngineSubscriber:
         """The batches :meth:`catch_up` applied, by seq, until a live batch beyond them arrives."""
 
     @property
-    def socket(self) -> zmq.Socket[bytes]:
-        """The SUB socket, for a caller's ``zmq.Poller``."""
-        return self._sub
-
-    @property
     def signal_fd(self) -> int:
         """libzmq's ``ZMQ_FD`` of the SUB socket: readable when the socket's state may have
         changed (an edge, not a level: after it turns readable, :meth:`drain` until it says

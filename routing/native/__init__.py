@@ -152,6 +152,12 @@ def load() -> ctypes.CDLL:
         lib.kvp_sessions_served.argtypes = [ptr, u64, u32, u32, dbl]
         lib.kvp_sessions_count.restype = u32
         lib.kvp_sessions_count.argtypes = [ptr]
+        out_ptr, out_len = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(size)
+        lib.kvp_scrub_answer.argtypes = [ctypes.c_char_p, size, out_ptr, out_len]
+        lib.kvp_stream_new.restype = ptr
+        lib.kvp_stream_free.argtypes = [ptr]
+        lib.kvp_stream_feed.argtypes = [ptr, ctypes.c_char_p, size, out_ptr, out_len]
+        lib.kvp_free.argtypes = [ctypes.c_void_p]
         _lib = lib
     return _lib
 
@@ -334,3 +340,50 @@ def decode_batch(
         payload, len(payload), ctypes.byref(scratch), _SINK(sink), None, ctypes.byref(counts)
     )
     return status == 0, events, counts
+
+
+SCRUBBED = {-2: "no_memory", -1: "unreadable", 0: "unchanged", 1: "changed"}
+"""``enum kvp_scrubbed`` (``kvp_answer.h``), by value."""
+
+
+def _taken(lib: ctypes.CDLL, code: int, out: ctypes.c_void_p, n: ctypes.c_size_t) -> tuple[str, bytes | None]:
+    if code != 1:
+        return SCRUBBED[code], None
+    text = ctypes.string_at(out.value or 0, n.value) if n.value else b""
+    lib.kvp_free(out)
+    return SCRUBBED[code], text
+
+
+def scrub_answer(body: bytes) -> tuple[str, bytes | None]:
+    """``kvp_scrub_answer``: the outcome (:data:`SCRUBBED`) and, when ``changed``, the answer
+    the client gets."""
+    lib, out, n = load(), ctypes.c_void_p(), ctypes.c_size_t(0)
+    return _taken(lib, lib.kvp_scrub_answer(body, len(body), ctypes.byref(out), ctypes.byref(n)), out, n)
+
+
+def withheld_bodies() -> tuple[bytes, bytes]:
+    """``kvp_withheld_chunk`` and ``kvp_withheld_answer``, as the module writes them."""
+    lib = load()
+    chunk, answer = (ctypes.c_char.in_dll(lib, name) for name in ("kvp_withheld_chunk", "kvp_withheld_answer"))
+    return ctypes.string_at(ctypes.addressof(chunk)), ctypes.string_at(ctypes.addressof(answer))
+
+
+class Stream:
+    """``kvp_stream``: one streamed answer's chunks, each as the client gets it."""
+
+    def __init__(self) -> None:
+        self._lib = load()
+        self._ptr = self._lib.kvp_stream_new()
+
+    def __del__(self) -> None:
+        if getattr(self, "_ptr", None):
+            self._lib.kvp_stream_free(self._ptr)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What the client gets for ``chunk`` (``chunk`` itself when it passes unchanged)."""
+        out, n = ctypes.c_void_p(), ctypes.c_size_t(0)
+        code = self._lib.kvp_stream_feed(self._ptr, chunk, len(chunk), ctypes.byref(out), ctypes.byref(n))
+        outcome, text = _taken(self._lib, code, out, n)
+        if outcome == "no_memory":
+            raise MemoryError("kvp_stream_feed")
+        return chunk if text is None else text

@@ -11,7 +11,13 @@
  * request until it ends (its prefill until the answer's first bytes). A request it cannot
  * decide (no body, no token-id prompt, a cache_salt or another model than the served one, a
  * session named in the body or by a bad header, a body over max_body_bytes) continues untouched and is counted
- * (kvpilot_picker_passthrough). */
+ * (kvpilot_picker_passthrough).
+ *
+ * The answer to a request it routed reaches the client without what no client reads
+ * (kvp_answer.h): a stream chunk by chunk, a whole JSON answer buffered and its
+ * content-length set to match (502 with KVP_WITHHELD_ANSWER when it names a withheld key and
+ * cannot be read). Envoy's Lua answers filter (deploy/envoy_lua.py) does the same for every
+ * other request and is off on the module's route (deploy/envoy_spec.py). */
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,6 +25,7 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include "kvp_answer.h"
 #include "kvp_module.h"
 
 #define EXPORT __attribute__((visibility("default")))
@@ -30,13 +37,15 @@
 
 /* ---- Envoy's side of the ABI (callbacks), as documented ---- */
 typedef struct { const char *ptr; size_t length; } envoy_buffer;
-enum { BODY_RECEIVED_REQUEST = 0, BODY_BUFFERED_REQUEST = 1 };
+enum { BODY_RECEIVED_REQUEST = 0, BODY_BUFFERED_REQUEST = 1, BODY_RECEIVED_RESPONSE = 2, BODY_BUFFERED_RESPONSE = 3 };
 enum { HEADER_REQUEST = 0, HEADER_RESPONSE = 2 };
 enum { LOG_INFO = 2, LOG_ERROR = 4 };
 #define WEAK __attribute__((weak))
 WEAK extern size_t envoy_dynamic_module_callback_http_get_body_chunks_size(void *filter, int body_type);
 WEAK extern bool envoy_dynamic_module_callback_http_get_body_chunks(void *filter, int body_type, envoy_buffer *out);
 WEAK extern bool envoy_dynamic_module_callback_http_received_buffered_request_body(void *filter);
+WEAK extern bool envoy_dynamic_module_callback_http_append_body(void *filter, int body_type, envoy_buffer data);
+WEAK extern bool envoy_dynamic_module_callback_http_drain_body(void *filter, int body_type, size_t n);
 WEAK extern bool envoy_dynamic_module_callback_http_set_header(void *filter, int header_type, envoy_buffer key,
                                                           envoy_buffer value);
 WEAK extern bool envoy_dynamic_module_callback_http_get_header(void *filter, int header_type, envoy_buffer key,
@@ -61,6 +70,8 @@ static const struct { const char *name; void *address; } CALLBACKS[] = {
     CALLBACK(envoy_dynamic_module_callback_http_get_body_chunks_size),
     CALLBACK(envoy_dynamic_module_callback_http_get_body_chunks),
     CALLBACK(envoy_dynamic_module_callback_http_received_buffered_request_body),
+    CALLBACK(envoy_dynamic_module_callback_http_append_body),
+    CALLBACK(envoy_dynamic_module_callback_http_drain_body),
     CALLBACK(envoy_dynamic_module_callback_http_set_header),
     CALLBACK(envoy_dynamic_module_callback_http_get_header),
     CALLBACK(envoy_dynamic_module_callback_http_clear_route_cache),
@@ -169,6 +180,9 @@ typedef struct filter {
   int has_session, ok;  /* ok: the answer's status is 2xx */
   uint64_t session;
   int decided;
+  enum { ANSWER_PASSED = 0, ANSWER_STREAM, ANSWER_WHOLE } answer; /* how its answer is scrubbed */
+  int routed;        /* the module set its destination */
+  kvp_stream stream; /* ANSWER_STREAM: the partial line carried between chunks */
 } filter;
 
 EXPORT void *envoy_dynamic_module_on_http_filter_new(void *config, void *filter_envoy) {
@@ -187,10 +201,8 @@ static void count(filter *f, void *fe, int decided) {
         fe, decided ? pc->pk.counter_decided : pc->pk.counter_passthrough, NULL, 0, 1);
 }
 
-/* The whole buffered body, copied out of Envoy's slices; NULL when over the limit. */
-static char *gather_body(void *fe, size_t limit, size_t *len) {
-  int types[2] = {BODY_BUFFERED_REQUEST, BODY_RECEIVED_REQUEST};
-  int n_types = envoy_dynamic_module_callback_http_received_buffered_request_body(fe) ? 1 : 2;
+/* The bodies of ``types`` in turn, copied out of Envoy's slices; NULL when over the limit. */
+static char *gather(void *fe, const int *types, int n_types, size_t limit, size_t *len) {
   size_t total = 0, cap = 0;
   char *out = NULL;
   for (int t = 0; t < n_types; t++) {
@@ -220,6 +232,12 @@ static char *gather_body(void *fe, size_t limit, size_t *len) {
   }
   *len = total;
   return out ? out : calloc(1, 1);
+}
+
+/* The whole buffered request body; NULL when over the limit. */
+static char *gather_body(void *fe, size_t limit, size_t *len) {
+  static const int types[2] = {BODY_BUFFERED_REQUEST, BODY_RECEIVED_REQUEST};
+  return gather(fe, types, envoy_dynamic_module_callback_http_received_buffered_request_body(fe) ? 1 : 2, limit, len);
 }
 
 static uint64_t next_random(void) {
@@ -349,6 +367,7 @@ static void decide(filter *f, void *fe) {
   }
   envoy_dynamic_module_callback_http_set_header(fe, HEADER_REQUEST, text(DECIDED_HEADER), text("module"));
   envoy_dynamic_module_callback_http_clear_route_cache(fe);
+  f->routed = 1;
   count(f, fe, 1);
   if (f->pc->counters) /* the decision, body gathered and parsed to destination set, in microseconds */
     envoy_dynamic_module_callback_http_filter_record_histogram_value(
@@ -386,6 +405,7 @@ static void release(filter *f) {
 
 EXPORT void envoy_dynamic_module_on_http_filter_destroy(void *fm) {
   release(fm);
+  kvp_stream_clear(&((filter *)fm)->stream);
   free(fm);
 }
 
@@ -408,19 +428,98 @@ EXPORT int envoy_dynamic_module_on_http_filter_request_trailers(void *fe, void *
   return 0;
 }
 
+/* 1 when the header's value starts with ``kind`` in any case. */
+static int typed(envoy_buffer value, const char *kind) {
+  size_t n = strlen(kind);
+  return value.ptr && value.length >= n && !strncasecmp(value.ptr, kind, n);
+}
+
 EXPORT int envoy_dynamic_module_on_http_filter_response_headers(void *fe, void *fm, bool end_of_stream) {
   filter *f = fm;
-  envoy_buffer status = {NULL, 0};
+  envoy_buffer status = {NULL, 0}, kind = {NULL, 0};
   size_t n = 0;
   if (f->worker >= 0 && envoy_dynamic_module_callback_http_get_header(fe, HEADER_RESPONSE, text(":status"), &status, 0, &n))
     f->ok = status.ptr && status.length == 3 && status.ptr[0] == '2';
-  if (end_of_stream) release_prefill(f);
-  return 0;
+  if (end_of_stream) {
+    release_prefill(f);
+    return 0;
+  }
+  if (f->routed && envoy_dynamic_module_callback_http_get_header(fe, HEADER_RESPONSE, text("content-type"), &kind, 0, &n)) {
+    if (typed(kind, "text/event-stream")) f->answer = ANSWER_STREAM;
+    if (typed(kind, "application/json")) f->answer = ANSWER_WHOLE;
+  }
+  return f->answer == ANSWER_WHOLE; /* StopIteration: the headers wait for the body they describe */
+}
+
+/* The length of Envoy's body of ``type`` (0: none). */
+static size_t body_size(void *fe, int type) {
+  size_t n = envoy_dynamic_module_callback_http_get_body_chunks_size(fe, type), total = 0;
+  envoy_buffer *chunks = n ? calloc(n, sizeof *chunks) : NULL;
+  if (chunks && envoy_dynamic_module_callback_http_get_body_chunks(fe, type, chunks))
+    for (size_t i = 0; i < n; i++) total += chunks[i].length;
+  free(chunks);
+  return total;
+}
+
+/* A whole answer, all of it in Envoy's buffer now (and in the last chunk received, with
+ * ``with_received``), as the client gets it: scrubbed, its content-length set to match. */
+static void scrub_whole(void *fe, int with_received) {
+  static const int types[2] = {BODY_BUFFERED_RESPONSE, BODY_RECEIVED_RESPONSE};
+  int n_types = 1 + with_received;
+  size_t len = 0, out_len = 0;
+  char *body = gather(fe, types, n_types, SIZE_MAX, &len), *out = NULL;
+  int rc = body ? kvp_scrub_answer(body, len, &out, &out_len) : KVP_SCRUB_NO_MEMORY;
+  free(body);
+  if (rc == KVP_SCRUB_UNCHANGED) return;
+  if (rc != KVP_SCRUB_CHANGED) { /* it names a withheld key and cannot be read: withheld, not passed on */
+    envoy_dynamic_module_callback_http_set_header(fe, HEADER_RESPONSE, text(":status"), text("502"));
+    free(out);
+    out = NULL, out_len = strlen(kvp_withheld_answer);
+  }
+  for (int t = 0; t < n_types; t++) {
+    size_t had = body_size(fe, types[t]);
+    if (had) envoy_dynamic_module_callback_http_drain_body(fe, types[t], had);
+  }
+  envoy_dynamic_module_callback_http_append_body(fe, types[n_types - 1], (envoy_buffer){out ? out : kvp_withheld_answer, out_len});
+  char length[24];
+  snprintf(length, sizeof length, "%zu", out_len);
+  envoy_dynamic_module_callback_http_set_header(fe, HEADER_RESPONSE, text("content-length"), text(length));
+  free(out);
+}
+
+/* One chunk of a stream as the client gets it. */
+static void scrub_chunk(filter *f, void *fe) {
+  static const int received = BODY_RECEIVED_RESPONSE;
+  size_t len = 0, out_len = 0;
+  envoy_buffer one = {NULL, 0};
+  char *copied = NULL, *out = NULL;
+  if (envoy_dynamic_module_callback_http_get_body_chunks_size(fe, received) == 1 &&
+      envoy_dynamic_module_callback_http_get_body_chunks(fe, received, &one)) /* read in place */
+    len = one.length;
+  else
+    one.ptr = copied = gather(fe, &received, 1, SIZE_MAX, &len);
+  int rc = one.ptr || !len ? kvp_stream_feed(&f->stream, one.ptr ? one.ptr : "", len, &out, &out_len)
+                           : KVP_SCRUB_NO_MEMORY;
+  free(copied);
+  if (rc == KVP_SCRUB_UNCHANGED) return;
+  if (len) envoy_dynamic_module_callback_http_drain_body(fe, received, len);
+  if (rc == KVP_SCRUB_CHANGED) {
+    if (out_len) envoy_dynamic_module_callback_http_append_body(fe, received, (envoy_buffer){out, out_len});
+  } else { /* no memory to scrub it: the chunk is withheld, an error event takes its place */
+    envoy_dynamic_module_callback_http_append_body(fe, received, text("data: "));
+    envoy_dynamic_module_callback_http_append_body(fe, received, text(kvp_withheld_chunk));
+    envoy_dynamic_module_callback_http_append_body(fe, received, text("\n\n"));
+  }
+  free(out);
 }
 
 EXPORT int envoy_dynamic_module_on_http_filter_response_body(void *fe, void *fm, bool end_of_stream) {
-  (void)fe, (void)end_of_stream;
-  release_prefill(fm); /* the answer's first bytes: the prefill is over */
+  filter *f = fm;
+  release_prefill(f); /* the answer's first bytes: the prefill is over */
+  if (f->answer == ANSWER_STREAM) scrub_chunk(f, fe);
+  if (f->answer != ANSWER_WHOLE) return 0;
+  if (!end_of_stream) return 1; /* StopIterationAndBuffer */
+  scrub_whole(fe, 1);
   return 0;
 }
 
@@ -430,7 +529,10 @@ EXPORT void envoy_dynamic_module_on_http_filter_stream_complete(void *fe, void *
 }
 
 /* Hooks Envoy requires of every HTTP filter module; this one has no use for them. */
-EXPORT int envoy_dynamic_module_on_http_filter_response_trailers(void *fe, void *fm) { (void)fe, (void)fm; return 0; }
+EXPORT int envoy_dynamic_module_on_http_filter_response_trailers(void *fe, void *fm) {
+  if (((filter *)fm)->answer == ANSWER_WHOLE) scrub_whole(fe, 0); /* the body ended before its trailers */
+  return 0;
+}
 EXPORT int envoy_dynamic_module_on_http_filter_local_reply(void *fe, void *fm) { (void)fe, (void)fm; return 0; }
 EXPORT void *envoy_dynamic_module_on_http_filter_per_route_config_new(void) { return NULL; }
 EXPORT void envoy_dynamic_module_on_http_filter_per_route_config_destroy(void *c) { (void)c; }

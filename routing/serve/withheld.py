@@ -15,7 +15,8 @@ key named ``kvpilot_*`` is kvpilot's by name and no client's either.
 
 ``kvpilot.kvconnectors.vllm_contract`` checks, on each vLLM release, that the key is a
 top-level field of vLLM's whole answers; Envoy's Lua filter
-(``deploy/envoy_spec.py``) applies the same rules on Envoy's path. Key names are matched as
+(``deploy/envoy_spec.py``) applies the same rules on Envoy's path, and the compiled picker
+(``routing/native/kvp_answer.h``) to the answers it routed. Key names are matched as
 vLLM writes them (no JSON escapes in a key: pydantic writes none for ASCII).
 """
 
@@ -40,6 +41,16 @@ WITHHELD_CHUNK = json.dumps(
     }
 )
 """The event sent instead of a chunk that names a withheld key but cannot be read."""
+WITHHELD_ANSWER = json.dumps(
+    {
+        "error": {
+            "message": "kvpilot: the engine's answer is not a JSON object; withheld",
+            "type": "upstream_error",
+            "code": 502,
+        }
+    }
+)
+"""Envoy's 502 body instead of a whole answer that names a withheld key but cannot be read."""
 
 
 def _withheld(key: str) -> bool:

@@ -1,10 +1,11 @@
-/* Fuzz harness for the compiled picker's hostile inputs: request bodies (kvp_parse_prompt)
- * and KV-event batches (kvp_decode_batch, each event applied to a small index and the prompt
- * matched and priced). One entry point, LLVMFuzzerTestOneInput, serves libFuzzer (clang
+/* Fuzz harness for the compiled picker's hostile inputs: request bodies (kvp_parse_prompt),
+ * KV-event batches (kvp_decode_batch, each event applied to a small index and the prompt
+ * matched and priced) and engines' answers (kvp_scrub_answer, whose output scrubs to itself;
+ * kvp_stream_feed, whose output is the same however the stream is cut). One entry point, LLVMFuzzerTestOneInput, serves libFuzzer (clang
  * -fsanitize=fuzzer) and the driver below (gcc with ASan and UBSan): the driver mutates the
  * seed files for a bounded time and aborts on the first fault the sanitizers report.
  *
- *   fuzz_wire body|events SECONDS SEED...
+ *   fuzz_wire body|events|answers SECONDS SEED...
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -12,6 +13,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "kvp_answer.h"
 #include "kvp_core.h"
 #include "kvp_wire.h"
 
@@ -19,7 +21,43 @@
 #define WORKERS 3
 #define MEDIA 2
 
-static int target_events;
+static int target_events, target_answers;
+
+/* The stream's output for data cut at ``cuts`` (ascending offsets), concatenated. */
+static size_t streamed(const uint8_t *data, size_t size, const size_t *cuts, int n_cuts, char *out) {
+  kvp_stream st = {0};
+  size_t total = 0, from = 0;
+  for (int c = 0; c <= n_cuts; c++) {
+    size_t to = c < n_cuts ? cuts[c] : size, len = 0;
+    char *piece = malloc(to - from ? to - from : 1), *scrubbed = NULL; /* exact size: ASan sees an over-read */
+    memcpy(piece, data + from, to - from);
+    int rc = kvp_stream_feed(&st, piece, to - from, &scrubbed, &len);
+    if (rc == KVP_SCRUB_UNCHANGED) memcpy(out + total, piece, to - from), total += to - from;
+    else if (rc == KVP_SCRUB_CHANGED) memcpy(out + total, scrubbed, len), total += len;
+    else abort();
+    free(piece), free(scrubbed);
+    from = to;
+  }
+  kvp_stream_clear(&st);
+  return total;
+}
+
+static void answers(const uint8_t *data, size_t size) {
+  char *out = NULL, *again = NULL;
+  size_t len = 0, again_len = 0;
+  int rc = kvp_scrub_answer((const char *)data, size, &out, &len);
+  if (rc == KVP_SCRUB_CHANGED) { /* scrubbed once is scrubbed: unchanged, or the same bytes again */
+    int rc2 = kvp_scrub_answer(out, len, &again, &again_len);
+    if (rc2 == KVP_SCRUB_CHANGED ? again_len != len || memcmp(again, out, len) : rc2 != KVP_SCRUB_UNCHANGED) abort();
+  }
+  free(out), free(again);
+  /* a stream's output grows by at most one withheld event a line */
+  size_t cap = size * (strlen(kvp_withheld_chunk) + 8) + 64, cuts[3] = {size / 3, size / 2, size - size / 4};
+  char *whole = malloc(cap), *cut = malloc(cap);
+  size_t a = streamed(data, size, cuts, 0, whole), b = streamed(data, size, cuts, size ? 3 : 0, cut);
+  if (a != b || memcmp(whole, cut, a)) abort();
+  free(whole), free(cut);
+}
 static kvp_index *ix;
 
 static void apply(void *ctx, const kvp_event *ev) {
@@ -39,6 +77,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     uint64_t lanes[BLOCK] = {3, 5, 7, 9};
     ix = kvp_index_new(BLOCK, WORKERS, MEDIA, lanes, 11);
   }
+  if (target_answers) return answers(data, size), 0;
   if (!target_events) {
     size_t n = 0;
     int status = kvp_parse_prompt((const char *)data, size, size % 2 ? "tiny" : NULL, ids, sizeof ids / sizeof *ids, &n);
@@ -87,8 +126,8 @@ static size_t mutate(uint8_t *buf, size_t len, size_t cap, const uint8_t *other,
 }
 
 int main(int argc, char **argv) {
-  if (argc < 4) return fprintf(stderr, "usage: %s body|events SECONDS SEED...\n", argv[0]), 2;
-  target_events = !strcmp(argv[1], "events");
+  if (argc < 4) return fprintf(stderr, "usage: %s body|events|answers SECONDS SEED...\n", argv[0]), 2;
+  target_events = !strcmp(argv[1], "events"), target_answers = !strcmp(argv[1], "answers");
   double seconds = atof(argv[2]);
   size_t n_seeds = (size_t)argc - 3, cap = 1 << 20;
   uint8_t **seeds = calloc(n_seeds, sizeof *seeds), *buf = malloc(cap);

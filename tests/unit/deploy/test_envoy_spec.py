@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from kvpilot.deploy.envoy_spec import (
+    ANSWERS_CHECK,
     FALLBACK_CLUSTER,
     PICKED_CLUSTER,
     UNROUTED_CHECK,
@@ -152,13 +153,15 @@ def test_the_compiled_picker_decides_first_and_a_request_it_decided_skips_ext_pr
 
 
 def test_a_request_the_compiled_picker_decided_skips_the_python_picker_s_filters_and_log() -> None:
+    """ext_proc, the unrouted check and the answers' Lua filter (the module withholds from its
+    answers itself: tests/unit/native/test_native_answers.py) and the access log."""
     manager = _manager(envoy_bootstrap(NATIVE))
     decided = manager["route_config"]["virtual_hosts"][0]["routes"][0]
     assert {h["name"] for h in decided["match"]["headers"]} == {DESTINATION_HEADER, DECIDED_HEADER}
     skipped = decided["typed_per_filter_config"]
-    assert set(skipped) == {"envoy.filters.http.ext_proc", UNROUTED_CHECK}
+    assert set(skipped) == {"envoy.filters.http.ext_proc", UNROUTED_CHECK, ANSWERS_CHECK}
     assert all(config["disabled"] for config in skipped.values())
-    assert UNROUTED_CHECK in {f["name"] for f in manager["http_filters"]}
+    assert {UNROUTED_CHECK, ANSWERS_CHECK} <= {f["name"] for f in manager["http_filters"]}
     (log,) = manager["access_log"]
     header = log["filter"]["header_filter"]["header"]
     assert header == {"name": DECIDED_HEADER, "present_match": True, "invert_match": True}

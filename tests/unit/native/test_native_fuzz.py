@@ -1,6 +1,7 @@
 """The compiled parsers fuzzed for a bounded time (``KVPILOT_FUZZ_SECONDS`` per target,
 15 by default): tests/fuzz/fuzz_wire.c built with gcc's AddressSanitizer and
-UndefinedBehaviorSanitizer (any report aborts it), mutating seed bodies and KV-event batches.
+UndefinedBehaviorSanitizer (any report aborts it), mutating seed bodies, KV-event batches and
+engines' answers.
 The same harness builds for libFuzzer where clang has it (README.md)."""
 
 from __future__ import annotations
@@ -16,9 +17,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 NATIVE = ROOT / "routing" / "native"
 SECONDS = float(os.environ.get("KVPILOT_FUZZ_SECONDS", "15"))
-SOURCES = ["kvp_index.c", "kvp_cost.c", "kvp_msgpack.c", "kvp_body.c"]
+SOURCES = ["kvp_index.c", "kvp_cost.c", "kvp_msgpack.c", "kvp_body.c", "kvp_answer.c"]
 
 SEEDS = {
+    "answers": [
+        b'{"id": "c", "kv_transfer_params": {"remote_host": "h", "ids": [[1, "]"]]}, "kvpilot_x": 1, "choices": []}',
+        (
+            b'data: {"choices": [{"text": "kv_transfer_params"}]}\r\n\r\ndata: {"kvpilot_lease": {"a": "\\"}"}, '
+            b'"b": [1, {}]}\n\ndata: {"kv_transfer_params": [1\n\ndata: [DONE]\n\n'
+        ),
+    ],
     "body": [
         b'{"model": "m", "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9], "max_tokens": 3, "n": {"a": [1, {"b": "s\\"q"}]}}',
         b'{"prompt": "text", "cache_salt": "s", "stream": true, "temperature": -1.5e3}',
@@ -68,7 +76,7 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("target", ["body", "events"])
+@pytest.mark.parametrize("target", ["body", "events", "answers"])
 def test_hostile_input_never_faults(harness: Path, target: str, tmp_path: Path) -> None:
     seeds = []
     for i, seed in enumerate(SEEDS[target]):
