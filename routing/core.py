@@ -285,10 +285,8 @@ class RouterCore:
         change is logged, naming the worker."""
         if not self.event_watch.enabled:
             return
-        before = self.event_watch.stale
-        self.event_watch.update(self.event_batches(), self.clock.monotonic())
-        after = self.event_watch.stale
-        for worker in sorted(after - before):
+        changed = self.event_watch.update(self.event_batches(), self.clock.monotonic())
+        for worker in changed.went_stale:
             log.warning(
                 "worker %s prefilled blocks and published no KV event for %.0f s: routed on load alone until "
                 "its next batch (is its --kv-events-config endpoint the one the router subscribes to? "
@@ -296,7 +294,7 @@ class RouterCore:
                 worker,
                 self.event_watch.stale_after_s,
             )
-        for worker in sorted(before - after):
+        for worker in changed.heard_again:
             log.info("worker %s publishes KV events again", worker)
 
     # ---- what every front answers alike ----------------------------------------

@@ -22,10 +22,22 @@ from dataclasses import dataclass
 from kvpilot.routing.ids import WorkerId
 
 
+@dataclass(frozen=True, slots=True)
+class Transitions:
+    """What one :meth:`EventWatch.update` changed: the workers it flagged and the ones it
+    cleared."""
+
+    went_stale: tuple[WorkerId, ...] = ()
+    heard_again: tuple[WorkerId, ...] = ()
+
+
 @dataclass
 class _Expectation:
     since: float
     batches_then: int
+
+
+_NOTHING = Transitions()
 
 
 class EventWatch:
@@ -48,17 +60,26 @@ class EventWatch:
         if self.enabled and worker not in self._expected:
             self._expected[worker] = _Expectation(now, batches)
 
-    def update(self, batches: dict[WorkerId, int], now: float) -> None:
+    def update(self, batches: dict[WorkerId, int], now: float) -> Transitions:
         """Settle expectations against each worker's applied-batch count at ``now``:
         a worker with a new batch is heard (and no longer stale); one still silent
-        ``stale_after_s`` after its expectation is flagged."""
+        ``stale_after_s`` after its expectation is flagged. Returns who changed, in the
+        order their expectations were raised."""
+        flagged: list[WorkerId] = []
+        cleared: list[WorkerId] = []
         for worker, expectation in list(self._expected.items()):
             if batches.get(worker, expectation.batches_then) > expectation.batches_then:
                 del self._expected[worker]
-                self._stale.discard(worker)
+                if worker in self._stale:
+                    self._stale.discard(worker)
+                    cleared.append(worker)
             elif now - expectation.since >= self.stale_after_s and worker not in self._stale:
                 self._stale.add(worker)
                 self.went_stale[worker] = self.went_stale.get(worker, 0) + 1
+                flagged.append(worker)
+        if not flagged and not cleared:
+            return _NOTHING
+        return Transitions(tuple(flagged), tuple(cleared))
 
     def is_stale(self, worker: WorkerId) -> bool:
         return worker in self._stale

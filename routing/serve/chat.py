@@ -142,19 +142,19 @@ class ChatTemplate:
     def whole(self, messages: list[dict[str, Any]], variables: Mapping[str, Any]) -> str:
         """The template rendered over ``messages`` (:meth:`conversation`'s) with
         ``variables`` (:meth:`variables`'), before :meth:`finished`."""
-        return rendered(self._template, {**variables, "messages": messages})
+        return _rendered(self._template, {**variables, "messages": messages})
 
     def turns(self, messages: list[dict[str, Any]], variables: Mapping[str, Any]) -> str:
         """What the template's message loop renders for ``messages`` alone (its
         :attr:`message_loop` must not be None)."""
         assert self.message_loop is not None
-        return rendered(self.message_loop.loop, {**variables, TURNS: messages})
+        return _rendered(self.message_loop.loop, {**variables, TURNS: messages})
 
     def tail(self, variables: Mapping[str, Any]) -> str:
         """What the template renders after its message loop (its :attr:`message_loop` must not
         be None)."""
         assert self.message_loop is not None
-        return rendered(self.message_loop.tail, variables)
+        return _rendered(self.message_loop.tail, variables)
 
     def finished(self, text: str, final: dict[str, Any], variables: Mapping[str, Any]) -> str:
         """``text`` (:meth:`whole`'s) as the prompt: cut after the ``final`` message's content
@@ -223,7 +223,7 @@ class ChatTemplate:
         return out
 
 
-def rendered(template: Template, variables: Mapping[str, Any]) -> str:
+def _rendered(template: Template, variables: Mapping[str, Any]) -> str:
     """``template`` rendered with ``variables``; a template's own error as a :class:`ChatError`."""
     try:
         return template.render(variables)

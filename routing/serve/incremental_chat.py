@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.routing.serve.chat import ChatError, ChatTemplate
+from kvpilot.routing.serve.chat import ChatTemplate
 from kvpilot.routing.serve.session_cache import SessionCache
 
 MAX_SESSIONS = 4096
@@ -65,15 +65,12 @@ class IncrementalChat:
     def render(self, session: str, body: Mapping[str, Any]) -> str:
         """The prompt text of the chat request ``body``, equal to ``template.render(body)``;
         kept as ``session``'s last chat where the template's form allows. Raises
-        :class:`ChatError` naming the bad field."""
+        :class:`~kvpilot.routing.serve.chat.ChatError` naming the bad field."""
         template = self.template
-        variables = template.variables(body)
         raw = body.get("messages")
-        if not isinstance(raw, list) or not raw:
-            raise ChatError("'messages' must be a non-empty list")
-        if template.message_loop is None:
-            messages = template.conversation(raw)
-            return template.finished(template.whole(messages, variables), messages[-1], variables)
+        if template.message_loop is None or not isinstance(raw, list):
+            return template.render(body)  # the whole render names a bad field
+        variables = template.variables(body)
         last = self._chats.get(session)
         kept = 0 if last is None else len(last.messages)
         if (

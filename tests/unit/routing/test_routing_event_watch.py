@@ -12,7 +12,7 @@ from kvpilot.routing.decide.router import Router
 from kvpilot.routing.decide.sessions import SessionStore
 from kvpilot.routing.fleet import fleet_from_config
 from kvpilot.routing.health.circuit import CircuitBreaker
-from kvpilot.routing.health.event_watch import EventWatch
+from kvpilot.routing.health.event_watch import EventWatch, Transitions
 from kvpilot.routing.health.pair_health import PairHealth
 from kvpilot.routing.health.view import FleetHealth
 from kvpilot.routing.ids import WorkerId
@@ -46,11 +46,11 @@ def test_a_worker_silent_after_a_prefill_is_flagged_until_heard(case, heard_at, 
 def test_the_next_batch_clears_a_flag_and_each_episode_is_counted_once():
     watch = EventWatch(stale_after_s=1.0)
     watch.expect(W1, 0, now=0.0)
-    watch.update({W1: 0}, 5.0)
-    watch.update({W1: 0}, 6.0)
+    assert watch.update({W1: 0}, 5.0) == Transitions(went_stale=(W1,))
+    assert watch.update({W1: 0}, 6.0) == Transitions()
     assert watch.is_stale(W1) and watch.went_stale == {W1: 1}
     watch.expect(W1, 0, now=7.0)  # an older expectation is kept: still stale
-    watch.update({W1: 1}, 7.5)
+    assert watch.update({W1: 1}, 7.5) == Transitions(heard_again=(W1,))
     assert not watch.is_stale(W1)
     watch.expect(W1, 1, now=8.0)
     watch.update({W1: 1}, 9.5)
