@@ -66,6 +66,8 @@ from kvpilot.routing.config import CostObjective, Role, RouterConfig
 from kvpilot.routing.config_load import load_config
 from kvpilot.routing.index.events import BlockStored, EventDecoder
 from kvpilot.routing.native import CostConfig
+from kvpilot.routing.serve.request_fields import ACCEPTED, NVEXT
+from kvpilot.routing.serve.upstream import Api
 
 Started = tuple[subprocess.Popen[bytes], RunningProcess]
 
@@ -99,6 +101,14 @@ def with_native_picker(spec: DynamoFleetSpec, gateway: GatewaySpec, router_url: 
     )
 
 
+def field_lines() -> list[str]:
+    """The compiled picker's ``field`` lines: the top-level fields a completions body it
+    decides may carry (:data:`~kvpilot.routing.serve.request_fields.ACCEPTED`, less ``nvext``,
+    whose contents the Python picker checks); a body with any other goes on to the Python
+    picker, which refuses it by name or reads it."""
+    return [f"field {name}" for name in sorted(ACCEPTED[Api.COMPLETIONS] - {NVEXT})]
+
+
 def native_picker_lines(fleet: Mapping[str, Any], frontend: str, config: RouterConfig, libzmq: Path) -> list[str]:
     """The compiled picker's config lines (``routing/native/README.md``) for ``fleet`` (the
     router's ``/debug/fleet`` answer): each worker by its Dynamo instance id, subscribed to its
@@ -111,7 +121,7 @@ def native_picker_lines(fleet: Mapping[str, Any], frontend: str, config: RouterC
         raise FleetStartError("the compiled picker prices cost.objective 'blocks' at cost.router_temperature 0 only")
     if any(worker["role"] == Role.PREFILL.value for worker in fleet["workers"]):
         raise FleetStartError("the compiled picker places co-located workers only: this fleet has prefill workers")
-    lines = [f"block_size {fleet['block_size']}", f"libzmq {libzmq}", f"dynamo_frontend {frontend}"]
+    lines = [f"block_size {fleet['block_size']}", f"libzmq {libzmq}", f"dynamo_frontend {frontend}", *field_lines()]
     lines.append(f"model {config.server.model_name}")  # another model (a LoRA adapter) is the Python picker's
     priced = [name for name, kind, *_ in CostConfig._fields_ if kind is c_double]
     lines += [f"cost.{name} {float(getattr(cost, name))!r}" for name in priced]

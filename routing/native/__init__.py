@@ -101,7 +101,10 @@ class BatchCounts(ctypes.Structure):
 
 
 _SINK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(_Event))
-BODY_STATUSES = ("ok", "malformed", "no_prompt", "not_token_ids", "too_many_ids", "namespaced", "session_field")
+BODY_STATUSES = (
+    *("ok", "malformed", "no_prompt", "not_token_ids", "too_many_ids", "namespaced", "session_field"),
+    "refused_field",
+)
 """``enum kvp_body_status``, by value."""
 EVENT_KINDS = ("stored", "removed", "cleared")
 
@@ -128,7 +131,8 @@ def load() -> ctypes.CDLL:
         lib.kvp_tier_overlap.argtypes = [_u32p, _u8p, u32, u32, _f64p]
         lib.kvp_price.restype = size
         lib.kvp_price.argtypes = [ctypes.POINTER(CostConfig), u64, size, _f64p, ctypes.POINTER(Load), _f64p, _u32p]
-        lib.kvp_parse_prompt.argtypes = [ctypes.c_char_p, size, ctypes.c_char_p, _u32p, size, ctypes.POINTER(size)]
+        text = ctypes.c_char_p
+        lib.kvp_parse_prompt.argtypes = [text, size, text, text, _u32p, size, ctypes.POINTER(size)]
         lib.kvp_decode_batch.argtypes = [ctypes.c_char_p, size, ctypes.POINTER(_Scratch), _SINK, ptr]
         lib.kvp_decode_batch.argtypes.append(ctypes.POINTER(BatchCounts))
         dbl = ctypes.c_double
@@ -304,12 +308,16 @@ def price(
     return costs, ties[:count].tolist()
 
 
-def parse_prompt(body: bytes, max_ids: int, served_model: str | None = None) -> tuple[str, list[int]]:
+def parse_prompt(
+    body: bytes, max_ids: int, served_model: str | None = None, accepted: Sequence[str] | None = None
+) -> tuple[str, list[int]]:
     """``kvp_parse_prompt``: the body's status (:data:`BODY_STATUSES`) and its prompt's ids
-    (a body naming another model than ``served_model``, where given, is namespaced)."""
+    (a body naming another model than ``served_model``, where given, is namespaced; one with a
+    top-level field outside ``accepted``, where given, refused)."""
     ids, n = np.zeros(max(max_ids, 1), dtype=np.uint32), ctypes.c_size_t(0)
     model = None if served_model is None else served_model.encode()
-    status = load().kvp_parse_prompt(body, len(body), model, ids, max_ids, ctypes.byref(n))
+    fields = None if accepted is None else "\n".join(accepted).encode()
+    status = load().kvp_parse_prompt(body, len(body), model, fields, ids, max_ids, ctypes.byref(n))
     return BODY_STATUSES[status], ids[: n.value].tolist()
 
 

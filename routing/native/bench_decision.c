@@ -59,7 +59,7 @@ int main(int argc, char **argv) {
   uint8_t gpu = KVP_GPU;
   size_t n_ids = 0, checksum = 0;
   double t0 = cpu_us();
-  for (long i = 0; i < iterations; i++) checksum += (size_t)kvp_parse_prompt(body, body_len, NULL, ids, body_len / 2 + 1, &n_ids);
+  for (long i = 0; i < iterations; i++) checksum += (size_t)kvp_parse_prompt(body, body_len, NULL, NULL, ids, body_len / 2 + 1, &n_ids);
   double t1 = cpu_us();
   for (long i = 0; i < iterations; i++) {
     size_t blocks = kvp_index_match(ix, prompt, n_prompt, depths);

@@ -104,10 +104,21 @@ static int ids(scan *s, uint32_t *out, size_t max, size_t *count) {
   }
 }
 
-static int parse(const char *body, size_t len, const char *served_model, uint32_t *out, size_t max_ids,
-                 size_t *n_ids) {
+/* Whether the key ``k`` (``n`` bytes) is one of ``accepted``'s newline-separated names. */
+static int accepted_key(const char *accepted, const char *k, size_t n) {
+  for (const char *name = accepted; *name;) {
+    const char *end = strchr(name, '\n');
+    size_t len = end ? (size_t)(end - name) : strlen(name);
+    if (len == n && !memcmp(name, k, n)) return 1;
+    name += len + (end != NULL);
+  }
+  return 0;
+}
+
+static int parse(const char *body, size_t len, const char *served_model, const char *accepted, uint32_t *out,
+                 size_t max_ids, size_t *n_ids) {
   scan s = {body, body + len};
-  int found = 0, salted = 0, session = 0, other_model = 0;
+  int found = 0, salted = 0, session = 0, other_model = 0, refused = 0;
   *n_ids = 0;
   if (!eat(&s, '{')) return KVP_BODY_MALFORMED;
   if (!eat(&s, '}')) {
@@ -115,6 +126,7 @@ static int parse(const char *body, size_t len, const char *served_model, uint32_
       const char *k;
       size_t n;
       if (!string(&s, &k, &n) || !eat(&s, ':')) return KVP_BODY_MALFORMED;
+      refused |= accepted && !accepted_key(accepted, k, n);
       if (n == 6 && !memcmp(k, "prompt", 6)) {
         int status = ids(&s, out, max_ids, n_ids);
         if (status != KVP_BODY_OK) return status;
@@ -154,14 +166,15 @@ static int parse(const char *body, size_t len, const char *served_model, uint32_
   }
   ws(&s);
   if (s.p != s.end) return KVP_BODY_MALFORMED;
+  if (refused) return KVP_BODY_FIELD;
   if (salted || other_model) return KVP_BODY_NAMESPACED;
   if (session) return KVP_BODY_SESSION_FIELD;
   return found ? KVP_BODY_OK : KVP_BODY_NO_PROMPT;
 }
 
-int kvp_parse_prompt(const char *body, size_t len, const char *served_model, uint32_t *ids, size_t max_ids,
-                     size_t *n_ids) {
-  int status = parse(body, len, served_model, ids, max_ids, n_ids);
+int kvp_parse_prompt(const char *body, size_t len, const char *served_model, const char *accepted, uint32_t *ids,
+                     size_t max_ids, size_t *n_ids) {
+  int status = parse(body, len, served_model, accepted, ids, max_ids, n_ids);
   if (status != KVP_BODY_OK) *n_ids = 0;
   return status;
 }

@@ -66,6 +66,7 @@ int kvp_config_parse(kvp_picker *pk, const char *text, size_t len, char *err, si
   pk->cost = c;
   pk->block_size = 0;
   snprintf(pk->topic, sizeof pk->topic, "%s", "");
+  pk->fields[0] = 0;
   pk->max_body_bytes = 8u << 20, pk->max_prompt_ids = 1u << 20, pk->max_event_tokens = 1u << 20;
   pk->max_sessions = 10000, pk->session_resident_s = 30.0; /* routing/config/sessions.py's defaults */
   char *copy = strndup(text, len), *save = NULL;
@@ -102,6 +103,8 @@ int kvp_config_parse(kvp_picker *pk, const char *text, size_t len, char *err, si
       snprintf(pk->dynamo_frontend, sizeof pk->dynamo_frontend, "%s", a);
     } else if (!strcmp(key, "model") && n == 2 && strlen(a) < sizeof pk->model) {
       snprintf(pk->model, sizeof pk->model, "%s", a);
+    } else if (!strcmp(key, "field") && n == 2 && strlen(pk->fields) + strlen(a) + 2 <= sizeof pk->fields) {
+      strcat(strcat(pk->fields, pk->fields[0] ? "\n" : ""), a);
     } else if (!strcmp(key, "libzmq") && n == 2 && strlen(a) < sizeof pk->libzmq) {
       snprintf(pk->libzmq, sizeof pk->libzmq, "%s", a);
     } else if (!strcmp(key, "medium") && n == 3 && class_of(m) >= 0 && pk->n_media < KVP_MAX_MEDIA &&
@@ -123,8 +126,10 @@ int kvp_config_parse(kvp_picker *pk, const char *text, size_t len, char *err, si
   }
   free(copy);
   if (rc) return -1;
-  if (!pk->block_size || !pk->n_workers) {
-    snprintf(err, err_len, "kvpilot picker config: block_size and at least one worker are required");
+  if (!pk->block_size || !pk->n_workers || !pk->fields[0]) {
+    snprintf(err, err_len,
+             "kvpilot picker config: block_size, at least one worker and at least one field (the top-level fields a "
+             "client may send: routing/serve/request_fields.py) are required");
     return -1;
   }
   if (!pk->n_media) { /* routing/config.py's default index.tiers */

@@ -10,7 +10,8 @@
  * worker's host:port and x-kvpilot-decided-by: module, clear the route cache, and book the
  * request until it ends (its prefill until the answer's first bytes). A request it cannot
  * decide (no body, no token-id prompt, a cache_salt or another model than the served one, a
- * session named in the body or by a bad header, a body over max_body_bytes) continues untouched and is counted
+ * session named in the body or by a bad header, a top-level field outside the config's field
+ * lines, a body over max_body_bytes) continues untouched and is counted
  * (kvpilot_picker_passthrough).
  *
  * The answer to a request it routed reaches the client without what no client reads
@@ -345,7 +346,7 @@ static void decide(filter *f, void *fe) {
   uint32_t *ids = body ? malloc(max_ids * sizeof *ids) : NULL;
   int worker = -1;
   const char *model = pk->model[0] ? pk->model : NULL;
-  if (ids && kvp_parse_prompt(body, len, model, ids, max_ids, &n_ids) == KVP_BODY_OK && n_ids) {
+  if (ids && kvp_parse_prompt(body, len, model, pk->fields, ids, max_ids, &n_ids) == KVP_BODY_OK && n_ids) {
     f->n_keys = n_ids / pk->block_size;
     f->keys = malloc((f->n_keys ? f->n_keys : 1) * sizeof *f->keys);
     if (f->keys) {

@@ -15,6 +15,7 @@
 
 #define KVP_MAX_WORKERS 256
 #define KVP_NAME_MAX 256
+#define KVP_FIELDS_MAX 4096
 
 typedef struct kvp_worker {
   char destination[KVP_NAME_MAX]; /* host:port, the header's value; beside Dynamo its instance id */
@@ -44,6 +45,7 @@ typedef struct kvp_picker {
   char libzmq[512];
   char dynamo_frontend[KVP_NAME_MAX]; /* set: every request goes there, naming its worker's instance */
   char model[KVP_NAME_MAX];           /* set: only bodies naming this model are decided */
+  char fields[KVP_FIELDS_MAX];        /* the top-level fields a decided body may have, newline-separated */
   size_t max_body_bytes, max_prompt_ids, max_event_tokens;
   /* the feeder */
   pthread_t feeder;

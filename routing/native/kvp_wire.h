@@ -21,16 +21,20 @@ enum kvp_body_status {
                                  adapter's namespace): not the default namespace */
   KVP_BODY_SESSION_FIELD = 6,  /* a session named in the body (sessions.py's SESSION_FIELDS), which
                                  the Python picker strips before the engines see it */
+  KVP_BODY_FIELD = 7,          /* a top-level field outside the accepted ones: the Python picker
+                                 refuses it by name (request_fields.py) or reads it (nvext) */
 };
 
 /* The token ids of a top-level ``"prompt": [ids]`` of the JSON object ``body``, up to
  * ``max_ids`` into ``ids`` (their count in ``*n_ids``, 0 unless KVP_BODY_OK). A top-level
  * ``"cache_salt"`` that is a non-empty string, or (``served_model`` not NULL) a top-level
  * ``"model"`` that is not exactly ``served_model``, makes it KVP_BODY_NAMESPACED; a top-level
- * ``"conversation_id"`` or ``"prompt_cache_key"`` other than null, KVP_BODY_SESSION_FIELD.
- * Returns an enum kvp_body_status. */
-KVP_API int kvp_parse_prompt(const char *body, size_t len, const char *served_model, uint32_t *ids,
-                             size_t max_ids, size_t *n_ids);
+ * ``"conversation_id"`` or ``"prompt_cache_key"`` other than null, KVP_BODY_SESSION_FIELD; a
+ * top-level key (as written, escapes and all) that is not one of ``accepted``'s names
+ * (newline-separated; NULL: no field is checked), KVP_BODY_FIELD. Returns an enum
+ * kvp_body_status. */
+KVP_API int kvp_parse_prompt(const char *body, size_t len, const char *served_model, const char *accepted,
+                             uint32_t *ids, size_t max_ids, size_t *n_ids);
 
 /* ---- KV-event batches ---- */
 enum kvp_batch_status { KVP_BATCH_OK = 0, KVP_BATCH_UNDECODABLE = 1 };

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpilot.deploy.dynamo_fleet import field_lines
+
 HERE = Path(__file__).parent
 TYPES = "type.googleapis.com/envoy.extensions."
 
@@ -60,7 +62,7 @@ def _config(listen: int, upstream: int, module: bool) -> dict[str, Any]:
         {"name": "envoy.filters.http.router", "typed_config": {"@type": TYPES + "filters.http.router.v3.Router"}}
     ]
     if module:
-        value = f"block_size 64\nworker 127.0.0.1:{upstream}"
+        value = "\n".join(["block_size 64", f"worker 127.0.0.1:{upstream}", *field_lines()])
         filters.insert(
             0,
             {

@@ -26,6 +26,7 @@ import aiohttp
 from kvpilot.routing.config import Worker
 from kvpilot.routing.ids import WorkerId
 from kvpilot.routing.serve.completions_http import CompletionsHttp
+from kvpilot.routing.serve.request_fields import AGENT_HINTS, NVEXT
 from kvpilot.routing.serve.upstream import (
     Api,
     Destination,
@@ -95,9 +96,10 @@ class DynamoUpstream:
 
 
 def with_token_data(request: EngineRequest) -> dict[str, Any]:
-    """The client's body; a text completion's with the router's token ids in
-    ``nvext.token_data`` (a token-id prompt already is its token ids, and a chat is the
-    frontend's to render: each sent as it is)."""
-    if request.api is Api.CHAT or request.body.get("prompt") is request.token_ids:
-        return request.body
-    return {**request.body, "nvext": {"token_data": request.token_ids}}
+    """The client's body, with its agent hints in ``nvext.agent_hints``; a text completion's
+    with the router's token ids in ``nvext.token_data`` (a token-id prompt already is its token
+    ids, and a chat is the frontend's to render: each sent as it is)."""
+    nvext: dict[str, Any] = {} if request.agent_hints is None else {AGENT_HINTS: request.agent_hints}
+    if request.api is Api.COMPLETIONS and request.body.get("prompt") is not request.token_ids:
+        nvext["token_data"] = request.token_ids
+    return {**request.body, NVEXT: nvext} if nvext else request.body

@@ -40,7 +40,7 @@ from kvpilot.routing.serve.chat import ChatError
 from kvpilot.routing.serve.driver import ProxyRequest
 from kvpilot.routing.serve.engine_checks import EngineLimits, check_fields, check_sampling, check_text
 from kvpilot.routing.serve.prompt import EnginePrompt
-from kvpilot.routing.serve.request_fields import checked_body
+from kvpilot.routing.serve.request_fields import NVEXT, agent_hints, checked_body
 from kvpilot.routing.serve.tokenizer import PromptError
 from kvpilot.routing.serve.truncation import truncation_of
 from kvpilot.routing.serve.upstream import Api, EngineRequest
@@ -230,7 +230,7 @@ class RequestIntake:
             check_ttft_slo(prediction, slo_s)
         if checked_first:
             self.router.commit(route, token_ids, session=session, now=time.time(), cache_salt=body.get("cache_salt"))
-        engine_body = {k: v for k, v in body.items() if k not in SESSION_FIELDS}
+        engine_body = {k: v for k, v in body.items() if k not in SESSION_FIELDS and k != NVEXT}
 
         def reroute(exclude: frozenset[WorkerId]) -> Route | None:
             try:
@@ -238,7 +238,7 @@ class RequestIntake:
             except BadRequest:
                 return None
 
-        engine = EngineRequest(api, engine_body, token_ids)
+        engine = EngineRequest(api, engine_body, token_ids, agent_hints(body))
         return Intake(ProxyRequest(route, engine, session, started, reroute, client), body)
 
 

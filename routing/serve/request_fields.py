@@ -69,6 +69,12 @@ FIELD_GROUPS = (
         ("chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents", "include_reasoning"),
     ),
     FieldGroup("session keys (read by the router, not forwarded)", BOTH_APIS, SESSION_FIELDS),
+    FieldGroup(
+        "Dynamo's agent hints: `nvext` with `agent_hints` alone (forwarded to Dynamo's frontend beside Dynamo, "
+        "not to vLLM engines)",
+        BOTH_APIS,
+        ("nvext",),
+    ),
 )
 """Every field a client may send, by group; a field in no group is refused."""
 ACCEPTED = {api: frozenset(name for g in FIELD_GROUPS if api in g.apis for name in g.names) for api in Api}
@@ -93,6 +99,46 @@ ENGINE_INTERNAL = frozenset(
 )
 """vLLM request fields that steer an engine's data plane or scheduler: set by the
 router (``kv_transfer_params``) or by no one."""
+
+NVEXT = "nvext"
+"""Dynamo's request extensions: a client may send its ``agent_hints`` and nothing else."""
+AGENT_HINTS = "agent_hints"
+HINT_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "latency_sensitivity": ((int, float), "a number of seconds, 0 or more"),
+    "osl": ((int,), "a positive integer (expected output tokens)"),
+    "priority": ((int,), "an integer"),
+    "speculative_prefill": ((bool,), "true or false"),
+}
+"""Dynamo's ``nvext.agent_hints`` fields (its router's agent-hints page), and what each must be."""
+
+
+def agent_hints(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``nvext.agent_hints`` of a :func:`checked_body` (``None``: none sent)."""
+    nvext = body.get(NVEXT)
+    return None if nvext is None else nvext.get(AGENT_HINTS)
+
+
+def _check_nvext(nvext: Any) -> None:
+    """``nvext`` holds ``agent_hints`` alone, each hint of its type; raises :class:`BadRequest`
+    naming the first that is not (``token_data``, ``backend_instance_id`` and the rest of
+    Dynamo's extensions steer routing or the engines: the router sets them or no one does)."""
+    if not isinstance(nvext, dict):
+        raise BadRequest(f"'{NVEXT}' must be an object holding '{AGENT_HINTS}'")
+    for name in nvext:
+        if name != AGENT_HINTS:
+            raise BadRequest(
+                f"'{NVEXT}.{name}' is set by the router or no one; a client may send '{NVEXT}.{AGENT_HINTS}'"
+            )
+    hints = nvext.get(AGENT_HINTS)
+    if not isinstance(hints, dict):
+        raise BadRequest(f"'{NVEXT}.{AGENT_HINTS}' must be an object")
+    for name, value in hints.items():
+        if name not in HINT_TYPES:
+            raise BadRequest(f"'{NVEXT}.{AGENT_HINTS}.{name}' is not an agent hint ({', '.join(HINT_TYPES)} are)")
+        kinds, what = HINT_TYPES[name]
+        bad_type = not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))
+        if bad_type or (name == "osl" and value <= 0) or (name == "latency_sensitivity" and not 0 <= value < 1e9):
+            raise BadRequest(f"'{NVEXT}.{AGENT_HINTS}.{name}' must be {what}")
 
 
 def refused_field(body: Mapping[str, Any], api: Api) -> str | None:
@@ -133,6 +179,8 @@ def checked_body(raw: bytes, api: Api | None, *, model_name: str, max_output_tok
     for name in ("stream", "add_special_tokens", "add_generation_prompt", "continue_final_message", "echo"):
         _optional(body, name, bool, "true or false")
     _optional(body, "cache_salt", str, "a string")
+    if NVEXT in body:
+        _check_nvext(body[NVEXT])
     n = _optional(body, "n", int, "a positive integer")
     if n is not None and n <= 0:
         raise BadRequest("'n' must be a positive integer")

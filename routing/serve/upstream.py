@@ -43,12 +43,15 @@ class Api(str, enum.Enum):
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """What the engines are sent: ``body``, the client's body as sent (without the session
-    fields the router reads), for ``api``; ``token_ids``, the prompt's token ids as the engine
-    itself computes them (:mod:`kvpilot.routing.serve.prompt`), which the router routed on."""
+    fields and ``nvext``, which the router reads), for ``api``; ``token_ids``, the prompt's
+    token ids as the engine itself computes them (:mod:`kvpilot.routing.serve.prompt`), which
+    the router routed on; ``agent_hints``, the client's ``nvext.agent_hints`` (``None``: none),
+    which only Dynamo's frontend is sent."""
 
     api: Api
     body: dict[str, Any]
     token_ids: list[int]
+    agent_hints: dict[str, Any] | None = None
 
     @property
     def parallel_samples(self) -> bool:

@@ -225,8 +225,9 @@ TEXT = "Fix the failing scheduler test: " + " ".join(f"step {i} ok" for i in ran
     [
         ("/v1/completions", {"prompt": TEXT}),
         ("/v1/chat/completions", {"messages": HISTORY, "tools": TOOLS}),
+        ("/v1/completions", {"prompt": TEXT, "nvext": {"agent_hints": {"osl": 16, "latency_sensitivity": 1.2}}}),
     ],
-    ids=["text completion", "chat with tools"],
+    ids=["text completion", "chat with tools", "text completion with agent hints"],
 )
 def test_through_kvpilot_a_request_is_prefilled_on_the_frontend_s_own_tokens(fleet, spec, events, path, body):
     """Beside Dynamo the frontend is the oracle: a text completion, and a chat with tools and
@@ -236,7 +237,8 @@ def test_through_kvpilot_a_request_is_prefilled_on_the_frontend_s_own_tokens(fle
     completion goes with the router's ids (``nvext.token_data``), computed by the frontend's
     rule (it adds no BOS to text, where vLLM's completions endpoint does); a chat goes as it
     came: the frontend renders tools otherwise than vLLM (the router's ids, vLLM's, part from
-    the frontend's within the tools' JSON), and its rendering is what its workers serve."""
+    the frontend's within the tools' JSON), and its rendering is what its workers serve. A
+    client's ``nvext.agent_hints`` reach the frontend beside the router's ids."""
     sent = {"model": "tiny", "max_tokens": 3, **body}
     events.stored(0.0)
     status, headers, through = _post(f"{spec.client_url}{path}", sent)

@@ -80,7 +80,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (target_answers) return answers(data, size), 0;
   if (!target_events) {
     size_t n = 0;
-    int status = kvp_parse_prompt((const char *)data, size, size % 2 ? "tiny" : NULL, ids, sizeof ids / sizeof *ids, &n);
+    int status = kvp_parse_prompt((const char *)data, size, size % 2 ? "tiny" : NULL, size % 3 ? "prompt\nmodel" : NULL,
+                                  ids, sizeof ids / sizeof *ids, &n);
     if (status != KVP_BODY_OK && n > sizeof ids / sizeof *ids) abort();
     return 0;
   }

@@ -33,7 +33,7 @@ GAIE = GatewaySpec(18080, 18081, 18082, style=ProcessorStyle.GAIE)
 ROUND_ROBIN = GatewaySpec(18080, 18081, 18082, PickerFailure.ROUND_ROBIN, ("127.0.0.1:8100", "127.0.0.1:8101"))
 FIXED = GatewaySpec(18080, 18081, 18082, fixed_upstream="127.0.0.1:8090")
 HTTP2 = GatewaySpec(18080, 18081, 18082, upstream_http2=True)
-NATIVE = GatewaySpec(18080, 18081, 18082, native_picker="block_size 32\nworker 127.0.0.1:8100")
+NATIVE = GatewaySpec(18080, 18081, 18082, native_picker="block_size 32\nworker 127.0.0.1:8100\nfield prompt")
 
 
 def _manager(bootstrap: dict[str, Any]) -> dict[str, Any]:

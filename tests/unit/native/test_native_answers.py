@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpilot.deploy.dynamo_fleet import field_lines
 from kvpilot.deploy.envoy_spec import GatewaySpec, envoy_binary, envoy_bootstrap
 from kvpilot.deploy.fleet_spec import MODULES_PATH_ENV
 from kvpilot.routing.serve.withheld import WITHHELD_ANSWER, WITHHELD_CHUNK, scrubbed_answer, scrubbed_events
@@ -193,7 +194,7 @@ def gateway(tmp_path: Path) -> Iterator[int]:
     engine = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Engine)
     threading.Thread(target=engine.serve_forever, daemon=True).start()
     listen, admin, picker = _port(), _port(), _port()
-    module = f"block_size 16\nworker 127.0.0.1:{engine.server_address[1]}"
+    module = "\n".join(["block_size 16", f"worker 127.0.0.1:{engine.server_address[1]}", *field_lines()])
     spec = GatewaySpec(listen, admin, picker, native_picker=module)
     (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(envoy_bootstrap(spec)))
     env = {**os.environ, MODULES_PATH_ENV: str(MODULE_DIR)}

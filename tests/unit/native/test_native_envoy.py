@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvpilot.deploy.dynamo_fleet import native_picker_lines
+from kvpilot.deploy.dynamo_fleet import field_lines, native_picker_lines
 from kvpilot.deploy.metrics import parse, total
 from kvpilot.routing import native
 from kvpilot.routing.config import CostConfig, RouterConfig
@@ -73,7 +73,7 @@ def _upstream(name: str) -> tuple[http.server.ThreadingHTTPServer, int]:
 
 
 def _config(listen: int, admin: int, ports: dict[str, int], events: dict[str, int]) -> dict[str, Any]:
-    lines = [f"block_size {BLOCK}", "topic kv", f"libzmq {LIBZMQ}"]
+    lines = [f"block_size {BLOCK}", "topic kv", f"libzmq {LIBZMQ}", *field_lines()]
     lines += [f"worker 127.0.0.1:{ports[w]} connect tcp://127.0.0.1:{events[w]}" for w in ("a", "b")]
     module = {
         "name": "envoy.filters.http.dynamic_modules",
@@ -258,6 +258,8 @@ def test_a_session_s_later_steps_stay_on_the_worker_that_served_it(gateway: dict
         ({"conversation_id": "c-1"}, {}),
         ({"prompt_cache_key": "k-1"}, {}),
         ({}, {"x-session-id": "s" * 257}),
+        ({"kv_transfer_params": {"remote_host": "10.0.0.7"}}, {}),  # refused by the Python picker, by name
+        ({"nvext": {"backend_instance_id": 7}}, {}),
     ],
 )
 def test_a_session_the_python_picker_must_answer_passes_through(
@@ -323,4 +325,7 @@ def test_a_config_it_cannot_read_is_refused_naming_the_line(tmp_path: Path) -> N
     value = module["http_filters"][0]["typed_config"]["filter_config"]["value"]
     out = _validate(tmp_path, value + "\nblock_sise 64", base_id=9)
     assert out.returncode != 0
-    assert "config line 6: cannot read 'block_sise 64'" in out.stdout + out.stderr
+    assert f"config line {value.count(chr(10)) + 2}: cannot read 'block_sise 64'" in out.stdout + out.stderr
+    no_fields = "\n".join(line for line in value.splitlines() if not line.startswith("field "))
+    out = _validate(tmp_path, no_fields, base_id=10)
+    assert out.returncode != 0 and "at least one field" in out.stdout + out.stderr

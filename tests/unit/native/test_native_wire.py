@@ -66,6 +66,21 @@ def test_only_the_served_model_is_decided(body: bytes, status: str) -> None:
     assert native.parse_prompt(body, 4, served_model="tiny")[0] == status
 
 
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b'{"model": "tiny", "prompt": [1, 2], "max_tokens": 3}', "ok"),
+        (b'{"prompt": [1, 2], "kv_transfer_params": {"remote_host": "10.0.0.7"}}', "refused_field"),
+        (b'{"kvpilot_hold": true, "prompt": [1, 2]}', "refused_field"),
+        (b'{"prompt": [1, 2], "max_t\\u006fkens": 3}', "refused_field"),  # an escape: not the name as written
+        (b'{"prompt": [1, 2], "nvext": {}}', "refused_field"),
+        (b'{"promp": [1, 2]}', "refused_field"),
+    ],
+)
+def test_a_body_with_a_field_outside_the_accepted_ones_is_left_to_the_python_picker(body: bytes, status: str) -> None:
+    assert native.parse_prompt(body, 4, accepted=["model", "prompt", "max_tokens"])[0] == status
+
+
 def test_a_large_prompt_in_full() -> None:
     prompt = [random.Random(1).randrange(2**32) for _ in range(12_000)]
     assert native.parse_prompt(json.dumps({"prompt": prompt}).encode(), 12_000) == ("ok", prompt)

@@ -36,7 +36,12 @@ from kvpilot.routing.index.chain import PromptChain
 from kvpilot.routing.ingest.dynamo_discovery import kv_events_endpoint, request_plane_address, worker_of
 from kvpilot.routing.ingest.feeder import IndexFeeder
 from kvpilot.routing.serve.app import build_server
-from kvpilot.routing.serve.dynamo_upstream import PREFILL_INSTANCE_HEADER, WORKER_INSTANCE_HEADER, DynamoUpstream
+from kvpilot.routing.serve.dynamo_upstream import (
+    PREFILL_INSTANCE_HEADER,
+    WORKER_INSTANCE_HEADER,
+    DynamoUpstream,
+    with_token_data,
+)
 from kvpilot.routing.serve.upstream import Api, EngineRequest, PrefillFailure, UpstreamError
 from tests.fakes.engine import FakeEngine, word_model_dir
 from tests.fakes.ports import free_ports
@@ -315,3 +320,14 @@ def test_a_worker_that_left_dynamo_fails_before_any_call():
     assert outcome.params is None and outcome.failure is PrefillFailure.CONNECTION
     assert error.status == 502 and "left the Dynamo deployment" in str(error)
     assert frontend.bodies == []
+
+
+def test_the_frontend_gets_the_client_s_agent_hints_beside_the_router_s_ids():
+    hints = {"osl": 64, "latency_sensitivity": 1.2}
+    text = EngineRequest(Api.COMPLETIONS, {"prompt": "a b"}, [1, 2], hints)
+    assert with_token_data(text)["nvext"] == {"agent_hints": hints, "token_data": [1, 2]}
+    ids = [3, 4]
+    token_ids = EngineRequest(Api.COMPLETIONS, {"prompt": ids}, ids, hints)
+    assert with_token_data(token_ids)["nvext"] == {"agent_hints": hints}
+    chat = EngineRequest(Api.CHAT, {"messages": []}, [5], None)
+    assert with_token_data(chat) == {"messages": []}  # nothing to add: the body as sent

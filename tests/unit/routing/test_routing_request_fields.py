@@ -28,6 +28,16 @@ def _check(body: object, api: Api | None = Api.COMPLETIONS) -> dict:
         ({"n": 0}, 400, None, "'n' must be a positive integer"),
         ({"add_special_tokens": "no"}, 400, None, "'add_special_tokens' must be true or false"),
         ({"chat_template": "{{ x }}"}, 400, None, "'chat_template' is set by the router or the engine's own flags"),
+        ({"nvext": {"token_data": [1, 2]}}, 400, None, "'nvext.token_data' is set by the router or no one"),
+        ({"nvext": {"backend_instance_id": 7}}, 400, None, "'nvext.backend_instance_id' is set by the router"),
+        ({"nvext": []}, 400, None, "'nvext' must be an object holding 'agent_hints'"),
+        ({"nvext": {"agent_hints": 1}}, 400, None, "'nvext.agent_hints' must be an object"),
+        ({"nvext": {"agent_hints": {"x": 1}}}, 400, None, "'nvext.agent_hints.x' is not an agent hint"),
+        ({"nvext": {"agent_hints": {"osl": 0}}}, 400, None, "'nvext.agent_hints.osl' must be a positive integer"),
+        ({"nvext": {"agent_hints": {"osl": 1.5}}}, 400, None, "'nvext.agent_hints.osl' must be a positive integer"),
+        ({"nvext": {"agent_hints": {"priority": True}}}, 400, None, "'nvext.agent_hints.priority' must be an integer"),
+        ({"nvext": {"agent_hints": {"latency_sensitivity": -1}}}, 400, None, "must be a number of seconds, 0 or more"),
+        ({"nvext": {"agent_hints": {"speculative_prefill": 1}}}, 400, None, "must be true or false"),
     ],
 )
 def test_a_refused_body_says_why(body: object, status: int, reason: str | None, message: str) -> None:
@@ -56,3 +66,10 @@ def test_every_field_is_in_one_group_per_api() -> None:
     for api in Api:
         names = [n for g in FIELD_GROUPS if api in g.apis for n in g.names]
         assert len(names) == len(set(names)) == len(ACCEPTED[api]), api
+
+
+def test_dynamo_s_agent_hints_are_accepted_for_both_apis() -> None:
+    hints = {"latency_sensitivity": 1.2, "osl": 512, "priority": -3, "speculative_prefill": True}
+    assert _check({"prompt": "hi", "nvext": {"agent_hints": hints}})["nvext"]["agent_hints"] == hints
+    chat = {"messages": [{"role": "user", "content": "hi"}], "nvext": {"agent_hints": {}}}
+    assert _check(chat, Api.CHAT)["nvext"] == {"agent_hints": {}}
