@@ -217,6 +217,8 @@ def _instance_of(spec: DynamoFleetSpec, proc: Any) -> int:
     raise KeyError(proc.name)
 
 
+HINTS = {"osl": 16, "latency_sensitivity": 1.2}
+"""Dynamo's agent hints, as a client written for Dynamo's router sends them."""
 TEXT = "Fix the failing scheduler test: " + " ".join(f"step {i} ok" for i in range(120))
 
 
@@ -225,7 +227,7 @@ TEXT = "Fix the failing scheduler test: " + " ".join(f"step {i} ok" for i in ran
     [
         ("/v1/completions", {"prompt": TEXT}),
         ("/v1/chat/completions", {"messages": HISTORY, "tools": TOOLS}),
-        ("/v1/completions", {"prompt": TEXT, "nvext": {"agent_hints": {"osl": 16, "latency_sensitivity": 1.2}}}),
+        ("/v1/completions", {"prompt": "Hinted. " + TEXT, "nvext": {"agent_hints": HINTS}}),
     ],
     ids=["text completion", "chat with tools", "text completion with agent hints"],
 )
