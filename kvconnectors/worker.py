@@ -87,14 +87,17 @@ class KVPilotWorker:
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Find each group's layers in ``kv_caches``. A layout the digest cannot read turns
-        digests off on this engine (logged): its offers carry none, its reads are unchecked."""
-        if not self._digests_on:
+        """Find each group's layers in ``kv_caches``, for the digest and the fault injector's
+        damage (with digests off, an injector still damages what it names: the positive
+        control). A layout the digest cannot read turns digests off on this engine (logged):
+        its offers carry none, its reads are unchecked."""
+        if not self._digests_on and self._injector is None:
             return
         try:
             self._groups = tuple(GroupKV.of(kv_caches, names, self._num_blocks) for names in self._group_layers)
         except (DigestLayoutError, KeyError) as exc:
-            logger.warning("kvpilot: KV digests off on this engine: %s", exc)
+            if self._digests_on:
+                logger.warning("kvpilot: KV digests off on this engine: %s", exc)
             self._digests_on = False
             return
         if self._groups:

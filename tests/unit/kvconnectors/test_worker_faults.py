@@ -79,6 +79,22 @@ def test_a_block_reused_for_other_tokens_is_caught_by_the_check() -> None:
     assert stats[counter_key("digest_mismatch_blocks")] == 1
 
 
+def test_with_digests_off_the_fault_still_acts_and_the_read_is_attached_unchecked() -> None:
+    """The positive control's engine (``kv_digest: false``): the injector damages the block it
+    names, and nothing checks it (tests/e2e/test_positive_control.py shows the wrong answer)."""
+    kv = {"l": torch.randn(NUM_BLOCKS, 32, 4)}
+    spec = FaultInjection(request_ids={"r1": FaultKind.REUSED_BLOCK})
+    layer = KVPilotWorker(FakeNixlInner(), (("l",),), NUM_BLOCKS, False, FaultInjector(spec), Clock())
+    layer.register_kv_caches(kv)
+    layer.bind(KVPilotMetadata(inner=None, reads={"cmpl-r1-0": ReadCheck((LOCAL,), None, "", DEADLINE_S)}))
+    done, failed = layer.transfer_results({"cmpl-r1-0"}, set())
+    assert done == {"cmpl-r1-0"} and not failed and layer.take_load_errors() == set()
+    assert torch.equal(kv["l"][LOCAL[0]], kv["l"][LOCAL[-1]])  # the fault acted
+    stats = layer.take_stats().counters
+    assert stats[counter_key("faults_injected", "reused_block")] == 1
+    assert stats[counter_key("unchecked_reads")] == 1
+
+
 def test_a_stall_shorter_than_the_deadline_is_checked_when_it_ends() -> None:
     reader = Reader(FaultKind.STALL_READ, stall_s=2.0)
     assert reader.report("cmpl-r1-0") == (set(), set())  # held
